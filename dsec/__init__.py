@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code of the dsec contracts (scripts/gen-protos.sh). Do not edit."""

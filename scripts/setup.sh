@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 machine (as root) for dsec development, tests and CI.
+#
+#   scripts/setup.sh
+#
+# Installs the missing apt packages, creates $REPO/.venv from /usr/bin/python3.11 with
+# `pip install -e .[dev]`, starts dockerd if it is not running, mounts bpffs and builds the
+# base images (scripts/build-base-images.sh). Idempotent; when everything is in place it
+# only checks (well under 3 s). Environment:
+#   SKIP_PIP=1      do not run pip (e.g. no pyproject.toml yet)
+#   SKIP_DOCKER=1   neither start dockerd nor docker-import the base images
+#   SKIP_IMAGES=1   do not build the base images
+#   DSEC_IMAGE_DIR  where the base images go (default /var/lib/dsec/images)
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=$REPO/.venv
+PYTHON=/usr/bin/python3.11 # Debian's, never a pyenv shim from PATH
+PIP_STAMP=$VENV/.dsec-pyproject.sha256
+DOCKERD_LOG=/var/log/dsec-dockerd.log
+DOCKERD_PID=/var/run/dsec-dockerd.pid
+
+APT_PACKAGES=(
+    runc docker.io erofs-utils debootstrap busybox-static bpftool clang llvm iproute2
+    python3-venv python3-dev python3.11 socat jq tini libseccomp2 git make gcc curl
+    ca-certificates util-linux procps psmisc postgresql
+)
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+[[ $EUID -eq 0 ]] || die "must run as root"
+
+# --------------------------------------------------------------------------- apt
+apt_state=ok
+declare -A installed=()
+while read -r pkg status; do
+    [[ $status == ii* ]] && installed[$pkg]=1
+done < <(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PACKAGES[@]}" 2>/dev/null || true)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    [[ -n ${installed[$pkg]:-} ]] || missing+=("$pkg")
+done
+
+if [[ ${#missing[@]} -gt 0 ]]; then
+    log "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # Package scripts must not start services (dockerd, a PostgreSQL cluster): we start what we
+    # need ourselves. policy-rc.d exit 101 = "action forbidden"; only ours is removed afterwards.
+    policy_rc=/usr/sbin/policy-rc.d
+    if [[ ! -e $policy_rc ]]; then
+        printf '#!/bin/sh\n# temporary, from dsec scripts/setup.sh\nexit 101\n' >"$policy_rc"
+        chmod 755 "$policy_rc"
+        trap 'rm -f "$policy_rc"' EXIT
+    fi
+    # The postgresql package would create (and start) a "main" cluster; dsec's tests run their own
+    # initdb. createcluster.d drop-ins override createcluster.conf.
+    if [[ -z ${installed[postgresql]:-} ]]; then
+        mkdir -p /etc/postgresql-common/createcluster.d
+        echo 'create_main_cluster = false' >/etc/postgresql-common/createcluster.d/dsec-no-main-cluster.conf
+    fi
+    apt-get update -qq
+    apt-get install -y -qq -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        "${missing[@]}" >/dev/null
+    apt_state="installed ${#missing[@]}"
+fi
+
+# --------------------------------------------------------------------------- venv
+venv_state=ok
+[[ -x $PYTHON ]] || die "$PYTHON not found (apt package python3.11)"
+if [[ -d $VENV ]] && ! { [[ -x $VENV/bin/python ]] && grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg" 2>/dev/null; }; then
+    log "$VENV is not a venv of $PYTHON: recreating it"
+    rm -rf "$VENV"
+fi
+if [[ ! -d $VENV ]]; then
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    venv_state=created
+fi
+
+if [[ ${SKIP_PIP:-0} == 1 ]]; then
+    venv_state+=" (pip skipped)"
+else
+    [[ -f $REPO/pyproject.toml ]] || die "no $REPO/pyproject.toml (run with SKIP_PIP=1 to skip pip)"
+    want=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
+    if [[ "$(cat "$PIP_STAMP" 2>/dev/null)" != "$want" ]]; then
+        log "pip install -e $REPO[dev]"
+        rm -f "$PIP_STAMP"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[dev]"
+        echo "$want" >"$PIP_STAMP"
+        venv_state+=", pip installed"
+    fi
+fi
+
+# --------------------------------------------------------------------------- dockerd
+docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
+dockerd_pid() {
+    local pid
+    pid=$(cat "$DOCKERD_PID" 2>/dev/null || true)
+    if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then echo "$pid"; return; fi
+    pgrep -xo dockerd || true
+}
+
+if [[ ${SKIP_DOCKER:-0} == 1 ]]; then
+    docker_state="dockerd skipped"
+elif docker_ok; then
+    docker_state="dockerd running (pid $(dockerd_pid))"
+else
+    pid=$(dockerd_pid)
+    if [[ -z $pid ]]; then
+        log "starting dockerd (log $DOCKERD_LOG)"
+        # setsid + nohup: dockerd outlives this script and its terminal.
+        setsid nohup dockerd --pidfile="$DOCKERD_PID" </dev/null >>"$DOCKERD_LOG" 2>&1 &
+        pid=$!
+        docker_state="dockerd started (pid $pid)"
+    else
+        docker_state="dockerd running (pid $pid)" # started but not answering yet
+    fi
+    for _ in $(seq 1 60); do
+        docker_ok && break
+        kill -0 "$pid" 2>/dev/null || { tail -n 20 "$DOCKERD_LOG" >&2; die "dockerd (pid $pid) exited"; }
+        sleep 0.5
+    done
+    docker_ok || { tail -n 20 "$DOCKERD_LOG" >&2; die "docker info still fails after 30 s"; }
+fi
+
+# --------------------------------------------------------------------------- bpffs
+if ! findmnt -n -t bpf -M /sys/fs/bpf >/dev/null 2>&1; then
+    mkdir -p /sys/fs/bpf
+    mount -t bpf bpf /sys/fs/bpf
+    bpf_state="bpffs mounted"
+else
+    bpf_state="bpffs ok"
+fi
+
+# --------------------------------------------------------------------------- images
+if [[ ${SKIP_IMAGES:-0} == 1 ]]; then
+    images_state="images skipped"
+else
+    "$REPO/scripts/build-base-images.sh" >&2
+    images_state="images ok"
+fi
+
+echo "setup: apt $apt_state, venv $venv_state, $docker_state, $bpf_state, $images_state"
