@@ -45,6 +45,7 @@ done
 if [[ ${#missing[@]} -gt 0 ]]; then
     log "installing: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
+    export NEEDRESTART_SUSPEND=1 # needrestart (if installed) must not restart anything
     # Package scripts must not start services (dockerd, a PostgreSQL cluster): we start what we
     # need ourselves. policy-rc.d exit 101 = "action forbidden"; only ours is removed afterwards.
     policy_rc=/usr/sbin/policy-rc.d
@@ -84,9 +85,9 @@ else
     [[ -f $REPO/pyproject.toml ]] || die "no $REPO/pyproject.toml (run with SKIP_PIP=1 to skip pip)"
     want=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
     if [[ "$(cat "$PIP_STAMP" 2>/dev/null)" != "$want" ]]; then
-        log "pip install -e $REPO[dev]"
+        log "pip install -e ${REPO}[dev]"
         rm -f "$PIP_STAMP"
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[dev]"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "${REPO}[dev]"
         echo "$want" >"$PIP_STAMP"
         venv_state+=", pip installed"
     fi

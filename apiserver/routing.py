@@ -1,0 +1,180 @@
+"""How an API server finds things without owning state.
+
+- :class:`AuthCache`: token -> principal, cached for at most the TTL IAM
+  grants, so authentication costs no round trip on the hot path.
+- :class:`EdgeDirectory`: edge id -> address, from the watcher's snapshot;
+  refreshed on a miss (a new edge) and periodically.
+- :class:`OwnerCache`: sandbox id -> project, an immutable fact learned once
+  from the owning edge, so authorizing a call costs no round trip either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import grpc
+
+from common.channels import DEFAULT_DEADLINE_S, open_channel
+from dsec.edge.v1 import edge_pb2_grpc
+from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
+from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+from libdsec._status import from_rpc_error
+from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated, Unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def downstream(call: Awaitable[T], what: str) -> T:
+    """Awaits a call to another service, turning its failure into our error vocabulary."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        err = from_rpc_error(exc)
+        if exc.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        ) and err.reason in (
+            "UNAVAILABLE",
+            "DEADLINE_EXCEEDED",
+        ):
+            raise Unavailable(
+                f"{what}: {exc.details()}", reason=f"{what.upper()}_UNAVAILABLE"
+            ) from exc
+        raise err from exc
+
+
+class AuthCache:
+    def __init__(self, iam: iam_pb2_grpc.IamServiceStub, max_ttl_s: float) -> None:
+        self.iam = iam
+        self.max_ttl_s = max_ttl_s
+        self._cache: dict[str, tuple[float, iam_pb2.Principal]] = {}
+
+    async def principal(self, token: str) -> iam_pb2.Principal:
+        if not token:
+            raise Unauthenticated(
+                "no token: send 'authorization: Bearer <token>'", reason="NO_TOKEN"
+            )
+        hit = self._cache.get(token)
+        now = time.monotonic()
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        resp = await downstream(
+            self.iam.Authenticate(
+                iam_pb2.AuthenticateRequest(token=token), timeout=DEFAULT_DEADLINE_S
+            ),
+            "iam",
+        )
+        ttl = min(self.max_ttl_s, resp.cache_ttl_s or self.max_ttl_s)
+        if resp.principal.HasField("expires_at"):
+            ttl = min(ttl, resp.principal.expires_at.seconds - time.time())
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        if ttl > 0:
+            self._cache[token] = (now + ttl, resp.principal)
+        return resp.principal
+
+
+class EdgeDirectory:
+    def __init__(self, watcher_target: str, refresh_s: float = 2.0) -> None:
+        self.watcher_target = watcher_target
+        self.refresh_s = refresh_s
+        self.addresses: dict[str, str] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._watcher_channel = open_channel(
+            watcher_target, "apiserver", retry_services=["dsec.watcher.v1.WatcherService"]
+        )
+        self._watcher = watcher_pb2_grpc.WatcherServiceStub(self._watcher_channel)
+        self._refreshing: asyncio.Task[None] | None = None
+        self._last_refresh = 0.0
+
+    async def refresh(self) -> None:
+        resp = await downstream(
+            self._watcher.GetClusterSnapshot(
+                watcher_pb2.GetClusterSnapshotRequest(), timeout=DEFAULT_DEADLINE_S
+            ),
+            "watcher",
+        )
+        self.addresses = {e.info.edge_id: e.info.address for e in resp.snapshot.edges}
+        self._last_refresh = time.monotonic()
+
+    async def _refresh_shared(self) -> None:
+        # Concurrent misses share one snapshot fetch.
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def address(self, edge_id: str) -> str | None:
+        addr = self.addresses.get(edge_id)
+        if addr is None and time.monotonic() - self._last_refresh > 0.2:
+            await self._refresh_shared()
+            addr = self.addresses.get(edge_id)
+        return addr
+
+    def stub_for_address(self, address: str) -> edge_pb2_grpc.EdgeServiceStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = open_channel(address, "apiserver")
+        return edge_pb2_grpc.EdgeServiceStub(ch)
+
+    async def stub(self, edge_id: str) -> edge_pb2_grpc.EdgeServiceStub | None:
+        addr = await self.address(edge_id)
+        return self.stub_for_address(addr) if addr else None
+
+    async def run(self) -> None:
+        """Periodic refresh so addresses of restarted edges stay current."""
+        while True:
+            try:
+                await self.refresh()
+            except DSecError as err:
+                log.warning("edge directory refresh failed: %s", err)
+            await asyncio.sleep(self.refresh_s)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        await self._watcher_channel.close()
+
+
+class OwnerCache:
+    """sandbox id -> project id (bounded LRU)."""
+
+    def __init__(self, size: int = 200_000) -> None:
+        self.size = size
+        self._d: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, sandbox_id: str) -> str | None:
+        v = self._d.get(sandbox_id)
+        if v is not None:
+            self._d.move_to_end(sandbox_id)
+        return v
+
+    def put(self, sandbox_id: str, project_id: str) -> None:
+        self._d[sandbox_id] = project_id
+        self._d.move_to_end(sandbox_id)
+        while len(self._d) > self.size:
+            self._d.popitem(last=False)
+
+    def drop(self, sandbox_id: str) -> None:
+        self._d.pop(sandbox_id, None)
+
+
+def not_found(sandbox_id: str) -> SandboxNotFound:
+    return SandboxNotFound(f"sandbox {sandbox_id} not found")
+
+
+def within(project_id: str, scope: str) -> bool:
+    return project_id == scope or project_id.startswith(scope + "/")
+
+
+def require_any(value: Any, message: str) -> None:
+    if not value:
+        from libdsec.errors import InvalidArgument
+
+        raise InvalidArgument(message)

@@ -1,0 +1,43 @@
+"""Composition root of the API server."""
+
+from __future__ import annotations
+
+from apiserver.config import ApiServerConfig
+from apiserver.gateway import Gateway
+from apiserver.routing import EdgeDirectory
+from apiserver.servicer import ExecServicer, FileServicer, ProjectServicer, SandboxServicer
+from common.channels import open_channel
+from common.config import load
+from common.grpc_server import GrpcServer
+from common.telemetry import setup_logging, setup_tracing
+from dsec.apiserver.v1 import apiserver_pb2  # noqa: F401  (registers the service descriptors)
+from dsec.iam.v1 import iam_pb2_grpc
+from dsec.placement.v1 import placement_pb2_grpc
+
+
+async def main() -> None:
+    cfg = load(ApiServerConfig, "APISERVER")
+    setup_logging("apiserver", cfg.log_level, cfg.log_format)
+    setup_tracing("apiserver", cfg.otlp_endpoint)
+    iam_channel = open_channel(cfg.iam, "apiserver")
+    placement_channel = open_channel(
+        cfg.placement, "apiserver", retry_services=["dsec.placement.v1.PlacementService"]
+    )
+    iam = iam_pb2_grpc.IamServiceStub(iam_channel)
+    placement = placement_pb2_grpc.PlacementServiceStub(placement_channel)
+    edges = EdgeDirectory(cfg.watcher)
+    gw = Gateway(cfg, iam, placement, edges)
+
+    server = GrpcServer("apiserver", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    server.add(SandboxServicer(gw), "dsec.apiserver.v1.SandboxService")
+    server.add(ExecServicer(gw), "dsec.apiserver.v1.ExecService")
+    server.add(FileServicer(gw), "dsec.apiserver.v1.FileService")
+    server.add(ProjectServicer(gw, iam, cfg.instance_name), "dsec.apiserver.v1.ProjectService")
+    # Contracts served later (UNIMPLEMENTED until their backends land): environments, fncall.
+    server.add(object(), "dsec.apiserver.v1.EnvironmentService")
+    server.add(object(), "dsec.apiserver.v1.FunctionService")
+    server.background(edges.run)
+    server.on_close(edges.close)
+    server.on_close(iam_channel.close)
+    server.on_close(placement_channel.close)
+    await server.run()

@@ -1,0 +1,388 @@
+"""gRPC adapters of the public API: authenticate, then a gateway call or a forward."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from apiserver.gateway import Gateway
+from apiserver.routing import downstream
+from common.auth import auth_metadata, bearer_token
+from common.channels import DEFAULT_DEADLINE_S
+from dsec.apiserver.v1 import apiserver_pb2
+from dsec.edge.v1 import edge_pb2
+from dsec.iam.v1 import iam_pb2_grpc
+from dsec.types.v1 import types_pb2
+from libdsec._status import code_number, from_rpc_error
+from libdsec.errors import InvalidArgument
+
+#: Sync exec: the call may take the command's timeout plus this margin.
+EXEC_MARGIN_S = 30.0
+EXEC_DEFAULT_TIMEOUT_S = 600.0
+
+
+def _exec_deadline(request: types_pb2.ExecRequest) -> float:
+    return (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
+
+
+class SandboxServicer:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def CreateSandbox(
+        self, request: apiserver_pb2.CreateSandboxRequest, context: Any
+    ) -> apiserver_pb2.CreateSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        return apiserver_pb2.CreateSandboxResponse(sandbox=await self.gw.create(who, request))
+
+    async def CreateSandboxes(
+        self, request: apiserver_pb2.CreateSandboxesRequest, context: Any
+    ) -> apiserver_pb2.CreateSandboxesResponse:
+        who = await self.gw.caller(bearer_token(context))
+        results = await self.gw.create_many(who, list(request.items))
+        out = apiserver_pb2.CreateSandboxesResponse()
+        for i, (sb, err) in enumerate(results):
+            r = out.results.add(index=i)
+            if sb is not None:
+                r.sandbox.CopyFrom(sb)
+                out.created += 1
+            elif err is not None:
+                r.error_code = code_number(err.code)
+                r.error_reason = err.reason
+                r.error_message = err.message
+                out.failed += 1
+        return out
+
+    async def GetSandbox(
+        self, request: apiserver_pb2.GetSandboxRequest, context: Any
+    ) -> apiserver_pb2.GetSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        return apiserver_pb2.GetSandboxResponse(sandbox=await self.gw.get(who, request.sandbox_id))
+
+    async def ListSandboxes(
+        self, request: apiserver_pb2.ListSandboxesRequest, context: Any
+    ) -> apiserver_pb2.ListSandboxesResponse:
+        who = await self.gw.caller(bearer_token(context))
+        page_size = request.page_size or 1000
+        if page_size > 10_000:
+            raise InvalidArgument("page_size must be <= 10000")
+        try:
+            offset = int(request.page_token or "0")
+        except ValueError:
+            raise InvalidArgument("malformed page_token") from None
+        req = edge_pb2.ListSandboxesRequest(
+            project_prefix=who.project_id,
+            task_id=request.task_id,
+            label_selector=request.label_selector,
+            states=request.states,
+            include_terminated=True,
+        )
+        answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
+        sandboxes = [sb for a in answers for sb in a.sandboxes]
+        if not request.include_subprojects:
+            sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
+        sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
+        page = sandboxes[offset : offset + page_size]
+        nxt = str(offset + page_size) if offset + page_size < len(sandboxes) else ""
+        return apiserver_pb2.ListSandboxesResponse(sandboxes=page, next_page_token=nxt)
+
+    async def StopSandbox(
+        self, request: apiserver_pb2.StopSandboxRequest, context: Any
+    ) -> apiserver_pb2.StopSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.StopSandbox(
+                edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=request.grace_s),
+                timeout=DEFAULT_DEADLINE_S + request.grace_s,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.StopSandboxResponse(sandbox=resp.sandbox)
+
+    async def StopSandboxes(
+        self, request: apiserver_pb2.StopSandboxesRequest, context: Any
+    ) -> apiserver_pb2.StopSandboxesResponse:
+        who = await self.gw.caller(bearer_token(context))
+        if not request.task_id and not request.label_selector:
+            raise InvalidArgument(
+                "give a task_id and/or a label_selector (refusing to stop everything)"
+            )
+        req = edge_pb2.ListSandboxesRequest(
+            project_prefix=who.project_id,
+            task_id=request.task_id,
+            label_selector=request.label_selector,
+        )
+        answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
+        ids = [sb.id for a in answers for sb in a.sandboxes]
+        stopped = []
+        for sid in ids:
+            stub = await self.gw.edge_for(who, sid)
+            await downstream(
+                stub.StopSandbox(
+                    edge_pb2.StopSandboxRequest(sandbox_id=sid, grace_s=request.grace_s),
+                    timeout=DEFAULT_DEADLINE_S + request.grace_s,
+                ),
+                "edge",
+            )
+            stopped.append(sid)
+        return apiserver_pb2.StopSandboxesResponse(stopped=len(stopped), sandbox_ids=stopped)
+
+    async def DeleteSandbox(
+        self, request: apiserver_pb2.DeleteSandboxRequest, context: Any
+    ) -> apiserver_pb2.DeleteSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        await downstream(
+            stub.DeleteSandbox(
+                edge_pb2.DeleteSandboxRequest(sandbox_id=request.sandbox_id),
+                timeout=DEFAULT_DEADLINE_S,
+            ),
+            "edge",
+        )
+        self.gw.owners.drop(request.sandbox_id)
+        return apiserver_pb2.DeleteSandboxResponse()
+
+    async def PauseSandbox(
+        self, request: apiserver_pb2.PauseSandboxRequest, context: Any
+    ) -> apiserver_pb2.PauseSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.PauseSandbox(
+                edge_pb2.PauseSandboxRequest(sandbox_id=request.sandbox_id),
+                timeout=DEFAULT_DEADLINE_S * 6,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.PauseSandboxResponse(sandbox=resp.sandbox)
+
+    async def ResumeSandbox(
+        self, request: apiserver_pb2.ResumeSandboxRequest, context: Any
+    ) -> apiserver_pb2.ResumeSandboxResponse:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.ResumeSandbox(
+                edge_pb2.ResumeSandboxRequest(sandbox_id=request.sandbox_id),
+                timeout=DEFAULT_DEADLINE_S * 6,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.ResumeSandboxResponse(sandbox=resp.sandbox)
+
+
+class _Forwarder:
+    """Forwards sandbox calls to the owning edge unchanged (same messages)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def _unary(
+        self, method: str, request: Any, context: Any, timeout: float = DEFAULT_DEADLINE_S
+    ) -> Any:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
+
+    async def _stream(self, method: str, request: Any, context: Any) -> AsyncIterator[Any]:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        call = getattr(stub, method)(request)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+
+    async def _client_stream(
+        self, method: str, requests: AsyncIterator[Any], context: Any, key: str
+    ) -> Any:
+        who = await self.gw.caller(bearer_token(context))
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
+            raise InvalidArgument(f"the first message must carry `{key}`")
+        stub = await self.gw.edge_for(who, getattr(first, key).sandbox_id)
+
+        async def all_requests() -> AsyncIterator[Any]:
+            yield first
+            async for item in requests:
+                yield item
+
+        return stub, getattr(stub, method)(all_requests())
+
+
+class ExecServicer(_Forwarder):
+    async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
+        return await self._unary("Exec", request, context, timeout=_exec_deadline(request))  # type: ignore[no-any-return]
+
+    async def ExecStream(
+        self, request: types_pb2.ExecRequest, context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        async for item in self._stream("ExecStream", request, context):
+            yield item
+
+    async def ExecInteractive(
+        self, request_iterator: AsyncIterator[types_pb2.ExecInput], context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        _, call = await self._client_stream("ExecInteractive", request_iterator, context, "start")
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+
+    async def AttachExec(
+        self, request: types_pb2.AttachExecRequest, context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        async for item in self._stream("AttachExec", request, context):
+            yield item
+
+    async def WaitExec(
+        self, request: types_pb2.WaitExecRequest, context: Any
+    ) -> types_pb2.WaitExecResponse:
+        timeout = (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
+        return await self._unary("WaitExec", request, context, timeout=timeout)  # type: ignore[no-any-return]
+
+    async def SignalExec(
+        self, request: types_pb2.SignalExecRequest, context: Any
+    ) -> types_pb2.SignalExecResponse:
+        return await self._unary("SignalExec", request, context)  # type: ignore[no-any-return]
+
+    async def ListExecs(
+        self, request: types_pb2.ListExecsRequest, context: Any
+    ) -> types_pb2.ListExecsResponse:
+        return await self._unary("ListExecs", request, context)  # type: ignore[no-any-return]
+
+    async def CreateSession(
+        self, request: types_pb2.CreateSessionRequest, context: Any
+    ) -> types_pb2.CreateSessionResponse:
+        return await self._unary("CreateSession", request, context)  # type: ignore[no-any-return]
+
+    async def CloseSession(
+        self, request: types_pb2.CloseSessionRequest, context: Any
+    ) -> types_pb2.CloseSessionResponse:
+        return await self._unary("CloseSession", request, context)  # type: ignore[no-any-return]
+
+    async def ListSessions(
+        self, request: types_pb2.ListSessionsRequest, context: Any
+    ) -> types_pb2.ListSessionsResponse:
+        return await self._unary("ListSessions", request, context)  # type: ignore[no-any-return]
+
+    async def SendHttp(
+        self, request: types_pb2.HttpRequest, context: Any
+    ) -> types_pb2.HttpResponse:
+        timeout = (request.timeout_s or 30.0) + EXEC_MARGIN_S
+        return await self._unary("SendHttp", request, context, timeout=timeout)  # type: ignore[no-any-return]
+
+
+class FileServicer(_Forwarder):
+    async def ReadFile(
+        self, request: types_pb2.ReadFileRequest, context: Any
+    ) -> types_pb2.ReadFileResponse:
+        return await self._unary("ReadFile", request, context)  # type: ignore[no-any-return]
+
+    async def WriteFile(
+        self, request: types_pb2.WriteFileRequest, context: Any
+    ) -> types_pb2.WriteFileResponse:
+        return await self._unary("WriteFile", request, context)  # type: ignore[no-any-return]
+
+    async def ListDir(
+        self, request: types_pb2.ListDirRequest, context: Any
+    ) -> types_pb2.ListDirResponse:
+        return await self._unary("ListDir", request, context)  # type: ignore[no-any-return]
+
+    async def StatPath(
+        self, request: types_pb2.StatPathRequest, context: Any
+    ) -> types_pb2.StatPathResponse:
+        return await self._unary("StatPath", request, context)  # type: ignore[no-any-return]
+
+    async def MakeDir(
+        self, request: types_pb2.MakeDirRequest, context: Any
+    ) -> types_pb2.MakeDirResponse:
+        return await self._unary("MakeDir", request, context)  # type: ignore[no-any-return]
+
+    async def RemovePath(
+        self, request: types_pb2.RemovePathRequest, context: Any
+    ) -> types_pb2.RemovePathResponse:
+        return await self._unary("RemovePath", request, context)  # type: ignore[no-any-return]
+
+    async def MovePath(
+        self, request: types_pb2.MovePathRequest, context: Any
+    ) -> types_pb2.MovePathResponse:
+        return await self._unary("MovePath", request, context)  # type: ignore[no-any-return]
+
+    async def ChmodPath(
+        self, request: types_pb2.ChmodPathRequest, context: Any
+    ) -> types_pb2.ChmodPathResponse:
+        return await self._unary("ChmodPath", request, context)  # type: ignore[no-any-return]
+
+    async def UploadFile(
+        self, request_iterator: AsyncIterator[types_pb2.UploadFileRequest], context: Any
+    ) -> types_pb2.UploadFileResponse:
+        _, call = await self._client_stream("UploadFile", request_iterator, context, "header")
+        try:
+            return await call  # type: ignore[no-any-return]
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+    async def DownloadFile(
+        self, request: types_pb2.DownloadFileRequest, context: Any
+    ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
+        async for item in self._stream("DownloadFile", request, context):
+            yield item
+
+
+class ProjectServicer:
+    """Project/token management, forwarded to IAM with the caller's own token."""
+
+    def __init__(self, gw: Gateway, iam: iam_pb2_grpc.IamServiceStub, instance: str) -> None:
+        self.gw = gw
+        self.iam = iam
+        self.instance = instance
+
+    async def WhoAmI(
+        self, request: apiserver_pb2.WhoAmIRequest, context: Any
+    ) -> apiserver_pb2.WhoAmIResponse:
+        principal = await self.gw.auth.principal(bearer_token(context))
+        return apiserver_pb2.WhoAmIResponse(principal=principal, apiserver_instance=self.instance)
+
+    async def _iam(self, method: str, request: Any, context: Any) -> Any:
+        token = bearer_token(context)
+        await self.gw.auth.principal(token)  # UNAUTHENTICATED here rather than deeper
+        return await downstream(
+            getattr(self.iam, method)(
+                request, metadata=auth_metadata(token), timeout=DEFAULT_DEADLINE_S
+            ),
+            "iam",
+        )
+
+    async def CreateProject(self, request: Any, context: Any) -> Any:
+        return await self._iam("CreateProject", request, context)
+
+    async def GetProject(self, request: Any, context: Any) -> Any:
+        return await self._iam("GetProject", request, context)
+
+    async def ListProjects(self, request: Any, context: Any) -> Any:
+        return await self._iam("ListProjects", request, context)
+
+    async def SetQuota(self, request: Any, context: Any) -> Any:
+        return await self._iam("SetQuota", request, context)
+
+    async def DeleteProject(self, request: Any, context: Any) -> Any:
+        return await self._iam("DeleteProject", request, context)
+
+    async def CreateToken(self, request: Any, context: Any) -> Any:
+        return await self._iam("CreateToken", request, context)
+
+    async def ListTokens(self, request: Any, context: Any) -> Any:
+        return await self._iam("ListTokens", request, context)
+
+    async def RevokeToken(self, request: Any, context: Any) -> Any:
+        return await self._iam("RevokeToken", request, context)

@@ -1,0 +1,250 @@
+"""Structured logs and OpenTelemetry tracing for the services.
+
+Logs: one JSON object per line on stderr (``ts``, ``level``, ``logger``,
+``msg``, the active ``trace_id``, and any ``extra=`` fields).
+
+Traces: a tracer provider with no exporter by default (spans are created and
+propagated, so trace ids appear in logs, but nothing is sent); with an OTLP
+endpoint configured, spans go there in batches. Spans are named
+``<svc>.<noun>.<verb>``; gRPC spans come from the interceptors below, which
+propagate W3C trace context in call metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+_STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            out["trace_id"] = f"{ctx.trace_id:032x}"
+            out["span_id"] = f"{ctx.span_id:016x}"
+        for key, value in record.__dict__.items():
+            if key not in _STD_ATTRS and not key.startswith("_"):
+                out[key] = (
+                    value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+                )
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
+def setup_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(service))
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def setup_tracing(service: str, otlp_endpoint: str = "") -> TracerProvider:
+    """Installs the global tracer provider; exports over OTLP only when asked."""
+    provider = TracerProvider(resource=Resource.create({"service.name": f"dsec-{service}"}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+        )
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def _span_name(service: str, method: str) -> str:
+    # "/dsec.iam.v1.IamService/CreateProject" -> "iam.project.create"-like names
+    # would need a table; "<svc>.<Service>.<Method>" is stable and greppable.
+    _, _, tail = method.rpartition("/")
+    svc = method.strip("/").split("/")[0].rsplit(".", 1)[-1]
+    return f"{service}.{svc}.{tail}"
+
+
+class _MetadataGetter:
+    def get(self, carrier: Any, key: str) -> list[str] | None:
+        for item in carrier or ():
+            k, v = item
+            if k == key:
+                return [v]
+        return None
+
+    def keys(self, carrier: Any) -> list[str]:
+        return [k for k, _ in carrier or ()]
+
+
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):
+    """Opens a SERVER span per call, continuing the caller's trace."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.tracer = trace.get_tracer(f"dsec.{service}")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        name = _span_name(self.service, details.method)
+        parent = propagate.extract(details.invocation_metadata, getter=_MetadataGetter())  # type: ignore[arg-type]
+        tracer = self.tracer
+
+        def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with tracer.start_as_current_span(
+                    name, context=parent, kind=SpanKind.SERVER
+                ) as span:
+                    try:
+                        return await fn(request, context)
+                    except BaseException as exc:
+                        _record(span, exc)
+                        raise
+
+            return call
+
+        def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                with tracer.start_as_current_span(
+                    name, context=parent, kind=SpanKind.SERVER
+                ) as span:
+                    try:
+                        async for item in fn(request, context):
+                            yield item
+                    except BaseException as exc:
+                        _record(span, exc)
+                        raise
+
+            return call
+
+        replace: dict[str, Any] = {}
+        for attr in ("unary_unary", "stream_unary"):
+            fn = getattr(handler, attr)
+            if fn is not None:
+                replace[attr] = wrap_unary(fn)
+        for attr in ("unary_stream", "stream_stream"):
+            fn = getattr(handler, attr)
+            if fn is not None:
+                replace[attr] = wrap_stream(fn)
+        return handler._replace(**replace)  # type: ignore[attr-defined,no-any-return]
+
+
+def _record(span: trace.Span, exc: BaseException) -> None:
+    code = getattr(exc, "code", None)
+    span.set_attribute("rpc.error", type(exc).__name__)
+    if callable(code):
+        return
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+
+
+class _ClientTracing:
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.tracer = trace.get_tracer(f"dsec.{service}.client")
+
+    def _start(self, details: grpc.aio.ClientCallDetails) -> tuple[Any, grpc.aio.ClientCallDetails]:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        span = self.tracer.start_span(
+            _span_name(self.service, method) + ".call", kind=SpanKind.CLIENT
+        )
+        ctx = trace.set_span_in_context(span)
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=ctx)
+        metadata = list(details.metadata or []) + list(carrier.items())
+        new = grpc.aio.ClientCallDetails(
+            method=details.method,
+            timeout=details.timeout,
+            metadata=grpc.aio.Metadata(*metadata),
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+        )
+        return span, new
+
+
+class TracingUnaryUnary(_ClientTracing, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        span, details = self._start(details)
+        start = time.perf_counter()
+        try:
+            call = await continuation(details, request)
+            await call  # surfaces the status so the span can record it
+            return call
+        except grpc.aio.AioRpcError as exc:
+            span.set_status(Status(StatusCode.ERROR, exc.code().name))
+            raise
+        finally:
+            span.set_attribute("rpc.duration_ms", (time.perf_counter() - start) * 1000)
+            span.end()
+
+
+class TracingUnaryStream(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        span, details = self._start(details)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            call = await continuation(details, request)
+            call.add_done_callback(lambda _c: span.end())
+            return call
+        finally:
+            otel_context.detach(token)
+
+
+class TracingStreamUnary(_ClientTracing, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        span, details = self._start(details)
+        call = await continuation(details, request_iterator)
+        call.add_done_callback(lambda _c: span.end())
+        return call
+
+
+class TracingStreamStream(_ClientTracing, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        span, details = self._start(details)
+        call = await continuation(details, request_iterator)
+        call.add_done_callback(lambda _c: span.end())
+        return call
+
+
+def client_interceptors(service: str) -> list[grpc.aio.ClientInterceptor]:
+    return [
+        TracingUnaryUnary(service),
+        TracingUnaryStream(service),
+        TracingStreamUnary(service),
+        TracingStreamStream(service),
+    ]

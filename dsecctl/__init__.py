@@ -1,0 +1,1 @@
+"""The `dsec` command-line tool and the local-cluster launcher."""

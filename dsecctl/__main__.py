@@ -1,0 +1,5 @@
+import sys
+
+from dsecctl.main import main
+
+sys.exit(main())

@@ -1,0 +1,351 @@
+"""A local dsec cluster: every service as its own process on one machine.
+
+Used by ``dsec up`` and by the integration test harness. Each service gets
+its config through ``DSEC_<SVC>_*`` variables, logs to ``<home>/logs``, and
+is tracked by PID in ``<home>/cluster.json``; stopping sends SIGTERM to those
+PIDs only (never to anything this cluster did not start), then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICES = ("iam", "watcher", "placement", "edge", "apiserver")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServiceProcess:
+    name: str  # "iam", "edge-edge0", ...
+    module: str
+    address: str
+    env: dict[str, str]
+    log_path: Path
+    pid: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class EdgeSpec:
+    edge_id: str = "edge0"
+    runtime: str = "container"
+    labels: dict[str, str] = field(default_factory=dict)
+    cpu_millis: int = 0
+    memory_mb: int = 0
+    max_sandboxes: int = 1000
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalCluster:
+    """Starts, checks and stops the services of one single-machine cluster.
+
+    ``transport="tcp"`` uses loopback ports (fixed defaults for ``dsec up``,
+    free ports otherwise); ``"unix"`` puts sockets under ``<home>/sock``.
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        *,
+        transport: str = "tcp",
+        fixed_ports: bool = False,
+        edges: list[EdgeSpec] | None = None,
+        apiservers: int = 1,
+        log_level: str = "INFO",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.home = home
+        self.transport = transport
+        self.fixed_ports = fixed_ports
+        self.edges = edges or [EdgeSpec()]
+        self.apiservers = apiservers
+        self.log_level = log_level
+        self.extra_env = extra_env or {}
+        self.processes: list[ServiceProcess] = []
+        self.token_file = home / "token"
+
+    # ----------------------------------------------------------- addresses
+
+    def _address(self, name: str, default_port: int) -> str:
+        if self.transport == "unix":
+            return f"unix:{self.home / 'sock' / (name + '.sock')}"
+        return f"127.0.0.1:{default_port if self.fixed_ports else free_port()}"
+
+    def plan(self) -> list[ServiceProcess]:
+        """The processes to start, in dependency order, with their configuration."""
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        (self.home / "sock").mkdir(parents=True, exist_ok=True)
+        common = {"LOG_LEVEL": self.log_level}
+        iam = self._address("iam", 7101)
+        watcher = self._address("watcher", 7103)
+        placement = self._address("placement", 7102)
+
+        def svc(
+            name: str, module: str, prefix: str, address: str, env: dict[str, str]
+        ) -> ServiceProcess:
+            full = {
+                f"DSEC_{prefix}_{k}": v for k, v in {**common, "LISTEN": address, **env}.items()
+            }
+            return ServiceProcess(name, module, address, full, self.home / "logs" / f"{name}.log")
+
+        plan = [
+            svc(
+                "iam",
+                "iam",
+                "IAM",
+                iam,
+                {
+                    "DATABASE": f"sqlite:{self.home / 'iam' / 'iam.db'}",
+                    "BOOTSTRAP_TOKEN_FILE": str(self.token_file),
+                },
+            ),
+            svc("watcher", "watcher", "WATCHER", watcher, {"PROBE_INTERVAL_S": "0.5"}),
+            svc("placement", "placement", "PLACEMENT", placement, {"WATCHER": watcher}),
+        ]
+        for i, e in enumerate(self.edges):
+            addr = self._address(f"edge-{e.edge_id}", 7110 + i)
+            env = {
+                "EDGE_ID": e.edge_id,
+                "RUNTIME": e.runtime,
+                "STATE_DIR": str(self.home / "edges" / e.edge_id),
+                "WATCHER": watcher,
+                "IAM": iam,
+                "REGISTER_INTERVAL_S": "2",
+                "MAX_SANDBOXES": str(e.max_sandboxes),
+                **(
+                    {"LABELS": ",".join(f"{k}={v}" for k, v in e.labels.items())}
+                    if e.labels
+                    else {}
+                ),
+                **({"CPU_MILLIS": str(e.cpu_millis)} if e.cpu_millis else {}),
+                **({"MEMORY_MB": str(e.memory_mb)} if e.memory_mb else {}),
+                **e.extra_env,
+            }
+            plan.append(svc(f"edge-{e.edge_id}", "edge", "EDGE", addr, env))
+        for i in range(self.apiservers):
+            name = "apiserver" if i == 0 else f"apiserver{i}"
+            addr = self._address(name, 7100 if i == 0 else 7120 + i)
+            plan.append(
+                svc(
+                    name,
+                    "apiserver",
+                    "APISERVER",
+                    addr,
+                    {
+                        "IAM": iam,
+                        "PLACEMENT": placement,
+                        "WATCHER": watcher,
+                        "INSTANCE": name,
+                    },
+                )
+            )
+        return plan
+
+    # ------------------------------------------------------------ start/stop
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Starts every service and waits until all report SERVING; stops all on failure."""
+        self.processes = self.plan()
+        try:
+            for p in self.processes:
+                self._spawn(p)
+                if p.name == "iam":
+                    # The bootstrap token must exist before anyone uses the cluster.
+                    self.wait_serving([p], timeout_s)
+            self.wait_serving(self.processes, timeout_s)
+            self.wait_edges_registered(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_state()
+
+    def _spawn(self, p: ServiceProcess) -> None:
+        env = {**os.environ, **self.extra_env, **p.env, "PYTHONUNBUFFERED": "1"}
+        log = open(p.log_path, "ab")
+        p.proc = subprocess.Popen(
+            [sys.executable, "-m", p.module],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in the terminal must not kill the cluster
+        )
+        log.close()
+        p.pid = p.proc.pid
+
+    def wait_serving(self, procs: list[ServiceProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                if p.proc is not None and p.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{p.name} exited with {p.proc.returncode}:\n{self.log_tail(p)}"
+                    )
+                if health(p.address, timeout_s=1.0) == "SERVING":
+                    pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                tails = "\n".join(f"--- {p.name}\n{self.log_tail(p)}" for p in pending)
+                raise TimeoutError(f"not SERVING after {timeout_s:.0f} s: {names}\n{tails}")
+            if pending:
+                time.sleep(0.05)
+
+    def wait_edges_registered(self, timeout_s: float) -> None:
+        """Until the watcher has probed every edge healthy (placement can then use them)."""
+        from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+
+        watcher = next(p for p in self.processes if p.name == "watcher")
+        want = {e.edge_id for e in self.edges}
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(watcher.address) as ch:
+            stub = watcher_pb2_grpc.WatcherServiceStub(ch)
+            while True:
+                snap = stub.GetClusterSnapshot(
+                    watcher_pb2.GetClusterSnapshotRequest(), timeout=2
+                ).snapshot
+                healthy = {
+                    e.info.edge_id
+                    for e in snap.edges
+                    if e.health == watcher_pb2.EDGE_HEALTH_HEALTHY and e.HasField("last_probe_at")
+                }
+                if want <= healthy:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"edges not healthy in the watcher: {sorted(want - healthy)}"
+                    )
+                time.sleep(0.1)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every started PID (reverse order), then SIGKILL what is left."""
+        for p in reversed(self.processes):
+            if p.pid and _alive(p):
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.processes):
+            while p.pid and _alive(p) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.pid and _alive(p):
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                if p.proc is not None:
+                    p.proc.wait(timeout=5)
+        state = self.home / "cluster.json"
+        if state.exists():
+            state.unlink()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.process(name)
+        os.kill(p.pid, sig)
+        if p.proc is not None:
+            p.proc.wait(timeout=10)
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        p = self.process(name)
+        if _alive(p):
+            os.kill(p.pid, signal.SIGTERM)
+            if p.proc is not None:
+                p.proc.wait(timeout=30)
+        self._spawn(p)
+        self.wait_serving([p], timeout_s)
+        self.write_state()
+
+    # --------------------------------------------------------------- state
+
+    def process(self, name: str) -> ServiceProcess:
+        return next(p for p in self.processes if p.name == name)
+
+    @property
+    def apiserver(self) -> str:
+        return self.process("apiserver").address
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def write_state(self) -> None:
+        state = {
+            "apiserver": self.apiserver,
+            "services": {
+                p.name: {"address": p.address, "pid": p.pid, "log": str(p.log_path)}
+                for p in self.processes
+            },
+        }
+        path = self.home / "cluster.json"
+        path.write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def from_state(cls, home: Path) -> LocalCluster | None:
+        path = home / "cluster.json"
+        if not path.exists():
+            return None
+        state = json.loads(path.read_text())
+        c = cls(home)
+        for name, s in state["services"].items():
+            c.processes.append(
+                ServiceProcess(name, name.split("-")[0], s["address"], {}, Path(s["log"]), s["pid"])
+            )
+        return c
+
+    def log_tail(self, p: ServiceProcess, lines: int = 30) -> str:
+        try:
+            return "\n".join(p.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def status(self) -> dict[str, str]:
+        return {
+            p.name: (health(p.address, timeout_s=1.0) if _alive(p) else "DOWN")
+            for p in self.processes
+        }
+
+
+def _alive(p: ServiceProcess) -> bool:
+    if p.proc is not None:
+        return p.proc.poll() is None
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A PID from cluster.json may have been reused: check it is one of our services.
+    try:
+        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"-m" in cmdline and p.module.encode() in cmdline
+
+
+def health(address: str, timeout_s: float = 2.0, service: str = "") -> str:
+    """The gRPC health status of a service ("SERVING", ...), or "UNREACHABLE"."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+            return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+    except grpc.RpcError:
+        return "UNREACHABLE"

@@ -1,0 +1,75 @@
+"""The `make up` demo: a short tour of what dsec does, through libdsec."""
+
+from __future__ import annotations
+
+import time
+
+from libdsec import Client, Quota
+from libdsec.errors import DSecError, FailedPrecondition
+
+
+def step(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+def run_demo() -> int:
+    with Client() as dsec:
+        me = dsec.whoami()
+        step(
+            f"connected to {dsec.target} as {me.name} ({me.role.lower()}) in project {me.project_id}"
+        )
+
+        name = f"demo-{int(time.time())}"
+        project = dsec.create_project(
+            name, quota=Quota(cpu_millis=4000, memory_mb=4096, sandboxes=8)
+        )
+        step(f"created subproject {project.project_id} with quota 4 cores / 4096 MB / 8 sandboxes")
+        token = dsec.create_token("demo-agent", project=project.project_id, agent=True)
+        step(
+            f"issued an agent token {token.info.token_id} for it (secret shown once, stored hashed)"
+        )
+
+    with Client(token=token.secret) as agent:
+        step(f"the agent sees itself in {agent.whoami().project_id}")
+        try:
+            sb = agent.create(
+                image="busybox",
+                cpu=0.5,
+                memory_mb=256,
+                ttl_s=600,
+                idle_timeout_s=120,
+                labels={"demo": "yes"},
+                task_id="demo-task",
+            )
+        except FailedPrecondition as err:
+            step(f"sandbox creation unavailable here: {err}")
+            return 0
+        with sb:
+            step(f"created container sandbox {sb.id} on edge {sb.info.edge_id} ({sb.info.state})")
+            try:
+                r = sb.run("echo hello from $(hostname); uname -sr")
+                step(
+                    f"run -> exit {r.exit_code}: {r.text.strip()!r} in {r.duration_s * 1000:.1f} ms"
+                )
+                r = sb.run("sleep 5", timeout_s=0.5)
+                step(f"a command past its timeout -> timed_out={r.timed_out}, exit {r.exit_code}")
+                sb.files.write("/work/answer.txt", "42\n")
+                step(f"wrote /work/answer.txt; read back {sb.files.read('/work/answer.txt')!r}")
+                events = [
+                    type(ev).__name__
+                    for ev in sb.stream("for i in 1 2 3; do echo $i; sleep 0.1; done")
+                ]
+                step(f"streamed output events: {events}")
+            except FailedPrecondition as err:
+                step(f"commands unavailable on this runtime: {err.reason}")
+            listed = agent.list(task_id="demo-task")
+            step(f"listed by task id: {[s.id for s in listed]}")
+        info = agent.get(sb.id).info
+        step(f"stopped: {info.state} ({info.termination_reason})")
+    try:
+        with Client() as dsec:
+            dsec.delete_project(project.project_id)
+    except DSecError:
+        pass  # the stopped sandbox's record still counts; it expires on its own
+    step("demo done")
+    return 0

@@ -1,0 +1,1 @@
+"""Edge: the per-node agent (admission, runtime, TTL/idle, forwarding into sandboxes)."""

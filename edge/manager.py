@@ -1,0 +1,440 @@
+"""The edge's sandbox manager: final admission, lifecycle, TTL/idle, events.
+
+It decides locally and never waits on the control plane: admission against
+this node's capacity (with overcommit), TTL and idle timeouts enforced here
+(so a sandbox is reclaimed even when every central service is down), and
+re-adoption of running sandboxes from on-disk records after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.backends import SandboxBackend
+from edge.model import EDGE_ID, LIVE_STATES, SANDBOX_ID, TERMINAL, SandboxRecord, SandboxSpec
+from libdsec.errors import (
+    EdgeCapacity,
+    FailedPrecondition,
+    InvalidArgument,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    cpu_millis: int
+    memory_mb: int
+    max_sandboxes: int
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class Load:
+    sandboxes: int
+    cpu_millis: int
+    memory_mb: int
+    gpus: int
+    by_backend: dict[str, int]
+
+
+class SandboxManager:
+    def __init__(
+        self,
+        edge_id: str,
+        state_dir: Path,
+        capacity: Capacity,
+        backends: Iterable[SandboxBackend],
+        *,
+        terminated_retention_s: float = 3600.0,
+        reap_interval_s: float = 1.0,
+    ) -> None:
+        if not EDGE_ID.match(edge_id):
+            raise ValueError(f"edge id {edge_id!r} must match [a-z0-9]{{1,16}}")
+        self.edge_id = edge_id
+        self.records_dir = state_dir / "sandboxes"
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self.backends: dict[str, SandboxBackend] = {}
+        for b in backends:
+            for kind in b.serves:
+                self.backends.setdefault(kind, b)
+            b.set_exit_callback(self._on_backend_exit)
+        self.retention_s = terminated_retention_s
+        self.reap_interval_s = reap_interval_s
+        self.records: dict[str, SandboxRecord] = {}
+        self._ready: dict[str, asyncio.Event] = {}
+        self._subscribers: set[asyncio.Queue[SandboxRecord]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._alloc_cpu = 0
+        self._alloc_mem = 0
+        self._alloc_gpu = 0
+        self.draining = False
+
+    # ------------------------------------------------------------- queries
+
+    def load(self) -> Load:
+        by_backend: dict[str, int] = {}
+        n = 0
+        for rec in self.records.values():
+            if rec.live:
+                n += 1
+                by_backend[rec.spec.backend] = by_backend.get(rec.spec.backend, 0) + 1
+        return Load(n, self._alloc_cpu, self._alloc_mem, self._alloc_gpu, by_backend)
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.records.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found")
+        return rec
+
+    def get_live(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get(sandbox_id)
+        if rec.state == TERMINAL:
+            raise SandboxTerminated(
+                f"sandbox {sandbox_id} has terminated ({rec.termination_reason}: {rec.termination_message})",
+                metadata={"termination_reason": rec.termination_reason},
+            )
+        return rec
+
+    def list(
+        self,
+        *,
+        project_prefix: str = "",
+        task_id: str = "",
+        labels: dict[str, str] | None = None,
+        states: set[str] | None = None,
+        include_terminated: bool = True,
+    ) -> list[SandboxRecord]:
+        out = []
+        for rec in self.records.values():
+            if project_prefix and not (
+                rec.project_id == project_prefix or rec.project_id.startswith(project_prefix + "/")
+            ):
+                continue
+            if task_id and rec.spec.task_id != task_id:
+                continue
+            if labels and any(rec.spec.labels.get(k) != v for k, v in labels.items()):
+                continue
+            if states and rec.state not in states:
+                continue
+            if not include_terminated and not rec.live:
+                continue
+            out.append(rec)
+        out.sort(key=lambda r: r.created_at)
+        return out
+
+    def backend_of(self, rec: SandboxRecord) -> SandboxBackend:
+        return self.backends[rec.spec.backend]
+
+    # ----------------------------------------------------------- lifecycle
+
+    def _validate(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        m = SANDBOX_ID.match(sandbox_id)
+        if not m or m.group(1) != self.edge_id:
+            raise InvalidArgument(
+                f"sandbox id {sandbox_id!r} does not belong to edge {self.edge_id}"
+            )
+        if spec.backend not in self.backends:
+            raise InvalidArgument(
+                f"edge {self.edge_id} does not offer backend {spec.backend}",
+                reason="BACKEND_NOT_OFFERED",
+            )
+        if spec.cpu_millis <= 0 or spec.memory_mb <= 0:
+            raise InvalidArgument("cpu_millis and memory_mb must be positive")
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        cap = self.capacity
+        live = sum(1 for r in self.records.values() if r.live)
+        short = []
+        if self.draining:
+            short.append("edge is draining")
+        if live + 1 > cap.max_sandboxes:
+            short.append(f"sandboxes {live}+1 > {cap.max_sandboxes}")
+        if self._alloc_cpu + spec.cpu_millis > cap.cpu_millis:
+            short.append(f"cpu_millis {self._alloc_cpu}+{spec.cpu_millis} > {cap.cpu_millis}")
+        if self._alloc_mem + spec.memory_mb > cap.memory_mb:
+            short.append(f"memory_mb {self._alloc_mem}+{spec.memory_mb} > {cap.memory_mb}")
+        if self._alloc_gpu + spec.gpu_count > cap.gpus:
+            short.append(f"gpus {self._alloc_gpu}+{spec.gpu_count} > {cap.gpus}")
+        if short:
+            raise EdgeCapacity(
+                f"edge {self.edge_id} is full: " + "; ".join(short), metadata={"edge": self.edge_id}
+            )
+
+    def _allocate(self, spec: SandboxSpec, sign: int) -> None:
+        self._alloc_cpu += sign * spec.cpu_millis
+        self._alloc_mem += sign * spec.memory_mb
+        self._alloc_gpu += sign * spec.gpu_count
+
+    async def create(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        project_id: str,
+        principal_id: str,
+        *,
+        wait_ready: bool,
+    ) -> tuple[SandboxRecord, bool]:
+        """Admits and starts a sandbox. Idempotent on ``sandbox_id``."""
+        existing = self.records.get(sandbox_id)
+        if existing is not None:
+            if wait_ready:
+                await self._wait_ready(existing)
+            return existing, True
+        self._validate(sandbox_id, spec)
+        self._admit(spec)
+        rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
+        self.records[sandbox_id] = rec
+        self._allocate(spec, +1)
+        self._ready[sandbox_id] = asyncio.Event()
+        self._changed(rec)
+        task = asyncio.create_task(self._start(rec))
+        if wait_ready:
+            await asyncio.shield(task)
+        else:
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return rec, False
+
+    async def _start(self, rec: SandboxRecord) -> None:
+        backend = self.backend_of(rec)
+        self._set_state(rec, "STARTING")
+        try:
+            await backend.start(rec)
+        except asyncio.CancelledError:
+            await self._terminate(rec, "RUNTIME_ERROR", "creation cancelled")
+            raise
+        except Exception as exc:
+            log.warning(
+                "sandbox %s failed to start: %s",
+                rec.sandbox_id,
+                exc,
+                extra={"sandbox_id": rec.sandbox_id},
+            )
+            await self._terminate(rec, "RUNTIME_ERROR", f"start failed: {exc}")
+            return
+        finally:
+            ev = self._ready.pop(rec.sandbox_id, None)
+            if ev is not None:
+                ev.set()
+        if rec.state == "STARTING":
+            rec.started_at = time.time()
+            rec.last_active_at = rec.started_at
+            self._set_state(rec, "RUNNING")
+
+    async def _wait_ready(self, rec: SandboxRecord) -> None:
+        ev = self._ready.get(rec.sandbox_id)
+        if ev is not None:
+            await ev.wait()
+
+    async def stop(
+        self, sandbox_id: str, *, reason: str = "STOPPED", message: str = "", grace_s: float = 2.0
+    ) -> SandboxRecord:
+        rec = self.get(sandbox_id)
+        if rec.state == TERMINAL:
+            return rec
+        await self._wait_ready(rec)
+        if rec.state == TERMINAL:
+            return rec
+        self._set_state(rec, "STOPPING")
+        try:
+            await self.backend_of(rec).stop(rec, grace_s)
+        except Exception as exc:
+            log.warning("stop of %s failed: %s", sandbox_id, exc)
+        await self._terminate(rec, reason, message or _default_message(reason))
+        return rec
+
+    async def delete(self, sandbox_id: str) -> None:
+        rec = self.get(sandbox_id)
+        if rec.live:
+            await self.stop(sandbox_id, reason="STOPPED", message="deleted")
+        self.records.pop(sandbox_id, None)
+        self._forget_file(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get_live(sandbox_id)
+        await self._wait_ready(rec)
+        if rec.state == "PAUSED":
+            return rec
+        if rec.state != "RUNNING":
+            raise FailedPrecondition(f"sandbox {sandbox_id} is {rec.state}, not RUNNING")
+        await self.backend_of(rec).pause(rec)
+        self._set_state(rec, "PAUSED")
+        return rec
+
+    async def resume(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get_live(sandbox_id)
+        if rec.state != "PAUSED":
+            return rec
+        await self.backend_of(rec).resume(rec)
+        rec.last_active_at = time.time()
+        self._set_state(rec, "RUNNING")
+        return rec
+
+    async def touch(self, sandbox_id: str) -> SandboxRecord:
+        """Marks activity (idle timer) before a call into the sandbox; resumes a paused one."""
+        rec = self.get_live(sandbox_id)
+        await self._wait_ready(rec)
+        if rec.state == "PAUSED":
+            await self.resume(sandbox_id)
+        if rec.state != "RUNNING":
+            if rec.state == TERMINAL:
+                self.get_live(sandbox_id)  # raises SandboxTerminated with the reason
+            raise Unavailable(f"sandbox {sandbox_id} is {rec.state}", reason="SANDBOX_NOT_READY")
+        rec.last_active_at = time.time()
+        return rec
+
+    async def _terminate(self, rec: SandboxRecord, reason: str, message: str) -> None:
+        if rec.state == TERMINAL:
+            return
+        try:
+            await self.backend_of(rec).destroy(rec)
+        except Exception as exc:
+            log.error(
+                "destroy of %s failed (will retry at orphan cleanup): %s", rec.sandbox_id, exc
+            )
+        rec.termination_reason = reason
+        rec.termination_message = message
+        rec.terminated_at = time.time()
+        self._allocate(rec.spec, -1)
+        self._set_state(rec, TERMINAL)
+        log.info(
+            "sandbox %s terminated: %s %s",
+            rec.sandbox_id,
+            reason,
+            message,
+            extra={"sandbox_id": rec.sandbox_id, "reason": reason},
+        )
+
+    async def _on_backend_exit(self, sandbox_id: str, reason: str, message: str) -> None:
+        rec = self.records.get(sandbox_id)
+        if rec is None or rec.state in (TERMINAL, "STOPPING"):
+            return
+        await self._terminate(rec, reason, message)
+
+    # -------------------------------------------------------------- reaper
+
+    async def reap_once(self, now: float | None = None) -> list[str]:
+        """Stops sandboxes past TTL or idle timeout; forgets old terminated records."""
+        now = time.time() if now is None else now
+        reaped = []
+        for rec in list(self.records.values()):
+            if rec.state == TERMINAL:
+                if rec.terminated_at and now - rec.terminated_at > self.retention_s:
+                    self.records.pop(rec.sandbox_id, None)
+                    self._forget_file(rec.sandbox_id)
+                continue
+            if rec.state not in ("RUNNING", "PAUSED"):
+                continue
+            if now >= rec.expires_at:
+                await self.stop(rec.sandbox_id, reason="TTL", grace_s=1.0)
+                reaped.append(rec.sandbox_id)
+            elif (
+                rec.spec.idle_timeout_s
+                and rec.state == "RUNNING"
+                and now - rec.last_active_at >= rec.spec.idle_timeout_s
+            ):
+                await self.stop(rec.sandbox_id, reason="IDLE", grace_s=1.0)
+                reaped.append(rec.sandbox_id)
+        return reaped
+
+    async def reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            await self.reap_once()
+
+    # ------------------------------------------------------------ recovery
+
+    async def recover(self) -> None:
+        """After a restart: re-adopt live sandboxes from disk, clean up orphans."""
+        keep: set[str] = set()
+        for path in sorted(self.records_dir.glob("*.json")):
+            try:
+                rec = SandboxRecord.from_json(path.read_text())
+            except Exception as exc:
+                log.error("unreadable sandbox record %s: %s", path, exc)
+                continue
+            backend = self.backends.get(rec.spec.backend)
+            if backend is None:
+                continue
+            self.records[rec.sandbox_id] = rec
+            if rec.live:
+                self._allocate(rec.spec, +1)
+                adopted = False
+                try:
+                    adopted = await backend.adopt(rec)
+                except Exception as exc:
+                    log.warning("adopting %s failed: %s", rec.sandbox_id, exc)
+                if adopted:
+                    keep.add(rec.sandbox_id)
+                    if rec.state in ("PENDING", "STARTING", "STOPPING"):
+                        self._set_state(rec, "RUNNING")
+                    log.info(
+                        "re-adopted sandbox %s",
+                        rec.sandbox_id,
+                        extra={"sandbox_id": rec.sandbox_id},
+                    )
+                else:
+                    await self._terminate(rec, "RUNTIME_ERROR", "lost while the edge was down")
+        for backend in {id(b): b for b in self.backends.values()}.values():
+            removed = await backend.cleanup_orphans(keep)
+            if removed:
+                log.info("cleaned up %d orphans: %s", len(removed), ", ".join(removed[:20]))
+
+    # ------------------------------------------------------ state & events
+
+    def _set_state(self, rec: SandboxRecord, state: str) -> None:
+        rec.state = state
+        self._changed(rec)
+
+    def _changed(self, rec: SandboxRecord) -> None:
+        if self.backend_of(rec).persistent:
+            self._persist(rec)
+        for q in list(self._subscribers):
+            try:
+                q.put_nowait(rec)
+            except asyncio.QueueFull:
+                # A subscriber that cannot keep up is dropped, not waited on.
+                self._subscribers.discard(q)
+
+    def _persist(self, rec: SandboxRecord) -> None:
+        path = self.records_dir / f"{rec.sandbox_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(rec.to_json())
+        os.replace(tmp, path)
+
+    def _forget_file(self, sandbox_id: str) -> None:
+        (self.records_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
+
+    def subscribe(self, maxsize: int = 10_000) -> asyncio.Queue[SandboxRecord]:
+        q: asyncio.Queue[SandboxRecord] = asyncio.Queue(maxsize=maxsize)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[SandboxRecord]) -> None:
+        self._subscribers.discard(q)
+
+    def live_ids(self) -> list[str]:
+        return [r.sandbox_id for r in self.records.values() if r.state in LIVE_STATES]
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+
+
+def _default_message(reason: str) -> str:
+    return {
+        "STOPPED": "stopped by request",
+        "TTL": "maximum lifetime reached",
+        "IDLE": "idle timeout reached",
+    }.get(reason, reason.lower())

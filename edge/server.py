@@ -1,0 +1,103 @@
+"""Composition root of the edge service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from common.channels import DEFAULT_DEADLINE_S, open_channel
+from common.config import load
+from common.grpc_server import GrpcServer
+from common.telemetry import setup_logging, setup_tracing
+from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descriptor)
+from dsec.types.v1 import types_pb2
+from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+from edge.backends import NullBackend, SandboxBackend
+from edge.config import EdgeConfig
+from edge.manager import Capacity, SandboxManager
+from edge.quota import QuotaReleaser
+from edge.servicer import EdgeServicer
+
+log = logging.getLogger(__name__)
+
+
+def make_backends(cfg: EdgeConfig) -> list[SandboxBackend]:
+    if cfg.runtime == "null":
+        return [NullBackend()]
+    from edge.container import ContainerBackend  # needs runc; imported only when used
+
+    return [ContainerBackend.from_config(cfg)]
+
+
+def edge_info(cfg: EdgeConfig, manager: SandboxManager, address: str) -> types_pb2.EdgeInfo:
+    return types_pb2.EdgeInfo(
+        edge_id=cfg.edge_id,
+        address=cfg.advertise or address,
+        backends=[types_pb2.Backend.Value("BACKEND_" + b) for b in sorted(manager.backends)],  # type: ignore[misc]
+        labels=cfg.labels,
+        hostname=cfg.hostname,
+        gpu_count=cfg.gpus,
+        cpu_millis_capacity=manager.capacity.cpu_millis,
+        memory_mb_capacity=manager.capacity.memory_mb,
+        version="0.1.0",
+    )
+
+
+async def register_loop(cfg: EdgeConfig, info: types_pb2.EdgeInfo) -> None:
+    """Registers with the watcher now and periodically, so a restarted watcher relearns us."""
+    channel = open_channel(cfg.watcher, "edge")
+    stub = watcher_pb2_grpc.WatcherServiceStub(channel)
+    interval = cfg.register_interval_s
+    try:
+        while True:
+            try:
+                resp = await stub.RegisterEdge(
+                    watcher_pb2.RegisterEdgeRequest(info=info), timeout=DEFAULT_DEADLINE_S
+                )
+                interval = resp.reregister_interval_s or cfg.register_interval_s
+            except grpc.aio.AioRpcError as exc:  # the watcher may be down; keep serving, retry soon
+                log.warning("registering with watcher %s failed: %s", cfg.watcher, exc.code().name)
+                interval = min(cfg.register_interval_s, 1.0)
+            await asyncio.sleep(interval)
+    finally:
+        await channel.close()
+
+
+async def main() -> None:
+    cfg = load(EdgeConfig, "EDGE")
+    setup_logging(f"edge-{cfg.edge_id}", cfg.log_level, cfg.log_format)
+    setup_tracing("edge", cfg.otlp_endpoint)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    backends = make_backends(cfg)
+    manager = SandboxManager(
+        cfg.edge_id,
+        cfg.state_dir,
+        Capacity(
+            cfg.effective_cpu_millis(), cfg.effective_memory_mb(), cfg.max_sandboxes, cfg.gpus
+        ),
+        backends,
+        terminated_retention_s=cfg.terminated_retention_s,
+        reap_interval_s=cfg.reap_interval_s,
+    )
+    await manager.recover()
+    server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    # The address is known only once bound; EdgeInfo is filled in after start.
+    info = types_pb2.EdgeInfo()
+    server.add(EdgeServicer(manager, info), "dsec.edge.v1.EdgeService")
+    server.background(manager.reap_loop)
+    server.on_close(manager.close)
+    for b in backends:
+        server.on_close(b.close)
+
+    async def register() -> None:
+        # Background tasks start after the server has bound its address.
+        info.CopyFrom(edge_info(cfg, manager, server.address))
+        if cfg.watcher:
+            await register_loop(cfg, info)
+
+    server.background(register)
+    if cfg.iam:
+        server.background(QuotaReleaser(manager, cfg.iam).run)
+    await server.run()

@@ -1,0 +1,287 @@
+"""gRPC adapter of the edge: proto in -> manager / sandbox channel -> proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.convert import ts
+from dsec.edge.v1 import edge_pb2
+from dsec.types.v1 import types_pb2
+from edge.convert import sandbox_pb, spec_from_pb
+from edge.manager import SandboxManager
+from libdsec.errors import InvalidArgument
+
+KEEPALIVE_DEFAULT_MS = 5000
+
+
+def _state_names(states: Any) -> set[str] | None:
+    names = {types_pb2.SandboxState.Name(s).removeprefix("SANDBOX_STATE_") for s in states}
+    return names or None
+
+
+class EdgeServicer:
+    def __init__(self, manager: SandboxManager, info: types_pb2.EdgeInfo) -> None:
+        self.manager = manager
+        self.info = info
+
+    # ----------------------------------------------------------- lifecycle
+
+    async def CreateSandbox(
+        self, request: edge_pb2.CreateSandboxRequest, context: Any
+    ) -> edge_pb2.CreateSandboxResponse:
+        if not request.sandbox_id:
+            raise InvalidArgument("sandbox_id is required")
+        spec = spec_from_pb(request.spec)
+        rec, existed = await self.manager.create(
+            request.sandbox_id,
+            spec,
+            request.project_id,
+            request.principal_id,
+            wait_ready=request.wait_ready,
+        )
+        return edge_pb2.CreateSandboxResponse(sandbox=sandbox_pb(rec), already_existed=existed)
+
+    async def GetSandbox(
+        self, request: edge_pb2.GetSandboxRequest, context: Any
+    ) -> edge_pb2.GetSandboxResponse:
+        return edge_pb2.GetSandboxResponse(sandbox=sandbox_pb(self.manager.get(request.sandbox_id)))
+
+    async def ListSandboxes(
+        self, request: edge_pb2.ListSandboxesRequest, context: Any
+    ) -> edge_pb2.ListSandboxesResponse:
+        recs = self.manager.list(
+            project_prefix=request.project_prefix,
+            task_id=request.task_id,
+            labels=dict(request.label_selector),
+            states=_state_names(request.states),
+            include_terminated=request.include_terminated or bool(request.states),
+        )
+        return edge_pb2.ListSandboxesResponse(sandboxes=[sandbox_pb(r) for r in recs])
+
+    async def StopSandbox(
+        self, request: edge_pb2.StopSandboxRequest, context: Any
+    ) -> edge_pb2.StopSandboxResponse:
+        reason = "STOPPED"
+        if request.reason:
+            reason = types_pb2.TerminationReason.Name(request.reason).removeprefix(
+                "TERMINATION_REASON_"
+            )
+        rec = await self.manager.stop(
+            request.sandbox_id, reason=reason, grace_s=request.grace_s or 2.0
+        )
+        return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
+
+    async def DeleteSandbox(
+        self, request: edge_pb2.DeleteSandboxRequest, context: Any
+    ) -> edge_pb2.DeleteSandboxResponse:
+        await self.manager.delete(request.sandbox_id)
+        return edge_pb2.DeleteSandboxResponse()
+
+    async def PauseSandbox(
+        self, request: edge_pb2.PauseSandboxRequest, context: Any
+    ) -> edge_pb2.PauseSandboxResponse:
+        return edge_pb2.PauseSandboxResponse(
+            sandbox=sandbox_pb(await self.manager.pause(request.sandbox_id))
+        )
+
+    async def ResumeSandbox(
+        self, request: edge_pb2.ResumeSandboxRequest, context: Any
+    ) -> edge_pb2.ResumeSandboxResponse:
+        return edge_pb2.ResumeSandboxResponse(
+            sandbox=sandbox_pb(await self.manager.resume(request.sandbox_id))
+        )
+
+    async def GetNodeStatus(
+        self, request: edge_pb2.GetNodeStatusRequest, context: Any
+    ) -> edge_pb2.GetNodeStatusResponse:
+        m = self.manager
+        load = m.load()
+        by_project: dict[str, int] = {}
+        by_task: dict[str, int] = {}
+        for rec in m.records.values():
+            if rec.live:
+                by_project[rec.project_id] = by_project.get(rec.project_id, 0) + 1
+                if rec.spec.task_id:
+                    by_task[rec.spec.task_id] = by_task.get(rec.spec.task_id, 0) + 1
+        return edge_pb2.GetNodeStatusResponse(
+            info=self.info,
+            load=types_pb2.EdgeLoad(
+                sandboxes=load.sandboxes,
+                cpu_millis_allocated=load.cpu_millis,
+                memory_mb_allocated=load.memory_mb,
+                cpu_millis_capacity=m.capacity.cpu_millis,
+                memory_mb_capacity=m.capacity.memory_mb,
+                gpus_free=m.capacity.gpus - load.gpus,
+                sandboxes_by_backend={"BACKEND_" + k: v for k, v in load.by_backend.items()},
+            ),
+            sandboxes_by_project=by_project,
+            sandboxes_by_task=by_task,
+            live_sandbox_ids=m.live_ids() if request.include_sandbox_ids else [],
+            as_of=ts(time.time()),
+            draining=m.draining,
+        )
+
+    async def WatchSandboxes(
+        self, request: edge_pb2.WatchSandboxesRequest, context: Any
+    ) -> AsyncIterator[edge_pb2.WatchSandboxesResponse]:
+        interval = (request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000
+        q = self.manager.subscribe()
+        try:
+            while True:
+                try:
+                    rec = await asyncio.wait_for(q.get(), timeout=interval)
+                except TimeoutError:
+                    yield edge_pb2.WatchSandboxesResponse(
+                        keepalive=types_pb2.Keepalive(at=ts(time.time()))
+                    )
+                    continue
+                yield edge_pb2.WatchSandboxesResponse(changed=sandbox_pb(rec))
+        finally:
+            self.manager.unsubscribe(q)
+
+    # ------------------------------------------------ forwarding into the sandbox
+
+    async def _channel(self, sandbox_id: str) -> Any:
+        if not sandbox_id:
+            raise InvalidArgument("sandbox_id is required")
+        rec = await self.manager.touch(sandbox_id)
+        return self.manager.backend_of(rec).channel(rec)
+
+    async def _unary(self, call: str, request: Any) -> Any:
+        channel = await self._channel(request.sandbox_id)
+        return await channel.unary(call, request)
+
+    async def _stream(self, call: str, request: Any) -> AsyncIterator[Any]:
+        channel = await self._channel(request.sandbox_id)
+        async for item in channel.server_stream(call, request):
+            yield item
+
+    async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
+        return await self._unary("exec", request)  # type: ignore[no-any-return]
+
+    async def ExecStream(
+        self, request: types_pb2.ExecRequest, context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        async for item in self._stream("exec_stream", request):
+            yield item
+
+    async def ExecInteractive(
+        self, request_iterator: AsyncIterator[types_pb2.ExecInput], context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "start":
+            raise InvalidArgument("the first ExecInput must carry `start`")
+        channel = await self._channel(first.start.sandbox_id)
+
+        async def inputs() -> AsyncIterator[types_pb2.ExecInput]:
+            yield first
+            async for item in request_iterator:
+                yield item
+
+        async for item in channel.bidi("exec_input", inputs()):
+            yield item
+
+    async def AttachExec(
+        self, request: types_pb2.AttachExecRequest, context: Any
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        async for item in self._stream("attach_exec", request):
+            yield item
+
+    async def WaitExec(
+        self, request: types_pb2.WaitExecRequest, context: Any
+    ) -> types_pb2.WaitExecResponse:
+        return await self._unary("wait_exec", request)  # type: ignore[no-any-return]
+
+    async def SignalExec(
+        self, request: types_pb2.SignalExecRequest, context: Any
+    ) -> types_pb2.SignalExecResponse:
+        return await self._unary("signal_exec", request)  # type: ignore[no-any-return]
+
+    async def ListExecs(
+        self, request: types_pb2.ListExecsRequest, context: Any
+    ) -> types_pb2.ListExecsResponse:
+        return await self._unary("list_execs", request)  # type: ignore[no-any-return]
+
+    async def CreateSession(
+        self, request: types_pb2.CreateSessionRequest, context: Any
+    ) -> types_pb2.CreateSessionResponse:
+        return await self._unary("create_session", request)  # type: ignore[no-any-return]
+
+    async def CloseSession(
+        self, request: types_pb2.CloseSessionRequest, context: Any
+    ) -> types_pb2.CloseSessionResponse:
+        return await self._unary("close_session", request)  # type: ignore[no-any-return]
+
+    async def ListSessions(
+        self, request: types_pb2.ListSessionsRequest, context: Any
+    ) -> types_pb2.ListSessionsResponse:
+        return await self._unary("list_sessions", request)  # type: ignore[no-any-return]
+
+    async def SendHttp(
+        self, request: types_pb2.HttpRequest, context: Any
+    ) -> types_pb2.HttpResponse:
+        return await self._unary("http", request)  # type: ignore[no-any-return]
+
+    async def ReadFile(
+        self, request: types_pb2.ReadFileRequest, context: Any
+    ) -> types_pb2.ReadFileResponse:
+        return await self._unary("read_file", request)  # type: ignore[no-any-return]
+
+    async def WriteFile(
+        self, request: types_pb2.WriteFileRequest, context: Any
+    ) -> types_pb2.WriteFileResponse:
+        return await self._unary("write_file", request)  # type: ignore[no-any-return]
+
+    async def ListDir(
+        self, request: types_pb2.ListDirRequest, context: Any
+    ) -> types_pb2.ListDirResponse:
+        return await self._unary("list_dir", request)  # type: ignore[no-any-return]
+
+    async def StatPath(
+        self, request: types_pb2.StatPathRequest, context: Any
+    ) -> types_pb2.StatPathResponse:
+        return await self._unary("stat_path", request)  # type: ignore[no-any-return]
+
+    async def MakeDir(
+        self, request: types_pb2.MakeDirRequest, context: Any
+    ) -> types_pb2.MakeDirResponse:
+        return await self._unary("make_dir", request)  # type: ignore[no-any-return]
+
+    async def RemovePath(
+        self, request: types_pb2.RemovePathRequest, context: Any
+    ) -> types_pb2.RemovePathResponse:
+        return await self._unary("remove_path", request)  # type: ignore[no-any-return]
+
+    async def MovePath(
+        self, request: types_pb2.MovePathRequest, context: Any
+    ) -> types_pb2.MovePathResponse:
+        return await self._unary("move_path", request)  # type: ignore[no-any-return]
+
+    async def ChmodPath(
+        self, request: types_pb2.ChmodPathRequest, context: Any
+    ) -> types_pb2.ChmodPathResponse:
+        return await self._unary("chmod_path", request)  # type: ignore[no-any-return]
+
+    async def UploadFile(
+        self, request_iterator: AsyncIterator[types_pb2.UploadFileRequest], context: Any
+    ) -> types_pb2.UploadFileResponse:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("the first UploadFileRequest must carry `header`")
+        channel = await self._channel(first.header.sandbox_id)
+
+        async def parts() -> AsyncIterator[types_pb2.UploadFileRequest]:
+            yield first
+            async for item in request_iterator:
+                yield item
+
+        return await channel.client_stream("upload_file", parts())  # type: ignore[no-any-return]
+
+    async def DownloadFile(
+        self, request: types_pb2.DownloadFileRequest, context: Any
+    ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
+        async for item in self._stream("download_file", request):
+            yield item

@@ -1,0 +1,1 @@
+"""IAM service: tokens, nested projects with delegated quotas, quota reservations."""

@@ -1,0 +1,273 @@
+"""IAM rules: who a token is, what it may touch, how much it may use.
+
+Projects are paths (``root/team-a/run-7``). A principal acts on its own
+project and its descendants, never on an ancestor or sibling. Management
+(subprojects, quotas, tokens) needs the ADMIN role; a quota can only be set on
+a strict descendant (nobody raises their own limit), and never above the
+nearest limit held by an ancestor (you cannot grant more than you hold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from iam.store import ProjectRecord, Quota, Reservation, SqliteIamStore, TokenRecord, ancestors
+from libdsec.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+ROOT = "root"
+SEGMENT = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+
+# Role and kind values mirror dsec.iam.v1 enums (the domain does not import generated code).
+ROLE_ADMIN = 1
+ROLE_MEMBER = 2
+KIND_HUMAN = 1
+KIND_AGENT = 2
+KIND_SERVICE = 3
+
+ACTION_USE_SANDBOXES = 1
+ACTION_MANAGE_PROJECTS = 2
+ACTION_MANAGE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class Principal:
+    principal_id: str
+    name: str
+    kind: int
+    role: int
+    project_id: str
+    expires_at: float | None
+
+
+def hash_secret(secret: str) -> str:
+    # Tokens carry 256 bits of randomness, so a fast hash is enough: the
+    # point is that a leaked database does not leak usable tokens.
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def within(project_id: str, scope: str) -> bool:
+    """True when ``project_id`` is ``scope`` or one of its descendants."""
+    return project_id == scope or project_id.startswith(scope + "/")
+
+
+def parse_token(token: str) -> tuple[str, str]:
+    """``dsec_<id>_<secret>`` -> (id, secret)."""
+    parts = token.split("_")
+    if len(parts) != 3 or parts[0] != "dsec" or not parts[1] or not parts[2]:
+        raise Unauthenticated("malformed token", reason="BAD_TOKEN")
+    return parts[1], parts[2]
+
+
+class Iam:
+    """The IAM service's domain; every method is safe to call concurrently."""
+
+    def __init__(self, store: SqliteIamStore) -> None:
+        self.store = store
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.to_thread(fn, *args)
+
+    # ------------------------------------------------------------ bootstrap
+
+    async def bootstrap(self, token_file: Path | None) -> str | None:
+        """On an empty store: creates the root project and an admin token.
+
+        The token is written to ``token_file`` with mode 0600 (where the SDK
+        looks by default). Returns the token, or None when already set up.
+        """
+        if not await self._run(self.store.is_empty):
+            return None
+        await self._run(self.store.create_project, ROOT, "", Quota())
+        token, _ = await self._new_token(ROOT, "bootstrap-admin", KIND_HUMAN, ROLE_ADMIN, 0)
+        if token_file is not None:
+            token_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token + "\n")
+            os.chmod(token_file, 0o600)
+            log.info("bootstrap admin token written to %s", token_file)
+        return token
+
+    # ------------------------------------------------------ authentication
+
+    async def authenticate(self, token: str) -> Principal:
+        if not token:
+            raise Unauthenticated("no token", reason="NO_TOKEN")
+        token_id, secret = parse_token(token)
+        rec = await self._run(self.store.get_token, token_id)
+        if rec is None or not hmac.compare_digest(rec.secret_hash, hash_secret(secret)):
+            raise Unauthenticated("unknown token", reason="BAD_TOKEN")
+        if rec.revoked:
+            raise Unauthenticated("token revoked", reason="TOKEN_REVOKED")
+        if rec.expires_at is not None and rec.expires_at <= time.time():
+            raise Unauthenticated("token expired", reason="TOKEN_EXPIRED")
+        return Principal(rec.token_id, rec.name, rec.kind, rec.role, rec.project_id, rec.expires_at)
+
+    def authorize(self, who: Principal, action: int, project_id: str) -> tuple[bool, str]:
+        if not within(project_id, who.project_id):
+            return False, f"project {project_id} is outside {who.project_id}"
+        if action in (ACTION_MANAGE_PROJECTS, ACTION_MANAGE_TOKENS) and who.role != ROLE_ADMIN:
+            return False, "needs the ADMIN role"
+        return True, ""
+
+    def require(self, who: Principal, action: int, project_id: str) -> None:
+        ok, why = self.authorize(who, action, project_id)
+        if not ok:
+            # A project outside the caller's subtree is reported as absent: no existence leak.
+            if not within(project_id, who.project_id):
+                raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
+            raise PermissionDenied(why)
+
+    # ------------------------------------------------------------ projects
+
+    async def create_project(
+        self, who: Principal, parent_id: str, name: str, quota: Quota
+    ) -> ProjectRecord:
+        parent_id = parent_id or who.project_id
+        if not SEGMENT.match(name):
+            raise InvalidArgument(f"project name {name!r} must match [a-z0-9][a-z0-9-]{{0,39}}")
+        self.require(who, ACTION_MANAGE_PROJECTS, parent_id)
+        project_id = f"{parent_id}/{name}"
+        await self._check_grant(parent_id, quota)
+        return await self._run(self.store.create_project, project_id, parent_id, quota)
+
+    async def _check_grant(self, parent_id: str, quota: Quota) -> None:
+        """A child's limits may not exceed the nearest limit held above it."""
+        limits = {"cpu_millis": 0, "memory_mb": 0, "sandboxes": 0}
+        backend_limits: dict[str, int] = {}
+        for pid in ancestors(parent_id):
+            rec = await self._run(self.store.get_project, pid)
+            if rec is None:
+                raise NotFound(f"project {pid} not found", reason="PROJECT_NOT_FOUND")
+            for dim in limits:
+                own = getattr(rec.quota, dim)
+                if own and (not limits[dim] or own < limits[dim]):
+                    limits[dim] = own
+            for b, v in rec.quota.sandboxes_by_backend.items():
+                if v and (b not in backend_limits or v < backend_limits[b]):
+                    backend_limits[b] = v
+        for dim, held in limits.items():
+            want = getattr(quota, dim)
+            if held and want > held:
+                raise PermissionDenied(
+                    f"cannot grant {dim}={want}: {parent_id} holds only {held}",
+                    reason="QUOTA_GRANT_EXCEEDS_HELD",
+                )
+        for b, want in quota.sandboxes_by_backend.items():
+            held = backend_limits.get(b, 0)
+            if held and want > held:
+                raise PermissionDenied(
+                    f"cannot grant sandboxes[{b}]={want}: {parent_id} holds only {held}",
+                    reason="QUOTA_GRANT_EXCEEDS_HELD",
+                )
+
+    async def get_project(self, who: Principal, project_id: str) -> ProjectRecord:
+        project_id = project_id or who.project_id
+        self.require(who, ACTION_USE_SANDBOXES, project_id)
+        rec = await self._run(self.store.get_project, project_id)
+        if rec is None:
+            raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
+        return rec
+
+    async def list_projects(
+        self, who: Principal, parent_id: str, recursive: bool
+    ) -> list[ProjectRecord]:
+        parent_id = parent_id or who.project_id
+        self.require(who, ACTION_USE_SANDBOXES, parent_id)
+        return await self._run(self.store.list_projects, parent_id, recursive)  # type: ignore[no-any-return]
+
+    async def set_quota(self, who: Principal, project_id: str, quota: Quota) -> ProjectRecord:
+        self.require(who, ACTION_MANAGE_PROJECTS, project_id)
+        if project_id == who.project_id:
+            raise PermissionDenied(
+                "a principal cannot change its own project's quota", reason="OWN_QUOTA"
+            )
+        parent = project_id.rsplit("/", 1)[0]
+        await self._check_grant(parent, quota)
+        return await self._run(self.store.set_quota, project_id, quota)  # type: ignore[no-any-return]
+
+    async def delete_project(self, who: Principal, project_id: str) -> None:
+        self.require(who, ACTION_MANAGE_PROJECTS, project_id)
+        if project_id == who.project_id:
+            raise PermissionDenied(
+                "a principal cannot delete its own project", reason="OWN_PROJECT"
+            )
+        await self._run(self.store.delete_project, project_id)
+
+    # -------------------------------------------------------------- tokens
+
+    async def _new_token(
+        self, project_id: str, name: str, kind: int, role: int, ttl_s: int
+    ) -> tuple[str, TokenRecord]:
+        token_id = secrets.token_hex(8)
+        secret = secrets.token_urlsafe(32).replace("_", "A").replace("-", "B")
+        now = time.time()
+        rec = TokenRecord(
+            token_id,
+            name,
+            project_id,
+            kind,
+            role,
+            hash_secret(secret),
+            now,
+            now + ttl_s if ttl_s else None,
+            False,
+        )
+        await self._run(self.store.add_token, rec)
+        return f"dsec_{token_id}_{secret}", rec
+
+    async def create_token(
+        self, who: Principal, project_id: str, name: str, kind: int, role: int, ttl_s: int
+    ) -> tuple[str, TokenRecord]:
+        project_id = project_id or who.project_id
+        self.require(who, ACTION_MANAGE_TOKENS, project_id)
+        role = role or ROLE_MEMBER
+        if role not in (ROLE_ADMIN, ROLE_MEMBER):
+            raise InvalidArgument(f"unknown role {role}")
+        if role == ROLE_ADMIN and who.role != ROLE_ADMIN:
+            raise PermissionDenied("cannot create a token with a higher role than your own")
+        if not name or len(name) > 100:
+            raise InvalidArgument("token name must be 1..100 characters")
+        if await self._run(self.store.get_project, project_id) is None:
+            raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
+        return await self._new_token(project_id, name, kind or KIND_HUMAN, role, ttl_s)
+
+    async def list_tokens(
+        self, who: Principal, project_id: str, include_revoked: bool
+    ) -> list[TokenRecord]:
+        project_id = project_id or who.project_id
+        self.require(who, ACTION_MANAGE_TOKENS, project_id)
+        return await self._run(self.store.list_tokens, project_id, include_revoked)  # type: ignore[no-any-return]
+
+    async def revoke_token(self, who: Principal, token_id: str) -> None:
+        rec = await self._run(self.store.get_token, token_id)
+        if rec is None or not within(rec.project_id, who.project_id):
+            raise NotFound(f"token {token_id} not found", reason="TOKEN_NOT_FOUND")
+        self.require(who, ACTION_MANAGE_TOKENS, rec.project_id)
+        await self._run(self.store.revoke_token, token_id)
+
+    # --------------------------------------------------------------- quota
+
+    async def reserve(self, res: Reservation) -> bool:
+        return await self._run(self.store.reserve, res)  # type: ignore[no-any-return]
+
+    async def release(self, sandbox_ids: list[str]) -> int:
+        return await self._run(self.store.release, sandbox_ids)  # type: ignore[no-any-return]
+
+    async def reconcile(self, edge_id: str, live: set[str], as_of: float) -> int:
+        held = await self._run(self.store.reservations_of_edge, edge_id, as_of)
+        stale = [sid for sid in held if sid not in live]
+        if stale:
+            log.info("releasing %d reservations edge %s no longer reports", len(stale), edge_id)
+        return await self.release(stale) if stale else 0

@@ -1,0 +1,32 @@
+"""Composition root of the IAM service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.config import load
+from common.grpc_server import GrpcServer
+from common.telemetry import setup_logging, setup_tracing
+from dsec.iam.v1 import iam_pb2  # noqa: F401  (registers the service descriptor)
+from iam.config import IamConfig
+from iam.domain import Iam
+from iam.servicer import IamServicer
+from iam.store import SqliteIamStore
+
+
+def build(cfg: IamConfig) -> tuple[GrpcServer, Iam]:
+    store = SqliteIamStore(cfg.database.removeprefix("sqlite:"))
+    iam = Iam(store)
+    server = GrpcServer("iam", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    server.add(IamServicer(iam, cfg.auth_cache_ttl_s), "dsec.iam.v1.IamService")
+    server.on_close(lambda: asyncio.to_thread(store.close))
+    return server, iam
+
+
+async def main() -> None:
+    cfg = load(IamConfig, "IAM")
+    setup_logging("iam", cfg.log_level, cfg.log_format)
+    setup_tracing("iam", cfg.otlp_endpoint)
+    server, iam = build(cfg)
+    await iam.bootstrap(cfg.bootstrap_token_file)
+    await server.run()

@@ -1,0 +1,193 @@
+"""gRPC adapter of IAM: proto in -> domain call -> proto out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.auth import bearer_token
+from common.convert import from_ts, ts
+from dsec.iam.v1 import iam_pb2
+from dsec.types.v1 import types_pb2
+from iam.domain import Iam, Principal
+from iam.store import ProjectRecord, Quota, Reservation, TokenRecord
+from libdsec.errors import InvalidArgument
+
+
+def quota_from_pb(q: iam_pb2.Quota) -> Quota:
+    return Quota(q.cpu_millis, q.memory_mb, q.sandboxes, dict(q.sandboxes_by_backend))
+
+
+def project_pb(rec: ProjectRecord) -> iam_pb2.Project:
+    return iam_pb2.Project(
+        project_id=rec.project_id,
+        parent_id=rec.parent_id,
+        quota=iam_pb2.Quota(
+            cpu_millis=rec.quota.cpu_millis,
+            memory_mb=rec.quota.memory_mb,
+            sandboxes=rec.quota.sandboxes,
+            sandboxes_by_backend=rec.quota.sandboxes_by_backend,
+        ),
+        usage=iam_pb2.Usage(
+            cpu_millis=rec.usage.cpu_millis,
+            memory_mb=rec.usage.memory_mb,
+            sandboxes=rec.usage.sandboxes,
+            sandboxes_by_backend=rec.usage.sandboxes_by_backend,
+        ),
+        created_at=ts(rec.created_at),
+    )
+
+
+def token_pb(rec: TokenRecord) -> iam_pb2.TokenInfo:
+    return iam_pb2.TokenInfo(
+        token_id=rec.token_id,
+        name=rec.name,
+        project_id=rec.project_id,
+        kind=rec.kind,  # type: ignore[arg-type]
+        role=rec.role,  # type: ignore[arg-type]
+        created_at=ts(rec.created_at),
+        expires_at=ts(rec.expires_at),
+        revoked=rec.revoked,
+    )
+
+
+def principal_pb(p: Principal) -> iam_pb2.Principal:
+    return iam_pb2.Principal(
+        principal_id=p.principal_id,
+        name=p.name,
+        kind=p.kind,  # type: ignore[arg-type]
+        role=p.role,  # type: ignore[arg-type]
+        project_id=p.project_id,
+        expires_at=ts(p.expires_at),
+    )
+
+
+class IamServicer:
+    def __init__(self, iam: Iam, cache_ttl_s: int) -> None:
+        self.iam = iam
+        self.cache_ttl_s = cache_ttl_s
+
+    async def _caller(self, context: Any) -> Principal:
+        return await self.iam.authenticate(bearer_token(context))
+
+    async def Authenticate(
+        self, request: iam_pb2.AuthenticateRequest, context: Any
+    ) -> iam_pb2.AuthenticateResponse:
+        who = await self.iam.authenticate(request.token)
+        return iam_pb2.AuthenticateResponse(
+            principal=principal_pb(who), cache_ttl_s=self.cache_ttl_s
+        )
+
+    async def Authorize(
+        self, request: iam_pb2.AuthorizeRequest, context: Any
+    ) -> iam_pb2.AuthorizeResponse:
+        rec = await self.iam._run(self.iam.store.get_token, request.principal_id)
+        if rec is None or rec.revoked:
+            return iam_pb2.AuthorizeResponse(allowed=False, reason="unknown or revoked principal")
+        who = Principal(rec.token_id, rec.name, rec.kind, rec.role, rec.project_id, rec.expires_at)
+        ok, why = self.iam.authorize(who, request.action, request.project_id)
+        return iam_pb2.AuthorizeResponse(allowed=ok, reason=why)
+
+    async def CreateProject(
+        self, request: iam_pb2.CreateProjectRequest, context: Any
+    ) -> iam_pb2.CreateProjectResponse:
+        who = await self._caller(context)
+        rec = await self.iam.create_project(
+            who, request.parent_id, request.name, quota_from_pb(request.quota)
+        )
+        return iam_pb2.CreateProjectResponse(project=project_pb(rec))
+
+    async def GetProject(
+        self, request: iam_pb2.GetProjectRequest, context: Any
+    ) -> iam_pb2.GetProjectResponse:
+        who = await self._caller(context)
+        return iam_pb2.GetProjectResponse(
+            project=project_pb(await self.iam.get_project(who, request.project_id))
+        )
+
+    async def ListProjects(
+        self, request: iam_pb2.ListProjectsRequest, context: Any
+    ) -> iam_pb2.ListProjectsResponse:
+        who = await self._caller(context)
+        recs = await self.iam.list_projects(who, request.parent_id, request.recursive)
+        return iam_pb2.ListProjectsResponse(projects=[project_pb(r) for r in recs])
+
+    async def SetQuota(
+        self, request: iam_pb2.SetQuotaRequest, context: Any
+    ) -> iam_pb2.SetQuotaResponse:
+        who = await self._caller(context)
+        if not request.project_id:
+            raise InvalidArgument("project_id is required")
+        rec = await self.iam.set_quota(who, request.project_id, quota_from_pb(request.quota))
+        return iam_pb2.SetQuotaResponse(project=project_pb(rec))
+
+    async def DeleteProject(
+        self, request: iam_pb2.DeleteProjectRequest, context: Any
+    ) -> iam_pb2.DeleteProjectResponse:
+        who = await self._caller(context)
+        if not request.project_id:
+            raise InvalidArgument("project_id is required")
+        await self.iam.delete_project(who, request.project_id)
+        return iam_pb2.DeleteProjectResponse()
+
+    async def CreateToken(
+        self, request: iam_pb2.CreateTokenRequest, context: Any
+    ) -> iam_pb2.CreateTokenResponse:
+        who = await self._caller(context)
+        token, rec = await self.iam.create_token(
+            who, request.project_id, request.name, request.kind, request.role, request.ttl_s
+        )
+        return iam_pb2.CreateTokenResponse(info=token_pb(rec), token=token)
+
+    async def ListTokens(
+        self, request: iam_pb2.ListTokensRequest, context: Any
+    ) -> iam_pb2.ListTokensResponse:
+        who = await self._caller(context)
+        recs = await self.iam.list_tokens(who, request.project_id, request.include_revoked)
+        return iam_pb2.ListTokensResponse(tokens=[token_pb(r) for r in recs])
+
+    async def RevokeToken(
+        self, request: iam_pb2.RevokeTokenRequest, context: Any
+    ) -> iam_pb2.RevokeTokenResponse:
+        who = await self._caller(context)
+        await self.iam.revoke_token(who, request.token_id)
+        return iam_pb2.RevokeTokenResponse()
+
+    async def ReserveQuota(
+        self, request: iam_pb2.ReserveQuotaRequest, context: Any
+    ) -> iam_pb2.ReserveQuotaResponse:
+        if not request.sandbox_id or not request.project_id:
+            raise InvalidArgument("sandbox_id and project_id are required")
+        fresh = await self.iam.reserve(
+            Reservation(
+                request.sandbox_id,
+                request.project_id,
+                types_pb2.Backend.Name(request.backend),
+                request.cpu_millis,
+                request.memory_mb,
+                request.edge_id,
+            )
+        )
+        return iam_pb2.ReserveQuotaResponse(already_reserved=not fresh)
+
+    async def ReleaseQuota(
+        self, request: iam_pb2.ReleaseQuotaRequest, context: Any
+    ) -> iam_pb2.ReleaseQuotaResponse:
+        return iam_pb2.ReleaseQuotaResponse(
+            released=await self.iam.release(list(request.sandbox_ids))
+        )
+
+    async def ReconcileQuota(
+        self, request: iam_pb2.ReconcileQuotaRequest, context: Any
+    ) -> iam_pb2.ReconcileQuotaResponse:
+        if not request.edge_id:
+            raise InvalidArgument("edge_id is required")
+        as_of = from_ts(request.as_of) or 0.0
+        n = await self.iam.reconcile(request.edge_id, set(request.live_sandbox_ids), as_of)
+        return iam_pb2.ReconcileQuotaResponse(released=n)
+
+    async def GetUsage(
+        self, request: iam_pb2.GetUsageRequest, context: Any
+    ) -> iam_pb2.GetUsageResponse:
+        who = await self._caller(context)
+        p = project_pb(await self.iam.get_project(who, request.project_id))
+        return iam_pb2.GetUsageResponse(usage=p.usage, quota=p.quota)

@@ -1,0 +1,62 @@
+"""libdsec: the Python SDK of dsec, an elastic sandbox platform for agentic RL.
+
+    from libdsec import Client, NetworkPolicy
+
+    with Client() as dsec:                       # the local cluster (`dsec up`) by default
+        with dsec.create(image="bookworm", cpu=1, memory_mb=1024, idle_timeout_s=300) as sb:
+            r = sb.run("python3 -c 'print(6*7)'")
+            print(r.exit_code, r.text)
+
+Errors are classes of :mod:`libdsec.errors` (root :class:`DSecError`), each
+bound to one gRPC status code and a stable ``reason``.
+"""
+
+from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec.errors import DSecError
+from libdsec.sync import Client, Files, Process, Sandbox, Session
+from libdsec.types import (
+    ExecInfo,
+    ExecResult,
+    Exited,
+    ExitStatus,
+    FileInfo,
+    HttpResponse,
+    NetworkPolicy,
+    NewToken,
+    Output,
+    Principal,
+    Project,
+    Quota,
+    SandboxInfo,
+    Started,
+    TokenInfo,
+)
+
+__all__ = [
+    "AsyncClient",
+    "AsyncFiles",
+    "AsyncProcess",
+    "AsyncSandbox",
+    "AsyncSession",
+    "Client",
+    "DSecError",
+    "ExecInfo",
+    "ExecResult",
+    "ExitStatus",
+    "Exited",
+    "FileInfo",
+    "Files",
+    "HttpResponse",
+    "NetworkPolicy",
+    "NewToken",
+    "Output",
+    "Principal",
+    "Process",
+    "Project",
+    "Quota",
+    "Sandbox",
+    "SandboxInfo",
+    "Session",
+    "Started",
+    "TokenInfo",
+]

@@ -1,0 +1,309 @@
+"""The synchronous SDK: :class:`Client` and :class:`Sandbox`.
+
+It runs an :class:`~libdsec.aio.AsyncClient` on a private event loop thread,
+so the two clients share one implementation (timeouts, keepalives, retries,
+error mapping) and cannot drift apart.
+
+    from libdsec import Client
+
+    with Client() as dsec:                         # the local cluster by default
+        with dsec.create(image="bookworm", cpu=1, memory_mb=512) as sb:
+            r = sb.run("python3 -c 'print(6*7)'")
+            assert r.exit_code == 0 and r.text == "42\\n"
+            sb.files.write("/work/a.txt", "hello")
+            for ev in sb.stream("for i in 1 2 3; do echo $i; sleep 0.1; done"):
+                print(ev)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import IO, Any, TypeVar
+
+from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec.errors import DSecError
+from libdsec.types import (
+    ExecEvent,
+    ExecInfo,
+    ExecResult,
+    FileInfo,
+    HttpResponse,
+    NewToken,
+    Principal,
+    Project,
+    Quota,
+    SandboxInfo,
+    TokenInfo,
+)
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """An event loop on a daemon thread; sync calls submit coroutines to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="libdsec-loop", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self.run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(agen.aclose())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+class Client:
+    """Synchronous connection to a dsec cluster. Same arguments as :class:`AsyncClient`."""
+
+    def __init__(
+        self, target: str | None = None, *, token: str | None = None, timeout: float = 30.0
+    ) -> None:
+        self._loop = _Loop()
+        try:
+            self._async = self._loop.run(self._make(target, token, timeout))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @staticmethod
+    async def _make(target: str | None, token: str | None, timeout: float) -> AsyncClient:
+        return AsyncClient(target, token=token, timeout=timeout)  # the channel binds to this loop
+
+    @property
+    def target(self) -> str:
+        return self._async.target
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.loop.is_running():
+            self._loop.run(self._async.close())
+            self._loop.close()
+
+    def whoami(self, **kw: Any) -> Principal:
+        return self._loop.run(self._async.whoami(**kw))
+
+    def create(self, **options: Any) -> Sandbox:
+        """See :meth:`AsyncClient.create`. The sandbox is a context manager that stops on exit."""
+        return Sandbox(self, self._loop.run(self._async.create(**options)))
+
+    def create_many(self, count: int | None = None, **options: Any) -> list[Sandbox | DSecError]:
+        out = self._loop.run(self._async.create_many(count, **options))
+        return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
+
+    def get(self, sandbox_id: str, **kw: Any) -> Sandbox:
+        """Reattaches to an existing sandbox (e.g. one created by another process)."""
+        return Sandbox(self, self._loop.run(self._async.get(sandbox_id, **kw)))
+
+    def list(self, **kw: Any) -> list[SandboxInfo]:
+        return self._loop.run(self._async.list(**kw))
+
+    def stop_all(self, **kw: Any) -> list[str]:
+        return self._loop.run(self._async.stop_all(**kw))
+
+    def create_project(self, name: str, **kw: Any) -> Project:
+        return self._loop.run(self._async.create_project(name, **kw))
+
+    def get_project(self, project_id: str = "", **kw: Any) -> Project:
+        return self._loop.run(self._async.get_project(project_id, **kw))
+
+    def list_projects(self, parent: str = "", **kw: Any) -> list[Project]:
+        return self._loop.run(self._async.list_projects(parent, **kw))
+
+    def set_quota(self, project_id: str, quota: Quota, **kw: Any) -> Project:
+        return self._loop.run(self._async.set_quota(project_id, quota, **kw))
+
+    def delete_project(self, project_id: str, **kw: Any) -> None:
+        self._loop.run(self._async.delete_project(project_id, **kw))
+
+    def create_token(self, name: str, **kw: Any) -> NewToken:
+        return self._loop.run(self._async.create_token(name, **kw))
+
+    def list_tokens(self, project: str = "", **kw: Any) -> list[TokenInfo]:
+        return self._loop.run(self._async.list_tokens(project, **kw))
+
+    def revoke_token(self, token_id: str, **kw: Any) -> None:
+        self._loop.run(self._async.revoke_token(token_id, **kw))
+
+
+class Process:
+    """A background command (see :meth:`Sandbox.start`)."""
+
+    def __init__(self, client: Client, proc: AsyncProcess) -> None:
+        self._c = client
+        self._p = proc
+
+    @property
+    def exec_id(self) -> str:
+        return self._p.exec_id
+
+    @property
+    def pid(self) -> int:
+        return self._p.pid
+
+    def wait(self, timeout_s: float | None = None) -> ExecInfo:
+        return self._c._loop.run(self._p.wait(timeout_s))
+
+    def kill(self, signal: int = 9) -> bool:
+        return self._c._loop.run(self._p.kill(signal))
+
+    def attach(self, **kw: Any) -> Iterator[ExecEvent]:
+        return self._c._loop.iterate(self._p.attach(**kw))
+
+
+class Session:
+    """A persistent shell session (see :meth:`Sandbox.session`)."""
+
+    def __init__(self, client: Client, session: AsyncSession) -> None:
+        self._c = client
+        self._s = session
+
+    @property
+    def session_id(self) -> str:
+        return self._s.session_id
+
+    def run(self, cmd: str, **kw: Any) -> ExecResult:
+        return self._c._loop.run(self._s.run(cmd, **kw))
+
+    def stream(self, cmd: str, **kw: Any) -> Iterator[ExecEvent]:
+        return self._c._loop.iterate(self._s.stream(cmd, **kw))
+
+    def close(self) -> None:
+        self._c._loop.run(self._s.close())
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Files:
+    """Filesystem operations inside a sandbox (see :class:`AsyncFiles`)."""
+
+    def __init__(self, client: Client, files: AsyncFiles) -> None:
+        self._c = client
+        self._f = files
+
+    def read(self, path: str, **kw: Any) -> bytes:
+        return self._c._loop.run(self._f.read(path, **kw))
+
+    def write(self, path: str, data: bytes | str, **kw: Any) -> FileInfo:
+        return self._c._loop.run(self._f.write(path, data, **kw))
+
+    def list(self, path: str, **kw: Any) -> list[FileInfo]:
+        return self._c._loop.run(self._f.list(path, **kw))
+
+    def stat(self, path: str, **kw: Any) -> FileInfo:
+        return self._c._loop.run(self._f.stat(path, **kw))
+
+    def exists(self, path: str) -> bool:
+        return self._c._loop.run(self._f.exists(path))
+
+    def mkdir(self, path: str, **kw: Any) -> FileInfo:
+        return self._c._loop.run(self._f.mkdir(path, **kw))
+
+    def remove(self, path: str, **kw: Any) -> None:
+        self._c._loop.run(self._f.remove(path, **kw))
+
+    def move(self, source: str, destination: str, **kw: Any) -> FileInfo:
+        return self._c._loop.run(self._f.move(source, destination, **kw))
+
+    def chmod(self, path: str, mode: int) -> FileInfo:
+        return self._c._loop.run(self._f.chmod(path, mode))
+
+    def upload(self, source: Any, path: str, **kw: Any) -> FileInfo:
+        return self._c._loop.run(self._f.upload(source, path, **kw))
+
+    def download(self, path: str, destination: str | IO[bytes] | Any) -> int:
+        return self._c._loop.run(self._f.download(path, destination))
+
+    def iter_download(self, path: str, **kw: Any) -> Iterator[bytes]:
+        return self._c._loop.iterate(self._f.iter_download(path, **kw))
+
+
+class Sandbox:
+    """A sandbox (see :class:`AsyncSandbox` for every method's contract)."""
+
+    def __init__(self, client: Client, sandbox: AsyncSandbox) -> None:
+        self._c = client
+        self._s = sandbox
+        self.files = Files(client, sandbox.files)
+
+    @property
+    def id(self) -> str:
+        return self._s.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self._s.info
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.state}>"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._c._loop.run(self._s.__aexit__(None, None, None))
+
+    def refresh(self) -> SandboxInfo:
+        return self._c._loop.run(self._s.refresh())
+
+    def run(self, cmd: str | list[str], **kw: Any) -> ExecResult:
+        return self._c._loop.run(self._s.run(cmd, **kw))
+
+    def stream(self, cmd: str | list[str], **kw: Any) -> Iterator[ExecEvent]:
+        return self._c._loop.iterate(self._s.stream(cmd, **kw))
+
+    def start(self, cmd: str | list[str], **kw: Any) -> Process:
+        return Process(self._c, self._c._loop.run(self._s.start(cmd, **kw)))
+
+    def process(self, exec_id: str) -> Process:
+        return Process(self._c, self._c._loop.run(self._s.process(exec_id)))
+
+    def processes(self) -> list[ExecInfo]:
+        return self._c._loop.run(self._s.processes())
+
+    def session(self, **kw: Any) -> Session:
+        return Session(self._c, self._c._loop.run(self._s.session(**kw)))
+
+    def http(self, port: int, path: str = "/", **kw: Any) -> HttpResponse:
+        return self._c._loop.run(self._s.http(port, path, **kw))
+
+    def stop(self, **kw: Any) -> SandboxInfo:
+        return self._c._loop.run(self._s.stop(**kw))
+
+    def pause(self) -> SandboxInfo:
+        return self._c._loop.run(self._s.pause())
+
+    def resume(self) -> SandboxInfo:
+        return self._c._loop.run(self._s.resume())
+
+    def delete(self) -> None:
+        self._c._loop.run(self._s.delete())
+
+
+__all__ = ["Client", "Files", "Process", "Sandbox", "Session"]

@@ -1,0 +1,388 @@
+"""Typed results of the SDK (dataclasses, not protobuf messages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from dsec.iam.v1 import iam_pb2
+from dsec.types.v1 import types_pb2
+
+
+def _dt(ts: Any) -> datetime | None:
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=UTC)
+
+
+def _enum(enum: Any, value: int, prefix: str) -> str:
+    return str(enum.Name(value)).removeprefix(prefix)
+
+
+@dataclass(frozen=True)
+class Principal:
+    principal_id: str
+    name: str
+    kind: str  # HUMAN, AGENT, SERVICE
+    role: str  # ADMIN, MEMBER
+    project_id: str
+    expires_at: datetime | None = None
+
+    @classmethod
+    def from_pb(cls, p: iam_pb2.Principal) -> Principal:
+        return cls(
+            p.principal_id,
+            p.name,
+            _enum(iam_pb2.PrincipalKind, p.kind, "PRINCIPAL_KIND_"),
+            _enum(iam_pb2.Role, p.role, "ROLE_"),
+            p.project_id,
+            _dt(p.expires_at),
+        )
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Limits of a project subtree; 0 = no limit of its own."""
+
+    cpu_millis: int = 0
+    memory_mb: int = 0
+    sandboxes: int = 0
+    sandboxes_by_backend: dict[str, int] = field(default_factory=dict)
+
+    def to_pb(self) -> iam_pb2.Quota:
+        return iam_pb2.Quota(
+            cpu_millis=self.cpu_millis,
+            memory_mb=self.memory_mb,
+            sandboxes=self.sandboxes,
+            sandboxes_by_backend={_backend_key(k): v for k, v in self.sandboxes_by_backend.items()},
+        )
+
+    @classmethod
+    def from_pb(cls, q: Any) -> Quota:
+        return cls(
+            q.cpu_millis,
+            q.memory_mb,
+            q.sandboxes,
+            {k.removeprefix("BACKEND_").lower(): v for k, v in q.sandboxes_by_backend.items()},
+        )
+
+
+def _backend_key(name: str) -> str:
+    return "BACKEND_" + name.upper().removeprefix("BACKEND_")
+
+
+@dataclass(frozen=True)
+class Project:
+    project_id: str
+    parent_id: str
+    quota: Quota
+    usage: Quota
+    created_at: datetime | None
+
+    @classmethod
+    def from_pb(cls, p: iam_pb2.Project) -> Project:
+        return cls(
+            p.project_id,
+            p.parent_id,
+            Quota.from_pb(p.quota),
+            Quota.from_pb(p.usage),
+            _dt(p.created_at),
+        )
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token_id: str
+    name: str
+    project_id: str
+    kind: str
+    role: str
+    created_at: datetime | None
+    expires_at: datetime | None
+    revoked: bool
+
+    @classmethod
+    def from_pb(cls, t: iam_pb2.TokenInfo) -> TokenInfo:
+        return cls(
+            t.token_id,
+            t.name,
+            t.project_id,
+            _enum(iam_pb2.PrincipalKind, t.kind, "PRINCIPAL_KIND_"),
+            _enum(iam_pb2.Role, t.role, "ROLE_"),
+            _dt(t.created_at),
+            _dt(t.expires_at),
+            t.revoked,
+        )
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A freshly created token: ``secret`` is shown only once."""
+
+    info: TokenInfo
+    secret: str
+
+
+@dataclass(frozen=True)
+class NetworkPolicy:
+    """Egress policy. Rules are ``"host[:port[-port]][/tcp|/udp]"`` strings;
+    a host is an IP, a CIDR, or a domain name. Deny wins over allow.
+
+    ``NetworkPolicy()`` = no network; ``NetworkPolicy(allow=["pypi.org:443"])``
+    = only that; ``NetworkPolicy(open=True, deny=["registry.npmjs.org"])`` =
+    everything but that.
+    """
+
+    allow: list[str] = field(default_factory=list)
+    deny: list[str] = field(default_factory=list)
+    open: bool = False
+
+    def to_pb(self) -> types_pb2.NetworkPolicy:
+        if self.open:
+            mode = types_pb2.NETWORK_MODE_OPEN
+        elif self.allow:
+            mode = types_pb2.NETWORK_MODE_ALLOWLIST
+        else:
+            mode = types_pb2.NETWORK_MODE_NONE
+        return types_pb2.NetworkPolicy(
+            mode=mode,
+            allow=[parse_rule(r) for r in self.allow],
+            deny=[parse_rule(r) for r in self.deny],
+        )
+
+
+def parse_rule(text: str) -> types_pb2.NetworkRule:
+    """``"pypi.org:443/tcp"`` -> NetworkRule. Validation happens on the server."""
+    proto = types_pb2.PROTOCOL_UNSPECIFIED
+    body = text.strip()
+    if body.endswith("/tcp"):
+        proto, body = types_pb2.PROTOCOL_TCP, body[:-4]
+    elif body.endswith("/udp"):
+        proto, body = types_pb2.PROTOCOL_UDP, body[:-4]
+    host, port_min, port_max = body, 0, 0
+    if body.startswith("["):  # [v6]:port
+        end = body.find("]")
+        host, rest = body[1:end], body[end + 1 :]
+        ports = rest[1:] if rest.startswith(":") else ""
+    elif body.count(":") == 1:
+        host, ports = body.split(":")
+    else:
+        ports = ""
+    if ports:
+        lo, _, hi = ports.partition("-")
+        port_min = int(lo) if lo.isdigit() else 0
+        port_max = int(hi) if hi.isdigit() else port_min
+        if not lo.isdigit():
+            port_min = port_max = 100_000  # out of range on purpose: the server names the bad rule
+    return types_pb2.NetworkRule(target=host, port_min=port_min, port_max=port_max, protocol=proto)
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    id: str
+    project_id: str
+    state: str  # PENDING, STARTING, RUNNING, PAUSED, STOPPING, TERMINATED
+    backend: str
+    image: str
+    edge_id: str
+    labels: dict[str, str]
+    task_id: str
+    created_at: datetime | None
+    expires_at: datetime | None
+    termination_reason: str | None  # STOPPED, TTL, IDLE, OOM, CHANNEL_CLOSED, RUNTIME_ERROR, ...
+    termination_message: str
+    violations: dict[str, int]
+
+    @classmethod
+    def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
+        reason = None
+        if s.HasField("termination") and s.termination.reason:
+            reason = _enum(types_pb2.TerminationReason, s.termination.reason, "TERMINATION_REASON_")
+        return cls(
+            id=s.id,
+            project_id=s.project_id,
+            state=_enum(types_pb2.SandboxState, s.state, "SANDBOX_STATE_"),
+            backend=_enum(types_pb2.Backend, s.spec.backend, "BACKEND_").lower(),
+            image=s.spec.image,
+            edge_id=s.edge_id,
+            labels=dict(s.spec.labels),
+            task_id=s.spec.task_id,
+            created_at=_dt(s.created_at),
+            expires_at=_dt(s.expires_at),
+            termination_reason=reason,
+            termination_message=s.termination.message,
+            violations={
+                "blocked_connects": s.violations.blocked_connects,
+                "denied_file_accesses": s.violations.denied_file_accesses,
+                "output_truncations": s.violations.output_truncations,
+            },
+        )
+
+    @property
+    def terminated(self) -> bool:
+        return self.state == "TERMINATED"
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    exit_code: int
+    signal: int
+    timed_out: bool
+    duration_s: float
+    stdout_truncated: bool
+    stderr_truncated: bool
+    error: str
+
+    @classmethod
+    def from_pb(cls, e: types_pb2.ExitStatus) -> ExitStatus:
+        return cls(
+            e.exit_code,
+            e.signal,
+            e.timed_out,
+            e.duration_s,
+            e.stdout_truncated,
+            e.stderr_truncated,
+            e.error,
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of :meth:`Sandbox.run`. A timeout is ``timed_out=True``, never an exception."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    timed_out: bool
+    truncated: bool
+    signal: int
+    exec_id: str
+    error: str = ""
+
+    @classmethod
+    def from_pb(cls, r: types_pb2.ExecResult) -> ExecResult:
+        e = r.exit
+        return cls(
+            e.exit_code,
+            r.stdout,
+            r.stderr,
+            e.duration_s,
+            e.timed_out,
+            e.stdout_truncated or e.stderr_truncated,
+            e.signal,
+            r.exec_id,
+            e.error,
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (errors replaced)."""
+        return self.stdout.decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class Started:
+    exec_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+    offset: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    status: ExitStatus
+
+
+ExecEvent = Started | Output | Exited
+
+
+def event_from_pb(ev: types_pb2.ExecEvent) -> ExecEvent | None:
+    kind = ev.WhichOneof("event")
+    if kind == "started":
+        return Started(ev.started.exec_id, ev.started.pid)
+    if kind in ("stdout", "stderr"):
+        chunk = getattr(ev, kind)
+        return Output(kind, chunk.data, chunk.offset)
+    if kind == "exit":
+        return Exited(ExitStatus.from_pb(ev.exit))
+    return None  # keepalive
+
+
+@dataclass(frozen=True)
+class ExecInfo:
+    exec_id: str
+    command: str
+    running: bool
+    pid: int
+    exit: ExitStatus | None
+    session_id: str
+
+    @classmethod
+    def from_pb(cls, i: types_pb2.ExecInfo) -> ExecInfo:
+        running = i.status == types_pb2.EXEC_STATUS_RUNNING
+        return cls(
+            i.exec_id,
+            i.command,
+            running,
+            i.pid,
+            None if running else ExitStatus.from_pb(i.exit),
+            i.session_id,
+        )
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    type: str  # REGULAR, DIRECTORY, SYMLINK, OTHER
+    size: int
+    mode: int
+    modified_at: datetime | None
+    symlink_target: str
+
+    @classmethod
+    def from_pb(cls, f: types_pb2.FileInfo) -> FileInfo:
+        return cls(
+            f.path,
+            _enum(types_pb2.FileType, f.type, "FILE_TYPE_"),
+            f.size_bytes,
+            f.mode,
+            _dt(f.modified_at),
+            f.symlink_target,
+        )
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "DIRECTORY"
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    truncated: bool
+
+    @classmethod
+    def from_pb(cls, r: types_pb2.HttpResponse) -> HttpResponse:
+        return cls(r.status, [(h.name, h.value) for h in r.headers], r.body, r.truncated)
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None

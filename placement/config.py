@@ -1,0 +1,28 @@
+"""Placement configuration (DSEC_PLACEMENT_*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import ConfigError, ServiceConfig
+
+
+@dataclass(frozen=True)
+class PlacementConfig(ServiceConfig):
+    listen: str = "127.0.0.1:7102"
+    watcher: str = "127.0.0.1:7103"
+    #: Power-of-k: how many random eligible edges are compared.
+    k: int = 2
+    #: Candidates returned per item (the caller retries down the list on rejection).
+    max_candidates: int = 3
+    #: On-prem allocation ratio past which eligible requests go to cloud edges.
+    burst_threshold: float = 0.8
+    #: How long the last snapshot may be used while the watcher is unreachable.
+    snapshot_max_age_s: float = 60.0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.k < 1 or self.max_candidates < 1:
+            raise ConfigError("k and max_candidates must be >= 1")
+        if not 0 < self.burst_threshold <= 1:
+            raise ConfigError("DSEC_PLACEMENT_BURST_THRESHOLD must be in (0, 1]")

@@ -1,0 +1,1 @@
+"""Watcher: probes every edge, keeps health and sandbox counts for placement. No durable state."""

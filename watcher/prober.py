@@ -1,0 +1,66 @@
+"""Probes every registered edge on an interval, each with a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.channels import open_channel
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+from watcher.view import ClusterView
+
+log = logging.getLogger(__name__)
+
+
+class Prober:
+    def __init__(self, view: ClusterView, interval_s: float, timeout_s: float) -> None:
+        self.view = view
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+
+    def _stub(self, edge_id: str, address: str) -> edge_pb2_grpc.EdgeServiceStub:
+        cached = self._channels.get(edge_id)
+        if cached is None or cached[0] != address:
+            if cached is not None:
+                asyncio.get_running_loop().create_task(cached[1].close())
+            cached = (address, open_channel(address, "watcher"))
+            self._channels[edge_id] = cached
+        return edge_pb2_grpc.EdgeServiceStub(cached[1])
+
+    async def probe(self, edge_id: str) -> None:
+        entry = self.view.edges.get(edge_id)
+        if entry is None:
+            return
+        stub = self._stub(edge_id, entry.info.address)
+        start = time.perf_counter()
+        try:
+            resp = await stub.GetNodeStatus(edge_pb2.GetNodeStatusRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.view.probe_failed(edge_id, f"{exc.code().name}: {exc.details()}")
+            return
+        self.view.probe_ok(
+            edge_id,
+            resp.load,
+            dict(resp.sandboxes_by_project),
+            dict(resp.sandboxes_by_task),
+            resp.draining,
+            (time.perf_counter() - start) * 1000,
+        )
+
+    async def run(self) -> None:
+        try:
+            while True:
+                started = time.monotonic()
+                edges = list(self.view.edges)
+                if edges:
+                    await asyncio.gather(*(self.probe(e) for e in edges))
+                for gone in set(self._channels) - set(self.view.edges):
+                    await self._channels.pop(gone)[1].close()
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        finally:
+            for _, ch in self._channels.values():
+                await ch.close()

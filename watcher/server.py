@@ -1,0 +1,23 @@
+"""Composition root of the watcher."""
+
+from __future__ import annotations
+
+from common.config import load
+from common.grpc_server import GrpcServer
+from common.telemetry import setup_logging, setup_tracing
+from dsec.watcher.v1 import watcher_pb2  # noqa: F401  (registers the service descriptor)
+from watcher.config import WatcherConfig
+from watcher.prober import Prober
+from watcher.servicer import WatcherServicer
+from watcher.view import ClusterView
+
+
+async def main() -> None:
+    cfg = load(WatcherConfig, "WATCHER")
+    setup_logging("watcher", cfg.log_level, cfg.log_format)
+    setup_tracing("watcher", cfg.otlp_endpoint)
+    view = ClusterView(cfg.unhealthy_after, cfg.forget_after_s)
+    server = GrpcServer("watcher", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    server.add(WatcherServicer(view, cfg.reregister_interval_s), "dsec.watcher.v1.WatcherService")
+    server.background(Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s).run)
+    await server.run()

@@ -1,0 +1,96 @@
+"""gRPC adapter of the watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.convert import ts
+from common.ids import EDGE_ID
+from dsec.types.v1 import types_pb2
+from dsec.watcher.v1 import watcher_pb2
+from libdsec.errors import InvalidArgument, NotFound
+from watcher.view import ClusterView, EdgeEntry
+
+
+def edge_status_pb(e: EdgeEntry) -> watcher_pb2.EdgeStatus:
+    return watcher_pb2.EdgeStatus(
+        info=e.info,
+        health=watcher_pb2.EdgeHealth.Value("EDGE_HEALTH_" + e.health),  # type: ignore[arg-type]
+        load=e.load,
+        last_probe_at=ts(e.last_probe_at or None),
+        consecutive_failures=e.consecutive_failures,
+        last_error=e.last_error,
+        probe_latency_ms=e.probe_latency_ms,
+    )
+
+
+def snapshot_pb(view: ClusterView) -> watcher_pb2.ClusterSnapshot:
+    by_project, by_task = view.totals()
+    return watcher_pb2.ClusterSnapshot(
+        version=view.version,
+        edges=[edge_status_pb(e) for e in sorted(view.edges.values(), key=lambda e: e.edge_id)],
+        sandboxes_by_project=by_project,
+        sandboxes_by_task=by_task,
+        taken_at=ts(time.time()),
+    )
+
+
+class WatcherServicer:
+    def __init__(self, view: ClusterView, reregister_interval_s: int) -> None:
+        self.view = view
+        self.reregister_interval_s = reregister_interval_s
+
+    async def RegisterEdge(
+        self, request: watcher_pb2.RegisterEdgeRequest, context: Any
+    ) -> watcher_pb2.RegisterEdgeResponse:
+        info = request.info
+        if not EDGE_ID.match(info.edge_id):
+            raise InvalidArgument(f"edge_id {info.edge_id!r} must match [a-z0-9]{{1,16}}")
+        if not info.address:
+            raise InvalidArgument("address is required")
+        self.view.register(info.edge_id, info)
+        return watcher_pb2.RegisterEdgeResponse(reregister_interval_s=self.reregister_interval_s)
+
+    async def GetClusterSnapshot(
+        self, request: watcher_pb2.GetClusterSnapshotRequest, context: Any
+    ) -> watcher_pb2.GetClusterSnapshotResponse:
+        return watcher_pb2.GetClusterSnapshotResponse(snapshot=snapshot_pb(self.view))
+
+    async def WatchCluster(
+        self, request: watcher_pb2.WatchClusterRequest, context: Any
+    ) -> AsyncIterator[watcher_pb2.WatchClusterResponse]:
+        interval = (request.keepalive_interval_ms or 5000) / 1000
+        q = self.view.subscribe()
+        try:
+            yield watcher_pb2.WatchClusterResponse(
+                snapshot=snapshot_pb(self.view), version=self.view.version
+            )
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(q.get(), timeout=interval)
+                except TimeoutError:
+                    yield watcher_pb2.WatchClusterResponse(
+                        keepalive=types_pb2.Keepalive(at=ts(time.time())), version=self.view.version
+                    )
+                    continue
+                if kind == "removed":
+                    yield watcher_pb2.WatchClusterResponse(
+                        edge_removed=payload, version=self.view.version
+                    )
+                else:
+                    yield watcher_pb2.WatchClusterResponse(
+                        edge_changed=edge_status_pb(payload), version=self.view.version
+                    )
+        finally:
+            self.view.unsubscribe(q)
+
+    async def GetEdgeHealth(
+        self, request: watcher_pb2.GetEdgeHealthRequest, context: Any
+    ) -> watcher_pb2.GetEdgeHealthResponse:
+        entry = self.view.edges.get(request.edge_id)
+        if entry is None:
+            raise NotFound(f"edge {request.edge_id} is not known", reason="EDGE_NOT_FOUND")
+        return watcher_pb2.GetEdgeHealthResponse(status=edge_status_pb(entry))

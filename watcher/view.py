@@ -1,0 +1,114 @@
+"""The watcher's view of the cluster: edges, their health and load.
+
+Rebuilt from registrations and probes; nothing is persisted, so a restarted
+watcher is whole again within one re-registration interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EdgeEntry:
+    edge_id: str
+    info: Any  # dsec.types.v1.EdgeInfo as last registered (opaque to the view)
+    registered_at: float
+    health: str = "HEALTHY"  # HEALTHY, UNHEALTHY, DRAINING
+    load: Any = None  # dsec.types.v1.EdgeLoad of the last good probe
+    by_project: dict[str, int] = field(default_factory=dict)
+    by_task: dict[str, int] = field(default_factory=dict)
+    last_probe_at: float = 0.0
+    last_ok_at: float = 0.0
+    consecutive_failures: int = 0
+    last_error: str = ""
+    probe_latency_ms: float = 0.0
+
+
+class ClusterView:
+    def __init__(self, unhealthy_after: int, forget_after_s: float) -> None:
+        self.edges: dict[str, EdgeEntry] = {}
+        self.version = 0
+        self.unhealthy_after = unhealthy_after
+        self.forget_after_s = forget_after_s
+        self._subscribers: set[asyncio.Queue[tuple[str, Any]]] = set()
+
+    def _publish(self, kind: str, payload: Any) -> None:
+        self.version += 1
+        for q in list(self._subscribers):
+            try:
+                q.put_nowait((kind, payload))
+            except asyncio.QueueFull:
+                self._subscribers.discard(q)
+
+    def register(self, edge_id: str, info: Any) -> EdgeEntry:
+        now = time.time()
+        entry = self.edges.get(edge_id)
+        if entry is None:
+            entry = self.edges[edge_id] = EdgeEntry(edge_id, info, now, last_ok_at=now)
+        else:
+            entry.info = info
+            entry.registered_at = now
+        self._publish("changed", entry)
+        return entry
+
+    def probe_ok(
+        self,
+        edge_id: str,
+        load: Any,
+        by_project: dict[str, int],
+        by_task: dict[str, int],
+        draining: bool,
+        latency_ms: float,
+    ) -> None:
+        entry = self.edges.get(edge_id)
+        if entry is None:
+            return
+        now = time.time()
+        before = (entry.health, entry.load)
+        entry.load = load
+        entry.by_project = by_project
+        entry.by_task = by_task
+        entry.last_probe_at = entry.last_ok_at = now
+        entry.consecutive_failures = 0
+        entry.last_error = ""
+        entry.probe_latency_ms = latency_ms
+        entry.health = "DRAINING" if draining else "HEALTHY"
+        if (entry.health, entry.load) != before:
+            self._publish("changed", entry)
+
+    def probe_failed(self, edge_id: str, error: str) -> None:
+        entry = self.edges.get(edge_id)
+        if entry is None:
+            return
+        now = time.time()
+        entry.last_probe_at = now
+        entry.consecutive_failures += 1
+        entry.last_error = error
+        if entry.consecutive_failures >= self.unhealthy_after and entry.health != "UNHEALTHY":
+            entry.health = "UNHEALTHY"
+            self._publish("changed", entry)
+        if now - max(entry.last_ok_at, entry.registered_at) > self.forget_after_s:
+            del self.edges[edge_id]
+            self._publish("removed", edge_id)
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        by_project: dict[str, int] = {}
+        by_task: dict[str, int] = {}
+        for e in self.edges.values():
+            for k, v in e.by_project.items():
+                by_project[k] = by_project.get(k, 0) + v
+            for k, v in e.by_task.items():
+                by_task[k] = by_task.get(k, 0) + v
+        return by_project, by_task
+
+    def subscribe(self) -> asyncio.Queue[tuple[str, Any]]:
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=10_000)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[tuple[str, Any]]) -> None:
+        self._subscribers.discard(q)
