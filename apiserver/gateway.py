@@ -241,7 +241,7 @@ class Gateway:
         except Exception as exc:  # reconciliation will release it later
             log.warning("quota release of %s failed: %s", sandbox_ids, exc)
 
-    async def _report(self, edge_id: str, spec: types_pb2.SandboxSpec, outcome: int) -> None:
+    async def _report(self, edge_id: str, spec: types_pb2.SandboxSpec, outcome: Any) -> None:
         try:
             await self.placement.ReportOutcome(
                 placement_pb2.ReportOutcomeRequest(

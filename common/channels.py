@@ -16,7 +16,7 @@ from common.telemetry import client_interceptors
 
 DEFAULT_DEADLINE_S = 10.0
 
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS: list[tuple[str, str | int]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 20_000),
@@ -55,7 +55,7 @@ def open_channel(
     ``retry_services`` lists fully-qualified services whose every method is
     idempotent, e.g. ``["dsec.watcher.v1.WatcherService"]``.
     """
-    options = list(CHANNEL_OPTIONS)
+    options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
     if retry_services:
         options.append(("grpc.service_config", retry_service_config(retry_services)))
     return grpc.aio.insecure_channel(

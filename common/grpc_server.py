@@ -23,7 +23,7 @@ import inspect
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -310,7 +310,7 @@ class GrpcServer:
                     log.exception("%s: error while closing", self.name)
 
 
-def run_service(main: Callable[[], Awaitable[None]]) -> None:
+def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs a service's async main on a uvloop event loop."""
     import uvloop
 

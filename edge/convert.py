@@ -12,7 +12,7 @@ _DEFAULTS = SandboxSpec()
 
 
 def backend_name(value: int) -> str:
-    return types_pb2.Backend.Name(value).removeprefix("BACKEND_")
+    return types_pb2.Backend.Name(value).removeprefix("BACKEND_")  # type: ignore[arg-type]
 
 
 def spec_from_pb(spec: types_pb2.SandboxSpec) -> SandboxSpec:

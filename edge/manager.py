@@ -9,6 +9,8 @@ re-adoption of running sandboxes from on-disk records after a restart.
 from __future__ import annotations
 
 import asyncio
+import builtins
+import copy
 import logging
 import os
 import time
@@ -78,18 +80,17 @@ class SandboxManager:
         self._alloc_cpu = 0
         self._alloc_mem = 0
         self._alloc_gpu = 0
+        self._live = 0  # admitted and not yet terminated
         self.draining = False
 
     # ------------------------------------------------------------- queries
 
     def load(self) -> Load:
         by_backend: dict[str, int] = {}
-        n = 0
         for rec in self.records.values():
             if rec.live:
-                n += 1
                 by_backend[rec.spec.backend] = by_backend.get(rec.spec.backend, 0) + 1
-        return Load(n, self._alloc_cpu, self._alloc_mem, self._alloc_gpu, by_backend)
+        return Load(self._live, self._alloc_cpu, self._alloc_mem, self._alloc_gpu, by_backend)
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         rec = self.records.get(sandbox_id)
@@ -154,7 +155,7 @@ class SandboxManager:
 
     def _admit(self, spec: SandboxSpec) -> None:
         cap = self.capacity
-        live = sum(1 for r in self.records.values() if r.live)
+        live = self._live
         short = []
         if self.draining:
             short.append("edge is draining")
@@ -172,6 +173,7 @@ class SandboxManager:
             )
 
     def _allocate(self, spec: SandboxSpec, sign: int) -> None:
+        self._live += sign
         self._alloc_cpu += sign * spec.cpu_millis
         self._alloc_mem += sign * spec.memory_mb
         self._alloc_gpu += sign * spec.gpu_count
@@ -324,7 +326,7 @@ class SandboxManager:
 
     # -------------------------------------------------------------- reaper
 
-    async def reap_once(self, now: float | None = None) -> list[str]:
+    async def reap_once(self, now: float | None = None) -> builtins.list[str]:
         """Stops sandboxes past TTL or idle timeout; forgets old terminated records."""
         now = time.time() if now is None else now
         reaped = []
@@ -400,9 +402,12 @@ class SandboxManager:
     def _changed(self, rec: SandboxRecord) -> None:
         if self.backend_of(rec).persistent:
             self._persist(rec)
+        if not self._subscribers:
+            return
+        snapshot = copy.copy(rec)  # subscribers see the state as of this change
         for q in list(self._subscribers):
             try:
-                q.put_nowait(rec)
+                q.put_nowait(snapshot)
             except asyncio.QueueFull:
                 # A subscriber that cannot keep up is dropped, not waited on.
                 self._subscribers.discard(q)
@@ -424,7 +429,7 @@ class SandboxManager:
     def unsubscribe(self, q: asyncio.Queue[SandboxRecord]) -> None:
         self._subscribers.discard(q)
 
-    def live_ids(self) -> list[str]:
+    def live_ids(self) -> builtins.list[str]:
         return [r.sandbox_id for r in self.records.values() if r.state in LIVE_STATES]
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from libdsec.errors import AlreadyExists, FailedPrecondition, NotFound, QuotaExceeded
 
@@ -275,7 +276,7 @@ class SqliteIamStore:
     def get_token(self, token_id: str) -> TokenRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM tokens WHERE token_id=?", (token_id,)).fetchone()
-        return TokenRecord(*row[:8], bool(row[8])) if row else None
+        return _token(row) if row else None
 
     def list_tokens(self, project_id: str, include_revoked: bool) -> list[TokenRecord]:
         with self._lock:
@@ -283,7 +284,7 @@ class SqliteIamStore:
                 "SELECT * FROM tokens WHERE project_id=? AND (revoked=0 OR ?) ORDER BY created_at",
                 (project_id, int(include_revoked)),
             ).fetchall()
-        return [TokenRecord(*r[:8], bool(r[8])) for r in rows]
+        return [_token(r) for r in rows]
 
     def revoke_token(self, token_id: str) -> None:
         with self._tx() as db:
@@ -371,6 +372,10 @@ class SqliteIamStore:
                 (edge_id, older_than),
             ).fetchall()
         return [r[0] for r in rows]
+
+
+def _token(row: tuple[Any, ...]) -> TokenRecord:
+    return TokenRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], bool(row[8]))
 
 
 def _check_fits(rec: ProjectRecord, res: Reservation) -> None:

@@ -17,6 +17,7 @@ The synchronous :class:`libdsec.Client` wraps this one, so both behave the same.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -385,7 +386,7 @@ class AsyncClient:
         task_id: str = "",
         labels: Mapping[str, str] | None = None,
         timeout: float | None = 120.0,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Stops every sandbox of a task and/or with labels, across all edges; returns their ids."""
         resp = await _unary(
             self._sandboxes.StopSandboxes(
@@ -433,7 +434,7 @@ class AsyncClient:
 
     async def list_projects(
         self, parent: str = "", *, recursive: bool = False, timeout: float | None = None
-    ) -> list[Project]:
+    ) -> builtins.list[Project]:
         resp = await self._project_call(
             "ListProjects",
             iam_pb2.ListProjectsRequest(parent_id=parent, recursive=recursive),
@@ -477,7 +478,7 @@ class AsyncClient:
 
     async def list_tokens(
         self, project: str = "", *, include_revoked: bool = False, timeout: float | None = None
-    ) -> list[TokenInfo]:
+    ) -> builtins.list[TokenInfo]:
         resp = await self._project_call(
             "ListTokens",
             iam_pb2.ListTokensRequest(project_id=project, include_revoked=include_revoked),

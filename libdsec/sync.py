@@ -18,6 +18,7 @@ error mapping) and cannot drift apart.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import IO, Any, TypeVar
@@ -120,7 +121,7 @@ class Client:
     def list(self, **kw: Any) -> list[SandboxInfo]:
         return self._loop.run(self._async.list(**kw))
 
-    def stop_all(self, **kw: Any) -> list[str]:
+    def stop_all(self, **kw: Any) -> builtins.list[str]:
         return self._loop.run(self._async.stop_all(**kw))
 
     def create_project(self, name: str, **kw: Any) -> Project:
@@ -129,7 +130,7 @@ class Client:
     def get_project(self, project_id: str = "", **kw: Any) -> Project:
         return self._loop.run(self._async.get_project(project_id, **kw))
 
-    def list_projects(self, parent: str = "", **kw: Any) -> list[Project]:
+    def list_projects(self, parent: str = "", **kw: Any) -> builtins.list[Project]:
         return self._loop.run(self._async.list_projects(parent, **kw))
 
     def set_quota(self, project_id: str, quota: Quota, **kw: Any) -> Project:
@@ -141,7 +142,7 @@ class Client:
     def create_token(self, name: str, **kw: Any) -> NewToken:
         return self._loop.run(self._async.create_token(name, **kw))
 
-    def list_tokens(self, project: str = "", **kw: Any) -> list[TokenInfo]:
+    def list_tokens(self, project: str = "", **kw: Any) -> builtins.list[TokenInfo]:
         return self._loop.run(self._async.list_tokens(project, **kw))
 
     def revoke_token(self, token_id: str, **kw: Any) -> None:

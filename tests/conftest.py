@@ -1,0 +1,61 @@
+"""Shared fixtures: real dsec services as subprocesses, always stopped.
+
+``cluster`` (session) runs iam, watcher, placement, one null-runtime edge and
+an API server on Unix sockets under a temp dir. When a test that used it
+fails, the tail of every service's log is printed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsecctl.cluster import EdgeSpec, LocalCluster
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+def print_log_tails(cluster: LocalCluster, header: str) -> None:
+    print(f"\n===== {header}: service log tails =====")
+    for p in cluster.processes:
+        print(f"----- {p.name} ({p.log_path})")
+        print(cluster.log_tail(p, 40))
+
+
+def start_cluster(home: Path, **kw: object) -> LocalCluster:
+    c = LocalCluster(
+        home,
+        transport="unix",
+        log_level="DEBUG" if os.environ.get("DSEC_TEST_DEBUG") else "INFO",
+        **kw,
+    )  # type: ignore[arg-type]
+    c.start(timeout_s=60)
+    return c
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    home = tmp_path_factory.mktemp("cluster")
+    c = start_cluster(home, edges=[EdgeSpec(edge_id="nulla", runtime="null")])
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(autouse=True)
+def _log_tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for name in ("cluster", "container_cluster"):
+            if name in request.fixturenames:
+                print_log_tails(request.getfixturevalue(name), request.node.nodeid)

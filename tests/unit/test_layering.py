@@ -1,0 +1,75 @@
+"""Layering rules as tests: domain modules import no gRPC or generated code,
+and the SDK imports no server code (so it can ship alone)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DOMAIN_MODULES = [
+    "iam/domain.py",
+    "iam/store.py",
+    "placement/policy.py",
+    "watcher/view.py",
+    "edge/manager.py",
+    "edge/model.py",
+    "edge/backends.py",
+    *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "edge" / "runtime").glob("*.py"))],
+]
+SERVER_PACKAGES = {
+    "common",
+    "iam",
+    "apiserver",
+    "placement",
+    "watcher",
+    "edge",
+    "aether",
+    "chronus",
+    "dsecctl",
+}
+
+
+def imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("module", DOMAIN_MODULES)
+def test_domain_modules_import_no_grpc(module: str) -> None:
+    bad = {
+        m
+        for m in imports(ROOT / module)
+        if m == "grpc" or m.startswith(("grpc.", "dsec.", "google.protobuf"))
+    }
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_sdk_imports_no_server_code() -> None:
+    for path in (ROOT / "libdsec").rglob("*.py"):
+        bad = {m for m in imports(path) if m.split(".")[0] in SERVER_PACKAGES}
+        assert not bad, f"{path} imports {sorted(bad)}"
+
+
+def test_in_sandbox_agents_use_only_the_standard_library() -> None:
+    """aether/chronus run in any image from a minimal toolkit: stdlib + the wire schema only."""
+    import sys
+
+    for pkg in ("aether", "chronus"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for m in imports(path):
+                top = m.split(".")[0]
+                assert (
+                    top in sys.stdlib_module_names
+                    or top in {"aether", "chronus"}
+                    or m == "dsec.wire_schema"
+                ), f"{path} imports {m}"
