@@ -1,0 +1,160 @@
+"""Reading and removing a sandbox's cgroups on this machine's hybrid layout.
+
+cgroup v1 controllers (memory, cpu, cpuacct, pids, freezer, ...) each on their own hierarchy under
+/sys/fs/cgroup/<controller>, plus a controller-less cgroup2 at /sys/fs/cgroup/unified where runc
+also creates the sandbox's directory (that is where eBPF programs attach). runc creates and removes
+these itself; this module reads counters from them and removes what a crash left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from edge.runtime.mounts import read_mountinfo
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def hierarchies() -> dict[str, Path]:
+    """Controller name -> mount point, for every mounted cgroup hierarchy.
+
+    Keys are the v1 super options' controllers ("memory", "cpu", "name=systemd", ...) and
+    "unified" for cgroup2. A hierarchy with several controllers appears once per controller.
+    """
+    result: dict[str, Path] = {}
+    for m in read_mountinfo():
+        if m.fstype == "cgroup2":
+            result.setdefault("unified", Path(m.mountpoint))
+        elif m.fstype == "cgroup":
+            for opt in m.super_options.split(","):
+                if opt in ("rw", "ro") or opt.startswith(("release_agent=", "clone_children")):
+                    continue
+                result.setdefault(opt, Path(m.mountpoint))
+    return result
+
+
+def controller_dir(controller: str, cgroup_path: str) -> Path | None:
+    root = hierarchies().get(controller)
+    return None if root is None else root / cgroup_path.lstrip("/")
+
+
+def existing_dirs(cgroup_path: str) -> list[Path]:
+    """Every hierarchy's directory for `cgroup_path` that exists (one per distinct mount)."""
+    seen: set[Path] = set()
+    out = []
+    for root in hierarchies().values():
+        if root in seen:
+            continue
+        seen.add(root)
+        d = root / cgroup_path.lstrip("/")
+        if d.is_dir():
+            out.append(d)
+    return out
+
+
+def children(parent: str) -> set[str]:
+    """Names of child cgroups of `parent` in any hierarchy (the sandbox ids runc created)."""
+    names: set[str] = set()
+    for root in set(hierarchies().values()):
+        d = root / parent.lstrip("/")
+        with contextlib.suppress(OSError):
+            names.update(e.name for e in d.iterdir() if e.is_dir())
+    return names
+
+
+def read_int(controller: str, cgroup_path: str, name: str) -> int | None:
+    d = controller_dir(controller, cgroup_path)
+    if d is None:
+        return None
+    try:
+        return int((d / name).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_keyed(controller: str, cgroup_path: str, name: str) -> dict[str, int]:
+    """A "key value" per line file such as memory.oom_control or memory.stat."""
+    d = controller_dir(controller, cgroup_path)
+    out: dict[str, int] = {}
+    if d is None:
+        return out
+    try:
+        text = (d / name).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[k] = int(v)
+    return out
+
+
+def freezer_state(cgroup_path: str) -> str | None:
+    d = controller_dir("freezer", cgroup_path)
+    try:
+        return None if d is None else (d / "freezer.state").read_text().strip()
+    except OSError:
+        return None
+
+
+def thaw(cgroup_path: str) -> None:
+    """Thaw the v1 freezer: frozen tasks do not act on SIGKILL until thawed."""
+    d = controller_dir("freezer", cgroup_path)
+    if d is not None:
+        with contextlib.suppress(OSError):
+            (d / "freezer.state").write_text("THAWED")
+
+
+def procs(d: Path) -> list[int]:
+    try:
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def remove(cgroup_path: str, timeout_s: float = 2.0) -> list[Path]:
+    """Kill whatever is left in `cgroup_path` and remove its directory in every hierarchy.
+
+    Returns the directories removed. Used for crash leftovers; for a healthy sandbox runc has
+    already done this and the call finds nothing.
+    """
+    dirs = existing_dirs(cgroup_path)
+    if not dirs:
+        return []
+    thaw(cgroup_path)
+    removed = []
+    deadline = time.monotonic() + timeout_s
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        # Nested children first (a sandbox may have made sub-cgroups if it was ever delegated).
+        for sub in sorted(
+            (p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+        ):
+            _rmdir_killing(sub, deadline)
+        if _rmdir_killing(d, deadline):
+            removed.append(d)
+    return removed
+
+
+def _rmdir_killing(d: Path, deadline: float) -> bool:
+    while True:
+        for pid in procs(d):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            d.rmdir()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                log.warning("cannot remove cgroup %s: %s", d, exc)
+                return False
+        time.sleep(0.005)

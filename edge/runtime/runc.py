@@ -1,0 +1,722 @@
+"""The container backend: runc on an overlay of shared read-only EROFS layers.
+
+Layout under `state_dir` (one per edge; nothing outside it is ours except cgroups):
+
+    runc/                 runc --root: only our containers, never anybody else's
+    layers/<key>/         shared read-only EROFS mounts (LayerMounts), one per image
+    sandboxes/<id>/
+        record.json       what create() acquired (layers, toolkit, cgroup); written first
+        config.json       the OCI bundle (the sandbox dir IS the bundle)
+        rootfs/           overlay mount target
+        upper/ work/      overlay writable layer (pack_diff reads upper/)
+        etc/              hosts, hostname, resolv.conf bind-mounted into the sandbox
+        runc.log          runc's own log (JSON); its error is what RuntimeStartError carries
+        init.pid          pid 1 of the sandbox, host pid namespace
+        exit.json         pid 1's wait status once reaped
+
+Everything is derived from this directory, runc's root and the kernel (mountinfo, cgroupfs), so a
+restarted edge re-adopts its sandboxes by constructing a new RuncRuntime: no in-memory state is
+needed beyond the layer holders, which are rebuilt from the records.
+
+Exit statuses: a sandbox init is orphaned as soon as `runc run -d` exits. This machine's PID 1
+(/process_api) reaps orphans only lazily (measured: a zombie lingered 1-5 s) and the exit status
+is lost with it, while the edge needs it (why did aether die?). So the edge calls
+`become_subreaper()` at start: inits are re-parented to the edge, and the runtime reaps each one
+itself, by pid (never wait(-1), which would steal other children's statuses), recording the
+status in exit.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import logging
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edge.runtime import cgroups
+from edge.runtime.bundle import NOFILE, make_config, write_config, write_etc_files
+from edge.runtime.errors import (
+    InvalidLaunchSpecError,
+    RuncError,
+    RuntimeStartError,
+    SandboxExistsError,
+    SandboxNotFoundError,
+    SandboxRuntimeError,
+)
+from edge.runtime.mounts import (
+    LayerImage,
+    LayerMounts,
+    as_layer,
+    layer_from_identity,
+    layer_identity,
+    mount_overlay,
+    mounts_under,
+    umount_quiet,
+)
+from edge.runtime.spec import (
+    SANDBOX_ID_RE,
+    LaunchSpec,
+    RuntimeState,
+    RuntimeStats,
+    SandboxProcess,
+    SandboxStatus,
+)
+
+log = logging.getLogger(__name__)
+
+PR_SET_CHILD_SUBREAPER = 36
+_RUNC_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+_STATUS = {
+    "running": SandboxStatus.RUNNING,
+    "paused": SandboxStatus.PAUSED,
+    "stopped": SandboxStatus.STOPPED,
+    # created/creating: runc init is waiting for `start`; with `run -d` that only survives a
+    # crash mid-create. No user code runs, so it counts as stopped.
+    "created": SandboxStatus.STOPPED,
+    "creating": SandboxStatus.STOPPED,
+}
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of orphaned descendants (prctl PR_SET_CHILD_SUBREAPER).
+
+    Call once at edge start, before creating sandboxes; see the module docstring for why. Inits
+    of sandboxes created before an edge restart stay children of PID 1: their exit status is
+    not collected (reap() returns None), the rest works unchanged.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _nofile_limit() -> int:
+    """NOFILE for sandboxes: 65536, or our own hard limit if lower and we cannot raise it.
+
+    runc sets rlimits with prlimit(2) from the host side; raising a hard limit needs
+    CAP_SYS_RESOURCE, which root on this machine kind does not have (hard limit 20000).
+    """
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard >= NOFILE or _has_cap(24):  # CAP_SYS_RESOURCE
+        return NOFILE
+    log.warning("no CAP_SYS_RESOURCE: sandbox RLIMIT_NOFILE capped at %d (wanted %d)", hard, NOFILE)
+    return int(hard)
+
+
+def _has_cap(bit: int) -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def _wait_pidfd(pidfd: int, timeout_s: float) -> bool:
+    """True once the process behind `pidfd` has exited (zombie or reaped)."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(max(0, int(timeout_s * 1000))))
+
+
+class RuncRuntime:
+    """Creates, inspects and tears down runc sandboxes. Blocking; callers use asyncio.to_thread.
+
+    Thread-safe for operations on different sandbox ids; operations on the same id must be
+    serialized by the caller (the edge's per-sandbox lock).
+
+    `cgroup_parent` must belong to this runtime alone (one edge per node; tests use their own):
+    cleanup_orphans() treats every child cgroup of it that is not in `keep` as an orphan.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        runc_root: Path | None = None,
+        cgroup_parent: str = "dsec",
+        runc_binary: str = "runc",
+        layer_root: Path | None = None,
+        use_seccomp: bool = True,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.sandboxes_dir = self.state_dir / "sandboxes"
+        self.runc_root = Path(runc_root) if runc_root else self.state_dir / "runc"
+        self.cgroup_parent = cgroup_parent.strip("/")
+        runc = shutil.which(runc_binary)
+        if runc is None:
+            raise SandboxRuntimeError(f"runc binary {runc_binary!r} not found")
+        self.runc = runc
+        self.use_seccomp = use_seccomp
+        for d in (self.sandboxes_dir, self.runc_root):
+            d.mkdir(parents=True, exist_ok=True)
+        self.nofile = _nofile_limit()
+        self.layers = LayerMounts(Path(layer_root) if layer_root else self.state_dir / "layers")
+        self.layers.root.mkdir(parents=True, exist_ok=True)
+        self.layers.recover(self._claims())
+
+    # ------------------------------------------------------------------ paths and records
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        if not SANDBOX_ID_RE.fullmatch(sandbox_id):
+            # Also what keeps "../" out of every path we build from an id.
+            raise InvalidLaunchSpecError(f"sandbox id {sandbox_id!r} must match [a-z0-9-]{{1,64}}")
+        return self.sandboxes_dir / sandbox_id
+
+    def cgroup_path(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_parent}/{sandbox_id}"
+
+    def _read_record(self, sandbox_id: str) -> dict[str, Any] | None:
+        try:
+            rec: dict[str, Any] = json.loads(
+                (self.sandbox_dir(sandbox_id) / "record.json").read_text()
+            )
+            return rec
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _record_layers(rec: dict[str, Any]) -> list[tuple[str, Path | LayerImage]]:
+        """(holder, layer) for every layer use in a record; see `_holder`."""
+        sid = rec["sandbox_id"]
+        uses = [
+            (_holder(sid, i), layer_from_identity(d)) for i, d in enumerate(rec.get("layers", []))
+        ]
+        if rec.get("toolkit"):
+            uses.append((_holder(sid, "toolkit"), layer_from_identity(rec["toolkit"])))
+        return uses
+
+    def _claims(self, only: set[str] | None = None) -> dict[str, list[Path | LayerImage]]:
+        claims: dict[str, list[Path | LayerImage]] = {}
+        for d in self._dirs():
+            if only is not None and d.name not in only:
+                continue
+            rec = self._read_record(d.name)
+            if rec is not None:
+                for holder, layer in self._record_layers(rec):
+                    claims.setdefault(holder, []).append(layer)
+        return claims
+
+    def _dirs(self) -> list[Path]:
+        try:
+            return [d for d in self.sandboxes_dir.iterdir() if SANDBOX_ID_RE.fullmatch(d.name)]
+        except FileNotFoundError:
+            return []
+
+    # ------------------------------------------------------------------ runc plumbing
+
+    def _runc_cmd(self, *args: str) -> list[str]:
+        return [self.runc, "--root", os.fspath(self.runc_root), *args]
+
+    def _run(
+        self, *args: str, check: bool = True, timeout_s: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        argv = self._runc_cmd(*args)
+        r = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=_RUNC_ENV,
+            stdin=subprocess.DEVNULL,
+        )
+        if check and r.returncode != 0:
+            raise RuncError(argv, r.returncode, r.stderr)
+        return r
+
+    def _container_exists(self, sandbox_id: str) -> bool:
+        return (self.runc_root / sandbox_id / "state.json").exists()
+
+    def _spawn_run(self, spec: LaunchSpec, sdir: Path) -> int:
+        """`runc run -d` with pid 1's stdio on the log file and `pass_fd` as its fd 3.
+
+        posix_spawn rather than subprocess: subprocess cannot place an fd at a chosen number
+        (fd 3 for --preserve-fds) without a preexec_fn, which is slow and unsafe in a threaded
+        process. In detached mode runc hands its own stdio to pid 1, so runc's errors go to the
+        --log file, not to a pipe.
+        """
+        argv = self._runc_cmd(
+            "--log",
+            os.fspath(sdir / "runc.log"),
+            "--log-format",
+            "json",
+            "run",
+            "--detach",
+            "--bundle",
+            os.fspath(sdir),
+            "--pid-file",
+            os.fspath(sdir / "init.pid"),
+        )
+        if spec.pass_fd is not None:
+            argv += ["--preserve-fds", "1"]
+        argv.append(spec.sandbox_id)
+
+        opened: list[int] = []
+
+        def high(fd: int) -> int:
+            # Sources >= 10 so no dup2 has source == target (which would leave CLOEXEC set).
+            import fcntl
+
+            new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+            opened.append(new)
+            return new
+
+        try:
+            devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            opened.append(devnull)
+            if spec.log_path is not None:
+                logfd = os.open(
+                    spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640
+                )
+                opened.append(logfd)
+            else:
+                logfd = devnull
+            actions: list[tuple[Any, ...]] = [
+                (os.POSIX_SPAWN_DUP2, high(devnull), 0),
+                (os.POSIX_SPAWN_DUP2, high(logfd), 1),
+                (os.POSIX_SPAWN_DUP2, high(logfd), 2),
+            ]
+            if spec.pass_fd is not None:
+                actions.append((os.POSIX_SPAWN_DUP2, high(spec.pass_fd), 3))
+            pid = os.posix_spawn(
+                self.runc,
+                argv,
+                _RUNC_ENV,
+                file_actions=actions,
+                setsid=True,  # Ctrl-C at the edge's terminal must not reach sandbox processes
+                setsigmask=(),
+                # Python ignores SIGPIPE/SIGXFSZ; an ignored disposition survives exec and would
+                # leak into pid 1 and everything it starts (`yes | head` would never end).
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            )
+        finally:
+            for fd in opened:
+                os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        rc = os.waitstatus_to_exitcode(status)
+        if rc != 0:
+            raise RuntimeStartError(argv, rc, _runc_log_error(sdir / "runc.log"))
+        try:
+            return int((sdir / "init.pid").read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise RuntimeStartError(argv, rc, f"runc wrote no usable pid file: {exc}") from exc
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, spec: LaunchSpec) -> SandboxProcess:
+        """Mount the layers and the overlay, write the bundle and start pid 1 (`runc run -d`).
+
+        On any failure everything done so far is undone (in reverse order) before the error
+        propagates: no mount, cgroup, runc state or directory is left behind.
+        """
+        spec.validate()
+        sdir = self.sandbox_dir(spec.sandbox_id)
+        if self._container_exists(spec.sandbox_id):
+            raise SandboxExistsError(spec.sandbox_id)
+        try:
+            sdir.mkdir()
+        except FileExistsError:
+            raise SandboxExistsError(spec.sandbox_id) from None
+
+        sid = spec.sandbox_id
+        cg = self.cgroup_path(sid)
+        undo = _Undo()
+        undo.push(
+            lambda: shutil.rmtree(sdir, ignore_errors=True) if not mounts_under(sdir) else None
+        )
+        try:
+            layers = [as_layer(layer) for layer in spec.lowers]
+            toolkit = as_layer(spec.toolkit_dir) if spec.toolkit_dir is not None else None
+            record = {
+                "sandbox_id": sid,
+                "layers": [layer_identity(x) for x in layers],
+                "toolkit": layer_identity(toolkit) if toolkit is not None else None,
+                "cgroup_path": cg,
+                "log_path": os.fspath(spec.log_path) if spec.log_path else None,
+                "created_at": time.time(),
+            }
+            # The record goes first: recovery derives layer holders from it (see LayerMounts).
+            (sdir / "record.json").write_text(json.dumps(record))
+
+            lower_dirs = []
+            for i, layer in enumerate(layers):
+                lower_dirs.append(self.layers.acquire(layer, _holder(sid, i)))
+                undo.push(functools.partial(self.layers.release, layer, _holder(sid, i)))
+            toolkit_source = None
+            if toolkit is not None:
+                toolkit_source = self.layers.acquire(toolkit, _holder(sid, "toolkit"))
+                undo.push(functools.partial(self.layers.release, toolkit, _holder(sid, "toolkit")))
+
+            rootfs, upper, work = sdir / "rootfs", sdir / "upper", sdir / "work"
+            for d in (rootfs, upper, work):
+                d.mkdir()
+            mount_overlay(lower_dirs, upper, work, rootfs)
+            undo.push(lambda: umount_quiet(rootfs))
+
+            host = spec.effective_hostname
+            write_etc_files(sdir / "etc", host)
+            config = make_config(
+                spec,
+                rootfs=rootfs,
+                etc_dir=sdir / "etc",
+                cgroups_path=cg,
+                toolkit_source=toolkit_source,
+                use_seccomp=self.use_seccomp,
+                nofile=self.nofile,
+            )
+            write_config(sdir, config)
+
+            undo.push(lambda: cgroups.remove(cg))
+            undo.push(lambda: self._remove_container(sid, cg))
+            pid = self._spawn_run(spec, sdir)
+        except BaseException:
+            undo.run()
+            raise
+        return SandboxProcess(
+            sandbox_id=sid,
+            pid=pid,
+            rootfs=rootfs,
+            upper=upper,
+            cgroup_path=cg,
+            log_path=spec.log_path,
+        )
+
+    def state(self, sandbox_id: str) -> RuntimeState:
+        """RUNNING / PAUSED / STOPPED / MISSING, from runc (which checks pid start times)."""
+        self.sandbox_dir(sandbox_id)
+        if not self._container_exists(sandbox_id):
+            return RuntimeState(SandboxStatus.MISSING)
+        r = self._run("state", sandbox_id, check=False)
+        if r.returncode != 0:
+            if not self._container_exists(sandbox_id):
+                return RuntimeState(SandboxStatus.MISSING)
+            raise RuncError(self._runc_cmd("state", sandbox_id), r.returncode, r.stderr)
+        st = json.loads(r.stdout)
+        status = _STATUS.get(st.get("status", ""), SandboxStatus.STOPPED)
+        pid = int(st.get("pid") or 0) or None
+        if status is SandboxStatus.STOPPED:
+            self.reap(sandbox_id)
+        return RuntimeState(status, pid)
+
+    def stop(self, sandbox_id: str, grace_s: float = 2.0) -> None:
+        """SIGTERM to pid 1, up to `grace_s` for it to exit, then SIGKILL.
+
+        Killing pid 1 of the sandbox's pid namespace makes the kernel kill every other process
+        in it (including `runc exec`ed ones), which is what `runc kill --all` would do, without
+        runc's freeze-signal-thaw round trip. A paused sandbox is thawed so it can act on the
+        signals (v1 freezer: frozen tasks ignore even SIGKILL until thawed).
+        """
+        st = self.state(sandbox_id)
+        if st.status in (SandboxStatus.MISSING, SandboxStatus.STOPPED) or st.pid is None:
+            return
+        cg = self.cgroup_path(sandbox_id)
+        pidfd = _open_pidfd_in_cgroup(st.pid, cg)
+        if pidfd is None:
+            self.reap(sandbox_id)
+            return
+        try:
+            if grace_s > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+                if st.status is SandboxStatus.PAUSED:
+                    cgroups.thaw(cg)
+                if _wait_pidfd(pidfd, grace_s):
+                    self._kill_leftovers(cg)
+                    self.reap(sandbox_id)
+                    return
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            cgroups.thaw(cg)
+            if not _wait_pidfd(pidfd, 10.0):
+                raise SandboxRuntimeError(
+                    f"pid 1 of {sandbox_id} ({st.pid}) survived SIGKILL for 10 s"
+                )
+        finally:
+            os.close(pidfd)
+        self._kill_leftovers(cg)
+        self.reap(sandbox_id)
+
+    def _kill_leftovers(self, cg: str) -> None:
+        """Belt and braces after pid 1 died: anything still in the cgroup (nothing should be,
+        the pid namespace is gone) gets SIGKILL."""
+        d = cgroups.controller_dir("pids", cg)
+        if d is None:
+            return
+        for _ in range(200):
+            pids = cgroups.procs(d)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def reap(self, sandbox_id: str) -> int | None:
+        """Collect pid 1's exit status if it has exited and is our child; returns the exit code
+        (negative signal number when killed), also remembered in exit.json. None if unknown."""
+        sdir = self.sandbox_dir(sandbox_id)
+        exit_file = sdir / "exit.json"
+        with contextlib.suppress(OSError, ValueError):
+            code: int = json.loads(exit_file.read_text())["exit_code"]
+            return code
+        try:
+            pid = int((sdir / "init.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        try:
+            res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            return None  # not our child (edge restarted, or not a subreaper): nothing to collect
+        if res is None:
+            return None
+        code = res.si_status if res.si_code == os.CLD_EXITED else -res.si_status
+        with contextlib.suppress(OSError):
+            exit_file.write_text(json.dumps({"exit_code": code}))
+        return code
+
+    def destroy(self, sandbox_id: str, grace_s: float = 0.0) -> None:
+        """Remove every trace of the sandbox: processes, runc state, cgroups, overlay, layer
+        references, state directory (upper included). Idempotent; parts already gone are
+        skipped silently. Raises SandboxRuntimeError only if something could not be removed
+        (after trying everything else)."""
+        self._destroy(sandbox_id, grace_s)
+
+    def _destroy(self, sandbox_id: str, grace_s: float = 0.0) -> list[str]:
+        sdir = self.sandbox_dir(sandbox_id)
+        cg = self.cgroup_path(sandbox_id)
+        rec = self._read_record(sandbox_id)
+        removed: list[str] = []
+        errors: list[str] = []
+
+        def attempt(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as exc:  # keep going: leaving the rest behind would be worse
+                log.warning("destroy %s: %s failed: %s", sandbox_id, what, exc)
+                errors.append(f"{what}: {exc}")
+
+        if self._container_exists(sandbox_id):
+            attempt("runc delete", lambda: self._remove_container(sandbox_id, cg, grace_s))
+            removed.append(f"container:{sandbox_id}")
+        leftover = cgroups.existing_dirs(cg)
+        if leftover:  # runc delete removes them; these are from a crash mid-create or mid-delete
+            attempt("cgroups", lambda: cgroups.remove(cg))
+            removed += [f"cgroup:{d}" for d in leftover]
+        for m in mounts_under(sdir):
+            attempt(f"umount {m.mountpoint}", functools.partial(umount_quiet, m.mountpoint))
+            removed.append(f"mount:{m.mountpoint}")
+        for holder, layer in self._record_layers(rec) if rec else []:
+            mp = self.layers.mountpoint(layer) if isinstance(layer, LayerImage) else None
+            if self.layers.release(layer, holder):
+                removed.append(f"layer:{mp}")
+        if sdir.exists():
+            if mounts_under(sdir):
+                errors.append(f"{sdir} still has mounts; not removing it")
+            else:
+                attempt(f"rmtree {sdir}", lambda: shutil.rmtree(sdir))
+                removed.append(f"state:{sdir}")
+        if errors:
+            raise SandboxRuntimeError(f"destroy {sandbox_id} incomplete: " + "; ".join(errors))
+        return removed
+
+    def _remove_container(self, sandbox_id: str, cg: str, grace_s: float = 0.0) -> None:
+        """Kill pid 1 (gracefully if asked), then `runc delete`.
+
+        pid 1 is killed by us first, without asking runc for its state: `runc delete --force`
+        on a live container polls for its death in 100 ms sleeps, which alone would triple
+        destroy's latency, while a pidfd tells us the moment it is gone.
+        """
+        if grace_s > 0:
+            self.stop(sandbox_id, grace_s)
+        else:
+            self._kill_now(sandbox_id, cg)
+        if not self._container_exists(sandbox_id):
+            return
+        r = self._run("delete", "--force", sandbox_id, check=False)
+        if r.returncode != 0 and self._container_exists(sandbox_id):
+            raise RuncError(self._runc_cmd("delete", "--force", sandbox_id), r.returncode, r.stderr)
+
+    def _kill_now(self, sandbox_id: str, cg: str) -> None:
+        try:
+            pid = int((self.sandbox_dir(sandbox_id) / "init.pid").read_text().strip())
+        except (OSError, ValueError):
+            pid = 0
+        pidfd = _open_pidfd_in_cgroup(pid, cg) if pid > 0 else None
+        if pidfd is not None:
+            try:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                cgroups.thaw(cg)
+                if not _wait_pidfd(pidfd, 10.0):
+                    raise SandboxRuntimeError(
+                        f"pid 1 of {sandbox_id} ({pid}) survived SIGKILL for 10 s"
+                    )
+            finally:
+                os.close(pidfd)
+        self._kill_leftovers(cg)
+        self.reap(sandbox_id)
+
+    def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox (cgroup v1 freezer via runc)."""
+        self._require(sandbox_id)
+        self._run("pause", sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self._require(sandbox_id)
+        self._run("resume", sandbox_id)
+
+    def _require(self, sandbox_id: str) -> None:
+        self.sandbox_dir(sandbox_id)
+        if not self._container_exists(sandbox_id):
+            raise SandboxNotFoundError(sandbox_id)
+
+    # ------------------------------------------------------------------ observation
+
+    def was_oom_killed(self, sandbox_id: str) -> bool:
+        """Whether the kernel OOM-killed anything in the sandbox (memory.oom_control oom_kill).
+
+        Read it before destroy(): the counter lives in the memory cgroup, which destroy removes.
+        """
+        self.sandbox_dir(sandbox_id)
+        oom = cgroups.read_keyed("memory", self.cgroup_path(sandbox_id), "memory.oom_control")
+        return oom.get("oom_kill", 0) > 0
+
+    def stats(self, sandbox_id: str) -> RuntimeStats:
+        self.sandbox_dir(sandbox_id)
+        cg = self.cgroup_path(sandbox_id)
+        mem = cgroups.read_int("memory", cg, "memory.usage_in_bytes")
+        if mem is None:
+            raise SandboxNotFoundError(sandbox_id)
+        return RuntimeStats(
+            memory_bytes=mem,
+            memory_limit_bytes=cgroups.read_int("memory", cg, "memory.limit_in_bytes") or 0,
+            cpu_ns=cgroups.read_int("cpuacct", cg, "cpuacct.usage") or 0,
+            pids=cgroups.read_int("pids", cg, "pids.current") or 0,
+        )
+
+    def list_ids(self) -> list[str]:
+        """Ids with any state of ours on disk: a sandbox directory or a runc container."""
+        ids = {d.name for d in self._dirs()}
+        with contextlib.suppress(FileNotFoundError):
+            ids.update(e.name for e in self.runc_root.iterdir() if SANDBOX_ID_RE.fullmatch(e.name))
+        return sorted(ids)
+
+    def exec_sync(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        timeout_s: float = 30.0,
+        input_bytes: bytes | None = None,
+    ) -> subprocess.CompletedProcess[bytes]:
+        """`runc exec` a command and collect its output: for tests and operators' diagnosis.
+
+        Sandbox commands in production go through aether/chronus, not through this.
+        """
+        self._require(sandbox_id)
+        return subprocess.run(
+            [*self._runc_cmd("exec", sandbox_id), *argv],
+            input=input_bytes,
+            capture_output=True,
+            timeout=timeout_s,
+            env=_RUNC_ENV,
+        )
+
+    # ------------------------------------------------------------------ crash recovery
+
+    def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        """Remove everything of every sandbox not in `keep`; returns what was removed as
+        "kind:detail" strings (container, cgroup, mount, layer, state).
+
+        Finds orphans from every source, since a crash can leave any subset: sandbox
+        directories, runc containers, cgroups under our parent, overlay mounts under our
+        sandboxes directory; then unmounts layer images nobody holds any more.
+        """
+        ids = set(self.list_ids()) | {
+            name for name in cgroups.children(self.cgroup_parent) if SANDBOX_ID_RE.fullmatch(name)
+        }
+        for m in mounts_under(self.sandboxes_dir):
+            rel = Path(m.mountpoint).relative_to(self.sandboxes_dir)
+            if rel.parts and SANDBOX_ID_RE.fullmatch(rel.parts[0]):
+                ids.add(rel.parts[0])
+        removed: list[str] = []
+        for sid in sorted(ids - keep):
+            try:
+                removed += self._destroy(sid)
+            except SandboxRuntimeError:
+                log.exception("cleanup of orphan %s incomplete", sid)
+        self.layers.recover(self._claims(only=keep))
+        removed += [f"layer:{p}" for p in self.layers.unmount_unused()]
+        return removed
+
+
+def _holder(sandbox_id: str, use: int | str) -> str:
+    """A layer holder is one *use* of a layer by a sandbox (lower i, or the toolkit), so a
+    sandbox that uses one image twice holds it twice and releases it twice."""
+    return f"{sandbox_id}:{use}"
+
+
+class _Undo:
+    """LIFO undo log for create(); each step is attempted even if an earlier one fails."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], object]] = []
+
+    def push(self, fn: Callable[[], object]) -> None:
+        self._steps.append(fn)
+
+    def run(self) -> None:
+        while self._steps:
+            fn = self._steps.pop()
+            try:
+                fn()
+            except Exception:
+                log.exception("undo step failed")
+
+
+def _open_pidfd_in_cgroup(pid: int, cgroup_path: str) -> int | None:
+    """pidfd of `pid` if it is (still) a process in our sandbox's cgroup.
+
+    The membership check after pidfd_open closes the pid-reuse window between reading the pid
+    from runc and opening it: from then on the pidfd pins the process identity.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        os.close(fd)
+        return None
+    if not any(line.rpartition(":")[2] == cgroup_path for line in text.splitlines()):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _runc_log_error(path: Path) -> str:
+    """The error lines of runc's JSON log (what `runc run` printed to its stderr)."""
+    msgs = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            msgs.append(line)
+            continue
+        if entry.get("level") in ("error", "fatal"):
+            msgs.append(str(entry.get("msg", "")))
+    return "\n".join(msgs) or "\n".join(lines[-5:])

@@ -1,0 +1,116 @@
+"""What the edge asks the runtime to launch, and what it gets back."""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.runtime.errors import InvalidLaunchSpecError
+from edge.runtime.mounts import Layer, LayerImage
+
+SANDBOX_ID_RE = re.compile(r"[a-z0-9-]{1,64}")
+_ENV_KEY_RE = re.compile(r"[^=\0]+")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One sandbox as the runtime sees it: layers, pid 1 and limits.
+
+    `lowers` are TOP-MOST FIRST (overlayfs order): a directory is used as-is, a file is mounted as
+    an EROFS image, a `LayerImage` is an EROFS image with an optional chunked data blob.
+    """
+
+    sandbox_id: str
+    lowers: list[Layer]
+    init_argv: list[str]
+    env: dict[str, str]
+    cwd: str = "/"
+    cpu_millis: int = 1000
+    memory_mb: int = 512
+    pids_max: int = 512
+    hostname: str = ""
+    toolkit_dir: Path | None = None
+    pass_fd: int | None = None
+    log_path: Path | None = None
+    netns_path: str | None = None
+
+    @property
+    def effective_hostname(self) -> str:
+        return self.hostname or self.sandbox_id[:63]
+
+    def validate(self) -> None:
+        """Raise InvalidLaunchSpecError on anything runc would reject later (or worse, accept)."""
+        if not SANDBOX_ID_RE.fullmatch(self.sandbox_id):
+            raise InvalidLaunchSpecError(
+                f"sandbox id {self.sandbox_id!r} must match [a-z0-9-]{{1,64}}"
+            )
+        if not self.lowers:
+            raise InvalidLaunchSpecError("at least one lower layer is required")
+        for layer in self.lowers:
+            p = layer.image if isinstance(layer, LayerImage) else Path(layer)
+            if not p.exists():
+                raise InvalidLaunchSpecError(f"layer {os.fspath(p)!r} does not exist")
+        if not self.init_argv or not all(
+            isinstance(a, str) and "\0" not in a for a in self.init_argv
+        ):
+            raise InvalidLaunchSpecError(
+                "init_argv must be a non-empty list of strings without NUL"
+            )
+        for k, v in self.env.items():
+            if not _ENV_KEY_RE.fullmatch(k) or "\0" in v:
+                raise InvalidLaunchSpecError(f"bad environment variable {k!r}")
+        if not self.cwd.startswith("/"):
+            raise InvalidLaunchSpecError(f"cwd {self.cwd!r} must be absolute")
+        if self.cpu_millis < 10:
+            raise InvalidLaunchSpecError(
+                f"cpu_millis {self.cpu_millis} is below the 10 millicore minimum"
+            )
+        if self.memory_mb < 8:
+            raise InvalidLaunchSpecError(f"memory_mb {self.memory_mb} is below the 8 MiB minimum")
+        if self.pids_max < 4:
+            raise InvalidLaunchSpecError(f"pids_max {self.pids_max} is below 4")
+        host = self.effective_hostname
+        if len(host) > 63 or not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?", host):
+            raise InvalidLaunchSpecError(f"hostname {host!r} is not a valid host name")
+        if self.toolkit_dir is not None and not self.toolkit_dir.exists():
+            raise InvalidLaunchSpecError(f"toolkit {os.fspath(self.toolkit_dir)!r} does not exist")
+        if self.pass_fd is not None and self.pass_fd < 0:
+            raise InvalidLaunchSpecError(f"pass_fd {self.pass_fd} is not a file descriptor")
+        if self.netns_path is not None and not os.path.exists(self.netns_path):
+            raise InvalidLaunchSpecError(f"netns {self.netns_path!r} does not exist")
+
+
+class SandboxStatus(enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"  # pid 1 exited (or never started); resources still held until destroy
+    MISSING = "missing"  # the runtime has no container of this id
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    status: SandboxStatus
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class SandboxProcess:
+    """A created sandbox: its init pid and where its pieces live on the host."""
+
+    sandbox_id: str
+    pid: int
+    rootfs: Path
+    upper: Path
+    cgroup_path: str
+    log_path: Path | None
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    memory_bytes: int  # memory.usage_in_bytes (rss + page cache charged to the sandbox)
+    memory_limit_bytes: int
+    cpu_ns: int  # cpuacct.usage
+    pids: int  # pids.current

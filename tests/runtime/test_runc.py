@@ -1,0 +1,402 @@
+"""RuncRuntime against real runc, overlayfs, EROFS and cgroup v1 on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.runtime import (
+    InvalidLaunchSpecError,
+    LaunchSpec,
+    RuncRuntime,
+    RuntimeStartError,
+    SandboxExistsError,
+    SandboxNotFoundError,
+    SandboxStatus,
+    cgroups,
+)
+from edge.runtime.mounts import LayerImage, is_mountpoint, mount_overlay, mounts_under
+from edge.toolkit import toolkit_argv
+
+SpecFactory = Callable[..., LaunchSpec]
+Leftovers = Callable[..., list[str]]
+
+
+def sh(rt: RuncRuntime, sandbox_id: str, script: str) -> tuple[int, str, str]:
+    r = rt.exec_sync(sandbox_id, ["/bin/busybox", "sh", "-c", script])
+    return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+
+def test_layers_erofs_and_dirs_merge_with_writes_in_upper(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    busybox: Any,
+    tmp_path: Path,
+    erofs_image: Callable[..., Path],
+) -> None:
+    top = tmp_path / "top"  # a plain directory layer, used as-is
+    (top / "work").mkdir(parents=True)
+    (top / "work" / "top.txt").write_text("from top\n")
+    (top / "work" / "shadow.txt").write_text("top wins\n")
+    mid_src = tmp_path / "mid"  # an EROFS image layer
+    (mid_src / "opt" / "pkg").mkdir(parents=True)
+    (mid_src / "opt" / "pkg" / "mid.txt").write_text("from mid\n")
+    (mid_src / "work").mkdir()
+    (mid_src / "work" / "shadow.txt").write_text("mid loses\n")
+    mid = erofs_image(mid_src, tmp_path / "mid.erofs")
+
+    sb = runtime.create(spec_for(lowers=[top, mid, busybox.erofs], cwd="/work"))
+
+    rc, out, err = sh(
+        runtime, sb.sandbox_id, "cat /work/top.txt /opt/pkg/mid.txt /work/shadow.txt; pwd"
+    )
+    assert rc == 0, err
+    assert out == "from top\nfrom mid\ntop wins\n/work\n"
+
+    script = (
+        "echo new > /root/new.txt && "
+        "mkdir -p /opt/pkg/__pycache__ && echo pyc > /opt/pkg/__pycache__/m.pyc && "  # copy-up dir
+        "echo more >> /opt/pkg/mid.txt && "  # copy-up of a file from the EROFS layer
+        "echo changed > /work/top.txt && rm /work/shadow.txt"  # dir layer file + whiteout
+    )
+    rc, _, err = sh(runtime, sb.sandbox_id, script)
+    assert rc == 0, err
+    assert (sb.upper / "root" / "new.txt").read_text() == "new\n"
+    assert (sb.upper / "opt" / "pkg" / "__pycache__" / "m.pyc").read_text() == "pyc\n"
+    assert (sb.upper / "opt" / "pkg" / "mid.txt").read_text() == "from mid\nmore\n"
+    assert (sb.upper / "work" / "top.txt").read_text() == "changed\n"
+    # lowers unchanged: the directory layer and the image (seen through its shared mount)
+    assert (top / "work" / "top.txt").read_text() == "from top\n"
+    assert (top / "work" / "shadow.txt").exists()
+    mid_mount = runtime.layers.mountpoint(LayerImage(mid))
+    assert (mid_mount / "opt" / "pkg" / "mid.txt").read_text() == "from mid\n"
+    assert not (mid_mount / "opt" / "pkg" / "__pycache__").exists()
+    rc, out, _ = sh(runtime, sb.sandbox_id, "ls /work; cat /opt/pkg/mid.txt")
+    assert out.split() == ["top.txt", "from", "mid", "more"]
+
+
+def test_same_image_mounted_once_for_all_sandboxes(
+    runtime: RuncRuntime, spec_for: SpecFactory, busybox: Any
+) -> None:
+    a = runtime.create(spec_for())
+    b = runtime.create(spec_for())
+    erofs = [m for m in mounts_under(runtime.layers.root) if m.fstype == "erofs"]
+    assert len(erofs) == 1 and erofs[0].source == str(busybox.erofs.resolve())
+    assert runtime.layers.holders() == {
+        Path(erofs[0].mountpoint).name: {f"{a.sandbox_id}:0", f"{b.sandbox_id}:0"}
+    }
+    runtime.destroy(a.sandbox_id)
+    assert is_mountpoint(Path(erofs[0].mountpoint))  # b still holds it
+    runtime.destroy(b.sandbox_id)
+    assert mounts_under(runtime.layers.root) == []
+
+
+def test_isolation_basics(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    sb = runtime.create(spec_for(env={"TASK_ID": "t-1"}, hostname="box-1"))
+    rc, out, err = sh(
+        runtime,
+        sb.sandbox_id,
+        "grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; hostname; cat /etc/hostname;"
+        " echo TASK_ID=$TASK_ID; cat /proc/net/dev | tail -n +3 | cut -d: -f1;"
+        " wc -c < /proc/kpagecgroup; ulimit -n; cat /proc/self/oom_score_adj",
+    )
+    assert rc == 0, err
+    lines = [x.strip() for x in out.splitlines()]
+    assert lines[0].split() == ["CapEff:", "00000000000405fb"]  # the 10 kept capabilities
+    assert lines[1].split() == ["NoNewPrivs:", "1"]
+    assert lines[2].split() == ["Seccomp:", "2"]
+    assert lines[3:5] == ["box-1", "box-1"]
+    assert lines[5] == "TASK_ID=t-1"
+    assert lines[6] == "lo"  # a new, empty network namespace
+    assert lines[7] == "0"  # masked
+    assert int(lines[8]) == runtime.nofile
+    assert lines[9] == "500"
+    rc, _, err = sh(runtime, sb.sandbox_id, "echo x > /sys/fs/cgroup/pids/pids.max")
+    assert rc != 0
+
+
+def test_memory_limit_oom_is_detected(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    sb = runtime.create(spec_for(memory_mb=32))
+    mem = cgroups.controller_dir("memory", sb.cgroup_path)
+    assert mem is not None
+    assert int((mem / "memory.limit_in_bytes").read_text()) == 32 << 20
+    assert int((mem / "memory.memsw.limit_in_bytes").read_text()) == 32 << 20
+    assert not runtime.was_oom_killed(sb.sandbox_id)
+    rc, _, _ = sh(runtime, sb.sandbox_id, "dd if=/dev/zero of=/dev/null bs=16M count=1")
+    assert rc == 0
+    rc, _, _ = sh(runtime, sb.sandbox_id, "dd if=/dev/zero of=/dev/null bs=64M count=1")
+    assert rc == 137
+    assert runtime.was_oom_killed(sb.sandbox_id)
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.RUNNING  # only dd died
+
+
+def test_pids_limit(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    sb = runtime.create(spec_for(pids_max=8))
+    _, out, err = sh(
+        runtime,
+        sb.sandbox_id,
+        "for i in $(seq 12); do sleep 30 </dev/null >/dev/null 2>&1 & done; echo spawned",
+    )
+    assert "can't fork" in err + out or "Resource temporarily unavailable" in err + out
+    stats = runtime.stats(sb.sandbox_id)
+    assert 1 <= stats.pids <= 8
+    assert cgroups.read_int("pids", sb.cgroup_path, "pids.max") == 8
+
+
+def test_cpu_quota_and_stats(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    sb = runtime.create(spec_for(cpu_millis=250, memory_mb=64))
+    assert cgroups.read_int("cpu", sb.cgroup_path, "cpu.cfs_quota_us") == 25_000
+    assert cgroups.read_int("cpu", sb.cgroup_path, "cpu.cfs_period_us") == 100_000
+    assert cgroups.read_int("cpu", sb.cgroup_path, "cpu.shares") == 256
+    sh(runtime, sb.sandbox_id, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+    st = runtime.stats(sb.sandbox_id)
+    assert st.cpu_ns > 0 and st.memory_bytes > 0 and st.memory_limit_bytes == 64 << 20
+    assert st.pids >= 1
+
+
+def test_pause_resume_uses_freezer(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    sb = runtime.create(spec_for())
+    runtime.pause(sb.sandbox_id)
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.PAUSED
+    assert cgroups.freezer_state(sb.cgroup_path) == "FROZEN"
+    runtime.resume(sb.sandbox_id)
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.RUNNING
+    assert cgroups.freezer_state(sb.cgroup_path) == "THAWED"
+    # destroying a paused sandbox must not hang on frozen tasks
+    runtime.pause(sb.sandbox_id)
+    t0 = time.monotonic()
+    runtime.destroy(sb.sandbox_id)
+    assert time.monotonic() - t0 < 2
+    assert leftovers(runtime, sb.sandbox_id) == []
+    with pytest.raises(SandboxNotFoundError):
+        runtime.pause(sb.sandbox_id)
+
+
+def test_stop_graceful_then_destroy_leaves_nothing(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    tmp_path: Path,
+    leftovers: Leftovers,
+    wait_for: Callable[..., None],
+) -> None:
+    log = tmp_path / "init.log"
+    init = [
+        "/bin/busybox",
+        "sh",
+        "-c",
+        "trap 'echo bye; exit 7' TERM; echo up; while :; do sleep 1; done",
+    ]
+    sb = runtime.create(spec_for(init_argv=init, log_path=log))
+    wait_for(lambda: log.read_text() == "up\n", what="init to start")
+    t0 = time.monotonic()
+    runtime.stop(sb.sandbox_id, grace_s=5)
+    assert time.monotonic() - t0 < 3  # the trap ran after the current `sleep 1`
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.STOPPED
+    assert runtime.reap(sb.sandbox_id) == 7
+    assert log.read_text() == "up\nbye\n"
+    assert sb.sandbox_id in runtime.list_ids()
+    runtime.destroy(sb.sandbox_id)
+    assert leftovers(runtime, sb.sandbox_id) == []
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.MISSING
+    runtime.destroy(sb.sandbox_id)  # idempotent
+    assert runtime.list_ids() == []
+
+
+def test_stop_kills_after_grace(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    stubborn = ["/bin/busybox", "sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
+    sb = runtime.create(spec_for(init_argv=stubborn))
+    t0 = time.monotonic()
+    runtime.stop(sb.sandbox_id, grace_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.STOPPED
+    assert runtime.reap(sb.sandbox_id) == -9
+
+
+def test_create_failure_undoes_everything(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    spec = spec_for(init_argv=["/no/such/binary"])
+    with pytest.raises(RuntimeStartError) as info:
+        runtime.create(spec)
+    assert "/no/such/binary" in info.value.stderr
+    assert "no such file" in info.value.stderr.lower()
+    assert leftovers(runtime) == []
+    assert runtime.layers.holders() == {}
+
+
+def test_bad_input_errors(runtime: RuncRuntime, spec_for: SpecFactory, tmp_path: Path) -> None:
+    with pytest.raises(InvalidLaunchSpecError):
+        runtime.create(spec_for(sandbox_id="../etc"))
+    with pytest.raises(InvalidLaunchSpecError):
+        runtime.create(spec_for(lowers=[tmp_path / "nope.erofs"]))
+    sb = runtime.create(spec_for())
+    with pytest.raises(SandboxExistsError):
+        runtime.create(spec_for(sandbox_id=sb.sandbox_id))
+    assert runtime.state(sb.sandbox_id).status is SandboxStatus.RUNNING  # untouched
+    with pytest.raises(SandboxNotFoundError):
+        runtime.stats("no-such-sandbox")
+    assert runtime.state("no-such-sandbox").status is SandboxStatus.MISSING
+
+
+def test_passed_fd_is_a_usable_listening_socket(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    toolkit_dir: Path,
+    tmp_path: Path,
+    wait_stopped: Callable[..., None],
+) -> None:
+    path = str(tmp_path / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    code = (
+        "import socket, os\n"
+        "s = socket.socket(fileno=3)\n"
+        "c, _ = s.accept()\n"
+        "c.sendall(b'hello from ' + os.uname().nodename.encode())\n"
+        "c.close()\n"
+    )
+    try:
+        sb = runtime.create(
+            spec_for(
+                init_argv=[*toolkit_argv("x")[:-2], "-c", code],
+                toolkit_dir=toolkit_dir,
+                pass_fd=listener.fileno(),
+                hostname="fd-test",
+            )
+        )
+        fds = (Path(f"/proc/{sb.pid}/fd")).iterdir()
+        inode = os.fstat(listener.fileno()).st_ino
+        assert f"socket:[{inode}]" in {os.readlink(p) for p in fds}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(path)
+            assert c.recv(100) == b"hello from fd-test"
+        wait_stopped(runtime, sb.sandbox_id)
+        assert runtime.reap(sb.sandbox_id) == 0
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("image", ["busybox", "empty"])
+def test_toolkit_python_runs_in_any_image(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    busybox: Any,
+    toolkit_image_path: Path,
+    tmp_path: Path,
+    wait_stopped: Callable[..., None],
+    image: str,
+) -> None:
+    """pid 1 = the toolkit's Python, from its EROFS image, in the busybox image and in an image
+    that is an empty directory (no libc, no loader, no shell)."""
+    if image == "busybox":
+        lower = busybox.erofs
+    else:
+        lower = tmp_path / "empty-image"
+        lower.mkdir()
+    log = tmp_path / "py.log"
+    code = (
+        "import os, sys, json, subprocess, ssl, sqlite3, ctypes, asyncio, decimal\n"
+        "import aether, chronus, dsec.wire_schema\n"
+        "child = None\n"
+        "if os.path.exists('/bin/busybox'):\n"
+        "    child = subprocess.run(['/bin/busybox', 'env'], capture_output=True, text=True).stdout\n"
+        "print(json.dumps({'answer': 6 * 7, 'exe': sys.executable, 'prefix': sys.prefix,\n"
+        "                  'env': dict(os.environ), 'child': child}))\n"
+    )
+    sb = runtime.create(
+        spec_for(
+            lowers=[lower],
+            init_argv=[*toolkit_argv("x")[:-2], "-c", code],
+            env={"TASK": "t"},
+            toolkit_dir=toolkit_image_path,  # the EROFS image: mounted once, shared
+            log_path=log,
+        )
+    )
+    wait_stopped(runtime, sb.sandbox_id)
+    assert runtime.reap(sb.sandbox_id) == 0, log.read_text()
+    out = json.loads(log.read_text())
+    assert out["answer"] == 42
+    assert out["exe"] == "/.dsec/bin/python3.11" and out["prefix"] == "/.dsec"
+    assert set(out["env"]) == {"TASK", "PATH", "HOME"}  # nothing added by the toolkit
+    if image == "busybox":
+        child_env = dict(line.split("=", 1) for line in out["child"].splitlines())
+        assert set(child_env) == {"TASK", "PATH", "HOME"}  # no LD_*, no PYTHON*
+
+
+def test_toolkit_is_read_only_inside(
+    runtime: RuncRuntime, spec_for: SpecFactory, toolkit_dir: Path
+) -> None:
+    sb = runtime.create(spec_for(toolkit_dir=toolkit_dir))  # the plain directory form
+    rc, out, err = sh(runtime, sb.sandbox_id, "ls /.dsec/bin; touch /.dsec/x")
+    assert out.split() == ["python3.11"]
+    assert rc != 0 and "Read-only file system" in err
+
+
+def test_cleanup_orphans_after_crash(
+    tmp_path: Path,
+    cgroup_parent: str,
+    spec_for: SpecFactory,
+    toolkit_image_path: Path,
+    leftovers: Leftovers,
+) -> None:
+    state = tmp_path / "state"
+    rt = RuncRuntime(state, cgroup_parent=cgroup_parent)
+    keep = rt.create(spec_for())
+    lost = rt.create(spec_for(toolkit_dir=toolkit_image_path))
+    # a crash mid-create: overlay mounted, directory made, no container yet
+    half = state / "sandboxes" / "half-made"
+    for d in ("rootfs", "upper", "work"):
+        (half / d).mkdir(parents=True)
+    mount_overlay([keep.rootfs.parent / "upper"], half / "upper", half / "work", half / "rootfs")
+    del rt  # the edge crashed; sandboxes and mounts live on
+
+    rt2 = RuncRuntime(state, cgroup_parent=cgroup_parent)
+    assert set(rt2.list_ids()) == {keep.sandbox_id, lost.sandbox_id, "half-made"}
+    assert rt2.state(keep.sandbox_id).status is SandboxStatus.RUNNING  # re-adopted
+    removed = rt2.cleanup_orphans({keep.sandbox_id})
+    assert f"container:{lost.sandbox_id}" in removed
+    assert any(r.startswith("mount:") and "half-made" in r for r in removed)
+    assert any(r.startswith("layer:") for r in removed)  # the toolkit image, only `lost` used it
+    assert leftovers(rt2, lost.sandbox_id) == []
+    assert leftovers(rt2, "half-made") == []
+    assert rt2.list_ids() == [keep.sandbox_id]
+    assert rt2.state(keep.sandbox_id).status is SandboxStatus.RUNNING
+    rc, _, _ = sh(rt2, keep.sandbox_id, "ls /bin/busybox")
+    assert rc == 0  # its layer mount survived the cleanup
+
+    rt2.cleanup_orphans(set())
+    assert leftovers(rt2) == []
+
+
+def test_create_destroy_latency(runtime: RuncRuntime, spec_for: SpecFactory) -> None:
+    """create()/destroy() p50 and p90 over 20 runs (printed with -s); a generous bound only."""
+    holder = runtime.create(spec_for())  # keeps the base layer mounted, as on a busy node
+    creates, destroys = [], []
+    for _ in range(20):
+        spec = spec_for()
+        t0 = time.perf_counter()
+        runtime.create(spec)
+        t1 = time.perf_counter()
+        runtime.destroy(spec.sandbox_id)
+        creates.append((t1 - t0) * 1000)
+        destroys.append((time.perf_counter() - t1) * 1000)
+    runtime.destroy(holder.sandbox_id)
+    p = {
+        name: (statistics.median(xs), sorted(xs)[int(0.9 * (len(xs) - 1))])
+        for name, xs in (("create", creates), ("destroy", destroys))
+    }
+    print(f"\ncreate p50 {p['create'][0]:.1f} ms p90 {p['create'][1]:.1f} ms; "
+          f"destroy p50 {p['destroy'][0]:.1f} ms p90 {p['destroy'][1]:.1f} ms")  # fmt: skip
+    assert p["create"][0] < 200 and p["destroy"][0] < 200

@@ -1,0 +1,99 @@
+"""The toolkit build: content-addressed, idempotent, atomic, self-contained."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def small_repo(tmp_path: Path) -> Path:
+    """A repo root with just what the toolkit takes from it."""
+    root = tmp_path / "repo"
+    for pkg in ("aether", "chronus"):
+        shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "dsec").mkdir()
+    for f in ("__init__.py", "wire_schema.py"):
+        shutil.copy2(REPO / "dsec" / f, root / "dsec" / f)
+    return root
+
+
+def test_layout(toolkit_dir: Path) -> None:
+    lib = toolkit_dir / "lib"
+    py = lib / "python3.11"
+    assert os.access(toolkit_dir / "bin" / "python3.11", os.X_OK)
+    assert os.access(lib / "ld-linux-x86-64.so.2", os.X_OK)
+    for so in (
+        "libc.so.6",
+        "libm.so.6",
+        "libz.so.1",
+        "libexpat.so.1",
+        "libssl.so.3",
+        "libffi.so.8",
+    ):
+        assert (lib / so).is_file(), so
+    assert (py / "os.py").is_file() and (py / "lib-dynload").is_dir()
+    for dropped in ("test", "idlelib", "tkinter", "ensurepip", "lib2to3", "turtledemo",
+                    "pydoc_data", "distutils", "site-packages", "dist-packages"):  # fmt: skip
+        assert not (py / dropped).exists(), dropped
+    assert not list(py.glob("lib-dynload/_test*"))
+    assert (py / "aether").is_dir() and (py / "chronus").is_dir()
+    assert sorted(p.name for p in (py / "dsec").glob("*.py")) == ["__init__.py", "wire_schema.py"]
+    manifest = json.loads((toolkit_dir / "toolkit.json").read_text())
+    assert manifest["sha256"].startswith(toolkit_dir.name)
+    assert manifest["argv_prefix"] == toolkit_argv("m")[:-2]
+    assert toolkit_image(toolkit_dir).is_file()
+
+
+def test_every_module_is_precompiled_unchecked(toolkit_dir: Path) -> None:
+    py = toolkit_dir / "lib" / "python3.11"
+    sources = [p for p in py.rglob("*.py")]
+    assert len(sources) > 400
+    for src in sources:
+        pyc = src.parent / "__pycache__" / f"{src.stem}.cpython-311.pyc"
+        assert pyc.is_file(), src
+    flags = int.from_bytes((py / "__pycache__" / "os.cpython-311.pyc").read_bytes()[4:8], "little")
+    assert flags == 0b01  # hash-based, check_source off: valid whatever the mtimes
+
+
+def test_relocatable_and_needs_no_environment(toolkit_dir: Path) -> None:
+    """The same argv form works from wherever the toolkit is (here its host path, not /.dsec)
+    with an empty environment: prefix, stdlib and C extensions (_json) are found."""
+    argv = toolkit_argv("json.tool", mount_point=str(toolkit_dir))
+    r = subprocess.run(argv, input=b'{"a": 1}', capture_output=True, env={}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"a": 1}
+
+
+def test_idempotent_and_content_addressed(small_repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = build_toolkit(out, small_repo, erofs=False)
+    marker = (first / "toolkit.json").stat().st_mtime_ns
+    assert build_toolkit(out, small_repo, erofs=False) == first
+    assert (first / "toolkit.json").stat().st_mtime_ns == marker  # not rebuilt
+    (small_repo / "aether" / "extra_module.py").write_text("X = 1\n")
+    second = build_toolkit(out, small_repo, erofs=False)
+    assert second != first
+    assert (second / "lib" / "python3.11" / "aether" / "extra_module.py").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]  # atomic: no debris
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        [first.name, second.name]
+    )
+
+
+def test_missing_app_package_is_a_build_error(small_repo: Path, tmp_path: Path) -> None:
+    from edge.runtime import ToolkitBuildError
+
+    shutil.rmtree(small_repo / "chronus")
+    with pytest.raises(ToolkitBuildError, match="chronus"):
+        build_toolkit(tmp_path / "out", small_repo, erofs=False)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
