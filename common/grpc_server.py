@@ -213,7 +213,7 @@ class GrpcServer:
         self.grace_s = grace_s
         self._services: list[tuple[object, ServiceDescriptor]] = []
         self._background: list[Callable[[], Awaitable[None]]] = []
-        self._closers: list[Callable[[], Awaitable[None] | None]] = []
+        self._closers: list[Callable[[], Awaitable[object] | None]] = []
         self._stop = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -226,7 +226,7 @@ class GrpcServer:
         """A long-running coroutine (probe loop, reaper) owned by this server."""
         self._background.append(fn)
 
-    def on_close(self, fn: Callable[[], Awaitable[None] | None]) -> None:
+    def on_close(self, fn: Callable[[], Awaitable[object] | None]) -> None:
         self._closers.append(fn)
 
     def request_stop(self) -> None:

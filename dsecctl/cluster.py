@@ -49,6 +49,8 @@ class EdgeSpec:
     cpu_millis: int = 0
     memory_mb: int = 0
     max_sandboxes: int = 1000
+    #: A local cluster going down takes its sandboxes with it (see EdgeConfig.on_shutdown).
+    on_shutdown: str = "stop"
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -128,6 +130,7 @@ class LocalCluster:
                 "IAM": iam,
                 "REGISTER_INTERVAL_S": "2",
                 "MAX_SANDBOXES": str(e.max_sandboxes),
+                "ON_SHUTDOWN": e.on_shutdown,
                 **(
                     {"LABELS": ",".join(f"{k}={v}" for k, v in e.labels.items())}
                     if e.labels
@@ -135,9 +138,10 @@ class LocalCluster:
                 ),
                 **({"CPU_MILLIS": str(e.cpu_millis)} if e.cpu_millis else {}),
                 **({"MEMORY_MB": str(e.memory_mb)} if e.memory_mb else {}),
-                **e.extra_env,
             }
-            plan.append(svc(f"edge-{e.edge_id}", "edge", "EDGE", addr, env))
+            edge = svc(f"edge-{e.edge_id}", "edge", "EDGE", addr, env)
+            edge.env.update(e.extra_env)  # full variable names, e.g. DSEC_EDGE_IMAGE_DIR
+            plan.append(edge)
         for i in range(self.apiservers):
             name = "apiserver" if i == 0 else f"apiserver{i}"
             addr = self._address(name, 7100 if i == 0 else 7120 + i)
@@ -233,7 +237,7 @@ class LocalCluster:
                     )
                 time.sleep(0.1)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to every started PID (reverse order), then SIGKILL what is left."""
         for p in reversed(self.processes):
             if p.pid and _alive(p):
@@ -252,9 +256,26 @@ class LocalCluster:
                     pass
                 if p.proc is not None:
                     p.proc.wait(timeout=5)
+        if all(e.on_shutdown == "stop" for e in self.edges):
+            self.release_mounts()
         state = self.home / "cluster.json"
         if state.exists():
             state.unlink()
+
+    def release_mounts(self) -> list[str]:
+        """Unmounts whatever is still mounted under the cluster's home once its
+        processes are gone (an edge killed mid-start can leave a toolkit mount)."""
+        home = str(self.home.resolve()) + "/"
+        targets = []
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                target = line.split()[4].replace("\\040", " ")
+                if target.startswith(home):
+                    targets.append(target)
+        for target in sorted(targets, key=len, reverse=True):
+            if subprocess.run(["umount", target], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", target], capture_output=True)
+        return targets
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.process(name)

@@ -53,6 +53,10 @@ class EdgeConfig(ServiceConfig):
     #: How long a terminated sandbox's record stays readable (its reason) before it is forgotten.
     terminated_retention_s: float = 3600.0
     reap_interval_s: float = 1.0
+    #: On SIGTERM: "keep" sandboxes running (re-adopted when the edge comes back,
+    #: e.g. an upgrade) or "stop" them all and release every mount (a local
+    #: cluster going down).
+    on_shutdown: str = "keep"
     #: Base images / environments (name.erofs or name.rootfs/ per image).
     image_dir: Path = Path("/var/lib/dsec/images")
 
@@ -62,6 +66,8 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(f"DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}}")
         if self.runtime not in ("container", "null"):
             raise ConfigError(f"DSEC_EDGE_RUNTIME={self.runtime!r}: expected container or null")
+        if self.on_shutdown not in ("keep", "stop"):
+            raise ConfigError(f"DSEC_EDGE_ON_SHUTDOWN={self.on_shutdown!r}: expected keep or stop")
         if self.cpu_overcommit < 1 or self.memory_overcommit < 1:
             raise ConfigError("overcommit ratios must be >= 1")
         if self.max_sandboxes < 1:

@@ -194,6 +194,13 @@ class SandboxManager:
                 await self._wait_ready(existing)
             return existing, True
         self._validate(sandbox_id, spec)
+        check = getattr(self.backends[spec.backend], "validate", None)
+        if check is not None:
+            await asyncio.to_thread(check, spec)  # e.g. an unknown image fails here, fast
+            if sandbox_id in self.records:  # a concurrent retry got in first
+                return await self.create(
+                    sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
+                )
         self._admit(spec)
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
@@ -431,6 +438,14 @@ class SandboxManager:
 
     def live_ids(self) -> builtins.list[str]:
         return [r.sandbox_id for r in self.records.values() if r.state in LIVE_STATES]
+
+    async def stop_all(self, message: str) -> int:
+        """Stops every live sandbox (edge shutdown with on_shutdown=stop)."""
+        live = [r.sandbox_id for r in self.records.values() if r.live]
+        await asyncio.gather(
+            *(self.stop(sid, message=message, grace_s=0.2) for sid in live), return_exceptions=True
+        )
+        return len(live)
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -70,6 +71,10 @@ async def main() -> None:
     setup_logging(f"edge-{cfg.edge_id}", cfg.log_level, cfg.log_format)
     setup_tracing("edge", cfg.otlp_endpoint)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    # Runtime calls (runc, mounts) block in threads; a burst needs more than the default 6.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=64, thread_name_prefix="edge")
+    )
     backends = make_backends(cfg)
     manager = SandboxManager(
         cfg.edge_id,
@@ -87,9 +92,12 @@ async def main() -> None:
     info = types_pb2.EdgeInfo()
     server.add(EdgeServicer(manager, info), "dsec.edge.v1.EdgeService")
     server.background(manager.reap_loop)
-    server.on_close(manager.close)
     for b in backends:
         server.on_close(b.close)
+    server.on_close(manager.close)
+    if cfg.on_shutdown == "stop":
+        # on_close runs in reverse order: sandboxes stop before backends close.
+        server.on_close(lambda: manager.stop_all("the edge shut down"))
 
     async def register() -> None:
         # Background tasks start after the server has bound its address.

@@ -73,7 +73,7 @@ class Placer:
         k: int = 2,
         max_candidates: int = 3,
         burst_threshold: float = 0.8,
-        overlay_ttl_s: float = 10.0,
+        overlay_ttl_s: float = 5.0,
         rng: random.Random | None = None,
     ) -> None:
         self.k = k
@@ -132,7 +132,13 @@ class Placer:
 
     def _effective(self, e: EdgeView) -> tuple[int, int, int, int]:
         cpu, mem, gpus, n = e.cpu_allocated, e.memory_allocated, 0, e.sandboxes
-        for p in self.overlay.get(e.edge_id, ()):
+        pending = self.overlay.get(e.edge_id)
+        if pending and time.time() - pending[0].at > self.overlay_ttl_s:
+            # The watcher publishes only changes, so an entry it already counted
+            # may never be dropped by a probe: age it out.
+            cutoff = time.time() - self.overlay_ttl_s
+            pending[:] = [p for p in pending if p.at > cutoff]
+        for p in pending or ():
             cpu += p.cpu
             mem += p.memory
             gpus += p.gpus

@@ -1,0 +1,459 @@
+"""aether's loop: init duties, the edge connection, the relay to chronus.
+
+Single-threaded, one `selectors` loop: the listening socket, the edge
+connection, the chronus channel and the signal wake-up socket. Frames are
+relayed without decoding their bodies (`wire.split_frame`); only stream ids
+are rewritten, because the edge's ids restart with each connection while
+chronus may still be winding down streams of the previous one.
+"""
+
+from __future__ import annotations
+
+import _signal  # `signal` and `socket` build enums: ~1 MB per process
+import _socket
+import gc
+import os
+import selectors
+import sys
+import time
+
+import chronus
+from aether import wire
+from aether.config import AetherConfig
+from aether.log import get_logger
+from chronus.engine import serve_socket  # before the fork: shared copy-on-write
+from chronus.proc import descendants, kill_quietly, killpg_quietly, proc_table, spawn
+
+TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+log = get_logger("aether")
+
+PROTOCOL_VERSION = 1
+UNAVAILABLE = 14
+HIGH_WATER = 16 * 1024 * 1024  # stop reading a side whose peer is this far behind
+LOW_WATER = 4 * 1024 * 1024
+
+F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE = (
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+)
+
+
+class Conn:
+    """A non-blocking framed socket with an output buffer."""
+
+    def __init__(self, sock: _socket.socket, name: str) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.name = name
+        self.reader = wire.FrameReader()
+        self.out = bytearray()
+        self.last_rx = time.monotonic()
+        self.closed = False
+
+    def queue(self, payload: bytes) -> None:
+        if not self.closed:
+            self.out += wire.pack_frame(payload)
+
+    def flush(self) -> None:
+        while self.out and not self.closed:
+            try:
+                n = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.closed = True
+                return
+            del self.out[:n]
+
+    def receive(self) -> list[bytes] | None:
+        """Complete frames now readable; None when the peer is gone."""
+        try:
+            data = self.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
+        self.last_rx = time.monotonic()
+        return self.reader.feed(data)
+
+
+class Aether:
+    def __init__(self, config: AetherConfig, listener: _socket.socket) -> None:
+        self.config = config
+        self.sel = selectors.DefaultSelector()
+        listener.setblocking(False)
+        os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
+        self.listener = listener
+        self.sel.register(listener, selectors.EVENT_READ, "listen")
+        self._sig_r, self._sig_w = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
+        self.edge: Conn | None = None
+        self.chronus: Conn | None = None
+        self.chronus_pid = 0
+        # Frames for chronus while it restarts: delivered to the new one.
+        self._chronus_backlog = bytearray()
+        self._chronus_started = 0.0
+        self._restart_at = 0.0
+        # edge stream id <-> chronus stream id, for the current edge connection
+        self._to_chronus: dict[int, int] = {}
+        self._to_edge: dict[int, int] = {}
+        self._next_id = 1
+        self._ping_sent = False
+        self._nonce = 0
+        self._shutdown_grace: float | None = None
+
+    # ------------------------------------------------------------ main loop
+    def run(self) -> int:
+        for sig in (_signal.SIGCHLD, _signal.SIGTERM, _signal.SIGINT):
+            _signal.signal(sig, lambda *_: None)  # the wake-up fd does the work
+        _signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        self._start_chronus()
+        log.info(
+            "aether %d ready (chronus %d, %s mode)",
+            os.getpid(),
+            self.chronus_pid,
+            self.config.chronus_mode,
+        )
+        while self._shutdown_grace is None:
+            for key, events in self.sel.select(self._timeout()):
+                tag = key.data
+                if tag == "listen":
+                    self._accept()
+                elif tag == "signal":
+                    self._on_signal()
+                elif isinstance(tag, Conn):
+                    if events & selectors.EVENT_WRITE:
+                        tag.flush()
+                    if events & selectors.EVENT_READ:
+                        self._on_readable(tag)
+            self._tick()
+            self._update_interest()
+        self._shutdown(self._shutdown_grace)
+        return 0
+
+    def _timeout(self) -> float:
+        return 1.0 if self._restart_at == 0 else max(0.0, self._restart_at - time.monotonic())
+
+    def _update_interest(self) -> None:
+        edge, ch = self.edge, self.chronus
+        for conn, peer in ((edge, ch), (ch, edge)):
+            if conn is None:
+                continue
+            if conn.closed:
+                self._lost(conn)
+                continue
+            # Backpressure: stop reading a side while its peer's buffer is full.
+            behind = peer is not None and len(peer.out) > HIGH_WATER
+            events = 0 if behind else selectors.EVENT_READ
+            if conn.out:
+                events |= selectors.EVENT_WRITE
+            key = self.sel.get_map().get(conn.sock.fileno())
+            if key is None:
+                if events:
+                    self.sel.register(conn.sock, events, conn)
+            elif not events:
+                self.sel.unregister(conn.sock)
+            elif key.events != events:
+                self.sel.modify(conn.sock, events, conn)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self._restart_at and now >= self._restart_at:
+            self._restart_at = 0.0
+            self._start_chronus()
+        edge = self.edge
+        if edge is None:
+            return
+        idle = now - edge.last_rx
+        if idle >= self.config.peer_dead_s:
+            log.warning("edge silent for %.0fs; dropping the connection", idle)
+            self._drop_edge()
+        elif idle >= self.config.ping_idle_s and not self._ping_sent:
+            self._nonce += 1
+            edge.queue(wire.encode(wire.FRAME, {"ping": {"nonce": self._nonce}}))
+            edge.flush()
+            self._ping_sent = True
+
+    # ----------------------------------------------------------------- edge
+    def _accept(self) -> None:
+        try:
+            fd, _ = self.listener._accept()  # type: ignore[attr-defined]  # accept4(CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
+        sock = _socket.socket(fileno=fd)
+        if self.edge is not None:
+            log.info("a new edge connection replaces the current one")
+            self._drop_edge()
+        self.edge = Conn(sock, "edge")
+        self._ping_sent = False
+        hello = {
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "chronus_version": chronus.__version__,
+        }
+        self.edge.queue(wire.encode(wire.FRAME, {"hello": hello}))
+        self.edge.flush()
+        log.info("edge connected")
+
+    def _drop_edge(self) -> None:
+        edge = self.edge
+        if edge is None:
+            return
+        self.edge = None
+        self._unregister(edge)
+        edge.sock.close()
+        # Streams of a vanished caller are abandoned; background commands and
+        # sessions are not streams and live on.
+        for cid in list(self._to_edge):
+            self._to_chronus_frame(cid, F_CANCEL, b"")
+        self._to_chronus.clear()
+        self._to_edge.clear()
+        log.info("edge disconnected")
+
+    def _on_edge_frame(self, payload: bytes) -> None:
+        self._ping_sent = False
+        sid, kind, body = wire.split_frame(payload)
+        if kind == F_REQUEST:
+            cid = self._to_chronus.get(sid)
+            if cid is None:
+                cid = self._next_id
+                self._next_id = self._next_id % 0xFFFFFFFF + 1
+                self._to_chronus[sid] = cid
+                self._to_edge[cid] = sid
+            self._to_chronus_frame(cid, F_REQUEST, body)
+        elif kind in (F_CANCEL, F_HALF_CLOSE):
+            cid = self._to_chronus.get(sid)
+            if cid is not None:
+                self._to_chronus_frame(cid, kind, body)
+                if kind == F_CANCEL:  # the edge wants nothing more on it
+                    del self._to_chronus[sid]
+                    del self._to_edge[cid]
+        elif kind == F_PING:
+            assert self.edge is not None
+            self.edge.queue(wire.join_frame(0, F_PONG, body))  # Pong mirrors Ping's nonce
+        elif kind == F_SHUTDOWN:
+            grace = wire.decode("dsec.aether.v1.Shutdown", body).get("grace_s", 0.0)
+            log.info("shutdown requested (grace %.1fs)", grace)
+            self._shutdown_grace = max(0.0, grace)
+
+    def _to_chronus_frame(self, cid: int, kind: int, body: Any) -> None:
+        payload = wire.join_frame(cid, kind, body)
+        if self.chronus is not None:
+            self.chronus.queue(payload)
+        elif len(self._chronus_backlog) < HIGH_WATER:
+            self._chronus_backlog += wire.pack_frame(payload)
+        elif kind == F_REQUEST and self.edge is not None:
+            sid = self._to_edge.pop(cid, None)
+            if sid is not None:
+                del self._to_chronus[sid]
+                end = {"code": UNAVAILABLE, "reason": "CHRONUS_RESTARTING", "message": "retry"}
+                self.edge.queue(wire.encode(wire.FRAME, {"stream_id": sid, "end": end}))
+
+    def _end_all_streams(self, reason: str, message: str) -> None:
+        if self.edge is not None:
+            end = {"code": UNAVAILABLE, "reason": reason, "message": message}
+            for sid in self._to_chronus:
+                self.edge.queue(wire.encode(wire.FRAME, {"stream_id": sid, "end": end}))
+        self._to_chronus.clear()
+        self._to_edge.clear()
+
+    # -------------------------------------------------------------- chronus
+    def _on_chronus_frame(self, payload: bytes) -> None:
+        cid, kind, body = wire.split_frame(payload)
+        if kind not in (F_RESPONSE, F_END):
+            return
+        sid = self._to_edge.get(cid)
+        if sid is None or self.edge is None:
+            return  # a stream the edge abandoned
+        self.edge.queue(wire.join_frame(sid, kind, body))
+        if kind == F_END:
+            del self._to_edge[cid]
+            del self._to_chronus[sid]
+
+    def _start_chronus(self) -> None:
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        self._chronus_started = time.monotonic()
+        if self.config.chronus_mode == "exec":
+            argv = [sys.executable, *_interpreter_flags(), "-m", "chronus", "--fd", "3"]
+            self.chronus_pid = spawn(
+                argv,
+                dict(os.environ),
+                os.getcwd(),
+                stdin=0,
+                stdout=1,
+                stderr=2,
+                extra_fds={3: theirs.fileno()},
+            )
+        else:
+            gc.collect()
+            gc.freeze()  # the collector must not dirty the shared pages in chronus
+            pid = os.fork()
+            if pid == 0:
+                self._become_chronus(ours, theirs)
+            self.chronus_pid = pid
+        theirs.close()
+        self.chronus = Conn(ours, "chronus")
+        self.chronus.out, self._chronus_backlog = self._chronus_backlog, bytearray()
+        self.sel.register(ours, selectors.EVENT_READ, self.chronus)
+        self.chronus.flush()
+
+    def _become_chronus(self, ours: _socket.socket, theirs: _socket.socket) -> None:
+        """In the forked child: drop everything of aether's, serve the channel."""
+        code = 0
+        try:
+            _signal.set_wakeup_fd(-1)
+            for sig in (_signal.SIGCHLD, _signal.SIGTERM, _signal.SIGINT):
+                _signal.signal(sig, _signal.SIG_DFL)
+            keep = {0, 1, 2, theirs.fileno()}
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                if fd not in keep:
+                    try:
+                        os.close(fd)  # the listener, the edge connection, epoll...
+                    except OSError:
+                        pass
+            serve_socket(theirs)
+        except BaseException:
+            log.exception("chronus failed")
+            code = 1
+        os._exit(code)  # never return into aether's loop
+
+    def _lost(self, conn: Conn) -> None:
+        if conn is self.edge:
+            self._drop_edge()
+        elif conn is self.chronus:
+            self._chronus_lost("channel closed")
+
+    def _chronus_lost(self, why: str, reaped: bool = False) -> None:
+        conn = self.chronus
+        if conn is None:
+            return
+        self.chronus = None
+        self._unregister(conn)
+        conn.sock.close()
+        if not reaped:
+            kill_quietly(self.chronus_pid, _signal.SIGKILL)  # it only closed the channel
+        log.error("chronus %d lost (%s); restarting it", self.chronus_pid, why)
+        self._end_all_streams("CHRONUS_RESTARTED", f"chronus stopped ({why}) and was restarted")
+        if self._shutdown_grace is None:
+            wait = self._chronus_started + self.config.restart_backoff_s - time.monotonic()
+            if wait > 0:
+                self._restart_at = time.monotonic() + wait
+            else:
+                self._start_chronus()
+
+    # ----------------------------------------------------------- shared I/O
+    def _on_readable(self, conn: Conn) -> None:
+        frames = conn.receive()
+        if frames is None:
+            self._lost(conn)
+            return
+        for payload in frames:
+            try:
+                if conn is self.edge:
+                    self._on_edge_frame(payload)
+                elif conn is self.chronus:
+                    self._on_chronus_frame(payload)
+            except wire.WireError as exc:
+                log.warning("malformed frame from %s: %s", conn.name, exc)
+        for c in (self.edge, self.chronus):
+            if c is not None:
+                c.flush()
+
+    def _unregister(self, conn: Conn) -> None:
+        if conn.sock.fileno() >= 0 and conn.sock.fileno() in self.sel.get_map():
+            self.sel.unregister(conn.sock)
+
+    # ------------------------------------------------------------- signals
+    def _on_signal(self) -> None:
+        try:
+            signums = self._sig_r.recv(4096)
+        except BlockingIOError:
+            signums = b""
+        self._reap()
+        if _signal.SIGTERM in signums or _signal.SIGINT in signums:
+            log.info("SIGTERM: shutting down")
+            self._shutdown_grace = self.config.sigterm_grace_s
+
+    def _reap(self) -> None:
+        """Reap every exited child: chronus, and orphans re-parented to us.
+
+        Commands are children of chronus, which waits for them itself, so
+        waiting for any child here never steals a status chronus needs."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.chronus_pid and self.chronus is not None:
+                self._chronus_lost(f"exit status {status}", reaped=True)
+
+    # ------------------------------------------------------------ shutdown
+    def _shutdown(self, grace: float) -> None:
+        """SIGTERM every process group, wait `grace`, SIGKILL what is left."""
+        self._end_all_streams("SHUTDOWN", "the sandbox is shutting down")
+        if self.edge is not None:
+            self.edge.sock.setblocking(True)
+            self.edge.sock.settimeout(1.0)
+            try:
+                self.edge.sock.sendall(self.edge.out)
+            except OSError:
+                pass
+        me = os.getpid()
+        self._signal_all(_signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and descendants({me}, proc_table()):
+            self._reap_quietly()
+            time.sleep(0.02)
+        for _ in range(100):
+            if not self._signal_all(_signal.SIGKILL):
+                break
+            time.sleep(0.02)
+            self._reap_quietly()
+        log.info("shutdown complete")
+
+    @staticmethod
+    def _signal_all(sig: int) -> int:
+        table = proc_table()
+        targets = descendants({os.getpid()}, table)
+        groups = {p.pgid for p in table if p.pid in targets}
+        for pgid in groups:
+            if pgid != os.getpgid(0):
+                killpg_quietly(pgid, sig)
+        for pid in targets:
+            kill_quietly(pid, sig)
+        return len(targets)
+
+    @staticmethod
+    def _reap_quietly() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+
+def _interpreter_flags() -> list[str]:
+    flags = []
+    if sys.flags.no_site:
+        flags.append("-S")
+    if sys.flags.isolated:
+        flags.append("-I")
+    return flags

@@ -1,0 +1,197 @@
+"""Container sandbox benchmarks (issue: Container sandboxes), with Docker baselines
+measured in the same run on the same busybox image.
+
+1. create-to-first-command latency over N sandboxes (sequential): dsec create + run("true")
+   vs `docker run -d` + `docker exec true`.
+2. run("true") round trip through SDK -> apiserver -> edge -> aether -> chronus.
+3. burst: B sandboxes created concurrently (create_many) vs B concurrent `docker run -d`.
+4. memory: PSS of aether + chronus per idle sandbox with B idle sandboxes (no per-sandbox host
+   process exists: runc exits after start).
+
+usage: python bench/bench_containers.py [--n 50] [--burst 200] [--no-docker]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cluster, descendants, docker_available, pct, pss_kb, summary_ms, table
+from dsecctl.cluster import EdgeSpec
+from libdsec import AsyncClient, Client
+
+IMAGE = "busybox"
+DOCKER_IMAGE = "dsec/busybox:latest"
+
+
+def docker_create_exec(n: int) -> list[float]:
+    out = []
+    ids = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            cid = subprocess.run(
+                ["docker", "run", "-d", "--network", "none", DOCKER_IMAGE, "sleep", "600"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            subprocess.run(["docker", "exec", cid, "true"], check=True, capture_output=True)
+            out.append(time.perf_counter() - t)
+            ids.append(cid)
+    finally:
+        docker_rm(ids)
+    return out
+
+
+def docker_rm(ids: list[str]) -> None:
+    for i in range(0, len(ids), 50):
+        subprocess.run(["docker", "rm", "-f", *ids[i : i + 50]], capture_output=True)
+
+
+def docker_burst(n: int) -> float:
+    def one(_: int) -> str:
+        return subprocess.run(
+            ["docker", "run", "-d", "--network", "none", DOCKER_IMAGE, "sleep", "600"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(n, 64)) as pool:
+        ids = list(pool.map(one, range(n)))
+    elapsed = time.perf_counter() - t
+    docker_rm(ids)
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--burst", type=int, default=200)
+    ap.add_argument("--rtt", type=int, default=500)
+    ap.add_argument("--no-docker", action="store_true")
+    args = ap.parse_args()
+    use_docker = not args.no_docker and docker_available()
+
+    edge = EdgeSpec(
+        edge_id="bench",
+        runtime="container",
+        max_sandboxes=args.burst + 50,
+        extra_env={"DSEC_EDGE_CPU_OVERCOMMIT": "200"},
+    )
+    with cluster(edges=[edge]) as c, Client(c.apiserver, token=c.token) as dsec:
+        dsec.create(image=IMAGE, cpu=1, memory_mb=64).stop()  # warm: toolkit built, image mounted
+
+        # 1. create -> first command
+        lat: list[float] = []
+        for _ in range(args.n):
+            t = time.perf_counter()
+            sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
+            sb.run("true")
+            lat.append(time.perf_counter() - t)
+            sb.stop(grace_s=0)
+        d_lat = docker_create_exec(args.n) if use_docker else []
+        p50, p99, _ = summary_ms(lat)
+        dp50, dp99, _ = summary_ms(d_lat)
+        table(
+            f"create -> first command, {args.n} sandboxes (ms)",
+            ["system", "p50", "p99", "p50 ratio"],
+            [
+                ["dsec (runc + aether)", p50, p99, 1.0],
+                *([["docker run -d + exec", dp50, dp99, dp50 / p50]] if d_lat else []),
+            ],
+        )
+
+        # 2. run("true") round trip
+        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
+        for _ in range(20):
+            sb.run("true")
+        rtt = []
+        for _ in range(args.rtt):
+            t = time.perf_counter()
+            sb.run("true")
+            rtt.append(time.perf_counter() - t)
+        sb.stop(grace_s=0)
+        p50, p99, mean = summary_ms(rtt)
+        table(
+            f'run("true") round trip, {args.rtt} calls (ms)',
+            ["path", "p50", "p99", "mean"],
+            [["SDK -> apiserver -> edge -> aether -> chronus", p50, p99, mean]],
+        )
+
+        # 3. burst
+        async def burst() -> tuple[float, list[str], int]:
+            async with AsyncClient(c.apiserver, token=c.token) as ac:
+                t = time.perf_counter()
+                res = await ac.create_many(
+                    args.burst, image=IMAGE, cpu=1, memory_mb=32, task_id="burst"
+                )
+                elapsed = time.perf_counter() - t
+                ok = [r.id for r in res if not isinstance(r, Exception)]
+                return elapsed, ok, len(res) - len(ok)
+
+        elapsed, ids, failed = asyncio.run(burst())
+        d_elapsed = docker_burst(args.burst) if use_docker else float("nan")
+        table(
+            f"burst of {args.burst} concurrent creates",
+            ["system", "seconds", "sandboxes/s", "failed"],
+            [
+                ["dsec create_many", elapsed, len(ids) / elapsed, failed],
+                *(
+                    [["docker run -d x" + str(args.burst), d_elapsed, args.burst / d_elapsed, 0]]
+                    if use_docker
+                    else []
+                ),
+            ],
+        )
+
+        # 4. memory of idle sandboxes (the burst's, all RUNNING and idle)
+        runc_root = Path(c.home) / "edges" / "bench" / "container" / "runtime" / "runc"
+        pids = []
+        for sid in ids:
+            st = subprocess.run(
+                ["runc", "--root", str(runc_root), "state", sid], capture_output=True, text=True
+            )
+            if st.returncode == 0:
+                import json
+
+                pids.append(json.loads(st.stdout)["pid"])
+        time.sleep(2)
+        per_sandbox = []
+        for pid in pids:
+            total_pss = total_uss = 0
+            for p in descendants(pid):
+                try:
+                    pss, uss = pss_kb(p)
+                except OSError:
+                    continue
+                total_pss += pss
+                total_uss += uss
+            per_sandbox.append((total_pss, total_uss))
+        if per_sandbox:
+            mean_pss = sum(p for p, _ in per_sandbox) / len(per_sandbox) / 1024
+            mean_uss = sum(u for _, u in per_sandbox) / len(per_sandbox) / 1024
+            table(
+                f"memory per idle sandbox, {len(per_sandbox)} running (MB)",
+                ["measure", "mean", "p99"],
+                [
+                    ["PSS aether+chronus", mean_pss, pct([p / 1024 for p, _ in per_sandbox], 99)],
+                    ["USS aether+chronus", mean_uss, pct([u / 1024 for _, u in per_sandbox], 99)],
+                    ["per-sandbox host processes", 0.0, 0.0],
+                ],
+            )
+        dsec.stop_all(task_id="burst")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

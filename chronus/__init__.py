@@ -1,0 +1,41 @@
+"""chronus: command execution, shell sessions, files and HTTP inside a sandbox.
+
+chronus serves the calls of `dsec.chronus.v1.Request` (as dicts, see
+`aether.wire`) arriving as frames from aether over a socketpair. Standard
+library only (it runs on the toolkit's bare interpreter); see `aether` for the
+process tree and the channel.
+
+Structure:
+  engine    reads frames; one thread per stream runs the call; one write lock
+  reactor   one thread and one `selectors` loop own every child's descriptors
+            (pipes, pty masters, pidfds, session control FIFOs) and timers
+  execs     `Exec`: head+tail capture (`output`), subscribers with stream
+            offsets (reattach), stdin, timeouts; `ExecManager`: the table
+  sessions  persistent shells driven by a marker protocol (module docstring)
+  files     file operations; atomic writes; streamed upload and download
+  httpcall  HTTP/1.1 to 127.0.0.1:<port> inside the sandbox
+
+Semantics worth knowing:
+  * Each command runs in its own session (setsid). A timeout SIGKILLs the
+    process group, every process of the session and every descendant, and
+    reports exit_code -1, timed_out true (distinct from a non-zero exit).
+  * A command that cannot start (argv[0] or cwd missing) reports exit_code
+    127 (126: found but not executable) with `error` set, like a shell.
+  * Output is capped per stream (max_output_bytes, default 1 MiB): the first
+    and last halves are kept; a sync result carries head + marker + tail.
+    A stream forwards at most the cap per subscription; the exit event
+    always carries the totals. Sync results are capped at 3 MiB per stream
+    so that an ExecResult always fits in one 8 MiB frame.
+  * When the command exits, its pipes are read for a short linger; a
+    grandchild that keeps them open (`server &`) does not hold the call, and
+    its later output is drained and discarded (no SIGPIPE).
+  * Abandoning a foreground call (Cancel, or the edge connection dropping)
+    kills its command; `background` commands live until they exit. Background
+    results are kept for attach/wait (the last 64 exited).
+  * ExecInput streams always keep stdin open; HalfClose closes it. On a pty,
+    close_stdin sends the terminal's EOF character instead of hanging up.
+  * `trusted` execs and `modified_files` answer UNIMPLEMENTED: both need the
+    edge (read-only layers, the writable upper layer).
+"""
+
+__version__ = "0.1.0"

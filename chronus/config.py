@@ -1,0 +1,55 @@
+"""chronus configuration, read once at start from `DSEC_CHRONUS_*` variables.
+
+A plain class rather than a dataclass: `dataclasses` pulls in `inspect` and
+`ast` (~3 MB per process, measured), too much for an in-sandbox agent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+MIB = 1024 * 1024
+
+# Variables of the agents themselves; commands must not see them.
+_PRIVATE_PREFIXES = ("DSEC_AETHER_", "DSEC_CHRONUS_")
+
+
+class ChronusConfig:
+    """Immutable by convention: built once, then only read."""
+
+    max_output_bytes_limit = 64 * MIB  # streaming/background ceiling per stream
+    sync_output_bytes_limit = 3 * MIB  # an ExecResult must fit one 8 MiB frame
+    sync_timeout_s = 600.0  # sync exec with timeout_s 0
+    keepalive_ms = 5000
+    linger_s = 0.1  # how long an exited command's pipes are still read
+    keep_exited = 64  # exited background execs kept for attach/wait
+    session_ready_s = 10.0
+
+    def __init__(
+        self,
+        workdir: str,
+        runtime_dir: str,
+        env: Mapping[str, str] | None = None,
+        max_output_bytes: int = 1 * MIB,
+    ) -> None:
+        self.workdir = workdir
+        self.runtime_dir = runtime_dir  # session FIFOs and scripts
+        self.env = dict(env or {})  # sandbox env of every command
+        self.max_output_bytes = max_output_bytes  # per stream, when a request says 0
+
+    def __repr__(self) -> str:
+        return f"ChronusConfig(workdir={self.workdir!r}, runtime_dir={self.runtime_dir!r})"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ChronusConfig:
+        environ = os.environ if environ is None else environ
+        workdir = environ.get("DSEC_CHRONUS_WORKDIR") or os.getcwd()
+        runtime_dir = environ.get("DSEC_CHRONUS_RUNTIME_DIR") or "/run/dsec"
+        if "'" in runtime_dir or '"' in runtime_dir or "\n" in runtime_dir:
+            raise ValueError("DSEC_CHRONUS_RUNTIME_DIR must not contain quotes or newlines")
+        env = {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_PREFIXES)}
+        max_out = int(environ.get("DSEC_CHRONUS_MAX_OUTPUT_BYTES", str(1 * MIB)))
+        if max_out <= 0:
+            raise ValueError("DSEC_CHRONUS_MAX_OUTPUT_BYTES must be positive")
+        return cls(workdir=workdir, runtime_dir=runtime_dir, env=env, max_output_bytes=max_out)

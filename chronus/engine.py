@@ -1,0 +1,403 @@
+"""The chronus engine: reads Frames, runs each stream's call, writes Frames.
+
+The main thread reads the channel and dispatches; every stream runs in its
+own thread (calls block on disks, children and the peer, and threads cost
+tens of KB each, far less than an event-loop library); a single reactor
+thread owns every child's file descriptors. Frames from all threads are
+written under one lock, so they never interleave mid-frame.
+"""
+
+from __future__ import annotations
+
+import _socket
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from aether import wire
+from aether.log import get_logger
+from chronus import errors
+from chronus.config import ChronusConfig
+from chronus.errors import Cancelled, ChronusError, invalid
+from chronus.execs import Exec, ExecManager, Runtime, Subscription, timestamp
+from chronus.files import Files
+from chronus.proc import rss_bytes
+from chronus.sessions import SessionManager
+
+TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+log = get_logger("chronus")
+
+MAX_QUEUED_INPUT_BYTES = 8 * 1024 * 1024  # client-streamed bytes waiting for a handler
+
+if TYPE_CHECKING:
+    Input = dict[str, Any] | None  # a further Request, or None for HalfClose
+    Handler = Callable[["Stream", dict[str, Any]], None]
+
+
+class Stream:
+    """One call: a Request that opened it, further Requests, responses, an end."""
+
+    def __init__(self, engine: Engine, stream_id: int) -> None:
+        self.engine = engine
+        self.stream_id = stream_id
+        self.cancelled = False
+        self._cond = threading.Condition()
+        self._inputs: deque[tuple[Input, int]] = deque()
+        self._queued_bytes = 0
+        self._input_handler: Callable[[Input], None] | None = None
+        self._cancel_callbacks: list[Callable[[], None]] = []
+
+    # ---------------------------------------------------------- reader thread
+    def push(self, req: Input, size: int) -> None:
+        with self._cond:
+            if self._input_handler is not None:
+                handler = self._input_handler
+            else:
+                # Backpressure: a fast uploader waits for the disk here.
+                while self._queued_bytes > MAX_QUEUED_INPUT_BYTES and not self.cancelled:
+                    self._cond.wait(1.0)
+                self._inputs.append((req, size))
+                self._queued_bytes += size
+                self._cond.notify_all()
+                return
+        handler(req)
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
+            callbacks = list(self._cancel_callbacks)
+            self._cond.notify_all()
+        for cb in callbacks:
+            cb()
+
+    # --------------------------------------------------------- handler thread
+    def send(self, arm: str, value: dict[str, Any]) -> None:
+        if self.cancelled:
+            raise Cancelled()
+        self.engine.send({"stream_id": self.stream_id, "response": {arm: value}})
+
+    def recv(self) -> Input:
+        """The next Request on this stream; None after HalfClose."""
+        with self._cond:
+            while not self._inputs:
+                if self.cancelled:
+                    raise Cancelled()
+                self._cond.wait()
+            req, size = self._inputs.popleft()
+            self._queued_bytes -= size
+            self._cond.notify_all()
+            return req
+
+    def on_input(self, handler: Callable[[Input], None]) -> None:
+        """Deliver further Requests to `handler` on the reader thread."""
+        with self._cond:
+            pending = [req for req, _ in self._inputs]
+            self._inputs.clear()
+            self._queued_bytes = 0
+            self._input_handler = handler
+        for req in pending:
+            handler(req)
+
+    def on_cancel(self, cb: Callable[[], None]) -> None:
+        with self._cond:
+            if not self.cancelled:
+                self._cancel_callbacks.append(cb)
+                return
+        cb()
+
+    def wait(self, event: threading.Event, timeout: float | None = None) -> bool:
+        """Wait for `event`, for `timeout` seconds at most, unless cancelled."""
+        waited = 0.0
+        while not event.wait(0.25):
+            if self.cancelled:
+                raise Cancelled()
+            waited += 0.25
+            if timeout is not None and waited >= timeout:
+                return event.is_set()
+        return True
+
+
+class Engine:
+    def __init__(self, config: ChronusConfig) -> None:
+        self.config = config
+        self.rt = Runtime(config)
+        self.sessions = SessionManager(self.rt)
+        self.execs = ExecManager(self.rt, self.sessions)
+        self.files = Files(config.workdir)
+        self._sock: _socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._streams: dict[int, Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._handlers: dict[str, Handler] = {
+            "exec": self._exec,
+            "exec_stream": self._exec_stream,
+            "exec_input": self._exec_input,
+            "attach_exec": self._attach_exec,
+            "wait_exec": self._wait_exec,
+            "signal_exec": self._signal_exec,
+            "list_execs": self._list_execs,
+            "create_session": self._create_session,
+            "close_session": self._close_session,
+            "list_sessions": self._list_sessions,
+            "read_file": self._unary("read_file", self.files.read_file),
+            "write_file": self._unary("write_file", self.files.write_file),
+            "list_dir": self._unary("list_dir", self.files.list_dir),
+            "stat_path": self._unary("stat_path", self.files.stat_path),
+            "make_dir": self._unary("make_dir", self.files.make_dir),
+            "remove_path": self._unary("remove_path", self.files.remove_path),
+            "move_path": self._unary("move_path", self.files.move_path),
+            "chmod_path": self._unary("chmod_path", self.files.chmod_path),
+            "upload_file": self._upload_file,
+            "download_file": self._download_file,
+            "http": self._http,
+            "status": self._status,
+        }
+
+    # ------------------------------------------------------------- channel
+    def serve(self, sock: _socket.socket) -> None:
+        """Serve frames on `sock` until the peer closes it."""
+        self._sock = sock
+        self.rt.reactor.start()
+        while True:
+            payload = wire.read_frame(sock)
+            if payload is None:
+                log.info("channel closed; exiting")
+                return
+            frame = wire.decode(wire.FRAME, payload)
+            self.dispatch(frame, len(payload))
+
+    def send(self, frame: dict[str, Any]) -> None:
+        payload = wire.encode(wire.FRAME, frame)
+        assert self._sock is not None
+        with self._send_lock:
+            wire.write_frame(self._sock, payload)
+
+    def dispatch(self, frame: dict[str, Any], size: int = 0) -> None:
+        stream_id = frame.get("stream_id", 0)
+        if "request" in frame:
+            with self._streams_lock:
+                stream = self._streams.get(stream_id)
+                if stream is None:
+                    stream = self._streams[stream_id] = Stream(self, stream_id)
+                    opened = True
+                else:
+                    opened = False
+            if opened:
+                threading.Thread(
+                    target=self._run, args=(stream, frame["request"]), daemon=True
+                ).start()
+            else:
+                stream.push(frame["request"], size)
+        elif "half_close" in frame or "cancel" in frame:
+            with self._streams_lock:
+                stream = self._streams.get(stream_id)
+            if stream is not None:
+                if "cancel" in frame:
+                    stream.cancel()
+                else:
+                    stream.push(None, 0)
+        elif "ping" in frame:
+            self.send({"pong": {"nonce": frame["ping"].get("nonce", 0)}})
+
+    def _run(self, stream: Stream, request: dict[str, Any]) -> None:
+        end: dict[str, Any] = {}
+        try:
+            if len(request) != 1:
+                raise invalid("a Request carries exactly one call")
+            ((arm, body),) = request.items()
+            handler = self._handlers.get(arm)
+            if handler is None:
+                raise ChronusError(
+                    errors.UNIMPLEMENTED, "UNIMPLEMENTED", f"{arm} is not implemented"
+                )
+            handler(stream, body)
+        except ChronusError as exc:
+            end = {"code": exc.code, "reason": exc.reason, "message": exc.message}
+        except Cancelled:
+            end = {"code": errors.CANCELLED, "reason": "CANCELLED", "message": "cancelled"}
+        except Exception:
+            log.exception("stream %d failed", stream.stream_id)
+            end = {"code": errors.INTERNAL, "reason": "INTERNAL", "message": "internal error"}
+        finally:
+            with self._streams_lock:
+                self._streams.pop(stream.stream_id, None)
+        try:
+            self.send({"stream_id": stream.stream_id, "end": end})
+        except OSError:
+            pass  # the channel is gone; the reader thread notices
+
+    # --------------------------------------------------------------- execs
+    def _keepalive_s(self, ms: int) -> float:
+        return (ms or self.config.keepalive_ms) / 1000.0
+
+    def _pump(self, stream: Stream, sub: Subscription, keepalive_s: float) -> None:
+        """Forward an exec's events until its exit (the last event)."""
+        stream.on_cancel(sub.cancel)
+        while True:
+            try:
+                ev = sub.queue.get(timeout=keepalive_s)
+            except queue.Empty:
+                stream.send("exec_event", {"keepalive": {"at": timestamp()}})
+                continue
+            kind = ev[0]
+            if kind == "cancel":
+                raise Cancelled()
+            if kind == "exit":
+                stream.send("exec_event", {"exit": ev[1]})
+                return
+            stream.send("exec_event", {kind: {"data": ev[2], "offset": ev[1]}})
+
+    def _started(self, ex: Exec) -> dict[str, Any]:
+        return {"started": {"exec_id": ex.exec_id, "pid": ex.pid}}
+
+    def _exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        ex = self.execs.start(req, mode="sync")
+        if ex.background:
+            stream.send("exec_result", {"exec_id": ex.exec_id})
+            return
+        try:
+            stream.wait(ex.done)
+        except Cancelled:
+            ex.kill()
+            raise
+        stream.send("exec_result", ex.result())
+        self.execs.forget(ex)
+
+    def _run_streaming(self, stream: Stream, ex: Exec, keepalive_ms: int) -> None:
+        sub = ex.subscribe()
+        try:
+            stream.send("exec_event", self._started(ex))
+            self._pump(stream, sub, self._keepalive_s(keepalive_ms))
+        except Cancelled:
+            ex.kill()  # an abandoned foreground command is not left running
+            raise
+        finally:
+            ex.unsubscribe(sub)
+            self.execs.forget(ex)
+
+    def _exec_stream(self, stream: Stream, req: dict[str, Any]) -> None:
+        ex = self.execs.start(req, mode="stream")
+        if ex.background:
+            stream.send("exec_event", self._started(ex))
+            return
+        self._run_streaming(stream, ex, req.get("keepalive_interval_ms", 0))
+
+    def _exec_input(self, stream: Stream, req: dict[str, Any]) -> None:
+        start = req.get("start")
+        if start is None:
+            raise invalid("the first ExecInput must carry start")
+        ex = self.execs.start(start, mode="interactive")
+
+        def on_input(msg: Input) -> None:
+            if msg is None:  # HalfClose: no more input can come
+                ex.close_stdin()
+                return
+            inp = msg.get("exec_input", {})
+            if "stdin" in inp:
+                ex.write_stdin(inp["stdin"])
+            elif "close_stdin" in inp:
+                if inp["close_stdin"]:
+                    ex.close_stdin()
+            elif "resize" in inp:
+                ex.resize(inp["resize"].get("rows", 0), inp["resize"].get("cols", 0))
+            elif "signal" in inp:
+                ex.send_signal(inp["signal"])
+
+        stream.on_input(on_input)
+        if ex.background:
+            stream.send("exec_event", self._started(ex))
+            return
+        self._run_streaming(stream, ex, start.get("keepalive_interval_ms", 0))
+
+    def _attach_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        ex = self.execs.get(req.get("exec_id", ""))
+        sub = ex.subscribe((req.get("stdout_offset", 0), req.get("stderr_offset", 0)))
+        try:
+            stream.send("exec_event", self._started(ex))
+            self._pump(stream, sub, self._keepalive_s(req.get("keepalive_interval_ms", 0)))
+        finally:
+            ex.unsubscribe(sub)
+
+    def _wait_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        ex = self.execs.get(req.get("exec_id", ""))
+        timeout = float(req.get("timeout_s", 0)) or None
+        stream.wait(ex.done, timeout)
+        with self.rt.lock:
+            info = ex.info()
+        stream.send("wait_exec", {"info": info})
+
+    def _signal_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        delivered = self.execs.signal(req.get("exec_id", ""), int(req.get("signal", 0)))
+        stream.send("signal_exec", {"delivered": delivered})
+
+    def _list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("list_execs", {"execs": self.execs.list_infos()})
+
+    # ------------------------------------------------------------ sessions
+    def _create_session(self, stream: Stream, req: dict[str, Any]) -> None:
+        session = self.sessions.create(req)
+        stream.send("create_session", {"session": session.info()})
+
+    def _close_session(self, stream: Stream, req: dict[str, Any]) -> None:
+        self.sessions.close(req.get("session_id", ""))
+        stream.send("close_session", {})
+
+    def _list_sessions(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("list_sessions", {"sessions": self.sessions.list_infos()})
+
+    # --------------------------------------------------------------- files
+    @staticmethod
+    def _unary(arm: str, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Handler:
+        def handler(stream: Stream, req: dict[str, Any]) -> None:
+            stream.send(arm, fn(req))
+
+        return handler
+
+    def _upload_file(self, stream: Stream, req: dict[str, Any]) -> None:
+        header = req.get("header")
+        if header is None:
+            raise invalid("the first UploadFileRequest must carry header")
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                msg = stream.recv()
+                if msg is None:
+                    return
+                part = msg.get("upload_file")
+                if part is None or "header" in part:
+                    raise invalid("after the header, an upload carries only chunks")
+                yield part.get("chunk", b"")
+
+        stream.send("upload_file", self.files.upload(header, chunks()))
+
+    def _download_file(self, stream: Stream, req: dict[str, Any]) -> None:
+        for part in self.files.download(req):
+            stream.send("download_chunk", part)
+
+    # ---------------------------------------------------------------- misc
+    def _http(self, stream: Stream, req: dict[str, Any]) -> None:
+        from chronus.httpcall import http_request
+
+        stream.send("http", http_request(req))
+
+    def _status(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send(
+            "status",
+            {
+                "running_execs": self.execs.running(),
+                "sessions": self.sessions.count(),
+                "rss_bytes": rss_bytes(),
+            },
+        )
+
+
+def serve_socket(sock: _socket.socket) -> None:
+    """Run chronus on a connected channel socket until aether closes it."""
+    os.set_inheritable(sock.fileno(), False)
+    sock.setblocking(True)
+    Engine(ChronusConfig.from_env()).serve(sock)

@@ -1,0 +1,317 @@
+"""File operations inside the sandbox.
+
+Writes are atomic (temporary file + rename) unless appending, uploads and
+downloads stream in chunks so a 50 MB file never sits in memory, and every
+OSError maps to a stable reason (chronus.errors).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterator
+
+from chronus.errors import (
+    ALREADY_EXISTS,
+    FAILED_PRECONDITION,
+    ChronusError,
+    from_os_error,
+    invalid,
+)
+
+TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+MIB = 1024 * 1024
+MAX_READ_BYTES = 4 * MIB
+MAX_WRITE_BYTES = 4 * MIB
+MAX_CHUNK_BYTES = 4 * MIB
+DEFAULT_CHUNK_BYTES = 1 * MIB
+DEFAULT_MAX_ENTRIES = 10000
+
+FILE_TYPE_REGULAR, FILE_TYPE_DIRECTORY, FILE_TYPE_SYMLINK, FILE_TYPE_OTHER = 1, 2, 3, 4
+
+
+class Files:
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    # ------------------------------------------------------------ helpers
+    def resolve(self, path: str) -> str:
+        if not path:
+            raise invalid("path must not be empty")
+        if "\0" in path:
+            raise invalid("path must not contain NUL")
+        return os.path.normpath(os.path.join(self.workdir, path))
+
+    @staticmethod
+    def info(path: str, st: os.stat_result) -> dict[str, Any]:
+        mode = st.st_mode
+        if stat.S_ISREG(mode):
+            ftype = FILE_TYPE_REGULAR
+        elif stat.S_ISDIR(mode):
+            ftype = FILE_TYPE_DIRECTORY
+        elif stat.S_ISLNK(mode):
+            ftype = FILE_TYPE_SYMLINK
+        else:
+            ftype = FILE_TYPE_OTHER
+        info: dict[str, Any] = {
+            "path": path,
+            "type": ftype,
+            "size_bytes": st.st_size,
+            "mode": stat.S_IMODE(mode),
+            "modified_at": {"seconds": st.st_mtime_ns // 10**9, "nanos": st.st_mtime_ns % 10**9},
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+        }
+        if ftype == FILE_TYPE_SYMLINK:
+            try:
+                info["symlink_target"] = os.readlink(path)
+            except OSError:
+                pass
+        return info
+
+    def stat_info(self, path: str, follow: bool = True) -> dict[str, Any]:
+        try:
+            st = os.stat(path) if follow else os.lstat(path)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return self.info(path, st)
+
+    @staticmethod
+    def _make_parents(path: str) -> None:
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, 0o755, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, parent) from None
+
+    @staticmethod
+    def _temp_path(path: str) -> str:
+        d, base = os.path.split(path)
+        return os.path.join(d, f".{base}.dsec-{os.urandom(4).hex()}.tmp")
+
+    # ---------------------------------------------------------------- ops
+    def read_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        offset = int(req.get("offset", 0))
+        length = int(req.get("length", 0))
+        if length > MAX_READ_BYTES:
+            raise invalid(f"length is at most {MAX_READ_BYTES} bytes; use download_file")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
+            want = length or MAX_READ_BYTES
+            data = os.pread(fd, want, offset)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        finally:
+            os.close(fd)
+        eof = offset + len(data) >= st.st_size
+        return {"data": data, "eof": eof, "info": self.info(path, st)}
+
+    def write_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        data: bytes = req.get("data", b"")
+        if len(data) > MAX_WRITE_BYTES:
+            raise invalid(f"data is at most {MAX_WRITE_BYTES} bytes; use upload_file")
+        if req.get("make_parents"):
+            self._make_parents(path)
+        mode = int(req.get("mode", 0))
+        try:
+            if req.get("append"):
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode or 0o644)
+                try:
+                    _write_all(fd, data)
+                    if mode:
+                        os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            else:
+                if not mode:  # keep an existing file's permissions
+                    try:
+                        mode = stat.S_IMODE(os.stat(path).st_mode)
+                    except FileNotFoundError:
+                        mode = 0o644
+                self._atomic_write(path, mode, lambda fd: _write_all(fd, data))
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return {"info": self.stat_info(path)}
+
+    def _atomic_write(self, path: str, mode: int, fill: Callable[[int], None]) -> None:
+        if os.path.isdir(path):
+            raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
+        tmp = self._temp_path(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                fill(fd)
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+
+    def list_dir(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        limit = int(req.get("max_entries", 0)) or DEFAULT_MAX_ENTRIES
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        entries = []
+        for name in names[:limit]:
+            full = os.path.join(path, name)
+            try:
+                entries.append(self.info(full, os.lstat(full)))
+            except OSError:
+                continue  # removed while we listed
+        return {"entries": entries, "truncated": len(names) > limit}
+
+    def stat_path(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        return {"info": self.stat_info(path, follow=bool(req.get("follow_symlinks")))}
+
+    def make_dir(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        mode = int(req.get("mode", 0)) or 0o755
+        try:
+            if req.get("parents"):
+                os.makedirs(path, mode, exist_ok=True)
+            else:
+                os.mkdir(path, mode)
+        except FileExistsError:
+            raise ChronusError(ALREADY_EXISTS, "PATH_EXISTS", f"{path}: exists") from None
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return {"info": self.stat_info(path)}
+
+    def remove_path(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        if path == "/":
+            raise invalid("refusing to remove /")
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                if req.get("recursive"):
+                    import shutil  # rarely needed: keep it out of the idle footprint
+
+                    shutil.rmtree(path)
+                else:
+                    os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return {}
+
+    def move_path(self, req: dict[str, Any]) -> dict[str, Any]:
+        src = self.resolve(req.get("source", ""))
+        dst = self.resolve(req.get("destination", ""))
+        try:
+            if not req.get("overwrite") and os.path.lexists(dst):
+                raise ChronusError(ALREADY_EXISTS, "PATH_EXISTS", f"{dst}: exists")
+            try:
+                os.rename(src, dst)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:  # another filesystem: copy instead
+                    raise
+                import shutil
+
+                shutil.move(src, dst)
+        except OSError as exc:
+            raise from_os_error(exc, src) from None
+        return {"info": self.stat_info(dst, follow=False)}
+
+    def chmod_path(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self.resolve(req.get("path", ""))
+        try:
+            os.chmod(path, int(req.get("mode", 0)) & 0o7777)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return {"info": self.stat_info(path)}
+
+    def upload(self, header: dict[str, Any], chunks: Iterator[bytes]) -> dict[str, Any]:
+        """Write the chunks to a temporary file; rename it into place at the end."""
+        path = self.resolve(header.get("path", ""))
+        expected = int(header.get("size_bytes", 0))
+        mode = int(header.get("mode", 0)) or 0o644
+        if header.get("make_parents"):
+            self._make_parents(path)
+        written = 0
+
+        def fill(fd: int) -> None:
+            nonlocal written
+            for chunk in chunks:
+                written += len(chunk)
+                if expected and written > expected:
+                    raise _SizeMismatch()
+                _write_all(fd, chunk)
+            if expected and written != expected:
+                raise _SizeMismatch()
+
+        try:
+            self._atomic_write(path, mode, fill)
+        except _SizeMismatch:
+            raise invalid(
+                f"upload of {path}: header said {expected} bytes, got {written}"
+                + (" or more" if written > expected else ""),
+                "UPLOAD_SIZE_MISMATCH",
+            ) from None
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        return {"info": self.stat_info(path), "bytes_written": written}
+
+    def download(self, req: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The file's info first, then its chunks from `offset`, one at a time."""
+        path = self.resolve(req.get("path", ""))
+        chunk_bytes = int(req.get("chunk_bytes", 0)) or DEFAULT_CHUNK_BYTES
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise invalid(f"chunk_bytes is at most {MAX_CHUNK_BYTES}")
+        offset = int(req.get("offset", 0))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
+            yield {"info": self.info(path, st), "offset": offset}
+            while True:
+                data = os.pread(fd, chunk_bytes, offset)
+                if not data:
+                    return
+                yield {"chunk": data, "offset": offset}
+                offset += len(data)
+        except OSError as exc:
+            raise from_os_error(exc, path) from None
+        finally:
+            os.close(fd)
+
+
+class _SizeMismatch(Exception):
+    pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

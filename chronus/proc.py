@@ -1,0 +1,180 @@
+"""Process primitives: spawning commands in their own session, killing trees.
+
+Every command starts in a new session (setsid), so it leads its own process
+group and everything it forks stays findable by session id even after it
+changes process group. chronus forks directly instead of importing
+`subprocess` (~0.9 MB per process): the child only calls C-level `os`
+functions before exec, which is safe in a threaded parent.
+"""
+
+from __future__ import annotations
+
+import _signal  # not `signal`: its enums cost ~1 MB per process
+import errno
+import fcntl
+import os
+import struct
+import termios
+
+# Python ignores these at start-up; ignored dispositions survive exec, so the
+# child must restore them or `yes | head` never ends.
+_RESET_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ)
+
+
+class SpawnError(Exception):
+    """The command could not be started; `step` is "chdir" or "exec"."""
+
+    def __init__(self, step: str, err: int, detail: str) -> None:
+        super().__init__(f"{step} {detail}: {os.strerror(err)}")
+        self.step = step
+        self.errno = err
+
+
+def spawn(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    *,
+    stdin: int = -1,
+    stdout: int = -1,
+    stderr: int = -1,
+    ctty: int = -1,
+    extra_fds: dict[int, int] | None = None,
+) -> int:
+    """Fork and exec `argv` in a new session; return its pid.
+
+    With `ctty` (a pty slave), the child makes it its controlling terminal
+    and its stdin/stdout/stderr. Otherwise the given fds become 0, 1, 2.
+    `extra_fds` maps child fd -> parent fd. Every other descriptor is
+    close-on-exec (PEP 446), so commands never inherit chronus's sockets.
+    """
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only C-level calls until exec
+        step, detail = "setup", ""
+        try:
+            if ctty >= 0:
+                os.login_tty(ctty)
+            else:
+                os.setsid()
+                os.dup2(stdin, 0)
+                os.dup2(stdout, 1)
+                os.dup2(stderr, 2)
+            for target, source in (extra_fds or {}).items():
+                os.dup2(source, target)
+            for sig in _RESET_SIGNALS:
+                _signal.signal(sig, _signal.SIG_DFL)
+            step, detail = "chdir", cwd
+            os.chdir(cwd)
+            step, detail = "exec", argv[0]
+            os.execvpe(argv[0], argv, env)
+        except OSError as exc:
+            os.write(err_w, f"{step}\0{exc.errno or errno.EIO}\0{detail}".encode())
+        except BaseException:
+            os.write(err_w, f"{step}\0{errno.EIO}\0{detail}".encode())
+        os._exit(127)
+    os.close(err_w)
+    try:
+        report = b""
+        while chunk := os.read(err_r, 4096):  # EOF at exec: err_w is close-on-exec
+            report += chunk
+    finally:
+        os.close(err_r)
+    if report:
+        os.waitpid(pid, 0)
+        step, err, detail = report.decode(errors="replace").split("\0", 2)
+        raise SpawnError(step, int(err), detail)
+    return pid
+
+
+def set_winsize(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows or 24, cols or 80, 0, 0))
+
+
+def decode_status(status: int) -> tuple[int, int]:
+    """(exit_code, signal) of a wait status; exit_code is -1 when signalled."""
+    if os.WIFSIGNALED(status):
+        return -1, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), 0
+    return -1, 0
+
+
+class ProcEntry:
+    __slots__ = ("pgid", "pid", "ppid", "sid")
+
+    def __init__(self, pid: int, ppid: int, pgid: int, sid: int) -> None:
+        self.pid = pid
+        self.ppid = ppid
+        self.pgid = pgid
+        self.sid = sid
+
+
+def proc_table() -> list[ProcEntry]:
+    """Every visible process (in a sandbox: every process of the sandbox)."""
+    table: list[ProcEntry] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue  # exited while we looked
+        # The command name may contain spaces and parentheses: split after the last ')'.
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        table.append(ProcEntry(int(name), int(fields[1]), int(fields[2]), int(fields[3])))
+    return table
+
+
+def descendants(roots: set[int], table: list[ProcEntry]) -> set[int]:
+    """Pids below `roots` in the parent tree (excluding the roots)."""
+    children: dict[int, list[int]] = {}
+    for p in table:
+        children.setdefault(p.ppid, []).append(p.pid)
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_quietly(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def killpg_quietly(pgid: int, sig: int) -> bool:
+    if pgid <= 1:
+        return False  # never signal init's group or "every process"
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def kill_session(sid: int, root: int, sig: int = _signal.SIGKILL) -> int:
+    """Signal the process group `sid`, every process of session `sid` and
+    every descendant of `root`: the stragglers that left the group or forked
+    away still die. Returns how many processes were signalled."""
+    killpg_quietly(sid, sig)
+    table = proc_table()
+    me = os.getpid()
+    targets = {p.pid for p in table if p.sid == sid} | descendants({root}, table)
+    targets.discard(me)
+    return sum(kill_quietly(pid, sig) for pid in targets)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,564 @@
+"""Persistent shell sessions and the marker protocol that drives them.
+
+A session is one interactive shell (bash if present, else sh) started by
+chronus on its own pseudo-terminal, in its own session, with job control.
+State (cwd, variables, functions, background services) lives in that shell.
+
+One call at a time, chronus:
+  1. writes the command verbatim to a file `cmd-N` and a wrapper `call-N`
+     (`cd -- CWD && VAR='v' . cmd-N`): the command never passes through the
+     terminal, so quotes, heredocs and multi-line scripts need no escaping
+     and the tty's 4 KiB line limit does not apply;
+  2. makes per-call FIFOs `out-N`, `err-N` (and `in-N` for interactive
+     stdin) and opens their read ends, so the shell's opens never block;
+  3. types one short line on the terminal:
+        __dsec_c=ID; { . call-N; } <in >out-N 2>err-N; printf 'ID %s\n' "$?" >ctl
+     The group runs in the shell itself (`cd`, `export`, functions persist);
+  4. reads `ID STATUS` from the session's control FIFO. If the line was
+     aborted (Ctrl-C semantics after a timeout), bash's PROMPT_COMMAND, set
+     read-only at start, reports `ID 130` instead: a marker always comes.
+
+Timeouts: with job control each pipeline is its own process group, so the
+foreground job is `tcgetpgrp(master)`. chronus SIGKILLs it and every process
+group of the shell's session created during the call, and sends SIGINT to
+the shell, which aborts the rest of the line (or a builtin loop) and returns
+to its prompt: the session stays usable. If no marker comes within a grace
+period, the whole session is killed and reported.
+
+Pipes that a background job keeps open after its call go to the drain, so
+`server &` keeps running without dying of SIGPIPE.
+"""
+
+from __future__ import annotations
+
+import _signal
+import errno
+import os
+import termios
+import time
+
+from aether.log import get_logger
+from chronus.errors import FAILED_PRECONDITION, NOT_FOUND, ChronusError, invalid
+from chronus.execs import STDERR, STDOUT, Exec, Runtime, shell_quote, timestamp
+from chronus.proc import (
+    SpawnError,
+    decode_status,
+    kill_quietly,
+    kill_session,
+    killpg_quietly,
+    proc_table,
+    set_winsize,
+    spawn,
+)
+from chronus.reactor import Timer
+
+TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+log = get_logger("chronus.sessions")
+
+INTERRUPT_GRACE_S = 5.0  # after a timeout, how long the shell gets to return to its prompt
+INTERRUPT_EVERY_S = 0.25
+
+
+class Session:
+    def __init__(self, rt: Runtime, session_id: str, shell: str, directory: str) -> None:
+        self.rt = rt
+        self.session_id = session_id
+        self.shell = shell
+        self.dir = directory
+        self.is_bash = os.path.basename(shell).startswith("bash")
+        self.created_at = time.time()
+        self.pid = 0
+        self.master = -1
+        self.ctl_path = os.path.join(directory, "ctl")
+        self.ctl_r = -1
+        self.ctl_w = -1
+        self.pidfd = -1
+        self.current: SessionExec | None = None
+        self.seq = 0
+        self.closed = False
+        self._ctl_buf = b""
+
+    def info(self) -> dict[str, Any]:
+        try:
+            cwd = os.readlink(f"/proc/{self.pid}/cwd")
+        except OSError:
+            cwd = ""
+        return {
+            "session_id": self.session_id,
+            "shell": self.shell,
+            "cwd": cwd,
+            "created_at": timestamp(self.created_at),
+        }
+
+    # --------------------------------------------------------------- start
+    def start(self, cwd: str, env: dict[str, str]) -> None:
+        os.mkfifo(self.ctl_path, 0o600)
+        self.ctl_r = os.open(self.ctl_path, os.O_RDONLY | os.O_NONBLOCK)
+        # A writer of our own keeps the FIFO from reporting EOF between markers.
+        self.ctl_w = os.open(self.ctl_path, os.O_WRONLY | os.O_NONBLOCK)
+        master, slave = os.openpty()
+        try:
+            attrs = termios.tcgetattr(slave)
+            attrs[3] &= ~termios.ECHO  # our command lines are not output
+            termios.tcsetattr(slave, termios.TCSANOW, attrs)
+            set_winsize(master, 24, 80)
+            if self.is_bash:
+                argv = [self.shell, "--norc", "--noprofile", "--noediting", "-i"]
+            else:
+                argv = [self.shell, "-i"]
+            env = dict(env, PS1="", PS2="")
+            env.setdefault("TERM", "dumb")
+            self.pid = spawn(argv, env, cwd, ctty=slave)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        self.master = master
+        os.set_blocking(master, False)
+        ctl = shell_quote(self.ctl_path)
+        init = "PS1=''; PS2=''; unset HISTFILE; set +o history 2>/dev/null"
+        if self.is_bash:
+            # Fires at every prompt, also after an interrupted line.
+            prompt = f'printf "%s %s\\n" "$__dsec_c" "$?" >|{ctl}'
+            init += (
+                f"; set +H; PS0=''; PROMPT_COMMAND={shell_quote(prompt)}; readonly PROMPT_COMMAND"
+            )
+        os.write(master, (init + "\n").encode())
+        self.rt.reactor.call_soon(self._setup)
+
+    def _setup(self) -> None:
+        with self.rt.lock:
+            if self.closed:
+                return
+            self.rt.reactor.add_reader(self.master, self._on_master)
+            self.rt.reactor.add_reader(self.ctl_r, self._on_ctl)
+            try:
+                self.pidfd = os.pidfd_open(self.pid)
+                self.rt.reactor.add_reader(self.pidfd, self._on_pidfd)
+            except OSError:
+                self._poll_exit()
+
+    # ------------------------------------------------------ reactor thread
+    def _on_master(self) -> None:
+        with self.rt.lock:
+            try:
+                data = os.read(self.master, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # hung up: the shell is gone, the pidfd reports it
+                self.rt.reactor.remove_reader(self.master)
+                return
+            cur = self.current
+            if cur is not None and cur.is_pty and cur.exit is None:
+                cur.on_output(STDOUT, data)
+            # Otherwise it is the shell's own chatter (job notices): dropped.
+
+    def _on_ctl(self) -> None:
+        with self.rt.lock:
+            try:
+                data = os.read(self.ctl_r, 4096)
+            except BlockingIOError:
+                return
+            self._ctl_buf += data
+            while b"\n" in self._ctl_buf:
+                line, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
+                call_id, _, status = line.decode(errors="replace").partition(" ")
+                cur = self.current
+                if cur is not None and call_id == cur.call_id and cur.exit is None:
+                    try:
+                        rc = int(status)
+                    except ValueError:
+                        rc = -1
+                    cur.on_marker(rc)
+            if len(self._ctl_buf) > 4096:
+                self._ctl_buf = b""  # garbage written by someone else
+
+    def _on_pidfd(self) -> None:
+        with self.rt.lock:
+            self._reap()
+
+    def _poll_exit(self) -> None:
+        with self.rt.lock:
+            if not self._reap() and not self.closed:
+                self.rt.reactor.call_later(0.1, self._poll_exit)
+
+    def _reap(self) -> bool:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return False
+        log.info("session %s: shell %d exited (status %d)", self.session_id, self.pid, status)
+        code, sig = decode_status(status)
+        cur = self.current
+        if cur is not None and cur.exit is None:
+            cur.finish(code, sig, "the session's shell exited")
+        self.dispose()
+        return True
+
+    # ------------------------------------------------------------ teardown
+    def dispose(self) -> None:
+        """Kill the session's processes and release everything (locked)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.pid > 0:
+            kill_session(self.pid, self.pid)
+        cur = self.current
+        if cur is not None and cur.exit is None:
+            cur.finish(-1, _signal.SIGKILL, "the session was closed")
+        reactor = self.rt.reactor
+        for fd in (self.master, self.ctl_r, self.ctl_w, self.pidfd):
+            if fd >= 0:
+                reactor.forget(fd)
+                os.close(fd)
+        self.master = self.ctl_r = self.ctl_w = self.pidfd = -1
+        if self.pid > 0:
+            try:  # reap now if it is already gone; aether reaps it otherwise
+                os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        try:
+            for name in os.listdir(self.dir):
+                os.unlink(os.path.join(self.dir, name))
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+        self.rt.on_session_gone(self)
+
+
+class SessionExec(Exec):
+    """One call in a session's shell (see the module docstring)."""
+
+    def __init__(self, rt: Runtime, req: dict[str, Any], session: Session, **kw: Any) -> None:
+        super().__init__(rt, req, **kw)
+        self.session = session
+        session.seq += 1
+        self.call_id = f"{session.seq}-{os.urandom(4).hex()}"
+        self.pid = session.pid
+        self._files: list[str] = []
+        self._pgids_before: set[int] = set()
+        self._interrupt_until = 0.0
+        self._interrupt_timer: Timer | None = None
+        self._killing = False
+        self._stdin_fifo = ""
+
+    def _path(self, stem: str) -> str:
+        path = os.path.join(self.session.dir, f"{stem}-{self.session.seq}")
+        self._files.append(path)
+        return path
+
+    def launch(self, req: dict[str, Any]) -> None:
+        s = self.session
+        command: str = req.get("command") or " ".join(shell_quote(a) for a in req["argv"])
+        cmd_path = self._path("cmd")
+        with open(cmd_path, "w") as fh:
+            fh.write(command if command.endswith("\n") else command + "\n")
+        prefix = ""
+        if req.get("cwd"):
+            prefix = f"cd -- {shell_quote(req['cwd'])} && "
+        for key, value in req.get("env", {}).items():
+            if not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise invalid(f"environment variable name {key!r} is not valid in a shell")
+            prefix += f"{key}={shell_quote(value)} "
+        call_path = self._path("call")
+        with open(call_path, "w") as fh:
+            fh.write(f"{prefix}. {shell_quote(cmd_path)}\n")
+        redirect = ""
+        stdin_data: bytes = req.get("stdin", b"")
+        if self.is_pty:
+            self.stdin_fd = s.master
+            size = req.get("pty_size")
+            if size:
+                set_winsize(s.master, size.get("rows", 24), size.get("cols", 80))
+        else:
+            if req.get("stdin_open"):
+                self._stdin_fifo = in_path = self._path("in")
+                os.mkfifo(in_path, 0o600)
+                # O_RDWR never blocks on a FIFO (Linux); see _close_stdin_fd.
+                self.stdin_fd = os.open(in_path, os.O_RDWR | os.O_NONBLOCK)
+            elif stdin_data:
+                in_path = self._path("in")
+                with open(in_path, "wb") as fh:
+                    fh.write(stdin_data)
+                stdin_data = b""
+            else:
+                in_path = os.devnull
+            out_path, err_path = self._path("out"), self._path("err")
+            os.mkfifo(out_path, 0o600)
+            os.mkfifo(err_path, 0o600)
+            out_fd = os.open(out_path, os.O_RDONLY | os.O_NONBLOCK)
+            err_fd = os.open(err_path, os.O_RDONLY | os.O_NONBLOCK)
+            redirect = (
+                f" <{shell_quote(in_path)} >{shell_quote(out_path)} 2>{shell_quote(err_path)}"
+            )
+        if stdin_data:
+            self._stdin_pending.append(stdin_data)
+        if not req.get("stdin_open") and self.stdin_fd >= 0:
+            self._stdin_close = True
+        ctl = shell_quote(s.ctl_path)
+        line = (
+            f"__dsec_c={self.call_id}; {{ . {shell_quote(call_path)}; }}{redirect}; "
+            f"printf '{self.call_id} %s\\n' \"$?\" >|{ctl}\n"
+        )
+        if self.timeout_s > 0:
+            self._pgids_before = {p.pgid for p in proc_table() if p.sid == s.pid}
+        with self.rt.lock:
+            if not self.is_pty:
+                self.fds[out_fd] = STDOUT
+                self.fds[err_fd] = STDERR
+            os.write(s.master, line.encode())
+        self.rt.reactor.call_soon(self._setup)
+
+    def _setup(self) -> None:
+        with self.rt.lock:
+            if self.exit is not None:
+                return
+            for fd, idx in list(self.fds.items()):
+                self._watch(fd, idx)
+            self._arm_timeout()
+            if self._stdin_pending or self._stdin_close:
+                self._pump_stdin()
+
+    def _close_stdin_fd(self) -> None:
+        if self.is_pty or not self._stdin_fifo:
+            super()._close_stdin_fd()
+            return
+        # Closing our end before the shell has opened the FIFO would leave its
+        # open() waiting for a writer forever: wait until a reader exists.
+        try:
+            probe = os.open(self._stdin_fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO and self.exit is None:
+                self.rt.reactor.call_later(0.02, self._close_stdin_locked)
+                return
+        else:
+            os.close(probe)
+        self._stdin_fifo = ""
+        super()._close_stdin_fd()
+
+    def _close_stdin_locked(self) -> None:
+        with self.rt.lock:
+            if self.stdin_fd >= 0:
+                self._close_stdin_fd()
+
+    def _pty_fd(self) -> int:
+        return self.session.master if self.is_pty else -1
+
+    # -------------------------------------------------------- completion
+    def on_marker(self, rc: int) -> None:
+        if self._killing:
+            self._kill_new_groups()  # stragglers the interrupted call left behind
+        self.finish(rc, 0)
+
+    def finish(self, exit_code: int, sig: int, error: str = "") -> None:
+        if self.exit is not None:
+            return
+        if self._interrupt_timer is not None:
+            self._interrupt_timer.cancel()
+        if self.is_pty:
+            self.stdin_fd = -1  # the session's master: not ours to close
+        super().finish(exit_code, sig, error)
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if self.session.current is self:
+            self.session.current = None
+
+    # ---------------------------------------------------------- killing
+    def _on_timeout(self) -> None:
+        with self.rt.lock:
+            if self.exit is None:
+                self.timed_out = True
+                log.info("session %s: call timed out", self.session.session_id)
+                self._start_interrupt()
+
+    def kill(self) -> None:
+        with self.rt.lock:
+            if self.exit is None:
+                self.rt.reactor.call_soon(self._start_interrupt_locked)
+
+    def _start_interrupt_locked(self) -> None:
+        with self.rt.lock:
+            if self.exit is None:
+                self._start_interrupt()
+
+    def _start_interrupt(self) -> None:
+        if self._killing:
+            return
+        self._killing = True
+        self._interrupt_until = time.monotonic() + INTERRUPT_GRACE_S
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        s = self.session
+        if self.exit is not None or s.closed:
+            return
+        if time.monotonic() > self._interrupt_until:
+            log.warning("session %s: shell did not return to its prompt; closing it", s.session_id)
+            s.dispose()
+            return
+        self._kill_new_groups()
+        try:
+            fg = os.tcgetpgrp(s.master)
+        except OSError:
+            fg = s.pid
+        if fg != s.pid:
+            killpg_quietly(fg, _signal.SIGKILL)
+        kill_quietly(s.pid, _signal.SIGINT)
+        if not s.is_bash:
+            # Other shells (busybox ash, dash) have no PROMPT_COMMAND: SIGINT
+            # drops the rest of the call's line, marker included, so type the
+            # marker as the next line. If the line survived instead, its own
+            # marker came first and this one is ignored as stale.
+            line = f'printf "%s 130\\n" "$__dsec_c" >{shell_quote(s.ctl_path)}\n'
+            try:
+                os.write(s.master, line.encode())
+            except OSError:
+                pass
+        self._interrupt_timer = self.rt.reactor.call_later(
+            INTERRUPT_EVERY_S, self._interrupt_locked
+        )
+
+    def _interrupt_locked(self) -> None:
+        with self.rt.lock:
+            self._interrupt()
+
+    def _kill_new_groups(self) -> None:
+        s = self.session
+        for p in proc_table():
+            if p.sid == s.pid and p.pgid != s.pid and p.pgid not in self._pgids_before:
+                kill_quietly(p.pid, _signal.SIGKILL)
+
+    def send_signal(self, sig: int) -> bool:
+        with self.rt.lock:
+            s = self.session
+            if self.exit is not None or s.closed:
+                return False
+            try:
+                fg = os.tcgetpgrp(s.master)
+            except OSError:
+                fg = s.pid
+            if fg != s.pid:
+                return killpg_quietly(fg, sig)
+            if sig == _signal.SIGINT:
+                return kill_quietly(s.pid, sig)  # interrupt a builtin loop
+            return False
+
+
+class SessionManager:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.sessions: dict[str, Session] = {}
+        self._dir = ""
+        rt.on_session_gone = self._gone
+
+    def _runtime_dir(self) -> str:
+        if not self._dir:
+            base = self.rt.config.runtime_dir
+            try:
+                os.makedirs(base, 0o700, exist_ok=True)
+            except OSError:
+                base = f"/tmp/.dsec-chronus-{os.getpid()}"
+                os.makedirs(base, 0o700, exist_ok=True)
+            self._dir = base
+        return self._dir
+
+    def create(self, req: dict[str, Any]) -> Session:
+        cfg = self.rt.config
+        shell = req.get("shell", "")
+        if not shell:
+            shell = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+        elif not os.access(shell, os.X_OK):
+            raise ChronusError(NOT_FOUND, "SHELL_NOT_FOUND", f"{shell}: not an executable")
+        cwd = req.get("cwd") or cfg.workdir
+        if not os.path.isdir(cwd):
+            raise ChronusError(NOT_FOUND, "PATH_NOT_FOUND", f"{cwd}: no such directory")
+        env = dict(cfg.env)
+        env.update(req.get("env", {}))
+        session_id = self.rt.new_id("se")
+        directory = os.path.join(self._runtime_dir(), session_id)
+        os.mkdir(directory, 0o700)
+        session = Session(self.rt, session_id, shell, directory)
+        try:
+            session.start(cwd, env)
+        except SpawnError as exc:
+            os.rmdir(directory)
+            raise ChronusError(FAILED_PRECONDITION, "SESSION_START_FAILED", str(exc)) from None
+        with self.rt.lock:
+            self.sessions[session_id] = session
+        # A first, empty call proves the shell reads our lines and reports markers.
+        ready = self.start_exec(
+            {"command": ":", "session_id": session_id},
+            cap=4096,
+            background=False,
+            timeout_s=cfg.session_ready_s,
+        )
+        ready.done.wait()
+        if ready.exit is None or ready.exit.get("exit_code") != 0:
+            self.close(session_id)
+            raise ChronusError(
+                FAILED_PRECONDITION, "SESSION_START_FAILED", f"{shell} did not become ready"
+            )
+        return session
+
+    def get(self, session_id: str) -> Session:
+        with self.rt.lock:
+            session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            raise ChronusError(NOT_FOUND, "SESSION_NOT_FOUND", f"no session {session_id!r}")
+        return session
+
+    def start_exec(
+        self, req: dict[str, Any], *, cap: int, background: bool, timeout_s: float
+    ) -> SessionExec:
+        session = self.get(req["session_id"])
+        with self.rt.lock:
+            if session.current is not None:
+                raise ChronusError(
+                    FAILED_PRECONDITION,
+                    "SESSION_BUSY",
+                    f"session {session.session_id} is running {session.current.exec_id}",
+                )
+            ex = SessionExec(
+                self.rt, req, session, cap=cap, background=background, timeout_s=timeout_s
+            )
+            session.current = ex
+        try:
+            ex.launch(req)
+        except BaseException:
+            with self.rt.lock:
+                ex.finish(-1, 0, "could not start the call")
+            raise
+        return ex
+
+    def close(self, session_id: str) -> None:
+        session = self.get(session_id)
+        with self.rt.lock:
+            session.dispose()
+
+    def _gone(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+
+    def list_infos(self) -> list[dict[str, Any]]:
+        with self.rt.lock:
+            sessions = [s for s in self.sessions.values() if not s.closed]
+        return [s.info() for s in sessions]
+
+    def count(self) -> int:
+        with self.rt.lock:
+            return sum(1 for s in self.sessions.values() if not s.closed)
+
+    def close_all(self) -> None:
+        with self.rt.lock:
+            for session in list(self.sessions.values()):
+                session.dispose()

@@ -1,0 +1,326 @@
+"""The edge's end of the channel to aether inside a sandbox.
+
+One connection per sandbox over a Unix stream socket, carrying
+length-delimited ``dsec.aether.v1.Frame`` messages (4-byte big-endian length,
+then the encoded frame). Calls are multiplexed by stream id (odd, chosen
+here). A call sends a chronus ``Request`` on a new stream and reads
+``Response`` frames until a ``StreamEnd``; a non-zero end code becomes the
+matching :class:`~libdsec.errors.DSecError`.
+
+Liveness: a Ping goes out when the channel has been quiet for
+``ping_interval_s``; no frame at all for ``dead_after_s`` closes the
+connection. When the connection closes every open call fails with
+UNAVAILABLE (reason ``CHANNEL_CLOSED``) and ``on_close`` runs, so the edge can
+decide whether the sandbox died.
+
+Each stream's queue is bounded, so a slow consumer (a client downloading a
+large file slowly) applies backpressure to the reader instead of growing the
+edge's memory; the cost is that other calls to the same sandbox wait too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from dsec.aether.v1 import aether_pb2
+from dsec.chronus.v1 import chronus_pb2
+from libdsec._status import status_for
+from libdsec.errors import DeadlineExceeded, Unavailable
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 8 * 1024 * 1024
+_LEN = struct.Struct(">I")
+_END = object()
+
+
+class ChannelClosed(Unavailable):
+    default_reason = "CHANNEL_CLOSED"
+
+
+class AetherConnection:
+    def __init__(
+        self,
+        socket_path: str,
+        sandbox_id: str,
+        *,
+        on_close: Callable[[str], Awaitable[None]] | None = None,
+        ping_interval_s: float = 5.0,
+        dead_after_s: float = 20.0,
+        queue_frames: int = 64,
+    ) -> None:
+        self.socket_path = socket_path
+        self.sandbox_id = sandbox_id
+        self.on_close = on_close
+        self.ping_interval_s = ping_interval_s
+        self.dead_after_s = dead_after_s
+        self.queue_frames = queue_frames
+        self.hello: aether_pb2.Hello | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
+        self._ids = itertools.count(1, 2)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._write_lock = asyncio.Lock()
+        self._last_rx = time.monotonic()
+        self._last_tx = time.monotonic()
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+
+    # ------------------------------------------------------------ connect
+
+    async def connect(self, timeout_s: float = 10.0) -> aether_pb2.Hello:
+        """Connects (retrying while aether starts) and reads its Hello."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(
+                    self.socket_path, limit=MAX_FRAME + 16
+                )
+                frame = await asyncio.wait_for(
+                    self._read_frame(), timeout=max(0.1, deadline - time.monotonic())
+                )
+                if frame.WhichOneof("body") != "hello":
+                    raise Unavailable(
+                        f"aether sent {frame.WhichOneof('body')} before hello",
+                        reason="AETHER_PROTOCOL",
+                    )
+                self.hello = frame.hello
+                self._last_rx = time.monotonic()
+                self._tasks = [
+                    asyncio.create_task(self._read_loop(), name=f"aether-read-{self.sandbox_id}"),
+                    asyncio.create_task(self._ping_loop(), name=f"aether-ping-{self.sandbox_id}"),
+                ]
+                return frame.hello
+            except (
+                ConnectionError,
+                FileNotFoundError,
+                asyncio.IncompleteReadError,
+                TimeoutError,
+            ) as exc:
+                last = exc
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+                await asyncio.sleep(0.005)
+        raise Unavailable(
+            f"aether of {self.sandbox_id} did not answer within {timeout_s} s: {last}",
+            reason="AETHER_UNREACHABLE",
+        )
+
+    async def _read_frame(self) -> aether_pb2.Frame:
+        assert self._reader is not None
+        head = await self._reader.readexactly(4)
+        (n,) = _LEN.unpack(head)
+        if n > MAX_FRAME:
+            raise ConnectionError(f"frame of {n} bytes exceeds the {MAX_FRAME} limit")
+        frame = aether_pb2.Frame()
+        frame.ParseFromString(await self._reader.readexactly(n))
+        return frame
+
+    async def _send(self, frame: aether_pb2.Frame) -> None:
+        if self.closed.is_set() or self._writer is None:
+            raise ChannelClosed(f"channel to {self.sandbox_id} is closed: {self.close_reason}")
+        data = frame.SerializeToString()
+        if len(data) > MAX_FRAME:
+            from libdsec.errors import InvalidArgument
+
+            raise InvalidArgument(
+                f"message of {len(data)} bytes exceeds the {MAX_FRAME}-byte frame limit",
+                reason="MESSAGE_TOO_LARGE",
+            )
+        async with self._write_lock:
+            self._writer.write(_LEN.pack(len(data)) + data)
+            await self._writer.drain()
+        self._last_tx = time.monotonic()
+
+    # -------------------------------------------------------------- loops
+
+    async def _read_loop(self) -> None:
+        reason = "aether closed the channel"
+        try:
+            while True:
+                frame = await self._read_frame()
+                self._last_rx = time.monotonic()
+                kind = frame.WhichOneof("body")
+                if kind == "ping":
+                    await self._send(aether_pb2.Frame(pong=aether_pb2.Pong(nonce=frame.ping.nonce)))
+                    continue
+                if kind in ("pong", "hello"):
+                    continue
+                q = self._streams.get(frame.stream_id)
+                if q is None:
+                    continue  # a stream we abandoned
+                if kind == "response":
+                    await q.put(frame.response)
+                elif kind == "end":
+                    await q.put(frame.end)
+        except asyncio.CancelledError:
+            reason = "edge closed the channel"
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            reason = f"channel lost: {exc.__class__.__name__}"
+        except Exception as exc:  # a corrupt frame: the channel cannot be trusted anymore
+            reason = f"protocol error: {exc}"
+        finally:
+            await self._closed(reason)
+
+    async def _ping_loop(self) -> None:
+        nonce = 0
+        while not self.closed.is_set():
+            await asyncio.sleep(self.ping_interval_s / 2)
+            now = time.monotonic()
+            if now - self._last_rx > self.dead_after_s:
+                log.warning(
+                    "aether of %s silent for %.0f s; closing", self.sandbox_id, now - self._last_rx
+                )
+                if self._writer is not None:
+                    self._writer.close()
+                return
+            if now - max(self._last_rx, self._last_tx) >= self.ping_interval_s:
+                nonce += 1
+                with contextlib.suppress(Unavailable):
+                    await self._send(aether_pb2.Frame(ping=aether_pb2.Ping(nonce=nonce)))
+
+    async def _closed(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        for q in list(self._streams.values()):
+            q.put_nowait(ChannelClosed(f"channel to sandbox {self.sandbox_id} closed: {reason}"))
+        if self._writer is not None:
+            self._writer.close()
+        if self.on_close is not None:
+            try:
+                await self.on_close(reason)
+            except Exception:
+                log.exception("on_close of %s failed", self.sandbox_id)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._writer is not None:
+            self._writer.close()
+        self.closed.set()
+
+    # -------------------------------------------------------------- calls
+
+    def _open(self) -> tuple[int, asyncio.Queue[Any]]:
+        sid = next(self._ids)
+        q: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.queue_frames)
+        self._streams[sid] = q
+        return sid, q
+
+    async def _request(self, sid: int, call: str, message: Any) -> None:
+        req = chronus_pb2.Request()
+        getattr(req, call).CopyFrom(message)
+        await self._send(aether_pb2.Frame(stream_id=sid, request=req))
+
+    async def _finish(self, sid: int, cancel: bool) -> None:
+        self._streams.pop(sid, None)
+        if cancel and not self.closed.is_set():
+            with contextlib.suppress(Unavailable):
+                await self._send(aether_pb2.Frame(stream_id=sid, cancel=aether_pb2.Cancel()))
+
+    @staticmethod
+    def _unwrap(item: Any) -> Any:
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, aether_pb2.StreamEnd):
+            if item.code:
+                raise status_for(item.code, item.reason, item.message)
+            return _END
+        field = item.WhichOneof("result")
+        return getattr(item, field) if field else None
+
+    async def _responses(
+        self, sid: int, q: asyncio.Queue[Any], timeout_s: float | None
+    ) -> AsyncIterator[Any]:
+        while True:
+            try:
+                item = (
+                    await asyncio.wait_for(q.get(), timeout=timeout_s)
+                    if timeout_s
+                    else await q.get()
+                )
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"sandbox {self.sandbox_id} did not answer in {timeout_s} s"
+                ) from None
+            value = self._unwrap(item)
+            if value is _END:
+                return
+            yield value
+
+    async def unary(self, call: str, request: Any, timeout_s: float | None = None) -> Any:
+        sid, q = self._open()
+        done = False
+        try:
+            await self._request(sid, call, request)
+            result = None
+            async for value in self._responses(sid, q, timeout_s):
+                result = value
+            done = True
+            return result
+        finally:
+            await self._finish(sid, cancel=not done)
+
+    async def server_stream(self, call: str, request: Any) -> AsyncIterator[Any]:
+        sid, q = self._open()
+        done = False
+        try:
+            await self._request(sid, call, request)
+            async for value in self._responses(sid, q, None):
+                yield value
+            done = True
+        finally:
+            await self._finish(sid, cancel=not done)
+
+    async def _pump(
+        self, sid: int, q: asyncio.Queue[Any], call: str, requests: AsyncIterator[Any]
+    ) -> None:
+        try:
+            async for message in requests:
+                await self._request(sid, call, message)
+            await self._send(aether_pb2.Frame(stream_id=sid, half_close=aether_pb2.HalfClose()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the caller's stream failed: end the call with its error
+            await q.put(exc)
+
+    async def client_stream(self, call: str, requests: AsyncIterator[Any]) -> Any:
+        result = None
+        async for value in self.bidi(call, requests):
+            result = value
+        return result
+
+    async def bidi(self, call: str, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        sid, q = self._open()
+        pump = asyncio.create_task(self._pump(sid, q, call, requests))
+        done = False
+        try:
+            async for value in self._responses(sid, q, None):
+                yield value
+            done = True
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+            await self._finish(sid, cancel=not done)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Asks aether to end every process and exit."""
+        with contextlib.suppress(Unavailable):
+            await self._send(aether_pb2.Frame(shutdown=aether_pb2.Shutdown(grace_s=grace_s)))

@@ -1,0 +1,435 @@
+"""Container sandboxes end to end: SDK -> apiserver -> edge -> runc -> aether -> chronus.
+
+Every sandbox is real (runc on overlayfs over EROFS, cgroups, seccomp); each
+test labels its sandboxes with its node id and stops them, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsecctl.cluster import EdgeSpec, LocalCluster
+from libdsec import Client, Exited, Output, Sandbox, Started
+from libdsec.errors import (
+    DSecError,
+    ImageNotFound,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+)
+from tests.conftest import start_cluster
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+pytestmark = pytest.mark.skipif(
+    not (IMAGES / "busybox.erofs").exists(),
+    reason="base images missing: run scripts/setup.sh (make test does)",
+)
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    home = tmp_path_factory.mktemp("ccluster")
+    c = start_cluster(
+        home,
+        edges=[
+            EdgeSpec(
+                edge_id="ctr0", runtime="container", extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES)}
+            )
+        ],
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def client(container_cluster: LocalCluster) -> Iterator[Client]:
+    with Client(container_cluster.apiserver, token=container_cluster.token) as c:
+        yield c
+
+
+@pytest.fixture
+def make_sandbox(
+    client: Client, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Sandbox]]:
+    """Factory: sandboxes labelled with the test id, always stopped afterwards."""
+    made: list[Sandbox] = []
+    label = str(abs(hash(request.node.nodeid)))
+
+    def make(**kw: Any) -> Sandbox:
+        kw.setdefault("image", "busybox")
+        kw.setdefault("cpu", 0.5)
+        kw.setdefault("memory_mb", 256)
+        kw.setdefault("labels", {})
+        kw["labels"] = {**kw["labels"], "test": label}
+        sb = client.create(**kw)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        try:
+            sb.stop(grace_s=0.5)
+        except DSecError:
+            pass
+
+
+# ------------------------------------------------------------------ commands
+
+
+def test_run_commands_in_an_image_without_python(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(image="busybox", env={"GREETING": "hi"})
+    assert sb.info.state == "RUNNING"
+    r = sb.run("echo $GREETING from $(hostname); ls /usr/bin/python3 2>&1; exit 3")
+    assert r.exit_code == 3 and not r.timed_out
+    assert r.stdout.startswith(b"hi from ")
+    assert b"No such file" in r.stdout  # busybox has no Python; aether/chronus run from the toolkit
+    r = sb.run(["/bin/echo", "argv", "works"])
+    assert r.ok and r.text == "argv works\n"
+    r = sb.run("cat; echo -n ' done' >&2", stdin=b"from stdin")
+    assert r.stdout == b"from stdin" and r.stderr == b" done"
+    assert sb.run("pwd", cwd="/tmp").text == "/tmp\n"
+
+
+def test_bookworm_has_python_git_and_a_compiler(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(image="bookworm", memory_mb=512)
+    r = sb.run("python3 -c 'print(6*7)' && git --version && gcc --version | head -1")
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines()[0] == b"42"
+    sb.files.write("/work/hello.c", '#include <stdio.h>\nint main(){puts("compiled");return 0;}\n')
+    r = sb.run("gcc -o /work/hello /work/hello.c && /work/hello")
+    assert r.ok and r.text == "compiled\n", r.stderr
+
+
+def test_a_docker_engine_image_can_be_used(make_sandbox: Callable[..., Sandbox]) -> None:
+    probe = subprocess.run(
+        ["docker", "image", "inspect", "dsec/busybox:latest"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.fail(
+            "dsec/busybox:latest missing from the Docker engine: scripts/setup.sh imports it"
+        )
+    sb = make_sandbox(image="docker:dsec/busybox:latest")
+    assert sb.run("echo from docker").text == "from docker\n"
+
+
+def test_timeout_kills_the_whole_process_group(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    start = time.monotonic()
+    r = sb.run("sleep 300 & sleep 301 & echo started; wait", timeout_s=1.0)
+    assert r.timed_out and r.exit_code != 0
+    assert time.monotonic() - start < 10
+    assert r.stdout == b"started\n"
+    ps = sb.run("ps -o comm,args | grep 'sleep 30[01]' || true")
+    assert ps.stdout == b"", ps.stdout  # neither the child nor the grandchild survives
+    r = sb.run("exit 7")
+    assert r.exit_code == 7 and not r.timed_out  # a non-zero exit is not a timeout
+
+
+def test_stream_delivers_output_as_it_comes_then_the_exit(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    sb = make_sandbox()
+    seen: list[tuple[float, Any]] = []
+    for ev in sb.stream("for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.3; done; exit 4"):
+        seen.append((time.monotonic(), ev))
+    events = [e for _, e in seen]
+    assert isinstance(events[0], Started)
+    assert isinstance(events[-1], Exited) and events[-1].status.exit_code == 4
+    out = b"".join(e.data for e in events if isinstance(e, Output) and e.stream == "stdout")
+    err = b"".join(e.data for e in events if isinstance(e, Output) and e.stream == "stderr")
+    assert out == b"out1\nout2\nout3\n" and err == b"err1\nerr2\nerr3\n"
+    first_out = next(t for t, e in seen if isinstance(e, Output))
+    assert seen[-1][0] - first_out > 0.4  # chunks arrived while the command ran, not at the end
+
+
+def test_background_commands_reattach_wait_and_kill(
+    make_sandbox: Callable[..., Sandbox], client: Client
+) -> None:
+    sb = make_sandbox()
+    proc = sb.start("for i in 1 2 3 4 5; do echo line$i; sleep 0.2; done")
+    assert proc.exec_id
+    info = proc.wait(timeout_s=10)
+    assert not info.running and info.exit is not None and info.exit.exit_code == 0
+    out = b"".join(e.data for e in proc.attach() if isinstance(e, Output) and e.stream == "stdout")
+    assert out == b"line1\nline2\nline3\nline4\nline5\n"
+    tail = b"".join(e.data for e in proc.attach(stdout_offset=12) if isinstance(e, Output))
+    assert tail == out[12:]
+
+    long = sb.start("sleep 600")
+    assert long.wait(timeout_s=0.3).running
+    # another client (as another process would) finds it by id and kills it
+    other = client.get(sb.id).process(long.exec_id)
+    assert other.kill(signal.SIGTERM)
+    info = long.wait(timeout_s=10)
+    assert not info.running and info.exit is not None and info.exit.signal == signal.SIGTERM
+    assert {p.exec_id for p in sb.processes()} >= {proc.exec_id, long.exec_id}
+
+
+def test_pty(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    r = sb.run("tty; test -t 1 && echo is-a-terminal", pty=True)
+    assert r.ok and b"/dev/pts/" in r.stdout and b"is-a-terminal" in r.stdout
+    assert b"not a tty" in sb.run("tty || true").stdout
+
+
+def test_sessions_keep_cwd_env_and_services(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    with sb.session() as s1, sb.session() as s2:
+        s1.run("mkdir -p /work/proj && cd /work/proj && export MODE=train && f() { echo fn-$1; }")
+        assert s1.run("pwd").text == "/work/proj\n"
+        assert s1.run("echo $MODE; f x").text == "train\nfn-x\n"
+        assert s2.run("pwd; echo ${MODE:-unset}").text == "/\nunset\n"
+        r = s1.run("sleep 100", timeout_s=0.5)
+        assert r.timed_out
+        assert (
+            s1.run("echo still $MODE").text == "still train\n"
+        )  # the session survived the timeout
+        s1.run("sleep 1000 &")  # a service started in a session keeps running
+        assert b"sleep 1000" in sb.run("ps -o args").stdout
+        script = textwrap.dedent("""\
+            cat <<'EOF'
+            quoted 'single' "double" $NOT_EXPANDED
+            EOF
+            """)
+        assert s1.run(script).text == "quoted 'single' \"double\" $NOT_EXPANDED\n"
+
+
+def test_output_is_capped_head_and_tail(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    r = sb.run(
+        "echo FIRST; head -c 20000000 /dev/zero | tr '\\0' x; echo; echo LAST",
+        max_output_bytes=100_000,
+    )
+    assert r.truncated and len(r.stdout) <= 110_000
+    assert r.stdout.startswith(b"FIRST") and r.stdout.rstrip().endswith(b"LAST")
+    r = sb.run("yes", timeout_s=2.0, max_output_bytes=10_000)
+    assert r.timed_out and r.truncated and len(r.stdout) <= 12_000
+    assert sb.run("echo alive").text == "alive\n"
+
+
+# --------------------------------------------------------------------- files
+
+
+def test_file_operations(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    f = sb.files
+    info = f.write("/work/dir/a.txt", "hello\n")
+    assert info.size == 6
+    assert f.read("/work/dir/a.txt") == b"hello\n"
+    f.write("/work/dir/a.txt", b"more\n", append=True)
+    assert sb.run("cat /work/dir/a.txt").stdout == b"hello\nmore\n"
+    assert f.read("/work/dir/a.txt", offset=6, length=4) == b"more"
+    f.mkdir("/work/dir/sub/deep")
+    names = sorted(e.path.rsplit("/", 1)[-1] for e in f.list("/work/dir"))
+    assert names == ["a.txt", "sub"]
+    assert f.stat("/work/dir/sub").is_dir
+    f.chmod("/work/dir/a.txt", 0o600)
+    assert f.stat("/work/dir/a.txt").mode & 0o777 == 0o600
+    f.move("/work/dir/a.txt", "/work/b.txt")
+    assert not f.exists("/work/dir/a.txt") and f.exists("/work/b.txt")
+    with pytest.raises(DSecError):
+        f.remove("/work/dir")  # not empty without recursive
+    f.remove("/work/dir", recursive=True)
+    assert not f.exists("/work/dir")
+    with pytest.raises(NotFound):
+        f.read("/no/such/file")
+
+
+def test_upload_and_download_stream_large_files(
+    make_sandbox: Callable[..., Sandbox], tmp_path: Path
+) -> None:
+    sb = make_sandbox(
+        memory_mb=128
+    )  # a 64 MiB file does not fit in the sandbox's memory limit twice
+    src = tmp_path / "big.bin"
+    with open(src, "wb") as fh:
+        for i in range(64):
+            fh.write(bytes([i]) * (1024 * 1024))
+    info = sb.files.upload(src, "/work/big.bin")
+    assert info.size == 64 * 1024 * 1024
+    r = sb.run("md5sum /work/big.bin")
+    import hashlib
+
+    assert r.text.split()[0] == hashlib.md5(src.read_bytes()).hexdigest()
+    dst = tmp_path / "back.bin"
+    assert sb.files.download("/work/big.bin", dst) == 64 * 1024 * 1024
+    assert dst.read_bytes() == src.read_bytes()
+
+
+def test_http_into_the_sandbox(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.files.write("/www/index.html", "<h1>inside</h1>")
+    sb.start("httpd -f -p 8080 -h /www")
+    resp = wait_for(lambda: _try_http(sb, 8080), timeout_s=10)
+    assert resp.status == 200 and resp.body == b"<h1>inside</h1>"
+    assert _try_http(sb, 8080, "/missing").status == 404
+
+
+def _try_http(sb: Sandbox, port: int, path: str = "/index.html") -> Any:
+    try:
+        return sb.http(port, path, timeout_s=2)
+    except DSecError:
+        return None
+
+
+# ----------------------------------------------------------------- lifecycle
+
+
+def test_bad_requests_get_precise_errors(
+    client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    with pytest.raises(ImageNotFound) as info:
+        client.create(image="no-such-image")
+    assert info.value.metadata["image"] == "no-such-image"
+    with pytest.raises(InvalidArgument):
+        client.create(image="busybox", cpu=1000)
+    with pytest.raises(InvalidArgument):
+        client.create(image="busybox", memory_mb=1)
+    with pytest.raises(SandboxNotFound):
+        client.get("sb-ctr0-00000000deadbeef")
+    sb = make_sandbox()
+    sb.stop()
+    with pytest.raises(SandboxTerminated) as term:
+        sb.run("true")
+    assert term.value.metadata["termination_reason"] == "STOPPED"
+
+
+def test_list_get_and_reattach_from_another_process(
+    container_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sb = make_sandbox(labels={"role": "reattach"}, task_id="task-reattach")
+    sb.files.write("/work/state.txt", "kept")
+    assert [s.id for s in client.list(task_id="task-reattach")] == [sb.id]
+    code = (
+        f"from libdsec import Client\n"
+        f"with Client({container_cluster.apiserver!r}, token={container_cluster.token!r}) as c:\n"
+        f"    print(c.get({sb.id!r}).run('cat /work/state.txt').text)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "kept"
+
+
+def test_ttl_and_idle_timeouts_end_sandboxes(
+    client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    ttl = make_sandbox(ttl_s=2)
+    idle = make_sandbox(idle_timeout_s=2)
+    busy = make_sandbox(idle_timeout_s=3)
+    for _ in range(5):
+        busy.run("true")
+        time.sleep(0.8)
+    wait_for(lambda: client.get(ttl.id).info.terminated, timeout_s=15)
+    wait_for(lambda: client.get(idle.id).info.terminated, timeout_s=15)
+    assert client.get(ttl.id).info.termination_reason == "TTL"
+    assert client.get(idle.id).info.termination_reason == "IDLE"
+    assert not client.get(busy.id).info.terminated  # activity kept it alive
+
+
+def test_killed_sandbox_ends_streams_with_a_reason(
+    container_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sb = make_sandbox()
+    runc_root = container_cluster.home / "edges" / "ctr0" / "container" / "runtime" / "runc"
+    stream = sb.stream("echo started; sleep 600")
+    assert isinstance(next(stream), Started)
+    first = next(stream)
+    assert isinstance(first, Output) and first.data == b"started\n"
+    subprocess.run(["runc", "--root", str(runc_root), "kill", sb.id, "KILL"], check=True)
+    start = time.monotonic()
+    with pytest.raises((Unavailable, SandboxTerminated)) as info:
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 15
+    assert info.value.reason in ("CHANNEL_CLOSED", "SANDBOX_TERMINATED")
+    ended = wait_for(lambda: (i := client.get(sb.id).info).terminated and i, timeout_s=15)
+    assert ended.termination_reason == "CHANNEL_CLOSED"
+
+
+def test_memory_bomb_is_contained(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(memory_mb=64)
+    r = sb.run("x=$(head -c 300000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout_s=60)
+    assert not r.ok and b"survived" not in r.stdout
+    assert sb.run("echo still-serving").text == "still-serving\n"
+
+
+# ------------------------------------------------------- edge restart, orphans
+
+
+def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> None:
+    cluster = start_cluster(
+        tmp_path,
+        edges=[
+            EdgeSpec(
+                edge_id="rst", runtime="container", extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES)}
+            )
+        ],
+    )
+    try:
+        with Client(cluster.apiserver, token=cluster.token) as c:
+            kept = c.create(image="busybox", cpu=0.2, memory_mb=64)
+            orphan = c.create(image="busybox", cpu=0.2, memory_mb=64)
+            bg = kept.start(
+                "i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done"
+            )
+            cluster.kill(
+                "edge-rst", signal.SIGKILL
+            )  # a crash: nothing is cleaned up on the way out
+            state = tmp_path / "edges" / "rst"
+            (state / "sandboxes" / f"{orphan.id}.json").unlink()  # the edge will not know this one
+            cluster.restart("edge-rst")
+            info = wait_for(
+                lambda: _state(c, kept.id) == "RUNNING" and c.get(kept.id).info, timeout_s=20
+            )
+            assert info.state == "RUNNING"
+            n1 = int(kept.run("cat /work/counter").text)
+            time.sleep(0.5)
+            assert int(kept.run("cat /work/counter").text) > n1  # the background command survived
+            assert kept.process(bg.exec_id).wait(timeout_s=0.1).running
+            # the orphan's container, mounts and directories are gone
+            runc_root = state / "container" / "runtime" / "runc"
+            listed = subprocess.run(
+                ["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True
+            )
+            assert orphan.id not in listed.stdout and kept.id in listed.stdout
+            mounts = Path("/proc/self/mountinfo").read_text()
+            assert orphan.id not in mounts
+            assert not (state / "container" / "runtime" / "sandboxes" / orphan.id).exists()
+            kept.stop()
+    finally:
+        cluster.stop()
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text().replace(
+        str(tmp_path / "edges" / "rst" / "container" / "toolkit-mnt"), ""
+    )
+
+
+def _state(c: Client, sandbox_id: str) -> str:
+    try:
+        return c.get(sandbox_id).info.state
+    except DSecError:
+        return ""
