@@ -60,6 +60,22 @@ def run_demo() -> int:
                     for ev in sb.stream("for i in 1 2 3; do echo $i; sleep 0.1; done")
                 ]
                 step(f"streamed output events: {events}")
+                with sb.session() as shell:
+                    shell.run("mkdir -p /work/repo && cd /work/repo && export STAGE=eval")
+                    step(
+                        f"a shell session keeps state: {shell.run('pwd; echo $STAGE').text.split()}"
+                    )
+                proc = sb.start("sleep 0.3; echo background done")
+                done = proc.wait(timeout_s=10)
+                step(
+                    f"background command {proc.exec_id} exited {done.exit.exit_code if done.exit else '?'}"
+                )
+                sb.pause()
+                step(
+                    f"paused (frozen): {sb.refresh().state}; the next call resumes it transparently"
+                )
+                kept = sb.run("cat /work/answer.txt").text.strip()
+                step(f"after resume: {kept!r}, state {sb.refresh().state}")
             except FailedPrecondition as err:
                 step(f"commands unavailable on this runtime: {err.reason}")
             listed = agent.list(task_id="demo-task")

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,7 @@ class ContainerBackend:
         self.images.check(spec.image)
 
     async def start(self, rec: SandboxRecord) -> None:
+        t0 = time.perf_counter()
         image = await asyncio.to_thread(self.images.resolve, rec.spec.image)
         path = self._socket_path(rec.sandbox_id)
         path.unlink(missing_ok=True)
@@ -141,7 +143,9 @@ class ContainerBackend:
                 pass_fd=listener.fileno(),
                 log_path=self.logs / f"{rec.sandbox_id}.log",
             )
+            t1 = time.perf_counter()
             proc = await asyncio.to_thread(self.runtime.create, spec)
+            t2 = time.perf_counter()
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -153,6 +157,18 @@ class ContainerBackend:
         except BaseException:
             await self.destroy(rec)
             raise
+        t3 = time.perf_counter()
+        log.info(
+            "sandbox %s started in %.1f ms",
+            rec.sandbox_id,
+            (t3 - t0) * 1000,
+            extra={
+                "sandbox_id": rec.sandbox_id,
+                "resolve_ms": round((t1 - t0) * 1000, 2),
+                "runc_ms": round((t2 - t1) * 1000, 2),
+                "aether_ready_ms": round((t3 - t2) * 1000, 2),
+            },
+        )
 
     async def _connect(self, sid: str) -> AetherConnection:
 

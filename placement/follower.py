@@ -43,6 +43,7 @@ class SnapshotFollower:
         self.watcher = watcher
         self.last_update = 0.0  # monotonic time of the last message from the watcher
         self.connected = False
+        self.has_view = asyncio.Event()  # set by the first snapshot
 
     @property
     def age_s(self) -> float:
@@ -75,6 +76,7 @@ class SnapshotFollower:
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
             self.placer.update([edge_view(e) for e in msg.snapshot.edges])
+            self.has_view.set()
         elif kind == "edge_changed":
             self.placer.update_edge(edge_view(msg.edge_changed))
         elif kind == "edge_removed":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from dsec.placement.v1 import placement_pb2
@@ -34,7 +36,11 @@ class PlacementServicer:
         self.follower = follower
         self.max_age_s = max_age_s
 
-    def _check_view(self) -> None:
+    async def _check_view(self) -> None:
+        if not self.follower.has_view.is_set():
+            # Just started: the first snapshot is normally milliseconds away.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.follower.has_view.wait(), timeout=5.0)
         if self.follower.age_s > self.max_age_s:
             raise Unavailable(
                 f"no cluster view from the watcher for {self.follower.age_s:.0f} s",
@@ -58,13 +64,13 @@ class PlacementServicer:
     async def PlaceSandbox(
         self, request: placement_pb2.PlaceSandboxRequest, context: Any
     ) -> placement_pb2.PlaceSandboxResponse:
-        self._check_view()
+        await self._check_view()
         return placement_pb2.PlaceSandboxResponse(placement=self._place(request.item))
 
     async def PlaceSandboxes(
         self, request: placement_pb2.PlaceSandboxesRequest, context: Any
     ) -> placement_pb2.PlaceSandboxesResponse:
-        self._check_view()
+        await self._check_view()
         return placement_pb2.PlaceSandboxesResponse(
             placements=[self._place(i) for i in request.items]
         )

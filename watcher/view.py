@@ -68,7 +68,6 @@ class ClusterView:
         if entry is None:
             return
         now = time.time()
-        before = (entry.health, entry.load)
         entry.load = load
         entry.by_project = by_project
         entry.by_task = by_task
@@ -77,8 +76,9 @@ class ClusterView:
         entry.last_error = ""
         entry.probe_latency_ms = latency_ms
         entry.health = "DRAINING" if draining else "HEALTHY"
-        if (entry.health, entry.load) != before:
-            self._publish("changed", entry)
+        # Published after every probe, changed or not: placement drops the
+        # overlay entries a probe has accounted for only when it hears of it.
+        self._publish("changed", entry)
 
     def probe_failed(self, edge_id: str, error: str) -> None:
         entry = self.edges.get(edge_id)

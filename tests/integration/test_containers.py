@@ -433,3 +433,14 @@ def _state(c: Client, sandbox_id: str) -> str:
         return c.get(sandbox_id).info.state
     except DSecError:
         return ""
+
+
+def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.files.write("/work/kept.txt", "state")
+    proc = sb.start("sleep 600")
+    assert sb.pause().state == "PAUSED"
+    assert sb.refresh().state == "PAUSED"
+    assert sb.run("cat /work/kept.txt").text == "state"  # resumed transparently
+    assert sb.refresh().state == "RUNNING"
+    assert proc.wait(timeout_s=0.1).running
