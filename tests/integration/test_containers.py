@@ -30,23 +30,13 @@ from libdsec.errors import (
     Unavailable,
 )
 from tests.conftest import start_cluster
+from tests.helpers import wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
     not (IMAGES / "busybox.erofs").exists(),
     reason="base images missing: run scripts/setup.sh (make test does)",
 )
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="module")

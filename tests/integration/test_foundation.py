@@ -4,8 +4,6 @@ runtime (the control plane without containers)."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from google.protobuf import descriptor_pool
@@ -29,6 +27,7 @@ from libdsec.errors import (
     SandboxNotFound,
     Unauthenticated,
 )
+from tests.helpers import wait_for
 
 EXPECTED = {
     "iam": ["dsec.iam.v1.IamService"],
@@ -44,17 +43,6 @@ EXPECTED = {
         "dsec.apiserver.v1.ProjectService",
     ],
 }
-
-
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 def test_every_service_reports_serving(cluster: LocalCluster) -> None:
