@@ -39,6 +39,10 @@ in the sandbox but lacks CAP_SYS_PTRACE cannot open /proc/<pid>/fd/* to reach
 the channel; every descriptor is close-on-exec, so no command inherits the
 listener, the edge connection or chronus's sockets. Logs go to stderr only
 (the edge sends it to a host file), never to a file inside the sandbox.
+chronus's runtime directory (session files and FIFOs) arrives from the edge
+as fd 4 (DSEC_CHRONUS_RUNTIME_FD): a detached tmpfs, kept by aether for
+chronus and never inherited by commands. Commands run confined by chronus
+(`chronus.landlock`, `chronus.seccomp`); aether and chronus are not.
 
 Why no protobuf library: aether and chronus run in every sandbox, on a
 relocatable interpreter from the toolkit layer, with a budget of a few MB.

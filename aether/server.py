@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _signal  # `signal` and `socket` build enums: ~1 MB per process
 import _socket
+import fcntl
 import gc
 import os
 import selectors
@@ -96,6 +97,8 @@ class Aether:
         os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
         self.listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "listen")
+        # chronus's private runtime directory (a detached tmpfs from the edge), kept for it.
+        self.runtime_fd = _runtime_fd()
         self._sig_r, self._sig_w = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
@@ -288,15 +291,21 @@ class Aether:
         self._chronus_started = time.monotonic()
         if self.config.chronus_mode == "exec":
             argv = [sys.executable, *_interpreter_flags(), "-m", "chronus", "--fd", "3"]
-            self.chronus_pid = spawn(
-                argv,
-                dict(os.environ),
-                os.getcwd(),
-                stdin=0,
-                stdout=1,
-                stderr=2,
-                extra_fds={3: theirs.fileno()},
-            )
+            env = dict(os.environ)
+            fds = {3: theirs.fileno()}
+            copy = -1
+            if self.runtime_fd >= 0:
+                # A copy numbered above 4: dup2 onto the same number would keep close-on-exec.
+                copy = fcntl.fcntl(self.runtime_fd, fcntl.F_DUPFD_CLOEXEC, 10)
+                fds[4] = copy
+                env["DSEC_CHRONUS_RUNTIME_FD"] = "4"
+            try:
+                self.chronus_pid = spawn(
+                    argv, env, os.getcwd(), stdin=0, stdout=1, stderr=2, extra_fds=fds
+                )
+            finally:
+                if copy >= 0:
+                    os.close(copy)
         else:
             gc.collect()
             gc.freeze()  # the collector must not dirty the shared pages in chronus
@@ -317,7 +326,7 @@ class Aether:
             _signal.set_wakeup_fd(-1)
             for sig in (_signal.SIGCHLD, _signal.SIGTERM, _signal.SIGINT):
                 _signal.signal(sig, _signal.SIG_DFL)
-            keep = {0, 1, 2, theirs.fileno()}
+            keep = {0, 1, 2, theirs.fileno(), self.runtime_fd}
             for name in os.listdir("/proc/self/fd"):
                 fd = int(name)
                 if fd not in keep:
@@ -448,6 +457,21 @@ class Aether:
                 return
             if pid == 0:
                 return
+
+
+def _runtime_fd() -> int:
+    """DSEC_CHRONUS_RUNTIME_FD, made close-on-exec: chronus keeps it, commands never see it."""
+    try:
+        fd = int(os.environ.get("DSEC_CHRONUS_RUNTIME_FD") or "-1")
+    except ValueError:
+        return -1
+    if fd >= 0:
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            log.warning("DSEC_CHRONUS_RUNTIME_FD=%d is not open", fd)
+            return -1
+    return fd
 
 
 def _interpreter_flags() -> list[str]:

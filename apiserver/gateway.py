@@ -1,4 +1,5 @@
-"""The API server's flows: create (IAM -> placement -> edge) and routing to edges.
+"""The API server's flows: create (placement -> IAM -> edge, in batches: see
+``apiserver/creation.py``) and routing to edges.
 
 Stateless by design: everything it needs is either in the request, derivable
 from the sandbox id (the owning edge), cached from another service (tokens,
@@ -9,40 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from apiserver.config import ApiServerConfig
+from apiserver.creation import Caller, CreateBatcher, CreateItem, CreationPipeline
 from apiserver.routing import AuthCache, EdgeDirectory, OwnerCache, downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
-from common.ids import edge_of, new_sandbox_id
+from common.ids import edge_of
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
-from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
-from dsec.placement.v1 import placement_pb2, placement_pb2_grpc
+from dsec.iam.v1 import iam_pb2_grpc
+from dsec.placement.v1 import placement_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec._status import status_for
-from libdsec.errors import (
-    DSecError,
-    EdgeCapacity,
-    InvalidArgument,
-    NoEligibleEdge,
-    NotFound,
-    SandboxNotFound,
-    Unavailable,
-)
+from libdsec.errors import DSecError, InvalidArgument, NotFound, SandboxNotFound
 
 log = logging.getLogger(__name__)
 
-CREATE_DEADLINE_S = 120.0  # a cold container start plus image work stays well under this
+__all__ = ["Caller", "Gateway"]
 
-
-@dataclass(frozen=True)
-class Caller:
-    principal_id: str
-    project_id: str
-    token: str
+#: Items per CreateSandboxes call.
+MAX_CREATE_MANY = 50_000
 
 
 class Gateway:
@@ -59,9 +46,22 @@ class Gateway:
         self.edges = edges
         self.auth = AuthCache(iam, cfg.auth_cache_ttl_s)
         self.owners = OwnerCache()
-        # Idempotency keys seen by this instance: (project, key) -> (expiry, sandbox id).
-        self._idempotent: dict[tuple[str, str], tuple[float, str]] = {}
-        self._inflight: dict[tuple[str, str], asyncio.Future[types_pb2.Sandbox]] = {}
+        self.pipeline = CreationPipeline(
+            iam,
+            placement,
+            edges.stub_for_address,
+            self.get,
+            self.owners.put,
+            max_attempts=cfg.max_create_attempts,
+            downstream=downstream,
+        )
+        self.batcher = CreateBatcher(
+            lambda items: self.pipeline.run(items, edges_per_group=cfg.create_batch_edges),
+            max_batch=cfg.create_batch_max,
+            max_inflight=cfg.create_batches_inflight,
+            max_wait_s=cfg.create_batch_wait_s,
+        )
+        self._normalized: dict[bytes, types_pb2.SandboxSpec] = {}
 
     async def caller(self, token: str) -> Caller:
         p = await self.auth.principal(token)
@@ -107,195 +107,55 @@ class Gateway:
             raise InvalidArgument("image name is longer than 512 characters")
         return out
 
-    async def create(
-        self, who: Caller, req: Any, *, placement: placement_pb2.Placement | None = None
-    ) -> types_pb2.Sandbox:
-        """Creates one sandbox. With an idempotency key, a retry returns the first attempt's sandbox."""
-        spec = self.normalize(req.spec)
-        key = (who.project_id, req.idempotency_key) if req.idempotency_key else None
-        if key is not None:
-            now = time.monotonic()
-            known = self._idempotent.get(key)
-            if known is not None and known[0] > now:
-                return await self.get(who, known[1])
-            if key in self._inflight:
-                return await asyncio.shield(self._inflight[key])
-            fut: asyncio.Future[types_pb2.Sandbox] = asyncio.get_running_loop().create_future()
-            self._inflight[key] = fut
-            try:
-                sb = await self._create(who, spec, req.wait_ready, placement)
-            except BaseException as exc:
-                fut.set_exception(exc)
-                fut.exception()  # retrieved: no "never retrieved" warning
-                raise
-            finally:
-                self._inflight.pop(key, None)
-            fut.set_result(sb)
-            self._idempotent[key] = (now + 24 * 3600, sb.id)
-            return sb
-        return await self._create(who, spec, req.wait_ready, placement)
+    def normalize_shared(self, spec: types_pb2.SandboxSpec) -> types_pb2.SandboxSpec:
+        """:meth:`normalize`, memoized: identical specs (a burst) share one normalized,
+        read-only message, which also lets the pipeline group them."""
+        raw = spec.SerializeToString(deterministic=True)
+        out = self._normalized.get(raw)
+        if out is None:
+            out = self.normalize(spec)
+            if len(self._normalized) >= 4096:
+                self._normalized.clear()
+            self._normalized[raw] = out
+        return out
 
-    async def _place(
-        self, who: Caller, spec: types_pb2.SandboxSpec, exclude: list[str]
-    ) -> placement_pb2.Placement:
-        item = placement_pb2.PlacementItem(
-            spec=spec, project_id=who.project_id, exclude_edges=exclude
-        )
-        resp = await downstream(
-            self.placement.PlaceSandbox(
-                placement_pb2.PlaceSandboxRequest(item=item), timeout=DEFAULT_DEADLINE_S
-            ),
-            "placement",
-        )
-        return resp.placement
-
-    async def _create(
-        self,
-        who: Caller,
-        spec: types_pb2.SandboxSpec,
-        wait_ready: bool,
-        placement: placement_pb2.Placement | None,
-    ) -> types_pb2.Sandbox:
-        tried: list[str] = []
-        last_error: DSecError | None = None
-        while len(tried) < self.cfg.max_create_attempts:
-            if placement is None:
-                placement = await self._place(who, spec, tried)
-            if placement.error_code:
-                if last_error is not None:
-                    raise last_error
-                raise status_for(
-                    placement.error_code, placement.error_reason, placement.error_message
-                )
-            for cand in placement.candidates:
-                if cand.edge_id in tried or len(tried) >= self.cfg.max_create_attempts:
-                    continue
-                tried.append(cand.edge_id)
-                try:
-                    return await self._create_on(who, spec, wait_ready, cand)
-                except (EdgeCapacity, Unavailable) as err:
-                    last_error = err
-                    await self._report(
-                        cand.edge_id,
-                        spec,
-                        placement_pb2.OUTCOME_REJECTED
-                        if isinstance(err, EdgeCapacity)
-                        else placement_pb2.OUTCOME_UNREACHABLE,
-                    )
-                    log.info(
-                        "edge %s refused a sandbox (%s); trying another", cand.edge_id, err.reason
-                    )
-            placement = None
-        raise last_error or NoEligibleEdge("no edge admitted the sandbox")
-
-    async def _create_on(
-        self,
-        who: Caller,
-        spec: types_pb2.SandboxSpec,
-        wait_ready: bool,
-        cand: placement_pb2.Candidate,
-    ) -> types_pb2.Sandbox:
-        sandbox_id = new_sandbox_id(cand.edge_id)
-        await downstream(
-            self.iam.ReserveQuota(
-                iam_pb2.ReserveQuotaRequest(
-                    project_id=who.project_id,
-                    sandbox_id=sandbox_id,
-                    backend=spec.backend,
-                    cpu_millis=spec.resources.cpu_millis,
-                    memory_mb=spec.resources.memory_mb,
-                    edge_id=cand.edge_id,
-                ),
-                timeout=DEFAULT_DEADLINE_S,
-            ),
-            "iam",
-        )
-        edge = self.edges.stub_for_address(cand.address)
-        try:
-            resp = await downstream(
-                edge.CreateSandbox(
-                    edge_pb2.CreateSandboxRequest(
-                        sandbox_id=sandbox_id,
-                        spec=spec,
-                        project_id=who.project_id,
-                        principal_id=who.principal_id,
-                        wait_ready=wait_ready,
-                    ),
-                    timeout=CREATE_DEADLINE_S,
-                ),
-                "edge",
-            )
-        except BaseException:
-            # Not admitted: the reservation goes back at once. (If the edge did
-            # admit and only the answer was lost, reconciliation keeps it.)
-            await self._release([sandbox_id])
-            raise
-        self.owners.put(sandbox_id, who.project_id)
-        return resp.sandbox
-
-    async def _release(self, sandbox_ids: list[str]) -> None:
-        try:
-            await self.iam.ReleaseQuota(
-                iam_pb2.ReleaseQuotaRequest(sandbox_ids=sandbox_ids), timeout=DEFAULT_DEADLINE_S
-            )
-        except Exception as exc:  # reconciliation will release it later
-            log.warning("quota release of %s failed: %s", sandbox_ids, exc)
-
-    async def _report(self, edge_id: str, spec: types_pb2.SandboxSpec, outcome: Any) -> None:
-        try:
-            await self.placement.ReportOutcome(
-                placement_pb2.ReportOutcomeRequest(
-                    edge_id=edge_id,
-                    outcome=outcome,
-                    cpu_millis=spec.resources.cpu_millis,  # type: ignore[arg-type]
-                    memory_mb=spec.resources.memory_mb,
-                    backend=spec.backend,
-                ),
-                timeout=DEFAULT_DEADLINE_S,
-            )
-        except Exception as exc:
-            log.debug("ReportOutcome failed: %s", exc)
+    async def create(self, who: Caller, req: Any) -> types_pb2.Sandbox:
+        """Creates one sandbox. With an idempotency key (durable, in IAM), a retry on
+        any API server instance returns the first attempt's sandbox."""
+        item = CreateItem(who, self.normalize_shared(req.spec), req.idempotency_key, req.wait_ready)
+        await self.batcher.create(item)
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
 
     async def create_many(
-        self, who: Caller, items: list[Any]
+        self, who: Caller, requests: list[Any]
     ) -> list[tuple[types_pb2.Sandbox | None, DSecError | None]]:
-        """Creates a batch: one placement call for all items, then edges in parallel."""
-        if len(items) > 50_000:
-            raise InvalidArgument("at most 50000 items per CreateSandboxes call")
-        specs: list[types_pb2.SandboxSpec | None] = []
-        results: list[tuple[types_pb2.Sandbox | None, DSecError | None]] = [(None, None)] * len(
-            items
-        )
-        for i, item in enumerate(items):
+        """Creates a burst: chunks go through the pipeline concurrently; one result per item."""
+        if len(requests) > MAX_CREATE_MANY:
+            raise InvalidArgument(f"at most {MAX_CREATE_MANY} items per CreateSandboxes call")
+        items: list[CreateItem] = []
+        for req in requests:
+            it = CreateItem(who, types_pb2.SandboxSpec(), req.idempotency_key, req.wait_ready)
             try:
-                specs.append(self.normalize(item.spec))
+                it.spec = self.normalize_shared(req.spec)
             except DSecError as err:
-                specs.append(None)
-                results[i] = (None, err)
-        valid = [i for i, s in enumerate(specs) if s is not None]
-        placements: dict[int, placement_pb2.Placement] = {}
-        if valid:
-            req = placement_pb2.PlaceSandboxesRequest(
-                items=[
-                    placement_pb2.PlacementItem(spec=specs[i], project_id=who.project_id)
-                    for i in valid
-                ]
-            )
-            resp = await downstream(
-                self.placement.PlaceSandboxes(req, timeout=DEFAULT_DEADLINE_S), "placement"
-            )
-            placements = dict(zip(valid, resp.placements, strict=True))
-        sem = asyncio.Semaphore(self.cfg.batch_concurrency)
+                it.error = err
+            items.append(it)
+        valid = [it for it in items if it.error is None]
+        await self.pipeline.place(valid)
+        valid = [it for it in valid if it.error is None]
+        size = max(1, self.cfg.create_chunk)
+        chunks = [valid[i : i + size] for i in range(0, len(valid), size)]
+        sem = asyncio.Semaphore(self.cfg.create_chunks_inflight)
 
-        async def one(i: int) -> None:
+        async def one(chunk: list[CreateItem]) -> None:
             async with sem:
-                try:
-                    results[i] = (await self.create(who, items[i], placement=placements[i]), None)
-                except DSecError as err:
-                    results[i] = (None, err)
+                await self.pipeline.run(chunk)
 
-        await asyncio.gather(*(one(i) for i in valid))
-        return results
+        await asyncio.gather(*(one(c) for c in chunks))
+        return [(it.result, it.error) for it in items]
 
     # ------------------------------------------------------------- routing
 

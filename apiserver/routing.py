@@ -87,6 +87,7 @@ class EdgeDirectory:
         self.refresh_s = refresh_s
         self.addresses: dict[str, str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, edge_pb2_grpc.EdgeServiceStub] = {}
         self._watcher_channel = open_channel(
             watcher_target, "apiserver", retry_services=["dsec.watcher.v1.WatcherService"]
         )
@@ -118,10 +119,11 @@ class EdgeDirectory:
         return addr
 
     def stub_for_address(self, address: str) -> edge_pb2_grpc.EdgeServiceStub:
-        ch = self._channels.get(address)
-        if ch is None:
+        stub = self._stubs.get(address)
+        if stub is None:
             ch = self._channels[address] = open_channel(address, "apiserver")
-        return edge_pb2_grpc.EdgeServiceStub(ch)
+            stub = self._stubs[address] = edge_pb2_grpc.EdgeServiceStub(ch)
+        return stub
 
     async def stub(self, edge_id: str) -> edge_pb2_grpc.EdgeServiceStub | None:
         addr = await self.address(edge_id)

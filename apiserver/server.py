@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from apiserver.config import ApiServerConfig
+from apiserver.environments import EnvironmentServicer
 from apiserver.gateway import Gateway
 from apiserver.routing import EdgeDirectory
-from apiserver.servicer import ExecServicer, FileServicer, ProjectServicer, SandboxServicer
+from apiserver.servicer import (
+    ExecServicer,
+    FileServicer,
+    FunctionServicer,
+    ProjectServicer,
+    SandboxServicer,
+)
 from common.channels import open_channel
 from common.config import load
 from common.grpc_server import GrpcServer
@@ -33,10 +40,10 @@ async def main() -> None:
     server.add(ExecServicer(gw), "dsec.apiserver.v1.ExecService")
     server.add(FileServicer(gw), "dsec.apiserver.v1.FileService")
     server.add(ProjectServicer(gw, iam, cfg.instance_name), "dsec.apiserver.v1.ProjectService")
-    # Contracts served later (UNIMPLEMENTED until their backends land): environments, fncall.
-    server.add(object(), "dsec.apiserver.v1.EnvironmentService")
-    server.add(object(), "dsec.apiserver.v1.FunctionService")
+    server.add(FunctionServicer(gw), "dsec.apiserver.v1.FunctionService")
+    server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
     server.background(edges.run)
+    server.on_close(gw.batcher.close)
     server.on_close(edges.close)
     server.on_close(iam_channel.close)
     server.on_close(placement_channel.close)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
 from common.auth import auth_metadata, bearer_token
@@ -17,6 +19,12 @@ from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
 from libdsec._status import code_number, from_rpc_error
 from libdsec.errors import InvalidArgument
+
+#: Parallel edge calls of one StopSandboxes.
+STOP_CONCURRENCY = 64
+
+#: pack_diff copies the writable layer and builds a layer from it (minutes for GBs).
+PACK_DIFF_DEADLINE_S = 1800.0
 
 #: Sync exec: the call may take the command's timeout plus this margin.
 EXEC_MARGIN_S = 30.0
@@ -43,16 +51,20 @@ class SandboxServicer:
         who = await self.gw.caller(bearer_token(context))
         results = await self.gw.create_many(who, list(request.items))
         out = apiserver_pb2.CreateSandboxesResponse()
+        created = failed = 0
+        add = out.results.add
         for i, (sb, err) in enumerate(results):
-            r = out.results.add(index=i)
+            r = add(index=i)
             if sb is not None:
                 r.sandbox.CopyFrom(sb)
-                out.created += 1
+                created += 1
             elif err is not None:
                 r.error_code = code_number(err.code)
                 r.error_reason = err.reason
                 r.error_message = err.message
-                out.failed += 1
+                r.error_metadata.update(err.metadata)
+                failed += 1
+        out.created, out.failed = created, failed
         return out
 
     async def GetSandbox(
@@ -117,18 +129,21 @@ class SandboxServicer:
         )
         answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
         ids = [sb.id for a in answers for sb in a.sandboxes]
-        stopped = []
-        for sid in ids:
-            stub = await self.gw.edge_for(who, sid)
-            await downstream(
-                stub.StopSandbox(
-                    edge_pb2.StopSandboxRequest(sandbox_id=sid, grace_s=request.grace_s),
-                    timeout=DEFAULT_DEADLINE_S + request.grace_s,
-                ),
-                "edge",
-            )
-            stopped.append(sid)
-        return apiserver_pb2.StopSandboxesResponse(stopped=len(stopped), sandbox_ids=stopped)
+        sem = asyncio.Semaphore(STOP_CONCURRENCY)
+
+        async def stop(sid: str) -> None:
+            async with sem:
+                stub = await self.gw.edge_for(who, sid)
+                await downstream(
+                    stub.StopSandbox(
+                        edge_pb2.StopSandboxRequest(sandbox_id=sid, grace_s=request.grace_s),
+                        timeout=DEFAULT_DEADLINE_S + request.grace_s,
+                    ),
+                    "edge",
+                )
+
+        await asyncio.gather(*(stop(sid) for sid in ids))
+        return apiserver_pb2.StopSandboxesResponse(stopped=len(ids), sandbox_ids=ids)
 
     async def DeleteSandbox(
         self, request: apiserver_pb2.DeleteSandboxRequest, context: Any
@@ -172,6 +187,59 @@ class SandboxServicer:
             "edge",
         )
         return apiserver_pb2.ResumeSandboxResponse(sandbox=resp.sandbox)
+
+    async def PackDiff(
+        self, request: apiserver_pb2.PackDiffRequest, context: Any
+    ) -> apiserver_pb2.PackDiffResponse:
+        """On the owning edge: its writable layer is on that node's disk."""
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.PackDiff(
+                edge_pb2.PackDiffRequest(
+                    sandbox_id=request.sandbox_id,
+                    name=request.name,
+                    exclude=request.exclude,
+                    no_default_excludes=request.no_default_excludes,
+                ),
+                timeout=PACK_DIFF_DEADLINE_S,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.PackDiffResponse(environment=resp.environment)
+
+    async def UpdateNetworkPolicy(
+        self, request: apiserver_pb2.UpdateNetworkPolicyRequest, context: Any
+    ) -> apiserver_pb2.UpdateNetworkPolicyResponse:
+        """On the owning edge, which validates the policy (and resolves its names)."""
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.UpdateNetworkPolicy(
+                edge_pb2.UpdateNetworkPolicyRequest(
+                    sandbox_id=request.sandbox_id, policy=request.policy
+                ),
+                timeout=DEFAULT_DEADLINE_S,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.UpdateNetworkPolicyResponse(sandbox=resp.sandbox)
+
+    async def GetModifiedFiles(
+        self, request: apiserver_pb2.GetModifiedFilesRequest, context: Any
+    ) -> apiserver_pb2.GetModifiedFilesResponse:
+        who = await self.gw.caller(bearer_token(context))
+        stub = await self.gw.edge_for(who, request.sandbox_id)
+        resp = await downstream(
+            stub.GetModifiedFiles(
+                edge_pb2.GetModifiedFilesRequest(sandbox_id=request.sandbox_id),
+                timeout=DEFAULT_DEADLINE_S * 4,
+            ),
+            "edge",
+        )
+        return apiserver_pb2.GetModifiedFilesResponse(
+            files=[apiserver_pb2.ModifiedFile(path=f.path, deleted=f.deleted) for f in resp.files]
+        )
 
 
 class _Forwarder:
@@ -386,3 +454,24 @@ class ProjectServicer:
 
     async def RevokeToken(self, request: Any, context: Any) -> Any:
         return await self._iam("RevokeToken", request, context)
+
+
+class FunctionServicer:
+    """FnCall: authenticate, then route to an edge offering BACKEND_FNCALL (see functions.py)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.router = FunctionRouter(gw)
+        self.gw = gw
+
+    async def RunFunction(
+        self, request: apiserver_pb2.RunFunctionRequest, context: Any
+    ) -> apiserver_pb2.RunFunctionResponse:
+        who = await self.gw.caller(bearer_token(context))
+        return apiserver_pb2.RunFunctionResponse(result=await self.router.run(who, request.job))
+
+    async def RunFunctions(
+        self, request: apiserver_pb2.RunFunctionsRequest, context: Any
+    ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
+        who = await self.gw.caller(bearer_token(context))
+        async for item in self.router.run_many(who, request):
+            yield item

@@ -86,7 +86,7 @@ def main() -> int:
         edge_id="bench",
         runtime="container",
         max_sandboxes=args.burst + 50,
-        extra_env={"DSEC_EDGE_CPU_OVERCOMMIT": "200"},
+        extra_env={"DSEC_EDGE_CPU_OVERCOMMIT": "200", "DSEC_EDGE_FNCALL_POOLS": ""},
     )
     with cluster(edges=[edge]) as c, Client(c.apiserver, token=c.token) as dsec:
         dsec.create(image=IMAGE, cpu=1, memory_mb=64).stop()  # warm: toolkit built, image mounted

@@ -34,8 +34,13 @@ Semantics worth knowing:
     results are kept for attach/wait (the last 64 exited).
   * ExecInput streams always keep stdin open; HalfClose closes it. On a pty,
     close_stdin sends the terminal's EOF character instead of hanging up.
-  * `trusted` execs and `modified_files` answer UNIMPLEMENTED: both need the
-    edge (read-only layers, the writable upper layer).
+  * `trusted` execs and `modified_files` answer UNIMPLEMENTED here: the edge
+    serves both (a sibling container of the read-only layers; a walk of the
+    writable upper layer).
+  * Every command and every session's shell runs in its own Landlock domain
+    with a second seccomp filter (`landlock`, `seccomp`): it cannot reach
+    chronus's runtime directory (a detached tmpfs in a container), signal
+    chronus, aether or another call's processes, or use dangerous ioctls.
 """
 
 __version__ = "0.1.0"

@@ -32,9 +32,15 @@ class ChronusConfig:
         runtime_dir: str,
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = 1 * MIB,
+        runtime_fd: int = -1,
+        landlock: str = "auto",
     ) -> None:
         self.workdir = workdir
-        self.runtime_dir = runtime_dir  # session FIFOs and scripts
+        self.runtime_dir = runtime_dir  # session FIFOs and scripts (when runtime_fd < 0)
+        # A directory descriptor for the same, preferred: in a container the edge passes a
+        # detached tmpfs, which no path in the sandbox leads to (chronus.landlock).
+        self.runtime_fd = runtime_fd
+        self.landlock = landlock  # "auto" (when available), "on" (required), "off"
         self.env = dict(env or {})  # sandbox env of every command
         self.max_output_bytes = max_output_bytes  # per stream, when a request says 0
 
@@ -52,4 +58,15 @@ class ChronusConfig:
         max_out = int(environ.get("DSEC_CHRONUS_MAX_OUTPUT_BYTES", str(1 * MIB)))
         if max_out <= 0:
             raise ValueError("DSEC_CHRONUS_MAX_OUTPUT_BYTES must be positive")
-        return cls(workdir=workdir, runtime_dir=runtime_dir, env=env, max_output_bytes=max_out)
+        runtime_fd = int(environ.get("DSEC_CHRONUS_RUNTIME_FD") or "-1")
+        landlock = environ.get("DSEC_CHRONUS_LANDLOCK") or "auto"
+        if landlock not in ("auto", "on", "off"):
+            raise ValueError("DSEC_CHRONUS_LANDLOCK must be auto, on or off")
+        return cls(
+            workdir=workdir,
+            runtime_dir=runtime_dir,
+            env=env,
+            max_output_bytes=max_out,
+            runtime_fd=runtime_fd,
+            landlock=landlock,
+        )

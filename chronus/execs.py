@@ -27,6 +27,7 @@ from chronus.errors import (
     ChronusError,
     invalid,
 )
+from chronus.landlock import Sandboxing
 from chronus.output import OutputBuffer
 from chronus.proc import (
     SpawnError,
@@ -73,6 +74,7 @@ class Runtime:
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self.on_session_gone: Callable[[Any], None] = lambda session: None
+        self.sandboxing = Sandboxing(config.landlock)
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):x}{os.urandom(3).hex()}"
@@ -383,7 +385,14 @@ class ProcessExec(Exec):
                 size = req.get("pty_size") or {}
                 set_winsize(master, size.get("rows", 24), size.get("cols", 80))
                 env.setdefault("TERM", "xterm")
-                self.pid = spawn(argv, env, cwd, ctty=slave)
+                self.pid = spawn(
+                    argv,
+                    env,
+                    cwd,
+                    ctty=slave,
+                    ruleset_fd=self.rt.sandboxing.for_exec(),
+                    syscall_filter=self.rt.sandboxing.filter,
+                )
                 self.stdin_fd = master
                 out_fds = [(master, STDOUT)]
             else:
@@ -399,7 +408,16 @@ class ProcessExec(Exec):
                     child_fds.append(in_r)
                 out_fds = [(out_r, STDOUT), (err_r, STDERR)]
                 try:
-                    self.pid = spawn(argv, env, cwd, stdin=in_r, stdout=out_w, stderr=err_w)
+                    self.pid = spawn(
+                        argv,
+                        env,
+                        cwd,
+                        stdin=in_r,
+                        stdout=out_w,
+                        stderr=err_w,
+                        ruleset_fd=self.rt.sandboxing.for_exec(),
+                        syscall_filter=self.rt.sandboxing.filter,
+                    )
                 except BaseException:
                     for fd, _ in out_fds:
                         os.close(fd)

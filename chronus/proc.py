@@ -16,6 +16,8 @@ import os
 import struct
 import termios
 
+from chronus import landlock, seccomp
+
 # Python ignores these at start-up; ignored dispositions survive exec, so the
 # child must restore them or `yes | head` never ends.
 _RESET_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ)
@@ -40,6 +42,8 @@ def spawn(
     stderr: int = -1,
     ctty: int = -1,
     extra_fds: dict[int, int] | None = None,
+    ruleset_fd: int = -1,
+    syscall_filter: seccomp.Filter | None = None,
 ) -> int:
     """Fork and exec `argv` in a new session; return its pid.
 
@@ -47,6 +51,9 @@ def spawn(
     and its stdin/stdout/stderr. Otherwise the given fds become 0, 1, 2.
     `extra_fds` maps child fd -> parent fd. Every other descriptor is
     close-on-exec (PEP 446), so commands never inherit chronus's sockets.
+    With `ruleset_fd`, the child enters a Landlock domain made from it just
+    before exec (`chronus.landlock`); with `syscall_filter`, it also installs that
+    seccomp filter (`chronus.seccomp`). If either fails, the command does not run.
     """
     err_r, err_w = os.pipe()
     pid = os.fork()
@@ -66,6 +73,12 @@ def spawn(
                 _signal.signal(sig, _signal.SIG_DFL)
             step, detail = "chdir", cwd
             os.chdir(cwd)
+            if ruleset_fd >= 0:
+                step, detail = "landlock", "restrict"
+                landlock.enforce(ruleset_fd)
+            if syscall_filter is not None:
+                step, detail = "seccomp", "filter"
+                syscall_filter.install()
             step, detail = "exec", argv[0]
             os.execvpe(argv[0], argv, env)
         except OSError as exc:

@@ -27,6 +27,15 @@ period, the whole session is killed and reported.
 
 Pipes that a background job keeps open after its call go to the drain, so
 `server &` keeps running without dying of SIGPIPE.
+
+Where the files live: each session has a directory of its own in chronus's
+runtime directory, which in a container is a detached tmpfs (no path leads
+to it; see `chronus.landlock`). The shell holds its session directory as
+descriptor SESSION_DIR_FD and names every file through it
+(`/proc/self/fd/63/cmd-N`); chronus works relative to the same descriptor.
+The shell's Landlock domain grants that directory and no other part of the
+runtime directory, so no other command or session can read the commands,
+write markers or steal output, even as root.
 """
 
 from __future__ import annotations
@@ -58,21 +67,28 @@ if TYPE_CHECKING:
 
 log = get_logger("chronus.sessions")
 
+SESSION_DIR_FD = 63  # in the shell: its session directory
 INTERRUPT_GRACE_S = 5.0  # after a timeout, how long the shell gets to return to its prompt
 INTERRUPT_EVERY_S = 0.25
 
 
+def shell_path(name: str) -> str:
+    """How the session's shell names a file of its session directory."""
+    return f"/proc/self/fd/{SESSION_DIR_FD}/{name}"
+
+
 class Session:
-    def __init__(self, rt: Runtime, session_id: str, shell: str, directory: str) -> None:
+    def __init__(self, rt: Runtime, session_id: str, shell: str, dir_fd: int, base_fd: int) -> None:
         self.rt = rt
         self.session_id = session_id
         self.shell = shell
-        self.dir = directory
+        self.dir_fd = dir_fd  # the session directory (O_DIRECTORY, close-on-exec)
+        self.base_fd = base_fd  # the runtime directory it is in
         self.is_bash = os.path.basename(shell).startswith("bash")
         self.created_at = time.time()
         self.pid = 0
         self.master = -1
-        self.ctl_path = os.path.join(directory, "ctl")
+        self.ctl_path = shell_path("ctl")
         self.ctl_r = -1
         self.ctl_w = -1
         self.pidfd = -1
@@ -95,10 +111,11 @@ class Session:
 
     # --------------------------------------------------------------- start
     def start(self, cwd: str, env: dict[str, str]) -> None:
-        os.mkfifo(self.ctl_path, 0o600)
-        self.ctl_r = os.open(self.ctl_path, os.O_RDONLY | os.O_NONBLOCK)
+        d = self.dir_fd
+        os.mkfifo("ctl", 0o600, dir_fd=d)
+        self.ctl_r = os.open("ctl", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
         # A writer of our own keeps the FIFO from reporting EOF between markers.
-        self.ctl_w = os.open(self.ctl_path, os.O_WRONLY | os.O_NONBLOCK)
+        self.ctl_w = os.open("ctl", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
         master, slave = os.openpty()
         try:
             attrs = termios.tcgetattr(slave)
@@ -111,7 +128,20 @@ class Session:
                 argv = [self.shell, "-i"]
             env = dict(env, PS1="", PS2="")
             env.setdefault("TERM", "dumb")
-            self.pid = spawn(argv, env, cwd, ctty=slave)
+            ruleset = self.rt.sandboxing.for_session(d)
+            try:
+                self.pid = spawn(
+                    argv,
+                    env,
+                    cwd,
+                    ctty=slave,
+                    extra_fds={SESSION_DIR_FD: d},
+                    ruleset_fd=ruleset,
+                    syscall_filter=self.rt.sandboxing.filter,
+                )
+            finally:
+                if ruleset >= 0:
+                    os.close(ruleset)
         except BaseException:
             os.close(master)
             raise
@@ -226,9 +256,14 @@ class Session:
             except ChildProcessError:
                 pass
         try:
-            for name in os.listdir(self.dir):
-                os.unlink(os.path.join(self.dir, name))
-            os.rmdir(self.dir)
+            for name in os.listdir(self.dir_fd):
+                os.unlink(name, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        os.close(self.dir_fd)
+        self.dir_fd = -1
+        try:
+            os.rmdir(self.session_id, dir_fd=self.base_fd)
         except OSError:
             pass
         self.rt.on_session_gone(self)
@@ -251,16 +286,25 @@ class SessionExec(Exec):
         self._stdin_fifo = ""
 
     def _path(self, stem: str) -> str:
-        path = os.path.join(self.session.dir, f"{stem}-{self.session.seq}")
-        self._files.append(path)
-        return path
+        """A new file name in the session directory (removed when the call ends)."""
+        name = f"{stem}-{self.session.seq}"
+        self._files.append(name)
+        return name
+
+    def _write(self, name: str, data: bytes) -> None:
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
+            dir_fd=self.session.dir_fd,
+        )  # fmt: skip
+        with open(fd, "wb") as fh:
+            fh.write(data)
 
     def launch(self, req: dict[str, Any]) -> None:
         s = self.session
+        d = s.dir_fd
         command: str = req.get("command") or " ".join(shell_quote(a) for a in req["argv"])
         cmd_path = self._path("cmd")
-        with open(cmd_path, "w") as fh:
-            fh.write(command if command.endswith("\n") else command + "\n")
+        self._write(cmd_path, (command if command.endswith("\n") else command + "\n").encode())
         prefix = ""
         if req.get("cwd"):
             prefix = f"cd -- {shell_quote(req['cwd'])} && "
@@ -269,8 +313,7 @@ class SessionExec(Exec):
                 raise invalid(f"environment variable name {key!r} is not valid in a shell")
             prefix += f"{key}={shell_quote(value)} "
         call_path = self._path("call")
-        with open(call_path, "w") as fh:
-            fh.write(f"{prefix}. {shell_quote(cmd_path)}\n")
+        self._write(call_path, f"{prefix}. {shell_quote(shell_path(cmd_path))}\n".encode())
         redirect = ""
         stdin_data: bytes = req.get("stdin", b"")
         if self.is_pty:
@@ -279,25 +322,28 @@ class SessionExec(Exec):
             if size:
                 set_winsize(s.master, size.get("rows", 24), size.get("cols", 80))
         else:
+            nb = os.O_NONBLOCK | os.O_CLOEXEC
             if req.get("stdin_open"):
-                self._stdin_fifo = in_path = self._path("in")
-                os.mkfifo(in_path, 0o600)
+                self._stdin_fifo = in_name = self._path("in")
+                os.mkfifo(in_name, 0o600, dir_fd=d)
                 # O_RDWR never blocks on a FIFO (Linux); see _close_stdin_fd.
-                self.stdin_fd = os.open(in_path, os.O_RDWR | os.O_NONBLOCK)
+                self.stdin_fd = os.open(in_name, os.O_RDWR | nb, dir_fd=d)
+                in_path = shell_path(in_name)
             elif stdin_data:
-                in_path = self._path("in")
-                with open(in_path, "wb") as fh:
-                    fh.write(stdin_data)
+                in_name = self._path("in")
+                self._write(in_name, stdin_data)
+                in_path = shell_path(in_name)
                 stdin_data = b""
             else:
                 in_path = os.devnull
-            out_path, err_path = self._path("out"), self._path("err")
-            os.mkfifo(out_path, 0o600)
-            os.mkfifo(err_path, 0o600)
-            out_fd = os.open(out_path, os.O_RDONLY | os.O_NONBLOCK)
-            err_fd = os.open(err_path, os.O_RDONLY | os.O_NONBLOCK)
+            out_name, err_name = self._path("out"), self._path("err")
+            os.mkfifo(out_name, 0o600, dir_fd=d)
+            os.mkfifo(err_name, 0o600, dir_fd=d)
+            out_fd = os.open(out_name, os.O_RDONLY | nb, dir_fd=d)
+            err_fd = os.open(err_name, os.O_RDONLY | nb, dir_fd=d)
             redirect = (
-                f" <{shell_quote(in_path)} >{shell_quote(out_path)} 2>{shell_quote(err_path)}"
+                f" <{shell_quote(in_path)} >{shell_quote(shell_path(out_name))}"
+                f" 2>{shell_quote(shell_path(err_name))}"
             )
         if stdin_data:
             self._stdin_pending.append(stdin_data)
@@ -305,7 +351,7 @@ class SessionExec(Exec):
             self._stdin_close = True
         ctl = shell_quote(s.ctl_path)
         line = (
-            f"__dsec_c={self.call_id}; {{ . {shell_quote(call_path)}; }}{redirect}; "
+            f"__dsec_c={self.call_id}; {{ . {shell_quote(shell_path(call_path))}; }}{redirect}; "
             f"printf '{self.call_id} %s\\n' \"$?\" >|{ctl}\n"
         )
         if self.timeout_s > 0:
@@ -334,7 +380,9 @@ class SessionExec(Exec):
         # Closing our end before the shell has opened the FIFO would leave its
         # open() waiting for a writer forever: wait until a reader exists.
         try:
-            probe = os.open(self._stdin_fifo, os.O_WRONLY | os.O_NONBLOCK)
+            probe = os.open(
+                self._stdin_fifo, os.O_WRONLY | os.O_NONBLOCK, dir_fd=self.session.dir_fd
+            )
         except OSError as exc:
             if exc.errno == errno.ENXIO and self.exit is None:
                 self.rt.reactor.call_later(0.02, self._close_stdin_locked)
@@ -366,11 +414,12 @@ class SessionExec(Exec):
         if self.is_pty:
             self.stdin_fd = -1  # the session's master: not ours to close
         super().finish(exit_code, sig, error)
-        for path in self._files:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        if self.session.dir_fd >= 0:
+            for name in self._files:
+                try:
+                    os.unlink(name, dir_fd=self.session.dir_fd)
+                except OSError:
+                    pass
         if self.session.current is self:
             self.session.current = None
 
@@ -459,19 +508,24 @@ class SessionManager:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.sessions: dict[str, Session] = {}
-        self._dir = ""
+        self._dir_fd = -1
         rt.on_session_gone = self._gone
 
-    def _runtime_dir(self) -> str:
-        if not self._dir:
-            base = self.rt.config.runtime_dir
-            try:
-                os.makedirs(base, 0o700, exist_ok=True)
-            except OSError:
-                base = f"/tmp/.dsec-chronus-{os.getpid()}"
-                os.makedirs(base, 0o700, exist_ok=True)
-            self._dir = base
-        return self._dir
+    def _runtime_dir_fd(self) -> int:
+        """The runtime directory: the edge's descriptor, or a directory by path (tests)."""
+        if self._dir_fd < 0:
+            cfg = self.rt.config
+            if cfg.runtime_fd >= 0:
+                self._dir_fd = cfg.runtime_fd
+            else:
+                base = cfg.runtime_dir
+                try:
+                    os.makedirs(base, 0o700, exist_ok=True)
+                except OSError:
+                    base = f"/tmp/.dsec-chronus-{os.getpid()}"
+                    os.makedirs(base, 0o700, exist_ok=True)
+                self._dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self._dir_fd
 
     def create(self, req: dict[str, Any]) -> Session:
         cfg = self.rt.config
@@ -486,13 +540,17 @@ class SessionManager:
         env = dict(cfg.env)
         env.update(req.get("env", {}))
         session_id = self.rt.new_id("se")
-        directory = os.path.join(self._runtime_dir(), session_id)
-        os.mkdir(directory, 0o700)
-        session = Session(self.rt, session_id, shell, directory)
+        base = self._runtime_dir_fd()
+        os.mkdir(session_id, 0o700, dir_fd=base)
+        dir_fd = os.open(session_id, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=base)
+        session = Session(self.rt, session_id, shell, dir_fd, base)
         try:
             session.start(cwd, env)
         except SpawnError as exc:
-            os.rmdir(directory)
+            for name in os.listdir(dir_fd):
+                os.unlink(name, dir_fd=dir_fd)
+            os.close(dir_fd)
+            os.rmdir(session_id, dir_fd=base)
             raise ChronusError(FAILED_PRECONDITION, "SESSION_START_FAILED", str(exc)) from None
         with self.rt.lock:
             self.sessions[session_id] = session

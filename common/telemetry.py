@@ -24,6 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -70,8 +71,17 @@ def setup_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
 
 
 def setup_tracing(service: str, otlp_endpoint: str = "") -> TracerProvider:
-    """Installs the global tracer provider; exports over OTLP only when asked."""
-    provider = TracerProvider(resource=Resource.create({"service.name": f"dsec-{service}"}))
+    """Installs the global tracer provider; exports over OTLP only when asked.
+
+    Without an exporter, spans are not recorded (a parent-based sampler that
+    drops new traces): their context, trace ids in logs and propagation to other
+    services still work, but nothing is kept that nobody would read. Recording
+    every span costs ~10% of an API server's CPU on the create path.
+    """
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": f"dsec-{service}"}),
+        sampler=ParentBased(ALWAYS_ON if otlp_endpoint else ALWAYS_OFF),
+    )
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor

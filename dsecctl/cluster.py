@@ -8,6 +8,7 @@ PIDs only (never to anything this cluster did not start), then SIGKILL.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -71,6 +72,7 @@ class LocalCluster:
         apiservers: int = 1,
         log_level: str = "INFO",
         extra_env: dict[str, str] | None = None,
+        iam_database: str = "",
     ) -> None:
         self.home = home
         self.transport = transport
@@ -79,6 +81,8 @@ class LocalCluster:
         self.apiservers = apiservers
         self.log_level = log_level
         self.extra_env = extra_env or {}
+        #: DSEC_IAM_DATABASE ("" = SQLite under the cluster's home).
+        self.iam_database = iam_database
         self.processes: list[ServiceProcess] = []
         self.token_file = home / "token"
 
@@ -113,11 +117,11 @@ class LocalCluster:
                 "IAM",
                 iam,
                 {
-                    "DATABASE": f"sqlite:{self.home / 'iam' / 'iam.db'}",
+                    "DATABASE": self.iam_database or f"sqlite:{self.home / 'iam' / 'iam.db'}",
                     "BOOTSTRAP_TOKEN_FILE": str(self.token_file),
                 },
             ),
-            svc("watcher", "watcher", "WATCHER", watcher, {"PROBE_INTERVAL_S": "0.5"}),
+            svc("watcher", "watcher", "WATCHER", watcher, {"PROBE_INTERVAL_S": "0.5", "IAM": iam}),
             svc("placement", "placement", "PLACEMENT", placement, {"WATCHER": watcher}),
         ]
         for i, e in enumerate(self.edges):
@@ -131,6 +135,9 @@ class LocalCluster:
                 "REGISTER_INTERVAL_S": "2",
                 "MAX_SANDBOXES": str(e.max_sandboxes),
                 "ON_SHUTDOWN": e.on_shutdown,
+                # An edge treats every child of its cgroup parent as its own (orphan
+                # cleanup): clusters sharing this machine must not share a parent.
+                "CGROUP_PARENT": f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
                 **(
                     {"LABELS": ",".join(f"{k}={v}" for k, v in e.labels.items())}
                     if e.labels
@@ -325,8 +332,9 @@ class LocalCluster:
         state = json.loads(path.read_text())
         c = cls(home)
         for name, s in state["services"].items():
+            module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
             c.processes.append(
-                ServiceProcess(name, name.split("-")[0], s["address"], {}, Path(s["log"]), s["pid"])
+                ServiceProcess(name, module, s["address"], {}, Path(s["log"]), s["pid"])
             )
         return c
 

@@ -1,15 +1,22 @@
 """The ``dsec`` command: run a local cluster and operate it.
 
-    dsec up [--runtime container|null] [--edges N]   start iam, watcher, placement, edges, apiserver
+    dsec up [--runtime container|null] [--edges N] [--apiservers N] [--iam-database URL]
+                                                     start iam, watcher, placement, edges, apiservers
     dsec status                                      health of every service
     dsec down                                        stop them (by PID)
     dsec whoami
     dsec project create NAME [--parent P] [--cpu-millis N] [--memory-mb N] [--sandboxes N]
-    dsec project list [--recursive]
+    dsec project list [--recursive] | dsec project show [ID] | dsec project quota ID [--sandboxes N ...]
     dsec token create NAME [--project P] [--agent] [--admin] [--ttl-s N]
     dsec token list | dsec token revoke ID
     dsec sandbox create [--image I] [--cpu C] [--memory-mb M] [--ttl-s T] [--label k=v] [--task T]
-    dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID
+                        [--count N]
+    dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID|--task T
+    dsec sandbox pack ID NAME [--exclude GLOB]... [--no-default-excludes]
+    dsec env list [PREFIX] | dsec env show NAME | dsec env layers | dsec env rm NAME
+    dsec env import SOURCE [--name N] [--kind K] [--base B]   docker:REF, dir:/path, tar:/path
+    dsec env compose NAME --base B [--workspace W] [--toolkit T]...
+    dsec fncall -l LANG (-c CODE | -f FILE) [--stdin-file F | --cases GLOB]   short jobs in warm pools
     dsec demo                                        a short tour through libdsec
 
 The local cluster lives in $DSEC_HOME (default ~/.dsec): cluster.json,
@@ -24,6 +31,7 @@ import sys
 from typing import Any
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.fncall import add_parser as add_fncall_parser
 from libdsec._config import dsec_home
 from libdsec.errors import DSecError
 
@@ -40,7 +48,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         running.stop()
     edges = [EdgeSpec(edge_id=f"edge{i}", runtime=args.runtime) for i in range(args.edges)]
     cluster = LocalCluster(
-        home, transport="tcp", fixed_ports=True, edges=edges, log_level=args.log_level
+        home,
+        transport="tcp",
+        fixed_ports=True,
+        edges=edges,
+        apiservers=args.apiservers,
+        log_level=args.log_level,
+        iam_database=args.iam_database,
     )
     print(f"starting dsec in {home} ...", flush=True)
     cluster.start(timeout_s=args.timeout)
@@ -106,6 +120,13 @@ def cmd_project(args: argparse.Namespace) -> int:
             print(
                 f"created {p.project_id}  quota cpu_millis={q.cpu_millis} memory_mb={q.memory_mb} sandboxes={q.sandboxes}"
             )
+        elif args.action == "quota":
+            q = Quota(
+                cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
+            )
+            _print_project(c.set_quota(args.project_id, q))
+        elif args.action == "show":
+            _print_project(c.get_project(args.project_id))
         else:
             for p in c.list_projects(args.parent, recursive=args.recursive):
                 print(
@@ -113,6 +134,16 @@ def cmd_project(args: argparse.Namespace) -> int:
                     f"cpu {p.usage.cpu_millis}/{p.quota.cpu_millis or '-'}  mem {p.usage.memory_mb}/{p.quota.memory_mb or '-'}"
                 )
     return 0
+
+
+def _print_project(p: Any) -> None:
+    print(p.project_id)
+    for dim in ("sandboxes", "cpu_millis", "memory_mb"):
+        limit = getattr(p.quota, dim)
+        print(f"  {dim:<11} {getattr(p.usage, dim):>10} used of {limit or 'no own limit'}")
+    for backend, n in sorted(p.usage.sandboxes_by_backend.items()):
+        limit = p.quota.sandboxes_by_backend.get(backend)
+        print(f"  {backend:<11} {n:>10} sandboxes" + (f" of {limit}" if limit else ""))
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -154,7 +185,7 @@ def _labels(items: list[str]) -> dict[str, str]:
 def cmd_sandbox(args: argparse.Namespace) -> int:
     with _client() as c:
         if args.action == "create":
-            sb = c.create(
+            options = dict(
                 image=args.image,
                 cpu=args.cpu,
                 memory_mb=args.memory_mb,
@@ -163,6 +194,16 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
                 task_id=args.task,
                 backend=args.backend,
             )
+            if args.count > 1:  # one CreateSandboxes call, one line per sandbox or error
+                failed = 0
+                for r in c.create_many(args.count, **options):
+                    if isinstance(r, DSecError):
+                        failed += 1
+                        print(f"error {type(r).__name__} [{r.reason}]: {r.message}")
+                    else:
+                        print(r.id)
+                return 1 if failed else 0
+            sb = c.create(**options)
             print(sb.id)
         elif args.action == "list":
             for s in c.list(task_id=args.task):
@@ -182,8 +223,70 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
                 return 124
             return r.exit_code
         elif args.action == "stop":
-            info = c.get(args.sandbox_id).stop()
-            print(f"{info.id} {info.state} ({info.termination_reason})")
+            if args.sandbox_id:
+                info = c.get(args.sandbox_id).stop()
+                print(f"{info.id} {info.state} ({info.termination_reason})")
+            elif args.task:
+                stopped = c.stop_all(task_id=args.task)
+                print(f"stopped {len(stopped)} sandboxes of task {args.task}")
+            else:
+                print("dsec: give a sandbox id or --task", file=sys.stderr)
+                return 2
+        elif args.action == "pack":
+            env = c.get(args.sandbox_id).pack_diff(
+                args.name, exclude=args.exclude, default_excludes=not args.no_default_excludes
+            )
+            _print_env(env)
+    return 0
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _print_env(env: Any) -> None:
+    print(f"{env.name}  {len(env.layers)} layers, {_size(env.size_bytes)}")
+    for layer in env.layers:
+        print(
+            f"  {layer.kind.lower():<9} {layer.digest[:19]}  {_size(layer.size_bytes):>10}"
+            f"  (metadata {_size(layer.meta_bytes)})  {layer.source}"
+        )
+    for k, v in sorted(env.config.items()):
+        print(f"  {k}={v}")
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    with _client() as c:
+        if args.action == "list":
+            for env in c.list_environments(args.prefix):
+                print(f"{env.name:<48} {len(env.layers):>3} layers  {_size(env.size_bytes):>10}")
+        elif args.action == "show":
+            _print_env(c.get_environment(args.name))
+        elif args.action == "layers":
+            for layer in c.list_layers():
+                print(
+                    f"{layer.digest}  {layer.kind.lower():<9} {_size(layer.size_bytes):>10}  "
+                    f"{layer.source}"
+                )
+        elif args.action == "import":
+            _print_env(
+                c.import_image(
+                    args.source, args.name, kind=args.kind, base=args.base, all_root=args.all_root
+                )
+            )
+        elif args.action == "compose":
+            _print_env(
+                c.compose_environment(
+                    args.name, base=args.base, workspace=args.workspace, toolkits=args.toolkit
+                )
+            )
+        elif args.action == "rm":
+            print("deleted" if c.delete_environment(args.name) else "no such environment")
     return 0
 
 
@@ -200,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local single-node cluster")
     up.add_argument("--runtime", default="container", choices=["container", "null"])
     up.add_argument("--edges", type=int, default=1)
+    up.add_argument(
+        "--apiservers", type=int, default=1, help="API server instances (ports 7100, 7121, ...)"
+    )
+    up.add_argument(
+        "--iam-database",
+        default="",
+        help="IAM storage: sqlite:<path> (default: in $DSEC_HOME) or postgresql://...",
+    )
     up.add_argument("--log-level", default="INFO")
     up.add_argument("--timeout", type=float, default=120.0)
     up.set_defaults(fn=cmd_up)
@@ -219,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl = psub.add_parser("list")
     pl.add_argument("--parent", default="")
     pl.add_argument("--recursive", action="store_true")
+    ps = psub.add_parser("show", help="quota and usage of a project (default: the token's)")
+    ps.add_argument("project_id", nargs="?", default="")
+    pq = psub.add_parser("quota", help="set the quota of a subproject (0 = no own limit)")
+    pq.add_argument("project_id")
+    pq.add_argument("--cpu-millis", type=int, default=0)
+    pq.add_argument("--memory-mb", type=int, default=0)
+    pq.add_argument("--sandboxes", type=int, default=0)
     proj.set_defaults(fn=cmd_project)
 
     tok = sub.add_parser("token", help="tokens for humans and agents")
@@ -245,15 +363,44 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--ttl-s", type=int, default=None)
     sc.add_argument("--label", action="append", default=[])
     sc.add_argument("--task", default="")
+    sc.add_argument("--count", type=int, default=1, help="create this many in one call")
     sl = ssub.add_parser("list")
     sl.add_argument("--task", default="")
     se = ssub.add_parser("exec")
     se.add_argument("sandbox_id")
     se.add_argument("--timeout-s", type=float, default=600.0)
     se.add_argument("command", nargs=argparse.REMAINDER)
-    ss = ssub.add_parser("stop")
-    ss.add_argument("sandbox_id")
+    ss = ssub.add_parser("stop", help="one sandbox, or every sandbox of --task")
+    ss.add_argument("sandbox_id", nargs="?", default="")
+    ss.add_argument("--task", default="")
+    sp = ssub.add_parser("pack", help="checkpoint the writable layer as a new environment")
+    sp.add_argument("sandbox_id")
+    sp.add_argument("name")
+    sp.add_argument("--exclude", action="append", default=[])
+    sp.add_argument("--no-default-excludes", action="store_true")
     sb.set_defaults(fn=cmd_sandbox)
+
+    add_fncall_parser(sub)
+
+    env = sub.add_parser("env", help="environments and layers of the layer store")
+    esub = env.add_subparsers(dest="action", required=True)
+    el = esub.add_parser("list")
+    el.add_argument("prefix", nargs="?", default="")
+    esub.add_parser("show").add_argument("name")
+    esub.add_parser("layers")
+    ei = esub.add_parser("import", help="docker:REF, dir:/path or tar:/path")
+    ei.add_argument("source")
+    ei.add_argument("--name", default="")
+    ei.add_argument("--kind", default="", choices=["", "base", "workspace", "toolkit"])
+    ei.add_argument("--base", default="")
+    ei.add_argument("--all-root", action="store_true")
+    ec = esub.add_parser("compose")
+    ec.add_argument("name")
+    ec.add_argument("--base", required=True)
+    ec.add_argument("--workspace", default="")
+    ec.add_argument("--toolkit", action="append", default=[])
+    esub.add_parser("rm").add_argument("name")
+    env.set_defaults(fn=cmd_env)
     return p
 
 

@@ -32,17 +32,13 @@ from typing import Any
 from dsec.aether.v1 import aether_pb2
 from dsec.chronus.v1 import chronus_pb2
 from libdsec._status import status_for
-from libdsec.errors import DeadlineExceeded, Unavailable
+from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 8 * 1024 * 1024
 _LEN = struct.Struct(">I")
 _END = object()
-
-
-class ChannelClosed(Unavailable):
-    default_reason = "CHANNEL_CLOSED"
 
 
 class AetherConnection:

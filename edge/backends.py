@@ -56,6 +56,8 @@ class NullBackend:
     name = "null"
     serves: tuple[str, ...] = ("CONTAINER", "FNCALL", "MICROVM", "VM")
     persistent = False
+    #: start() never waits: the manager starts a batch of these in one task.
+    starts_inline = True
 
     def __init__(self) -> None:
         self._on_exit: ExitCallback | None = None

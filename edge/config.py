@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, ServiceConfig
+from edge.fncall.environments import FnCallSettings, environments, parse_pools
 from edge.model import EDGE_ID
 
 
@@ -59,6 +61,60 @@ class EdgeConfig(ServiceConfig):
     on_shutdown: str = "keep"
     #: Base images / environments (name.erofs or name.rootfs/ per image).
     image_dir: Path = Path("/var/lib/dsec/images")
+    #: Networked sandboxes (policy other than NONE): the node bridge, its subnet (the first
+    #: address is the bridge's: gateway and DNS resolver), and where the resolver forwards
+    #: ("host[:port]"; "" = the host's first resolv.conf nameserver).
+    net_bridge: str = "dsec0"
+    net_subnet: str = "10.231.0.0/16"
+    dns_upstream: str = ""
+    dns_refresh_s: float = 60.0
+    #: bpffs directory for the sandboxes' pinned eBPF maps and programs (one subdir per edge).
+    bpf_pin_dir: Path = Path("/sys/fs/bpf/dsec")
+    #: Writable-layer quota when a sandbox asks for none (resources.disk_mb 0); 0 = no quota.
+    default_disk_mb: int = 0
+    #: cgroup of this edge's sandboxes (each sandbox is <parent>/<id>). It must belong to this
+    #: edge alone: at start every child it does not know is removed as an orphan.
+    cgroup_parent: str = "dsec"
+    #: How often running sandboxes are checked (disk, pids, violations, channel).
+    watch_interval_s: float = 1.0
+    #: A sandbox at its pids limit this long, with forks failing, ends PIDS_EXHAUSTED.
+    pids_exhausted_after_s: float = 3.0
+    #: The layer store: content-addressed EROFS layers and named environments. A local
+    #: directory on one machine; in a cluster a shared filesystem at the same path on every node.
+    layer_store: Path = Path("/var/lib/dsec/store")
+    #: How a layer is verified on its first use on this node: "full" (hash the whole data
+    #: blob; a corrupt one is never mounted) or "sampled" (size + sampled chunks at once, the
+    #: rest in the background; start time independent of the image size).
+    layer_verify: str = "full"
+    #: EROFS chunk size of layers built here (power of two, >= 4 KiB).
+    layer_chunk_kb: int = 1024
+    #: Layer store maintenance: leases, garbage collection, background verification.
+    layer_gc_interval_s: float = 300.0
+    #: An unreferenced layer is removed once it has been unreferenced this long.
+    layer_gc_grace_s: float = 3600.0
+    #: A store that does not answer within this fails creates with UNAVAILABLE.
+    layer_store_timeout_s: float = 5.0
+    #: Extra pack_diff exclusions (sandbox-absolute globs) on top of the built-in residue list.
+    layer_exclude: tuple[str, ...] = ()
+    #: After a Docker import, collapse consecutive layers smaller than this (0 = never).
+    layer_collapse_below_mb: int = 0
+    #: FnCall warm pools of a container edge, environment=containers, e.g.
+    #: "python=4,cpp=2,bash=2" ("" = none: the edge does not offer FNCALL).
+    fncall_pools: dict[str, str] = field(
+        default_factory=lambda: {"python": "4", "cpp": "2", "bash": "2"}
+    )
+    #: FnCall environment images, name=image: overrides a built-in one or adds an environment.
+    fncall_images: dict[str, str] = field(default_factory=dict)
+    #: A pool container is replaced after this many jobs (and after any anomaly).
+    fncall_jobs_per_container: int = 2000
+    #: CPU quota of one pool container (it runs one job at a time).
+    fncall_cpu_millis: int = 1000
+    #: The most memory a single job may ask for.
+    fncall_max_memory_mb: int = 4096
+    #: pids limit of one pool container (fork bombs stop here).
+    fncall_pids_max: int = 64
+    #: How long a job may wait for a free container before the edge refuses it.
+    fncall_queue_timeout_s: float = 30.0
 
     def validate(self) -> None:
         super().validate()
@@ -72,6 +128,47 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError("overcommit ratios must be >= 1")
         if self.max_sandboxes < 1:
             raise ConfigError("DSEC_EDGE_MAX_SANDBOXES must be >= 1")
+        try:
+            net = ipaddress.IPv4Network(self.net_subnet)
+        except ValueError as exc:
+            raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r}: {exc}") from None
+        if net.num_addresses < 4:
+            raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r} is too small")
+        if not 1 <= len(self.net_bridge) <= 15:
+            raise ConfigError(f"DSEC_EDGE_NET_BRIDGE={self.net_bridge!r}: 1..15 characters")
+        if self.default_disk_mb < 0 or 0 < self.default_disk_mb < 16:
+            raise ConfigError("DSEC_EDGE_DEFAULT_DISK_MB must be 0 (no quota) or >= 16")
+        if self.layer_verify not in ("full", "sampled"):
+            raise ConfigError(
+                f"DSEC_EDGE_LAYER_VERIFY={self.layer_verify!r}: expected full or sampled"
+            )
+        kb = self.layer_chunk_kb
+        if kb < 4 or kb & (kb - 1):
+            raise ConfigError(f"DSEC_EDGE_LAYER_CHUNK_KB={kb}: expected a power of two >= 4")
+        if self.layer_gc_interval_s <= 0 or self.layer_gc_grace_s < 0:
+            raise ConfigError("DSEC_EDGE_LAYER_GC_INTERVAL_S must be > 0, the grace >= 0")
+        try:
+            self.fncall_settings()
+        except ValueError as exc:
+            raise ConfigError(f"DSEC_EDGE_FNCALL_*: {exc}") from None
+
+    def fncall_settings(self) -> FnCallSettings:
+        """The FnCall pools' settings (raises ValueError on a bad value)."""
+        pools = parse_pools(self.fncall_pools)
+        envs = environments(self.fncall_images)
+        if self.fncall_cpu_millis < 100 or self.fncall_max_memory_mb < 64:
+            raise ValueError("fncall_cpu_millis must be >= 100 and fncall_max_memory_mb >= 64")
+        if self.fncall_pids_max < 8 or self.fncall_jobs_per_container < 1:
+            raise ValueError("fncall_pids_max must be >= 8 and fncall_jobs_per_container >= 1")
+        return FnCallSettings(
+            pools=pools,
+            environments=envs,
+            jobs_per_container=self.fncall_jobs_per_container,
+            cpu_millis=self.fncall_cpu_millis,
+            max_memory_mb=self.fncall_max_memory_mb,
+            pids_max=self.fncall_pids_max,
+            queue_timeout_s=self.fncall_queue_timeout_s,
+        )
 
     def effective_cpu_millis(self) -> int:
         return int((self.cpu_millis or (os.cpu_count() or 1) * 1000) * self.cpu_overcommit)

@@ -2,7 +2,8 @@
 
 Per sandbox the edge:
 
-1. resolves the image to read-only layers (``edge.images``);
+1. resolves the image to verified read-only layers of the layer store (``edge.images``,
+   ``edge.layers``): base, workspace, toolkits, diffs, each one shared EROFS mount per node;
 2. binds a Unix socket at ``<state>/sockets/<id>.sock`` on the host, listens,
    and hands the *listening* fd to the container as fd 3. aether accepts on
    it. The path exists only on the host (not in the sandbox's filesystem) and
@@ -13,6 +14,9 @@ Per sandbox the edge:
    Python + aether + chronus, one EROFS image mounted once per node and
    bind-mounted read-only at ``/.dsec``) and ``aether`` as init;
 4. connects and waits for aether's Hello: the sandbox is RUNNING.
+
+``pack_diff`` turns the sandbox's writable layer into a new layer on top of its stack and
+registers the result as a new environment (``edge.layers.service.Environments.pack_diff``).
 
 When the channel closes the backend looks at the container: gone or dead
 means the sandbox failed (OOM when the memory cgroup says so, otherwise
@@ -27,19 +31,25 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
 from edge.backends import ExitCallback
 from edge.config import EdgeConfig
-from edge.images import ImageResolver
+from edge.containment import Containment
+from edge.images import ImageResolver, ResolvedImage
+from edge.layers import Environments, LayerRef, LayerSettings, PackResult
+from edge.layers.diff import mount_points
+from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
+from edge.network.manager import NetworkManager
 from edge.runtime import mounts
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import LaunchSpec, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
-from libdsec.errors import Unavailable
+from libdsec.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,12 @@ class ContainerBackend:
         *,
         default_image: str = "bookworm",
         ready_timeout_s: float = 30.0,
+        layers: LayerSettings | None = None,
+        network: NetworkManager | None = None,
+        default_disk_mb: int = 0,
+        watch_interval_s: float = 1.0,
+        pids_exhausted_after_s: float = 3.0,
+        cgroup_parent: str = "dsec",
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -68,16 +84,60 @@ class ContainerBackend:
         # runc run -d leaves the sandbox's init orphaned; as subreaper the edge
         # (not the host's pid 1, which reaps late here) collects its exit status.
         become_subreaper()
-        self.runtime = RuncRuntime(state_dir / "runtime")
-        self.images = ImageResolver(image_dir, default_image)
+        self.runtime = RuncRuntime(state_dir / "runtime", cgroup_parent=cgroup_parent)
+        self.environments = Environments(
+            layers
+            or LayerSettings(
+                store_root=state_dir / "store",
+                cache_dir=state_dir / "layer-cache",
+                image_dir=image_dir,
+                default_image=default_image,
+            )
+        )
+        self.images = ImageResolver(self.environments)
         self.toolkit_dir = self._mount_toolkit()
         self.ready_timeout_s = ready_timeout_s
         self.connections: dict[str, AetherConnection] = {}
         self._on_exit: ExitCallback | None = None
+        # Network policy, private runtime dir, disk quota, watchdog, trusted execution.
+        self.containment = Containment(
+            self,
+            network,
+            default_disk_mb=default_disk_mb,
+            watch_interval_s=watch_interval_s,
+            pids_exhausted_after_s=pids_exhausted_after_s,
+        )
 
     @classmethod
     def from_config(cls, cfg: EdgeConfig) -> ContainerBackend:
-        return cls(cfg.state_dir / "container", cfg.image_dir)
+        state = cfg.state_dir / "container"
+        return cls(
+            state,
+            cfg.image_dir,
+            layers=LayerSettings(
+                store_root=cfg.layer_store,
+                cache_dir=state / "layer-cache",
+                node_id=cfg.edge_id,
+                verify=cfg.layer_verify,
+                erofs_chunk_size=cfg.layer_chunk_kb * 1024,
+                gc_grace_s=cfg.layer_gc_grace_s,
+                store_timeout_s=cfg.layer_store_timeout_s,
+                image_dir=cfg.image_dir,
+                exclude=tuple(cfg.layer_exclude),
+                collapse_below_bytes=cfg.layer_collapse_below_mb << 20,
+            ),
+            network=NetworkManager(
+                bridge=cfg.net_bridge,
+                subnet=cfg.net_subnet,
+                upstream=cfg.dns_upstream,
+                pin_root=cfg.bpf_pin_dir / cfg.edge_id,
+                refresh_s=cfg.dns_refresh_s,
+            ),
+            default_disk_mb=cfg.default_disk_mb,
+            watch_interval_s=cfg.watch_interval_s,
+            pids_exhausted_after_s=cfg.pids_exhausted_after_s,
+            cgroup_parent=cfg.cgroup_parent,
+        )
 
     def _mount_toolkit(self) -> Path:
         """Builds the toolkit if its inputs changed, and mounts its EROFS image once per node.
@@ -107,29 +167,37 @@ class ContainerBackend:
     # ------------------------------------------------------------- create
 
     def validate(self, spec: SandboxSpec) -> None:
-        """Fails fast, before admission, on an unknown image (blocking: use a thread)."""
-        self.images.check(spec.image)
+        """Fails fast, before admission, on an unknown image or a missing or corrupt layer, and
+        verifies layers new to this node (blocking: use a thread)."""
+        self.images.check(spec.image, spec.toolkits)
+        self.containment.validate(spec)  # network policy (names resolve), disk quota
+
+    def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
+        """pid 1's environment (aether passes it on to chronus and every command)."""
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            **image.env,
+            **rec.spec.env,
+            "DSEC_AETHER_LISTEN_FD": "3",
+        }
+        env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+        return env
 
     async def start(self, rec: SandboxRecord) -> None:
         t0 = time.perf_counter()
-        image = await asyncio.to_thread(self.images.resolve, rec.spec.image)
+        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
         path = self._socket_path(rec.sandbox_id)
         path.unlink(missing_ok=True)
+        prep = await self.containment.prepare(rec)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self._socket_address(rec.sandbox_id))
             os.chmod(path, 0o600)
             listener.listen(16)
-            env = {
-                "PATH": DEFAULT_PATH,
-                "HOME": "/root",
-                "LANG": "C.UTF-8",
-                **image.env,
-                **rec.spec.env,
-                "DSEC_AETHER_LISTEN_FD": "3",
-            }
-            workdir = rec.spec.workdir or image.workdir or "/"
-            env["DSEC_CHRONUS_WORKDIR"] = workdir
+            env = self.sandbox_env(rec, image)
+            env.update(prep.env)
             spec = LaunchSpec(
                 sandbox_id=rec.sandbox_id,
                 lowers=list(image.lowers),
@@ -142,6 +210,10 @@ class ContainerBackend:
                 toolkit_dir=self.toolkit_dir,
                 pass_fd=listener.fileno(),
                 log_path=self.logs / f"{rec.sandbox_id}.log",
+                extra_fds=prep.extra_fds,
+                dns_servers=prep.dns_servers,
+                disk_mb=prep.disk_mb,
+                apparmor_profile=prep.apparmor_profile,
             )
             t1 = time.perf_counter()
             proc = await asyncio.to_thread(self.runtime.create, spec)
@@ -151,8 +223,19 @@ class ContainerBackend:
             raise
         finally:
             listener.close()  # aether holds its own copy now
-        rec.runtime = {"pid": proc.pid, "socket": str(path), "image": image.name}
+            prep.close()
+        rec.runtime = {
+            "pid": proc.pid,
+            "socket": str(path),
+            "image": image.name,
+            # what pack_diff stacks the sandbox's diff on
+            "layers": [ref.to_dict() for ref in image.layers],
+            "image_env": image.env,
+            "image_workdir": image.workdir,
+        }
         try:
+            # Network and eBPF policy before aether is even connected: no agent code yet.
+            await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
             await self._connect(rec.sandbox_id)
         except BaseException:
             await self.destroy(rec)
@@ -170,13 +253,12 @@ class ContainerBackend:
             },
         )
 
-    async def _connect(self, sid: str) -> AetherConnection:
-
+    async def _connect(self, sid: str, timeout_s: float | None = None) -> AetherConnection:
         async def closed(reason: str) -> None:
             await self._channel_closed(sid, reason)
 
         conn = AetherConnection(self._socket_address(sid), sid, on_close=closed)
-        await conn.connect(timeout_s=self.ready_timeout_s)
+        await conn.connect(timeout_s=timeout_s or self.ready_timeout_s)
         self.connections[sid] = conn
         return conn
 
@@ -184,13 +266,16 @@ class ContainerBackend:
         if self.connections.get(sandbox_id) is None:
             return  # we closed it ourselves (stop/destroy)
         self.connections.pop(sandbox_id, None)
+        # The edge is the init's parent (subreaper): a dead init is a zombie that
+        # runc would still report as running until it is collected.
+        exit_code = await asyncio.to_thread(self.runtime.reap, sandbox_id)
         state = await asyncio.to_thread(self.runtime.state, sandbox_id)
-        if state.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
+        if exit_code is None and state.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
             log.warning(
                 "channel to %s lost (%s) but the container runs; reconnecting", sandbox_id, reason
             )
             try:
-                await self._connect(sandbox_id)
+                await self._connect(sandbox_id, timeout_s=5.0)
                 return
             except Unavailable as exc:
                 reason = f"reconnect failed: {exc.message}"
@@ -226,6 +311,7 @@ class ContainerBackend:
         conn = self.connections.pop(rec.sandbox_id, None)
         if conn is not None:
             await conn.close()
+        await self.containment.destroyed(rec)  # trusted sibling, network, counters
         await asyncio.to_thread(self.runtime.destroy, rec.sandbox_id)
         self._socket_path(rec.sandbox_id).unlink(missing_ok=True)
 
@@ -249,16 +335,119 @@ class ContainerBackend:
             return False
         if state.status == SandboxStatus.PAUSED:
             await asyncio.to_thread(self.runtime.pause, rec.sandbox_id)
+        await self.containment.adopt(rec)
         return True
+
+    # ---------------------------------------------------------- containment
+
+    async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
+        await self.containment.update_network(rec, policy)
+
+    async def modified_files(self, rec: SandboxRecord) -> list[tuple[str, bool]]:
+        return [(m.path, m.deleted) for m in await self.containment.modified_files(rec)]
+
+    async def trusted_channel(self, rec: SandboxRecord) -> Any:
+        """The channel of the sandbox's trusted sibling (read-only layers + its workspace),
+        started on first use."""
+        return await self.containment.trusted_channel(rec)
+
+    async def watch_loop(self) -> None:
+        self.containment.start_counters()
+        await self.containment.watch_loop()
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         removed: list[str] = await asyncio.to_thread(self.runtime.cleanup_orphans, keep)
+        removed += await self.containment.cleanup_orphans(keep)
+        # Layer store leftovers of a crash: temporary mounts, scratch trees, own staging.
+        removed += await asyncio.to_thread(self.environments.recover)
         for sock in self.sockets.glob("*.sock"):
             if sock.stem not in keep:
                 sock.unlink(missing_ok=True)
         return removed
 
+    # ------------------------------------------------------------ layers
+
+    async def pack_diff(
+        self,
+        rec: SandboxRecord,
+        name: str,
+        *,
+        exclude: Sequence[str] = (),
+        default_excludes: bool = True,
+    ) -> PackResult:
+        """Checkpoint the sandbox's writable layer as environment `name`: the sandbox's layers
+        plus the diff. A running sandbox is frozen for the copy of its upper directory only."""
+        if rec.state not in ("RUNNING", "PAUSED"):
+            raise FailedPrecondition(
+                f"sandbox {rec.sandbox_id} is {rec.state}: pack_diff needs it RUNNING or PAUSED"
+            )
+        layers = [LayerRef.from_dict(d) for d in rec.runtime.get("layers") or []]
+        if not layers:
+            raise FailedPrecondition(
+                f"sandbox {rec.sandbox_id} predates the layer store: its layers are not recorded",
+                reason="NO_LAYERS_RECORDED",
+            )
+        sid = rec.sandbox_id
+        sdir = self.runtime.sandbox_dir(sid)
+        running = rec.state == "RUNNING"
+        config = {ENV_PREFIX + k: v for k, v in (rec.runtime.get("image_env") or {}).items()}
+        if rec.runtime.get("image_workdir"):
+            config[WORKDIR_KEY] = str(rec.runtime["image_workdir"])
+        config["parent"] = str(rec.runtime.get("image", ""))
+
+        @contextlib.contextmanager
+        def frozen() -> Iterator[None]:
+            if running:
+                self.runtime.pause(sid)
+            try:
+                yield
+            finally:
+                if running:
+                    self.runtime.resume(sid)
+
+        t0 = time.perf_counter()
+        result = await asyncio.to_thread(
+            self.environments.pack_diff,
+            upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
+            layers=layers,
+            config=config,
+            name=name,
+            source=f"pack_diff:{sid}",
+            exclude=list(exclude),
+            default_excludes=default_excludes,
+            mountpoints=mount_points(sdir / "config.json"),
+            freeze=frozen(),
+        )
+        log.info(
+            "sandbox %s packed as %s in %.1f ms (%d files, %d bytes, %d excluded)",
+            sid,
+            result.environment.name,
+            (time.perf_counter() - t0) * 1000,
+            result.stats.files,
+            result.stats.bytes,
+            len(result.stats.excluded),
+            extra={"sandbox_id": sid},
+        )
+        return result
+
+    async def maintain_layers(self, interval_s: float) -> None:
+        """Background loop: layer leases, garbage collection, background verification."""
+        while True:
+            try:
+                report = await asyncio.to_thread(self.environments.maintain)
+                if report is not None and (report.removed_layers or report.removed_tmp):
+                    log.info(
+                        "layer gc: removed %d layers (%d bytes), %d staging dirs",
+                        len(report.removed_layers),
+                        report.freed_bytes,
+                        len(report.removed_tmp),
+                    )
+            except Exception:
+                log.exception("layer store maintenance failed")
+            await asyncio.sleep(interval_s)
+
     async def close(self) -> None:
+        await self.containment.close()
         # The edge is going away, not necessarily the sandboxes: drop connections;
         # containers (if any are left) keep running and are re-adopted later.
         for sid in list(self.connections):
@@ -270,3 +459,4 @@ class ContainerBackend:
             mounts.umount_quiet(self.toolkit_dir)
             with contextlib.suppress(OSError):
                 self.toolkit_dir.rmdir()
+        self.environments.close()

@@ -17,10 +17,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edge.backends import SandboxBackend
 from edge.model import EDGE_ID, LIVE_STATES, SANDBOX_ID, TERMINAL, SandboxRecord, SandboxSpec
 from libdsec.errors import (
+    DSecError,
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
@@ -76,21 +78,34 @@ class SandboxManager:
         self.records: dict[str, SandboxRecord] = {}
         self._ready: dict[str, asyncio.Event] = {}
         self._subscribers: set[asyncio.Queue[SandboxRecord]] = set()
+        # Subscribers that only care about sandboxes ending (quota release):
+        # the hot path of a burst does not copy records for them.
+        self._end_subscribers: set[asyncio.Queue[SandboxRecord]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._alloc_cpu = 0
         self._alloc_mem = 0
         self._alloc_gpu = 0
         self._live = 0  # admitted and not yet terminated
+        # Live sandboxes per backend, project, principal and task.
+        self._counts: dict[str, dict[str, int]] = {
+            "backend": {},
+            "project": {},
+            "principal": {},
+            "task": {},
+        }
         self.draining = False
 
     # ------------------------------------------------------------- queries
 
     def load(self) -> Load:
-        by_backend: dict[str, int] = {}
-        for rec in self.records.values():
-            if rec.live:
-                by_backend[rec.spec.backend] = by_backend.get(rec.spec.backend, 0) + 1
+        by_backend = dict(self._counts["backend"])
         return Load(self._live, self._alloc_cpu, self._alloc_mem, self._alloc_gpu, by_backend)
+
+    def live_counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Live sandboxes per project, per principal and per task (kept as they
+        change: the watcher asks twice a second, and an edge may hold thousands)."""
+        c = self._counts
+        return dict(c["project"]), dict(c["principal"]), dict(c["task"])
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         rec = self.records.get(sandbox_id)
@@ -178,6 +193,23 @@ class SandboxManager:
         self._alloc_mem += sign * spec.memory_mb
         self._alloc_gpu += sign * spec.gpu_count
 
+    def _account(self, rec: SandboxRecord, sign: int) -> None:
+        """A sandbox starts (+1) or stops (-1) holding capacity: allocation and counts."""
+        self._allocate(rec.spec, sign)
+        c = self._counts
+        for kind, key in (
+            ("backend", rec.spec.backend),
+            ("project", rec.project_id),
+            ("principal", rec.principal_id),
+            ("task", rec.spec.task_id),
+        ):
+            if key or kind != "task":
+                left = c[kind].get(key, 0) + sign
+                if left > 0:
+                    c[kind][key] = left
+                else:
+                    c[kind].pop(key, None)
+
     async def create(
         self,
         sandbox_id: str,
@@ -204,7 +236,7 @@ class SandboxManager:
         self._admit(spec)
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
-        self._allocate(spec, +1)
+        self._account(rec, +1)
         self._ready[sandbox_id] = asyncio.Event()
         self._changed(rec)
         task = asyncio.create_task(self._start(rec))
@@ -214,6 +246,84 @@ class SandboxManager:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         return rec, False
+
+    async def create_many(
+        self,
+        items: builtins.list[tuple[str, SandboxSpec]],
+        project_id: str,
+        principal_id: str,
+        *,
+        wait_ready: bool,
+    ) -> builtins.list[tuple[SandboxRecord | None, bool, DSecError | None]]:
+        """Admits and starts a batch, in order: (record, already existed, error) per item.
+
+        Same rules as :meth:`create`, item by item (so a batch larger than the
+        free capacity is admitted up to the capacity), with one backend
+        validation per distinct spec. Backends whose ``start`` completes
+        without waiting (``starts_inline``, e.g. the null runtime) start the
+        whole batch in one task instead of one task per sandbox.
+        """
+        out: builtins.list[tuple[SandboxRecord | None, bool, DSecError | None]] = []
+        fresh: builtins.list[SandboxRecord] = []
+        existing: builtins.list[SandboxRecord] = []
+        validated: dict[int, DSecError | None] = {}
+        for _, spec in items:
+            key = id(spec)
+            if key not in validated:
+                validated[key] = None
+                check = getattr(self.backends.get(spec.backend), "validate", None)
+                if check is not None:
+                    try:
+                        await asyncio.to_thread(check, spec)
+                    except DSecError as exc:
+                        validated[key] = exc
+        for sandbox_id, spec in items:
+            rec = self.records.get(sandbox_id)
+            if rec is not None:
+                existing.append(rec)
+                out.append((rec, True, None))
+                continue
+            refusal = validated[id(spec)]
+            if refusal is None:
+                try:
+                    self._validate(sandbox_id, spec)
+                    self._admit(spec)
+                except DSecError as exc:
+                    refusal = exc
+            if refusal is not None:
+                out.append((None, False, refusal))
+                continue
+            # Each record gets its own spec: a running sandbox's spec can change (its
+            # network policy), and must not change its batch-mates'.
+            rec = SandboxRecord(sandbox_id, project_id, principal_id, copy.copy(spec), self.edge_id)
+            self.records[sandbox_id] = rec
+            self._account(rec, +1)
+            self._ready[sandbox_id] = asyncio.Event()
+            self._changed(rec)
+            fresh.append(rec)
+            out.append((rec, False, None))
+        inline = []
+        tasks = []
+        for r in fresh:
+            if getattr(self.backend_of(r), "starts_inline", False):
+                inline.append(r)
+            else:
+                tasks.append(asyncio.create_task(self._start(r)))
+        if inline:
+            tasks.append(asyncio.create_task(self._start_all(inline)))
+        if wait_ready:
+            await asyncio.shield(asyncio.gather(*tasks))
+            for rec in existing:
+                await self._wait_ready(rec)
+        else:
+            for task in tasks:
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        return out
+
+    async def _start_all(self, recs: builtins.list[SandboxRecord]) -> None:
+        for rec in recs:
+            await self._start(rec)
 
     async def _start(self, rec: SandboxRecord) -> None:
         backend = self.backend_of(rec)
@@ -303,6 +413,47 @@ class SandboxManager:
         rec.last_active_at = time.time()
         return rec
 
+    # ----------------------------------------------------------- containment
+
+    async def update_network_policy(self, sandbox_id: str, policy: dict[str, Any]) -> SandboxRecord:
+        """Replaces a live sandbox's egress policy (the next connection sees it)."""
+        rec = self.get_live(sandbox_id)  # an ended sandbox: SandboxTerminated (FAILED_PRECONDITION)
+        await self._wait_ready(rec)
+        if rec.state not in ("RUNNING", "PAUSED"):
+            self.get_live(sandbox_id)
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id} is {rec.state}: its network policy cannot change now",
+                reason="SANDBOX_NOT_RUNNING",
+            )
+        update = getattr(self.backend_of(rec), "update_network_policy", None)
+        if update is None:  # a runtime without networking (null): validate and record only
+            from edge.network.policy import parse
+
+            parse(policy)
+            rec.spec.network = policy
+        else:
+            await update(rec, policy)
+        self._changed(rec)
+        return rec
+
+    def note_violation(self, sandbox_id: str, counter: str, n: int = 1) -> None:
+        """Count contained misbehaviour (ViolationCounters field `counter`) of a sandbox."""
+        rec = self.records.get(sandbox_id)
+        if rec is not None:
+            rec.violations = {**rec.violations, counter: rec.violations.get(counter, 0) + n}
+
+    async def modified_files(self, sandbox_id: str) -> builtins.list[tuple[str, bool]]:
+        """(path, deleted) of every file of the read-only layers the sandbox changed."""
+        rec = self.get_live(sandbox_id)
+        await self._wait_ready(rec)
+        scan = getattr(self.backend_of(rec), "modified_files", None)
+        if scan is None:
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id}'s runtime has no writable layer", reason="NOT_SUPPORTED"
+            )
+        result: builtins.list[tuple[str, bool]] = await scan(rec)
+        return result
+
     async def _terminate(self, rec: SandboxRecord, reason: str, message: str) -> None:
         if rec.state == TERMINAL:
             return
@@ -315,7 +466,7 @@ class SandboxManager:
         rec.termination_reason = reason
         rec.termination_message = message
         rec.terminated_at = time.time()
-        self._allocate(rec.spec, -1)
+        self._account(rec, -1)
         self._set_state(rec, TERMINAL)
         log.info(
             "sandbox %s terminated: %s %s",
@@ -378,7 +529,7 @@ class SandboxManager:
                 continue
             self.records[rec.sandbox_id] = rec
             if rec.live:
-                self._allocate(rec.spec, +1)
+                self._account(rec, +1)
                 adopted = False
                 try:
                     adopted = await backend.adopt(rec)
@@ -409,15 +560,19 @@ class SandboxManager:
     def _changed(self, rec: SandboxRecord) -> None:
         if self.backend_of(rec).persistent:
             self._persist(rec)
-        if not self._subscribers:
+        subscribers = self._subscribers
+        if rec.state == TERMINAL and self._end_subscribers:
+            subscribers = subscribers | self._end_subscribers
+        if not subscribers:
             return
         snapshot = copy.copy(rec)  # subscribers see the state as of this change
-        for q in list(self._subscribers):
+        for q in list(subscribers):
             try:
                 q.put_nowait(snapshot)
             except asyncio.QueueFull:
                 # A subscriber that cannot keep up is dropped, not waited on.
                 self._subscribers.discard(q)
+                self._end_subscribers.discard(q)
 
     def _persist(self, rec: SandboxRecord) -> None:
         path = self.records_dir / f"{rec.sandbox_id}.json"
@@ -428,13 +583,17 @@ class SandboxManager:
     def _forget_file(self, sandbox_id: str) -> None:
         (self.records_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
 
-    def subscribe(self, maxsize: int = 10_000) -> asyncio.Queue[SandboxRecord]:
+    def subscribe(
+        self, maxsize: int = 10_000, *, terminal_only: bool = False
+    ) -> asyncio.Queue[SandboxRecord]:
+        """A queue of record snapshots, one per state change (or only per sandbox end)."""
         q: asyncio.Queue[SandboxRecord] = asyncio.Queue(maxsize=maxsize)
-        self._subscribers.add(q)
+        (self._end_subscribers if terminal_only else self._subscribers).add(q)
         return q
 
     def unsubscribe(self, q: asyncio.Queue[SandboxRecord]) -> None:
         self._subscribers.discard(q)
+        self._end_subscribers.discard(q)
 
     def live_ids(self) -> builtins.list[str]:
         return [r.sandbox_id for r in self.records.values() if r.state in LIVE_STATES]

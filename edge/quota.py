@@ -27,7 +27,7 @@ class QuotaReleaser:
     async def run(self) -> None:
         channel = open_channel(self.iam_target, "edge", retry_services=["dsec.iam.v1.IamService"])
         stub = iam_pb2_grpc.IamServiceStub(channel)
-        q = self.manager.subscribe(maxsize=1_000_000)
+        q = self.manager.subscribe(maxsize=1_000_000, terminal_only=True)
         pending: list[str] = []
         try:
             while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,9 @@ from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from edge.backends import NullBackend, SandboxBackend
 from edge.config import EdgeConfig
+from edge.fncall.adapter import FnCallAdapter
+from edge.fncall.service import FnCallService
+from edge.layers_adapter import LayersAdapter
 from edge.manager import Capacity, SandboxManager
 from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
@@ -32,12 +36,34 @@ def make_backends(cfg: EdgeConfig) -> list[SandboxBackend]:
     return [ContainerBackend.from_config(cfg)]
 
 
-def edge_info(cfg: EdgeConfig, manager: SandboxManager, address: str) -> types_pb2.EdgeInfo:
+def make_fncall(cfg: EdgeConfig) -> tuple[FnCallService | None, str]:
+    """The FnCall pools of a container edge, or None and why there are none."""
+    if cfg.runtime != "container":
+        return None, f"edge {cfg.edge_id} runs the {cfg.runtime} runtime: no fncall pools"
+    settings = cfg.fncall_settings()
+    if not settings.pools:
+        return None, f"edge {cfg.edge_id} has no fncall pools (DSEC_EDGE_FNCALL_POOLS)"
+    service = FnCallService(cfg.edge_id, cfg.state_dir / "fncall", cfg.image_dir, settings)
+    if not service.offered:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(service.unavailable.items()))
+        return None, f"edge {cfg.edge_id} offers no fncall environment ({why})"
+    return service, ""
+
+
+def edge_info(
+    cfg: EdgeConfig,
+    manager: SandboxManager,
+    address: str,
+    fncall: FnCallService | None = None,
+) -> types_pb2.EdgeInfo:
+    backends = set(manager.backends) | ({"FNCALL"} if fncall is not None else set())
+    # Placement selects edges for a fncall job by these labels (environment, language).
+    labels = {**(fncall.labels() if fncall is not None else {}), **cfg.labels}
     return types_pb2.EdgeInfo(
         edge_id=cfg.edge_id,
         address=cfg.advertise or address,
-        backends=[types_pb2.Backend.Value("BACKEND_" + b) for b in sorted(manager.backends)],  # type: ignore[misc]
-        labels=cfg.labels,
+        backends=[types_pb2.Backend.Value("BACKEND_" + b) for b in sorted(backends)],  # type: ignore[misc]
+        labels=labels,
         hostname=cfg.hostname,
         gpu_count=cfg.gpus,
         cpu_millis_capacity=manager.capacity.cpu_millis,
@@ -90,8 +116,32 @@ async def main() -> None:
     server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
     # The address is known only once bound; EdgeInfo is filled in after start.
     info = types_pb2.EdgeInfo()
-    server.add(EdgeServicer(manager, info), "dsec.edge.v1.EdgeService")
+    fncall, no_fncall = make_fncall(cfg)
+    # The layer store comes with the container runtime (it composes the layered rootfs).
+    environments = next(
+        (e for b in backends if (e := getattr(b, "environments", None)) is not None), None
+    )
+    server.add(
+        EdgeServicer(
+            manager,
+            info,
+            fncall=FnCallAdapter(fncall, no_fncall),
+            layers=LayersAdapter(environments, manager),
+        ),
+        "dsec.edge.v1.EdgeService",
+    )
     server.background(manager.reap_loop)
+    for b in backends:
+        maintain = getattr(b, "maintain_layers", None)
+        if maintain is not None:
+            server.background(functools.partial(maintain, cfg.layer_gc_interval_s))
+    if fncall is not None:
+        server.background(fncall.run_pools)
+        server.on_close(fncall.close)
+    for b in backends:
+        watch = getattr(b, "watch_loop", None)  # containment: counters, limits, kernel faults
+        if watch is not None:
+            server.background(watch)
     for b in backends:
         server.on_close(b.close)
     server.on_close(manager.close)
@@ -101,7 +151,7 @@ async def main() -> None:
 
     async def register() -> None:
         # Background tasks start after the server has bound its address.
-        info.CopyFrom(edge_info(cfg, manager, server.address))
+        info.CopyFrom(edge_info(cfg, manager, server.address, fncall))
         if cfg.watcher:
             await register_loop(cfg, info)
 

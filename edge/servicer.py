@@ -10,9 +10,13 @@ from typing import Any
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
-from edge.convert import sandbox_pb, spec_from_pb
+from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
+from edge.fncall.adapter import FnCallAdapter
+from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
-from libdsec.errors import InvalidArgument
+from edge.model import SandboxSpec
+from libdsec._status import code_number
+from libdsec.errors import FailedPrecondition, InvalidArgument
 
 KEEPALIVE_DEFAULT_MS = 5000
 
@@ -23,9 +27,18 @@ def _state_names(states: Any) -> set[str] | None:
 
 
 class EdgeServicer:
-    def __init__(self, manager: SandboxManager, info: types_pb2.EdgeInfo) -> None:
+    def __init__(
+        self,
+        manager: SandboxManager,
+        info: types_pb2.EdgeInfo,
+        *,
+        fncall: FnCallAdapter | None = None,
+        layers: LayersAdapter | None = None,
+    ) -> None:
         self.manager = manager
         self.info = info
+        self.fncall = fncall or FnCallAdapter(None)
+        self.layers = layers or LayersAdapter(None, manager)
 
     # ----------------------------------------------------------- lifecycle
 
@@ -43,6 +56,39 @@ class EdgeServicer:
             wait_ready=request.wait_ready,
         )
         return edge_pb2.CreateSandboxResponse(sandbox=sandbox_pb(rec), already_existed=existed)
+
+    async def CreateSandboxes(
+        self, request: edge_pb2.CreateSandboxesRequest, context: Any
+    ) -> edge_pb2.CreateSandboxesResponse:
+        items: list[tuple[str, SandboxSpec]] = []
+        group_of: list[int] = []
+        for g, group in enumerate(request.groups):
+            spec = spec_from_pb(group.spec)  # converted once per group
+            for sid in group.sandbox_ids:
+                if not sid:
+                    raise InvalidArgument("every sandbox_id must be set")
+                items.append((sid, spec))
+                group_of.append(g)
+        results = await self.manager.create_many(
+            items, request.project_id, request.principal_id, wait_ready=request.wait_ready
+        )
+        out = edge_pb2.CreateSandboxesResponse()
+        templates: dict[int, types_pb2.Sandbox] = {}
+        for g, (rec, existed, err) in zip(group_of, results, strict=True):
+            r = out.results.add()
+            if err is not None:
+                r.error_code = code_number(err.code)
+                r.error_reason = err.reason
+                r.error_message = err.message
+                r.error_metadata.update(err.metadata)
+                continue
+            assert rec is not None
+            r.already_existed = existed
+            if existed:
+                r.sandbox.CopyFrom(sandbox_pb(rec))
+            else:
+                sandbox_pb_fast(rec, g, templates, r.sandbox)
+        return out
 
     async def GetSandbox(
         self, request: edge_pb2.GetSandboxRequest, context: Any
@@ -99,13 +145,7 @@ class EdgeServicer:
     ) -> edge_pb2.GetNodeStatusResponse:
         m = self.manager
         load = m.load()
-        by_project: dict[str, int] = {}
-        by_task: dict[str, int] = {}
-        for rec in m.records.values():
-            if rec.live:
-                by_project[rec.project_id] = by_project.get(rec.project_id, 0) + 1
-                if rec.spec.task_id:
-                    by_task[rec.spec.task_id] = by_task.get(rec.spec.task_id, 0) + 1
+        by_project, by_principal, by_task = m.live_counts()
         return edge_pb2.GetNodeStatusResponse(
             info=self.info,
             load=types_pb2.EdgeLoad(
@@ -118,6 +158,7 @@ class EdgeServicer:
                 sandboxes_by_backend={"BACKEND_" + k: v for k, v in load.by_backend.items()},
             ),
             sandboxes_by_project=by_project,
+            sandboxes_by_principal=by_principal,
             sandboxes_by_task=by_task,
             live_sandbox_ids=m.live_ids() if request.include_sandbox_ids else [],
             as_of=ts(time.time()),
@@ -150,6 +191,31 @@ class EdgeServicer:
         rec = await self.manager.touch(sandbox_id)
         return self.manager.backend_of(rec).channel(rec)
 
+    async def _exec_channel(self, request: types_pb2.ExecRequest) -> tuple[Any, Any]:
+        """The channel for an exec, and the request to send on it. A trusted exec goes to the
+        sandbox's trusted sibling (read-only layers + workspace), without the flag."""
+        if not request.trusted:
+            return await self._channel(request.sandbox_id), request
+        if request.session_id or request.background:
+            raise InvalidArgument(
+                "trusted executions run in the foreground and outside sessions",
+                reason="TRUSTED_EXEC_UNSUPPORTED",
+            )
+        if not request.sandbox_id:
+            raise InvalidArgument("sandbox_id is required")
+        rec = await self.manager.touch(request.sandbox_id)
+        trusted = getattr(self.manager.backend_of(rec), "trusted_channel", None)
+        if trusted is None:
+            raise FailedPrecondition(
+                f"sandbox {rec.sandbox_id}'s runtime has no trusted execution",
+                reason="TRUSTED_EXEC_UNSUPPORTED",
+            )
+        channel = await trusted(rec)
+        plain = types_pb2.ExecRequest()
+        plain.CopyFrom(request)
+        plain.trusted = False
+        return channel, plain
+
     async def _unary(self, call: str, request: Any) -> Any:
         channel = await self._channel(request.sandbox_id)
         return await channel.unary(call, request)
@@ -159,13 +225,23 @@ class EdgeServicer:
         async for item in channel.server_stream(call, request):
             yield item
 
+    def _count_truncation(self, sandbox_id: str, status: types_pb2.ExitStatus) -> None:
+        if status.stdout_truncated or status.stderr_truncated:
+            self.manager.note_violation(sandbox_id, "output_truncations")
+
     async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
-        return await self._unary("exec", request)  # type: ignore[no-any-return]
+        channel, request = await self._exec_channel(request)
+        result: types_pb2.ExecResult = await channel.unary("exec", request)
+        self._count_truncation(request.sandbox_id, result.exit)
+        return result
 
     async def ExecStream(
         self, request: types_pb2.ExecRequest, context: Any
     ) -> AsyncIterator[types_pb2.ExecEvent]:
-        async for item in self._stream("exec_stream", request):
+        channel, request = await self._exec_channel(request)
+        async for item in channel.server_stream("exec_stream", request):
+            if item.HasField("exit"):
+                self._count_truncation(request.sandbox_id, item.exit)
             yield item
 
     async def ExecInteractive(
@@ -174,7 +250,9 @@ class EdgeServicer:
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("input") != "start":
             raise InvalidArgument("the first ExecInput must carry `start`")
-        channel = await self._channel(first.start.sandbox_id)
+        channel, start = await self._exec_channel(first.start)
+        if start is not first.start:
+            first = types_pb2.ExecInput(start=start)
 
         async def inputs() -> AsyncIterator[types_pb2.ExecInput]:
             yield first
@@ -285,3 +363,70 @@ class EdgeServicer:
     ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
         async for item in self._stream("download_file", request):
             yield item
+
+    # ------------------------------------------------------------- fncall
+
+    async def RunFunction(
+        self, request: edge_pb2.RunFunctionRequest, context: Any
+    ) -> edge_pb2.RunFunctionResponse:
+        return await self.fncall.run_function(request)
+
+    async def RunFunctions(
+        self, request: edge_pb2.RunFunctionsRequest, context: Any
+    ) -> AsyncIterator[edge_pb2.RunFunctionsResponse]:
+        async for item in self.fncall.run_functions(request):
+            yield item
+
+    # --------------------------------------------------------- containment
+
+    async def UpdateNetworkPolicy(
+        self, request: edge_pb2.UpdateNetworkPolicyRequest, context: Any
+    ) -> edge_pb2.UpdateNetworkPolicyResponse:
+        policy = network_from_pb(request.policy)
+        rec = await self.manager.update_network_policy(request.sandbox_id, policy)
+        return edge_pb2.UpdateNetworkPolicyResponse(sandbox=sandbox_pb(rec))
+
+    async def GetModifiedFiles(
+        self, request: edge_pb2.GetModifiedFilesRequest, context: Any
+    ) -> edge_pb2.GetModifiedFilesResponse:
+        files = await self.manager.modified_files(request.sandbox_id)
+        return edge_pb2.GetModifiedFilesResponse(
+            files=[edge_pb2.ModifiedFile(path=p, deleted=d) for p, d in files]
+        )
+
+    # ------------------------------------------------------- environments
+
+    async def PackDiff(
+        self, request: edge_pb2.PackDiffRequest, context: Any
+    ) -> edge_pb2.PackDiffResponse:
+        return await self.layers.pack_diff(request)
+
+    async def ImportImage(
+        self, request: edge_pb2.ImportImageRequest, context: Any
+    ) -> edge_pb2.ImportImageResponse:
+        return await self.layers.import_image(request)
+
+    async def ListEnvironments(
+        self, request: edge_pb2.ListEnvironmentsRequest, context: Any
+    ) -> edge_pb2.ListEnvironmentsResponse:
+        return await self.layers.list_environments(request)
+
+    async def GetEnvironment(
+        self, request: edge_pb2.GetEnvironmentRequest, context: Any
+    ) -> edge_pb2.GetEnvironmentResponse:
+        return await self.layers.get_environment(request)
+
+    async def ListLayers(
+        self, request: edge_pb2.ListLayersRequest, context: Any
+    ) -> edge_pb2.ListLayersResponse:
+        return await self.layers.list_layers(request)
+
+    async def ComposeEnvironment(
+        self, request: edge_pb2.ComposeEnvironmentRequest, context: Any
+    ) -> edge_pb2.ComposeEnvironmentResponse:
+        return await self.layers.compose(request)
+
+    async def DeleteEnvironment(
+        self, request: edge_pb2.DeleteEnvironmentRequest, context: Any
+    ) -> edge_pb2.DeleteEnvironmentResponse:
+        return await self.layers.delete(request)

@@ -11,7 +11,8 @@ from common.config import ConfigError, ServiceConfig
 @dataclass(frozen=True)
 class IamConfig(ServiceConfig):
     listen: str = "127.0.0.1:7101"
-    #: "sqlite:<path>" (default) or a PostgreSQL DSN "postgresql://..." (later).
+    #: "sqlite:<path>" (default; one IAM process) or a PostgreSQL DSN
+    #: "postgresql://user@host:port/db" (several IAM processes may share it).
     database: str = "sqlite:/var/lib/dsec/iam/iam.db"
     #: Where the bootstrap admin token is written (0600) on first start; "" = nowhere.
     bootstrap_token_file: Path | None = None
@@ -20,9 +21,9 @@ class IamConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.database.startswith("sqlite:"):
+        if not self.database.startswith(("sqlite:", "postgresql://", "postgres://")):
             raise ConfigError(
-                f"DSEC_IAM_DATABASE={self.database!r}: only sqlite:<path> is supported"
+                f"DSEC_IAM_DATABASE={self.database!r}: expected sqlite:<path> or postgresql://..."
             )
         if self.auth_cache_ttl_s < 0:
             raise ConfigError("DSEC_IAM_AUTH_CACHE_TTL_S must be >= 0")

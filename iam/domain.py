@@ -20,8 +20,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from iam.store import ProjectRecord, Quota, Reservation, SqliteIamStore, TokenRecord, ancestors
-from libdsec.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from iam.store import (
+    IamStore,
+    ProjectRecord,
+    Quota,
+    Reservation,
+    ReserveOutcome,
+    TokenRecord,
+    ancestors,
+)
+from libdsec.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +86,7 @@ def parse_token(token: str) -> tuple[str, str]:
 class Iam:
     """The IAM service's domain; every method is safe to call concurrently."""
 
-    def __init__(self, store: SqliteIamStore) -> None:
+    def __init__(self, store: IamStore) -> None:
         self.store = store
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
@@ -88,7 +102,10 @@ class Iam:
         """
         if not await self._run(self.store.is_empty):
             return None
-        await self._run(self.store.create_project, ROOT, "", Quota())
+        try:
+            await self._run(self.store.create_project, ROOT, "", Quota())
+        except AlreadyExists:  # another IAM process on the same database got there first
+            return None
         token, _ = await self._new_token(ROOT, "bootstrap-admin", KIND_HUMAN, ROLE_ADMIN, 0)
         if token_file is not None:
             token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -259,15 +276,36 @@ class Iam:
 
     # --------------------------------------------------------------- quota
 
-    async def reserve(self, res: Reservation) -> bool:
-        return await self._run(self.store.reserve, res)  # type: ignore[no-any-return]
+    async def reserve(self, res: Reservation) -> ReserveOutcome:
+        return (await self.reserve_many([res]))[0]
 
-    async def release(self, sandbox_ids: list[str]) -> int:
-        return await self._run(self.store.release, sandbox_ids)  # type: ignore[no-any-return]
+    async def reserve_many(self, items: list[Reservation]) -> list[ReserveOutcome]:
+        """Reserves in one transaction, in order; an item that does not fit gets its error."""
+        return await self._run(self.store.reserve_many, items)  # type: ignore[no-any-return]
+
+    async def release(self, sandbox_ids: list[str], not_created: bool = False) -> int:
+        return await self._run(self.store.release, sandbox_ids, not_created)  # type: ignore[no-any-return]
 
     async def reconcile(self, edge_id: str, live: set[str], as_of: float) -> int:
+        """Releases reservations on ``edge_id`` made before ``as_of`` that it no longer reports."""
         held = await self._run(self.store.reservations_of_edge, edge_id, as_of)
         stale = [sid for sid in held if sid not in live]
         if stale:
-            log.info("releasing %d reservations edge %s no longer reports", len(stale), edge_id)
+            log.info(
+                "releasing %d reservations edge %s no longer reports",
+                len(stale),
+                edge_id,
+                extra={"edge_id": edge_id, "released": len(stale)},
+            )
         return await self.release(stale) if stale else 0
+
+    async def reserved_edges(self) -> dict[str, int]:
+        return await self._run(self.store.reserved_edges)  # type: ignore[no-any-return]
+
+    async def purge_loop(self, interval_s: float = 600.0) -> None:
+        """Forgets idempotency keys older than their 24 h lifetime, now and then."""
+        while True:
+            n = await self._run(self.store.purge_expired_keys)
+            if n:
+                log.info("purged %d expired idempotency keys", n)
+            await asyncio.sleep(interval_s)

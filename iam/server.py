@@ -11,14 +11,15 @@ from dsec.iam.v1 import iam_pb2  # noqa: F401  (registers the service descriptor
 from iam.config import IamConfig
 from iam.domain import Iam
 from iam.servicer import IamServicer
-from iam.store import SqliteIamStore
+from iam.store import open_store
 
 
 def build(cfg: IamConfig) -> tuple[GrpcServer, Iam]:
-    store = SqliteIamStore(cfg.database.removeprefix("sqlite:"))
+    store = open_store(cfg.database)
     iam = Iam(store)
     server = GrpcServer("iam", cfg.listen, grace_s=cfg.shutdown_grace_s)
     server.add(IamServicer(iam, cfg.auth_cache_ttl_s), "dsec.iam.v1.IamService")
+    server.background(iam.purge_loop)
     server.on_close(lambda: asyncio.to_thread(store.close))
     return server, iam
 

@@ -10,7 +10,11 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from iam.domain import Iam, Principal
 from iam.store import ProjectRecord, Quota, Reservation, TokenRecord
+from libdsec._status import code_number
 from libdsec.errors import InvalidArgument
+
+#: Items per ReserveQuotas call.
+MAX_BATCH = 100_000
 
 
 def quota_from_pb(q: iam_pb2.Quota) -> Quota:
@@ -157,7 +161,7 @@ class IamServicer:
     ) -> iam_pb2.ReserveQuotaResponse:
         if not request.sandbox_id or not request.project_id:
             raise InvalidArgument("sandbox_id and project_id are required")
-        fresh = await self.iam.reserve(
+        out = await self.iam.reserve(
             Reservation(
                 request.sandbox_id,
                 request.project_id,
@@ -165,15 +169,73 @@ class IamServicer:
                 request.cpu_millis,
                 request.memory_mb,
                 request.edge_id,
+                request.idempotency_key,
+                request.replaces_sandbox_id,
             )
         )
-        return iam_pb2.ReserveQuotaResponse(already_reserved=not fresh)
+        if out.error is not None:
+            raise out.error
+        return iam_pb2.ReserveQuotaResponse(
+            already_reserved=out.already_reserved,
+            existing_sandbox_id=out.existing_sandbox_id,
+            existing_reserved=out.existing_reserved,
+        )
+
+    async def ReserveQuotas(
+        self, request: iam_pb2.ReserveQuotasRequest, context: Any
+    ) -> iam_pb2.ReserveQuotasResponse:
+        if len(request.items) > MAX_BATCH:
+            raise InvalidArgument(f"at most {MAX_BATCH} items per ReserveQuotas call")
+        backend_name = types_pb2.Backend.Name
+        items = []
+        for it in request.items:
+            if not it.sandbox_id or not it.project_id:
+                raise InvalidArgument("every item needs sandbox_id and project_id")
+            items.append(
+                Reservation(
+                    it.sandbox_id,
+                    it.project_id,
+                    backend_name(it.backend),
+                    it.cpu_millis,
+                    it.memory_mb,
+                    it.edge_id,
+                    it.idempotency_key,
+                    it.replaces_sandbox_id,
+                )
+            )
+        outcomes = await self.iam.reserve_many(items)
+        resp = iam_pb2.ReserveQuotasResponse()
+        reserved = 0
+        for i, out in enumerate(outcomes):
+            if out.reserved:
+                reserved += 1
+                continue
+            r = resp.results.add(
+                index=i,
+                already_reserved=out.already_reserved,
+                existing_sandbox_id=out.existing_sandbox_id,
+                existing_reserved=out.existing_reserved,
+            )
+            if out.error is not None:
+                r.error_code = code_number(out.error.code)
+                r.error_reason = out.error.reason
+                r.error_message = out.error.message
+                r.error_metadata.update(out.error.metadata)
+        resp.reserved = reserved
+        return resp
 
     async def ReleaseQuota(
         self, request: iam_pb2.ReleaseQuotaRequest, context: Any
     ) -> iam_pb2.ReleaseQuotaResponse:
         return iam_pb2.ReleaseQuotaResponse(
-            released=await self.iam.release(list(request.sandbox_ids))
+            released=await self.iam.release(list(request.sandbox_ids), request.not_created)
+        )
+
+    async def ListReservedEdges(
+        self, request: iam_pb2.ListReservedEdgesRequest, context: Any
+    ) -> iam_pb2.ListReservedEdgesResponse:
+        return iam_pb2.ListReservedEdgesResponse(
+            reservations_by_edge=await self.iam.reserved_edges()
         )
 
     async def ReconcileQuota(

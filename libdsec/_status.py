@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -42,10 +42,15 @@ def from_rpc_error(exc: grpc.RpcError) -> DSecError:
     return err
 
 
-def status_for(code_value: int, reason: str, message: str) -> DSecError:
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_for(
+    code_value: int, reason: str, message: str, metadata: Mapping[str, str] | None = None
+) -> DSecError:
     """An error from a numeric code carried in a message (e.g. per-item batch results)."""
-    code = next((c for c in grpc.StatusCode if c.value[0] == code_value), grpc.StatusCode.UNKNOWN)
-    return error_class_for(code, reason or None)(message, reason=reason or None)
+    code = _CODES.get(code_value, grpc.StatusCode.UNKNOWN)
+    return error_class_for(code, reason or None)(message, reason=reason or None, metadata=metadata)
 
 
 def code_number(code: grpc.StatusCode) -> int:

@@ -33,13 +33,18 @@ from libdsec._config import resolve
 from libdsec._status import from_rpc_error, status_for
 from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable
 from libdsec.types import (
+    Environment,
     ExecEvent,
     ExecInfo,
     ExecResult,
     Exited,
     ExitStatus,
     FileInfo,
+    FunctionJob,
+    FunctionResult,
     HttpResponse,
+    Layer,
+    ModifiedFile,
     NetworkPolicy,
     NewToken,
     Principal,
@@ -69,6 +74,7 @@ _IDEMPOTENT = {
     "dsec.apiserver.v1.ExecService": ["WaitExec", "ListExecs", "ListSessions"],
     "dsec.apiserver.v1.FileService": ["ReadFile", "ListDir", "StatPath"],
     "dsec.apiserver.v1.ProjectService": ["WhoAmI", "GetProject", "ListProjects", "ListTokens"],
+    "dsec.apiserver.v1.EnvironmentService": ["ListEnvironments", "GetEnvironment", "ListLayers"],
 }
 
 CHUNK = 1024 * 1024
@@ -227,6 +233,8 @@ class AsyncClient:
         self._exec = apiserver_pb2_grpc.ExecServiceStub(self._channel)
         self._files = apiserver_pb2_grpc.FileServiceStub(self._channel)
         self._projects = apiserver_pb2_grpc.ProjectServiceStub(self._channel)
+        self._environments = apiserver_pb2_grpc.EnvironmentServiceStub(self._channel)
+        self._functions = apiserver_pb2_grpc.FunctionServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -239,6 +247,81 @@ class AsyncClient:
 
     def _t(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
+
+    # -------------------------------------------------------------- fncall
+
+    async def fncall(
+        self,
+        *,
+        language: str = "",
+        code: str = "",
+        stdin: bytes | str = b"",
+        time_limit_s: float = 0.0,
+        cpu_limit_s: float = 0.0,
+        memory_mb: int = 0,
+        max_output_bytes: int = 0,
+        files: Mapping[str, bytes | str] | None = None,
+        command: Iterable[str] = (),
+        environment: str = "",
+        job_id: str = "",
+        timeout: float | None = None,
+    ) -> FunctionResult:
+        """Runs one short job in a warm pool (backend ``fncall``) and returns its verdict.
+
+        No sandbox is created: the job runs in a pre-created container of the
+        environment's pool (Python jobs fork from an interpreter with numpy already
+        imported), then the container is cleaned for the next job. A program that
+        fails is a result (``verdict`` RUNTIME_ERROR, TIME_LIMIT, ...), not an exception;
+        a bad job raises :class:`~libdsec.errors.InvalidArgument`::
+
+            r = await dsec.fncall(language="python", code="print(input()[::-1])", stdin="abc")
+            assert r.verdict == "OK" and r.text == "cba\n"
+        """
+        job = FunctionJob(
+            language=language,
+            code=code,
+            stdin=stdin,
+            time_limit_s=time_limit_s,
+            cpu_limit_s=cpu_limit_s,
+            memory_mb=memory_mb,
+            max_output_bytes=max_output_bytes,
+            files=dict(files or {}),
+            command=list(command),
+            environment=environment,
+            job_id=job_id,
+        )
+        deadline = timeout if timeout is not None else (time_limit_s or 10.0) + 180.0
+        resp = await _unary(
+            self._functions.RunFunction(
+                apiserver_pb2.RunFunctionRequest(job=job.to_pb()),
+                metadata=self._metadata,
+                timeout=deadline,
+            )
+        )
+        return FunctionResult.from_pb(resp.result)
+
+    async def fncall_many(
+        self,
+        jobs: Iterable[FunctionJob | Mapping[str, Any]],
+        *,
+        parallelism: int = 0,
+    ) -> AsyncIterator[FunctionResult]:
+        """Runs many jobs in one call; yields each result as it finishes (``index`` gives
+        the job's position). Jobs with the same compiled program (e.g. one C++ solution
+        against many test cases) compile it once::
+
+            jobs = [FunctionJob(language="cpp", code=src, stdin=t) for t in tests]
+            async for r in dsec.fncall_many(jobs):
+                print(r.index, r.verdict)
+        """
+        req = apiserver_pb2.RunFunctionsRequest(parallelism=parallelism)
+        for j in jobs:
+            job = j if isinstance(j, FunctionJob) else FunctionJob(**j)
+            req.jobs.append(job.to_pb())
+        call = self._functions.RunFunctions(req, metadata=self._metadata)
+        async for msg in _stream(call):
+            if msg.WhichOneof("event") == "result":
+                yield FunctionResult.from_pb(msg.result)
 
     # ------------------------------------------------------------ identity
 
@@ -307,30 +390,33 @@ class AsyncClient:
         Returns, in order, a sandbox or the error that item got (nothing is
         raised for per-item failures).
         """
+        req = apiserver_pb2.CreateSandboxesRequest()
         if specs is None:
             if not count or count < 1:
                 raise InvalidArgument("give count >= 1 or specs")
-            specs = [dict(options) for _ in range(count)]
-        items = []
-        for s in specs:
-            s = dict(s)
-            key = s.pop("idempotency_key", "")
-            items.append(
-                apiserver_pb2.CreateSandboxRequest(
-                    spec=make_spec(**s), idempotency_key=key, wait_ready=wait
-                )
+            key = options.pop("idempotency_key", "")
+            if key:
+                raise InvalidArgument("idempotency keys go in specs=[...], one per item")
+            template = apiserver_pb2.CreateSandboxRequest(
+                spec=make_spec(**options), wait_ready=wait
             )
+            add = req.items.add
+            for _ in range(count):
+                add().CopyFrom(template)
+        else:
+            for s in specs:
+                s = dict(s)
+                key = s.pop("idempotency_key", "")
+                req.items.add(spec=make_spec(**s), idempotency_key=key, wait_ready=wait)
         resp = await _unary(
-            self._sandboxes.CreateSandboxes(
-                apiserver_pb2.CreateSandboxesRequest(items=items),
-                metadata=self._metadata,
-                timeout=timeout,
-            )
+            self._sandboxes.CreateSandboxes(req, metadata=self._metadata, timeout=timeout)
         )
         out: list[AsyncSandbox | DSecError] = []
         for r in resp.results:
             if r.error_code:
-                out.append(status_for(r.error_code, r.error_reason, r.error_message))
+                out.append(
+                    status_for(r.error_code, r.error_reason, r.error_message, r.error_metadata)
+                )
             else:
                 out.append(AsyncSandbox(self, SandboxInfo.from_pb(r.sandbox)))
         return out
@@ -398,6 +484,90 @@ class AsyncClient:
             )
         )
         return list(resp.sandbox_ids)
+
+    # -------------------------------------------------------- environments
+
+    async def _env_call(self, method: str, request: Any, timeout: float | None) -> Any:
+        return await _unary(
+            getattr(self._environments, method)(
+                request, metadata=self._metadata, timeout=self._t(timeout)
+            )
+        )
+
+    async def list_environments(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> builtins.list[Environment]:
+        """Environments of the layer store (cluster-wide), optionally by name prefix."""
+        resp = await self._env_call(
+            "ListEnvironments", apiserver_pb2.ListEnvironmentsRequest(prefix=prefix), timeout
+        )
+        return [Environment.from_pb(e) for e in resp.environments]
+
+    async def get_environment(self, name: str, *, timeout: float | None = None) -> Environment:
+        """One environment with its layers (raises ImageNotFound)."""
+        resp = await self._env_call(
+            "GetEnvironment", apiserver_pb2.GetEnvironmentRequest(name=name), timeout
+        )
+        return Environment.from_pb(resp.environment)
+
+    async def list_layers(self, *, timeout: float | None = None) -> builtins.list[Layer]:
+        resp = await self._env_call("ListLayers", apiserver_pb2.ListLayersRequest(), timeout)
+        return [Layer.from_pb(x) for x in resp.layers]
+
+    async def import_image(
+        self,
+        source: str,
+        name: str = "",
+        *,
+        kind: str = "",
+        base: str = "",
+        all_root: bool = False,
+        timeout: float | None = 3600.0,
+    ) -> Environment:
+        """Imports into the layer store and registers an environment (idempotent).
+
+        ``source``: ``"docker:<repo>:<tag>"`` (an image of a node's Docker engine, every layer;
+        ``name`` defaults to ``docker/<repo>:<tag>``), ``"dir:/path"`` or ``"tar:/path.tar"``
+        (one layer of ``kind``: base, workspace or toolkit; with ``base``, on top of that
+        environment)::
+
+            env = await dsec.import_image("docker:python:3.11")
+            ws = await dsec.import_image("dir:/data/swe-123", "swe-123:v1", base=env.name)
+            sb = await dsec.create(image=ws.name)
+        """
+        req = apiserver_pb2.ImportImageRequest(
+            source=source,
+            name=name,
+            kind=types_pb2.LayerKind.Value("LAYER_KIND_" + kind.upper()) if kind else 0,  # type: ignore[arg-type]
+            base=base,
+            all_root=all_root,
+        )
+        resp = await self._env_call("ImportImage", req, timeout)
+        return Environment.from_pb(resp.environment)
+
+    async def compose_environment(
+        self,
+        name: str,
+        *,
+        base: str,
+        workspace: str = "",
+        toolkits: Iterable[str] = (),
+        timeout: float | None = None,
+    ) -> Environment:
+        """Registers base + workspace + toolkits (existing environments) as ``name``; no layer
+        is rebuilt, so upgrading one toolkit is composing again with the new one."""
+        req = apiserver_pb2.ComposeEnvironmentRequest(
+            name=name, base=base, workspace=workspace, toolkits=list(toolkits)
+        )
+        resp = await self._env_call("ComposeEnvironment", req, timeout)
+        return Environment.from_pb(resp.environment)
+
+    async def delete_environment(self, name: str, *, timeout: float | None = None) -> bool:
+        """Forgets a name (ADMIN); unreferenced layers are garbage-collected later."""
+        resp = await self._env_call(
+            "DeleteEnvironment", apiserver_pb2.DeleteEnvironmentRequest(name=name), timeout
+        )
+        return bool(resp.deleted)
 
     # ---------------------------------------------------- projects & tokens
 
@@ -505,6 +675,7 @@ def _exec_request(
     session_id: str = "",
     background: bool = False,
     stdin_open: bool = False,
+    trusted: bool = False,
 ) -> types_pb2.ExecRequest:
     req = types_pb2.ExecRequest(
         sandbox_id=sandbox_id,
@@ -517,6 +688,7 @@ def _exec_request(
         max_output_bytes=max_output_bytes or 0,
         session_id=session_id,
         background=background,
+        trusted=trusted,
     )
     if isinstance(cmd, str):
         req.command = cmd
@@ -854,6 +1026,7 @@ class AsyncSandbox:
         pty: bool = False,
         max_output_bytes: int | None = None,
         session: str = "",
+        trusted: bool = False,
     ) -> ExecResult:
         """Runs a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
 
@@ -861,6 +1034,13 @@ class AsyncSandbox:
         result has ``timed_out=True`` (no exception). Output beyond
         ``max_output_bytes`` per stream keeps its head and tail
         (``truncated=True``).
+
+        ``trusted=True`` is for the evaluation step: the command runs from the
+        image's read-only layers plus the sandbox's workspace (its workdir, or
+        ``/work``), in a sibling container the agent's processes cannot see, so a
+        ``/bin/bash`` or test runner the agent replaced is not used::
+
+            r = await sb.run("cd /work && python3 -m pytest -q", trusted=True)
         """
         c = self.client
         req = _exec_request(
@@ -873,6 +1053,7 @@ class AsyncSandbox:
             pty=pty,
             max_output_bytes=max_output_bytes,
             session_id=session,
+            trusted=trusted,
         )
         deadline = (timeout_s or 600.0) + 60.0
         return ExecResult.from_pb(
@@ -890,6 +1071,7 @@ class AsyncSandbox:
         pty: bool = False,
         max_output_bytes: int | None = None,
         session: str = "",
+        trusted: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         """Yields :class:`Started`, then :class:`Output` events as produced, then one :class:`Exited`.
 
@@ -907,6 +1089,7 @@ class AsyncSandbox:
             pty=pty,
             max_output_bytes=max_output_bytes,
             session_id=session,
+            trusted=trusted,
         )
         req.keepalive_interval_ms = 5000
         exited = False
@@ -1031,6 +1214,69 @@ class AsyncSandbox:
         return await self._lifecycle(
             "ResumeSandbox", apiserver_pb2.ResumeSandboxRequest(sandbox_id=self.id), 120
         )
+
+    async def pack_diff(
+        self,
+        name: str,
+        *,
+        exclude: Iterable[str] = (),
+        default_excludes: bool = True,
+        timeout: float = 1800.0,
+    ) -> Environment:
+        """Checkpoints this sandbox's writable layer as environment ``name``: its layers plus
+        the diff. New sandboxes start from it (``create(image=name)``), and packing one of
+        those again chains diffs. Build residue is left out (``/tmp``, ``/var/tmp``, caches,
+        shell history, ...; ``exclude`` adds absolute path globs, ``default_excludes=False``
+        keeps everything). A running sandbox is frozen only while its changes are copied::
+
+            env = await sb.pack_diff("my-env:v2")
+        """
+        c = self.client
+        resp = await _unary(
+            c._sandboxes.PackDiff(
+                apiserver_pb2.PackDiffRequest(
+                    sandbox_id=self.id,
+                    name=name,
+                    exclude=list(exclude),
+                    no_default_excludes=not default_excludes,
+                ),
+                metadata=c._metadata,
+                timeout=timeout,
+            )
+        )
+        return Environment.from_pb(resp.environment)
+
+    async def update_network_policy(
+        self, policy: NetworkPolicy, *, timeout: float | None = None
+    ) -> SandboxInfo:
+        """Replaces the egress policy while the sandbox runs (e.g. per task stage); the next
+        connection sees it. A malformed rule raises :class:`InvalidArgument` naming it::
+
+            await sb.update_network_policy(NetworkPolicy(allow=["pypi.org:443"]))
+        """
+        c = self.client
+        resp = await _unary(
+            c._sandboxes.UpdateNetworkPolicy(
+                apiserver_pb2.UpdateNetworkPolicyRequest(sandbox_id=self.id, policy=policy.to_pb()),
+                metadata=c._metadata,
+                timeout=timeout or 30.0,
+            )
+        )
+        self.info = SandboxInfo.from_pb(resp.sandbox)
+        return self.info
+
+    async def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
+        """Files of the image's read-only layers this sandbox modified or deleted (from its
+        writable layer); new files are not listed. For checking an agent's trajectory."""
+        c = self.client
+        resp = await _unary(
+            c._sandboxes.GetModifiedFiles(
+                apiserver_pb2.GetModifiedFilesRequest(sandbox_id=self.id),
+                metadata=c._metadata,
+                timeout=timeout or 60.0,
+            )
+        )
+        return [ModifiedFile(f.path, f.deleted) for f in resp.files]
 
     async def delete(self) -> None:
         c = self.client

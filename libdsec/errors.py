@@ -18,15 +18,18 @@ Tree::
     ├── NotFound                  NOT_FOUND
     │   ├── SandboxNotFound
     │   ├── ImageNotFound
+    │   ├── LayerNotFound
     │   └── PathNotFound
     ├── AlreadyExists             ALREADY_EXISTS
     ├── FailedPrecondition        FAILED_PRECONDITION  wrong lifecycle state
-    │   └── SandboxTerminated
+    │   ├── SandboxTerminated
+    │   └── LayerCorrupt
     ├── ResourceExhausted         RESOURCE_EXHAUSTED   quota/capacity: retry later
     │   ├── QuotaExceeded
     │   ├── NoEligibleEdge
     │   └── EdgeCapacity
     ├── Unavailable               UNAVAILABLE          transient: retry
+    │   └── ChannelClosed
     ├── Unauthenticated           UNAUTHENTICATED      bad or missing token
     ├── PermissionDenied          PERMISSION_DENIED
     ├── DeadlineExceeded          DEADLINE_EXCEEDED
@@ -45,6 +48,7 @@ import grpc
 __all__ = [
     "AlreadyExists",
     "Cancelled",
+    "ChannelClosed",
     "DSecError",
     "DeadlineExceeded",
     "EdgeCapacity",
@@ -52,6 +56,8 @@ __all__ = [
     "ImageNotFound",
     "Internal",
     "InvalidArgument",
+    "LayerCorrupt",
+    "LayerNotFound",
     "NoEligibleEdge",
     "NotFound",
     "PathNotFound",
@@ -120,6 +126,12 @@ class ImageNotFound(NotFound):
     default_reason = "IMAGE_NOT_FOUND"
 
 
+class LayerNotFound(NotFound):
+    """A layer an environment names is missing from the layer store; ``metadata["layer"]``."""
+
+    default_reason = "LAYER_NOT_FOUND"
+
+
 class PathNotFound(NotFound):
     default_reason = "PATH_NOT_FOUND"
 
@@ -140,6 +152,13 @@ class SandboxTerminated(FailedPrecondition):
     """The sandbox has ended; ``metadata["termination_reason"]`` says why."""
 
     default_reason = "SANDBOX_TERMINATED"
+
+
+class LayerCorrupt(FailedPrecondition):
+    """A layer's files do not match its digest (corrupt or truncated); it is never mounted.
+    ``metadata["layer"]`` names it, ``metadata["file"]`` the file that failed the check."""
+
+    default_reason = "LAYER_CORRUPT"
 
 
 class ResourceExhausted(DSecError):
@@ -168,6 +187,12 @@ class Unavailable(DSecError):
 
     code = grpc.StatusCode.UNAVAILABLE
     default_reason = "UNAVAILABLE"
+
+
+class ChannelClosed(Unavailable):
+    """The channel into the sandbox dropped mid-call (the sandbox died, or is being reconnected)."""
+
+    default_reason = "CHANNEL_CLOSED"
 
 
 class Unauthenticated(DSecError):

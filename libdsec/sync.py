@@ -20,17 +20,23 @@ from __future__ import annotations
 import asyncio
 import builtins
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 
 from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
 from libdsec.errors import DSecError
 from libdsec.types import (
+    Environment,
     ExecEvent,
     ExecInfo,
     ExecResult,
     FileInfo,
+    FunctionJob,
+    FunctionResult,
     HttpResponse,
+    Layer,
+    ModifiedFile,
+    NetworkPolicy,
     NewToken,
     Principal,
     Project,
@@ -123,6 +129,40 @@ class Client:
 
     def stop_all(self, **kw: Any) -> builtins.list[str]:
         return self._loop.run(self._async.stop_all(**kw))
+
+    def fncall(self, **kw: Any) -> FunctionResult:
+        """Runs one short job in a warm pool (see :meth:`AsyncClient.fncall`).
+
+        Example: ``dsec.fncall(language="python", code="print(input()[::-1])", stdin="abc")``
+        returns a :class:`FunctionResult` with ``verdict == "OK"`` and ``text == "cba\\n"``.
+        """
+        return self._loop.run(self._async.fncall(**kw))
+
+    def fncall_many(
+        self, jobs: Iterable[FunctionJob | Mapping[str, Any]], **kw: Any
+    ) -> Iterator[FunctionResult]:
+        """Many jobs in one call, results as they finish; see :meth:`AsyncClient.fncall_many`."""
+        return self._loop.iterate(self._async.fncall_many(jobs, **kw))
+
+    def list_environments(self, prefix: str = "", **kw: Any) -> builtins.list[Environment]:
+        """See :meth:`AsyncClient.list_environments`."""
+        return self._loop.run(self._async.list_environments(prefix, **kw))
+
+    def get_environment(self, name: str, **kw: Any) -> Environment:
+        return self._loop.run(self._async.get_environment(name, **kw))
+
+    def list_layers(self, **kw: Any) -> builtins.list[Layer]:
+        return self._loop.run(self._async.list_layers(**kw))
+
+    def import_image(self, source: str, name: str = "", **kw: Any) -> Environment:
+        """See :meth:`AsyncClient.import_image`: ``dsec.import_image("docker:python:3.11")``."""
+        return self._loop.run(self._async.import_image(source, name, **kw))
+
+    def compose_environment(self, name: str, **kw: Any) -> Environment:
+        return self._loop.run(self._async.compose_environment(name, **kw))
+
+    def delete_environment(self, name: str, **kw: Any) -> bool:
+        return self._loop.run(self._async.delete_environment(name, **kw))
 
     def create_project(self, name: str, **kw: Any) -> Project:
         return self._loop.run(self._async.create_project(name, **kw))
@@ -302,6 +342,18 @@ class Sandbox:
 
     def resume(self) -> SandboxInfo:
         return self._c._loop.run(self._s.resume())
+
+    def pack_diff(self, name: str, **kw: Any) -> Environment:
+        """See :meth:`AsyncSandbox.pack_diff`: ``env = sb.pack_diff("my-env:v2")``."""
+        return self._c._loop.run(self._s.pack_diff(name, **kw))
+
+    def update_network_policy(self, policy: NetworkPolicy, **kw: Any) -> SandboxInfo:
+        """See :meth:`AsyncSandbox.update_network_policy`."""
+        return self._c._loop.run(self._s.update_network_policy(policy, **kw))
+
+    def modified_files(self, **kw: Any) -> list[ModifiedFile]:
+        """See :meth:`AsyncSandbox.modified_files`."""
+        return self._c._loop.run(self._s.modified_files(**kw))
 
     def delete(self) -> None:
         self._c._loop.run(self._s.delete())

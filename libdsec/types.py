@@ -131,12 +131,17 @@ class NetworkPolicy:
 
     ``NetworkPolicy()`` = no network; ``NetworkPolicy(allow=["pypi.org:443"])``
     = only that; ``NetworkPolicy(open=True, deny=["registry.npmjs.org"])`` =
-    everything but that.
+    everything but that. Domain names are resolved by the edge and kept current;
+    ``"*.example.com"`` matches the names below example.com. With
+    ``max_blocked_connects=N`` the sandbox ends (``POLICY_VIOLATION``) once more
+    than N connects were blocked; by default blocked connects are only counted
+    (``SandboxInfo.violations["blocked_connects"]``).
     """
 
     allow: list[str] = field(default_factory=list)
     deny: list[str] = field(default_factory=list)
     open: bool = False
+    max_blocked_connects: int = 0
 
     def to_pb(self) -> types_pb2.NetworkPolicy:
         if self.open:
@@ -149,6 +154,7 @@ class NetworkPolicy:
             mode=mode,
             allow=[parse_rule(r) for r in self.allow],
             deny=[parse_rule(r) for r in self.deny],
+            max_blocked_connects=self.max_blocked_connects,
         )
 
 
@@ -176,6 +182,14 @@ def parse_rule(text: str) -> types_pb2.NetworkRule:
         if not lo.isdigit():
             port_min = port_max = 100_000  # out of range on purpose: the server names the bad rule
     return types_pb2.NetworkRule(target=host, port_min=port_min, port_max=port_max, protocol=proto)
+
+
+@dataclass(frozen=True)
+class ModifiedFile:
+    """A file of the sandbox's read-only layers that it changed (or deleted)."""
+
+    path: str
+    deleted: bool
 
 
 @dataclass(frozen=True)
@@ -216,6 +230,9 @@ class SandboxInfo:
                 "blocked_connects": s.violations.blocked_connects,
                 "denied_file_accesses": s.violations.denied_file_accesses,
                 "output_truncations": s.violations.output_truncations,
+                "oom_kills": s.violations.oom_kills,
+                "pids_limit_hits": s.violations.pids_limit_hits,
+                "dns_refusals": s.violations.dns_refusals,
             },
         )
 
@@ -386,3 +403,142 @@ class HttpResponse:
             if k.lower() == name.lower():
                 return v
         return None
+
+
+# ------------------------------------------------------------------ fncall
+
+
+@dataclass(frozen=True)
+class FunctionJob:
+    """One short stateless job for a warm pool (see :meth:`libdsec.Client.fncall`).
+
+    ``language`` is "python", "cpp", "c", "bash" or "sh" (with ``code``), or "" with a
+    ``command``; ``files`` maps relative paths to contents (written next to the program);
+    limits default on the server: wall 10 s, CPU = wall, memory 256 MiB, 1 MiB per stream.
+    """
+
+    language: str = ""
+    code: str = ""
+    stdin: bytes | str = b""
+    time_limit_s: float = 0.0
+    cpu_limit_s: float = 0.0
+    memory_mb: int = 0
+    max_output_bytes: int = 0
+    files: dict[str, bytes | str] = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+    environment: str = ""
+    job_id: str = ""
+
+    def to_pb(self) -> types_pb2.FunctionJob:
+        return types_pb2.FunctionJob(
+            language=self.language,
+            code=self.code,
+            files=[
+                types_pb2.SourceFile(path=p, content=c.encode() if isinstance(c, str) else c)
+                for p, c in self.files.items()
+            ],
+            command=list(self.command),
+            stdin=self.stdin.encode() if isinstance(self.stdin, str) else self.stdin,
+            time_limit_s=self.time_limit_s,
+            cpu_limit_s=self.cpu_limit_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            environment=self.environment,
+            job_id=self.job_id,
+        )
+
+
+@dataclass(frozen=True)
+class FunctionResult:
+    """What a job did. ``verdict``: OK, TIME_LIMIT, MEMORY_LIMIT, OUTPUT_LIMIT,
+    RUNTIME_ERROR, COMPILE_ERROR or SYSTEM_ERROR (the platform failed: retry)."""
+
+    verdict: str
+    exit_code: int
+    signal: int
+    stdout: bytes
+    stderr: bytes
+    wall_time_s: float
+    cpu_time_s: float
+    peak_memory_bytes: int
+    compile_output: str = ""
+    message: str = ""
+    index: int = 0
+    job_id: str = ""
+    edge_id: str = ""
+
+    @classmethod
+    def from_pb(cls, r: types_pb2.FunctionResult) -> FunctionResult:
+        return cls(
+            _enum(types_pb2.Verdict, r.verdict, "VERDICT_"),
+            r.exit_code,
+            r.signal,
+            r.stdout,
+            r.stderr,
+            r.wall_time_s,
+            r.cpu_time_s,
+            r.peak_memory_bytes,
+            r.compile_output,
+            r.message,
+            r.index,
+            r.job_id,
+            r.edge_id,
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "OK"
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (undecodable bytes replaced)."""
+        return self.stdout.decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One read-only EROFS layer of the layer store (content-addressed)."""
+
+    digest: str  # "sha256:<hex>"
+    kind: str  # BASE, WORKSPACE, TOOLKIT, DIFF
+    size_bytes: int  # metadata + data blob
+    meta_bytes: int  # the part a node copies to its local disk
+    source: str  # where it came from (docker image, directory, sandbox id)
+    created_at: datetime | None = None
+
+    @classmethod
+    def from_pb(cls, layer: types_pb2.Layer) -> Layer:
+        return cls(
+            layer.digest,
+            _enum(types_pb2.LayerKind, layer.kind, "LAYER_KIND_"),
+            layer.size_bytes,
+            layer.meta_bytes,
+            layer.source,
+            _dt(layer.created_at),
+        )
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A named stack of layers (``name:tag``), bottom first: base, workspace, toolkits, diffs.
+
+    Create a sandbox from it with ``client.create(image=env.name)``.
+    """
+
+    name: str
+    layers: list[Layer]
+    config: dict[str, str] = field(default_factory=dict)
+    created_at: datetime | None = None
+
+    @classmethod
+    def from_pb(cls, env: types_pb2.Environment) -> Environment:
+        return cls(
+            env.name,
+            [Layer.from_pb(x) for x in env.layers],
+            dict(env.config),
+            _dt(env.created_at),
+        )
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(x.size_bytes for x in self.layers)

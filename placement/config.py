@@ -17,8 +17,12 @@ class PlacementConfig(ServiceConfig):
     max_candidates: int = 3
     #: On-prem allocation ratio past which eligible requests go to cloud edges.
     burst_threshold: float = 0.8
-    #: How long the last snapshot may be used while the watcher is unreachable.
+    #: How long the last snapshot may be used while the watcher is unreachable
+    #: (health of "dsec.placement.v1.ClusterView" is NOT_SERVING meanwhile).
     snapshot_max_age_s: float = 60.0
+    #: A probe counts one of our placements only if taken this long after it
+    #: (the sandbox reaches the edge a little after it is placed).
+    overlay_grace_s: float = 1.0
 
     def validate(self) -> None:
         super().validate()

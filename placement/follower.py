@@ -16,6 +16,9 @@ from placement.policy import EdgeView, Placer
 
 log = logging.getLogger(__name__)
 
+#: The watcher sends a keepalive this often on a quiet stream.
+KEEPALIVE_S = 2.0
+
 
 def edge_view(status: watcher_pb2.EdgeStatus) -> EdgeView:
     info, load = status.info, status.load
@@ -49,6 +52,18 @@ class SnapshotFollower:
     def age_s(self) -> float:
         return time.monotonic() - self.last_update if self.last_update else float("inf")
 
+    def view_state(self, max_age_s: float) -> str:
+        """FRESH (following the watcher), DEGRADED (watcher lost: placing on the
+        last snapshot) or STALE (no snapshot, or older than ``max_age_s``)."""
+        age = self.age_s
+        if age > max_age_s:
+            return "STALE"
+        # Keepalives come every KEEPALIVE_S: three missed ones mean the watcher is gone
+        # even if the stream has not failed yet (a hung watcher).
+        if not self.connected or age > 3 * KEEPALIVE_S:
+            return "DEGRADED"
+        return "FRESH"
+
     async def run(self) -> None:
         channel = open_channel(self.watcher, "placement")
         stub = watcher_pb2_grpc.WatcherServiceStub(channel)
@@ -56,7 +71,9 @@ class SnapshotFollower:
             while True:
                 try:
                     stream = stub.WatchCluster(
-                        watcher_pb2.WatchClusterRequest(keepalive_interval_ms=2000)
+                        watcher_pb2.WatchClusterRequest(
+                            keepalive_interval_ms=int(KEEPALIVE_S * 1000)
+                        )
                     )
                     async for msg in stream:
                         self._apply(msg)

@@ -7,6 +7,10 @@ snapshot plus this instance's own placements made since that edge was last
 probed, so a burst spreads out instead of piling onto the edge that looked
 emptiest a second ago. Instances never coordinate; edges have the final say.
 
+The overlay is kept per edge as running sums over a time-ordered queue of
+placements, so a decision costs O(edges) however many placements are pending;
+a burst (:meth:`Placer.place_group`) is decided in one pass over arrays.
+
 Bursting: once on-prem allocation passes ``burst_threshold`` (default 0.8),
 eligible requests go to edges labelled ``location=cloud``; cloud edges are
 otherwise used only when no on-prem edge fits.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from libdsec.errors import NoEligibleEdge
@@ -58,12 +63,44 @@ class Candidate:
     cloud: bool
 
 
-@dataclass
-class _Pending:
-    at: float
-    cpu: int
-    memory: int
-    gpus: int
+class EdgeOverlay:
+    """This instance's placements on one edge that its last probe may not count yet."""
+
+    __slots__ = ("cpu", "entries", "gpus", "memory", "n")
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[float, int, int, int]] = deque()  # (wall time, cpu, mem, gpus)
+        self.cpu = self.memory = self.gpus = self.n = 0
+
+    def add(self, at: float, cpu: int, memory: int, gpus: int, count: int = 1) -> None:
+        for _ in range(count):
+            self.entries.append((at, cpu, memory, gpus))
+        self.cpu += cpu * count
+        self.memory += memory * count
+        self.gpus += gpus * count
+        self.n += count
+
+    def drop_until(self, t: float) -> None:
+        """Forgets placements made at or before ``t`` (a probe after them counts them)."""
+        e = self.entries
+        while e and e[0][0] <= t:
+            _, cpu, mem, gpus = e.popleft()
+            self.cpu -= cpu
+            self.memory -= mem
+            self.gpus -= gpus
+            self.n -= 1
+
+    def remove_one(self, cpu: int, memory: int) -> bool:
+        for i in range(len(self.entries) - 1, -1, -1):
+            _, c, m, g = self.entries[i]
+            if c == cpu and m == memory:
+                del self.entries[i]
+                self.cpu -= c
+                self.memory -= m
+                self.gpus -= g
+                self.n -= 1
+                return True
+        return False
 
 
 class Placer:
@@ -74,16 +111,22 @@ class Placer:
         max_candidates: int = 3,
         burst_threshold: float = 0.8,
         overlay_ttl_s: float = 5.0,
+        overlay_grace_s: float = 0.0,
         rng: random.Random | None = None,
     ) -> None:
         self.k = k
         self.max_candidates = max_candidates
         self.burst_threshold = burst_threshold
+        #: An overlay entry never outlives this (the watcher may have counted it silently).
         self.overlay_ttl_s = overlay_ttl_s
+        #: A probe counts a placement only if taken this long after it (the
+        #: sandbox reaches the edge a little after it is placed).
+        self.overlay_grace_s = overlay_grace_s
         self.rng = rng or random.Random()
         self.edges: dict[str, EdgeView] = {}
-        self.overlay: dict[str, list[_Pending]] = {}
+        self.overlay: dict[str, EdgeOverlay] = {}
         self.snapshot_at = 0.0
+        self.placed_total = 0
 
     # ------------------------------------------------------------- inputs
 
@@ -91,59 +134,62 @@ class Placer:
         """A fresh snapshot: overlay entries the edges have since reported are dropped."""
         self.edges = {e.edge_id: e for e in edges}
         self.snapshot_at = time.time()
-        now = time.monotonic()
         for edge_id in list(self.overlay):
-            e = self.edges.get(edge_id)
-            kept = [
-                p
-                for p in self.overlay[edge_id]
-                if e is not None and p.at > e.probed_at and now - _mono(p.at) < self.overlay_ttl_s
-            ]
-            if kept:
-                self.overlay[edge_id] = kept
-            else:
+            if edge_id not in self.edges:
                 del self.overlay[edge_id]
+        for e in edges:
+            self._age(e)
 
     def update_edge(self, edge: EdgeView) -> None:
         self.edges[edge.edge_id] = edge
-        if edge.edge_id in self.overlay:
-            self.overlay[edge.edge_id] = [
-                p for p in self.overlay[edge.edge_id] if p.at > edge.probed_at
-            ]
+        self._age(edge)
+
+    def _age(self, edge: EdgeView) -> None:
+        ov = self.overlay.get(edge.edge_id)
+        if ov is not None:
+            ov.drop_until(
+                max(edge.probed_at - self.overlay_grace_s, time.time() - self.overlay_ttl_s)
+            )
 
     def remove_edge(self, edge_id: str) -> None:
         self.edges.pop(edge_id, None)
         self.overlay.pop(edge_id, None)
 
-    def record(self, edge_id: str, cpu: int, memory: int, gpus: int = 0) -> None:
-        self.overlay.setdefault(edge_id, []).append(_Pending(time.time(), cpu, memory, gpus))
+    def record(self, edge_id: str, cpu: int, memory: int, gpus: int = 0, count: int = 1) -> None:
+        ov = self.overlay.get(edge_id)
+        if ov is None:
+            ov = self.overlay[edge_id] = EdgeOverlay()
+        ov.add(time.time(), cpu, memory, gpus, count)
+        self.placed_total += count
 
-    def forget(self, edge_id: str, cpu: int, memory: int) -> None:
-        """An edge rejected a placement we recorded: take it back out of the overlay."""
-        pending = self.overlay.get(edge_id)
-        if not pending:
-            return
-        for i in range(len(pending) - 1, -1, -1):
-            if pending[i].cpu == cpu and pending[i].memory == memory:
-                del pending[i]
-                return
+    def forget(self, edge_id: str, cpu: int, memory: int, count: int = 1) -> None:
+        """Placements we recorded that will not land (the edge refused, or the caller
+        never sent them): take them back out of the overlay."""
+        ov = self.overlay.get(edge_id)
+        if ov is not None:
+            for _ in range(count):
+                if not ov.remove_one(cpu, memory):
+                    break
+
+    def overlay_entries(self) -> int:
+        return sum(ov.n for ov in self.overlay.values())
 
     # ------------------------------------------------------------ decision
 
     def _effective(self, e: EdgeView) -> tuple[int, int, int, int]:
-        cpu, mem, gpus, n = e.cpu_allocated, e.memory_allocated, 0, e.sandboxes
-        pending = self.overlay.get(e.edge_id)
-        if pending and time.time() - pending[0].at > self.overlay_ttl_s:
-            # The watcher publishes only changes, so an entry it already counted
-            # may never be dropped by a probe: age it out.
-            cutoff = time.time() - self.overlay_ttl_s
-            pending[:] = [p for p in pending if p.at > cutoff]
-        for p in pending or ():
-            cpu += p.cpu
-            mem += p.memory
-            gpus += p.gpus
-            n += 1
-        return cpu, mem, e.gpus_free - gpus, n
+        ov = self.overlay.get(e.edge_id)
+        if ov is None or not ov.n:
+            return e.cpu_allocated, e.memory_allocated, e.gpus_free, e.sandboxes
+        if ov.entries[0][0] < time.time() - self.overlay_ttl_s:
+            # The watcher publishes only what it probes, so an entry it already
+            # counted may never be dropped by a probe we hear of: age it out.
+            ov.drop_until(time.time() - self.overlay_ttl_s)
+        return (
+            e.cpu_allocated + ov.cpu,
+            e.memory_allocated + ov.memory,
+            e.gpus_free - ov.gpus,
+            e.sandboxes + ov.n,
+        )
 
     def score(self, e: EdgeView) -> float:
         cpu, mem, _, _ = self._effective(e)
@@ -166,16 +212,19 @@ class Placer:
                 used += cpu * max(e.memory_capacity, 1) / max(e.cpu_capacity, 1) + mem
         return used / cap if cap else 0.0
 
+    def _pool(self, eligible: list[EdgeView]) -> list[EdgeView]:
+        onprem = [e for e in eligible if not e.cloud]
+        cloud = [e for e in eligible if e.cloud]
+        if cloud and (not onprem or self.onprem_utilization() >= self.burst_threshold):
+            return cloud
+        return onprem
+
     def place(self, req: Request) -> list[Candidate]:
         """Ranked candidates (best first); records the first in the overlay."""
         eligible, why = self._eligible(req)
         if not eligible:
             raise NoEligibleEdge(f"no eligible edge: {why}", metadata={"backend": req.backend})
-        onprem = [e for e in eligible if not e.cloud]
-        cloud = [e for e in eligible if e.cloud]
-        pool = onprem
-        if cloud and (not onprem or self.onprem_utilization() >= self.burst_threshold):
-            pool = cloud
+        pool = self._pool(eligible)
         sample = self.rng.sample(pool, min(self.k, len(pool)))
         sample.sort(key=self.score)
         rest = [e for e in pool if e not in sample]
@@ -185,11 +234,115 @@ class Placer:
         self.record(best.edge_id, req.cpu_millis, req.memory_mb, req.gpu_count)
         return [Candidate(e.edge_id, e.address, e.cloud) for e in ordered]
 
+    def place_group(
+        self, req: Request, count: int, clump: int = 1
+    ) -> tuple[list[Candidate], list[int], NoEligibleEdge | None]:
+        """Places ``count`` identical sandboxes, one power-of-k decision per
+        ``clump`` of them (1 = per sandbox).
+
+        Returns a table of edges, the index into it of the edge chosen for
+        each placed sandbox (in order) and, if fewer than ``count`` could be
+        placed, the error of the rest. Loads (and the burst threshold) are
+        updated between decisions, exactly as ``count`` calls of :meth:`place`
+        would, but over arrays instead of objects. A clump lets a small batch
+        land on a few edges (one edge call each) instead of one per sandbox;
+        the imbalance it adds is at most ``clump`` sandboxes per edge.
+        """
+        clump = max(1, clump)
+        eligible, why, snapshot_only = self._eligible_ex(req)
+        if not eligible:
+            return (
+                [],
+                [],
+                NoEligibleEdge(f"no eligible edge: {why}", metadata={"backend": req.backend}),
+            )
+        cands = [Candidate(e.edge_id, e.address, e.cloud) for e in eligible]
+        eff = [
+            (e.cpu_allocated, e.memory_allocated, e.gpus_free, e.sandboxes)
+            if snapshot_only
+            else self._effective(e)
+            for e in eligible
+        ]
+        cpu = [x[0] for x in eff]
+        mem = [x[1] for x in eff]
+        gpus = [x[2] for x in eff]
+        cap_cpu = [max(e.cpu_capacity, 1) for e in eligible]
+        cap_mem = [max(e.memory_capacity, 1) for e in eligible]
+        cloud = [e.cloud for e in eligible]
+        rc, rm, rg = req.cpu_millis, req.memory_mb, req.gpu_count
+        # On-prem utilization, kept incrementally (same formula as onprem_utilization()).
+        op_cap = op_used = 0.0
+        for e in self.edges.values():
+            if e.healthy and not e.cloud:
+                c, m, _, _ = self._effective(e)
+                op_cap += max(e.cpu_capacity, 1) + max(e.memory_capacity, 1)
+                op_used += c * max(e.memory_capacity, 1) / max(e.cpu_capacity, 1) + m
+
+        def fits(i: int) -> bool:
+            return cpu[i] + rc <= cap_cpu[i] and mem[i] + rm <= cap_mem[i] and gpus[i] >= rg
+
+        onprem_pool = [i for i in range(len(eligible)) if not cloud[i]]
+        cloud_pool = [i for i in range(len(eligible)) if cloud[i]]
+        chosen: list[int] = []
+        k = self.k
+        rand = self.rng.random
+        sample = self.rng.sample
+        error: NoEligibleEdge | None = None
+        while len(chosen) < count:
+            use_cloud = bool(cloud_pool) and (
+                not onprem_pool or (op_cap and op_used / op_cap >= self.burst_threshold)
+            )
+            pool = cloud_pool if use_cloud else onprem_pool
+            n = len(pool)
+            if n == 0:
+                error = NoEligibleEdge(
+                    f"no eligible edge: {len(self.edges)} edges: not enough free capacity"
+                    f" for the rest of the burst ({len(chosen)} of {count} placed)",
+                    metadata={"backend": req.backend},
+                )
+                break
+            if k == 2 and n > 1:
+                a = int(rand() * n)
+                b = int(rand() * (n - 1))
+                if b >= a:
+                    b += 1
+                ia, ib = pool[a], pool[b]
+                sa = max(cpu[ia] / cap_cpu[ia], mem[ia] / cap_mem[ia])
+                sb = max(cpu[ib] / cap_cpu[ib], mem[ib] / cap_mem[ib])
+                best = ia if sa <= sb else ib
+            else:
+                picks = sample(pool, min(k, n))
+                best = min(picks, key=lambda i: max(cpu[i] / cap_cpu[i], mem[i] / cap_mem[i]))
+            for _ in range(min(clump, count - len(chosen))):
+                chosen.append(best)
+                cpu[best] += rc
+                mem[best] += rm
+                gpus[best] -= rg
+                if not cloud[best]:
+                    op_used += rc * cap_mem[best] / cap_cpu[best] + rm
+                if not fits(best):
+                    pool.remove(best)
+                    break
+        counts: dict[int, int] = {}
+        for i in chosen:
+            counts[i] = counts.get(i, 0) + 1
+        for i, n in counts.items():
+            self.record(cands[i].edge_id, rc, rm, rg, n)
+        return cands, chosen, error
+
     def _eligible(self, req: Request) -> tuple[list[EdgeView], str]:
+        edges, why, _ = self._eligible_ex(req)
+        return edges, why
+
+    def _eligible_ex(self, req: Request) -> tuple[list[EdgeView], str, bool]:
+        """Eligible edges, why the others are not, and whether only the snapshot's loads
+        were used: when our overlay is all that makes every edge look full (placements
+        still on their way, or that never landed), the edges decide instead."""
         if not self.edges:
-            return [], "no edges are registered"
+            return [], "no edges are registered", False
         reasons: dict[str, int] = {}
         out = []
+        full_by_overlay = []
         for e in self.edges.values():
             if e.edge_id in req.exclude:
                 why = "already tried"
@@ -201,14 +354,17 @@ class Placer:
                 why = "labels do not match node_selector"
             elif not self._fits(e, req):
                 why = "not enough free capacity"
+                if (
+                    e.cpu_allocated + req.cpu_millis <= e.cpu_capacity
+                    and e.memory_allocated + req.memory_mb <= e.memory_capacity
+                    and e.gpus_free >= req.gpu_count
+                ):
+                    full_by_overlay.append(e)
             else:
                 out.append(e)
                 continue
             reasons[why] = reasons.get(why, 0) + 1
         detail = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
-        return out, f"{len(self.edges)} edges: {detail}"
-
-
-def _mono(wall: float) -> float:
-    """Converts a wall-clock time to the monotonic clock (for overlay aging)."""
-    return time.monotonic() - (time.time() - wall)
+        if not out and full_by_overlay:
+            return full_by_overlay, f"{len(self.edges)} edges: {detail}", True
+        return out, f"{len(self.edges)} edges: {detail}", False

@@ -16,12 +16,16 @@ async def main() -> None:
     cfg = load(PlacementConfig, "PLACEMENT")
     setup_logging("placement", cfg.log_level, cfg.log_format)
     setup_tracing("placement", cfg.otlp_endpoint)
-    placer = Placer(k=cfg.k, max_candidates=cfg.max_candidates, burst_threshold=cfg.burst_threshold)
+    placer = Placer(
+        k=cfg.k,
+        max_candidates=cfg.max_candidates,
+        burst_threshold=cfg.burst_threshold,
+        overlay_grace_s=cfg.overlay_grace_s,
+    )
     follower = SnapshotFollower(placer, cfg.watcher)
     server = GrpcServer("placement", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    server.add(
-        PlacementServicer(placer, follower, cfg.snapshot_max_age_s),
-        "dsec.placement.v1.PlacementService",
-    )
+    servicer = PlacementServicer(placer, follower, cfg.snapshot_max_age_s)
+    server.add(servicer, "dsec.placement.v1.PlacementService")
     server.background(follower.run)
+    server.background(lambda: servicer.report_view_health(server.health))
     await server.run()

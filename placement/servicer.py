@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
+
+from grpc_health.v1 import health_pb2
 
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, Unavailable
+from libdsec.errors import DSecError, InvalidArgument, Unavailable
 from placement.follower import SnapshotFollower
 from placement.policy import Placer, Request
+
+log = logging.getLogger(__name__)
+
+
+def log_view_change(before: str, after: str, age_s: float) -> None:
+    level = logging.INFO if after == "FRESH" else logging.WARNING
+    log.log(
+        level,
+        "cluster view %s -> %s (last watcher message %.1f s ago)",
+        before,
+        after,
+        age_s,
+        extra={"view_state": after},
+    )
 
 
 def _request(item: placement_pb2.PlacementItem) -> Request:
@@ -30,11 +47,21 @@ def _request(item: placement_pb2.PlacementItem) -> Request:
     )
 
 
+#: Health service name whose status tells operators whether the view is fresh.
+VIEW_HEALTH = "dsec.placement.v1.ClusterView"
+
+#: Sandboxes per PlaceSandboxGroups call.
+MAX_GROUP_TOTAL = 100_000
+
+
 class PlacementServicer:
     def __init__(self, placer: Placer, follower: SnapshotFollower, max_age_s: float) -> None:
         self.placer = placer
         self.follower = follower
         self.max_age_s = max_age_s
+
+    def view_state(self) -> str:
+        return self.follower.view_state(self.max_age_s)
 
     async def _check_view(self) -> None:
         if not self.follower.has_view.is_set():
@@ -75,9 +102,75 @@ class PlacementServicer:
             placements=[self._place(i) for i in request.items]
         )
 
+    async def PlaceSandboxGroups(
+        self, request: placement_pb2.PlaceSandboxGroupsRequest, context: Any
+    ) -> placement_pb2.PlaceSandboxGroupsResponse:
+        if sum(g.count for g in request.groups) > MAX_GROUP_TOTAL:
+            raise InvalidArgument(f"at most {MAX_GROUP_TOTAL} sandboxes per call")
+        await self._check_view()
+        resp = placement_pb2.PlaceSandboxGroupsResponse()
+        table: dict[str, int] = {}
+        for group in request.groups:
+            cands, chosen, err = self.placer.place_group(
+                _request(group.item), group.count, group.clump
+            )
+            mapping = []
+            for c in cands:
+                i = table.get(c.edge_id)
+                if i is None:
+                    i = table[c.edge_id] = len(resp.edges)
+                    resp.edges.add(edge_id=c.edge_id, address=c.address, cloud=c.cloud)
+                mapping.append(i)
+            gp = resp.placements.add()
+            gp.edge_indexes.extend([mapping[i] for i in chosen])
+            if err is not None:
+                gp.error_code = err.code.value[0]
+                gp.error_reason = err.reason
+                gp.error_message = err.message
+        return resp
+
+    async def GetPlacementStatus(
+        self, request: placement_pb2.GetPlacementStatusRequest, context: Any
+    ) -> placement_pb2.GetPlacementStatusResponse:
+        edges = self.placer.edges.values()
+        age = self.follower.age_s
+        return placement_pb2.GetPlacementStatusResponse(
+            view_state=placement_pb2.ViewState.Value("VIEW_STATE_" + self.view_state()),  # type: ignore[arg-type]
+            watcher_connected=self.follower.connected,
+            view_age_s=-1.0 if age == float("inf") else age,
+            snapshot_max_age_s=self.max_age_s,
+            edges=len(edges),
+            healthy_edges=sum(1 for e in edges if e.healthy),
+            overlay_entries=self.placer.overlay_entries(),
+            placed_total=self.placer.placed_total,
+        )
+
+    async def report_view_health(self, health: Any, interval_s: float = 0.5) -> None:
+        """Keeps the health of VIEW_HEALTH in step with the view: SERVING only when FRESH."""
+        last = None
+        while True:
+            state = self.view_state()
+            if state != last:
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if state == "FRESH"
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                await health.set(VIEW_HEALTH, status)
+                if last is not None:
+                    log_view_change(last, state, self.follower.age_s)
+                last = state
+            await asyncio.sleep(interval_s)
+
     async def ReportOutcome(
         self, request: placement_pb2.ReportOutcomeRequest, context: Any
     ) -> placement_pb2.ReportOutcomeResponse:
-        if request.outcome in (placement_pb2.OUTCOME_REJECTED, placement_pb2.OUTCOME_UNREACHABLE):
-            self.placer.forget(request.edge_id, request.cpu_millis, request.memory_mb)
+        if request.outcome in (
+            placement_pb2.OUTCOME_REJECTED,
+            placement_pb2.OUTCOME_UNREACHABLE,
+            placement_pb2.OUTCOME_UNUSED,
+        ):
+            self.placer.forget(
+                request.edge_id, request.cpu_millis, request.memory_mb, request.count or 1
+            )
         return placement_pb2.ReportOutcomeResponse()

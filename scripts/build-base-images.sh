@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build dsec's standard base images from Debian packages (run as root).
 #
-#   scripts/build-base-images.sh [busybox|bookworm ...]   (default: all)
+#   scripts/build-base-images.sh [busybox|bookworm|python ...]   (default: all)
 #
 # For each image NAME this leaves in ${DSEC_IMAGE_DIR:-/var/lib/dsec/images}:
 #   NAME.erofs    read-only EROFS image (lz4hc), the lower layer of a container's overlay
@@ -19,13 +19,16 @@
 set -euo pipefail
 
 IMAGE_DIR=${DSEC_IMAGE_DIR:-/var/lib/dsec/images}
-ALL_IMAGES=(busybox bookworm)
+ALL_IMAGES=(busybox bookworm python)
 
 # Bump to force a rebuild of every image after a change the recipes below do not capture.
 RECIPE_VERSION=1
 MKFS_OPTS=(--quiet --all-root -zlz4hc)
 BOOKWORM_SUITE=bookworm
 BOOKWORM_INCLUDE=python3,git,gcc,g++,make,ca-certificates,procps
+# The FnCall python environment (edge/fncall): bookworm plus numpy, which its warm interpreters
+# pre-import. A separate image, so the bookworm image (and everything built on it) stays as is.
+PYTHON_INCLUDE=$BOOKWORM_INCLUDE,python3-numpy
 
 log() { printf 'build-base-images: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -150,6 +153,32 @@ recipe_bookworm() {
         "$RECIPE_VERSION" "${MKFS_OPTS[*]}" "$BOOKWORM_SUITE" "$BOOKWORM_INCLUDE" \
         "$(dpkg-query -W -f='${Version}' debootstrap)"
     declare -f build_bookworm_rootfs
+}
+
+build_python_rootfs() {
+    local root=$1 mirror
+    mirror=$(detect_mirror)
+    log "debootstrap $BOOKWORM_SUITE + python3-numpy from $mirror (takes a few minutes)"
+    debootstrap --variant=minbase --include="$PYTHON_INCLUDE" \
+        "$BOOKWORM_SUITE" "$root" "$mirror" >"$root.debootstrap.log" 2>&1 || {
+        tail -n 30 "$root.debootstrap.log" >&2
+        die "debootstrap failed (log above)"
+    }
+    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/cache/apt/archives/partial/* \
+        "$root"/var/cache/apt/*.bin "$root"/var/lib/apt/lists/*
+    mkdir -p "$root/var/lib/apt/lists/partial"
+    : >"$root/etc/resolv.conf"
+    echo sandbox >"$root/etc/hostname"
+    mkdir -p "$root/work"
+    # A broken image must fail here, not in every warm pool at start.
+    chroot "$root" /usr/bin/python3 -c 'import numpy' || die "numpy does not import in $root"
+}
+
+recipe_python() {
+    printf 'recipe-version=%s\nmkfs=%s\nsuite=%s\ninclude=%s\ndebootstrap=%s\n' \
+        "$RECIPE_VERSION" "${MKFS_OPTS[*]}" "$BOOKWORM_SUITE" "$PYTHON_INCLUDE" \
+        "$(dpkg-query -W -f='${Version}' debootstrap)"
+    declare -f build_python_rootfs
 }
 
 # --------------------------------------------------------------------------- steps

@@ -9,7 +9,7 @@
 # only checks (well under 3 s). Environment:
 #   SKIP_PIP=1      do not run pip (e.g. no pyproject.toml yet)
 #   SKIP_DOCKER=1   neither start dockerd nor docker-import the base images
-#   SKIP_IMAGES=1   do not build the base images
+#   SKIP_IMAGES=1   do not build the base images (nor import them into the layer store)
 #   DSEC_IMAGE_DIR  where the base images go (default /var/lib/dsec/images)
 set -euo pipefail
 
@@ -24,6 +24,7 @@ APT_PACKAGES=(
     runc docker.io erofs-utils debootstrap busybox-static bpftool clang llvm iproute2
     python3-venv python3-dev python3.11 socat jq tini libseccomp2 git make gcc curl
     ca-certificates util-linux procps psmisc postgresql
+    nftables iptables e2fsprogs # sandbox networking (NAT, firewall); disk quotas (mkfs.ext4)
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -139,6 +140,11 @@ if [[ ${SKIP_IMAGES:-0} == 1 ]]; then
     images_state="images skipped"
 else
     "$REPO/scripts/build-base-images.sh" >&2
+    # ... and into the layer store as environments (idempotent: a no-op when up to date).
+    if [[ ${SKIP_PIP:-0} != 1 ]]; then
+        (cd "$REPO" && "$VENV/bin/python" -m edge.layers import-base >&2) ||
+            die "importing the base images into the layer store failed"
+    fi
     images_state="images ok"
 fi
 

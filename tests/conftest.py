@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
+from tests.pgserver import PostgresServer, start_postgres
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -31,6 +32,14 @@ def print_log_tails(cluster: LocalCluster, header: str) -> None:
 
 
 def start_cluster(home: Path, **kw: object) -> LocalCluster:
+    # Each test edge gets a cgroup parent of its own: an edge removes every child of its
+    # parent it does not know as an orphan, so test clusters sharing "dsec" (or a local
+    # cluster's) would kill each other's sandboxes.
+    for e in kw.get("edges") or []:  # type: ignore[attr-defined]
+        if isinstance(e, EdgeSpec) and e.runtime == "container":
+            e.extra_env.setdefault(
+                "DSEC_EDGE_CGROUP_PARENT", f"dsec-test-{os.getpid()}-{e.edge_id}"
+            )
     c = LocalCluster(
         home,
         transport="unix",
@@ -49,6 +58,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server (Debian package binaries) for the session, always stopped."""
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,16 @@ class WatcherConfig(ServiceConfig):
     forget_after_s: float = 300.0
     #: Edges re-register this often (told to them in RegisterEdgeResponse).
     reregister_interval_s: int = 5
+    #: IAM, for quota reconciliation against what edges report ("" = no reconciliation).
+    iam: str = ""
+    #: How often each edge's live sandbox ids are compared with IAM's reservations.
+    reconcile_interval_s: float = 5.0
+    #: Reservations younger than this are never released by reconciliation
+    #: (the sandbox may still be on its way to the edge).
+    reconcile_grace_s: float = 30.0
+    #: An edge UNHEALTHY this long (or holding reservations while unknown to
+    #: this watcher this long) is gone: every reservation on it is released.
+    release_gone_after_s: float = 120.0
 
     def validate(self) -> None:
         super().validate()
@@ -26,3 +36,7 @@ class WatcherConfig(ServiceConfig):
             raise ConfigError("probe interval and timeout must be > 0")
         if self.unhealthy_after < 1:
             raise ConfigError("DSEC_WATCHER_UNHEALTHY_AFTER must be >= 1")
+        if self.reconcile_interval_s <= 0 or self.reconcile_grace_s < 0:
+            raise ConfigError("reconcile interval must be > 0 and grace >= 0")
+        if self.release_gone_after_s <= 0:
+            raise ConfigError("DSEC_WATCHER_RELEASE_GONE_AFTER_S must be > 0")

@@ -10,16 +10,24 @@ import grpc
 
 from common.channels import open_channel
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+from watcher.reconciler import Reconciler
 from watcher.view import ClusterView
 
 log = logging.getLogger(__name__)
 
 
 class Prober:
-    def __init__(self, view: ClusterView, interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        view: ClusterView,
+        interval_s: float,
+        timeout_s: float,
+        reconciler: Reconciler | None = None,
+    ) -> None:
         self.view = view
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.reconciler = reconciler
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
 
     def _stub(self, edge_id: str, address: str) -> edge_pb2_grpc.EdgeServiceStub:
@@ -36,9 +44,14 @@ class Prober:
         if entry is None:
             return
         stub = self._stub(edge_id, entry.info.address)
+        with_ids = self.reconciler is not None and self.reconciler.wants_ids(edge_id)
+        started_at = time.time()
         start = time.perf_counter()
         try:
-            resp = await stub.GetNodeStatus(edge_pb2.GetNodeStatusRequest(), timeout=self.timeout_s)
+            resp = await stub.GetNodeStatus(
+                edge_pb2.GetNodeStatusRequest(include_sandbox_ids=with_ids),
+                timeout=self.timeout_s,
+            )
         except grpc.aio.AioRpcError as exc:
             self.view.probe_failed(edge_id, f"{exc.code().name}: {exc.details()}")
             return
@@ -46,10 +59,13 @@ class Prober:
             edge_id,
             resp.load,
             dict(resp.sandboxes_by_project),
+            dict(resp.sandboxes_by_principal),
             dict(resp.sandboxes_by_task),
             resp.draining,
             (time.perf_counter() - start) * 1000,
         )
+        if with_ids and self.reconciler is not None:
+            self.reconciler.report(edge_id, list(resp.live_sandbox_ids), started_at)
 
     async def run(self) -> None:
         try:

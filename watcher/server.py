@@ -8,6 +8,7 @@ from common.telemetry import setup_logging, setup_tracing
 from dsec.watcher.v1 import watcher_pb2  # noqa: F401  (registers the service descriptor)
 from watcher.config import WatcherConfig
 from watcher.prober import Prober
+from watcher.reconciler import Reconciler
 from watcher.servicer import WatcherServicer
 from watcher.view import ClusterView
 
@@ -19,5 +20,15 @@ async def main() -> None:
     view = ClusterView(cfg.unhealthy_after, cfg.forget_after_s)
     server = GrpcServer("watcher", cfg.listen, grace_s=cfg.shutdown_grace_s)
     server.add(WatcherServicer(view, cfg.reregister_interval_s), "dsec.watcher.v1.WatcherService")
-    server.background(Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s).run)
+    reconciler = None
+    if cfg.iam:
+        reconciler = Reconciler(
+            view,
+            cfg.iam,
+            interval_s=cfg.reconcile_interval_s,
+            grace_s=cfg.reconcile_grace_s,
+            gone_after_s=cfg.release_gone_after_s,
+        )
+        server.background(reconciler.run)
+    server.background(Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s, reconciler).run)
     await server.run()

@@ -24,17 +24,23 @@ def edge_status_pb(e: EdgeEntry) -> watcher_pb2.EdgeStatus:
         consecutive_failures=e.consecutive_failures,
         last_error=e.last_error,
         probe_latency_ms=e.probe_latency_ms,
+        sandboxes_by_project=e.by_project,
+        sandboxes_by_principal=e.by_principal,
+        sandboxes_by_task=e.by_task,
     )
 
 
 def snapshot_pb(view: ClusterView) -> watcher_pb2.ClusterSnapshot:
-    by_project, by_task = view.totals()
+    by_project, by_principal, by_task = view.totals()
+    now = time.time()
     return watcher_pb2.ClusterSnapshot(
         version=view.version,
         edges=[edge_status_pb(e) for e in sorted(view.edges.values(), key=lambda e: e.edge_id)],
         sandboxes_by_project=by_project,
+        sandboxes_by_principal=by_principal,
         sandboxes_by_task=by_task,
-        taken_at=ts(time.time()),
+        taken_at=ts(now),
+        uptime_s=now - view.started_at,
     )
 
 

@@ -20,6 +20,7 @@ class EdgeEntry:
     health: str = "HEALTHY"  # HEALTHY, UNHEALTHY, DRAINING
     load: Any = None  # dsec.types.v1.EdgeLoad of the last good probe
     by_project: dict[str, int] = field(default_factory=dict)
+    by_principal: dict[str, int] = field(default_factory=dict)
     by_task: dict[str, int] = field(default_factory=dict)
     last_probe_at: float = 0.0
     last_ok_at: float = 0.0
@@ -32,6 +33,7 @@ class ClusterView:
     def __init__(self, unhealthy_after: int, forget_after_s: float) -> None:
         self.edges: dict[str, EdgeEntry] = {}
         self.version = 0
+        self.started_at = time.time()
         self.unhealthy_after = unhealthy_after
         self.forget_after_s = forget_after_s
         self._subscribers: set[asyncio.Queue[tuple[str, Any]]] = set()
@@ -60,6 +62,7 @@ class ClusterView:
         edge_id: str,
         load: Any,
         by_project: dict[str, int],
+        by_principal: dict[str, int],
         by_task: dict[str, int],
         draining: bool,
         latency_ms: float,
@@ -70,6 +73,7 @@ class ClusterView:
         now = time.time()
         entry.load = load
         entry.by_project = by_project
+        entry.by_principal = by_principal
         entry.by_task = by_task
         entry.last_probe_at = entry.last_ok_at = now
         entry.consecutive_failures = 0
@@ -95,15 +99,28 @@ class ClusterView:
             del self.edges[edge_id]
             self._publish("removed", edge_id)
 
-    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+    def totals(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Live sandboxes across edges per project, per principal and per task."""
         by_project: dict[str, int] = {}
+        by_principal: dict[str, int] = {}
         by_task: dict[str, int] = {}
         for e in self.edges.values():
             for k, v in e.by_project.items():
                 by_project[k] = by_project.get(k, 0) + v
+            for k, v in e.by_principal.items():
+                by_principal[k] = by_principal.get(k, 0) + v
             for k, v in e.by_task.items():
                 by_task[k] = by_task.get(k, 0) + v
-        return by_project, by_task
+        return by_project, by_principal, by_task
+
+    def gone(self, after_s: float, now: float | None = None) -> list[str]:
+        """Edges UNHEALTHY whose last good probe (or registration) is older than ``after_s``."""
+        now = time.time() if now is None else now
+        return [
+            e.edge_id
+            for e in self.edges.values()
+            if e.health == "UNHEALTHY" and now - max(e.last_ok_at, e.registered_at) > after_s
+        ]
 
     def subscribe(self) -> asyncio.Queue[tuple[str, Any]]:
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=10_000)

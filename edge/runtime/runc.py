@@ -8,7 +8,8 @@ Layout under `state_dir` (one per edge; nothing outside it is ours except cgroup
         record.json       what create() acquired (layers, toolkit, cgroup); written first
         config.json       the OCI bundle (the sandbox dir IS the bundle)
         rootfs/           overlay mount target
-        upper/ work/      overlay writable layer (pack_diff reads upper/)
+        upper/ work/      overlay writable layer (pack_diff reads upper/); with a disk quota
+                          (disk.py) they are on disk.img mounted at disk/, upper a symlink
         etc/              hosts, hostname, resolv.conf bind-mounted into the sandbox
         runc.log          runc's own log (JSON); its error is what RuntimeStartError carries
         init.pid          pid 1 of the sandbox, host pid namespace
@@ -44,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge.runtime import cgroups
+from edge.runtime import cgroups, disk
 from edge.runtime.bundle import NOFILE, make_config, write_config, write_etc_files
 from edge.runtime.errors import (
     InvalidLaunchSpecError,
@@ -260,7 +261,7 @@ class RuncRuntime:
             os.fspath(sdir / "init.pid"),
         )
         if spec.pass_fd is not None:
-            argv += ["--preserve-fds", "1"]
+            argv += ["--preserve-fds", str(1 + len(spec.extra_fds))]
         argv.append(spec.sandbox_id)
 
         opened: list[int] = []
@@ -290,6 +291,8 @@ class RuncRuntime:
             ]
             if spec.pass_fd is not None:
                 actions.append((os.POSIX_SPAWN_DUP2, high(spec.pass_fd), 3))
+                for i, fd in enumerate(spec.extra_fds):
+                    actions.append((os.POSIX_SPAWN_DUP2, high(fd), 4 + i))
             pid = os.posix_spawn(
                 self.runc,
                 argv,
@@ -360,13 +363,19 @@ class RuncRuntime:
                 undo.push(functools.partial(self.layers.release, toolkit, _holder(sid, "toolkit")))
 
             rootfs, upper, work = sdir / "rootfs", sdir / "upper", sdir / "work"
-            for d in (rootfs, upper, work):
-                d.mkdir()
+            rootfs.mkdir()
+            if spec.disk_mb:
+                undo.push(lambda: umount_quiet(sdir / "disk"))
+                upper, work = disk.create(sdir, spec.disk_mb)
+                (sdir / "upper").symlink_to(upper.relative_to(sdir))
+            else:
+                upper.mkdir()
+                work.mkdir()
             mount_overlay(lower_dirs, upper, work, rootfs)
             undo.push(lambda: umount_quiet(rootfs))
 
             host = spec.effective_hostname
-            write_etc_files(sdir / "etc", host)
+            write_etc_files(sdir / "etc", host, nameservers=spec.dns_servers)
             config = make_config(
                 spec,
                 rootfs=rootfs,

@@ -16,6 +16,15 @@ _ENV_KEY_RE = re.compile(r"[^=\0]+")
 
 
 @dataclass(frozen=True)
+class BindMount:
+    """A host directory shown at `target` inside the sandbox."""
+
+    source: Path
+    target: str
+    readonly: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """One sandbox as the runtime sees it: layers, pid 1 and limits.
 
@@ -36,6 +45,16 @@ class LaunchSpec:
     pass_fd: int | None = None
     log_path: Path | None = None
     netns_path: str | None = None
+    #: More descriptors for pid 1, as fds 4, 5, ... (after pass_fd, which must be set).
+    extra_fds: tuple[int, ...] = ()
+    #: Nameservers of the sandbox's resolv.conf; None = the host's (minus loopback ones).
+    dns_servers: tuple[str, ...] | None = None
+    #: Quota of the writable layer in MiB (a size-limited filesystem); 0 = none.
+    disk_mb: int = 0
+    #: Extra bind mounts (host directory -> path in the sandbox).
+    binds: tuple[BindMount, ...] = ()
+    #: AppArmor profile of every process of the sandbox ("" = none; hosts without AppArmor).
+    apparmor_profile: str = ""
 
     @property
     def effective_hostname(self) -> str:
@@ -81,6 +100,17 @@ class LaunchSpec:
             raise InvalidLaunchSpecError(f"pass_fd {self.pass_fd} is not a file descriptor")
         if self.netns_path is not None and not os.path.exists(self.netns_path):
             raise InvalidLaunchSpecError(f"netns {self.netns_path!r} does not exist")
+        if self.extra_fds and self.pass_fd is None:
+            raise InvalidLaunchSpecError("extra_fds need pass_fd (they follow it as fd 4, 5, ...)")
+        if any(fd < 0 for fd in self.extra_fds):
+            raise InvalidLaunchSpecError(f"extra_fds {self.extra_fds} are not all descriptors")
+        if self.disk_mb < 0 or 0 < self.disk_mb < 16:
+            raise InvalidLaunchSpecError(f"disk_mb {self.disk_mb} must be 0 (none) or >= 16")
+        for b in self.binds:
+            if not b.target.startswith("/") or ".." in b.target.split("/"):
+                raise InvalidLaunchSpecError(f"bind target {b.target!r} must be absolute, no ..")
+            if not b.source.is_dir():
+                raise InvalidLaunchSpecError(f"bind source {os.fspath(b.source)!r} is no directory")
 
 
 class SandboxStatus(enum.Enum):

@@ -46,7 +46,9 @@ def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loca
         home,
         edges=[
             EdgeSpec(
-                edge_id="ctr0", runtime="container", extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES)}
+                edge_id="ctr0",
+                runtime="container",
+                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
             )
         ],
     )
@@ -376,7 +378,9 @@ def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> N
         tmp_path,
         edges=[
             EdgeSpec(
-                edge_id="rst", runtime="container", extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES)}
+                edge_id="rst",
+                runtime="container",
+                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
             )
         ],
     )

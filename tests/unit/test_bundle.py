@@ -86,12 +86,14 @@ def test_masked_and_readonly_paths() -> None:
     for p in (
         "/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/proc/kcore", "/proc/keys",
         "/proc/timer_list", "/proc/sched_debug", "/sys/firmware", "/proc/scsi", "/proc/acpi",
-        "/proc/asound", "/proc/latency_stats", "/proc/timer_stats",
+        "/proc/asound", "/proc/latency_stats", "/proc/timer_stats", "/proc/sysrq-trigger",
+        "/sys/kernel/mm/page_idle", "/proc/kmsg", "/proc/slabinfo", "/proc/vmallocinfo",
     ):  # fmt: skip
         assert p in linux["maskedPaths"]
     assert set(linux["readonlyPaths"]) >= {
-        "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+        "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
     }  # fmt: skip
+    assert not set(linux["readonlyPaths"]) & set(linux["maskedPaths"])
 
 
 def test_namespaces_new_netns_by_default_and_join_when_given() -> None:
@@ -167,8 +169,31 @@ def test_seccomp_is_dockers_default_profile() -> None:
     assert {"read", "write", "openat", "execve", "clone", "wait4"} <= allowed
     for forbidden in ("keyctl", "add_key", "unshare", "mount", "bpf", "ptrace_foo", "kexec_load"):
         assert forbidden not in allowed
-    assert sec == default_seccomp()
+    # Docker's profile, except io_uring: refused with ENOSYS so programs fall back.
+    for uring in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
+        assert uring not in allowed
+    refused = [r for r in sec["syscalls"] if "io_uring_setup" in r["names"]]
+    assert refused == [
+        {
+            "names": ["io_uring_enter", "io_uring_register", "io_uring_setup"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 38,
+        }
+    ]
+    docker = default_seccomp()
+    assert [r for r in sec["syscalls"] if r not in refused] != docker["syscalls"]
+    assert sec["defaultAction"] == docker["defaultAction"]
     assert "seccomp" not in _config(use_seccomp=False)["linux"]
+
+
+def test_extra_binds_and_edge_nameservers() -> None:
+    from edge.runtime.spec import BindMount
+
+    cfg = _config(_spec(binds=(BindMount(Path("/stage/work"), "/work", readonly=True),)))
+    m = _mount(cfg, "/work")
+    assert m["source"] == "/stage/work" and {"rbind", "ro", "nosuid", "nodev"} <= set(m["options"])
+    text = resolv_conf("nameserver 10.0.0.2\n", nameservers=("10.231.0.1",))
+    assert text.splitlines()[0] == "nameserver 10.231.0.1" and "10.0.0.2" not in text
 
 
 def test_default_seccomp_returns_independent_copies() -> None:

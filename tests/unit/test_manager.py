@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -130,3 +131,61 @@ async def test_recovery_readopts_live_sandboxes_and_fails_lost_ones(tmp_path: Pa
     assert lost.state == "TERMINATED" and lost.termination_reason == "RUNTIME_ERROR"
     assert backend.cleaned == {"sb-e1-aaaaaa01"}
     assert m2.load().sandboxes == 1
+
+
+async def test_create_many_admits_in_order_up_to_capacity(tmp_path: Path) -> None:
+    m = manager(tmp_path, cpu=10_000, mem=10_000, n=3)
+    spec = SandboxSpec(cpu_millis=100, memory_mb=10)
+    await m.create("sb-e1-aaaaaa00", spec, "root", "p", wait_ready=True)
+    items = [(f"sb-e1-bbbbbb0{i}", spec) for i in range(3)]
+    items.insert(1, ("sb-e1-aaaaaa00", spec))  # already there: reported, not re-admitted
+    items.append(("sb-e2-cccccc01", spec))  # not this edge's id
+    out = await m.create_many(items, "root/a", "p", wait_ready=True)
+    assert [(r is not None, existed, type(e).__name__) for r, existed, e in out] == [
+        (True, False, "NoneType"),
+        (True, True, "NoneType"),
+        (True, False, "NoneType"),
+        (False, False, "EdgeCapacity"),  # the 4th live sandbox of an edge that holds 3
+        (False, False, "InvalidArgument"),
+    ]
+    assert all(r.state == "RUNNING" for r, _, _ in out if r is not None)
+    assert m.load().sandboxes == 3 and m.load().cpu_millis == 300
+    a, b = out[0][0], out[2][0]
+    assert a is not None and b is not None and a.spec is not b.spec  # one can change alone
+
+
+async def test_create_many_without_waiting_starts_in_the_background(tmp_path: Path) -> None:
+    m = manager(tmp_path, cpu=100_000, mem=100_000, n=1000)
+    spec = SandboxSpec(cpu_millis=10, memory_mb=1)
+    ends = m.subscribe(terminal_only=True)
+    every = m.subscribe()
+    out = await m.create_many(
+        [(f"sb-e1-dddd{i:04d}", spec) for i in range(500)], "root", "p", wait_ready=False
+    )
+    assert all(e is None for _, _, e in out)
+    assert {r.state for r, _, _ in out if r is not None} == {"PENDING"}  # admitted, not started
+    for _ in range(100):
+        if all(r is not None and r.state == "RUNNING" for r, _, _ in out):
+            break
+        await asyncio.sleep(0.01)
+    assert all(r is not None and r.state == "RUNNING" for r, _, _ in out)
+    assert ends.empty()  # quota releasers see only sandboxes that end
+    assert every.qsize() >= 500
+    await m.stop("sb-e1-dddd0000")
+    assert ends.get_nowait().state == "TERMINATED"
+
+
+async def test_live_counts_follow_creates_and_ends(tmp_path: Path) -> None:
+    m = manager(tmp_path, cpu=100_000, mem=100_000, n=100)
+    a = SandboxSpec(cpu_millis=10, memory_mb=1, task_id="t1")
+    b = SandboxSpec(cpu_millis=10, memory_mb=1, backend="CONTAINER")
+    await m.create_many(
+        [("sb-e1-aaaa0001", a), ("sb-e1-aaaa0002", a)], "root/x", "tok1", wait_ready=True
+    )
+    await m.create("sb-e1-aaaa0003", b, "root/y", "tok2", wait_ready=True)
+    assert m.live_counts() == ({"root/x": 2, "root/y": 1}, {"tok1": 2, "tok2": 1}, {"t1": 2})
+    assert m.load().by_backend == {"CONTAINER": 3}
+    await m.stop("sb-e1-aaaa0001")
+    await m.stop("sb-e1-aaaa0003")
+    assert m.live_counts() == ({"root/x": 1}, {"tok1": 1}, {"t1": 1})
+    assert m.load().sandboxes == 1

@@ -110,3 +110,91 @@ def test_a_fresh_snapshot_drops_overlay_entries_it_already_counts() -> None:
     time.sleep(0.01)
     placer.update([edge(0, cpu=2000)])  # probed after the placement: it is in the snapshot now
     assert placer.score(placer.edges["e0"]) == pytest.approx(2000 / 8000)
+
+
+def test_place_group_balances_a_burst_like_one_decision_per_sandbox() -> None:
+    """32,768 sandboxes over 16 edges in one call: max/mean load <= 1.2 (the target),
+    in fact ~1.0; uniform random placement on the same edges is measurably worse."""
+    edges = [edge(i, cap=10**9) for i in range(16)]
+    placer = Placer(k=2, rng=random.Random(7))
+    placer.update(edges)
+    table, chosen, err = placer.place_group(Request("CONTAINER", 100, 1), 32_768)
+    assert err is None and len(chosen) == 32_768
+    counts = [0] * len(table)
+    for i in chosen:
+        counts[i] += 1
+    mean = 32_768 / 16
+    assert max(counts) / mean <= 1.01
+    rng = random.Random(7)
+    uniform = [0] * 16
+    for _ in range(32_768):
+        uniform[rng.randrange(16)] += 1
+    assert max(uniform) / mean > max(counts) / mean
+    # The overlay now holds the burst, so the next decision sees the load.
+    assert placer.overlay_entries() == 32_768
+    e0 = next(i for i, c in enumerate(table) if c.edge_id == "e0")
+    assert placer._effective(placer.edges["e0"])[:2] == (counts[e0] * 100, counts[e0])
+
+
+def test_place_group_clumps_small_batches_onto_few_edges() -> None:
+    placer = Placer(k=2, rng=random.Random(3))
+    placer.update([edge(i, cap=10**9) for i in range(16)])
+    _, chosen, err = placer.place_group(Request("CONTAINER", 100, 1), 32, clump=8)
+    assert err is None and len(chosen) == 32
+    assert len(set(chosen)) <= 4  # 4 decisions of 8
+    # Over many batches, the imbalance stays within a clump.
+    for _ in range(200):
+        placer.place_group(Request("CONTAINER", 100, 1), 32, clump=8)
+    loads = [placer._effective(e)[3] for e in placer.edges.values()]
+    assert max(loads) - min(loads) <= 3 * 8
+
+
+def test_place_group_places_what_fits_and_names_why_the_rest_did_not() -> None:
+    placer = Placer(k=2, rng=random.Random(0))
+    placer.update([edge(0, cap=1000), edge(1, cap=1000), edge(2, backends=("VM",))])
+    table, chosen, err = placer.place_group(Request("CONTAINER", 300, 1), 10)
+    assert len(chosen) == 6  # 3 per edge of 1000 millis
+    assert isinstance(err, NoEligibleEdge) and "6 of 10 placed" in str(err)
+    assert {table[i].edge_id for i in chosen} == {"e0", "e1"}
+    _, chosen, err = placer.place_group(Request("CONTAINER", 1500, 1), 1)
+    assert chosen == [] and err is not None and "2 not enough free capacity" in str(err)
+
+
+def test_place_group_bursts_to_cloud_past_the_threshold() -> None:
+    placer = Placer(k=2, burst_threshold=0.5, rng=random.Random(0))
+    placer.update([edge(0, cap=10_000), edge(1, cap=10_000), edge(9, cloud=True, cap=10**6)])
+    table, chosen, err = placer.place_group(Request("CONTAINER", 1000, 1), 30)
+    assert err is None
+    where = [table[i].cloud for i in chosen]
+    # On-prem first; once it passes 50% (cpu and memory averaged), the rest goes to the cloud.
+    assert not any(where[:10]) and all(where[-5:])
+
+
+def test_overlay_keeps_running_sums_and_forgets_rejections() -> None:
+    placer = Placer(k=1, rng=random.Random(0), overlay_grace_s=0.0)
+    placer.update([edge(0)])
+    placer.record("e0", 1000, 10, count=3)
+    assert placer._effective(placer.edges["e0"])[:2] == (3000, 10 * 3)
+    placer.forget("e0", 1000, 10)
+    assert placer.overlay_entries() == 2
+    time.sleep(0.01)
+    placer.update_edge(edge(0, cpu=2000))  # probed after the placements: they are counted
+    assert placer.overlay_entries() == 0
+    assert placer._effective(placer.edges["e0"])[0] == 2000
+
+
+def test_when_only_the_overlay_makes_edges_look_full_the_edges_decide() -> None:
+    """Placements that never landed (or have not yet) must not make a cluster look
+    full for longer than the snapshot says: the edge keeps final admission."""
+    placer = Placer(k=2, rng=random.Random(0))
+    placer.update([edge(0, cap=1000), edge(1, cap=1000)])
+    _, chosen, err = placer.place_group(Request("CONTAINER", 500, 1), 4)
+    assert err is None and len(chosen) == 4  # both edges now full in the overlay
+    _, chosen, err = placer.place_group(Request("CONTAINER", 500, 1), 2)
+    assert err is None and len(chosen) == 2  # the snapshot says they are empty
+    assert placer.place(Request("CONTAINER", 500, 1))
+    with pytest.raises(NoEligibleEdge):  # genuinely too big, overlay or not
+        placer.place(Request("CONTAINER", 1500, 1))
+    placer.forget("e0", 500, 1, count=10)
+    placer.forget("e1", 500, 1, count=10)
+    assert placer.overlay_entries() == 0

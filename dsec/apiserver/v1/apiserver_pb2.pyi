@@ -111,11 +111,32 @@ class CreateSandboxResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INDEX_FIELD_NUMBER: _builtins.int
     SANDBOX_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     error_code: _builtins.int
     """google.rpc.Code; 0 = OK"""
@@ -124,6 +145,10 @@ class CreateSandboxResult(_message.Message):
     error_message: _builtins.str
     @_builtins.property
     def sandbox(self) -> _types_pb2.Sandbox: ...
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as in ErrorInfo, e.g. "project" of QUOTA_EXCEEDED"""
+
     def __init__(
         self,
         *,
@@ -132,10 +157,11 @@ class CreateSandboxResult(_message.Message):
         error_code: _builtins.int = ...,
         error_reason: _builtins.str = ...,
         error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason", "index", b"index", "sandbox", b"sandbox"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "index", b"index", "sandbox", b"sandbox"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -870,19 +896,31 @@ class ImportImageRequest(_message.Message):
 
     SOURCE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    ALL_ROOT_FIELD_NUMBER: _builtins.int
     source: _builtins.str
     """"docker:repo:tag", "dir:/path", "tar:/path.tar" """
     name: _builtins.str
     """environment name:tag to register"""
+    kind: _types_pb2.LayerKind.ValueType
+    """of a dir:/tar: import; UNSPECIFIED = base (workspace with `base`)"""
+    base: _builtins.str
+    """environment the new layer goes on top of"""
+    all_root: _builtins.bool
+    """dir: import with every file owned by root"""
     def __init__(
         self,
         *,
         source: _builtins.str = ...,
         name: _builtins.str = ...,
+        kind: _types_pb2.LayerKind.ValueType = ...,
+        base: _builtins.str = ...,
+        all_root: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_root", b"all_root", "base", b"base", "kind", b"kind", "name", b"name", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -907,6 +945,96 @@ class ImportImageResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImportImageResponse: _TypeAlias = ImportImageResponse  # noqa: Y015
+
+@_typing.final
+class ComposeEnvironmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    WORKSPACE_FIELD_NUMBER: _builtins.int
+    TOOLKITS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the new environment, name:tag"""
+    base: _builtins.str
+    workspace: _builtins.str
+    """"" = none"""
+    @_builtins.property
+    def toolkits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        base: _builtins.str = ...,
+        workspace: _builtins.str = ...,
+        toolkits: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "name", b"name", "toolkits", b"toolkits", "workspace", b"workspace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComposeEnvironmentRequest: _TypeAlias = ComposeEnvironmentRequest  # noqa: Y015
+
+@_typing.final
+class ComposeEnvironmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def environment(self) -> _types_pb2.Environment: ...
+    def __init__(
+        self,
+        *,
+        environment: _types_pb2.Environment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComposeEnvironmentResponse: _TypeAlias = ComposeEnvironmentResponse  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentRequest: _TypeAlias = DeleteEnvironmentRequest  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """false: there was no such environment"""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentResponse: _TypeAlias = DeleteEnvironmentResponse  # noqa: Y015
 
 @_typing.final
 class RunFunctionRequest(_message.Message):

@@ -1642,6 +1642,16 @@ class EnvironmentServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageResponse.FromString,
                 _registered_method=True)
+        self.ComposeEnvironment = channel.unary_unary(
+                '/dsec.apiserver.v1.EnvironmentService/ComposeEnvironment',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentResponse.FromString,
+                _registered_method=True)
+        self.DeleteEnvironment = channel.unary_unary(
+                '/dsec.apiserver.v1.EnvironmentService/DeleteEnvironment',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -1674,6 +1684,21 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComposeEnvironment(self, request, context):
+        """Registers base + workspace + toolkits (existing environments) under a new name; no
+        layer is built, so replacing one toolkit is composing again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteEnvironment(self, request, context):
+        """Forgets a name; its layers are garbage-collected once nothing else references them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1696,6 +1721,16 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.ImportImage,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageResponse.SerializeToString,
+            ),
+            'ComposeEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComposeEnvironment,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentResponse.SerializeToString,
+            ),
+            'DeleteEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEnvironment,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1808,6 +1843,60 @@ class EnvironmentService:
             '/dsec.apiserver.v1.EnvironmentService/ImportImage',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ImportImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComposeEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.EnvironmentService/ComposeEnvironment',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ComposeEnvironmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.EnvironmentService/DeleteEnvironment',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DeleteEnvironmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -468,6 +468,12 @@ class EnvironmentServiceStub:
     ListLayers: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ListLayersRequest, _apiserver_pb2.ListLayersResponse]
     ImportImage: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ImportImageRequest, _apiserver_pb2.ImportImageResponse]
     """Imports an image from the node's Docker engine into layers (idempotent)."""
+    ComposeEnvironment: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ComposeEnvironmentRequest, _apiserver_pb2.ComposeEnvironmentResponse]
+    """Registers base + workspace + toolkits (existing environments) under a new name; no
+    layer is built, so replacing one toolkit is composing again.
+    """
+    DeleteEnvironment: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteEnvironmentRequest, _apiserver_pb2.DeleteEnvironmentResponse]
+    """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -479,6 +485,12 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     ListLayers: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ListLayersRequest, _apiserver_pb2.ListLayersResponse]  # type: ignore[assignment]
     ImportImage: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ImportImageRequest, _apiserver_pb2.ImportImageResponse]  # type: ignore[assignment]
     """Imports an image from the node's Docker engine into layers (idempotent)."""
+    ComposeEnvironment: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ComposeEnvironmentRequest, _apiserver_pb2.ComposeEnvironmentResponse]  # type: ignore[assignment]
+    """Registers base + workspace + toolkits (existing environments) under a new name; no
+    layer is built, so replacing one toolkit is composing again.
+    """
+    DeleteEnvironment: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteEnvironmentRequest, _apiserver_pb2.DeleteEnvironmentResponse]  # type: ignore[assignment]
+    """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     """----------------------------------------------------------- environments"""
@@ -511,6 +523,24 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.ImportImageResponse, _abc.Awaitable[_apiserver_pb2.ImportImageResponse]]:
         """Imports an image from the node's Docker engine into layers (idempotent)."""
+
+    @_abc_1.abstractmethod
+    def ComposeEnvironment(
+        self,
+        request: _apiserver_pb2.ComposeEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.ComposeEnvironmentResponse, _abc.Awaitable[_apiserver_pb2.ComposeEnvironmentResponse]]:
+        """Registers base + workspace + toolkits (existing environments) under a new name; no
+        layer is built, so replacing one toolkit is composing again.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteEnvironment(
+        self,
+        request: _apiserver_pb2.DeleteEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.DeleteEnvironmentResponse, _abc.Awaitable[_apiserver_pb2.DeleteEnvironmentResponse]]:
+        """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

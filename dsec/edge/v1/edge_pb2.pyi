@@ -85,6 +85,146 @@ class CreateSandboxResponse(_message.Message):
 Global___CreateSandboxResponse: _TypeAlias = CreateSandboxResponse  # noqa: Y015
 
 @_typing.final
+class CreateSandboxGroup(_message.Message):
+    """Sandboxes that share one spec."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    SANDBOX_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spec(self) -> _types_pb2.SandboxSpec: ...
+    @_builtins.property
+    def sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        spec: _types_pb2.SandboxSpec | None = ...,
+        sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_ids", b"sandbox_ids", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSandboxGroup: _TypeAlias = CreateSandboxGroup  # noqa: Y015
+
+@_typing.final
+class CreateSandboxesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    WAIT_READY_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    principal_id: _builtins.str
+    wait_ready: _builtins.bool
+    """as in CreateSandboxRequest"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateSandboxGroup]: ...
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        principal_id: _builtins.str = ...,
+        groups: _abc.Iterable[Global___CreateSandboxGroup] | None = ...,
+        wait_ready: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "principal_id", b"principal_id", "project_id", b"project_id", "wait_ready", b"wait_ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSandboxesRequest: _TypeAlias = CreateSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class CreateSandboxesResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    ALREADY_EXISTED_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    already_existed: _builtins.bool
+    error_code: _builtins.int
+    """google.rpc.Code; 0 = admitted"""
+    error_reason: _builtins.str
+    """e.g. "EDGE_CAPACITY" """
+    error_message: _builtins.str
+    @_builtins.property
+    def sandbox(self) -> _types_pb2.Sandbox:
+        """unset when not admitted (see error_*)"""
+
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as in ErrorInfo, e.g. "image" of IMAGE_NOT_FOUND"""
+
+    def __init__(
+        self,
+        *,
+        sandbox: _types_pb2.Sandbox | None = ...,
+        already_existed: _builtins.bool = ...,
+        error_code: _builtins.int = ...,
+        error_reason: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_existed", b"already_existed", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "sandbox", b"sandbox"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSandboxesResult: _TypeAlias = CreateSandboxesResult  # noqa: Y015
+
+@_typing.final
+class CreateSandboxesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateSandboxesResult]:
+        """groups flattened, in order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CreateSandboxesResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSandboxesResponse: _TypeAlias = CreateSandboxesResponse  # noqa: Y015
+
+@_typing.final
 class GetSandboxRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -572,6 +712,26 @@ class GetNodeStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SandboxesByPrincipalEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INFO_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
@@ -579,6 +739,7 @@ class GetNodeStatusResponse(_message.Message):
     LIVE_SANDBOX_IDS_FIELD_NUMBER: _builtins.int
     AS_OF_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -592,6 +753,10 @@ class GetNodeStatusResponse(_message.Message):
     def live_sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def as_of(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def sandboxes_by_principal(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """live sandboxes per creator (token id)"""
+
     def __init__(
         self,
         *,
@@ -602,10 +767,11 @@ class GetNodeStatusResponse(_message.Message):
         live_sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
         as_of: _timestamp_pb2.Timestamp | None = ...,
         draining: _builtins.bool = ...,
+        sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -757,17 +923,29 @@ class ImportImageRequest(_message.Message):
 
     SOURCE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    ALL_ROOT_FIELD_NUMBER: _builtins.int
     source: _builtins.str
     name: _builtins.str
+    kind: _types_pb2.LayerKind.ValueType
+    """of a dir:/tar: import; UNSPECIFIED = base (workspace with `base`)"""
+    base: _builtins.str
+    """environment the new layer goes on top of"""
+    all_root: _builtins.bool
+    """dir: import with every file owned by root"""
     def __init__(
         self,
         *,
         source: _builtins.str = ...,
         name: _builtins.str = ...,
+        kind: _types_pb2.LayerKind.ValueType = ...,
+        base: _builtins.str = ...,
+        all_root: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_root", b"all_root", "base", b"base", "kind", b"kind", "name", b"name", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -831,3 +1009,167 @@ class ListEnvironmentsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListEnvironmentsResponse: _TypeAlias = ListEnvironmentsResponse  # noqa: Y015
+
+@_typing.final
+class GetEnvironmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEnvironmentRequest: _TypeAlias = GetEnvironmentRequest  # noqa: Y015
+
+@_typing.final
+class GetEnvironmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def environment(self) -> _types_pb2.Environment: ...
+    def __init__(
+        self,
+        *,
+        environment: _types_pb2.Environment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEnvironmentResponse: _TypeAlias = GetEnvironmentResponse  # noqa: Y015
+
+@_typing.final
+class ListLayersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLayersRequest: _TypeAlias = ListLayersRequest  # noqa: Y015
+
+@_typing.final
+class ListLayersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Layer]: ...
+    def __init__(
+        self,
+        *,
+        layers: _abc.Iterable[_types_pb2.Layer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLayersResponse: _TypeAlias = ListLayersResponse  # noqa: Y015
+
+@_typing.final
+class ComposeEnvironmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    WORKSPACE_FIELD_NUMBER: _builtins.int
+    TOOLKITS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the new environment, name:tag"""
+    base: _builtins.str
+    workspace: _builtins.str
+    """"" = none"""
+    @_builtins.property
+    def toolkits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        base: _builtins.str = ...,
+        workspace: _builtins.str = ...,
+        toolkits: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "name", b"name", "toolkits", b"toolkits", "workspace", b"workspace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComposeEnvironmentRequest: _TypeAlias = ComposeEnvironmentRequest  # noqa: Y015
+
+@_typing.final
+class ComposeEnvironmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def environment(self) -> _types_pb2.Environment: ...
+    def __init__(
+        self,
+        *,
+        environment: _types_pb2.Environment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComposeEnvironmentResponse: _TypeAlias = ComposeEnvironmentResponse  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentRequest: _TypeAlias = DeleteEnvironmentRequest  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """false: there was no such environment"""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentResponse: _TypeAlias = DeleteEnvironmentResponse  # noqa: Y015

@@ -40,6 +40,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxResponse.FromString,
                 _registered_method=True)
+        self.CreateSandboxes = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/CreateSandboxes',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesResponse.FromString,
+                _registered_method=True)
         self.GetSandbox = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/GetSandbox',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetSandboxRequest.SerializeToString,
@@ -220,6 +225,26 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsResponse.FromString,
                 _registered_method=True)
+        self.GetEnvironment = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/GetEnvironment',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentResponse.FromString,
+                _registered_method=True)
+        self.ListLayers = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ListLayers',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersResponse.FromString,
+                _registered_method=True)
+        self.ComposeEnvironment = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ComposeEnvironment',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentResponse.FromString,
+                _registered_method=True)
+        self.DeleteEnvironment = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/DeleteEnvironment',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentResponse.FromString,
+                _registered_method=True)
 
 
 class EdgeServiceServicer:
@@ -229,6 +254,15 @@ class EdgeServiceServicer:
         """Admission + creation. Rejects with RESOURCE_EXHAUSTED (reason
         "EDGE_CAPACITY") when local capacity is short; the caller then tries
         another edge. Idempotent on sandbox_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSandboxes(self, request, context):
+        """Admission + creation of many sandboxes in one call (an API server's
+        batch for this edge); one result per sandbox id, in request order.
+        Idempotent on each sandbox_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -456,6 +490,33 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEnvironment(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComposeEnvironment(self, request, context):
+        """Registers base + workspace + toolkits (existing environments) under a new name; no
+        layer is built, so replacing one toolkit is composing again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteEnvironment(self, request, context):
+        """Forgets a name; its layers are garbage-collected once nothing else references them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -463,6 +524,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.CreateSandbox,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxResponse.SerializeToString,
+            ),
+            'CreateSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSandboxes,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesResponse.SerializeToString,
             ),
             'GetSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSandbox,
@@ -644,6 +710,26 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsResponse.SerializeToString,
             ),
+            'GetEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEnvironment,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentResponse.SerializeToString,
+            ),
+            'ListLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLayers,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersResponse.SerializeToString,
+            ),
+            'ComposeEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComposeEnvironment,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentResponse.SerializeToString,
+            ),
+            'DeleteEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEnvironment,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'dsec.edge.v1.EdgeService', rpc_method_handlers)
@@ -672,6 +758,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/CreateSandbox',
             dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/CreateSandboxes',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.CreateSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1644,6 +1757,114 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/ListEnvironments',
             dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.ListEnvironmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/GetEnvironment',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.GetEnvironmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ListLayers',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ListLayersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComposeEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ComposeEnvironment',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ComposeEnvironmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/DeleteEnvironment',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.DeleteEnvironmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,11 @@ class EdgeServiceStub:
     "EDGE_CAPACITY") when local capacity is short; the caller then tries
     another edge. Idempotent on sandbox_id.
     """
+    CreateSandboxes: _grpc.UnaryUnaryMultiCallable[_edge_pb2.CreateSandboxesRequest, _edge_pb2.CreateSandboxesResponse]
+    """Admission + creation of many sandboxes in one call (an API server's
+    batch for this edge); one result per sandbox id, in request order.
+    Idempotent on each sandbox_id.
+    """
     GetSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetSandboxRequest, _edge_pb2.GetSandboxResponse]
     ListSandboxes: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ListSandboxesRequest, _edge_pb2.ListSandboxesResponse]
     StopSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.StopSandboxRequest, _edge_pb2.StopSandboxResponse]
@@ -87,6 +92,14 @@ class EdgeServiceStub:
     ImportImage: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ImportImageRequest, _edge_pb2.ImportImageResponse]
     """Environments (the layer store is shared; imports run on a node with Docker)."""
     ListEnvironments: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ListEnvironmentsRequest, _edge_pb2.ListEnvironmentsResponse]
+    GetEnvironment: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetEnvironmentRequest, _edge_pb2.GetEnvironmentResponse]
+    ListLayers: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ListLayersRequest, _edge_pb2.ListLayersResponse]
+    ComposeEnvironment: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ComposeEnvironmentRequest, _edge_pb2.ComposeEnvironmentResponse]
+    """Registers base + workspace + toolkits (existing environments) under a new name; no
+    layer is built, so replacing one toolkit is composing again.
+    """
+    DeleteEnvironment: _grpc.UnaryUnaryMultiCallable[_edge_pb2.DeleteEnvironmentRequest, _edge_pb2.DeleteEnvironmentResponse]
+    """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 @_typing.type_check_only
 class EdgeServiceAsyncStub(EdgeServiceStub):
@@ -95,6 +108,11 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     """Admission + creation. Rejects with RESOURCE_EXHAUSTED (reason
     "EDGE_CAPACITY") when local capacity is short; the caller then tries
     another edge. Idempotent on sandbox_id.
+    """
+    CreateSandboxes: _aio.UnaryUnaryMultiCallable[_edge_pb2.CreateSandboxesRequest, _edge_pb2.CreateSandboxesResponse]  # type: ignore[assignment]
+    """Admission + creation of many sandboxes in one call (an API server's
+    batch for this edge); one result per sandbox id, in request order.
+    Idempotent on each sandbox_id.
     """
     GetSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetSandboxRequest, _edge_pb2.GetSandboxResponse]  # type: ignore[assignment]
     ListSandboxes: _aio.UnaryUnaryMultiCallable[_edge_pb2.ListSandboxesRequest, _edge_pb2.ListSandboxesResponse]  # type: ignore[assignment]
@@ -139,6 +157,14 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     ImportImage: _aio.UnaryUnaryMultiCallable[_edge_pb2.ImportImageRequest, _edge_pb2.ImportImageResponse]  # type: ignore[assignment]
     """Environments (the layer store is shared; imports run on a node with Docker)."""
     ListEnvironments: _aio.UnaryUnaryMultiCallable[_edge_pb2.ListEnvironmentsRequest, _edge_pb2.ListEnvironmentsResponse]  # type: ignore[assignment]
+    GetEnvironment: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetEnvironmentRequest, _edge_pb2.GetEnvironmentResponse]  # type: ignore[assignment]
+    ListLayers: _aio.UnaryUnaryMultiCallable[_edge_pb2.ListLayersRequest, _edge_pb2.ListLayersResponse]  # type: ignore[assignment]
+    ComposeEnvironment: _aio.UnaryUnaryMultiCallable[_edge_pb2.ComposeEnvironmentRequest, _edge_pb2.ComposeEnvironmentResponse]  # type: ignore[assignment]
+    """Registers base + workspace + toolkits (existing environments) under a new name; no
+    layer is built, so replacing one toolkit is composing again.
+    """
+    DeleteEnvironment: _aio.UnaryUnaryMultiCallable[_edge_pb2.DeleteEnvironmentRequest, _edge_pb2.DeleteEnvironmentResponse]  # type: ignore[assignment]
+    """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -150,6 +176,17 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         """Admission + creation. Rejects with RESOURCE_EXHAUSTED (reason
         "EDGE_CAPACITY") when local capacity is short; the caller then tries
         another edge. Idempotent on sandbox_id.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateSandboxes(
+        self,
+        request: _edge_pb2.CreateSandboxesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.CreateSandboxesResponse, _abc.Awaitable[_edge_pb2.CreateSandboxesResponse]]:
+        """Admission + creation of many sandboxes in one call (an API server's
+        batch for this edge); one result per sandbox id, in request order.
+        Idempotent on each sandbox_id.
         """
 
     @_abc_1.abstractmethod
@@ -410,5 +447,37 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.ListEnvironmentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.ListEnvironmentsResponse, _abc.Awaitable[_edge_pb2.ListEnvironmentsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetEnvironment(
+        self,
+        request: _edge_pb2.GetEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.GetEnvironmentResponse, _abc.Awaitable[_edge_pb2.GetEnvironmentResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLayers(
+        self,
+        request: _edge_pb2.ListLayersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.ListLayersResponse, _abc.Awaitable[_edge_pb2.ListLayersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ComposeEnvironment(
+        self,
+        request: _edge_pb2.ComposeEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.ComposeEnvironmentResponse, _abc.Awaitable[_edge_pb2.ComposeEnvironmentResponse]]:
+        """Registers base + workspace + toolkits (existing environments) under a new name; no
+        layer is built, so replacing one toolkit is composing again.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteEnvironment(
+        self,
+        request: _edge_pb2.DeleteEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.DeleteEnvironmentResponse, _abc.Awaitable[_edge_pb2.DeleteEnvironmentResponse]]:
+        """Forgets a name; its layers are garbage-collected once nothing else references them."""
 
 def add_EdgeServiceServicer_to_server(servicer: EdgeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -766,12 +766,23 @@ class ReserveQuotaRequest(_message.Message):
     CPU_MILLIS_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     EDGE_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    REPLACES_SANDBOX_ID_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     sandbox_id: _builtins.str
     backend: _types_pb2.Backend.ValueType
     cpu_millis: _builtins.int
     memory_mb: _builtins.int
     edge_id: _builtins.str
+    idempotency_key: _builtins.str
+    """Durable idempotency key of the create (per project, kept 24 h). When the
+    key is already bound to another sandbox, nothing is reserved and the
+    response names that sandbox.
+    """
+    replaces_sandbox_id: _builtins.str
+    """A retry of a create whose earlier attempt had an unknown outcome: if the
+    key is bound to this sandbox id, it is re-bound to `sandbox_id`.
+    """
     def __init__(
         self,
         *,
@@ -781,10 +792,12 @@ class ReserveQuotaRequest(_message.Message):
         cpu_millis: _builtins.int = ...,
         memory_mb: _builtins.int = ...,
         edge_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        replaces_sandbox_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_millis", b"cpu_millis", "edge_id", b"edge_id", "memory_mb", b"memory_mb", "project_id", b"project_id", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_millis", b"cpu_millis", "edge_id", b"edge_id", "idempotency_key", b"idempotency_key", "memory_mb", b"memory_mb", "project_id", b"project_id", "replaces_sandbox_id", b"replaces_sandbox_id", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -795,16 +808,24 @@ class ReserveQuotaResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ALREADY_RESERVED_FIELD_NUMBER: _builtins.int
+    EXISTING_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    EXISTING_RESERVED_FIELD_NUMBER: _builtins.int
     already_reserved: _builtins.bool
     """an earlier attempt with this sandbox id holds it"""
+    existing_sandbox_id: _builtins.str
+    """The idempotency key is bound to this (other) sandbox: nothing was reserved."""
+    existing_reserved: _builtins.bool
+    """Whether that sandbox still holds a reservation (not yet ended)."""
     def __init__(
         self,
         *,
         already_reserved: _builtins.bool = ...,
+        existing_sandbox_id: _builtins.str = ...,
+        existing_reserved: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved", "existing_reserved", b"existing_reserved", "existing_sandbox_id", b"existing_sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -815,16 +836,22 @@ class ReleaseQuotaRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SANDBOX_IDS_FIELD_NUMBER: _builtins.int
+    NOT_CREATED_FIELD_NUMBER: _builtins.int
+    not_created: _builtins.bool
+    """The sandboxes were never created (not admitted): forget their
+    idempotency keys too, so a retry can create. Otherwise keys are kept.
+    """
     @_builtins.property
     def sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
+        not_created: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_ids", b"sandbox_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_created", b"not_created", "sandbox_ids", b"sandbox_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -941,3 +968,217 @@ class GetUsageResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetUsageResponse: _TypeAlias = GetUsageResponse  # noqa: Y015
+
+@_typing.final
+class ReserveQuotaItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    CPU_MILLIS_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    REPLACES_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    sandbox_id: _builtins.str
+    backend: _types_pb2.Backend.ValueType
+    cpu_millis: _builtins.int
+    memory_mb: _builtins.int
+    edge_id: _builtins.str
+    idempotency_key: _builtins.str
+    """as in ReserveQuotaRequest"""
+    replaces_sandbox_id: _builtins.str
+    """as in ReserveQuotaRequest"""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        sandbox_id: _builtins.str = ...,
+        backend: _types_pb2.Backend.ValueType = ...,
+        cpu_millis: _builtins.int = ...,
+        memory_mb: _builtins.int = ...,
+        edge_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        replaces_sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_millis", b"cpu_millis", "edge_id", b"edge_id", "idempotency_key", b"idempotency_key", "memory_mb", b"memory_mb", "project_id", b"project_id", "replaces_sandbox_id", b"replaces_sandbox_id", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveQuotaItem: _TypeAlias = ReserveQuotaItem  # noqa: Y015
+
+@_typing.final
+class ReserveQuotasRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveQuotaItem]:
+        """at most 100000"""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___ReserveQuotaItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveQuotasRequest: _TypeAlias = ReserveQuotasRequest  # noqa: Y015
+
+@_typing.final
+class ReserveQuotaResult(_message.Message):
+    """The outcome of one item that was not simply reserved."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ALREADY_RESERVED_FIELD_NUMBER: _builtins.int
+    EXISTING_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    EXISTING_RESERVED_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """into ReserveQuotasRequest.items"""
+    error_code: _builtins.int
+    """google.rpc.Code; 0 = no error"""
+    error_reason: _builtins.str
+    """e.g. "QUOTA_EXCEEDED" """
+    error_message: _builtins.str
+    already_reserved: _builtins.bool
+    existing_sandbox_id: _builtins.str
+    """the idempotency key is bound to this sandbox"""
+    existing_reserved: _builtins.bool
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """e.g. "project": the limiting project"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        error_code: _builtins.int = ...,
+        error_reason: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        already_reserved: _builtins.bool = ...,
+        existing_sandbox_id: _builtins.str = ...,
+        existing_reserved: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "existing_reserved", b"existing_reserved", "existing_sandbox_id", b"existing_sandbox_id", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveQuotaResult: _TypeAlias = ReserveQuotaResult  # noqa: Y015
+
+@_typing.final
+class ReserveQuotasResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESERVED_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    reserved: _builtins.int
+    """items reserved now"""
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveQuotaResult]:
+        """every other item, by index"""
+
+    def __init__(
+        self,
+        *,
+        reserved: _builtins.int = ...,
+        results: _abc.Iterable[Global___ReserveQuotaResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reserved", b"reserved", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveQuotasResponse: _TypeAlias = ReserveQuotasResponse  # noqa: Y015
+
+@_typing.final
+class ListReservedEdgesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReservedEdgesRequest: _TypeAlias = ListReservedEdgesRequest  # noqa: Y015
+
+@_typing.final
+class ListReservedEdgesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ReservationsByEdgeEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RESERVATIONS_BY_EDGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reservations_by_edge(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        reservations_by_edge: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reservations_by_edge", b"reservations_by_edge"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReservedEdgesResponse: _TypeAlias = ListReservedEdgesResponse  # noqa: Y015

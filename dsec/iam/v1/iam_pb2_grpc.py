@@ -104,6 +104,16 @@ class IamServiceStub:
                 request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.ReserveQuotas = channel.unary_unary(
+                '/dsec.iam.v1.IamService/ReserveQuotas',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasResponse.FromString,
+                _registered_method=True)
+        self.ListReservedEdges = channel.unary_unary(
+                '/dsec.iam.v1.IamService/ListReservedEdges',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.FromString,
+                _registered_method=True)
 
 
 class IamServiceServicer:
@@ -202,6 +212,23 @@ class IamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveQuotas(self, request, context):
+        """Many reservations in one transaction (a burst), each checked in order
+        against its project and every ancestor; one result per item that was not
+        simply reserved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReservedEdges(self, request, context):
+        """Which edges hold reservations, and how many (the watcher releases those
+        of edges that are gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +301,16 @@ def add_IamServiceServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageRequest.FromString,
                     response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageResponse.SerializeToString,
+            ),
+            'ReserveQuotas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveQuotas,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasResponse.SerializeToString,
+            ),
+            'ListReservedEdges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReservedEdges,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -654,6 +691,60 @@ class IamService:
             '/dsec.iam.v1.IamService/GetUsage',
             dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageRequest.SerializeToString,
             dsec_dot_iam_dot_v1_dot_iam__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveQuotas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/ReserveQuotas',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.ReserveQuotasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReservedEdges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/ListReservedEdges',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,15 @@ class IamServiceStub:
     reports (a crashed edge does not leak quota forever).
     """
     GetUsage: _grpc.UnaryUnaryMultiCallable[_iam_pb2.GetUsageRequest, _iam_pb2.GetUsageResponse]
+    ReserveQuotas: _grpc.UnaryUnaryMultiCallable[_iam_pb2.ReserveQuotasRequest, _iam_pb2.ReserveQuotasResponse]
+    """Many reservations in one transaction (a burst), each checked in order
+    against its project and every ancestor; one result per item that was not
+    simply reserved.
+    """
+    ListReservedEdges: _grpc.UnaryUnaryMultiCallable[_iam_pb2.ListReservedEdgesRequest, _iam_pb2.ListReservedEdgesResponse]
+    """Which edges hold reservations, and how many (the watcher releases those
+    of edges that are gone).
+    """
 
 @_typing.type_check_only
 class IamServiceAsyncStub(IamServiceStub):
@@ -100,6 +109,15 @@ class IamServiceAsyncStub(IamServiceStub):
     reports (a crashed edge does not leak quota forever).
     """
     GetUsage: _aio.UnaryUnaryMultiCallable[_iam_pb2.GetUsageRequest, _iam_pb2.GetUsageResponse]  # type: ignore[assignment]
+    ReserveQuotas: _aio.UnaryUnaryMultiCallable[_iam_pb2.ReserveQuotasRequest, _iam_pb2.ReserveQuotasResponse]  # type: ignore[assignment]
+    """Many reservations in one transaction (a burst), each checked in order
+    against its project and every ancestor; one result per item that was not
+    simply reserved.
+    """
+    ListReservedEdges: _aio.UnaryUnaryMultiCallable[_iam_pb2.ListReservedEdgesRequest, _iam_pb2.ListReservedEdgesResponse]  # type: ignore[assignment]
+    """Which edges hold reservations, and how many (the watcher releases those
+    of edges that are gone).
+    """
 
 class IamServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -212,5 +230,26 @@ class IamServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _iam_pb2.GetUsageRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_iam_pb2.GetUsageResponse, _abc.Awaitable[_iam_pb2.GetUsageResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReserveQuotas(
+        self,
+        request: _iam_pb2.ReserveQuotasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.ReserveQuotasResponse, _abc.Awaitable[_iam_pb2.ReserveQuotasResponse]]:
+        """Many reservations in one transaction (a burst), each checked in order
+        against its project and every ancestor; one result per item that was not
+        simply reserved.
+        """
+
+    @_abc_1.abstractmethod
+    def ListReservedEdges(
+        self,
+        request: _iam_pb2.ListReservedEdgesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.ListReservedEdgesResponse, _abc.Awaitable[_iam_pb2.ListReservedEdgesResponse]]:
+        """Which edges hold reservations, and how many (the watcher releases those
+        of edges that are gone).
+        """
 
 def add_IamServiceServicer_to_server(servicer: IamServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -40,6 +40,8 @@ class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Outcome.Value
     """edge said no (capacity)"""
     OUTCOME_UNREACHABLE: _Outcome.ValueType  # 3
     """edge did not answer"""
+    OUTCOME_UNUSED: _Outcome.ValueType  # 4
+    """never sent to the edge (quota refused, idempotency key known)"""
 
 class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
 
@@ -49,7 +51,34 @@ OUTCOME_REJECTED: Outcome.ValueType  # 2
 """edge said no (capacity)"""
 OUTCOME_UNREACHABLE: Outcome.ValueType  # 3
 """edge did not answer"""
+OUTCOME_UNUSED: Outcome.ValueType  # 4
+"""never sent to the edge (quota refused, idempotency key known)"""
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
+
+class _ViewState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ViewStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ViewState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VIEW_STATE_UNSPECIFIED: _ViewState.ValueType  # 0
+    VIEW_STATE_FRESH: _ViewState.ValueType  # 1
+    """following the watcher's change stream"""
+    VIEW_STATE_DEGRADED: _ViewState.ValueType  # 2
+    """watcher unreachable: placing on the last snapshot"""
+    VIEW_STATE_STALE: _ViewState.ValueType  # 3
+    """last snapshot older than snapshot_max_age_s (or none): refusing"""
+
+class ViewState(_ViewState, metaclass=_ViewStateEnumTypeWrapper): ...
+
+VIEW_STATE_UNSPECIFIED: ViewState.ValueType  # 0
+VIEW_STATE_FRESH: ViewState.ValueType  # 1
+"""following the watcher's change stream"""
+VIEW_STATE_DEGRADED: ViewState.ValueType  # 2
+"""watcher unreachable: placing on the last snapshot"""
+VIEW_STATE_STALE: ViewState.ValueType  # 3
+"""last snapshot older than snapshot_max_age_s (or none): refusing"""
+Global___ViewState: _TypeAlias = ViewState  # noqa: Y015
 
 @_typing.final
 class PlacementItem(_message.Message):
@@ -231,11 +260,14 @@ class ReportOutcomeRequest(_message.Message):
     CPU_MILLIS_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
     edge_id: _builtins.str
     outcome: Global___Outcome.ValueType
     cpu_millis: _builtins.int
     memory_mb: _builtins.int
     backend: _types_pb2.Backend.ValueType
+    count: _builtins.int
+    """identical placements this reports (0 = 1)"""
     def __init__(
         self,
         *,
@@ -244,10 +276,11 @@ class ReportOutcomeRequest(_message.Message):
         cpu_millis: _builtins.int = ...,
         memory_mb: _builtins.int = ...,
         backend: _types_pb2.Backend.ValueType = ...,
+        count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_millis", b"cpu_millis", "edge_id", b"edge_id", "memory_mb", b"memory_mb", "outcome", b"outcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "count", b"count", "cpu_millis", b"cpu_millis", "edge_id", b"edge_id", "memory_mb", b"memory_mb", "outcome", b"outcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -267,3 +300,176 @@ class ReportOutcomeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportOutcomeResponse: _TypeAlias = ReportOutcomeResponse  # noqa: Y015
+
+@_typing.final
+class PlacementGroup(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    CLUMP_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """sandboxes wanting exactly this item"""
+    clump: _builtins.int
+    """Sandboxes placed together per power-of-k decision (0 or 1 = one decision
+    per sandbox). A small batch then lands on a few edges, one edge call
+    each; the imbalance added is at most `clump` sandboxes per edge.
+    """
+    @_builtins.property
+    def item(self) -> Global___PlacementItem: ...
+    def __init__(
+        self,
+        *,
+        item: Global___PlacementItem | None = ...,
+        count: _builtins.int = ...,
+        clump: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clump", b"clump", "count", b"count", "item", b"item"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementGroup: _TypeAlias = PlacementGroup  # noqa: Y015
+
+@_typing.final
+class PlaceSandboxGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementGroup]:
+        """at most 100000 sandboxes in all"""
+
+    def __init__(
+        self,
+        *,
+        groups: _abc.Iterable[Global___PlacementGroup] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceSandboxGroupsRequest: _TypeAlias = PlaceSandboxGroupsRequest  # noqa: Y015
+
+@_typing.final
+class GroupPlacement(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGE_INDEXES_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.int
+    """google.rpc.Code, set when some were not placed"""
+    error_reason: _builtins.str
+    """e.g. "NO_ELIGIBLE_EDGE" """
+    error_message: _builtins.str
+    @_builtins.property
+    def edge_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One entry per sandbox placed: an index into PlaceSandboxGroupsResponse.edges.
+        The group's other (count - len) sandboxes were not placed: see error_*.
+        """
+
+    def __init__(
+        self,
+        *,
+        edge_indexes: _abc.Iterable[_builtins.int] | None = ...,
+        error_code: _builtins.int = ...,
+        error_reason: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_indexes", b"edge_indexes", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupPlacement: _TypeAlias = GroupPlacement  # noqa: Y015
+
+@_typing.final
+class PlaceSandboxGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGES_FIELD_NUMBER: _builtins.int
+    PLACEMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def edges(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]: ...
+    @_builtins.property
+    def placements(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupPlacement]:
+        """same order as groups"""
+
+    def __init__(
+        self,
+        *,
+        edges: _abc.Iterable[Global___Candidate] | None = ...,
+        placements: _abc.Iterable[Global___GroupPlacement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edges", b"edges", "placements", b"placements"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceSandboxGroupsResponse: _TypeAlias = PlaceSandboxGroupsResponse  # noqa: Y015
+
+@_typing.final
+class GetPlacementStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlacementStatusRequest: _TypeAlias = GetPlacementStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetPlacementStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_STATE_FIELD_NUMBER: _builtins.int
+    WATCHER_CONNECTED_FIELD_NUMBER: _builtins.int
+    VIEW_AGE_S_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_MAX_AGE_S_FIELD_NUMBER: _builtins.int
+    EDGES_FIELD_NUMBER: _builtins.int
+    HEALTHY_EDGES_FIELD_NUMBER: _builtins.int
+    OVERLAY_ENTRIES_FIELD_NUMBER: _builtins.int
+    PLACED_TOTAL_FIELD_NUMBER: _builtins.int
+    view_state: Global___ViewState.ValueType
+    watcher_connected: _builtins.bool
+    view_age_s: _builtins.float
+    """since the last message from the watcher; -1 = never"""
+    snapshot_max_age_s: _builtins.float
+    """how long a snapshot is used without the watcher"""
+    edges: _builtins.int
+    healthy_edges: _builtins.int
+    overlay_entries: _builtins.int
+    """own placements not yet in the snapshot"""
+    placed_total: _builtins.int
+    """sandboxes placed since start"""
+    def __init__(
+        self,
+        *,
+        view_state: Global___ViewState.ValueType = ...,
+        watcher_connected: _builtins.bool = ...,
+        view_age_s: _builtins.float = ...,
+        snapshot_max_age_s: _builtins.float = ...,
+        edges: _builtins.int = ...,
+        healthy_edges: _builtins.int = ...,
+        overlay_entries: _builtins.int = ...,
+        placed_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edges", b"edges", "healthy_edges", b"healthy_edges", "overlay_entries", b"overlay_entries", "placed_total", b"placed_total", "snapshot_max_age_s", b"snapshot_max_age_s", "view_age_s", b"view_age_s", "view_state", b"view_state", "watcher_connected", b"watcher_connected"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlacementStatusResponse: _TypeAlias = GetPlacementStatusResponse  # noqa: Y015

@@ -49,6 +49,16 @@ class PlacementServiceStub:
                 request_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeRequest.SerializeToString,
                 response_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeResponse.FromString,
                 _registered_method=True)
+        self.PlaceSandboxGroups = channel.unary_unary(
+                '/dsec.placement.v1.PlacementService/PlaceSandboxGroups',
+                request_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsRequest.SerializeToString,
+                response_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsResponse.FromString,
+                _registered_method=True)
+        self.GetPlacementStatus = channel.unary_unary(
+                '/dsec.placement.v1.PlacementService/GetPlacementStatus',
+                request_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusRequest.SerializeToString,
+                response_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusResponse.FromString,
+                _registered_method=True)
 
 
 class PlacementServiceServicer:
@@ -76,6 +86,24 @@ class PlacementServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceSandboxGroups(self, request, context):
+        """A burst in compact form: groups of identical items, one decision per
+        sandbox, answered as indexes into one table of edges.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlacementStatus(self, request, context):
+        """How fresh this instance's cluster view is. The same state is published as
+        the gRPC health of the service name "dsec.placement.v1.ClusterView":
+        SERVING when fresh, NOT_SERVING when degraded (watcher unreachable, last
+        snapshot still used) or stale (too old to place on).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlacementServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +121,16 @@ def add_PlacementServiceServicer_to_server(servicer, server):
                     servicer.ReportOutcome,
                     request_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeRequest.FromString,
                     response_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeResponse.SerializeToString,
+            ),
+            'PlaceSandboxGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceSandboxGroups,
+                    request_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsRequest.FromString,
+                    response_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsResponse.SerializeToString,
+            ),
+            'GetPlacementStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacementStatus,
+                    request_deserializer=dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusRequest.FromString,
+                    response_serializer=dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +214,60 @@ class PlacementService:
             '/dsec.placement.v1.PlacementService/ReportOutcome',
             dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeRequest.SerializeToString,
             dsec_dot_placement_dot_v1_dot_placement__pb2.ReportOutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceSandboxGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.placement.v1.PlacementService/PlaceSandboxGroups',
+            dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsRequest.SerializeToString,
+            dsec_dot_placement_dot_v1_dot_placement__pb2.PlaceSandboxGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacementStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.placement.v1.PlacementService/GetPlacementStatus',
+            dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusRequest.SerializeToString,
+            dsec_dot_placement_dot_v1_dot_placement__pb2.GetPlacementStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

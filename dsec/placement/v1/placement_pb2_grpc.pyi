@@ -48,6 +48,16 @@ class PlacementServiceStub:
     """Tells placement an edge rejected (or failed) a placement, so the overlay
     and the next decisions account for it.
     """
+    PlaceSandboxGroups: _grpc.UnaryUnaryMultiCallable[_placement_pb2.PlaceSandboxGroupsRequest, _placement_pb2.PlaceSandboxGroupsResponse]
+    """A burst in compact form: groups of identical items, one decision per
+    sandbox, answered as indexes into one table of edges.
+    """
+    GetPlacementStatus: _grpc.UnaryUnaryMultiCallable[_placement_pb2.GetPlacementStatusRequest, _placement_pb2.GetPlacementStatusResponse]
+    """How fresh this instance's cluster view is. The same state is published as
+    the gRPC health of the service name "dsec.placement.v1.ClusterView":
+    SERVING when fresh, NOT_SERVING when degraded (watcher unreachable, last
+    snapshot still used) or stale (too old to place on).
+    """
 
 @_typing.type_check_only
 class PlacementServiceAsyncStub(PlacementServiceStub):
@@ -60,6 +70,16 @@ class PlacementServiceAsyncStub(PlacementServiceStub):
     ReportOutcome: _aio.UnaryUnaryMultiCallable[_placement_pb2.ReportOutcomeRequest, _placement_pb2.ReportOutcomeResponse]  # type: ignore[assignment]
     """Tells placement an edge rejected (or failed) a placement, so the overlay
     and the next decisions account for it.
+    """
+    PlaceSandboxGroups: _aio.UnaryUnaryMultiCallable[_placement_pb2.PlaceSandboxGroupsRequest, _placement_pb2.PlaceSandboxGroupsResponse]  # type: ignore[assignment]
+    """A burst in compact form: groups of identical items, one decision per
+    sandbox, answered as indexes into one table of edges.
+    """
+    GetPlacementStatus: _aio.UnaryUnaryMultiCallable[_placement_pb2.GetPlacementStatusRequest, _placement_pb2.GetPlacementStatusResponse]  # type: ignore[assignment]
+    """How fresh this instance's cluster view is. The same state is published as
+    the gRPC health of the service name "dsec.placement.v1.ClusterView":
+    SERVING when fresh, NOT_SERVING when degraded (watcher unreachable, last
+    snapshot still used) or stale (too old to place on).
     """
 
 class PlacementServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -88,6 +108,28 @@ class PlacementServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_placement_pb2.ReportOutcomeResponse, _abc.Awaitable[_placement_pb2.ReportOutcomeResponse]]:
         """Tells placement an edge rejected (or failed) a placement, so the overlay
         and the next decisions account for it.
+        """
+
+    @_abc_1.abstractmethod
+    def PlaceSandboxGroups(
+        self,
+        request: _placement_pb2.PlaceSandboxGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_placement_pb2.PlaceSandboxGroupsResponse, _abc.Awaitable[_placement_pb2.PlaceSandboxGroupsResponse]]:
+        """A burst in compact form: groups of identical items, one decision per
+        sandbox, answered as indexes into one table of edges.
+        """
+
+    @_abc_1.abstractmethod
+    def GetPlacementStatus(
+        self,
+        request: _placement_pb2.GetPlacementStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_placement_pb2.GetPlacementStatusResponse, _abc.Awaitable[_placement_pb2.GetPlacementStatusResponse]]:
+        """How fresh this instance's cluster view is. The same state is published as
+        the gRPC health of the service name "dsec.placement.v1.ClusterView":
+        SERVING when fresh, NOT_SERVING when degraded (watcher unreachable, last
+        snapshot still used) or stale (too old to place on).
         """
 
 def add_PlacementServiceServicer_to_server(servicer: PlacementServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

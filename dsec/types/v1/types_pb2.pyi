@@ -401,7 +401,12 @@ class NetworkPolicy(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     ALLOW_FIELD_NUMBER: _builtins.int
     DENY_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKED_CONNECTS_FIELD_NUMBER: _builtins.int
     mode: Global___NetworkMode.ValueType
+    max_blocked_connects: _builtins.int
+    """Terminate the sandbox (POLICY_VIOLATION) once more than this many
+    connects were blocked; 0 = never (blocked connects are only counted).
+    """
     @_builtins.property
     def allow(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkRule]: ...
     @_builtins.property
@@ -412,10 +417,11 @@ class NetworkPolicy(_message.Message):
         mode: Global___NetworkMode.ValueType = ...,
         allow: _abc.Iterable[Global___NetworkRule] | None = ...,
         deny: _abc.Iterable[Global___NetworkRule] | None = ...,
+        max_blocked_connects: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow", b"allow", "deny", b"deny", "mode", b"mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow", b"allow", "deny", b"deny", "max_blocked_connects", b"max_blocked_connects", "mode", b"mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -593,19 +599,33 @@ class ViolationCounters(_message.Message):
     BLOCKED_CONNECTS_FIELD_NUMBER: _builtins.int
     DENIED_FILE_ACCESSES_FIELD_NUMBER: _builtins.int
     OUTPUT_TRUNCATIONS_FIELD_NUMBER: _builtins.int
+    OOM_KILLS_FIELD_NUMBER: _builtins.int
+    PIDS_LIMIT_HITS_FIELD_NUMBER: _builtins.int
+    DNS_REFUSALS_FIELD_NUMBER: _builtins.int
     blocked_connects: _builtins.int
+    """connects / datagrams refused by the network policy"""
     denied_file_accesses: _builtins.int
+    """accesses refused by Landlock (files, signals, ptrace, sockets)"""
     output_truncations: _builtins.int
+    oom_kills: _builtins.int
+    """processes killed at the memory limit"""
+    pids_limit_hits: _builtins.int
+    """forks refused at the pids limit"""
+    dns_refusals: _builtins.int
+    """lookups of names the policy does not allow"""
     def __init__(
         self,
         *,
         blocked_connects: _builtins.int = ...,
         denied_file_accesses: _builtins.int = ...,
         output_truncations: _builtins.int = ...,
+        oom_kills: _builtins.int = ...,
+        pids_limit_hits: _builtins.int = ...,
+        dns_refusals: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_connects", b"blocked_connects", "denied_file_accesses", b"denied_file_accesses", "output_truncations", b"output_truncations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_connects", b"blocked_connects", "denied_file_accesses", b"denied_file_accesses", "dns_refusals", b"dns_refusals", "oom_kills", b"oom_kills", "output_truncations", b"output_truncations", "pids_limit_hits", b"pids_limit_hits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2293,6 +2313,8 @@ class FunctionResult(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     COMPILE_OUTPUT_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     verdict: Global___Verdict.ValueType
     exit_code: _builtins.int
@@ -2306,6 +2328,10 @@ class FunctionResult(_message.Message):
     """compiler diagnostics for COMPILE_ERROR"""
     index: _builtins.int
     """position in a batch"""
+    message: _builtins.str
+    """why the verdict, for humans ("exit code 3", "killed at ...")"""
+    edge_id: _builtins.str
+    """the edge whose pool ran it"""
     def __init__(
         self,
         *,
@@ -2320,10 +2346,12 @@ class FunctionResult(_message.Message):
         peak_memory_bytes: _builtins.int = ...,
         compile_output: _builtins.str = ...,
         index: _builtins.int = ...,
+        message: _builtins.str = ...,
+        edge_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_output", b"compile_output", "cpu_time_s", b"cpu_time_s", "exit_code", b"exit_code", "index", b"index", "job_id", b"job_id", "peak_memory_bytes", b"peak_memory_bytes", "signal", b"signal", "stderr", b"stderr", "stdout", b"stdout", "verdict", b"verdict", "wall_time_s", b"wall_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_output", b"compile_output", "cpu_time_s", b"cpu_time_s", "edge_id", b"edge_id", "exit_code", b"exit_code", "index", b"index", "job_id", b"job_id", "message", b"message", "peak_memory_bytes", b"peak_memory_bytes", "signal", b"signal", "stderr", b"stderr", "stdout", b"stdout", "verdict", b"verdict", "wall_time_s", b"wall_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,43 +26,59 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from dsec.types.v1 import types_pb2 as dsec_dot_types_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64sec/watcher/v1/watcher.proto\x12\x0f\x64sec.watcher.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x64sec/types/v1/types.proto\"\x86\x02\n\nEdgeStatus\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.dsec.types.v1.EdgeInfo\x12+\n\x06health\x18\x02 \x01(\x0e\x32\x1b.dsec.watcher.v1.EdgeHealth\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.dsec.types.v1.EdgeLoad\x12\x31\n\rlast_probe_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1c\n\x14\x63onsecutive_failures\x18\x05 \x01(\r\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x18\n\x10probe_latency_ms\x18\x07 \x01(\x01\"\x99\x03\n\x0f\x43lusterSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x05\x65\x64ges\x18\x02 \x03(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatus\x12V\n\x14sandboxes_by_project\x18\x03 \x03(\x0b\x32\x38.dsec.watcher.v1.ClusterSnapshot.SandboxesByProjectEntry\x12P\n\x11sandboxes_by_task\x18\x04 \x03(\x0b\x32\x35.dsec.watcher.v1.ClusterSnapshot.SandboxesByTaskEntry\x12,\n\x08taken_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a\x39\n\x17SandboxesByProjectEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x36\n\x14SandboxesByTaskEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"<\n\x13RegisterEdgeRequest\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.dsec.types.v1.EdgeInfo\"5\n\x14RegisterEdgeResponse\x12\x1d\n\x15reregister_interval_s\x18\x01 \x01(\r\"\x1b\n\x19GetClusterSnapshotRequest\"P\n\x1aGetClusterSnapshotResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .dsec.watcher.v1.ClusterSnapshot\"4\n\x13WatchClusterRequest\x12\x1d\n\x15keepalive_interval_ms\x18\x01 \x01(\r\"\xe2\x01\n\x14WatchClusterResponse\x12\x34\n\x08snapshot\x18\x01 \x01(\x0b\x32 .dsec.watcher.v1.ClusterSnapshotH\x00\x12\x33\n\x0c\x65\x64ge_changed\x18\x02 \x01(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatusH\x00\x12\x16\n\x0c\x65\x64ge_removed\x18\x03 \x01(\tH\x00\x12-\n\tkeepalive\x18\x04 \x01(\x0b\x32\x18.dsec.types.v1.KeepaliveH\x00\x12\x0f\n\x07version\x18\x05 \x01(\x04\x42\x07\n\x05\x65vent\"\'\n\x14GetEdgeHealthRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\"D\n\x15GetEdgeHealthResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatus*w\n\nEdgeHealth\x12\x1b\n\x17\x45\x44GE_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45\x44GE_HEALTH_HEALTHY\x10\x01\x12\x19\n\x15\x45\x44GE_HEALTH_UNHEALTHY\x10\x02\x12\x18\n\x14\x45\x44GE_HEALTH_DRAINING\x10\x03\x32\x9b\x03\n\x0eWatcherService\x12[\n\x0cRegisterEdge\x12$.dsec.watcher.v1.RegisterEdgeRequest\x1a%.dsec.watcher.v1.RegisterEdgeResponse\x12m\n\x12GetClusterSnapshot\x12*.dsec.watcher.v1.GetClusterSnapshotRequest\x1a+.dsec.watcher.v1.GetClusterSnapshotResponse\x12]\n\x0cWatchCluster\x12$.dsec.watcher.v1.WatchClusterRequest\x1a%.dsec.watcher.v1.WatchClusterResponse0\x01\x12^\n\rGetEdgeHealth\x12%.dsec.watcher.v1.GetEdgeHealthRequest\x1a&.dsec.watcher.v1.GetEdgeHealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64sec/watcher/v1/watcher.proto\x12\x0f\x64sec.watcher.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x64sec/types/v1/types.proto\"\xad\x05\n\nEdgeStatus\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.dsec.types.v1.EdgeInfo\x12+\n\x06health\x18\x02 \x01(\x0e\x32\x1b.dsec.watcher.v1.EdgeHealth\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.dsec.types.v1.EdgeLoad\x12\x31\n\rlast_probe_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1c\n\x14\x63onsecutive_failures\x18\x05 \x01(\r\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x18\n\x10probe_latency_ms\x18\x07 \x01(\x01\x12Q\n\x14sandboxes_by_project\x18\x08 \x03(\x0b\x32\x33.dsec.watcher.v1.EdgeStatus.SandboxesByProjectEntry\x12U\n\x16sandboxes_by_principal\x18\t \x03(\x0b\x32\x35.dsec.watcher.v1.EdgeStatus.SandboxesByPrincipalEntry\x12K\n\x11sandboxes_by_task\x18\n \x03(\x0b\x32\x30.dsec.watcher.v1.EdgeStatus.SandboxesByTaskEntry\x1a\x39\n\x17SandboxesByProjectEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a;\n\x19SandboxesByPrincipalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x36\n\x14SandboxesByTaskEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc4\x04\n\x0f\x43lusterSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x05\x65\x64ges\x18\x02 \x03(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatus\x12V\n\x14sandboxes_by_project\x18\x03 \x03(\x0b\x32\x38.dsec.watcher.v1.ClusterSnapshot.SandboxesByProjectEntry\x12P\n\x11sandboxes_by_task\x18\x04 \x03(\x0b\x32\x35.dsec.watcher.v1.ClusterSnapshot.SandboxesByTaskEntry\x12,\n\x08taken_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12Z\n\x16sandboxes_by_principal\x18\x06 \x03(\x0b\x32:.dsec.watcher.v1.ClusterSnapshot.SandboxesByPrincipalEntry\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x1a\x39\n\x17SandboxesByProjectEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x36\n\x14SandboxesByTaskEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a;\n\x19SandboxesByPrincipalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"<\n\x13RegisterEdgeRequest\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.dsec.types.v1.EdgeInfo\"5\n\x14RegisterEdgeResponse\x12\x1d\n\x15reregister_interval_s\x18\x01 \x01(\r\"\x1b\n\x19GetClusterSnapshotRequest\"P\n\x1aGetClusterSnapshotResponse\x12\x32\n\x08snapshot\x18\x01 \x01(\x0b\x32 .dsec.watcher.v1.ClusterSnapshot\"4\n\x13WatchClusterRequest\x12\x1d\n\x15keepalive_interval_ms\x18\x01 \x01(\r\"\xe2\x01\n\x14WatchClusterResponse\x12\x34\n\x08snapshot\x18\x01 \x01(\x0b\x32 .dsec.watcher.v1.ClusterSnapshotH\x00\x12\x33\n\x0c\x65\x64ge_changed\x18\x02 \x01(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatusH\x00\x12\x16\n\x0c\x65\x64ge_removed\x18\x03 \x01(\tH\x00\x12-\n\tkeepalive\x18\x04 \x01(\x0b\x32\x18.dsec.types.v1.KeepaliveH\x00\x12\x0f\n\x07version\x18\x05 \x01(\x04\x42\x07\n\x05\x65vent\"\'\n\x14GetEdgeHealthRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\"D\n\x15GetEdgeHealthResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.dsec.watcher.v1.EdgeStatus*w\n\nEdgeHealth\x12\x1b\n\x17\x45\x44GE_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45\x44GE_HEALTH_HEALTHY\x10\x01\x12\x19\n\x15\x45\x44GE_HEALTH_UNHEALTHY\x10\x02\x12\x18\n\x14\x45\x44GE_HEALTH_DRAINING\x10\x03\x32\x9b\x03\n\x0eWatcherService\x12[\n\x0cRegisterEdge\x12$.dsec.watcher.v1.RegisterEdgeRequest\x1a%.dsec.watcher.v1.RegisterEdgeResponse\x12m\n\x12GetClusterSnapshot\x12*.dsec.watcher.v1.GetClusterSnapshotRequest\x1a+.dsec.watcher.v1.GetClusterSnapshotResponse\x12]\n\x0cWatchCluster\x12$.dsec.watcher.v1.WatchClusterRequest\x1a%.dsec.watcher.v1.WatchClusterResponse0\x01\x12^\n\rGetEdgeHealth\x12%.dsec.watcher.v1.GetEdgeHealthRequest\x1a&.dsec.watcher.v1.GetEdgeHealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsec.watcher.v1.watcher_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_EDGESTATUS_SANDBOXESBYPROJECTENTRY']._loaded_options = None
+  _globals['_EDGESTATUS_SANDBOXESBYPROJECTENTRY']._serialized_options = b'8\001'
+  _globals['_EDGESTATUS_SANDBOXESBYPRINCIPALENTRY']._loaded_options = None
+  _globals['_EDGESTATUS_SANDBOXESBYPRINCIPALENTRY']._serialized_options = b'8\001'
+  _globals['_EDGESTATUS_SANDBOXESBYTASKENTRY']._loaded_options = None
+  _globals['_EDGESTATUS_SANDBOXESBYTASKENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._loaded_options = None
   _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._loaded_options = None
   _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._serialized_options = b'8\001'
-  _globals['_EDGEHEALTH']._serialized_start=1409
-  _globals['_EDGEHEALTH']._serialized_end=1528
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPRINCIPALENTRY']._loaded_options = None
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPRINCIPALENTRY']._serialized_options = b'8\001'
+  _globals['_EDGEHEALTH']._serialized_start=2003
+  _globals['_EDGEHEALTH']._serialized_end=2122
   _globals['_EDGESTATUS']._serialized_start=111
-  _globals['_EDGESTATUS']._serialized_end=373
-  _globals['_CLUSTERSNAPSHOT']._serialized_start=376
-  _globals['_CLUSTERSNAPSHOT']._serialized_end=785
-  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._serialized_start=672
-  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._serialized_end=729
-  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._serialized_start=731
-  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._serialized_end=785
-  _globals['_REGISTEREDGEREQUEST']._serialized_start=787
-  _globals['_REGISTEREDGEREQUEST']._serialized_end=847
-  _globals['_REGISTEREDGERESPONSE']._serialized_start=849
-  _globals['_REGISTEREDGERESPONSE']._serialized_end=902
-  _globals['_GETCLUSTERSNAPSHOTREQUEST']._serialized_start=904
-  _globals['_GETCLUSTERSNAPSHOTREQUEST']._serialized_end=931
-  _globals['_GETCLUSTERSNAPSHOTRESPONSE']._serialized_start=933
-  _globals['_GETCLUSTERSNAPSHOTRESPONSE']._serialized_end=1013
-  _globals['_WATCHCLUSTERREQUEST']._serialized_start=1015
-  _globals['_WATCHCLUSTERREQUEST']._serialized_end=1067
-  _globals['_WATCHCLUSTERRESPONSE']._serialized_start=1070
-  _globals['_WATCHCLUSTERRESPONSE']._serialized_end=1296
-  _globals['_GETEDGEHEALTHREQUEST']._serialized_start=1298
-  _globals['_GETEDGEHEALTHREQUEST']._serialized_end=1337
-  _globals['_GETEDGEHEALTHRESPONSE']._serialized_start=1339
-  _globals['_GETEDGEHEALTHRESPONSE']._serialized_end=1407
-  _globals['_WATCHERSERVICE']._serialized_start=1531
-  _globals['_WATCHERSERVICE']._serialized_end=1942
+  _globals['_EDGESTATUS']._serialized_end=796
+  _globals['_EDGESTATUS_SANDBOXESBYPROJECTENTRY']._serialized_start=622
+  _globals['_EDGESTATUS_SANDBOXESBYPROJECTENTRY']._serialized_end=679
+  _globals['_EDGESTATUS_SANDBOXESBYPRINCIPALENTRY']._serialized_start=681
+  _globals['_EDGESTATUS_SANDBOXESBYPRINCIPALENTRY']._serialized_end=740
+  _globals['_EDGESTATUS_SANDBOXESBYTASKENTRY']._serialized_start=742
+  _globals['_EDGESTATUS_SANDBOXESBYTASKENTRY']._serialized_end=796
+  _globals['_CLUSTERSNAPSHOT']._serialized_start=799
+  _globals['_CLUSTERSNAPSHOT']._serialized_end=1379
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._serialized_start=622
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPROJECTENTRY']._serialized_end=679
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._serialized_start=742
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYTASKENTRY']._serialized_end=796
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPRINCIPALENTRY']._serialized_start=681
+  _globals['_CLUSTERSNAPSHOT_SANDBOXESBYPRINCIPALENTRY']._serialized_end=740
+  _globals['_REGISTEREDGEREQUEST']._serialized_start=1381
+  _globals['_REGISTEREDGEREQUEST']._serialized_end=1441
+  _globals['_REGISTEREDGERESPONSE']._serialized_start=1443
+  _globals['_REGISTEREDGERESPONSE']._serialized_end=1496
+  _globals['_GETCLUSTERSNAPSHOTREQUEST']._serialized_start=1498
+  _globals['_GETCLUSTERSNAPSHOTREQUEST']._serialized_end=1525
+  _globals['_GETCLUSTERSNAPSHOTRESPONSE']._serialized_start=1527
+  _globals['_GETCLUSTERSNAPSHOTRESPONSE']._serialized_end=1607
+  _globals['_WATCHCLUSTERREQUEST']._serialized_start=1609
+  _globals['_WATCHCLUSTERREQUEST']._serialized_end=1661
+  _globals['_WATCHCLUSTERRESPONSE']._serialized_start=1664
+  _globals['_WATCHCLUSTERRESPONSE']._serialized_end=1890
+  _globals['_GETEDGEHEALTHREQUEST']._serialized_start=1892
+  _globals['_GETEDGEHEALTHREQUEST']._serialized_end=1931
+  _globals['_GETEDGEHEALTHRESPONSE']._serialized_start=1933
+  _globals['_GETEDGEHEALTHRESPONSE']._serialized_end=2001
+  _globals['_WATCHERSERVICE']._serialized_start=2125
+  _globals['_WATCHERSERVICE']._serialized_end=2536
 # @@protoc_insertion_point(module_scope)

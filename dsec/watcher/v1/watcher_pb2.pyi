@@ -54,6 +54,66 @@ Global___EdgeHealth: _TypeAlias = EdgeHealth  # noqa: Y015
 class EdgeStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SandboxesByProjectEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByPrincipalEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByTaskEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INFO_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
@@ -61,6 +121,9 @@ class EdgeStatus(_message.Message):
     CONSECUTIVE_FAILURES_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     PROBE_LATENCY_MS_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
     health: Global___EdgeHealth.ValueType
     consecutive_failures: _builtins.int
     last_error: _builtins.str
@@ -71,6 +134,14 @@ class EdgeStatus(_message.Message):
     def load(self) -> _types_pb2.EdgeLoad: ...
     @_builtins.property
     def last_probe_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def sandboxes_by_project(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Live sandboxes on this edge per project, per principal (token id) and per task."""
+
+    @_builtins.property
+    def sandboxes_by_principal(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def sandboxes_by_task(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -81,10 +152,13 @@ class EdgeStatus(_message.Message):
         consecutive_failures: _builtins.int = ...,
         last_error: _builtins.str = ...,
         probe_latency_ms: _builtins.float = ...,
+        sandboxes_by_project: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "last_probe_at", b"last_probe_at", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "health", b"health", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "health", b"health", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -134,13 +208,37 @@ class ClusterSnapshot(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SandboxesByPrincipalEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     EDGES_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
     TAKEN_AT_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """increases with every change"""
+    uptime_s: _builtins.float
+    """Seconds since this watcher started (a young view may still be filling in)."""
     @_builtins.property
     def edges(self) -> _containers.RepeatedCompositeFieldContainer[Global___EdgeStatus]: ...
     @_builtins.property
@@ -149,6 +247,8 @@ class ClusterSnapshot(_message.Message):
     def sandboxes_by_task(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
     def taken_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def sandboxes_by_principal(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -157,10 +257,12 @@ class ClusterSnapshot(_message.Message):
         sandboxes_by_project: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         taken_at: _timestamp_pb2.Timestamp | None = ...,
+        sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        uptime_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["taken_at", b"taken_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edges", b"edges", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "taken_at", b"taken_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edges", b"edges", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "taken_at", b"taken_at", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

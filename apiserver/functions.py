@@ -1,0 +1,171 @@
+"""FnCall routing in the API server: authenticate, place on an edge offering FNCALL, forward.
+
+Placement is asked like for a sandbox (backend FNCALL), with a node selector on the labels an
+edge publishes for the environments and languages its pools run (``fncall.env.<name>``,
+``fncall.lang.<language>``), so a job only goes where it can run. If nothing matches, the job is
+placed without the selector and the edge gives the precise answer (an unknown language is
+INVALID_ARGUMENT there, not "no eligible edge" here).
+
+Jobs are short and many; asking placement for each one would cost a round trip per job and
+flood its overlay with phantom load (placement records every answer as an allocation). So a
+placement answer is reused for ``PLACEMENT_TTL_S`` per (project, selector); an edge that
+refuses (EDGE_CAPACITY: its pool queue is full) or is unreachable drops the cached answer and
+the job goes to the next candidate. Jobs are not charged to quota: pools are platform capacity,
+created before any job, and nothing outlives a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from apiserver.gateway import Caller, Gateway
+from apiserver.routing import downstream
+from common.channels import DEFAULT_DEADLINE_S
+from dsec.apiserver.v1 import apiserver_pb2
+from dsec.edge.v1 import edge_pb2
+from dsec.placement.v1 import placement_pb2
+from dsec.types.v1 import types_pb2
+from libdsec._status import from_rpc_error, status_for
+from libdsec.errors import EdgeCapacity, InvalidArgument, NoEligibleEdge, Unavailable
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TTL_S = 1.0
+MAX_ATTEMPTS = 3
+#: A job's deadline past its own time limit: compilation, waiting for a pool container.
+JOB_MARGIN_S = 120.0
+MAX_BATCH = 100_000
+
+
+def _selector(jobs: list[types_pb2.FunctionJob]) -> dict[str, str]:
+    envs = {j.environment for j in jobs}
+    langs = {j.language.strip().lower() for j in jobs}
+    if len(envs) == 1 and "" not in envs:
+        return {f"fncall.env.{envs.pop()}": "ready"}
+    if envs == {""} and len(langs) == 1 and "" not in langs:
+        return {f"fncall.lang.{langs.pop()}": "ready"}
+    return {}
+
+
+class FunctionRouter:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self._placements: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, Any]] = {}
+
+    async def _candidates(
+        self, who: Caller, selector: dict[str, str], exclude: list[str]
+    ) -> list[placement_pb2.Candidate]:
+        key = (who.project_id, tuple(sorted(selector.items())))
+        hit = self._placements.get(key)
+        now = time.monotonic()
+        if hit is not None and hit[0] > now and not exclude:
+            return list(hit[1])
+        spec = types_pb2.SandboxSpec(
+            backend=types_pb2.BACKEND_FNCALL,
+            # Nominal: pools are pre-created; this only has to fit.
+            resources=types_pb2.Resources(cpu_millis=10, memory_mb=16),
+            node_selector=selector,
+        )
+        item = placement_pb2.PlacementItem(
+            spec=spec, project_id=who.project_id, exclude_edges=exclude
+        )
+        resp = await downstream(
+            self.gw.placement.PlaceSandbox(
+                placement_pb2.PlaceSandboxRequest(item=item), timeout=DEFAULT_DEADLINE_S
+            ),
+            "placement",
+        )
+        p = resp.placement
+        if p.error_code:
+            err = status_for(p.error_code, p.error_reason, p.error_message)
+            if isinstance(err, NoEligibleEdge) and selector:
+                # Nobody advertises it: let an edge say what is wrong with the job.
+                return await self._candidates(who, {}, exclude)
+            raise err
+        cands = list(p.candidates)
+        if len(self._placements) > 10_000:
+            self._placements.clear()
+        if not exclude:
+            self._placements[key] = (now + PLACEMENT_TTL_S, cands)
+        return cands
+
+    def _forget(self, who: Caller, selector: dict[str, str]) -> None:
+        self._placements.pop((who.project_id, tuple(sorted(selector.items()))), None)
+
+    async def run(self, who: Caller, job: types_pb2.FunctionJob) -> types_pb2.FunctionResult:
+        selector = _selector([job])
+        tried: list[str] = []
+        last: Exception | None = None
+        while len(tried) < MAX_ATTEMPTS:
+            cands = [
+                c for c in await self._candidates(who, selector, tried) if c.edge_id not in tried
+            ]
+            if not cands:
+                break
+            for cand in cands:
+                if len(tried) >= MAX_ATTEMPTS:
+                    break
+                tried.append(cand.edge_id)
+                stub = self.gw.edges.stub_for_address(cand.address)
+                try:
+                    resp = await downstream(
+                        stub.RunFunction(
+                            edge_pb2.RunFunctionRequest(job=job, project_id=who.project_id),
+                            timeout=(job.time_limit_s or 10.0) + JOB_MARGIN_S,
+                        ),
+                        "edge",
+                    )
+                    return resp.result
+                except (EdgeCapacity, Unavailable) as err:
+                    last = err
+                    self._forget(who, selector)
+                    log.info("edge %s refused a fncall job (%s); next", cand.edge_id, err.reason)
+        raise last or NoEligibleEdge("no edge accepted the fncall job")
+
+    async def run_many(
+        self, who: Caller, request: apiserver_pb2.RunFunctionsRequest
+    ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
+        jobs = list(request.jobs)
+        if not jobs:
+            raise InvalidArgument("give at least one job")
+        if len(jobs) > MAX_BATCH:
+            raise InvalidArgument(f"at most {MAX_BATCH} jobs per call", reason="BATCH_TOO_LARGE")
+        selector = _selector(jobs)
+        tried: list[str] = []
+        last: Exception | None = None
+        while len(tried) < MAX_ATTEMPTS:
+            cands = [
+                c for c in await self._candidates(who, selector, tried) if c.edge_id not in tried
+            ]
+            if not cands:
+                break
+            cand = cands[0]
+            tried.append(cand.edge_id)
+            call = self.gw.edges.stub_for_address(cand.address).RunFunctions(
+                edge_pb2.RunFunctionsRequest(
+                    jobs=jobs, parallelism=request.parallelism, project_id=who.project_id
+                )
+            )
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    if msg.WhichOneof("event") == "result":
+                        yield apiserver_pb2.RunFunctionsResponse(result=msg.result)
+                    else:
+                        yield apiserver_pb2.RunFunctionsResponse(keepalive=msg.keepalive)
+                return
+            except grpc.aio.AioRpcError as exc:
+                err = from_rpc_error(exc)
+                if started or not isinstance(err, (EdgeCapacity, Unavailable)):
+                    raise err from exc
+                last = err
+                self._forget(who, selector)
+            finally:
+                call.cancel()
+        raise last or NoEligibleEdge("no edge accepted the fncall jobs")

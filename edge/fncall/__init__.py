@@ -1,0 +1,6 @@
+"""FnCall: warm pools of pre-created runc containers for short stateless jobs.
+
+`service.FnCallService` (pools, jobs, batches, compile-once) is the edge's entry point;
+`runner.py` (with `wire.py`) is the in-container side, standard library only. See
+docs/ARCHITECTURE.md, "FnCall".
+"""

@@ -1,0 +1,110 @@
+"""gRPC adapter of FnCall on the edge: FunctionJob in -> FnCallService -> FunctionResult out.
+
+The edge servicer delegates RunFunction/RunFunctions here, so the service itself stays free of
+generated code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.convert import ts
+from dsec.edge.v1 import edge_pb2
+from dsec.types.v1 import types_pb2
+from edge.fncall.jobs import Job, Result
+from edge.fncall.service import FnCallService
+from libdsec.errors import FailedPrecondition
+
+KEEPALIVE_S = 5.0
+
+
+def job_from_pb(pb: types_pb2.FunctionJob) -> Job:
+    return Job(
+        language=pb.language,
+        code=pb.code.encode(),
+        files=[(f.path, bytes(f.content)) for f in pb.files],
+        command=list(pb.command),
+        stdin=bytes(pb.stdin),
+        time_limit_s=pb.time_limit_s,
+        cpu_limit_s=pb.cpu_limit_s,
+        memory_mb=pb.memory_mb,
+        max_output_bytes=pb.max_output_bytes,
+        environment=pb.environment,
+        job_id=pb.job_id,
+    )
+
+
+def result_pb(r: Result) -> types_pb2.FunctionResult:
+    return types_pb2.FunctionResult(
+        job_id=r.job_id,
+        verdict=types_pb2.Verdict.Value("VERDICT_" + r.verdict),
+        exit_code=r.exit_code,
+        signal=r.signal,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        wall_time_s=r.wall_time_s,
+        cpu_time_s=r.cpu_time_s,
+        peak_memory_bytes=r.peak_memory_bytes,
+        compile_output=r.compile_output,
+        index=r.index,
+        message=r.message,
+        edge_id=r.edge_id,
+    )
+
+
+class FnCallAdapter:
+    """RunFunction / RunFunctions of the EdgeService; `service` None = not offered here."""
+
+    def __init__(self, service: FnCallService | None, why_not: str = "") -> None:
+        self.service = service
+        self.why_not = why_not or "this edge runs no fncall pools"
+
+    def _service(self) -> FnCallService:
+        if self.service is None:
+            raise FailedPrecondition(self.why_not, reason="FNCALL_NOT_OFFERED")
+        return self.service
+
+    async def run_function(
+        self, request: edge_pb2.RunFunctionRequest
+    ) -> edge_pb2.RunFunctionResponse:
+        result = await self._service().run(job_from_pb(request.job))
+        return edge_pb2.RunFunctionResponse(result=result_pb(result))
+
+    async def run_functions(
+        self, request: edge_pb2.RunFunctionsRequest
+    ) -> AsyncIterator[edge_pb2.RunFunctionsResponse]:
+        service = self._service()
+        results = service.run_many([job_from_pb(j) for j in request.jobs], request.parallelism)
+        # A stream that stays silent while long jobs run must still show it is alive.
+        pending: asyncio.Task[Result] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(results))
+                done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+                if not done:
+                    yield edge_pb2.RunFunctionsResponse(
+                        keepalive=types_pb2.Keepalive(at=ts(time.time()))
+                    )
+                    continue
+                try:
+                    result = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield edge_pb2.RunFunctionsResponse(result=result_pb(result))
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            await _aclose(results)
+
+
+async def _aclose(gen: Any) -> None:
+    with contextlib.suppress(BaseException):
+        await gen.aclose()

@@ -1,0 +1,708 @@
+"""The FnCall runner: pid 1 of a warm-pool container. Standard library only.
+
+It runs on the image's own Python (``/usr/bin/python3 -B /.dsec/runner.py``; the edge mounts
+this file and ``wire.py`` read-only at /.dsec) and talks to the edge over the socket the edge
+passed as fd 3. No aether, no chronus: one request at a time, each a job.
+
+Per job:
+
+1. an empty job directory ``/job`` (mode 0700, owned by the job uid) with the job's files;
+2. the job's process was forked before the job came (the "spare"): its own session,
+   oom_score_adj 1000 (the kernel's OOM killer picks the job, never the runner), RLIMIT_CORE 0,
+   the unprivileged job uid (RLIMIT_NPROC applies, nothing outside /job and the scratch dirs
+   is writable). On the job's parameters (and its stdin, in a memfd) it sets RLIMIT_FSIZE
+   and RLIMIT_STACK, then either exec()s the program or, for Python, runs the code in the
+   already warm interpreter (numpy imported once, in the runner, before any fork);
+3. stdout/stderr go into pipes the runner reads (capped: OUTPUT_LIMIT);
+4. limits: wall clock by the runner's poll timeout; CPU time of the whole job (every process,
+   orphans included) from the container's cpuacct counter minus the runner's own, checked
+   exactly when the budget could first be exhausted (so short jobs cost no wake-ups);
+5. afterwards, before answering: kill(-1, SIGKILL) from pid 1 (every other process in the
+   container's pid namespace), reap, empty /job and the world-writable scratch dirs, and
+   check that no SysV IPC object survived. Anything unexpected is reported as an `anomaly` and
+   the edge recycles the container. Then the next spare is forked.
+
+Memory limits and OOM/pids counters are the edge's part: it sets the container's memory cgroup
+limit for each job from the host (the cgroup mount is read-only in here) and reads the counters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import errno
+import gc
+import os
+import resource
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+import types
+
+try:  # the edge imports this module from the package; the container runs it from /.dsec
+    from edge.fncall import wire
+except ImportError:  # pragma: no cover - inside the container
+    import wire  # type: ignore[no-redef]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+CONTROL_FD = 3
+JOB_DIR = "/job"
+CPUACCT = "/sys/fs/cgroup/cpuacct/cpuacct.usage"
+#: After the main process exits, how long to keep reading pipes still held open by its children.
+DRAIN_GRACE_S = 0.05
+#: World-writable places a job can leave files in; emptied after every job.
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm", "/dev/mqueue")
+SYSV_IPC = ("/proc/sysvipc/shm", "/proc/sysvipc/sem", "/proc/sysvipc/msg")
+READ_CHUNK = 65536
+
+
+class Runner:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.job_uid = 10001
+        self.cpu_cores = 1.0
+        self.scratch: dict[str, set[str]] = {}
+        for d in SCRATCH_DIRS:
+            try:
+                self.scratch[d] = set(os.listdir(d))
+            except OSError:
+                continue
+        self.python_ready = False
+        self.spare: Spare | None = None
+        self.stdio: tuple[Any, Any, Any] | None = None
+        # /job stays; only its contents come and go. Creating and removing a directory per
+        # job costs milliseconds of waiting on the (ext4) upper layer's journal when the
+        # machine is busy (measured: rmdir 0.6-11 ms), emptying it microseconds.
+        _remove_tree(JOB_DIR)
+        os.mkdir(JOB_DIR, 0o700)
+        self.sysv_fds = []
+        for path in SYSV_IPC:
+            try:
+                self.sysv_fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ channel
+
+    def recv(self) -> dict[str, Any] | None:
+        prefix = self._recv_exact(4)
+        if prefix is None:
+            return None
+        body = self._recv_exact(wire.body_length(prefix))
+        if body is None:
+            return None
+        return wire.decode(body)
+
+    def _recv_exact(self, n: int) -> bytes | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                return None
+            got += k
+        return bytes(buf)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sock.sendall(wire.encode(message))
+
+    def serve(self) -> None:
+        self.send({"op": "hello", "pid": os.getpid(), "python": sys.version.split()[0]})
+        while True:
+            req = self.recv()
+            if req is None:
+                return  # the edge closed the channel: the container is being removed
+            op = req.get("op")
+            if op == "warm":
+                self.send(self.warm(req))
+            elif op == "run":
+                self.send(self.run(req))
+                try:
+                    self.fork_spare()
+                except OSError as exc:  # the next job reports it (as an anomaly) if it persists
+                    print(f"fncall runner: cannot fork the next job: {exc}", file=sys.stderr)
+            elif op == "exit":
+                return
+            else:
+                self.send({"error": f"unknown op {op!r}"})
+
+    # --------------------------------------------------------------- warm
+
+    def warm(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.job_uid = int(req.get("job_uid", self.job_uid))
+        self.cpu_cores = float(req.get("cpu_cores", self.cpu_cores)) or 1.0
+        t0 = time.perf_counter()
+        failed = []
+        for name in req.get("preload", []):
+            try:
+                __import__(name)
+            except Exception as exc:  # reported; the edge decides whether the pool is usable
+                failed.append(f"{name}: {exc!r}")
+        # Everything a job's process would otherwise set up for itself is done here, once:
+        # in the job's process each new object or changed page costs a copy-on-write fault
+        # (measured: ~3 us each, hundreds per job). So the runner itself carries the jobs'
+        # environment, signal dispositions and sys.stdin/stdout/stderr objects (on fds 0-2,
+        # which only the job's process redirects).
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in req.get("job_env", {}).items()})
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # a file past RLIMIT_FSIZE kills the job
+        self.stdio = _make_stdio()
+        # Objects made so far are never freed: keep them out of the collector's generations,
+        # so a job's first collection does not touch (and copy) the warm heap.
+        gc.collect()
+        gc.freeze()
+        self.python_ready = True
+        self.fork_spare()
+        return {
+            "ok": not failed,
+            "error": "; ".join(failed),
+            "warm_s": time.perf_counter() - t0,
+            "modules": len(sys.modules),
+        }
+
+    # ---------------------------------------------------------------- run
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._prepare(req)
+            spare = self._take_spare()
+            data = req.get("stdin", b"")
+            if data:
+                _write_all(spare.stdin, data)
+                os.lseek(spare.stdin, 0, os.SEEK_SET)  # the offset is shared with the job's fd 0
+        except Exception as exc:  # a broken container, not a broken job
+            self._drop_spare()
+            self._cleanup()
+            return {"anomaly": f"job setup failed: {exc!r}"}
+        try:
+            result = self._execute(req, spare)
+        finally:
+            spare.close()
+        anomaly = self._cleanup()
+        if anomaly:
+            result["anomaly"] = anomaly
+        return result
+
+    def _prepare(self, req: dict[str, Any]) -> None:
+        uid = self.job_uid
+        # As good as new: the previous job owned it and may have changed its mode or hung
+        # extended attributes on it (a channel to the next job otherwise).
+        st = os.lstat(JOB_DIR)
+        if st.st_uid != uid or st.st_gid != uid:
+            os.chown(JOB_DIR, uid, uid)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(JOB_DIR, 0o700)
+        for name in os.listxattr(JOB_DIR):
+            if name.startswith("user."):  # the only namespace an unprivileged job can write
+                os.removexattr(JOB_DIR, name)
+        for i, f in enumerate(req.get("files", [])):
+            rel = f["path"]
+            parts = rel.split("/")
+            if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"bad job file path {rel!r}")
+            parent = JOB_DIR
+            for p in parts[:-1]:
+                parent = f"{parent}/{p}"
+                if not os.path.isdir(parent):
+                    os.mkdir(parent, 0o755)
+                    os.chown(parent, uid, uid)
+            path = f"{JOB_DIR}/{rel}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                _write_all(fd, req.get(f"file{i}", b""))
+                os.fchown(fd, uid, uid)
+                os.fchmod(fd, int(f.get("mode", 0o644)) & 0o777)
+            finally:
+                os.close(fd)
+
+    # -------------------------------------------------------------- spare
+
+    def fork_spare(self) -> None:
+        """Fork the next job's process now, while no job waits: fork itself (copying the warm
+        interpreter's page tables) and the job-independent set-up (session, uid, limits,
+        stdio) then cost the next job no latency. It waits for its job on a socketpair; its
+        stdin is a memfd the runner fills when the job comes."""
+        if self.spare is not None:
+            return
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:
+            # Every job forks from this process: reseed for each, as a fresh interpreter
+            # would be (the stdlib's `random` reseeds itself after fork). Here rather than in
+            # the child: nothing shares our pages now, so it costs no page copies.
+            numpy_random.seed(int.from_bytes(os.urandom(4), "little"))  # type: ignore[attr-defined]
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, stdin):
+                os.close(fd)
+            mine.close()
+            theirs.close()
+            raise
+        if pid == 0:  # pragma: no cover - the child never returns
+            _spare(theirs.fileno(), stdin, out_w, err_w, self.job_uid, self.stdio)
+        os.close(out_w)
+        os.close(err_w)
+        theirs.close()
+        self.spare = Spare(pid, os.pidfd_open(pid), mine, stdin, out_r, err_r)
+
+    def _drop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.close()
+
+    def _take_spare(self) -> Spare:
+        spare = self.spare
+        if spare is not None and select.select([spare.pidfd], [], [], 0)[0]:
+            self._drop_spare()  # it died (killed from outside?): make another
+            spare = None
+        if spare is None:
+            self.fork_spare()
+            spare = self.spare
+        assert spare is not None
+        self.spare = None
+        return spare
+
+    def _execute(self, req: dict[str, Any], spare: Spare) -> dict[str, Any]:
+        wall_s = float(req["wall_s"])
+        cpu_s = float(req["cpu_s"])
+        limit = int(req["max_output"])
+        pid, pidfd, out_r, err_r = spare.pid, spare.pidfd, spare.out_r, spare.err_r
+        # NUL-separated (argv cannot hold NUL): the job's process parses it with bytes.split,
+        # not json, which would cost it dozens of page faults.
+        go = "\0".join(
+            [
+                str(cpu_s),
+                str(int(req.get("fsize", 0))),
+                str(int(req.get("stack", 0))),
+                req.get("python_main") or "",
+                *(req.get("argv") or req.get("args") or []),
+            ]
+        ).encode()
+        cpu0 = _cgroup_cpu_s()
+        self0 = time.process_time()
+        t0 = time.monotonic()
+        try:
+            spare.sock.send(go)
+        except OSError:
+            pass  # it died: the pidfd says so below, and the job is a runtime error
+        out = {out_r: bytearray(), err_r: bytearray()}
+        names = {out_r: "stdout", err_r: "stderr"}
+        poller = select.poll()
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+            poller.register(fd, select.POLLIN)
+        poller.register(pidfd, select.POLLIN)
+        open_pipes = {out_r, err_r}
+        killed = ""
+        over = ""
+        status = rusage = None
+        t_exit = 0.0
+        wall_deadline = t0 + wall_s
+        # CPU can grow at most `cpu_cores` seconds per second: no need to look before then.
+        cpu_check = t0 + cpu_s / self.cpu_cores if cpu0 is not None else float("inf")
+        drain_deadline = float("inf")
+
+        def kill_job() -> None:
+            for target in (pid, -pid):  # the main process, then its process group
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+
+        while True:
+            now = time.monotonic()
+            if status is not None and (not open_pipes or now >= drain_deadline):
+                break
+            deadline = min(wall_deadline, cpu_check) if status is None else drain_deadline
+            timeout_ms = (
+                -1 if deadline == float("inf") else max(0, int((deadline - now) * 1000) + 1)
+            )
+            for fd, _ in poller.poll(timeout_ms):
+                if fd == pidfd:
+                    if status is None:
+                        t_exit = time.monotonic()
+                        _, status, rusage = os.wait4(pid, 0)
+                        poller.unregister(pidfd)
+                        drain_deadline = t_exit + DRAIN_GRACE_S
+                    continue
+                buf = out[fd]
+                while True:
+                    try:
+                        chunk = os.read(fd, READ_CHUNK)
+                    except BlockingIOError:
+                        break
+                    if not chunk:
+                        poller.unregister(fd)
+                        open_pipes.discard(fd)
+                        break
+                    room = limit - len(buf)
+                    if len(chunk) > room:
+                        buf += chunk[: max(room, 0)]
+                        if not killed:
+                            killed, over = "output", names[fd]
+                            kill_job()
+                        # Stop reading: nothing more is kept; writers get EPIPE/SIGPIPE.
+                        poller.unregister(fd)
+                        open_pipes.discard(fd)
+                        break
+                    buf += chunk
+            if status is not None or killed:
+                continue
+            now = time.monotonic()
+            if now >= wall_deadline:
+                killed = "wall"
+                kill_job()
+            elif now >= cpu_check:
+                used = _job_cpu(cpu0, self0)
+                if used is not None and used >= cpu_s:
+                    killed = "cpu"
+                    kill_job()
+                elif used is not None:
+                    cpu_check = now + max((cpu_s - used) / self.cpu_cores, 0.002)
+        assert status is not None and rusage is not None
+        tree_cpu = _job_cpu(cpu0, self0)
+        prep_cpu = spare.prep_cpu()
+        result: dict[str, Any] = {
+            "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0,
+            "wall_s": t_exit - t0,
+            "cpu_s": max(0.0, rusage.ru_utime + rusage.ru_stime - prep_cpu),
+            "tree_cpu_s": tree_cpu if tree_cpu is not None else -1.0,
+            "maxrss_kb": rusage.ru_maxrss,
+            "killed": killed,
+            "over": over,
+            "stdout": bytes(out[out_r]),
+            "stderr": bytes(out[err_r]),
+        }
+        collect = req.get("collect")
+        if collect and not killed and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            result["artifact"] = _read_regular(
+                f"{JOB_DIR}/{collect}", int(req.get("collect_max", 64 << 20))
+            )
+        return result
+
+    # ------------------------------------------------------------ cleanup
+
+    def _cleanup(self) -> str:
+        """Kill every other process, reap, remove the job's files. "" or what went wrong."""
+        problems = []
+        strays = 0
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                os.kill(-1, signal.SIGKILL)  # from pid 1: everyone in the pid namespace but us
+            except ProcessLookupError:
+                break
+            strays += _reap()
+            if time.monotonic() > deadline:
+                problems.append("processes survived SIGKILL for 2 s")
+                break
+            time.sleep(0.0002)
+        strays += _reap()
+        try:
+            os.chmod(JOB_DIR, 0o700)  # the job may have made it unreadable even for us
+            for name in os.listdir(JOB_DIR):
+                _remove_tree(f"{JOB_DIR}/{name}")
+        except OSError as exc:
+            problems.append(f"cannot empty {JOB_DIR}: {exc}")
+        for d, keep in self.scratch.items():
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                if name in keep:
+                    continue
+                try:
+                    _remove_tree(f"{d}/{name}")
+                except OSError as exc:
+                    problems.append(f"cannot remove {d}/{name}: {exc}")
+        for fd in self.sysv_fds:
+            try:
+                if os.pread(fd, 65536, 0).count(b"\n") > 1:  # a header line, then one per object
+                    problems.append("SysV IPC objects left behind")
+                    break
+            except OSError:
+                pass
+        return "; ".join(problems)
+
+
+class Spare:
+    """The pre-forked process of the next job and the runner's ends of its stdio."""
+
+    def __init__(
+        self, pid: int, pidfd: int, sock: socket.socket, stdin: int, out_r: int, err_r: int
+    ) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.sock = sock
+        self.stdin = stdin
+        self.out_r = out_r
+        self.err_r = err_r
+
+    def prep_cpu(self) -> float:
+        """CPU seconds it spent before its job started (it reports them when it starts)."""
+        try:
+            self.sock.setblocking(False)
+            return float(self.sock.recv(64).decode() or 0)
+        except (OSError, ValueError):
+            return 0.0
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.stdin, self.out_r, self.err_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.sock.close()
+
+
+# ---------------------------------------------------------------- the child
+
+
+def _spare(
+    ctl: int, stdin: int, out_w: int, err_w: int, uid: int, stdio: tuple[Any, Any, Any] | None
+) -> None:  # pragma: no cover - runs in the forked child
+    """The next job's process: set up what does not depend on the job, wait, then run it.
+
+    Lean on purpose: every Python object made or page written here is a copy-on-write fault
+    (and every module it imports is loaded anew: hence all imports at the top of this file).
+    """
+    try:
+        os.setsid()
+        os.dup2(stdin, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(ctl, 3)
+        os.closerange(4, 1 << 20)  # the channel to the edge above all
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the OOM killer's first choice
+        os.write(fd, b"1000")
+        os.close(fd)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        if stdio is not None:
+            atexit._clear()
+            sys.stdin, sys.stdout, sys.stderr = stdio
+            sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
+        msg = os.read(3, 1 << 20)
+        if not msg:
+            os._exit(0)  # the runner dropped us
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        os.write(3, str(usage.ru_utime + usage.ru_stime).encode())
+        os.close(3)
+        parts = msg.split(b"\0")
+        # No RLIMIT_CPU: the runner enforces the job's CPU limit (all its processes), and an
+        # armed process CPU timer makes the kernel sample the process's CPU clock at tick
+        # granularity: time.process_time() would jump by up to a tick (measured: a 10 ms
+        # busy loop ran 11-13.5 ms).
+        fsize = int(parts[1])
+        if fsize:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        stack = int(parts[2])
+        if stack:
+            hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+            if hard != resource.RLIM_INFINITY:
+                stack = min(stack, hard)
+            resource.setrlimit(resource.RLIMIT_STACK, (stack, hard))
+        os.chdir(JOB_DIR)
+        os.umask(0o022)
+        args = [p.decode() for p in parts[4:]]
+        if parts[3]:
+            _run_python(parts[3].decode(), args)  # never returns
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # an ignored signal stays so across exec
+        os.execvp(args[0], args)
+    except BaseException as exc:
+        try:
+            os.write(2, f"dsec fncall: cannot start the job: {exc}\n".encode())
+        except OSError:
+            pass
+    os._exit(127)
+
+
+def _make_stdio() -> tuple[Any, Any, Any]:
+    """sys.stdin/stdout/stderr of a job, as python3 makes them, on fds 0, 1 and 2."""
+    import io
+
+    return (
+        io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8"),
+        io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8"),
+        io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+        ),
+    )
+
+
+def _run_python(main: str, args: list[str]) -> None:  # pragma: no cover
+    """Runs /job/<main> as `python3 main.py args...` would, in this (forked, warm) interpreter."""
+    path = f"{JOB_DIR}/{main}"
+    sys.argv = [main, *args]
+    sys.path[0] = JOB_DIR
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = module
+    code = 0
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+        try:
+            compiled = compile(source, path, "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            import traceback
+
+            traceback.print_exception(type(exc), exc, None)
+            code = 1
+        else:
+            exec(compiled, module.__dict__)
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:
+        # Drop our own frame: the traceback starts at the job's code, as in python3.
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        try:
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        except BaseException:
+            pass
+        code = 1
+    os._exit(_finish(code))
+
+
+def _exit_code(exc: SystemExit) -> int:  # pragma: no cover
+    c = exc.code
+    if c is None:
+        return 0
+    if isinstance(c, int):
+        return c & 0xFF
+    try:
+        print(c, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
+def _finish(code: int) -> int:  # pragma: no cover
+    """Interpreter shutdown as far as a job can observe it: threads, atexit, flushed stdio."""
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120  # what python3 exits with when flushing stdout fails
+    return code
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _cgroup_cpu_s() -> float | None:
+    try:
+        with open(CPUACCT, "rb") as fh:
+            return int(fh.read()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def _job_cpu(cpu0: float | None, self0: float) -> float | None:
+    """CPU seconds of every process in the container since the job started, minus ours."""
+    now = _cgroup_cpu_s()
+    if cpu0 is None or now is None:
+        return None
+    return max(0.0, (now - cpu0) - (time.process_time() - self0))
+
+
+def _reap() -> int:
+    n = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return n
+        if pid == 0:
+            return n
+        n += 1
+
+
+def _remove_tree(path: str) -> None:
+    """rm -rf as root, never following symlinks; a job may chmod 000 its own directories."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    try:
+        entries = os.listdir(path)
+    except PermissionError:
+        os.chmod(path, 0o700)
+        entries = os.listdir(path)
+    for name in entries:
+        _remove_tree(f"{path}/{name}")
+    os.rmdir(path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_regular(path: str, max_bytes: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return b""
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:  # pragma: no cover - inside the container
+    fd = int(os.environ.pop("DSEC_FNCALL_FD", CONTROL_FD))
+    os.set_inheritable(fd, False)
+    sock = socket.socket(fileno=fd)
+    try:
+        Runner(sock).serve()
+    except (ConnectionError, wire.WireError) as exc:
+        print(f"fncall runner: channel failed: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno != errno.EBADF:
+            raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

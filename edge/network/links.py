@@ -1,0 +1,272 @@
+"""Links of networked sandboxes: the node bridge, NAT, and one veth pair per sandbox (netlink).
+
+    sandbox netns                  host (edge)
+    eth0 10.231.0.7/16  ──veth──  dv<hash> ─┐
+    eth0 10.231.0.8/16  ──veth──  dv<hash> ─┼─ bridge <name> 10.231.0.1/16 ── NAT ── uplink
+                                            ┘   (ports isolated)
+
+- The sandbox's network namespace is the one runc made for it; the edge adds a veth pair whose
+  peer it moves into `/proc/<init pid>/ns/net`, so networked and unnetworked sandboxes start the
+  same way and a running sandbox can gain a network (UpdateNetworkPolicy from NONE). The peer
+  dies with the namespace, so a crashed sandbox leaves no link in its namespace behind.
+- Sandbox-to-sandbox traffic is blocked three times: bridge ports are *isolated* (no frames
+  between two sandboxes' ports), the forward chain drops bridge-to-bridge traffic, and every
+  sandbox's eBPF policy refuses the subnet.
+- Sandboxes reach the host only for DNS on the bridge address (input chain); nothing from
+  outside can open a connection into a sandbox. IPv6 is off on the bridge and its ports.
+- NAT (masquerade) for traffic leaving the bridge. On a host where Docker made the forward
+  policy DROP, the edge adds two rules to DOCKER-USER (Docker's place for them) so that the
+  bridge's traffic is forwarded; they are removed with the bridge.
+
+Netlink goes through pyroute2; nftables rules through `nft -f -` (once per bridge).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import ipaddress
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+VETH_PREFIX = "dv"
+
+
+class NetworkSetupError(RuntimeError):
+    pass
+
+
+def veth_name(sandbox_id: str) -> str:
+    """The host end's name: 15 characters at most (IFNAMSIZ), stable per sandbox id."""
+    return VETH_PREFIX + hashlib.sha256(sandbox_id.encode()).hexdigest()[:12]
+
+
+def _ipr() -> Any:
+    from pyroute2 import IPRoute  # a sizeable import: only on nodes that network sandboxes
+
+    return IPRoute()
+
+
+@contextlib.contextmanager
+def netns_of(pid: int) -> Iterator[Any]:
+    """A netlink socket in the network namespace of `pid`.
+
+    The socket is made with this thread briefly inside that namespace (setns is per thread), then
+    the thread returns to its own: the socket stays bound to the sandbox's namespace.
+    """
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(target, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetworkSetupError(f"setns into the network of pid {pid}: {os.strerror(err)}")
+        try:
+            ipr = _ipr()
+        finally:
+            if _libc.setns(own, _CLONE_NEWNET) != 0:  # never leave a pool thread elsewhere
+                os.abort()
+    finally:
+        os.close(own)
+        os.close(target)
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def _sysctl(path: str, value: str) -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/sys", path).write_text(value)
+
+
+class NodeNetwork:
+    """The bridge, its address, its firewall and NAT, and the sandboxes' veth pairs."""
+
+    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network) -> None:
+        if not 1 <= len(bridge) <= 15:
+            raise ValueError(f"bridge name {bridge!r} must have 1..15 characters")
+        self.bridge = bridge
+        self.subnet = subnet
+        self.gateway = next(subnet.hosts())
+        self.table = f"dsec_{bridge}".replace("-", "_")
+        self._docker_rules: list[list[str]] = [
+            ["-i", bridge, "-j", "ACCEPT"],
+            ["-o", bridge, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"],
+        ]
+
+    # ------------------------------------------------------------------ the node
+
+    def ensure(self) -> None:
+        """Create (or adopt) the bridge and its rules. Idempotent; blocking."""
+        with contextlib.closing(_ipr()) as ip:
+            found = ip.link_lookup(ifname=self.bridge)
+            if not found:
+                ip.link("add", ifname=self.bridge, kind="bridge")
+                found = ip.link_lookup(ifname=self.bridge)
+                log.info("created bridge %s (%s)", self.bridge, self.subnet)
+            idx = found[0]
+            _sysctl(f"net/ipv6/conf/{self.bridge}/disable_ipv6", "1")
+            have = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(index=idx, family=2)}
+            if str(self.gateway) not in have:
+                ip.addr(
+                    "add", index=idx, address=str(self.gateway), prefixlen=self.subnet.prefixlen
+                )
+            ip.link("set", index=idx, state="up")
+        if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
+            log.warning("net.ipv4.ip_forward was 0: enabling it for sandbox egress")
+            _sysctl("net/ipv4/ip_forward", "1")
+        self._nft_apply()
+        self._docker_user(add=True)
+
+    def teardown(self) -> None:
+        """Remove the bridge and its rules (veths on it go too). Idempotent; blocking."""
+        self._docker_user(add=False)
+        subprocess.run(
+            ["nft", "delete", "table", "inet", self.table], capture_output=True, env=_ENV
+        )
+        subprocess.run(
+            ["nft", "delete", "table", "ip", self.table + "_nat"], capture_output=True, env=_ENV
+        )
+        with contextlib.closing(_ipr()) as ip:
+            for idx in ip.link_lookup(ifname=self.bridge):
+                for link in ip.get_links():
+                    if link.get_attr("IFLA_MASTER") == idx:
+                        with contextlib.suppress(Exception):
+                            ip.link("del", index=link["index"])
+                ip.link("del", index=idx)
+
+    def _nft_apply(self) -> None:
+        br, gw, net = self.bridge, self.gateway, self.subnet
+        script = f"""
+table inet {self.table}
+delete table inet {self.table}
+table inet {self.table} {{
+  chain forward {{
+    type filter hook forward priority -1; policy accept;
+    iifname "{br}" oifname "{br}" drop
+    oifname "{br}" ct state established,related accept
+    oifname "{br}" drop
+  }}
+  chain input {{
+    type filter hook input priority -1; policy accept;
+    iifname "{br}" ip daddr {gw} udp dport 53 accept
+    iifname "{br}" ip daddr {gw} tcp dport 53 accept
+    iifname "{br}" ct state established,related accept
+    iifname "{br}" drop
+  }}
+}}
+table ip {self.table}_nat
+delete table ip {self.table}_nat
+table ip {self.table}_nat {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {net} oifname != "{br}" masquerade
+  }}
+}}
+"""
+        r = subprocess.run(
+            ["nft", "-f", "-"], input=script, capture_output=True, text=True, env=_ENV
+        )
+        if r.returncode != 0:
+            raise NetworkSetupError(f"nft failed: {r.stderr.strip()}")
+
+    def _docker_user(self, *, add: bool) -> None:
+        probe = subprocess.run(
+            ["iptables", "-w", "5", "-S", "DOCKER-USER"], capture_output=True, env=_ENV
+        )
+        if probe.returncode != 0:
+            return  # no Docker forward policy to get past
+        for rule in self._docker_rules:
+            present = (
+                subprocess.run(
+                    ["iptables", "-w", "5", "-C", "DOCKER-USER", *rule],
+                    capture_output=True,
+                    env=_ENV,
+                ).returncode
+                == 0
+            )
+            if add and not present:
+                subprocess.run(
+                    ["iptables", "-w", "5", "-I", "DOCKER-USER", *rule],
+                    capture_output=True,
+                    env=_ENV,
+                )
+            elif not add and present:
+                subprocess.run(
+                    ["iptables", "-w", "5", "-D", "DOCKER-USER", *rule],
+                    capture_output=True,
+                    env=_ENV,
+                )
+
+    # ------------------------------------------------------------- the sandboxes
+
+    def attach(self, sandbox_id: str, pid: int, address: ipaddress.IPv4Address) -> str:
+        """Give the namespace of `pid` an eth0 with `address` on the bridge; returns the host
+        end's name. Blocking."""
+        host = veth_name(sandbox_id)
+        with contextlib.closing(_ipr()) as ip:
+            br = ip.link_lookup(ifname=self.bridge)
+            if not br:
+                raise NetworkSetupError(f"bridge {self.bridge} is missing")
+            for idx in ip.link_lookup(ifname=host):  # a leftover of an earlier attempt
+                ip.link("del", index=idx)
+            nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                ip.link(
+                    "add",
+                    ifname=host,
+                    kind="veth",
+                    peer={"ifname": "eth0", "net_ns_fd": nsfd},
+                )
+            finally:
+                os.close(nsfd)
+            idx = ip.link_lookup(ifname=host)[0]
+            _sysctl(f"net/ipv6/conf/{host}/disable_ipv6", "1")
+            ip.link("set", index=idx, master=br[0])
+            ip.brport("set", index=idx, isolated=1)
+            ip.link("set", index=idx, state="up")
+        with netns_of(pid) as ns:
+            lo = ns.link_lookup(ifname="lo")[0]
+            ns.link("set", index=lo, state="up")
+            eth = ns.link_lookup(ifname="eth0")[0]
+            ns.addr("add", index=eth, address=str(address), prefixlen=self.subnet.prefixlen)
+            ns.link("set", index=eth, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=str(self.gateway))
+        return host
+
+    def detach(self, sandbox_id: str) -> bool:
+        """Remove the sandbox's veth pair (if any). Blocking."""
+        with contextlib.closing(_ipr()) as ip:
+            found = ip.link_lookup(ifname=veth_name(sandbox_id))
+            for idx in found:
+                with contextlib.suppress(Exception):
+                    ip.link("del", index=idx)
+            return bool(found)
+
+    def ports(self) -> list[str]:
+        """Names of the veths on the bridge."""
+        with contextlib.closing(_ipr()) as ip:
+            br = ip.link_lookup(ifname=self.bridge)
+            if not br:
+                return []
+            return [
+                str(link.get_attr("IFLA_IFNAME"))
+                for link in ip.get_links()
+                if link.get_attr("IFLA_MASTER") == br[0]
+            ]
+
+    def remove_port(self, name: str) -> None:
+        with contextlib.closing(_ipr()) as ip:
+            for idx in ip.link_lookup(ifname=name):
+                with contextlib.suppress(Exception):
+                    ip.link("del", index=idx)

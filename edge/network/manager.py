@@ -1,0 +1,448 @@
+"""Per-node network of sandboxes: addresses, links, eBPF policies, the resolver, counters.
+
+`NetworkManager` is what the container backend talks to:
+
+- `check(raw)` validates a policy (syntax, ranges, and that every domain rule resolves) before
+  admission: bad input is INVALID_ARGUMENT naming the rule; an unreachable resolver UNAVAILABLE;
+- `attach(...)` gives a started sandbox (its init pid and cgroup) an address, a veth into its
+  namespace, and its eBPF filter with the compiled policy -- before any agent code runs;
+- `update(...)` replaces a running sandbox's policy (atomic swap; the next connect sees it);
+- `detach(...)` and `cleanup_orphans(...)` remove links, pins and addresses;
+- the resolver (`edge.network.dns`) serves every networked sandbox on the bridge address and
+  feeds addresses of domain rules into the filters; `refresh_loop` re-resolves domain rules.
+
+The node bridge, its firewall and the resolver are set up when the first networked sandbox
+starts (sandboxes without network cost nothing), and removed by `close(teardown=True)`.
+
+A trusted-execution sibling (see edge.container) is attached with `owner=` its sandbox: it gets
+its own address and link, and the same filter object (same maps: one policy, one counter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.network import bpf, dns
+from edge.network.enforcer import SandboxFilter
+from edge.network.links import NodeNetwork, veth_name
+from edge.network.policy import Platform, Policy, check_compilable, compile_tables, parse
+from edge.network.programs import RULES_PER_ENTRY
+from libdsec.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+#: Addresses learned for a domain are kept at least this long (clients cache beyond TTLs).
+MIN_RETENTION_S = 3600.0
+MAX_ADDRESSES_PER_DOMAIN = 256
+
+
+@dataclass
+class _Owner:
+    """A sandbox's policy and what it resolved: shared by the sandbox and its sibling."""
+
+    policy: Policy
+    filter: SandboxFilter | None = None
+    resolved: dict[str, dict[str, float]] = field(default_factory=dict)  # domain -> addr -> expiry
+    members: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Attachment:
+    sandbox_id: str
+    owner: str
+    address: ipaddress.IPv4Address
+    cgroup_dir: Path
+
+
+class NetworkManager:
+    def __init__(
+        self,
+        *,
+        bridge: str,
+        subnet: str,
+        upstream: str,
+        pin_root: Path,
+        cgroup_root: Path = Path("/sys/fs/cgroup/unified"),
+        dns_timeout_s: float = 2.0,
+        refresh_s: float = 60.0,
+    ) -> None:
+        self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet))
+        up = dns.Upstream.parse(upstream) if upstream else dns.Upstream.from_resolv_conf()
+        self.upstream = up
+        self.pin_root = pin_root
+        self.cgroup_root = cgroup_root
+        self.dns_timeout_s = dns_timeout_s
+        self.refresh_s = refresh_s
+        self.owners: dict[str, _Owner] = {}
+        self.attachments: dict[str, _Attachment] = {}
+        self._by_address: dict[str, str] = {}
+        self._node_ready = False
+        self._node_lock = asyncio.Lock()
+        self._resolver: dns.Resolver | None = None
+
+    @property
+    def gateway(self) -> str:
+        return str(self.node.gateway)
+
+    def _platform(self) -> Platform:
+        return Platform(self.node.subnet, self.node.gateway)
+
+    # ---------------------------------------------------------------- validation
+
+    def parse(self, raw: Mapping[str, Any] | None) -> Policy:
+        """Syntax and ranges only (no I/O): INVALID_ARGUMENT naming the offending rule."""
+        policy = parse(raw)
+        check_compilable(policy, self._platform())
+        return policy
+
+    def resolve_domains(self, policy: Policy) -> dict[str, list[str]]:
+        """Resolve every non-wildcard domain rule (blocking): an unknown name is INVALID_ARGUMENT
+        naming its rule; a resolver that does not answer is UNAVAILABLE (retry)."""
+        out: dict[str, list[str]] = {}
+        for rule in policy.domains:
+            assert rule.domain is not None
+            if rule.domain.startswith("*.") or rule.domain in out:
+                continue
+            if self.upstream is None:
+                raise Unavailable(
+                    "no upstream DNS resolver is configured", reason="DNS_UNAVAILABLE"
+                )
+            try:
+                out[rule.domain] = dns.resolve(self.upstream, rule.domain, self.dns_timeout_s)
+            except dns.Unresolvable:
+                raise InvalidArgument(
+                    f"network policy rule {rule.where} {rule.text!r}: the name does not resolve",
+                    reason="INVALID_NETWORK_POLICY",
+                    metadata={"rule": rule.where, "target": rule.text},
+                ) from None
+            except (OSError, dns.DnsError) as exc:
+                raise Unavailable(
+                    f"resolving {rule.domain} for the network policy failed: {exc}",
+                    reason="DNS_UNAVAILABLE",
+                ) from None
+        return out
+
+    def check(self, raw: Mapping[str, Any] | None) -> tuple[Policy, dict[str, list[str]]]:
+        """parse() + resolve_domains() (blocking)."""
+        policy = self.parse(raw)
+        return policy, self.resolve_domains(policy) if policy.networked else {}
+
+    # ------------------------------------------------------------------ the node
+
+    async def _ensure_node(self) -> None:
+        if self._node_ready:
+            return
+        async with self._node_lock:
+            if self._node_ready:
+                return
+            if not bpf.available():
+                raise FailedPrecondition(
+                    "eBPF is unavailable to the edge: networked sandboxes need it",
+                    reason="NETWORK_UNAVAILABLE",
+                )
+            await asyncio.to_thread(self.node.ensure)
+            if self.upstream is not None:
+                resolver = dns.Resolver(
+                    self.upstream, self._decide, self._learn, timeout_s=self.dns_timeout_s
+                )
+                await resolver.start(self.gateway)
+                self._resolver = resolver
+            else:
+                log.warning("no upstream DNS resolver: sandboxes can use addresses only")
+            self._node_ready = True
+
+    def _allocate(self) -> ipaddress.IPv4Address:
+        for host in self.node.subnet.hosts():
+            if host != self.node.gateway and str(host) not in self._by_address:
+                return host
+        raise Unavailable(f"no free address in {self.node.subnet}", reason="NETWORK_EXHAUSTED")
+
+    # -------------------------------------------------------------- the sandboxes
+
+    def _cgroup_dir(self, cgroup_path: str) -> Path:
+        return self.cgroup_root / cgroup_path.lstrip("/")
+
+    def _tables(self, owner: _Owner) -> Any:
+        resolved = {d: list(addrs) for d, addrs in owner.resolved.items()}
+        return compile_tables(owner.policy, self._platform(), resolved)
+
+    @staticmethod
+    def _remember(owner: _Owner, resolved: Mapping[str, list[str]], ttl: float = 0.0) -> bool:
+        """Record addresses of domains; True if any is new."""
+        new = False
+        expiry = time.time() + max(ttl, MIN_RETENTION_S)
+        for domain, addrs in resolved.items():
+            known = owner.resolved.setdefault(domain, {})
+            for addr in addrs:
+                if addr not in known:
+                    new = True
+                known[addr] = max(known.get(addr, 0.0), expiry)
+            if len(known) > MAX_ADDRESSES_PER_DOMAIN:
+                for addr, _ in sorted(known.items(), key=lambda kv: kv[1])[
+                    : len(known) - MAX_ADDRESSES_PER_DOMAIN
+                ]:
+                    del known[addr]
+        return new
+
+    async def attach(
+        self,
+        sandbox_id: str,
+        pid: int,
+        cgroup_path: str,
+        policy: Policy,
+        resolved: Mapping[str, list[str]] | None = None,
+        *,
+        owner: str | None = None,
+        address: str | None = None,
+    ) -> dict[str, Any]:
+        """Network a started sandbox. Returns what to keep in its record (`adopt` takes it)."""
+        await self._ensure_node()
+        owner_id = owner or sandbox_id
+        if owner is None:
+            state = _Owner(policy)
+            self._remember(state, resolved or {})
+            state.filter = await asyncio.to_thread(SandboxFilter.create, self.pin_root / sandbox_id)
+            await asyncio.to_thread(state.filter.load, self._tables(state))
+            self.owners[sandbox_id] = state
+        state = self.owners[owner_id]
+        assert state.filter is not None
+        addr = ipaddress.IPv4Address(address) if address else self._allocate()
+        self._by_address[str(addr)] = sandbox_id
+        cg = self._cgroup_dir(cgroup_path)
+        self.attachments[sandbox_id] = _Attachment(sandbox_id, owner_id, addr, cg)
+        state.members.add(sandbox_id)
+        try:
+            await asyncio.to_thread(state.filter.attach, cg)
+            await asyncio.to_thread(self.node.attach, sandbox_id, pid, addr)
+        except BaseException:
+            await self.detach(sandbox_id)
+            raise
+        return {"address": str(addr), "veth": veth_name(sandbox_id), "owner": owner_id}
+
+    async def adopt(
+        self, sandbox_id: str, info: Mapping[str, Any], policy: Policy, cgroup_path: str
+    ) -> bool:
+        """After an edge restart: take back a networked sandbox from its record and pins."""
+        owner_id = str(info.get("owner") or sandbox_id)
+        address = str(info.get("address", ""))
+        if not address:
+            return False
+        await self._ensure_node()
+        if owner_id == sandbox_id:
+            flt = await asyncio.to_thread(SandboxFilter.open, self.pin_root / sandbox_id)
+            if flt is None:
+                log.warning(
+                    "the eBPF pins of %s are gone; its policy cannot be managed", sandbox_id
+                )
+                return False
+            state = _Owner(policy, flt)
+            self.owners[sandbox_id] = state
+            with contextlib.suppress(Exception):
+                resolved = await asyncio.to_thread(self.resolve_domains, policy)
+                self._remember(state, resolved)
+            await asyncio.to_thread(flt.load, self._tables(state))
+        elif owner_id not in self.owners:
+            return False
+        self._by_address[address] = sandbox_id
+        self.attachments[sandbox_id] = _Attachment(
+            sandbox_id, owner_id, ipaddress.IPv4Address(address), self._cgroup_dir(cgroup_path)
+        )
+        self.owners[owner_id].members.add(sandbox_id)
+        return True
+
+    async def replace(self, sandbox_id: str, raw: Mapping[str, Any]) -> Policy:
+        """Replace the policy of a networked sandbox (and its sibling): parse, resolve names,
+        compile and load in one trip to a worker thread. A bad policy raises InvalidArgument
+        and leaves the one in force untouched."""
+        state = self.owners.get(sandbox_id)
+        if state is None or state.filter is None:
+            raise FailedPrecondition(f"sandbox {sandbox_id} has no network attached")
+
+        def work() -> _Owner:
+            t0 = time.perf_counter()
+            policy = parse(raw)
+            resolved = self.resolve_domains(policy) if policy.networked else {}
+            fresh = _Owner(policy, state.filter, members=state.members)
+            self._remember(fresh, resolved)
+            # Addresses learned for names the new policy still names stay valid.
+            for domain, addrs in state.resolved.items():
+                if any(r.domain == domain for r in policy.domains):
+                    for addr, expiry in addrs.items():
+                        fresh.resolved.setdefault(domain, {}).setdefault(addr, expiry)
+            self._compile_and_load(fresh)
+            log.info(
+                "network policy of %s replaced in %.2f ms (%s, %d rules)",
+                sandbox_id,
+                (time.perf_counter() - t0) * 1000,
+                policy.mode,
+                len(policy.rules),
+                extra={"sandbox_id": sandbox_id},
+            )
+            return fresh
+
+        fresh = await asyncio.to_thread(work)
+        self.owners[sandbox_id] = fresh
+        return fresh.policy
+
+    def _compile_and_load(self, state: _Owner) -> None:
+        tables = self._tables(state)
+        if tables.overflow:  # nothing loaded: the old policy stays in force
+            raise InvalidArgument(
+                f"network policy: too many rules apply to {tables.overflow[0]} "
+                f"(at most {RULES_PER_ENTRY} per address range, counting the platform's)",
+                reason="INVALID_NETWORK_POLICY",
+                metadata={"prefix": tables.overflow[0]},
+            )
+        assert state.filter is not None
+        state.filter.load(tables)
+
+    def is_attached(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.attachments
+
+    async def detach(self, sandbox_id: str) -> None:
+        att = self.attachments.pop(sandbox_id, None)
+        if att is not None:
+            self._by_address.pop(str(att.address), None)
+            if self._resolver is not None:
+                self._resolver.refused.pop(str(att.address), None)
+            state = self.owners.get(att.owner)
+            if state is not None:
+                state.members.discard(sandbox_id)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.node.detach, sandbox_id)
+        state = self.owners.pop(sandbox_id, None)
+        if state is not None:
+            for member in list(state.members):  # a sibling cannot outlive its policy
+                await self.detach(member)
+            if state.filter is not None:
+                await asyncio.to_thread(state.filter.remove)
+
+    def blocked(self, sandbox_id: str) -> int | None:
+        state = self.owners.get(sandbox_id)
+        if state is None or state.filter is None:
+            return None
+        try:
+            return state.filter.blocked()
+        except OSError:
+            return None
+
+    def dns_refusals_of(self, sandbox_id: str) -> int:
+        """Names refused to the sandbox (and its sibling) by the resolver."""
+        state = self.owners.get(sandbox_id)
+        if state is None or self._resolver is None:
+            return 0
+        counts = self._resolver.refused
+        return sum(
+            counts.get(str(self.attachments[m].address), 0)
+            for m in state.members
+            if m in self.attachments
+        )
+
+    # ------------------------------------------------------------------ resolver
+
+    def _owner_of(self, client: str) -> _Owner | None:
+        sid = self._by_address.get(client)
+        att = self.attachments.get(sid) if sid else None
+        return self.owners.get(att.owner) if att else None
+
+    def _decide(self, client: str, name: str) -> bool | None:
+        state = self._owner_of(client)
+        if state is None:
+            return None
+        return state.policy.name_verdict(name)
+
+    async def _learn(self, client: str, name: str, addresses: list[tuple[str, int]]) -> None:
+        state = self._owner_of(client)
+        if state is None or state.filter is None:
+            return
+        name = name.lower().rstrip(".")
+        matching = [r for r in state.policy.domains if r.matches_name(name)]
+        if not matching:
+            return
+        ttl = max((t for _, t in addresses), default=0)
+        learned = {r.domain or "": [a for a, _ in addresses] for r in matching}
+        if self._remember(state, learned, ttl):
+            flt = state.filter
+
+            def add() -> None:
+                # Only the new addresses' entries, into the side in force (each atomic).
+                tables = self._tables(state)
+                prefixes = [
+                    (ip.max_prefixlen, ip.packed)
+                    for ip in map(ipaddress.ip_address, (a for a, _ in addresses))
+                ]
+                flt.add(
+                    {p: tables.v4[p] for p in prefixes if p[0] == 32 and p in tables.v4},
+                    {p: tables.v6[p] for p in prefixes if p[0] == 128 and p in tables.v6},
+                )
+
+            await asyncio.to_thread(add)
+
+    async def refresh_once(self) -> None:
+        now = time.time()
+        for sid, state in list(self.owners.items()):
+            if state.filter is None or not state.policy.domains:
+                continue
+            changed = False
+            for domain in list(state.resolved):
+                for addr, expiry in list(state.resolved[domain].items()):
+                    if expiry < now:
+                        del state.resolved[domain][addr]
+                        changed = True
+            try:
+                resolved = await asyncio.to_thread(self.resolve_domains, state.policy)
+            except Exception as exc:
+                log.info("refreshing the names of %s failed: %s", sid, exc)
+                resolved = {}
+            changed = self._remember(state, resolved) or changed
+            if changed and self.owners.get(sid) is state:
+                await asyncio.to_thread(state.filter.load, self._tables(state))
+
+    async def refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh_once()
+
+    # ------------------------------------------------------------------ cleanup
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        removed = []
+        if self.pin_root.is_dir():
+            for d in self.pin_root.iterdir():
+                if d.name not in keep and d.name not in self.owners:
+                    await asyncio.to_thread(_rmtree, d)
+                    removed.append(f"bpf:{d.name}")
+        ours = {veth_name(s) for s in set(keep) | set(self.attachments)}
+        with contextlib.suppress(Exception):
+            for port in await asyncio.to_thread(self.node.ports):
+                if port not in ours:
+                    await asyncio.to_thread(self.node.remove_port, port)
+                    removed.append(f"veth:{port}")
+        return removed
+
+    async def close(self, *, teardown: bool) -> None:
+        if self._resolver is not None:
+            await self._resolver.close()
+            self._resolver = None
+        for state in self.owners.values():
+            if state.filter is not None:
+                state.filter.close()
+        if teardown and self._node_ready and not self.attachments:
+            await asyncio.to_thread(self.node.teardown)
+            with contextlib.suppress(OSError):
+                self.pin_root.rmdir()
+        self._node_ready = False
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,461 @@
+"""FnCall end to end: SDK -> apiserver -> placement -> edge -> warm pool containers (runc).
+
+Every container is real (runc on overlay over EROFS, cgroups, seccomp), every job runs in one.
+Hostile programs (fork bombs, infinite loops, memory bombs, output floods, a program that
+closes stdout and keeps running) each get the right verdict within their limits, and the pool
+serves the next job normally.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsecctl.cluster import EdgeSpec, LocalCluster
+from libdsec import Client, FunctionJob
+from libdsec.errors import InvalidArgument, Unauthenticated
+from tests.conftest import print_log_tails, start_cluster
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+pytestmark = pytest.mark.skipif(
+    not all((IMAGES / f"{n}.erofs").exists() for n in ("bookworm", "python")),
+    reason="images bookworm/python missing: run scripts/build-base-images.sh (make test does)",
+)
+JOBS_PER_CONTAINER = 40
+
+
+@pytest.fixture(scope="module")
+def fncall_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    home = tmp_path_factory.mktemp("fncluster")
+    c = start_cluster(
+        home,
+        edges=[
+            EdgeSpec(
+                edge_id="fn0",
+                runtime="container",
+                extra_env={
+                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+                    "DSEC_EDGE_FNCALL_POOLS": "python=2,cpp=1,bash=1",
+                    "DSEC_EDGE_FNCALL_JOBS_PER_CONTAINER": str(JOBS_PER_CONTAINER),
+                },
+            )
+        ],
+    )
+    try:
+        with Client(c.apiserver, token=c.token) as client:
+            r = client.fncall(language="python", code="print('warm')")  # waits for the pool
+            assert r.ok, r
+        yield c
+    finally:
+        c.stop()
+        left = subprocess.run(["mount"], capture_output=True, text=True).stdout
+        assert str(home) not in left, "mounts left behind"
+
+
+@pytest.fixture(autouse=True)
+def _tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed and "fncall_cluster" in request.fixturenames:
+        print_log_tails(request.getfixturevalue("fncall_cluster"), request.node.nodeid)
+
+
+@pytest.fixture
+def dsec(fncall_cluster: LocalCluster) -> Iterator[Client]:
+    with Client(fncall_cluster.apiserver, token=fncall_cluster.token) as c:
+        yield c
+
+
+def healthy(dsec: Client, language: str = "bash", n: int = 2) -> None:
+    """The pool answers normally again (n jobs in a row)."""
+    code = {"bash": "echo ok", "python": "print('ok')", "cpp": CPP_OK}[language]
+    for _ in range(n):
+        r = dsec.fncall(language=language, code=code)
+        assert r.verdict == "OK" and r.text == "ok\n", r
+
+
+CPP_OK = '#include <cstdio>\nint main(){ puts("ok"); }\n'
+
+
+# ------------------------------------------------------------------ the three environments
+
+
+def test_python_runs_warm_with_numpy_already_imported(dsec: Client) -> None:
+    r = dsec.fncall(
+        language="python",
+        code=(
+            "import sys\n"
+            "print('numpy' in sys.modules)\n"  # before any import of ours: the pool's
+            "import numpy as np\n"
+            "print(int(np.arange(10).sum()), input()[::-1])\n"
+        ),
+        stdin="abc\n",
+        time_limit_s=5,
+        memory_mb=256,
+    )
+    assert r.verdict == "OK", r
+    assert r.text == "True\n45 cba\n"
+    assert r.exit_code == 0 and r.signal == 0
+    assert 0 < r.wall_time_s < 1 and 0 < r.cpu_time_s < 1
+    assert 1 << 20 < r.peak_memory_bytes < 256 << 20
+    assert r.edge_id == "fn0"
+    # A warm job is fast: no interpreter start, no numpy import.
+    t = time.perf_counter()
+    dsec.fncall(language="python", code="import numpy; print(1)")
+    assert time.perf_counter() - t < 0.5
+
+
+def test_python_jobs_get_a_fresh_random_state(dsec: Client) -> None:
+    code = "import numpy, random; print(numpy.random.randint(1 << 30), random.random())"
+    outs = {dsec.fncall(language="python", code=code).text for _ in range(4)}
+    assert len(outs) == 4  # forked from one parent, yet never the same sequence
+
+
+def test_python_errors_and_exit_codes(dsec: Client) -> None:
+    r = dsec.fncall(
+        language="python", code="import sys\nprint('partial')\nraise ValueError('boom')"
+    )
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 1
+    assert r.stdout == b"partial\n"
+    assert b'File "/job/main.py", line 3' in r.stderr and b"ValueError: boom" in r.stderr
+    assert b"runner" not in r.stderr  # the traceback starts at the job's code
+    r = dsec.fncall(language="python", code="import sys; sys.exit(7)")
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 7 and r.message == "exit code 7"
+    r = dsec.fncall(language="python", code="def f(:\n")
+    assert r.verdict == "RUNTIME_ERROR" and b"SyntaxError" in r.stderr
+
+
+def test_cpp_compiles_and_runs_with_files(dsec: Client) -> None:
+    r = dsec.fncall(
+        language="cpp",
+        code='#include <cstdio>\n#include "add.h"\nint main(){long a,b; scanf("%ld %ld",&a,&b);'
+        ' printf("%ld\\n", add(a,b)); }\n',
+        files={"add.h": "long add(long a, long b) { return a + b; }\n"},
+        stdin="40 2",
+    )
+    assert r.verdict == "OK" and r.text == "42\n", r
+    r = dsec.fncall(language="c", code='#include <stdio.h>\nint main(void){ puts("c"); return 3; }')
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 3 and r.text == "c\n"
+
+
+def test_cpp_compile_error(dsec: Client) -> None:
+    r = dsec.fncall(language="cpp", code="int main() { this is not c++ }")
+    assert r.verdict == "COMPILE_ERROR"
+    assert "error" in r.compile_output and "main.cpp" in r.compile_output
+    assert r.stdout == b""
+
+
+def test_cpp_crash_and_deep_recursion(dsec: Client) -> None:
+    r = dsec.fncall(language="cpp", code="int main(){ volatile int *p = 0; return *p; }")
+    assert r.verdict == "RUNTIME_ERROR" and r.signal == 11 and "SIGSEGV" in r.message
+    deep = (
+        "#include <cstdio>\nint f(int n){ volatile char pad[64]; pad[0]=n; return n ? f(n-1)+pad[0]%2 : 0; }\n"
+        'int main(){ printf("%d\\n", f(1000000)); }'  # ~100 MB of stack: the memory limit
+    )
+    r = dsec.fncall(language="cpp", code=deep, memory_mb=512, time_limit_s=5)
+    assert r.verdict == "OK", r
+
+
+def test_bash_and_commands(dsec: Client) -> None:
+    r = dsec.fncall(language="bash", code='read x; echo "got $x"; echo err >&2; exit 4', stdin="1")
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 4
+    assert r.text == "got 1\n" and r.stderr == b"err\n"
+    r = dsec.fncall(command=["sh", "-c", "echo $HOME; id -u; pwd"])
+    assert r.verdict == "OK"
+    home, uid, cwd = r.text.split()
+    assert home == "/job" and cwd == "/job" and uid != "0"  # never root
+    r = dsec.fncall(command=["python3", "-c", "print(2)"], environment="python")
+    assert r.verdict == "OK" and r.text == "2\n"
+
+
+# ------------------------------------------------------------------ limits and hostile programs
+
+
+def test_infinite_loop_hits_the_wall_clock_limit(dsec: Client) -> None:
+    t = time.monotonic()
+    r = dsec.fncall(language="python", code="while True: pass", time_limit_s=0.5)
+    assert r.verdict == "TIME_LIMIT" and r.signal == 9
+    assert 0.45 < r.wall_time_s < 1.5 and time.monotonic() - t < 5
+    healthy(dsec, "python")
+
+
+def test_cpu_limit_counts_every_process(dsec: Client) -> None:
+    # Two busy processes: the CPU budget is the job's, not one process's.
+    r = dsec.fncall(
+        language="bash",
+        code="(while :; do :; done) & while :; do :; done",
+        time_limit_s=10,
+        cpu_limit_s=0.4,
+    )
+    assert r.verdict == "TIME_LIMIT" and "CPU" in r.message, r
+    assert r.wall_time_s < 5
+    r = dsec.fncall(language="python", code="import time; time.sleep(30)", time_limit_s=0.5)
+    assert r.verdict == "TIME_LIMIT" and "wall" in r.message and r.cpu_time_s < 0.3
+    healthy(dsec)
+
+
+def test_memory_bombs(dsec: Client) -> None:
+    r = dsec.fncall(
+        language="python",
+        code="a = []\nwhile True: a.append(bytearray(8 << 20))",
+        memory_mb=96,
+        time_limit_s=10,
+    )
+    assert r.verdict == "MEMORY_LIMIT", r
+    assert r.wall_time_s < 5
+    r = dsec.fncall(
+        language="cpp",
+        code="#include <cstdlib>\n#include <cstring>\nint main(){ for(;;){ char*p=(char*)malloc(1<<24);"
+        " memset(p,1,1<<24);} }",
+        memory_mb=64,
+        time_limit_s=10,
+    )
+    assert r.verdict == "MEMORY_LIMIT", r
+    # Within the limit it is fine, and the peak is reported.
+    r = dsec.fncall(
+        language="cpp",
+        code="#include <vector>\n#include <cstdio>\nint main(){ std::vector<char> v(40<<20, 1);"
+        ' printf("%d\\n", (int)v[123]); }',
+        memory_mb=128,
+    )
+    assert r.verdict == "OK" and 40 << 20 < r.peak_memory_bytes < 128 << 20, r
+    healthy(dsec, "python")
+    healthy(dsec, "cpp")
+
+
+def test_fork_bombs(dsec: Client) -> None:
+    r = dsec.fncall(language="bash", code=":(){ :|:& };:", time_limit_s=3)
+    assert r.verdict in ("RUNTIME_ERROR", "TIME_LIMIT") and "process limit" in r.message, r
+    healthy(dsec, "bash")
+    r = dsec.fncall(language="python", code="import os\nwhile True: os.fork()", time_limit_s=3)
+    assert r.verdict in ("RUNTIME_ERROR", "TIME_LIMIT"), r
+    healthy(dsec, "python")
+    r = dsec.fncall(
+        language="c",
+        code="#include <unistd.h>\nint main(){ for(;;) fork(); }",
+        time_limit_s=2,
+    )
+    assert r.verdict in ("RUNTIME_ERROR", "TIME_LIMIT"), r
+    healthy(dsec, "cpp")
+
+
+def test_a_gigabyte_of_output(dsec: Client) -> None:
+    t = time.monotonic()
+    r = dsec.fncall(language="bash", code="head -c 1000000000 /dev/zero", max_output_bytes=1 << 20)
+    assert r.verdict == "OUTPUT_LIMIT" and "stdout" in r.message
+    assert len(r.stdout) == 1 << 20 and time.monotonic() - t < 10
+    r = dsec.fncall(language="python", code="import sys\nwhile True: sys.stderr.write('x' * 65536)")
+    assert r.verdict == "OUTPUT_LIMIT" and "stderr" in r.message
+    # Into a file instead of a pipe: the per-file size limit (RLIMIT_FSIZE) stops it.
+    r = dsec.fncall(language="bash", code="exec head -c 1000000000 /dev/zero > big")
+    assert r.verdict == "OUTPUT_LIMIT" and r.signal == 25 and "file" in r.message, r
+    healthy(dsec)
+
+
+def test_closing_stdout_and_running_on(dsec: Client) -> None:
+    r = dsec.fncall(language="bash", code="exec >&- 2>&-; sleep 100", time_limit_s=1)
+    assert r.verdict == "TIME_LIMIT" and r.wall_time_s < 3
+    # The main process exits at once but leaves a child holding stdout: the job is done
+    # (its own exit code), the child is killed.
+    t = time.monotonic()
+    r = dsec.fncall(
+        language="bash", code="echo hi; (sleep 100; echo late) & exit 0", time_limit_s=5
+    )
+    assert r.verdict == "OK" and r.text == "hi\n" and time.monotonic() - t < 3
+    healthy(dsec)
+
+
+# ------------------------------------------------------------------ isolation between jobs
+
+
+def test_each_job_sees_only_its_own_files_and_no_stray_process(dsec: Client) -> None:
+    # The bash pool has one container: consecutive jobs share it.
+    r = dsec.fncall(
+        language="bash",
+        code="echo secret > /tmp/leak; echo secret > mine; mkdir -p /dev/shm/x sub/dir;"
+        " python3 -c \"import os; os.setxattr('/job', 'user.leak', b'1')\"; chmod 777 /job;"
+        " (sleep 300 &) ; nohup sleep 301 >/dev/null 2>&1 & cat /etc/hostname",
+    )
+    assert r.verdict == "OK", r
+    host = r.text
+    r = dsec.fncall(
+        language="bash",
+        code="cat /etc/hostname; echo files: $(ls -A /job /tmp /dev/shm | grep -v ':$');"
+        " echo sleepers: $(ps -eo args | grep -c '[s]leep 30');"
+        " echo xattrs: $(python3 -c \"import os; print(len(os.listxattr('/job')))\");"
+        " echo mode: $(stat -c %a /job); touch /etc/evil 2>/dev/null || echo etc: read-only",
+    )
+    lines = r.text.splitlines()
+    assert lines[0] + "\n" == host  # the same container
+    assert lines[1:] == [
+        "files: main.sh",  # only the job's own program
+        "sleepers: 0",
+        "xattrs: 0",
+        "mode: 700",
+        "etc: read-only",
+    ], r.text
+
+
+def test_a_container_is_recycled_after_n_jobs_and_after_an_anomaly(dsec: Client) -> None:
+    hosts = [
+        dsec.fncall(language="bash", code="cat /etc/hostname").text
+        for _ in range(JOBS_PER_CONTAINER + 2)
+    ]
+    assert len(set(hosts)) >= 2  # a fresh container took over after N jobs
+    # SysV IPC objects outlive processes: the runner reports it, the edge replaces the container.
+    before = dsec.fncall(language="bash", code="cat /etc/hostname").text
+    r = dsec.fncall(language="bash", code="ipcmk -M 4096 >/dev/null && echo made")
+    assert r.verdict == "OK" and r.text == "made\n"
+    after = dsec.fncall(language="bash", code="cat /etc/hostname; ipcs -m | grep -c '^0x' || true")
+    assert after.text.split("\n")[0] + "\n" != before and after.text.split("\n")[1] == "0"
+
+
+# ------------------------------------------------------------------ batches
+
+
+def test_batch_compiles_once(dsec: Client) -> None:
+    src = (
+        "#include <cstdio>\n#include <vector>\n#include <algorithm>\n"
+        'int main(){ long n; scanf("%ld", &n); printf("%ld\\n", n * n); }\n// batch'
+    )
+    t = time.monotonic()
+    results = list(
+        dsec.fncall_many(
+            [FunctionJob(language="cpp", code=src, stdin=str(i), job_id=f"c{i}") for i in range(30)]
+        )
+    )
+    elapsed = time.monotonic() - t
+    assert sorted(r.index for r in results) == list(range(30))
+    assert all(r.verdict == "OK" and r.text == f"{r.index**2}\n" for r in results)
+    assert all(r.job_id == f"c{r.index}" for r in results)
+    # One compilation: 30 of them would take 10 s or more on this machine.
+    assert elapsed < 6, elapsed
+    bad = list(dsec.fncall_many([{"language": "cpp", "code": "nope", "stdin": "1"}] * 3))
+    assert [r.verdict for r in bad] == ["COMPILE_ERROR"] * 3
+
+
+def test_batch_streams_results_as_they_finish(dsec: Client) -> None:
+    code = "import time\nn = int(input())\nif n == 0: time.sleep(1.5)\nprint(n)"
+    arrival = [
+        r.index
+        for r in dsec.fncall_many(
+            [FunctionJob(language="python", code=code, stdin=str(i)) for i in range(8)]
+        )
+    ]
+    assert sorted(arrival) == list(range(8))
+    assert arrival[-1] == 0  # the slow job came last; the others did not wait for it
+
+
+def test_batch_mixes_languages(dsec: Client) -> None:
+    jobs = [
+        FunctionJob(language="python", code="print(1)"),
+        FunctionJob(language="bash", code="echo 2"),
+        FunctionJob(language="cpp", code=CPP_OK),
+        FunctionJob(language="python", code="while True: pass", time_limit_s=0.3),
+    ]
+    by_index = {r.index: r for r in dsec.fncall_many(jobs)}
+    assert [by_index[i].verdict for i in range(4)] == ["OK", "OK", "OK", "TIME_LIMIT"]
+    assert by_index[1].text == "2\n"
+
+
+# ------------------------------------------------------------------ bad input and auth
+
+
+def test_bad_jobs_are_invalid_argument(dsec: Client) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        dsec.fncall(language="cobol", code="DISPLAY 'HI'.")
+    assert e.value.reason == "UNKNOWN_LANGUAGE"
+    with pytest.raises(InvalidArgument):
+        dsec.fncall(language="python", code="print(1)", memory_mb=1)
+    with pytest.raises(InvalidArgument):
+        dsec.fncall(language="python", code="print(1)", time_limit_s=-1)
+    with pytest.raises(InvalidArgument):
+        dsec.fncall(language="python", code="print(1)", files={"../etc/x": "y"})
+    with pytest.raises(InvalidArgument):
+        dsec.fncall(code="print(1)")  # neither a language nor a command
+    with pytest.raises(InvalidArgument):
+        list(dsec.fncall_many([FunctionJob(language="python", code="1"), {"language": "x"}]))
+
+
+def test_the_caller_must_authenticate(fncall_cluster: LocalCluster) -> None:
+    with Client(fncall_cluster.apiserver, token="not-a-token") as c, pytest.raises(Unauthenticated):
+        c.fncall(language="python", code="print(1)")
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli(fncall_cluster: LocalCluster, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DSEC_TARGET": fncall_cluster.apiserver,
+        "DSEC_TOKEN": fncall_cluster.token,
+    }
+
+    def dsec_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "dsecctl", "fncall", *args],
+            env=env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    r = dsec_cli("-l", "python", "-c", "print(input() * 2)", "--stdin", "ab")
+    assert r.returncode == 0 and r.stdout == "abab\n" and "OK" in r.stderr
+    r = dsec_cli("-l", "bash", "-c", "exit 5")
+    assert r.returncode == 5 and "RUNTIME_ERROR" in r.stderr
+    src = tmp_path / "sol.cpp"
+    src.write_text(
+        '#include <cstdio>\nint main(){int a,b;scanf("%d%d",&a,&b);printf("%d\\n",a+b);}'
+    )
+    for i, (inp, out) in enumerate([("1 2", "3"), ("5 5", "10"), ("2 2", "5")]):
+        (tmp_path / f"{i}.in").write_text(inp)
+        (tmp_path / f"{i}.out").write_text(out + "\n")
+    r = dsec_cli("-l", "cpp", "-f", str(src), "--cases", str(tmp_path / "*.in"))
+    assert r.returncode == 1, r.stderr  # case 2 expects a wrong answer
+    lines = r.stdout.splitlines()
+    assert [ln.split()[1] for ln in lines] == ["AC", "AC", "WA"]
+    assert "2/3 cases passed" in r.stderr
+    r = dsec_cli("--", "sh", "-c", "echo from-a-command")
+    assert r.returncode == 0 and r.stdout == "from-a-command\n"
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def test_gpu_pool(tmp_path_factory: pytest.TempPathFactory) -> None:
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi not found): GPU pools untestable")
+    if shutil.which("nvidia-container-cli") is None:
+        pytest.skip("GPU present but nvidia-container-cli (libnvidia-container) is not installed")
+    home = tmp_path_factory.mktemp("gpucluster")
+    c = start_cluster(
+        home,
+        edges=[
+            EdgeSpec(
+                edge_id="gpu0",
+                runtime="container",
+                extra_env={
+                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+                    "DSEC_EDGE_FNCALL_POOLS": "python-gpu=1",
+                },
+            )
+        ],
+    )
+    try:
+        with Client(c.apiserver, token=c.token) as client:
+            r = client.fncall(
+                command=["nvidia-smi", "-L"], environment="python-gpu", time_limit_s=30
+            )
+            assert r.verdict == "OK" and b"GPU" in r.stdout, r
+    finally:
+        c.stop()

@@ -1,0 +1,206 @@
+"""Network policies without sockets or eBPF: parsing, errors naming the rule, compilation into
+the tables the kernel programs read (checked by evaluating them here exactly as the program
+does: longest-prefix match, then first matching rule), and the DNS codec."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from typing import Any
+
+import pytest
+
+from edge.network import dns
+from edge.network.policy import (
+    PROTO_TCP,
+    PROTO_UDP,
+    Platform,
+    Policy,
+    Tables,
+    check_compilable,
+    compile_tables,
+    parse,
+    parse_network,
+)
+from edge.network.programs import (
+    ACTION_ALLOW,
+    ACTION_END,
+    RULE_SIZE,
+    RULES_PER_ENTRY,
+    ipv4_program,
+    ipv6_program,
+    lpm_key,
+)
+from libdsec.errors import InvalidArgument
+from libdsec.types import NetworkPolicy
+
+PLATFORM = Platform(ipaddress.IPv4Network("10.231.0.0/16"), ipaddress.IPv4Address("10.231.0.1"))
+
+
+def _policy(**kw: Any) -> Policy:
+    from google.protobuf import json_format
+
+    pb = NetworkPolicy(**kw).to_pb()
+    return parse(json_format.MessageToDict(pb, preserving_proto_field_name=True))
+
+
+def verdict(tables: Tables, ip: str, port: int, proto: int = PROTO_TCP) -> bool:
+    """What the eBPF program answers for a connect to ip:port (True = allowed)."""
+    addr = ipaddress.ip_address(ip)
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    entries = tables.v4 if addr.version == 4 else tables.v6
+    bits = addr.max_prefixlen
+    value = None
+    for plen in range(bits, -1, -1):
+        net = int(addr) >> (bits - plen) << (bits - plen) if plen else 0
+        value = entries.get((plen, net.to_bytes(bits // 8, "big")))
+        if value is not None:
+            break
+    assert value is not None, "0/0 is always present"
+    for i in range(RULES_PER_ENTRY):
+        lo, hi, p, action = struct.unpack_from("<HHBB", value, i * RULE_SIZE)
+        if action == ACTION_END:
+            return False
+        if (p == 0 or p == proto) and lo <= port <= hi:
+            return action == ACTION_ALLOW
+    return False
+
+
+def test_the_papers_example() -> None:
+    policy = _policy(allow=["pypi.org:443"], deny=["registry.npmjs.org"])
+    tables = compile_tables(
+        policy, PLATFORM, {"pypi.org": ["151.101.0.223"], "registry.npmjs.org": ["104.16.1.34"]}
+    )
+    assert verdict(tables, "151.101.0.223", 443)
+    assert not verdict(tables, "151.101.0.223", 80)
+    assert not verdict(tables, "104.16.1.34", 443)
+    assert not verdict(tables, "8.8.8.8", 443)  # allowlist: everything else is refused
+    assert policy.name_verdict("pypi.org") is True
+    assert policy.name_verdict("REGISTRY.npmjs.org.") is False
+    assert policy.name_verdict("github.com") is None
+
+
+def test_open_mode_deny_wins_over_allow_and_over_the_default() -> None:
+    policy = _policy(open=True, deny=["10.0.0.0/8", "203.0.113.7:22/tcp"], allow=["10.1.2.3"])
+    tables = compile_tables(policy, PLATFORM)
+    assert verdict(tables, "8.8.4.4", 443)
+    assert not verdict(tables, "10.1.2.3", 80)  # deny beats a more specific allow
+    assert not verdict(tables, "203.0.113.7", 22)
+    assert verdict(tables, "203.0.113.7", 22, PROTO_UDP)
+    assert verdict(tables, "203.0.113.7", 23)
+    assert verdict(tables, "2001:db8::1", 443)
+
+
+def test_platform_rules_come_first() -> None:
+    tables = compile_tables(_policy(open=True, allow=["0.0.0.0/0"]), PLATFORM)
+    assert verdict(tables, "127.0.0.1", 5000) and verdict(tables, "::1", 5000)
+    assert verdict(tables, "::ffff:127.0.0.1", 5000)
+    assert verdict(tables, "10.231.0.1", 53, PROTO_UDP)  # the edge's resolver
+    assert not verdict(tables, "10.231.0.1", 22)  # the host behind it
+    assert not verdict(tables, "10.231.0.9", 8080)  # another sandbox
+    assert not verdict(tables, "8.8.8.8", 53, PROTO_UDP)  # DNS elsewhere
+    assert not verdict(tables, "169.254.169.254", 80)  # cloud metadata
+    assert not verdict(tables, "fe80::1", 80)
+    # Not even the user can open them.
+    tables = compile_tables(_policy(allow=["10.231.0.9:8080", "169.254.169.254"]), PLATFORM)
+    assert not verdict(tables, "10.231.0.9", 8080) and not verdict(tables, "169.254.169.254", 80)
+
+
+def test_port_ranges_and_protocols() -> None:
+    tables = compile_tables(_policy(allow=["192.0.2.0/24:8000-8010/udp"]), PLATFORM)
+    assert verdict(tables, "192.0.2.9", 8005, PROTO_UDP)
+    assert not verdict(tables, "192.0.2.9", 8005, PROTO_TCP)
+    assert not verdict(tables, "192.0.2.9", 8011, PROTO_UDP)
+    assert not verdict(tables, "192.0.3.9", 8005, PROTO_UDP)
+
+
+def test_a_thousand_rules_compile_to_one_entry_each() -> None:
+    allow = [f"10.{i // 250}.{i % 250}.7:443" for i in range(1000)]
+    tables = compile_tables(_policy(allow=allow), PLATFORM)
+    assert len(tables) < 1000 + 20
+    assert verdict(tables, "10.3.249.7", 443) and not verdict(tables, "10.3.249.8", 443)
+
+
+@pytest.mark.parametrize(
+    ("raw", "where", "fragment"),
+    [
+        ({"allow": [{"target": "10.0.0.0/33"}]}, "allow[0]", "prefix length"),
+        ({"allow": [{"target": "1.2.3.4"}, {"target": "300.1.1.1"}]}, "allow[1]", "address"),
+        ({"deny": [{"target": "example.com", "port_min": 70000}]}, "deny[0]", "out of range"),
+        ({"allow": [{"target": "x.org", "port_min": 90, "port_max": 80}]}, "allow[0]", "empty"),
+        ({"allow": [{"target": "x.org", "port_max": 80}]}, "allow[0]", "out of range"),
+        ({"allow": [{"target": "bad_name!.org"}]}, "allow[0]", "domain name"),
+        ({"allow": [{"target": "*.org"}]}, "allow[0]", "wildcard"),
+        ({"allow": [{"target": ""}]}, "allow[0]", "empty"),
+        ({"allow": [{"target": "x.org", "protocol": "PROTOCOL_SCTP"}]}, "allow[0]", "protocol"),
+    ],
+)
+def test_malformed_rules_are_named(raw: dict[str, Any], where: str, fragment: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        parse({"mode": "NETWORK_MODE_OPEN", **raw})
+    assert err.value.reason == "INVALID_NETWORK_POLICY"
+    assert where in err.value.message and fragment in err.value.message
+    assert err.value.metadata["rule"] == where
+
+
+def test_mode_none_takes_no_rules_and_is_the_default() -> None:
+    assert not parse({}).networked
+    assert not parse(None).networked
+    with pytest.raises(InvalidArgument):
+        parse({"mode": "NETWORK_MODE_NONE", "allow": [{"target": "1.1.1.1"}]})
+    with pytest.raises(InvalidArgument):
+        parse({"mode": "NETWORK_MODE_NOPE"})
+
+
+def test_too_many_rules_on_one_range_are_refused() -> None:
+    policy = _policy(allow=[f"192.0.2.0/24:{p}" for p in range(1, 40)])
+    with pytest.raises(InvalidArgument) as err:
+        check_compilable(policy, PLATFORM)
+    assert "192.0.2.0/24" in err.value.message
+
+
+def test_wildcards_match_names_below() -> None:
+    policy = _policy(allow=["*.pythonhosted.org:443"], deny=["evil.pythonhosted.org"])
+    assert policy.name_verdict("files.pythonhosted.org") is True
+    assert policy.name_verdict("pythonhosted.org") is None
+    assert policy.name_verdict("evil.pythonhosted.org") is False
+
+
+def test_parse_network() -> None:
+    assert parse_network("10.1.2.3/8") == (4, 10 << 24, 8)
+    assert parse_network("::1") == (6, 1, 128)
+    with pytest.raises(ValueError):
+        parse_network("10.1.2/8")
+
+
+def test_programs_assemble_within_limits() -> None:
+    for prog in (ipv4_program((3, 4), 5, 6), ipv6_program((3, 4), (7, 8), 5, 6)):
+        assert 100 < len(prog) < 4096
+        assert prog[-1].code == 0x95  # exit
+    assert lpm_key(24, bytes([10, 1, 2, 0])) == struct.pack("<I", 24) + bytes([10, 1, 2, 0])
+
+
+def test_dns_codec_round_trip() -> None:
+    q = dns.query("PyPI.org", dns.TYPE_A, qid=0x1234)
+    msg = dns.parse(q)
+    assert (msg.id, msg.questions) == (0x1234, [("pypi.org", dns.TYPE_A, 1)])
+    nx = dns.parse(dns.reply(q, dns.RCODE_NXDOMAIN))
+    assert nx.id == 0x1234 and nx.rcode == dns.RCODE_NXDOMAIN and nx.flags & 0x8000
+    # An answer with a compressed name and a CNAME chain.
+    answer = (
+        struct.pack("!6H", 0x1234, 0x8180, 1, 2, 0, 0)
+        + q[12:]
+        + b"\xc0\x0c"
+        + struct.pack("!HHIH", dns.TYPE_CNAME, 1, 60, 6)
+        + b"\x03cdn\xc0\x11"
+        + b"\xc0\x26"
+        + struct.pack("!HHIH", dns.TYPE_A, 1, 30, 4)
+        + socket.inet_aton("192.0.2.10")
+    )
+    parsed = dns.parse(answer)
+    assert [r[0] for r in parsed.answers] == ["pypi.org", "cdn.org"]
+    assert parsed.addresses() == [("192.0.2.10", 30)]
+    with pytest.raises(dns.DnsError):
+        dns.parse(b"\x00\x01")

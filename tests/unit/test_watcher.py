@@ -1,0 +1,52 @@
+"""The watcher's view (counts, health, gone edges) and placement's judgement of
+its own view (fresh, degraded, stale), without sockets."""
+
+from __future__ import annotations
+
+import time
+
+from placement.follower import KEEPALIVE_S, SnapshotFollower
+from placement.policy import Placer
+from watcher.view import ClusterView
+
+
+def test_counts_per_edge_principal_and_task_add_up() -> None:
+    view = ClusterView(unhealthy_after=2, forget_after_s=300)
+    view.register("e1", object())
+    view.register("e2", object())
+    view.probe_ok("e1", None, {"root/a": 2}, {"tok1": 2}, {"t": 1}, False, 1.0)
+    view.probe_ok(
+        "e2", None, {"root/a": 1, "root/b": 3}, {"tok1": 1, "tok2": 3}, {"t": 4}, False, 1.0
+    )
+    by_project, by_principal, by_task = view.totals()
+    assert by_project == {"root/a": 3, "root/b": 3}
+    assert by_principal == {"tok1": 3, "tok2": 3}
+    assert by_task == {"t": 5}
+    assert view.edges["e2"].by_principal == {"tok1": 1, "tok2": 3}
+
+
+def test_an_edge_unhealthy_for_long_is_gone() -> None:
+    view = ClusterView(unhealthy_after=2, forget_after_s=300)
+    view.register("e1", object())
+    view.register("e2", object())
+    view.probe_failed("e1", "UNAVAILABLE")
+    assert view.edges["e1"].health == "HEALTHY"  # one failure is not enough
+    view.probe_failed("e1", "UNAVAILABLE")
+    assert view.edges["e1"].health == "UNHEALTHY"
+    assert view.gone(after_s=60) == []
+    assert view.gone(after_s=60, now=time.time() + 61) == ["e1"]
+
+
+def test_placement_judges_its_view() -> None:
+    f = SnapshotFollower(Placer(), "unused")
+    assert f.view_state(max_age_s=60) == "STALE"  # never heard from the watcher
+    f.last_update = time.monotonic()
+    f.connected = True
+    assert f.view_state(max_age_s=60) == "FRESH"
+    f.connected = False  # the stream broke: the last snapshot is still used
+    assert f.view_state(max_age_s=60) == "DEGRADED"
+    f.connected = True
+    f.last_update = time.monotonic() - 3 * KEEPALIVE_S - 1  # a hung watcher
+    assert f.view_state(max_age_s=60) == "DEGRADED"
+    f.last_update = time.monotonic() - 61
+    assert f.view_state(max_age_s=60) == "STALE"
