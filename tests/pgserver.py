@@ -127,7 +127,9 @@ def start_postgres() -> PostgresServer:
     """A started server; a missing installation fails (the issue requires the real server)."""
     why = available()
     if why is not None:
-        pytest.fail(f"no PostgreSQL server: {why} (scripts/setup.sh installs the postgresql package)")
+        pytest.fail(
+            f"no PostgreSQL server: {why} (scripts/setup.sh installs the postgresql package)"
+        )
     server = PostgresServer()
     try:
         server.start()
