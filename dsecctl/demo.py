@@ -76,12 +76,33 @@ def run_demo() -> int:
                 )
                 kept = sb.run("cat /work/answer.txt").text.strip()
                 step(f"after resume: {kept!r}, state {sb.refresh().state}")
+                sb.run("echo 'intruder:x:0:0::/:/bin/sh' >> /etc/passwd; rm -f /bin/vi")
+                changed = [f.path for f in sb.modified_files()]
+                step(f"files of the read-only image the agent changed: {changed}")
+                env = sb.pack_diff(f"demo-env:{int(time.time())}")
+                step(
+                    f"packed the sandbox's writes as environment {env.name} ({len(env.layers)} layers)"
+                )
+                with agent.create(image=env.name, cpu=0.5, memory_mb=256, ttl_s=300) as child:
+                    step(
+                        f"a new sandbox from it sees /work/answer.txt = {child.run('cat /work/answer.txt').text.strip()!r}"
+                    )
             except FailedPrecondition as err:
                 step(f"commands unavailable on this runtime: {err.reason}")
             listed = agent.list(task_id="demo-task")
             step(f"listed by task id: {[s.id for s in listed]}")
         info = agent.get(sb.id).info
         step(f"stopped: {info.state} ({info.termination_reason})")
+        try:
+            job = agent.fncall(
+                language="python", code="import numpy; print(numpy.arange(10).sum())"
+            )
+            step(
+                f"fncall in a warm pool: verdict {job.verdict}, stdout {job.stdout.decode().strip()!r}, "
+                f"{job.wall_time_s * 1000:.1f} ms"
+            )
+        except DSecError as err:
+            step(f"fncall unavailable here: {err.reason}")
     try:
         with Client() as dsec:
             dsec.delete_project(project.project_id)
