@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from libdsec import Client, Sandbox
+from libdsec.errors import DSecError
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1) -> Any:
@@ -17,3 +22,31 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         time.sleep(interval_s)
+
+
+@contextmanager
+def sandbox_factory(
+    client: Client, test_id: str, *, memory_mb: int = 256, grace_s: float = 0.5
+) -> Iterator[Callable[..., Sandbox]]:
+    """A factory of sandboxes labelled with the test's id (``labels["test"]``), all stopped on
+    exit, also when the test failed. Defaults: busybox, half a core, ``memory_mb``."""
+    made: list[Sandbox] = []
+    label = hashlib.sha256(test_id.encode()).hexdigest()[:16]
+
+    def make(**kw: Any) -> Sandbox:
+        kw.setdefault("image", "busybox")
+        kw.setdefault("cpu", 0.5)
+        kw.setdefault("memory_mb", memory_mb)
+        kw["labels"] = {**kw.get("labels", {}), "test": label}
+        sb = client.create(**kw)
+        made.append(sb)
+        return sb
+
+    try:
+        yield make
+    finally:
+        for sb in made:
+            try:
+                sb.stop(grace_s=grace_s)
+            except DSecError:
+                pass  # already gone

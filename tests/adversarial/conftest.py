@@ -14,7 +14,6 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +22,7 @@ from libdsec import Client, Sandbox
 from libdsec.errors import DSecError
 from tests.adversarial.netlab import NetLab, remove_bridge
 from tests.conftest import start_cluster
+from tests.helpers import sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -119,24 +119,8 @@ def make_sandbox(
     client: Client, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
     """Factory: sandboxes labelled with the test id, always stopped afterwards."""
-    made: list[Sandbox] = []
-    label = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
-
-    def make(**kw: Any) -> Sandbox:
-        kw.setdefault("image", "busybox")
-        kw.setdefault("cpu", 0.5)
-        kw.setdefault("memory_mb", 128)
-        kw["labels"] = {**kw.get("labels", {}), "test": label}
-        sb = client.create(**kw)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        try:
-            sb.stop(grace_s=0.2)
-        except DSecError:
-            pass
+    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.2) as make:
+        yield make
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from libdsec.errors import (
     Unavailable,
 )
 from tests.conftest import start_cluster
-from tests.helpers import wait_for
+from tests.helpers import sandbox_factory, wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -69,25 +69,8 @@ def make_sandbox(
     client: Client, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
     """Factory: sandboxes labelled with the test id, always stopped afterwards."""
-    made: list[Sandbox] = []
-    label = str(abs(hash(request.node.nodeid)))
-
-    def make(**kw: Any) -> Sandbox:
-        kw.setdefault("image", "busybox")
-        kw.setdefault("cpu", 0.5)
-        kw.setdefault("memory_mb", 256)
-        kw.setdefault("labels", {})
-        kw["labels"] = {**kw["labels"], "test": label}
-        sb = client.create(**kw)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        try:
-            sb.stop(grace_s=0.5)
-        except DSecError:
-            pass
+    with sandbox_factory(client, request.node.nodeid, memory_mb=256, grace_s=0.5) as make:
+        yield make
 
 
 # ------------------------------------------------------------------ commands

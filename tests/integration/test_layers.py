@@ -15,15 +15,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from edge.runtime import mounts
 from libdsec import Client, Sandbox
-from libdsec.errors import DSecError, ImageNotFound, LayerCorrupt, LayerNotFound, Unavailable
+from libdsec.errors import ImageNotFound, LayerCorrupt, LayerNotFound, Unavailable
 from tests.conftest import start_cluster
+from tests.helpers import sandbox_factory, wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 EDGE = "lay0"
@@ -31,17 +31,6 @@ pytestmark = pytest.mark.skipif(
     not (IMAGES / "busybox.erofs").exists(),
     reason="base images missing: run scripts/setup.sh (make test does)",
 )
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +74,9 @@ def client(layer_cluster: LocalCluster) -> Iterator[Client]:
 def make_sandbox(
     client: Client, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
-    made: list[Sandbox] = []
-    label = str(abs(hash(request.node.nodeid)))
-
-    def make(**kw: Any) -> Sandbox:
-        kw.setdefault("image", "busybox")
-        kw.setdefault("cpu", 0.5)
-        kw.setdefault("memory_mb", 128)
-        kw["labels"] = {**kw.get("labels", {}), "test": label}
-        sb = client.create(**kw)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        try:
-            sb.stop(grace_s=0.2)
-        except DSecError:
-            pass
+    """Factory: sandboxes labelled with the test id, always stopped afterwards."""
+    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.2) as make:
+        yield make
 
 
 def files(root: Path, content: dict[str, str]) -> Path:
