@@ -47,7 +47,7 @@ from edge.model import SandboxRecord, SandboxSpec
 from edge.network.manager import NetworkManager
 from edge.runtime import mounts
 from edge.runtime.runc import RuncRuntime, become_subreaper
-from edge.runtime.spec import LaunchSpec, SandboxStatus
+from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
 from libdsec.errors import FailedPrecondition, Unavailable
 
@@ -185,21 +185,30 @@ class ContainerBackend:
         env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
         return env
 
-    async def start(self, rec: SandboxRecord) -> None:
-        t0 = time.perf_counter()
-        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
-        path = self._socket_path(rec.sandbox_id)
+    async def launch(
+        self,
+        container_id: str,
+        rec: SandboxRecord,
+        image: ResolvedImage,
+        prep: Any,
+        *,
+        backlog: int,
+        binds: tuple[BindMount, ...] = (),
+    ) -> SandboxProcess:
+        """Binds the channel socket, starts runc with aether as pid 1 holding its listening
+        fd, and releases the edge's copies (of the socket and of ``prep``'s fds). Used for a
+        sandbox and for its trusted sibling; on failure the socket file is removed."""
+        path = self._socket_path(container_id)
         path.unlink(missing_ok=True)
-        prep = await self.containment.prepare(rec)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(self._socket_address(rec.sandbox_id))
+            listener.bind(self._socket_address(container_id))
             os.chmod(path, 0o600)
-            listener.listen(16)
+            listener.listen(backlog)
             env = self.sandbox_env(rec, image)
             env.update(prep.env)
             spec = LaunchSpec(
-                sandbox_id=rec.sandbox_id,
+                sandbox_id=container_id,
                 lowers=list(image.lowers),
                 init_argv=toolkit_argv("aether"),
                 env=env,
@@ -209,21 +218,29 @@ class ContainerBackend:
                 pids_max=rec.spec.pids_max,
                 toolkit_dir=self.toolkit_dir,
                 pass_fd=listener.fileno(),
-                log_path=self.logs / f"{rec.sandbox_id}.log",
+                log_path=self.logs / f"{container_id}.log",
                 extra_fds=prep.extra_fds,
                 dns_servers=prep.dns_servers,
                 disk_mb=prep.disk_mb,
+                binds=binds,
                 apparmor_profile=prep.apparmor_profile,
             )
-            t1 = time.perf_counter()
-            proc = await asyncio.to_thread(self.runtime.create, spec)
-            t2 = time.perf_counter()
+            return await asyncio.to_thread(self.runtime.create, spec)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
         finally:
             listener.close()  # aether holds its own copy now
             prep.close()
+
+    async def start(self, rec: SandboxRecord) -> None:
+        t0 = time.perf_counter()
+        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        prep = await self.containment.prepare(rec)
+        t1 = time.perf_counter()
+        proc = await self.launch(rec.sandbox_id, rec, image, prep, backlog=16)
+        t2 = time.perf_counter()
+        path = self._socket_path(rec.sandbox_id)
         rec.runtime = {
             "pid": proc.pid,
             "socket": str(path),

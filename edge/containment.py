@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,8 +43,7 @@ from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
 from edge.runtime import apparmor, cgroups, disk, integrity, mounts
 from edge.runtime.detached import detached_tmpfs
-from edge.runtime.spec import BindMount, LaunchSpec
-from edge.toolkit import toolkit_argv
+from edge.runtime.spec import BindMount
 from libdsec.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
@@ -309,41 +307,13 @@ class Containment:
             _stage_workspace, b.runtime.sandbox_dir(sid) / "rootfs", workspace, staging
         )
         prep = await self.prepare(rec)
-        path = b._socket_path(tid)
-        path.unlink(missing_ok=True)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(b._socket_address(tid))
-            os.chmod(path, 0o600)
-            listener.listen(4)
-            env = b.sandbox_env(rec, image)
-            env.update(prep.env)
-            spec = LaunchSpec(
-                sandbox_id=tid,
-                lowers=list(image.lowers),
-                init_argv=toolkit_argv("aether"),
-                env=env,
-                cwd="/",
-                cpu_millis=rec.spec.cpu_millis,
-                memory_mb=rec.spec.memory_mb,
-                pids_max=rec.spec.pids_max,
-                toolkit_dir=b.toolkit_dir,
-                pass_fd=listener.fileno(),
-                extra_fds=prep.extra_fds,
-                log_path=b.logs / f"{tid}.log",
-                dns_servers=prep.dns_servers,
-                disk_mb=prep.disk_mb,
-                binds=(BindMount(src, workspace),),
-                apparmor_profile=prep.apparmor_profile,
+            proc = await b.launch(
+                tid, rec, image, prep, backlog=4, binds=(BindMount(src, workspace),)
             )
-            proc = await asyncio.to_thread(b.runtime.create, spec)
         except BaseException:
-            path.unlink(missing_ok=True)
             await asyncio.to_thread(_remove_staging, staging)
             raise
-        finally:
-            listener.close()
-            prep.close()
         try:
             if self.network is not None and self.network.is_attached(sid):
                 await self.network.attach(tid, proc.pid, proc.cgroup_path, prep.policy, owner=sid)
