@@ -13,12 +13,17 @@ import sys
 
 from aether.config import AetherConfig
 from aether.log import get_logger
-from aether.security import become_subreaper, make_undumpable
+from aether.security import become_subreaper, install_seccomp_from_env, make_undumpable
 
 log = get_logger("aether")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything else: from here on, every process of the sandbox runs under the filter.
+    failure = install_seccomp_from_env()
+    if failure is not None:
+        log.error("seccomp: %s", failure)
+        return 3
     try:
         config = AetherConfig.load(sys.argv[1:] if argv is None else argv)
     except ValueError as exc:

@@ -33,3 +33,41 @@ def become_subreaper() -> bool:
     real init: outside a pid namespace (tests, development), aether still
     sees and reaps every process of the sandbox."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
+
+
+def install_seccomp_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """Install the sandbox's seccomp filter, handed over by the edge as a sealed memfd named
+    by DSEC_AETHER_SECCOMP_FD (struct sock_filter[], compiled once per node from the runtime's
+    profile; see edge/runtime/seccomp_bpf.py). Called first thing, before chronus exists: every
+    later process of the sandbox inherits the filter and cannot remove it. runc has already set
+    no_new_privs. Returns None when done or not asked for, else why it failed (aether must then
+    refuse to run: a sandbox without its filter is never started)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    raw = env.get(SECCOMP_FD_ENV)
+    if not raw:
+        return None
+    try:
+        fd = int(raw)
+        size = os.fstat(fd).st_size
+        code = os.pread(fd, size, 0)
+        os.close(fd)
+    except (ValueError, OSError) as exc:
+        return f"{SECCOMP_FD_ENV}={raw}: cannot read the filter: {exc}"
+    if not code or len(code) % 8 or len(code) // 8 > 4096:
+        return f"{SECCOMP_FD_ENV}={raw}: not a seccomp program ({len(code)} bytes)"
+    import ctypes
+    import struct
+
+    buf = ctypes.create_string_buffer(code, len(code))
+    fprog = ctypes.create_string_buffer(struct.pack("<H6xQ", len(code) // 8, ctypes.addressof(buf)))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
+        return f"prctl(PR_SET_SECCOMP) failed: {os.strerror(ctypes.get_errno())}"
+    return None

@@ -22,7 +22,6 @@ import chronus
 from aether import wire
 from aether.config import AetherConfig
 from aether.log import get_logger
-from chronus.engine import serve_socket  # before the fork: shared copy-on-write
 from chronus.proc import descendants, kill_quietly, killpg_quietly, proc_table, spawn
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
@@ -123,7 +122,12 @@ class Aether:
         for sig in (_signal.SIGCHLD, _signal.SIGTERM, _signal.SIGINT):
             _signal.signal(sig, lambda *_: None)  # the wake-up fd does the work
         _signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        # The edge connects before we run: answer its Hello first, then import and fork
+        # chronus (~10 ms here) while the edge reports the sandbox RUNNING to its caller.
+        # Requests that arrive meanwhile wait in the chronus backlog.
+        self._accept()
         self._start_chronus()
+        self._update_interest()  # the loop below selects on what is registered
         log.info(
             "aether %d ready (chronus %d, %s mode)",
             os.getpid(),
@@ -287,6 +291,9 @@ class Aether:
             del self._to_chronus[sid]
 
     def _start_chronus(self) -> None:
+        # Imported before the fork, so chronus shares these pages copy-on-write.
+        from chronus.engine import serve_socket
+
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._chronus_started = time.monotonic()
         if self.config.chronus_mode == "exec":
@@ -311,7 +318,7 @@ class Aether:
             gc.freeze()  # the collector must not dirty the shared pages in chronus
             pid = os.fork()
             if pid == 0:
-                self._become_chronus(ours, theirs)
+                self._become_chronus(ours, theirs, serve_socket)
             self.chronus_pid = pid
         theirs.close()
         self.chronus = Conn(ours, "chronus")
@@ -319,7 +326,9 @@ class Aether:
         self.sel.register(ours, selectors.EVENT_READ, self.chronus)
         self.chronus.flush()
 
-    def _become_chronus(self, ours: _socket.socket, theirs: _socket.socket) -> None:
+    def _become_chronus(
+        self, ours: _socket.socket, theirs: _socket.socket, serve_socket: Any
+    ) -> None:
         """In the forked child: drop everything of aether's, serve the channel."""
         code = 0
         try:

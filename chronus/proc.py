@@ -14,9 +14,12 @@ import errno
 import fcntl
 import os
 import struct
-import termios
 
-from chronus import landlock, seccomp
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from chronus import seccomp
 
 # Python ignores these at start-up; ignored dispositions survive exec, so the
 # child must restore them or `yes | head` never ends.
@@ -55,6 +58,11 @@ def spawn(
     before exec (`chronus.landlock`); with `syscall_filter`, it also installs that
     seccomp filter (`chronus.seccomp`). If either fails, the command does not run.
     """
+    enforce: Callable[[int], None] | None = None
+    if ruleset_fd >= 0:
+        # Imported here (in the parent, before the fork), not at module level: aether imports
+        # this module before its Hello and must not pay for ctypes there.
+        from chronus.landlock import enforce
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: only C-level calls until exec
@@ -73,9 +81,9 @@ def spawn(
                 _signal.signal(sig, _signal.SIG_DFL)
             step, detail = "chdir", cwd
             os.chdir(cwd)
-            if ruleset_fd >= 0:
+            if enforce is not None:
                 step, detail = "landlock", "restrict"
-                landlock.enforce(ruleset_fd)
+                enforce(ruleset_fd)
             if syscall_filter is not None:
                 step, detail = "seccomp", "filter"
                 syscall_filter.install()
@@ -101,6 +109,8 @@ def spawn(
 
 
 def set_winsize(fd: int, rows: int, cols: int) -> None:
+    import termios  # pty calls only
+
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows or 24, cols or 80, 0, 0))
 
 

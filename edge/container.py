@@ -51,6 +51,9 @@ from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStat
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
 from libdsec.errors import FailedPrecondition, Unavailable
 
+#: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
+SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -224,6 +227,8 @@ class ContainerBackend:
                 disk_mb=prep.disk_mb,
                 binds=binds,
                 apparmor_profile=prep.apparmor_profile,
+                # aether installs the node's precompiled filter itself (no per-start compile)
+                seccomp_fd_env=SECCOMP_FD_ENV,
             )
             return await asyncio.to_thread(self.runtime.create, spec)
         except BaseException:

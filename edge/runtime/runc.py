@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -45,8 +46,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge.runtime import cgroups, disk
-from edge.runtime.bundle import NOFILE, make_config, write_config, write_etc_files
+from edge.runtime import cgroups, disk, seccomp_bpf
+from edge.runtime.bundle import (
+    NOFILE,
+    hardened_seccomp,
+    make_config,
+    write_config,
+    write_etc_files,
+)
 from edge.runtime.errors import (
     InvalidLaunchSpecError,
     RuncError,
@@ -158,6 +165,7 @@ class RuncRuntime:
             raise SandboxRuntimeError(f"runc binary {runc_binary!r} not found")
         self.runc = runc
         self.use_seccomp = use_seccomp
+        self._seccomp_memfd: int | None = None  # the compiled profile, shared by every start
         for d in (self.sandboxes_dir, self.runc_root):
             d.mkdir(parents=True, exist_ok=True)
         self.nofile = _nofile_limit()
@@ -325,6 +333,15 @@ class RuncRuntime:
         propagates: no mount, cgroup, runc state or directory is left behind.
         """
         spec.validate()
+        by_init = bool(spec.seccomp_fd_env) and self.use_seccomp
+        if by_init:
+            # pid 1 gets the program as the fd after the extra ones, and its number by name.
+            fd_number = 4 + len(spec.extra_fds)
+            spec = dataclasses.replace(
+                spec,
+                env={**spec.env, spec.seccomp_fd_env: str(fd_number)},
+                extra_fds=(*spec.extra_fds, self.seccomp_memfd()),
+            )
         sdir = self.sandbox_dir(spec.sandbox_id)
         if self._container_exists(spec.sandbox_id):
             raise SandboxExistsError(spec.sandbox_id)
@@ -382,7 +399,7 @@ class RuncRuntime:
                 etc_dir=sdir / "etc",
                 cgroups_path=cg,
                 toolkit_source=toolkit_source,
-                use_seccomp=self.use_seccomp,
+                use_seccomp=self.use_seccomp and not by_init,
                 nofile=self.nofile,
             )
             write_config(sdir, config)
@@ -401,6 +418,15 @@ class RuncRuntime:
             cgroup_path=cg,
             log_path=spec.log_path,
         )
+
+    def seccomp_memfd(self) -> int:
+        """The runtime's profile compiled once (seccomp_bpf) in a sealed memfd, kept open for
+        the runtime's life and dup'd into every init that installs the filter itself."""
+        if self._seccomp_memfd is None:
+            self._seccomp_memfd = seccomp_bpf.sealed_memfd(
+                seccomp_bpf.compile_profile(hardened_seccomp())
+            )
+        return self._seccomp_memfd
 
     def state(self, sandbox_id: str) -> RuntimeState:
         """RUNNING / PAUSED / STOPPED / MISSING, from runc (which checks pid start times)."""

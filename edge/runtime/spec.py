@@ -55,6 +55,11 @@ class LaunchSpec:
     binds: tuple[BindMount, ...] = ()
     #: AppArmor profile of every process of the sandbox ("" = none; hosts without AppArmor).
     apparmor_profile: str = ""
+    #: If set, the runtime does not have runc install the seccomp profile: pid 1 receives the
+    #: compiled program (a sealed memfd, as the fd after `extra_fds`) under this environment
+    #: variable and must install it itself before anything else (aether does). Saves runc's
+    #: per-start libseccomp compilation (edge/runtime/seccomp_bpf.py). Needs `pass_fd`.
+    seccomp_fd_env: str = ""
 
     @property
     def effective_hostname(self) -> str:
@@ -102,6 +107,10 @@ class LaunchSpec:
             raise InvalidLaunchSpecError(f"netns {self.netns_path!r} does not exist")
         if self.extra_fds and self.pass_fd is None:
             raise InvalidLaunchSpecError("extra_fds need pass_fd (they follow it as fd 4, 5, ...)")
+        if self.seccomp_fd_env and self.pass_fd is None:
+            raise InvalidLaunchSpecError("seccomp_fd_env needs pass_fd (the program follows it)")
+        if self.seccomp_fd_env and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", self.seccomp_fd_env):
+            raise InvalidLaunchSpecError(f"seccomp_fd_env {self.seccomp_fd_env!r} is no name")
         if any(fd < 0 for fd in self.extra_fds):
             raise InvalidLaunchSpecError(f"extra_fds {self.extra_fds} are not all descriptors")
         if self.disk_mb < 0 or 0 < self.disk_mb < 16:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -275,9 +276,12 @@ def test_passed_fd_is_a_usable_listening_socket(
                 hostname="fd-test",
             )
         )
-        fds = (Path(f"/proc/{sb.pid}/fd")).iterdir()
         inode = os.fstat(listener.fileno()).st_ino
-        assert f"socket:[{inode}]" in {os.readlink(p) for p in fds}
+        targets = set()
+        for p in Path(f"/proc/{sb.pid}/fd").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # pid 1 opens and closes files meanwhile
+                targets.add(os.readlink(p))
+        assert f"socket:[{inode}]" in targets
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(10)
             c.connect(path)
@@ -400,3 +404,63 @@ def test_create_destroy_latency(runtime: RuncRuntime, spec_for: SpecFactory) -> 
     print(f"\ncreate p50 {p['create'][0]:.1f} ms p90 {p['create'][1]:.1f} ms; "
           f"destroy p50 {p['destroy'][0]:.1f} ms p90 {p['destroy'][1]:.1f} ms")  # fmt: skip
     assert p["create"][0] < 200 and p["destroy"][0] < 200
+
+
+def test_seccomp_installed_by_init_matches_runcs_own(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    toolkit_dir: Path,
+    tmp_path: Path,
+    wait_stopped: Callable[..., None],
+) -> None:
+    """Conformance: the same system calls get the same answers whether runc compiles and installs
+    Docker's profile (per start) or pid 1 installs the edge's precompiled program
+    (`seccomp_fd_env`, what every aether does)."""
+    from tests.unit.test_seccomp_bpf import PROBES
+
+    code = (
+        "import ctypes, errno, json, os, sys\n"
+        "sys.path.insert(0, '/.dsec/lib/python3.11')\n"
+        "if os.environ.get('DSEC_AETHER_SECCOMP_FD'):\n"
+        "    from aether.security import install_seccomp_from_env\n"
+        "    assert install_seccomp_from_env() is None\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "out = {}\n"
+        f"for label, nr, args in {PROBES!r}:\n"
+        "    r = libc.syscall(nr, *[ctypes.c_long(a) for a in args])\n"
+        "    e = ctypes.get_errno()\n"
+        "    out[label] = 'ok' if r >= 0 else errno.errorcode.get(e, str(e))\n"
+        "status = open('/proc/self/status').read()\n"
+        "out['filters'] = [l.split()[1] for l in status.splitlines() if l.startswith('Seccomp_filters')][0]\n"
+        "print(json.dumps(out))\n"
+    )
+    results = {}
+    for mode in ("runc", "init"):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        log = tmp_path / f"{mode}.log"
+        try:
+            sb = runtime.create(
+                spec_for(
+                    init_argv=[*toolkit_argv("x")[:-2], "-c", code],
+                    toolkit_dir=toolkit_dir,
+                    pass_fd=listener.fileno(),
+                    log_path=log,
+                    seccomp_fd_env="DSEC_AETHER_SECCOMP_FD" if mode == "init" else "",
+                )
+            )
+            if mode == "init":
+                config = json.loads(
+                    (runtime.sandbox_dir(sb.sandbox_id) / "config.json").read_text()
+                )
+                assert "seccomp" not in config["linux"]  # runc compiled nothing
+            wait_stopped(runtime, sb.sandbox_id)
+            assert runtime.reap(sb.sandbox_id) == 0, log.read_text()
+        finally:
+            listener.close()
+        results[mode] = json.loads(log.read_text().splitlines()[-1])
+    assert results["init"] == results["runc"]
+    assert results["runc"]["filters"] == "1"
+    assert results["runc"]["keyctl"] == "EPERM" and results["runc"]["getpid"] == "ok"
+    assert results["runc"]["io_uring_setup"] == "ENOSYS"
+    assert results["runc"]["after-the-profile"] == "ENOSYS"  # runc's rule, kept

@@ -122,16 +122,23 @@ class Sandbox:
         return descendants({self.proc.pid}, proc_table())
 
     def chronus_pid(self) -> int:
-        """aether's child that runs python (fork or exec mode), not an orphan."""
-        kids = []
-        for p in proc_table():
-            if p.ppid == self.proc.pid:
-                try:
-                    cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"-m\0aether" in cmdline or b"-m\0chronus" in cmdline:
-                    kids.append(p.pid)
+        """aether's child that runs python (fork or exec mode), not an orphan. aether forks it
+        right after its Hello, so it may be a moment late."""
+        kids: list[int] = []
+
+        def find() -> bool:
+            kids.clear()
+            for p in proc_table():
+                if p.ppid == self.proc.pid:
+                    try:
+                        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if b"-m\0aether" in cmdline or b"-m\0chronus" in cmdline:
+                        kids.append(p.pid)
+            return bool(kids)
+
+        wait_for(find)
         assert len(kids) == 1, kids
         return kids[0]
 
