@@ -1,6 +1,6 @@
 """aether's loop: init duties, the edge connection, the relay to chronus.
 
-Single-threaded, one `selectors` loop: the listening socket, the edge
+Single-threaded, one epoll loop (`chronus.poller`): the listening socket, the edge
 connection, the chronus channel and the signal wake-up socket. Frames are
 relayed without decoding their bodies (`wire.split_frame`); only stream ids
 are rewritten, because the edge's ids restart with each connection while
@@ -14,7 +14,6 @@ import _socket
 import fcntl
 import gc
 import os
-import selectors
 import sys
 import time
 
@@ -22,6 +21,7 @@ import chronus
 from aether import wire
 from aether.config import AetherConfig
 from aether.log import get_logger
+from chronus import poller
 from chronus.proc import descendants, kill_quietly, killpg_quietly, proc_table, spawn
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
@@ -91,17 +91,17 @@ class Conn:
 class Aether:
     def __init__(self, config: AetherConfig, listener: _socket.socket) -> None:
         self.config = config
-        self.sel = selectors.DefaultSelector()
+        self.sel = poller.Poller()
         listener.setblocking(False)
         os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
         self.listener = listener
-        self.sel.register(listener, selectors.EVENT_READ, "listen")
+        self.sel.register(listener, poller.EVENT_READ, "listen")
         # chronus's private runtime directory (a detached tmpfs from the edge), kept for it.
         self.runtime_fd = _runtime_fd()
         self._sig_r, self._sig_w = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
-        self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
+        self.sel.register(self._sig_r, poller.EVENT_READ, "signal")
         self.edge: Conn | None = None
         self.chronus: Conn | None = None
         self.chronus_pid = 0
@@ -142,9 +142,9 @@ class Aether:
                 elif tag == "signal":
                     self._on_signal()
                 elif isinstance(tag, Conn):
-                    if events & selectors.EVENT_WRITE:
+                    if events & poller.EVENT_WRITE:
                         tag.flush()
-                    if events & selectors.EVENT_READ:
+                    if events & poller.EVENT_READ:
                         self._on_readable(tag)
             self._tick()
             self._update_interest()
@@ -164,9 +164,9 @@ class Aether:
                 continue
             # Backpressure: stop reading a side while its peer's buffer is full.
             behind = peer is not None and len(peer.out) > HIGH_WATER
-            events = 0 if behind else selectors.EVENT_READ
+            events = 0 if behind else poller.EVENT_READ
             if conn.out:
-                events |= selectors.EVENT_WRITE
+                events |= poller.EVENT_WRITE
             key = self.sel.get_map().get(conn.sock.fileno())
             if key is None:
                 if events:
@@ -323,7 +323,7 @@ class Aether:
         theirs.close()
         self.chronus = Conn(ours, "chronus")
         self.chronus.out, self._chronus_backlog = self._chronus_backlog, bytearray()
-        self.sel.register(ours, selectors.EVENT_READ, self.chronus)
+        self.sel.register(ours, poller.EVENT_READ, self.chronus)
         self.chronus.flush()
 
     def _become_chronus(

@@ -96,8 +96,9 @@ def main() -> int:
         for _ in range(args.n):
             t = time.perf_counter()
             sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
-            sb.run("true")
+            r = sb.run("true")
             lat.append(time.perf_counter() - t)
+            assert r.exit_code == 0, r  # a failed start is not a fast one
             sb.stop(grace_s=0)
         d_lat = docker_create_exec(args.n) if use_docker else []
         p50, p99, _ = summary_ms(lat)
@@ -114,12 +115,13 @@ def main() -> int:
         # 2. run("true") round trip
         sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
         for _ in range(20):
-            sb.run("true")
+            assert sb.run("true").exit_code == 0
         rtt = []
         for _ in range(args.rtt):
             t = time.perf_counter()
-            sb.run("true")
+            r = sb.run("true")
             rtt.append(time.perf_counter() - t)
+            assert r.exit_code == 0, r
         sb.stop(grace_s=0)
         p50, p99, mean = summary_ms(rtt)
         table(

@@ -9,12 +9,10 @@ written under one lock, so they never interleave mid-frame.
 
 from __future__ import annotations
 
+import _queue  # not `queue`, `threading`, `collections`: see chronus.threads
 import _socket
 import os
-import queue
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator
+from _collections import deque
 
 from aether import wire
 from aether.log import get_logger
@@ -25,9 +23,11 @@ from chronus.execs import Exec, ExecManager, Runtime, Subscription, timestamp
 from chronus.files import Files
 from chronus.proc import rss_bytes
 from chronus.sessions import SessionManager
+from chronus.threads import Condition, Event, Lock, start_thread
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from typing import Any
 
 log = get_logger("chronus")
@@ -46,7 +46,7 @@ class Stream:
         self.engine = engine
         self.stream_id = stream_id
         self.cancelled = False
-        self._cond = threading.Condition()
+        self._cond = Condition()
         self._inputs: deque[tuple[Input, int]] = deque()
         self._queued_bytes = 0
         self._input_handler: Callable[[Input], None] | None = None
@@ -110,7 +110,7 @@ class Stream:
                 return
         cb()
 
-    def wait(self, event: threading.Event, timeout: float | None = None) -> bool:
+    def wait(self, event: Event, timeout: float | None = None) -> bool:
         """Wait for `event`, for `timeout` seconds at most, unless cancelled."""
         waited = 0.0
         while not event.wait(0.25):
@@ -130,9 +130,9 @@ class Engine:
         self.execs = ExecManager(self.rt, self.sessions)
         self.files = Files(config.workdir)
         self._sock: _socket.socket | None = None
-        self._send_lock = threading.Lock()
+        self._send_lock = Lock()
         self._streams: dict[int, Stream] = {}
-        self._streams_lock = threading.Lock()
+        self._streams_lock = Lock()
         self._handlers: dict[str, Handler] = {
             "exec": self._exec,
             "exec_stream": self._exec_stream,
@@ -188,9 +188,7 @@ class Engine:
                 else:
                     opened = False
             if opened:
-                threading.Thread(
-                    target=self._run, args=(stream, frame["request"]), daemon=True
-                ).start()
+                start_thread(self._run, stream, frame["request"])
             else:
                 stream.push(frame["request"], size)
         elif "half_close" in frame or "cancel" in frame:
@@ -241,7 +239,7 @@ class Engine:
         while True:
             try:
                 ev = sub.queue.get(timeout=keepalive_s)
-            except queue.Empty:
+            except _queue.Empty:
                 stream.send("exec_event", {"keepalive": {"at": timestamp()}})
                 continue
             kind = ev[0]

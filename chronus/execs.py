@@ -8,17 +8,16 @@ then the exit status) and through the shared lock.
 
 from __future__ import annotations
 
+import _queue  # not `queue`, `threading`, `collections`: see chronus.threads
 import _signal
 import errno
 import itertools
 import os
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from _collections import deque
 
 from aether.log import get_logger
+from chronus import threads
 from chronus.config import ChronusConfig
 from chronus.errors import (
     FAILED_PRECONDITION,
@@ -38,9 +37,11 @@ from chronus.proc import (
     spawn,
 )
 from chronus.reactor import Drain, Reactor, Timer
+from chronus.threads import RLock
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 log = get_logger("chronus.execs")
@@ -71,7 +72,7 @@ class Runtime:
         self.drain = Drain(self.reactor)
         # One lock for all exec and session state: the reactor thread and the
         # handler threads both touch it, and contention is negligible.
-        self.lock = threading.RLock()
+        self.lock = RLock()
         self._ids = itertools.count(1)
         self.on_session_gone: Callable[[Any], None] = lambda session: None
         self.sandboxing = Sandboxing(config.landlock)
@@ -89,7 +90,7 @@ class Subscription:
     """
 
     def __init__(self, offsets: tuple[int, int], budget: int) -> None:
-        self.queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.queue: _queue.SimpleQueue[Event] = _queue.SimpleQueue()
         self.pos = list(offsets)
         self.budget = [budget, budget]
 
@@ -140,7 +141,7 @@ class Exec:
         self.pid = 0
         self.status = EXEC_STATUS_RUNNING
         self.exit: dict[str, Any] | None = None
-        self.done = threading.Event()
+        self.done = threads.Event()
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self.subs: list[Subscription] = []

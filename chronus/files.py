@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
 
 from chronus.errors import (
     ALREADY_EXISTS,
@@ -22,6 +21,7 @@ from chronus.errors import (
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from typing import Any
 
 MIB = 1024 * 1024

@@ -7,7 +7,7 @@ total is counted so the caller learns how much was dropped.
 
 from __future__ import annotations
 
-from collections import deque
+from _collections import deque  # not `collections`: see chronus.threads
 
 
 def truncation_marker(dropped: int) -> bytes:

@@ -2,7 +2,7 @@
 
 One thread watches every command's pipes, pty masters, pidfds and the shell
 sessions' control fifos, and runs timers (timeouts, lingering). asyncio would
-do this too but costs ~6 MB per process (measured); `selectors` costs ~0.1 MB.
+do this too but costs ~6 MB per process (measured); epoll (`chronus.poller`) costs nothing.
 Other threads talk to the loop only through `call_soon`; callbacks that touch
 shared exec state take the owner's lock themselves.
 """
@@ -12,17 +12,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-import selectors
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from _collections import deque  # not `collections`: see chronus.threads
 
 from aether.log import get_logger
+from chronus import poller, threads
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    Callback = Callable[[], None]
 
 log = get_logger("chronus.reactor")
-
-Callback = Callable[[], None]
 
 
 class Timer:
@@ -39,23 +41,23 @@ class Timer:
 
 class Reactor:
     def __init__(self) -> None:
-        self._sel = selectors.DefaultSelector()
+        self._sel = poller.Poller()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, poller.EVENT_READ, None)
         self._calls: deque[Callback] = deque()
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._readers: dict[int, Callback] = {}
         self._writers: dict[int, Callback] = {}
-        self._thread = threading.Thread(target=self._run, name="chronus-io", daemon=True)
+        self._thread_id = -1
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread_id = threads.start_thread(self._run)
 
     def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threads.get_ident() == self._thread_id
 
     # ------------------------------------------------ any thread
     def call_soon(self, fn: Callback) -> None:
@@ -94,8 +96,8 @@ class Reactor:
         self._update(fd)
 
     def _update(self, fd: int) -> None:
-        events = (selectors.EVENT_READ if fd in self._readers else 0) | (
-            selectors.EVENT_WRITE if fd in self._writers else 0
+        events = (poller.EVENT_READ if fd in self._readers else 0) | (
+            poller.EVENT_WRITE if fd in self._writers else 0
         )
         registered = fd in self._sel.get_map()
         if not events:
@@ -122,9 +124,9 @@ class Reactor:
                     except BlockingIOError:
                         pass
                     continue
-                if events & selectors.EVENT_READ and fd in self._readers:
+                if events & poller.EVENT_READ and fd in self._readers:
                     self._guard(self._readers[fd])
-                if events & selectors.EVENT_WRITE and fd in self._writers:
+                if events & poller.EVENT_WRITE and fd in self._writers:
                     self._guard(self._writers[fd])
             while self._calls:
                 self._guard(self._calls.popleft())

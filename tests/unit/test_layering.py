@@ -74,3 +74,33 @@ def test_in_sandbox_agents_use_only_the_standard_library() -> None:
                     or top in {"aether", "chronus"}
                     or m == "dsec.wire_schema"
                 ), f"{path} imports {m}"
+
+
+def test_in_sandbox_agents_load_no_heavy_stdlib_modules() -> None:
+    """Every module aether and chronus import is paid by every sandbox's start (CPU before its
+    first command, memory for its life). These pull in collections/functools/... (~4 ms of CPU
+    here) and have C-level stand-ins (`chronus.threads`, `chronus.poller`, `_queue`,
+    `_collections`); a fresh interpreter, as in the sandbox, must not load them."""
+    import subprocess
+    import sys
+
+    heavy = ["threading", "collections", "selectors", "queue", "functools", "typing"]
+    heavy += ["dataclasses", "re", "enum", "signal", "socket", "subprocess", "asyncio"]
+    code = (
+        "import sys\n"
+        "import ctypes, aether.security, aether.server, chronus.engine, chronus.httpcall\n"
+        f"print(' '.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{code}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == []
