@@ -453,11 +453,13 @@ class RuncRuntime:
         runc's freeze-signal-thaw round trip. A paused sandbox is thawed so it can act on the
         signals (v1 freezer: frozen tasks ignore even SIGKILL until thawed).
         """
-        st = self.state(sandbox_id)
-        if st.status in (SandboxStatus.MISSING, SandboxStatus.STOPPED) or st.pid is None:
+        # Not `runc state` (a Go process per call, ~5 ms of CPU here): the pid file and a pidfd
+        # checked against the sandbox's cgroup say the same, and the freezer says if paused.
+        if not self._container_exists(sandbox_id):
             return
         cg = self.cgroup_path(sandbox_id)
-        pidfd = _open_pidfd_in_cgroup(st.pid, cg)
+        pid = self._init_pid(sandbox_id)
+        pidfd = _open_pidfd_in_cgroup(pid, cg) if pid else None
         if pidfd is None:
             self.reap(sandbox_id)
             return
@@ -465,7 +467,7 @@ class RuncRuntime:
             if grace_s > 0:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-                if st.status is SandboxStatus.PAUSED:
+                if cgroups.freezer_state(cg) in ("FROZEN", "FREEZING"):
                     cgroups.thaw(cg)
                 if _wait_pidfd(pidfd, grace_s):
                     self._kill_leftovers(cg)
@@ -476,7 +478,7 @@ class RuncRuntime:
             cgroups.thaw(cg)
             if not _wait_pidfd(pidfd, 10.0):
                 raise SandboxRuntimeError(
-                    f"pid 1 of {sandbox_id} ({st.pid}) survived SIGKILL for 10 s"
+                    f"pid 1 of {sandbox_id} ({pid}) survived SIGKILL for 10 s"
                 )
         finally:
             os.close(pidfd)
@@ -579,15 +581,27 @@ class RuncRuntime:
             self._kill_now(sandbox_id, cg)
         if not self._container_exists(sandbox_id):
             return
+        pids = cgroups.controller_dir("pids", cg)
+        if pids is None or not pids.is_dir() or not cgroups.procs(pids):
+            # Nothing of it runs any more: what `runc delete` would do for a stopped container
+            # (no poststop hooks in our bundles) is removing its cgroups and its state
+            # directory, done here without starting runc (~5 ms of CPU per sandbox).
+            cgroups.remove(cg)
+            shutil.rmtree(self.runc_root / sandbox_id)
+            return
         r = self._run("delete", "--force", sandbox_id, check=False)
         if r.returncode != 0 and self._container_exists(sandbox_id):
             raise RuncError(self._runc_cmd("delete", "--force", sandbox_id), r.returncode, r.stderr)
 
-    def _kill_now(self, sandbox_id: str, cg: str) -> None:
+    def _init_pid(self, sandbox_id: str) -> int:
+        """pid 1 of the sandbox as runc wrote it at start (0 if unknown)."""
         try:
-            pid = int((self.sandbox_dir(sandbox_id) / "init.pid").read_text().strip())
+            return int((self.sandbox_dir(sandbox_id) / "init.pid").read_text().strip())
         except (OSError, ValueError):
-            pid = 0
+            return 0
+
+    def _kill_now(self, sandbox_id: str, cg: str) -> None:
+        pid = self._init_pid(sandbox_id)
         pidfd = _open_pidfd_in_cgroup(pid, cg) if pid > 0 else None
         if pidfd is not None:
             try:
