@@ -126,7 +126,10 @@ def spawn(
             finally:
                 done.release()
 
-        _thread.start_new_thread(confined, ())
+        try:
+            _thread.start_new_thread(confined, ())
+        except RuntimeError as exc:  # no thread to be had: the sandbox is at its pids limit
+            raise SpawnError("setup", errno.EAGAIN, f"thread: {exc}") from exc
         done.acquire()
     finally:
         for fd in opened:
