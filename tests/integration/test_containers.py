@@ -372,7 +372,9 @@ def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> N
             kept = c.create(image="busybox", cpu=0.2, memory_mb=64)
             orphan = c.create(image="busybox", cpu=0.2, memory_mb=64)
             bg = kept.start(
-                "i=0; while true; do i=$((i+1)); echo $i > /work/counter; sleep 0.1; done"
+                # written then renamed: a reader never sees the file truncated mid-update
+                "i=0; while true; do i=$((i+1)); echo $i > /work/c.tmp;"
+                " mv /work/c.tmp /work/counter; sleep 0.1; done"
             )
             cluster.kill(
                 "edge-rst", signal.SIGKILL
