@@ -3,7 +3,8 @@ measured in the same run on the same busybox image.
 
 1. create-to-first-command latency over N sandboxes (sequential): dsec create + run("true")
    vs `docker run -d` + `docker exec true`.
-2. run("true") round trip through SDK -> apiserver -> edge -> aether -> chronus.
+2. run("true") round trip through SDK -> apiserver -> edge -> aether -> chronus, interleaved
+   with get() and files.stat() on the same path as same-run baselines.
 3. burst: B sandboxes created concurrently (create_many) vs B concurrent `docker run -d`.
 4. memory: PSS of aether + chronus per idle sandbox with B idle sandboxes (no per-sandbox host
    process exists: runc exits after start).
@@ -112,22 +113,38 @@ def main() -> int:
             ],
         )
 
-        # 2. run("true") round trip
+        # 2. run("true") round trip, interleaved with two same-run baselines on the same path:
+        #    GetSandbox (SDK -> apiserver -> edge) and files.stat (... -> aether -> chronus, no
+        #    process started), so machine noise shows in all three alike.
         sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
         for _ in range(20):
             assert sb.run("true").exit_code == 0
-        rtt = []
+        rtt: list[float] = []
+        get: list[float] = []
+        stat: list[float] = []
         for _ in range(args.rtt):
             t = time.perf_counter()
             r = sb.run("true")
             rtt.append(time.perf_counter() - t)
             assert r.exit_code == 0, r
+            t = time.perf_counter()
+            dsec.get(sb.id)
+            get.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sb.files.stat("/")
+            stat.append(time.perf_counter() - t)
         sb.stop(grace_s=0)
         p50, p99, mean = summary_ms(rtt)
+        g50, g99, gmean = summary_ms(get)
+        s50, s99, smean = summary_ms(stat)
         table(
-            f'run("true") round trip, {args.rtt} calls (ms)',
-            ["path", "p50", "p99", "mean"],
-            [["SDK -> apiserver -> edge -> aether -> chronus", p50, p99, mean]],
+            f'run("true") round trip, {args.rtt} calls each, interleaved (ms)',
+            ["call", "p50", "p99", "mean"],
+            [
+                ['run("true"): SDK -> apiserver -> edge -> aether -> chronus', p50, p99, mean],
+                ["baseline: files.stat('/') (same path, no process)", s50, s99, smean],
+                ["baseline: get() (SDK -> apiserver -> edge)", g50, g99, gmean],
+            ],
         )
 
         # 3. burst
