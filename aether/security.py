@@ -50,7 +50,7 @@ def install_seccomp_from_env(environ: dict[str, str] | None = None) -> str | Non
     import os
 
     env = os.environ if environ is None else environ
-    raw = env.get(SECCOMP_FD_ENV)
+    raw = env.pop(SECCOMP_FD_ENV, None)  # chronus and commands need not see it
     if not raw:
         return None
     try:

@@ -16,6 +16,7 @@ MIB = 1024 * 1024
 
 # Variables of the agents themselves; commands must not see them.
 _PRIVATE_PREFIXES = ("DSEC_AETHER_", "DSEC_CHRONUS_")
+_LD_PREFIX = "DSEC_CHRONUS_ENV_LD_"
 
 
 class ChronusConfig:
@@ -58,6 +59,10 @@ class ChronusConfig:
         if "'" in runtime_dir or '"' in runtime_dir or "\n" in runtime_dir:
             raise ValueError("DSEC_CHRONUS_RUNTIME_DIR must not contain quotes or newlines")
         env = {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_PREFIXES)}
+        # The sandbox's LD_* variables, kept from pid 1's loader by the edge (edge/container.py).
+        for k, v in environ.items():
+            if k.startswith(_LD_PREFIX) and len(k) > len(_LD_PREFIX):
+                env["LD_" + k[len(_LD_PREFIX) :]] = v
         max_out = int(environ.get("DSEC_CHRONUS_MAX_OUTPUT_BYTES", str(1 * MIB)))
         if max_out <= 0:
             raise ValueError("DSEC_CHRONUS_MAX_OUTPUT_BYTES must be positive")

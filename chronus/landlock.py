@@ -3,8 +3,7 @@
 The agent is root inside its sandbox, so permissions, capabilities and uids do not keep it away
 from chronus's private state. Landlock does: it holds for root, needs no privilege to use, and a
 domain can never be left. chronus and aether stay outside any domain; each command (and each
-session's shell, with everything it runs) gets a fresh domain, entered by the short-lived thread
-that spawns it (a domain is per thread and inherited by the thread's children; `chronus.proc`):
+session's shell, with everything it runs) gets a fresh domain, entered between fork and exec:
 
 - files: every right beneath "/" (the sandbox's whole tree works as before: ls /, mkdir /data,
   renames across directories) -- and nothing beneath anything that is not under "/". chronus's
@@ -27,8 +26,8 @@ Pathname Unix sockets are not covered by Landlock ABI 7 (connect() is not an acc
 sandbox has none of ours: the channel is an inherited descriptor of aether and a socketpair.
 
 Everything is a syscall through ctypes (already loaded by aether at start; chronus is forked
-from it). The rulesets are made in chronus; the spawning thread only calls prctl and
-landlock_restrict_self on itself, then posix_spawn, and ends.
+from it). The rulesets are made in chronus; the child only calls prctl and
+landlock_restrict_self, which are async-signal-safe enough for a freshly forked child.
 """
 
 from __future__ import annotations
@@ -150,8 +149,7 @@ class Sandboxing:
 
 
 def enforce(ruleset_fd: int) -> None:
-    """In the thread that will spawn the command: enter a new domain made from `ruleset_fd`
-    (this thread only; the command inherits it)."""
+    """In a forked child, before exec: enter a new domain made from `ruleset_fd`."""
     if _prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, "prctl(PR_SET_NO_NEW_PRIVS)")

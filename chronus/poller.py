@@ -52,7 +52,13 @@ class Poller:
     def modify(self, fileobj: Any, events: int, data: Any = None) -> Key:
         key = self._keys[_fd(fileobj)]
         if events != key.events:
-            self._ep.modify(key.fd, _mask(events))
+            try:
+                self._ep.modify(key.fd, _mask(events))
+            except OSError:
+                # as selectors does: a failed modify (say the fd was closed and its number
+                # reused) drops the key, so that a later register starts afresh
+                del self._keys[key.fd]
+                raise
             key.events = events
         key.data = data if data is not None else key.data
         return key

@@ -4,9 +4,8 @@ runc installs Docker's profile for the whole sandbox (aether and chronus include
 profile allows ioctl unconditionally, and libseccomp cannot refuse some request numbers on top
 of an unconditional allow (verified with runc 1.1.5 / libseccomp 2.5.4: the allow wins, in
 either rule order). Filters stack in the kernel and the most restrictive answer wins, so chronus
-adds this small classic-BPF filter to each command, installed on the thread that spawns it (after
-Landlock; filters are per thread and inherited by its children; the no_new_privs bit it needs is
-already set):
+adds this small classic-BPF filter to each command, just before exec (after Landlock; the
+no_new_privs bit it needs is already set):
 
     ioctl(fd, request, ...) with the low 32 bits of `request` (what the kernel uses, so setting
     the high bits does not slip past, and musl's sign-extended requests still work) in
@@ -102,7 +101,7 @@ def program() -> bytes:
 
 
 class Filter:
-    """The program in memory, ready for `install` on a spawning thread."""
+    """The program in memory, ready for `install` in a forked child."""
 
     def __init__(self) -> None:
         code = program()
@@ -113,7 +112,7 @@ class Filter:
         self._prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def install(self) -> None:
-        """On the calling thread only (no TSYNC), just before it spawns a command."""
+        """In a forked child, before exec."""
         if self._prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if self._prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self._fprog, 0, 0) != 0:

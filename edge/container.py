@@ -53,6 +53,8 @@ from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
+#: LD_<X> of a sandbox's environment travels to chronus as this prefix + <X> (chronus/config.py).
+CHRONUS_LD_PREFIX = "DSEC_CHRONUS_ENV_LD_"
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,10 @@ class ContainerBackend:
             "DSEC_AETHER_LISTEN_FD": "3",
         }
         env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+        # pid 1 is the toolkit's ld.so, which obeys LD_PRELOAD, LD_AUDIT, ...: aether must load
+        # no library of the image's or the caller's. chronus gives them back to every command.
+        for name in [k for k in env if k.startswith("LD_")]:
+            env[CHRONUS_LD_PREFIX + name[3:]] = env.pop(name)
         return env
 
     async def launch(

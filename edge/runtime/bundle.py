@@ -89,6 +89,9 @@ MASKED_PATHS: tuple[str, ...] = (
     "/proc/kpagecount",
     "/sys/kernel/mm/page_idle",
     "/proc/sysrq-trigger",
+    # ours: the loader of every process reads it, the toolkit's too (pid 1 is ld.so): a file an
+    # agent wrote into a packed environment must not load its library into aether
+    "/etc/ld.so.preload",
     "/proc/kmsg",
     "/proc/slabinfo",
     "/proc/vmallocinfo",

@@ -41,6 +41,7 @@ import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -166,6 +167,7 @@ class RuncRuntime:
         self.runc = runc
         self.use_seccomp = use_seccomp
         self._seccomp_memfd: int | None = None  # the compiled profile, shared by every start
+        self._seccomp_lock = threading.Lock()  # creates run in worker threads
         for d in (self.sandboxes_dir, self.runc_root):
             d.mkdir(parents=True, exist_ok=True)
         self.nofile = _nofile_limit()
@@ -422,11 +424,12 @@ class RuncRuntime:
     def seccomp_memfd(self) -> int:
         """The runtime's profile compiled once (seccomp_bpf) in a sealed memfd, kept open for
         the runtime's life and dup'd into every init that installs the filter itself."""
-        if self._seccomp_memfd is None:
-            self._seccomp_memfd = seccomp_bpf.sealed_memfd(
-                seccomp_bpf.compile_profile(hardened_seccomp())
-            )
-        return self._seccomp_memfd
+        with self._seccomp_lock:
+            if self._seccomp_memfd is None:
+                self._seccomp_memfd = seccomp_bpf.sealed_memfd(
+                    seccomp_bpf.compile_profile(hardened_seccomp())
+                )
+            return self._seccomp_memfd
 
     def state(self, sandbox_id: str) -> RuntimeState:
         """RUNNING / PAUSED / STOPPED / MISSING, from runc (which checks pid start times)."""
@@ -587,6 +590,9 @@ class RuncRuntime:
             # (no poststop hooks in our bundles) is removing its cgroups and its state
             # directory, done here without starting runc (~5 ms of CPU per sandbox).
             cgroups.remove(cg)
+            left = cgroups.existing_dirs(cg)
+            if left:
+                raise SandboxRuntimeError(f"cgroups of {sandbox_id} not removed: {left}")
             shutil.rmtree(self.runc_root / sandbox_id)
             return
         r = self._run("delete", "--force", sandbox_id, check=False)
@@ -672,7 +678,9 @@ class RuncRuntime:
     ) -> subprocess.CompletedProcess[bytes]:
         """`runc exec` a command and collect its output: for tests and operators' diagnosis.
 
-        Sandbox commands in production go through aether/chronus, not through this.
+        Sandbox commands in production go through aether/chronus, not through this. Where pid 1
+        installed the seccomp filter itself (`LaunchSpec.seccomp_fd_env`), a `runc exec`ed
+        process is not under it (it is no descendant of pid 1): operators' use only.
         """
         self._require(sandbox_id)
         return subprocess.run(

@@ -120,7 +120,7 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _action(rule: dict[str, Any], default_errno: int) -> int:
+def _action(rule: dict[str, Any], default_errno: int = _EPERM) -> int:
     name = rule.get("action", "")
     if name not in _ACTIONS:
         raise SeccompCompileError(f"unsupported seccomp action {name!r}")
@@ -222,7 +222,7 @@ def _compile(profile: dict[str, Any], digest: str) -> Program:
             tokens[_ARCHES[arch]] = token
         max_nr: dict[str, int] = {}
         for rule in profile.get("syscalls", []):
-            action = _action(rule, default_errno)
+            action = _action(rule)  # a rule's own errno defaults to EPERM, as in runc
             for name in rule.get("names", []):
                 for arch, token in tokens.items():
                     nr_arch = lib.seccomp_syscall_resolve_name_arch(token, name.encode())
@@ -239,7 +239,9 @@ def _compile(profile: dict[str, Any], digest: str) -> Program:
         code = _export(lib, ctx)
     finally:
         lib.seccomp_release(ctx)
-    code = _enosys_stub(max_nr) + code
+    if default != _ACTIONS["SCMP_ACT_ALLOW"] and default_errno != _ENOSYS:
+        # runc's rule (libcontainer/seccomp/patchbpf): syscalls newer than the profile -> ENOSYS
+        code = _enosys_stub(max_nr) + code
     if len(code) // 8 > MAX_INSNS:
         raise SeccompCompileError(f"program too long: {len(code) // 8} > {MAX_INSNS}")
     return Program(code=code, digest=digest, max_nr=max_nr)

@@ -3,11 +3,13 @@ killing aether (pid 1) and chronus from inside."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 
-from libdsec import Sandbox
+from libdsec import Client, Sandbox
+from tests.adversarial.conftest import Lab
 from tests.adversarial.test_incidents import _chronus_pid
 
 pytestmark = pytest.mark.usefixtures("contained")
@@ -49,6 +51,46 @@ def test_proc_root_and_symlinks_do_not_lead_into_the_control_plane(
     assert (r.stdout + r.stderr).count(b"Read-only file system") == 2, r
 
 
+TGKILL_PROBE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(int argc, char **argv) {  /* first thing at exec: signal 0 to chronus's threads */
+    pid_t chronus = atoi(argv[1]), me = getpid();
+    int reached = 0;
+    for (pid_t tid = me - 16; tid < me + 16; tid++)
+        if (tid > 0 && syscall(SYS_tgkill, chronus, tid, 0) == 0) reached++;
+    for (pid_t tid = 1; tid < 64; tid++)  /* aether's threads */
+        if (syscall(SYS_tgkill, 1, tid, 0) == 0) reached++;
+    printf("%d\n", reached);
+    return 0;
+}
+"""
+
+
+def test_no_thread_of_aether_or_chronus_can_be_signalled(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """Landlock checks a signal against the target *thread's* domain: a command must not reach
+    any thread of chronus or aether with tgkill (SIGKILL to one thread kills the process),
+    not even in the first microseconds after its exec (when a thread that started it could
+    still exist, were commands started from a thread in their own domain)."""
+    sb = make_sandbox(image="bookworm")
+    ch = _chronus_pid(sb)
+    sb.files.write("/tmp/tg.c", TGKILL_PROBE.encode())
+    built = sb.run("gcc -O1 -static -o /tmp/tg /tmp/tg.c", timeout_s=120)
+    assert built.exit_code == 0, built
+    flood = sb.start("yes")  # keeps chronus's output thread busy (and the GIL contended)
+    try:
+        # an argv, not a shell line: the probe is chronus's own child
+        reached = [sb.run(["/tmp/tg", str(ch)]).text.strip() for _ in range(40)]
+    finally:
+        flood.kill()
+    assert set(reached) == {"0"}, reached
+    assert _chronus_pid(sb) == ch and sb.run("echo alive").text == "alive\n"
+
+
 def test_killing_aether_and_chronus_from_inside_fails(make_sandbox: Callable[..., Sandbox]) -> None:
     sb = make_sandbox()
     ch = _chronus_pid(sb)
@@ -64,3 +106,41 @@ def test_killing_aether_and_chronus_from_inside_fails(make_sandbox: Callable[...
     assert sb.refresh().state == "RUNNING"
     assert sb.run("echo alive").text == "alive\n"
     assert _chronus_pid(sb) == ch  # not even restarted
+
+
+def _aether_log(lab: Lab, sb: Sandbox) -> str:
+    path = lab.cluster.home / "edges" / "adv0" / "container" / "logs" / f"{sb.id}.log"
+    return path.read_text(errors="replace")
+
+
+def test_pid1_loader_takes_no_library_from_the_callers_environment(
+    lab: Lab, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    """pid 1 is the toolkit's ld.so, which obeys LD_PRELOAD/LD_AUDIT/...: the edge keeps every
+    LD_* variable away from it, and chronus gives them back to commands."""
+    sb = make_sandbox(image="bookworm", env={"LD_PRELOAD": "/nonexistent-dsec.so", "LD_X": "1"})
+    r = sb.run('echo "$LD_PRELOAD $LD_X"')
+    assert r.stdout == b"/nonexistent-dsec.so 1\n", r
+    assert b"cannot be preloaded" in r.stderr  # the commands' loader did get it
+    assert "preload" not in _aether_log(lab, sb)  # aether's did not
+    assert sb.refresh().state == "RUNNING"
+
+
+def test_an_agents_ld_so_preload_is_not_loaded_into_aether(
+    lab: Lab, client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    """/etc/ld.so.preload written by an agent and packed into an environment must not reach
+    the aether of sandboxes made from it (every loader reads it, pid 1's too): it is masked."""
+    a = make_sandbox(image="bookworm")
+    a.files.write("/etc/ld.so.preload", b"/nonexistent-dsec-preload.so\n")
+    assert b"cannot be preloaded" in a.run("true").stderr  # effective where it was written
+    name = f"adv-preload-{os.getpid()}:v1"
+    a.pack_diff(name)
+    try:
+        b = make_sandbox(image=name)
+        assert b.refresh().state == "RUNNING"
+        assert b.run("cat /etc/ld.so.preload").stdout == b""  # masked (/dev/null)
+        assert b"preload" not in b.run("true").stderr
+        assert "preload" not in _aether_log(lab, b)
+    finally:
+        client.delete_environment(name)
