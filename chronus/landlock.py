@@ -3,7 +3,8 @@
 The agent is root inside its sandbox, so permissions, capabilities and uids do not keep it away
 from chronus's private state. Landlock does: it holds for root, needs no privilege to use, and a
 domain can never be left. chronus and aether stay outside any domain; each command (and each
-session's shell, with everything it runs) gets a fresh domain, entered between fork and exec:
+session's shell, with everything it runs) gets a fresh domain, entered by its own process just
+before exec (in `dsec-confine`, chronus/confine.c, or a forked child: chronus/proc.py):
 
 - files: every right beneath "/" (the sandbox's whole tree works as before: ls /, mkdir /data,
   renames across directories) -- and nothing beneath anything that is not under "/". chronus's

@@ -18,6 +18,7 @@ import struct
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
     from chronus import seccomp
 
@@ -58,14 +59,22 @@ def spawn(
     before exec (`chronus.landlock`); with `syscall_filter`, it also installs that
     seccomp filter (`chronus.seccomp`). If either fails, the command does not run.
 
-    Why fork and not a vfork-style posix_spawn (measured ~1.1 ms cheaper per
-    command here, no copy-on-write faults in chronus afterwards): the restrictions
-    would have to be taken on by a chronus thread that then spawns, and Landlock
-    checks a signal against the *target thread's* domain, so the command could
-    tgkill() that thread -- SIGKILL to any thread kills chronus -- while it is
-    alive (tried, and found in review). Doing it safely needs the child itself to
-    enter a nested domain before exec: a trampoline executable in the toolkit.
+    In a toolkit (where `dsec-confine` sits next to the interpreter) the command
+    is started with posix_spawn, i.e. vfork, through that static trampoline, which
+    does the chdir/Landlock/seccomp part itself before exec'ing the command
+    (chronus/confine.c): no copy of chronus's page tables and no copy-on-write
+    faults in chronus afterwards (~1 ms per command here). Not from a chronus
+    thread that restricts itself instead: Landlock checks a signal against the
+    target *thread's* domain, so the command could tgkill() (SIGKILL) that thread
+    while it lives (tried, found in review; tests/adversarial guards it).
+    Elsewhere (chronus run from a source tree) it forks, and the child does it.
     """
+    confine = _confine_path()
+    if confine is not None:
+        return _spawn_confined(
+            confine, argv, env, cwd, stdin, stdout, stderr, ctty, extra_fds, ruleset_fd,
+            syscall_filter,
+        )  # fmt: skip
     enforce: Callable[[int], None] | None = None
     if ruleset_fd >= 0:
         # Imported here (in the parent, before the fork), not at module level: aether imports
@@ -106,6 +115,93 @@ def spawn(
     try:
         report = b""
         while chunk := os.read(err_r, 4096):  # EOF at exec: err_w is close-on-exec
+            report += chunk
+    finally:
+        os.close(err_r)
+    if report:
+        os.waitpid(pid, 0)
+        step, err, detail = report.decode(errors="replace").split("\0", 2)
+        raise SpawnError(step, int(err), detail)
+    return pid
+
+
+_CONFINE: list[str | None] = []
+# Where the trampoline gets its descriptors (above anything a command is handed).
+_ERR_FD, _RULESET_FD, _FILTER_FD = 1021, 1022, 1023
+
+
+def _confine_path() -> str | None:
+    if not _CONFINE:
+        import sys
+
+        path = os.path.join(os.path.dirname(sys.executable), "dsec-confine")
+        _CONFINE.append(path if os.access(path, os.X_OK) else None)
+    return _CONFINE[0]
+
+
+def _spawn_confined(
+    confine: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    ctty: int,
+    extra_fds: dict[int, int] | None,
+    ruleset_fd: int,
+    syscall_filter: seccomp.Filter | None,
+) -> int:
+    """posix_spawn of `dsec-confine ERR RULESET FILTER CWD argv...` (see chronus/confine.c)."""
+    reserved = {_ERR_FD, _RULESET_FD, _FILTER_FD}
+    if reserved & set(extra_fds or {}):
+        raise SpawnError("setup", errno.EINVAL, f"extra fds collide with {sorted(reserved)}")
+    opened: list[int] = []
+
+    def high(fd: int) -> int:
+        # A copy >= 1024, so that no dup2 has source == target (which would keep CLOEXEC).
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024)
+        opened.append(new)
+        return new
+
+    err_r, err_w = os.pipe()
+    try:
+        actions: list[tuple[Any, ...]] = []
+        if ctty >= 0:
+            # After setsid (posix_spawn does it before the file actions), the first tty the
+            # session leader opens without O_NOCTTY becomes its controlling terminal.
+            actions.append((os.POSIX_SPAWN_OPEN, 0, os.ttyname(ctty), os.O_RDWR, 0))
+            actions += [(os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
+        else:
+            for target, source in ((0, stdin), (1, stdout), (2, stderr)):
+                actions.append((os.POSIX_SPAWN_DUP2, high(source), target))
+        for target, source in (extra_fds or {}).items():
+            actions.append((os.POSIX_SPAWN_DUP2, high(source), target))
+        actions.append((os.POSIX_SPAWN_DUP2, high(err_w), _ERR_FD))
+        rules = filt = "-1"
+        if ruleset_fd >= 0:
+            actions.append((os.POSIX_SPAWN_DUP2, high(ruleset_fd), _RULESET_FD))
+            rules = str(_RULESET_FD)
+        if syscall_filter is not None:
+            actions.append((os.POSIX_SPAWN_DUP2, high(syscall_filter.memfd()), _FILTER_FD))
+            filt = str(_FILTER_FD)
+        pid = os.posix_spawn(
+            confine,
+            [confine, str(_ERR_FD), rules, filt, cwd, *argv],
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigmask=(),
+            # Python ignores these; an ignored disposition survives exec (`yes | head`).
+            setsigdef=_RESET_SIGNALS,
+        )
+    finally:
+        os.close(err_w)
+        for fd in opened:
+            os.close(fd)
+    try:
+        report = b""
+        while chunk := os.read(err_r, 4096):  # EOF at the command's exec (close-on-exec)
             report += chunk
     finally:
         os.close(err_r)

@@ -4,8 +4,8 @@ runc installs Docker's profile for the whole sandbox (aether and chronus include
 profile allows ioctl unconditionally, and libseccomp cannot refuse some request numbers on top
 of an unconditional allow (verified with runc 1.1.5 / libseccomp 2.5.4: the allow wins, in
 either rule order). Filters stack in the kernel and the most restrictive answer wins, so chronus
-adds this small classic-BPF filter to each command, just before exec (after Landlock; the
-no_new_privs bit it needs is already set):
+adds this small classic-BPF filter to each command, just before exec (after Landlock, by
+`dsec-confine` or a forked child; the no_new_privs bit it needs is already set):
 
     ioctl(fd, request, ...) with the low 32 bits of `request` (what the kernel uses, so setting
     the high bits does not slip past, and musl's sign-extended requests still work) in
@@ -18,6 +18,7 @@ for x86_64, x32 and i386 system calls.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import struct
 
@@ -110,6 +111,23 @@ class Filter:
             struct.pack("<H6xQ", len(code) // 8, ctypes.addressof(self._code)), 16
         )
         self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self._code_bytes = code
+        self._memfd = -1
+        self._memfd_lock = _thread.allocate_lock()  # request threads spawn concurrently
+
+    def memfd(self) -> int:
+        """The program in a sealed, close-on-exec memfd (for dsec-confine), made once."""
+        with self._memfd_lock:
+            if self._memfd < 0:
+                import fcntl
+                import os
+
+                fd = os.memfd_create("dsec-cmd-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.write(fd, self._code_bytes)
+                seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_WRITE)
+                self._memfd = fd
+            return self._memfd
 
     def install(self) -> None:
         """In a forked child, before exec."""

@@ -274,8 +274,34 @@ def _populate(tmp: Path, inputs: list[_Input], python: Path, digest: str) -> Non
             MOUNT_POINT,
         ]
     )
+    _build_confine(tmp)
     for p in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
         os.chmod(p, 0o755)
+
+
+CONFINE_SOURCE = "chronus/confine.c"
+
+
+def _build_confine(tmp: Path) -> None:
+    """bin/dsec-confine, the static trampoline chronus starts commands through (vfork-cheap and
+    confined in a domain of their own: chronus/confine.c, chronus/proc.py). Without a C compiler
+    the toolkit has none and chronus forks each command instead (slower, as safe)."""
+    src = tmp / "lib" / f"python{PY_VERSION}" / CONFINE_SOURCE
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler: the toolkit has no dsec-confine (chronus will fork commands)")
+        return
+    out = tmp / "bin" / "dsec-confine"
+    r = subprocess.run(
+        [cc, "-O2", "-static", "-s", "-o", os.fspath(out), os.fspath(src)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        log.warning("dsec-confine not built (chronus will fork commands): %s", r.stderr.strip())
+        out.unlink(missing_ok=True)
+        return
+    os.chmod(out, 0o755)
 
 
 def build_toolkit(

@@ -22,7 +22,7 @@ DOCKERD_PID=/var/run/dsec-dockerd.pid
 
 APT_PACKAGES=(
     runc docker.io erofs-utils debootstrap busybox-static bpftool clang llvm iproute2
-    python3-venv python3-dev python3.11 socat jq tini libseccomp2 git make gcc curl
+    python3-venv python3-dev python3.11 socat jq tini libseccomp2 git make gcc libc6-dev curl
     ca-certificates util-linux procps psmisc postgresql
     nftables iptables e2fsprogs # sandbox networking (NAT, firewall); disk quotas (mkfs.ext4)
 )

@@ -97,3 +97,27 @@ def test_missing_app_package_is_a_build_error(small_repo: Path, tmp_path: Path) 
     with pytest.raises(ToolkitBuildError, match="chronus"):
         build_toolkit(tmp_path / "out", small_repo, erofs=False)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_confine_trampoline_is_static_and_reports_failures(
+    toolkit_dir: Path, tmp_path: Path
+) -> None:
+    """bin/dsec-confine (chronus/confine.c) is built into the toolkit (the setup installs gcc and
+    libc6-dev), statically (no loader: no LD_* or /etc/ld.so.preload is honoured before the
+    command is confined), and reports where a start failed over its error descriptor."""
+    confine = toolkit_dir / "bin" / "dsec-confine"
+    assert os.access(confine, os.X_OK)
+    assert (
+        b"interpreter"
+        not in subprocess.run(["file", "-b", str(confine)], capture_output=True).stdout
+    )
+    ok = subprocess.run([str(confine), "-1", "-1", "-1", str(tmp_path), "pwd"], capture_output=True)
+    assert ok.returncode == 0 and ok.stdout.decode().strip() == str(tmp_path)
+    r, w = os.pipe()
+    bad = subprocess.run(
+        [str(confine), str(w), "-1", "-1", "/nonexistent-dir", "true"], pass_fds=[w]
+    )
+    os.close(w)
+    assert bad.returncode == 127
+    assert os.read(r, 4096).split(b"\0") == [b"chdir", b"2", b"/nonexistent-dir"]
+    os.close(r)

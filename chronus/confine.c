@@ -1,0 +1,112 @@
+/* dsec-confine: the trampoline every sandbox command is started through (chronus/proc.py).
+ *
+ *   dsec-confine ERRFD RULESETFD FILTERFD CWD PROGRAM [ARG...]
+ *
+ * chronus starts it with posix_spawn (vfork: no copy of chronus's page tables, no copy-on-write
+ * faults in chronus afterwards). It then does what a forked child of chronus used to do between
+ * fork and exec, in this order: chdir(CWD), no_new_privs, enter a new Landlock domain made from
+ * RULESETFD (-1: none), install the seccomp program read from FILTERFD (-1: none), close those
+ * descriptors, and exec PROGRAM with os.execvpe's search (the PATH of its own environment; a
+ * candidate failing with ENOENT/ENOTDIR is skipped, the first other error is reported).
+ * The command is thereby in a domain of its own, nested in nothing of chronus's: it can signal
+ * no thread of chronus (Landlock checks a signal against the target thread's domain).
+ *
+ * A failure is written to ERRFD as "step\0errno\0detail" and the process exits 127; ERRFD is
+ * close-on-exec, so chronus reads EOF when the exec succeeded. Built statically by the toolkit
+ * (edge/toolkit.py): no loader runs, so no LD_* variable or /etc/ld.so.preload of the image is
+ * honoured before the command is confined.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
+
+static int errfd = -1;
+
+static void fail(const char *step, int err, const char *detail) {
+    if (errfd >= 0) {
+        char buf[4096];
+        int n = snprintf(buf, sizeof buf, "%s%c%d%c%s", step, 0, err, 0, detail);
+        if (n > 0) {
+            ssize_t w = write(errfd, buf, n < (int)sizeof buf ? (size_t)n : sizeof buf - 1);
+            (void)w;
+        }
+    }
+    _exit(127);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        static const char usage[] = "usage: dsec-confine ERRFD RULESETFD FILTERFD CWD PROGRAM...\n";
+        ssize_t w = write(2, usage, sizeof usage - 1);
+        (void)w;
+        return 127;
+    }
+    errfd = atoi(argv[1]);
+    int ruleset = atoi(argv[2]), filter = atoi(argv[3]);
+    const char *cwd = argv[4], *prog = argv[5];
+    char **args = argv + 5;
+
+    if (chdir(cwd) != 0) fail("chdir", errno, cwd);
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail("landlock", errno, "no_new_privs");
+    if (ruleset >= 0) {
+        if (syscall(SYS_landlock_restrict_self, ruleset, 0) != 0) fail("landlock", errno, "restrict");
+        close(ruleset);
+    }
+    if (filter >= 0) {
+        struct stat st;
+        if (fstat(filter, &st) != 0) fail("seccomp", errno, "filter");
+        if (st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) ||
+            st.st_size > 4096 * (off_t)sizeof(struct sock_filter))
+            fail("seccomp", EINVAL, "filter");
+        struct sock_filter code[4096];
+        if (pread(filter, code, st.st_size, 0) != st.st_size) fail("seccomp", EIO, "filter");
+        struct sock_fprog prog_ = {(unsigned short)(st.st_size / sizeof(struct sock_filter)), code};
+        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog_, 0, 0) != 0)
+            fail("seccomp", errno, "filter");
+        close(filter);
+    }
+    if (errfd >= 0 && fcntl(errfd, F_SETFD, FD_CLOEXEC) != 0) fail("setup", errno, "errfd");
+
+    if (strchr(prog, '/')) {
+        execv(prog, args);
+        fail("exec", errno, prog);
+    }
+    const char *path = getenv("PATH");
+    if (path == NULL) path = "/bin:/usr/bin"; /* Python's os.defpath */
+    int saved = 0;
+    size_t plen = strlen(prog);
+    for (const char *p = path;; p++) {
+        const char *end = strchrnul(p, ':');
+        size_t dlen = (size_t)(end - p);
+        char candidate[4096];
+        if (dlen + plen + 2 <= sizeof candidate) {
+            if (dlen == 0) {
+                candidate[0] = '.';
+                dlen = 1;
+            } else {
+                memcpy(candidate, p, dlen);
+            }
+            candidate[dlen] = '/';
+            memcpy(candidate + dlen + 1, prog, plen + 1);
+            execv(candidate, args);
+            if (errno != ENOENT && errno != ENOTDIR && saved == 0) saved = errno;
+        }
+        if (*end == '\0') break;
+        p = end;
+    }
+    fail("exec", saved ? saved : ENOENT, prog);
+    return 127;
+}
