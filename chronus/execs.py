@@ -386,6 +386,7 @@ class ProcessExec(Exec):
                 size = req.get("pty_size") or {}
                 set_winsize(master, size.get("rows", 24), size.get("cols", 80))
                 env.setdefault("TERM", "xterm")
+                self.stdin_fd = master  # closed by the SpawnError handler below if spawn fails
                 self.pid = spawn(
                     argv,
                     env,
@@ -559,6 +560,9 @@ class ExecManager:
         for key in req.get("env", {}):
             if not key or "=" in key or "\0" in key:
                 raise invalid(f"invalid environment variable name {key!r}")
+        for part in (command or "", *argv, req.get("cwd") or "", *req.get("env", {}).values()):
+            if "\0" in part:  # exec cannot carry it: refuse rather than cut the string
+                raise invalid("a NUL byte in the command, argv, cwd or an environment value")
         timeout_s = float(req.get("timeout_s", 0.0))
         if timeout_s < 0:
             raise invalid("timeout_s must not be negative")

@@ -199,7 +199,13 @@ def test_exec_argv_env_cwd(client: ChronusClient, tmp_path: Path) -> None:
 
 
 def test_exactly_one_of_command_and_argv(client: ChronusClient) -> None:
-    for bad in ({}, {"command": "true", "argv": ["true"]}):
+    for bad in (
+        {},
+        {"command": "true", "argv": ["true"]},
+        {"argv": ["echo", "a\0b"]},  # exec cannot carry a NUL byte
+        {"command": "echo a\0b"},
+        {"argv": ["true"], "env": {"X": "a\0b"}},
+    ):
         with pytest.raises(CallError) as exc:
             client.one({"exec": bad})
         assert (exc.value.code, exc.value.reason) == (3, "INVALID_ARGUMENT")
