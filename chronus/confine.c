@@ -1,13 +1,17 @@
 /* dsec-confine: the trampoline every sandbox command is started through (chronus/proc.py).
  *
- *   dsec-confine ERRFD RULESETFD FILTERFD CWD PROGRAM [ARG...]
+ *   dsec-confine ERRFD RULESETFD FILTERFD CWD NENV ENV... PROGRAM [ARG...]
  *
  * chronus starts it with posix_spawn (vfork: no copy of chronus's page tables, no copy-on-write
- * faults in chronus afterwards). It then does what a forked child of chronus used to do between
- * fork and exec, in this order: chdir(CWD), no_new_privs, enter a new Landlock domain made from
- * RULESETFD (-1: none), install the seccomp program read from FILTERFD (-1: none), close those
- * descriptors, and exec PROGRAM with os.execvpe's search (the PATH of its own environment; a
- * candidate failing with ENOENT/ENOTDIR is skipped, the first other error is reported).
+ * faults in chronus afterwards) and an EMPTY environment: the command's NENV variables come as
+ * arguments, so nothing the caller chose (GLIBC_TUNABLES, ...) is parsed by this still
+ * unconfined process's libc start-up. It then does what a forked child of chronus did: with a
+ * ruleset or filter, no_new_privs; enter a new Landlock domain made from RULESETFD (-1: none);
+ * chdir(CWD) (after the domain: a path through /proc/<pid>/... of a process outside it must not
+ * resolve); install the seccomp program read from FILTERFD (-1: none); close those descriptors;
+ * exec PROGRAM with the given environment and os.execvpe's search (the PATH of that environment;
+ * a candidate failing with ENOENT/ENOTDIR is skipped, the first other error is reported, else
+ * the last one).
  * The command is thereby in a domain of its own, nested in nothing of chronus's: it can signal
  * no thread of chronus (Landlock checks a signal against the target thread's domain).
  *
@@ -48,51 +52,59 @@ static void fail(const char *step, int err, const char *detail) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 6) {
-        static const char usage[] = "usage: dsec-confine ERRFD RULESETFD FILTERFD CWD PROGRAM...\n";
-        ssize_t w = write(2, usage, sizeof usage - 1);
-        (void)w;
-        return 127;
-    }
-    errfd = atoi(argv[1]);
+    if (argc >= 2) errfd = atoi(argv[1]);
+    if (argc < 7) fail("setup", EINVAL, "usage: dsec-confine ERRFD RULESETFD FILTERFD CWD NENV ENV... PROGRAM...");
     int ruleset = atoi(argv[2]), filter = atoi(argv[3]);
-    const char *cwd = argv[4], *prog = argv[5];
-    char **args = argv + 5;
+    const char *cwd = argv[4];
+    long nenv = strtol(argv[5], NULL, 10);
+    if (nenv < 0 || nenv > argc - 7) fail("setup", EINVAL, "NENV");
+    char **envp = calloc((size_t)nenv + 1, sizeof *envp);
+    if (envp == NULL) fail("setup", ENOMEM, "environment");
+    for (long i = 0; i < nenv; i++) envp[i] = argv[6 + i];
+    char **args = argv + 6 + nenv;
+    char *prog_copy = args[0];
 
-    if (chdir(cwd) != 0) fail("chdir", errno, cwd);
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail("landlock", errno, "no_new_privs");
+    if (ruleset >= 0 || filter >= 0) {
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail("landlock", errno, "no_new_privs");
+    }
     if (ruleset >= 0) {
         if (syscall(SYS_landlock_restrict_self, ruleset, 0) != 0) fail("landlock", errno, "restrict");
         close(ruleset);
     }
+    if (chdir(cwd) != 0) fail("chdir", errno, cwd);
     if (filter >= 0) {
         struct stat st;
         if (fstat(filter, &st) != 0) fail("seccomp", errno, "filter");
         if (st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) ||
             st.st_size > 4096 * (off_t)sizeof(struct sock_filter))
             fail("seccomp", EINVAL, "filter");
-        struct sock_filter code[4096];
+        static struct sock_filter code[4096];
         if (pread(filter, code, st.st_size, 0) != st.st_size) fail("seccomp", EIO, "filter");
-        struct sock_fprog prog_ = {(unsigned short)(st.st_size / sizeof(struct sock_filter)), code};
-        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog_, 0, 0) != 0)
+        struct sock_fprog fprog = {(unsigned short)(st.st_size / sizeof(struct sock_filter)), code};
+        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0) != 0)
             fail("seccomp", errno, "filter");
         close(filter);
     }
     if (errfd >= 0 && fcntl(errfd, F_SETFD, FD_CLOEXEC) != 0) fail("setup", errno, "errfd");
 
-    if (strchr(prog, '/')) {
-        execv(prog, args);
-        fail("exec", errno, prog);
+    if (prog_copy[0] == '\0') fail("exec", ENOENT, prog_copy);
+    if (strchr(prog_copy, '/')) {
+        execve(prog_copy, args, envp);
+        fail("exec", errno, prog_copy);
     }
-    const char *path = getenv("PATH");
+    const char *path = NULL;
+    for (long i = 0; i < nenv; i++)
+        if (strncmp(envp[i], "PATH=", 5) == 0) path = envp[i] + 5;
     if (path == NULL) path = "/bin:/usr/bin"; /* Python's os.defpath */
-    int saved = 0;
-    size_t plen = strlen(prog);
+    int saved = 0, last = ENOENT;
+    size_t plen = strlen(prog_copy);
     for (const char *p = path;; p++) {
         const char *end = strchrnul(p, ':');
         size_t dlen = (size_t)(end - p);
         char candidate[4096];
-        if (dlen + plen + 2 <= sizeof candidate) {
+        if (dlen + plen + 2 > sizeof candidate) {
+            last = ENAMETOOLONG;
+        } else {
             if (dlen == 0) {
                 candidate[0] = '.';
                 dlen = 1;
@@ -100,13 +112,14 @@ int main(int argc, char **argv) {
                 memcpy(candidate, p, dlen);
             }
             candidate[dlen] = '/';
-            memcpy(candidate + dlen + 1, prog, plen + 1);
-            execv(candidate, args);
-            if (errno != ENOENT && errno != ENOTDIR && saved == 0) saved = errno;
+            memcpy(candidate + dlen + 1, prog_copy, plen + 1);
+            execve(candidate, args, envp);
+            last = errno;
         }
+        if (last != ENOENT && last != ENOTDIR && saved == 0) saved = last;
         if (*end == '\0') break;
         p = end;
     }
-    fail("exec", saved ? saved : ENOENT, prog);
+    fail("exec", saved ? saved : last, prog_copy);
     return 127;
 }

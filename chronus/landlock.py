@@ -33,6 +33,7 @@ landlock_restrict_self, which are async-signal-safe enough for a freshly forked 
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import os
 import struct
@@ -97,6 +98,7 @@ class Sandboxing:
         self.handled = fs_rights(self.abi)
         self.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if self.abi >= 6 else 0
         self._exec_ruleset = -1
+        self._lock = _thread.allocate_lock()
         # The second seccomp filter (dangerous ioctls, io_uring): for every command as well.
         self.filter = seccomp.Filter()
         if mode == "auto" and not self.enabled:
@@ -138,9 +140,10 @@ class Sandboxing:
         """The ruleset of a plain command (shared: each restrict_self makes a new domain)."""
         if not self.enabled:
             return -1
-        if self._exec_ruleset < 0:
-            self._exec_ruleset = self._new_ruleset(())
-        return self._exec_ruleset
+        with self._lock:  # request threads start commands concurrently
+            if self._exec_ruleset < 0:
+                self._exec_ruleset = self._new_ruleset(())
+            return self._exec_ruleset
 
     def for_session(self, session_dir_fd: int) -> int:
         """A ruleset that also grants the session's own directory; the caller closes it."""

@@ -96,11 +96,13 @@ def spawn(
                 os.dup2(source, target)
             for sig in _RESET_SIGNALS:
                 _signal.signal(sig, _signal.SIG_DFL)
-            step, detail = "chdir", cwd
-            os.chdir(cwd)
             if enforce is not None:
                 step, detail = "landlock", "restrict"
                 enforce(ruleset_fd)
+            # After the domain: a cwd through /proc/<pid>/... of a process outside it must
+            # not resolve (ptrace scoping), as it would for an unconfined process.
+            step, detail = "chdir", cwd
+            os.chdir(cwd)
             if syscall_filter is not None:
                 step, detail = "seccomp", "filter"
                 syscall_filter.install()
@@ -132,11 +134,18 @@ _ERR_FD, _RULESET_FD, _FILTER_FD = 1021, 1022, 1023
 
 def _confine_path() -> str | None:
     if not _CONFINE:
+        import resource
         import sys
 
         path = os.path.join(os.path.dirname(sys.executable), "dsec-confine")
-        _CONFINE.append(path if os.access(path, os.X_OK) else None)
+        usable = os.access(path, os.X_OK)
+        # Its descriptors sit at 1021-1023 and the copies above 1024: room needed.
+        usable = usable and resource.getrlimit(resource.RLIMIT_NOFILE)[0] > _COPIES_FROM + 64
+        _CONFINE.append(path if usable else None)
     return _CONFINE[0]
+
+
+_COPIES_FROM = 1024
 
 
 def _spawn_confined(
@@ -152,19 +161,21 @@ def _spawn_confined(
     ruleset_fd: int,
     syscall_filter: seccomp.Filter | None,
 ) -> int:
-    """posix_spawn of `dsec-confine ERR RULESET FILTER CWD argv...` (see chronus/confine.c)."""
-    reserved = {_ERR_FD, _RULESET_FD, _FILTER_FD}
-    if reserved & set(extra_fds or {}):
-        raise SpawnError("setup", errno.EINVAL, f"extra fds collide with {sorted(reserved)}")
+    """posix_spawn of `dsec-confine ERR RULESET FILTER CWD NENV ENV... argv...` with an empty
+    environment (see chronus/confine.c); every failure is a SpawnError, no descriptor leaks."""
+    if any(t >= _ERR_FD for t in extra_fds or {}):
+        raise SpawnError("setup", errno.EINVAL, f"extra fds must be below {_ERR_FD}")
     opened: list[int] = []
 
     def high(fd: int) -> int:
         # A copy >= 1024, so that no dup2 has source == target (which would keep CLOEXEC).
-        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024)
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _COPIES_FROM)
         opened.append(new)
         return new
 
     err_r, err_w = os.pipe()
+    opened += [err_r, err_w]
+    step = "setup"
     try:
         actions: list[tuple[Any, ...]] = []
         if ctty >= 0:
@@ -185,19 +196,28 @@ def _spawn_confined(
         if syscall_filter is not None:
             actions.append((os.POSIX_SPAWN_DUP2, high(syscall_filter.memfd()), _FILTER_FD))
             filt = str(_FILTER_FD)
+        variables = [f"{k}={v}" for k, v in env.items()]
+        step = "exec"
         pid = os.posix_spawn(
             confine,
-            [confine, str(_ERR_FD), rules, filt, cwd, *argv],
-            env,
+            [confine, str(_ERR_FD), rules, filt, cwd, str(len(variables)), *variables, *argv],
+            {},  # nothing of the caller's reaches the unconfined trampoline's libc start-up
             file_actions=actions,
             setsid=True,
             setsigmask=(),
             # Python ignores these; an ignored disposition survives exec (`yes | head`).
             setsigdef=_RESET_SIGNALS,
         )
-    finally:
-        os.close(err_w)
+    except OSError as exc:  # E2BIG, EAGAIN at the pids limit, EMFILE, ...
         for fd in opened:
+            os.close(fd)
+        raise SpawnError(step, exc.errno or errno.EIO, argv[0] if step == "exec" else "") from exc
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
+    for fd in opened:
+        if fd != err_r:
             os.close(fd)
     try:
         report = b""
@@ -207,8 +227,8 @@ def _spawn_confined(
         os.close(err_r)
     if report:
         os.waitpid(pid, 0)
-        step, err, detail = report.decode(errors="replace").split("\0", 2)
-        raise SpawnError(step, int(err), detail)
+        failed, err, detail = report.decode(errors="replace").split("\0", 2)
+        raise SpawnError(failed, int(err), detail)
     return pid
 
 

@@ -123,9 +123,14 @@ class Filter:
                 import os
 
                 fd = os.memfd_create("dsec-cmd-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                os.write(fd, self._code_bytes)
-                seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_WRITE)
+                try:
+                    if os.write(fd, self._code_bytes) != len(self._code_bytes):
+                        raise OSError(5, "short write of the seccomp program")
+                    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_WRITE)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 self._memfd = fd
             return self._memfd
 

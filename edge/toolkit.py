@@ -50,6 +50,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edge.runtime.errors import ToolkitBuildError
 
@@ -280,6 +281,35 @@ def _populate(tmp: Path, inputs: list[_Input], python: Path, digest: str) -> Non
 
 
 CONFINE_SOURCE = "chronus/confine.c"
+# Static (no loader: no LD_* or /etc/ld.so.preload is honoured before the command is confined),
+# position-independent, hardened: it parses arguments while still unconfined.
+CONFINE_CFLAGS = (
+    "-O2",
+    "-static-pie",
+    "-fstack-protector-strong",
+    "-fstack-clash-protection",
+    "-D_FORTIFY_SOURCE=2",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-s",
+)
+_QUIET: dict[str, Any] = {"capture_output": True, "text": True}
+
+
+def _compiler_id() -> str:
+    """What the trampoline is built with, for the toolkit's hash: a toolkit built without a
+    compiler (no dsec-confine) or with another one is another toolkit."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return "no-compiler"
+    version = subprocess.run([cc, "--version"], **_QUIET).stdout.splitlines()[:1]
+    libc = subprocess.run([cc, "-print-file-name=libc.a"], **_QUIET).stdout.strip()
+    libc_id = ""
+    if os.path.isfile(libc):
+        st = os.stat(libc)
+        libc_id = f"{libc}:{st.st_size}:{st.st_mtime_ns}"
+    return "|".join([*version, libc_id, *CONFINE_CFLAGS])
 
 
 def _build_confine(tmp: Path) -> None:
@@ -292,11 +322,7 @@ def _build_confine(tmp: Path) -> None:
         log.warning("no C compiler: the toolkit has no dsec-confine (chronus will fork commands)")
         return
     out = tmp / "bin" / "dsec-confine"
-    r = subprocess.run(
-        [cc, "-O2", "-static", "-s", "-o", os.fspath(out), os.fspath(src)],
-        capture_output=True,
-        text=True,
-    )
+    r = subprocess.run([cc, *CONFINE_CFLAGS, "-o", os.fspath(out), os.fspath(src)], **_QUIET)
     if r.returncode != 0:
         log.warning("dsec-confine not built (chronus will fork commands): %s", r.stderr.strip())
         out.unlink(missing_ok=True)
@@ -319,7 +345,7 @@ def build_toolkit(
     repo_root = Path(repo_root) if repo_root else Path(__file__).resolve().parent.parent
     out_dir = Path(out_dir)
     inputs = _collect(repo_root, python)
-    digest = _digest(inputs)
+    digest = hashlib.sha256(f"{_digest(inputs)}\0{_compiler_id()}".encode()).hexdigest()
     final = out_dir / digest[:12]
     image = toolkit_image(final)
     if final.is_dir() and (image.is_file() or not erofs):

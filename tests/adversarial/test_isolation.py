@@ -108,6 +108,21 @@ def test_killing_aether_and_chronus_from_inside_fails(make_sandbox: Callable[...
     assert _chronus_pid(sb) == ch  # not even restarted
 
 
+def test_a_cwd_through_proc_of_the_control_plane_does_not_resolve(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """A command's cwd is entered after its Landlock domain: /proc/<pid>/{cwd,root,fd/N} of
+    aether or chronus (ptrace-scoped) must not resolve, or the command would start inside
+    their directories (e.g. another session's private one) with rights Landlock does not cover."""
+    sb = make_sandbox()
+    ch = _chronus_pid(sb)
+    for cwd in ("/proc/1/cwd", "/proc/1/root/", f"/proc/{ch}/cwd"):
+        r = sb.run(["pwd"], cwd=cwd)
+        assert r.exit_code == 126 and r.error.startswith("chdir"), (cwd, r)
+        assert "Permission denied" in r.error, (cwd, r)
+    assert sb.run(["pwd"], cwd="/tmp").text == "/tmp\n"  # an ordinary cwd still works
+
+
 def _aether_log(lab: Lab, sb: Sandbox) -> str:
     path = lab.cluster.home / "edges" / "adv0" / "container" / "logs" / f"{sb.id}.log"
     return path.read_text(errors="replace")

@@ -111,11 +111,17 @@ def test_confine_trampoline_is_static_and_reports_failures(
         b"interpreter"
         not in subprocess.run(["file", "-b", str(confine)], capture_output=True).stdout
     )
-    ok = subprocess.run([str(confine), "-1", "-1", "-1", str(tmp_path), "pwd"], capture_output=True)
-    assert ok.returncode == 0 and ok.stdout.decode().strip() == str(tmp_path)
+    # its environment comes as arguments (NENV, then the variables): the process gets none
+    args = ["-1", "-1", "-1", str(tmp_path), "2", "PATH=/usr/bin:/bin", "A=1"]
+    ok = subprocess.run(
+        [str(confine), *args, "sh", "-c", 'pwd; echo "$A"'],
+        capture_output=True,
+        env={"GLIBC_TUNABLES": "x"},
+    )
+    assert ok.returncode == 0 and ok.stdout.decode().split() == [str(tmp_path), "1"]
     r, w = os.pipe()
     bad = subprocess.run(
-        [str(confine), str(w), "-1", "-1", "/nonexistent-dir", "true"], pass_fds=[w]
+        [str(confine), str(w), "-1", "-1", "/nonexistent-dir", "0", "true"], pass_fds=[w]
     )
     os.close(w)
     assert bad.returncode == 127
