@@ -114,17 +114,7 @@ def spawn(
             os.write(err_w, f"{step}\0{errno.EIO}\0{detail}".encode())
         os._exit(127)
     os.close(err_w)
-    try:
-        report = b""
-        while chunk := os.read(err_r, 4096):  # EOF at exec: err_w is close-on-exec
-            report += chunk
-    finally:
-        os.close(err_r)
-    if report:
-        os.waitpid(pid, 0)
-        step, err, detail = report.decode(errors="replace").split("\0", 2)
-        raise SpawnError(step, int(err), detail)
-    return pid
+    return _await_exec(pid, err_r)
 
 
 _CONFINE: list[str | None] = []
@@ -219,16 +209,22 @@ def _spawn_confined(
     for fd in opened:
         if fd != err_r:
             os.close(fd)
+    return _await_exec(pid, err_r)
+
+
+def _await_exec(pid: int, err_r: int) -> int:
+    """Read the child's error pipe until EOF (its exec closed the close-on-exec write end):
+    "step\\0errno\\0detail" means it failed before exec (it is reaped, SpawnError raised)."""
     try:
         report = b""
-        while chunk := os.read(err_r, 4096):  # EOF at the command's exec (close-on-exec)
+        while chunk := os.read(err_r, 4096):
             report += chunk
     finally:
         os.close(err_r)
     if report:
         os.waitpid(pid, 0)
-        failed, err, detail = report.decode(errors="replace").split("\0", 2)
-        raise SpawnError(failed, int(err), detail)
+        step, err, detail = report.decode(errors="replace").split("\0", 2)
+        raise SpawnError(step, int(err), detail)
     return pid
 
 
