@@ -1,6 +1,6 @@
-"""A second seccomp filter for every command: refuse dangerous ioctls by request number.
+"""A second seccomp filter for every command: dangerous ioctls, io_uring, others' rlimits.
 
-runc installs Docker's profile for the whole sandbox (aether and chronus included). That
+aether installs Docker's profile for the whole sandbox (aether and chronus included). That
 profile allows ioctl unconditionally, and libseccomp cannot refuse some request numbers on top
 of an unconditional allow (verified with runc 1.1.5 / libseccomp 2.5.4: the allow wins, in
 either rule order). Filters stack in the kernel and the most restrictive answer wins, so chronus
@@ -11,6 +11,8 @@ adds this small classic-BPF filter to each command, just before exec (after Land
     the high bits does not slip past, and musl's sign-extended requests still work) in
     BLOCKED_IOCTLS                                   -> EPERM
     io_uring_setup / io_uring_enter / io_uring_register -> ENOSYS (programs fall back)
+    prlimit64(pid != 0, resource, new != NULL, ...)  -> EPERM (another process's limits:
+                                                        Landlock has no hook for prlimit)
     anything else                                    -> allowed (Docker's profile still applies)
 
 for x86_64, x32 and i386 system calls.
@@ -44,6 +46,7 @@ _NR = {  # (ioctl, io_uring_setup, io_uring_enter, io_uring_register)
     _AUDIT_ARCH_I386: (54, 425, 426, 427),
 }
 _X32_IOCTL = _X32_BIT | 514
+_PRLIMIT64 = {_AUDIT_ARCH_X86_64: (302, _X32_BIT | 302), _AUDIT_ARCH_I386: (340,)}
 
 _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
@@ -54,6 +57,7 @@ _LD_W_ABS = 0x20
 _JEQ_K = 0x15
 _RET_K = 0x06
 _OFF_NR, _OFF_ARCH, _OFF_ARG1_LO = 0, 4, 24
+_OFF_ARG0_LO, _OFF_ARG2_LO, _OFF_ARG2_HI = 16, 32, 36
 
 _PR_SET_SECCOMP = 22
 _PR_SET_NO_NEW_PRIVS = 38
@@ -74,12 +78,31 @@ def program() -> bytes:
         check.append(_insn(_JEQ_K, to_eperm, 0, req))
     check += [_insn(_RET_K, k=_RET_ALLOW), _insn(_RET_K, k=_RET_ERRNO | _EPERM)]
 
-    def arch_block(nrs: tuple[int, ...], x32: bool) -> list[bytes]:
+    # prlimit64(pid, resource, new, old) setting another process's limits (pid != 0 and
+    # new != NULL) -> EPERM: Landlock has no hook for it, and a command could lower aether's or
+    # chronus's limits (RLIMIT_CPU kills, RLIMIT_NOFILE cripples). Own limits (pid 0, what
+    # setrlimit uses) and reading anyone's stay allowed.
+    prlimit = [
+        _insn(_LD_W_ABS, k=_OFF_ARG0_LO),
+        _insn(_JEQ_K, 4, 0, 0),  # pid 0: itself -> ALLOW
+        _insn(_LD_W_ABS, k=_OFF_ARG2_LO),
+        _insn(_JEQ_K, 0, 3, 0),  # new limit set (low word) -> EPERM
+        _insn(_LD_W_ABS, k=_OFF_ARG2_HI),
+        _insn(_JEQ_K, 0, 1, 0),  # new limit set (high word) -> EPERM
+        _insn(_RET_K, k=_RET_ALLOW),
+        _insn(_RET_K, k=_RET_ERRNO | _EPERM),
+    ]
+
+    def arch_block(nrs: tuple[int, ...], prlimits: tuple[int, ...], x32: bool) -> list[bytes]:
         ioctl, *uring = nrs
         body = [_insn(_LD_W_ABS, k=_OFF_NR)]
         ioctls = [ioctl, _X32_IOCTL] if x32 else [ioctl]
-        # layout: [jeq ioctl...] [jeq uring...] ret ALLOW, ret ENOSYS, then the check block
+        # layout: [jeq prlimit...] [jeq ioctl...] [jeq uring...] ret ALLOW, ret ENOSYS, the
+        # check block, the prlimit block
         n_jumps = len(ioctls) + len(uring)
+        for i, nr in enumerate(prlimits):
+            after = len(prlimits) - i - 1
+            body.append(_insn(_JEQ_K, after + n_jumps + 2 + len(check), 0, nr))
         for i, nr in enumerate(ioctls):
             after = n_jumps - i - 1  # jumps left after this one
             body.append(_insn(_JEQ_K, after + 2, 0, nr))  # over ALLOW and ENOSYS into check
@@ -87,10 +110,10 @@ def program() -> bytes:
             after = len(uring) - i - 1
             body.append(_insn(_JEQ_K, after + 1, 0, nr))  # over ALLOW to ENOSYS
         body += [_insn(_RET_K, k=_RET_ALLOW), _insn(_RET_K, k=_RET_ERRNO | _ENOSYS)]
-        return body + check
+        return body + check + prlimit
 
-    x86 = arch_block(_NR[_AUDIT_ARCH_X86_64], x32=True)
-    i386 = arch_block(_NR[_AUDIT_ARCH_I386], x32=False)
+    x86 = arch_block(_NR[_AUDIT_ARCH_X86_64], _PRLIMIT64[_AUDIT_ARCH_X86_64], x32=True)
+    i386 = arch_block(_NR[_AUDIT_ARCH_I386], _PRLIMIT64[_AUDIT_ARCH_I386], x32=False)
     head = [
         _insn(_LD_W_ABS, k=_OFF_ARCH),
         _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),  # -> the x86 block, after the next jump

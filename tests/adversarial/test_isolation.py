@@ -159,3 +159,33 @@ def test_an_agents_ld_so_preload_is_not_loaded_into_aether(
         assert "preload" not in _aether_log(lab, b)
     finally:
         client.delete_environment(name)
+
+
+def test_the_control_planes_resource_limits_cannot_be_changed(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """Landlock has no hook for prlimit: the per-command seccomp filter refuses setting another
+    process's limits (RLIMIT_CPU on aether or chronus would kill it, RLIMIT_NOFILE cripple it);
+    a command's own limits and reading anyone's stay allowed."""
+    sb = make_sandbox(image="bookworm")
+    ch = _chronus_pid(sb)
+    probe = f"""
+import resource
+out = []
+for pid in (1, {ch}):
+    for res in (resource.RLIMIT_CPU, resource.RLIMIT_NOFILE):
+        try:
+            resource.prlimit(pid, res, (1, 1))
+            out.append("set")
+        except PermissionError:
+            out.append("refused")
+    out.append("read" if resource.prlimit(pid, resource.RLIMIT_NOFILE) else "?")
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+out.append("own" if resource.getrlimit(resource.RLIMIT_NOFILE) == (512, 512) else "?")
+print(" ".join(out))
+"""
+    sb.files.write("/tmp/limits.py", probe.encode())
+    r = sb.run("python3 /tmp/limits.py")
+    assert r.exit_code == 0, r
+    assert r.text.split() == ["refused", "refused", "read"] * 2 + ["own"]
+    assert _chronus_pid(sb) == ch and sb.run("echo alive").text == "alive\n"
