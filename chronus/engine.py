@@ -410,6 +410,6 @@ def grow_fd_table() -> None:
     import fcntl
 
     try:
-        os.close(fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 1100))
+        os.close(fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 1500))  # room for concurrent starts
     except OSError:
         pass  # a low RLIMIT_NOFILE: chronus.proc then forks commands instead
