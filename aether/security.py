@@ -1,7 +1,7 @@
 """prctl(2) settings of the in-sandbox agents.
 
-ctypes is imported only here and only at start: the settings are inherited
-by chronus across fork, so chronus never needs it again.
+ctypes is imported at start (here, and by chronus.seccomp, whose Filter installs
+the sandbox's profile too): the settings are inherited by chronus across fork.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-PR_SET_SECCOMP = 22
-SECCOMP_MODE_FILTER = 2
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
 
 
@@ -62,12 +60,10 @@ def install_seccomp_from_env(environ: dict[str, str] | None = None) -> str | Non
         return f"{SECCOMP_FD_ENV}={raw}: cannot read the filter: {exc}"
     if not code or len(code) % 8 or len(code) // 8 > 4096:
         return f"{SECCOMP_FD_ENV}={raw}: not a seccomp program ({len(code)} bytes)"
-    import ctypes
-    import struct
+    from chronus.seccomp import Filter
 
-    buf = ctypes.create_string_buffer(code, len(code))
-    fprog = ctypes.create_string_buffer(struct.pack("<H6xQ", len(code) // 8, ctypes.addressof(buf)))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
-        return f"prctl(PR_SET_SECCOMP) failed: {os.strerror(ctypes.get_errno())}"
+    try:
+        Filter(code).install()
+    except OSError as exc:
+        return f"{exc.strerror or exc}: {os.strerror(exc.errno or 0)}"
     return None

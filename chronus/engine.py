@@ -21,7 +21,7 @@ from chronus.config import ChronusConfig
 from chronus.errors import Cancelled, ChronusError, invalid
 from chronus.execs import Exec, ExecManager, Runtime, Subscription, timestamp
 from chronus.files import Files
-from chronus.proc import rss_bytes
+from chronus.proc import grow_fd_table, rss_bytes
 from chronus.sessions import SessionManager
 from chronus.threads import Condition, Event, Lock, start_thread
 
@@ -398,18 +398,5 @@ def serve_socket(sock: _socket.socket) -> None:
     """Run chronus on a connected channel socket until aether closes it."""
     os.set_inheritable(sock.fileno(), False)
     sock.setblocking(True)
-    grow_fd_table()
+    grow_fd_table()  # while chronus has one thread
     Engine(ChronusConfig.from_env()).serve(sock)
-
-
-def grow_fd_table() -> None:
-    """Grow the descriptor table past what command starts use (chronus.proc: 1021-1023 and
-    copies above 1024) while chronus has one thread. Growing it later, with threads sharing it,
-    waits for an RCU grace period (synchronize_rcu in expand_fdtable): measured 8-14 ms on the
-    first command of every sandbox here."""
-    import fcntl
-
-    try:
-        os.close(fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 1500))  # room for concurrent starts
-    except OSError:
-        pass  # a low RLIMIT_NOFILE: chronus.proc then forks commands instead

@@ -125,10 +125,11 @@ def program() -> bytes:
 
 
 class Filter:
-    """The program in memory, ready for `install` in a forked child."""
+    """A program in memory (default: this module's), ready for `install` in a forked child;
+    aether installs the sandbox's whole profile through it too (aether.security)."""
 
-    def __init__(self) -> None:
-        code = program()
+    def __init__(self, code: bytes | None = None) -> None:
+        code = program() if code is None else code
         self._code = ctypes.create_string_buffer(code, len(code))
         self._fprog = ctypes.create_string_buffer(
             struct.pack("<H6xQ", len(code) // 8, ctypes.addressof(self._code)), 16

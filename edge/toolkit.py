@@ -297,10 +297,14 @@ CONFINE_CFLAGS = (
 _QUIET: dict[str, Any] = {"capture_output": True, "text": True}
 
 
+def _compiler() -> str | None:
+    return shutil.which("gcc") or shutil.which("cc")
+
+
 def _compiler_id() -> str:
     """What the trampoline is built with, for the toolkit's hash: a toolkit built without a
     compiler (no dsec-confine) or with another one is another toolkit."""
-    cc = shutil.which("gcc") or shutil.which("cc")
+    cc = _compiler()
     if cc is None:
         return "no-compiler"
     version = subprocess.run([cc, "--version"], **_QUIET).stdout.splitlines()[:1]
@@ -317,7 +321,7 @@ def _build_confine(tmp: Path) -> None:
     confined in a domain of their own: chronus/confine.c, chronus/proc.py). Without a C compiler
     the toolkit has none and chronus forks each command instead (slower, as safe)."""
     src = tmp / "lib" / f"python{PY_VERSION}" / CONFINE_SOURCE
-    cc = shutil.which("gcc") or shutil.which("cc")
+    cc = _compiler()
     if cc is None:
         log.warning("no C compiler: the toolkit has no dsec-confine (chronus will fork commands)")
         return
