@@ -113,6 +113,8 @@ class EdgeConfig(ServiceConfig):
     fncall_max_memory_mb: int = 4096
     #: pids limit of one pool container (fork bombs stop here).
     fncall_pids_max: int = 64
+    #: Job processes a pool container forks ahead, in one batch (idle spares, root until used).
+    fncall_spares: int = 4
     #: How long a job may wait for a free container before the edge refuses it.
     fncall_queue_timeout_s: float = 30.0
 
@@ -160,6 +162,8 @@ class EdgeConfig(ServiceConfig):
             raise ValueError("fncall_cpu_millis must be >= 100 and fncall_max_memory_mb >= 64")
         if self.fncall_pids_max < 8 or self.fncall_jobs_per_container < 1:
             raise ValueError("fncall_pids_max must be >= 8 and fncall_jobs_per_container >= 1")
+        if not 1 <= self.fncall_spares <= 32:
+            raise ValueError(f"fncall_spares={self.fncall_spares} must be in 1..32")
         return FnCallSettings(
             pools=pools,
             environments=envs,
@@ -167,6 +171,7 @@ class EdgeConfig(ServiceConfig):
             cpu_millis=self.fncall_cpu_millis,
             max_memory_mb=self.fncall_max_memory_mb,
             pids_max=self.fncall_pids_max,
+            spares=self.fncall_spares,
             queue_timeout_s=self.fncall_queue_timeout_s,
         )
 

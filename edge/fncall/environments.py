@@ -56,8 +56,11 @@ class FnCallSettings:
     cpu_millis: int = 1000
     #: The most memory one job may ask for.
     max_memory_mb: int = 4096
-    #: pids cgroup limit of one container (the runner counts as one).
+    #: pids cgroup limit of one container's jobs (the runner counts as one; the idle spares
+    #: come on top).
     pids_max: int = 64
+    #: Job processes each container forks ahead, back to back (see runner.SPARES).
+    spares: int = 4
     #: How long a job waits for a free container before the edge refuses it (EDGE_CAPACITY).
     queue_timeout_s: float = 30.0
     #: Jobs waiting per pool beyond which the edge refuses at once.

@@ -233,7 +233,8 @@ class Launcher:
             cwd="/",
             cpu_millis=self.settings.cpu_millis,
             memory_mb=self.container_memory_bytes() // (1024 * 1024),
-            pids_max=self.settings.pids_max,
+            # the idle spares wait as processes of their own
+            pids_max=self.settings.pids_max + self.settings.spares,
             toolkit_dir=self.kit_dir,
             pass_fd=child.fileno(),
             log_path=self.logs / f"{sid}.log",
@@ -269,6 +270,7 @@ class Launcher:
                     "op": "warm",
                     "preload": list(env.preload),
                     "job_uid": self.settings.job_uid,
+                    "spares": self.settings.spares,
                     "cpu_cores": self.settings.cpu_millis / 1000,
                     "job_env": JOB_ENV,
                 },

@@ -7,20 +7,22 @@ passed as fd 3. No aether, no chronus: one request at a time, each a job.
 Per job:
 
 1. an empty job directory ``/job`` (mode 0700, owned by the job uid) with the job's files;
-2. the job's process was forked before the job came (the "spare"): its own session,
-   oom_score_adj 1000 (the kernel's OOM killer picks the job, never the runner), RLIMIT_CORE 0,
-   the unprivileged job uid (RLIMIT_NPROC applies, nothing outside /job and the scratch dirs
-   is writable). On the job's parameters (and its stdin, in a memfd) it sets RLIMIT_FSIZE
-   and RLIMIT_STACK, then either exec()s the program or, for Python, runs the code in the
-   already warm interpreter (numpy imported once, in the runner, before any fork);
+2. the job's process was forked before the job came (a "spare"; several are forked back to
+   back, see SPARES): its own session, stdio and RLIMIT_CORE 0, still root while it waits.
+   On the job's parameters (and its stdin, in a memfd) it takes oom_score_adj 1000 (the
+   kernel's OOM killer picks the job, never the runner or an idle spare), the unprivileged
+   job uid (RLIMIT_NPROC applies, nothing outside /job and the scratch dirs is writable),
+   RLIMIT_FSIZE and RLIMIT_STACK, then either exec()s the program or, for Python, runs the
+   code in the already warm interpreter (numpy imported once, in the runner, before any fork);
 3. stdout/stderr go into pipes the runner reads (capped: OUTPUT_LIMIT);
 4. limits: wall clock by the runner's poll timeout; CPU time of the whole job (every process,
    orphans included) from the container's cpuacct counter minus the runner's own, checked
    exactly when the budget could first be exhausted (so short jobs cost no wake-ups);
-5. afterwards, before answering: kill(-1, SIGKILL) from pid 1 (every other process in the
-   container's pid namespace), reap, empty /job and the world-writable scratch dirs, and
-   check that no SysV IPC object survived. Anything unexpected is reported as an `anomaly` and
-   the edge recycles the container. Then the next spare is forked.
+5. afterwards, before answering: SIGKILL to every process of the job uid (kill(-1) with the
+   job uid as real uid: the job's processes, orphans included, but not the root spares), reap,
+   empty /job and the world-writable scratch dirs, and check that no SysV IPC object
+   survived. Anything unexpected is reported as an `anomaly` and the edge recycles the
+   container. When the spares are used up, the next batch is forked.
 
 Memory limits and OOM/pids counters are the edge's part: it sets the container's memory cgroup
 limit for each job from the host (the cgroup mount is read-only in here) and reads the counters.
@@ -60,6 +62,12 @@ DRAIN_GRACE_S = 0.05
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm", "/dev/mqueue")
 SYSV_IPC = ("/proc/sysvipc/shm", "/proc/sysvipc/sem", "/proc/sysvipc/msg")
 READ_CHUNK = 65536
+#: Spares forked back to back. After a fork, every page the runner writes is a copy-on-write
+#: fault (measured: ~300 per job cycle, about half the runner's CPU per job). Those faults
+#: come once per fork *batch*, not per job: the runner's working set is copied once, and the
+#: next forks come only when the batch is used up. Each idle spare costs a pids slot (the edge
+#: adds them to the container's limit) and little memory (its pages are shared).
+SPARES = 4
 
 
 class Runner:
@@ -74,7 +82,8 @@ class Runner:
             except OSError:
                 continue
         self.python_ready = False
-        self.spare: Spare | None = None
+        self.spare_count = SPARES
+        self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
         self.stdio: tuple[Any, Any, Any] | None = None
         # /job stays; only its contents come and go. Creating and removing a directory per
         # job costs milliseconds of waiting on the (ext4) upper layer's journal when the
@@ -125,7 +134,7 @@ class Runner:
             elif op == "run":
                 self.send(self.run(req))
                 try:
-                    self.fork_spare()
+                    self.fork_spares()
                 except OSError as exc:  # the next job reports it (as an anomaly) if it persists
                     print(f"fncall runner: cannot fork the next job: {exc}", file=sys.stderr)
             elif op == "exit":
@@ -138,6 +147,7 @@ class Runner:
     def warm(self, req: dict[str, Any]) -> dict[str, Any]:
         self.job_uid = int(req.get("job_uid", self.job_uid))
         self.cpu_cores = float(req.get("cpu_cores", self.cpu_cores)) or 1.0
+        self.spare_count = max(1, int(req.get("spares", self.spare_count)))
         t0 = time.perf_counter()
         failed = []
         for name in req.get("preload", []):
@@ -159,7 +169,7 @@ class Runner:
         gc.collect()
         gc.freeze()
         self.python_ready = True
-        self.fork_spare()
+        self.fork_spares()
         return {
             "ok": not failed,
             "error": "; ".join(failed),
@@ -178,7 +188,7 @@ class Runner:
                 _write_all(spare.stdin, data)
                 os.lseek(spare.stdin, 0, os.SEEK_SET)  # the offset is shared with the job's fd 0
         except Exception as exc:  # a broken container, not a broken job
-            self._drop_spare()
+            self._drop_spares()
             self._cleanup()
             return {"anomaly": f"job setup failed: {exc!r}"}
         try:
@@ -224,13 +234,23 @@ class Runner:
 
     # -------------------------------------------------------------- spare
 
-    def fork_spare(self) -> None:
-        """Fork the next job's process now, while no job waits: fork itself (copying the warm
-        interpreter's page tables) and the job-independent set-up (session, uid, limits,
-        stdio) then cost the next job no latency. It waits for its job on a socketpair; its
-        stdin is a memfd the runner fills when the job comes."""
-        if self.spare is not None:
+    def fork_spares(self) -> None:
+        """Fork the next jobs' processes now, while no job waits: fork itself (copying the warm
+        interpreter's page tables) and the job-independent set-up (session, limits, stdio)
+        then cost the next job no latency. Only when the last batch is used up, and
+        `spare_count` at once (see SPARES). Each waits for its job on a socketpair; its stdin
+        is a memfd the runner fills when the job comes."""
+        if self.spares:
             return
+        while len(self.spares) < self.spare_count:
+            try:
+                self.spares.append(self._fork_spare())
+            except OSError:
+                if not self.spares:
+                    raise
+                return  # e.g. the pids limit: run with what we have
+
+    def _fork_spare(self) -> Spare:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
@@ -241,7 +261,7 @@ class Runner:
         if numpy_random is not None:
             # Every job forks from this process: reseed for each, as a fresh interpreter
             # would be (the stdlib's `random` reseeds itself after fork). Here rather than in
-            # the child: nothing shares our pages now, so it costs no page copies.
+            # the child: it costs the child no page copies.
             numpy_random.seed(int.from_bytes(os.urandom(4), "little"))  # type: ignore[attr-defined]
         try:
             pid = os.fork()
@@ -253,27 +273,26 @@ class Runner:
             raise
         if pid == 0:  # pragma: no cover - the child never returns
             _spare(theirs.fileno(), stdin, out_w, err_w, self.job_uid, self.stdio)
+        # Closed before the next fork: no other spare may hold this one's write ends (EOF).
         os.close(out_w)
         os.close(err_w)
         theirs.close()
-        self.spare = Spare(pid, os.pidfd_open(pid), mine, stdin, out_r, err_r)
+        return Spare(pid, os.pidfd_open(pid), mine, stdin, out_r, err_r)
 
-    def _drop_spare(self) -> None:
-        spare, self.spare = self.spare, None
-        if spare is not None:
+    def _drop_spares(self) -> None:
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _kill_quietly(spare.pid)
             spare.close()
 
     def _take_spare(self) -> Spare:
-        spare = self.spare
-        if spare is not None and select.select([spare.pidfd], [], [], 0)[0]:
-            self._drop_spare()  # it died (killed from outside?): make another
-            spare = None
-        if spare is None:
-            self.fork_spare()
-            spare = self.spare
-        assert spare is not None
-        self.spare = None
-        return spare
+        while self.spares:
+            spare = self.spares.pop(0)
+            if not select.select([spare.pidfd], [], [], 0)[0]:
+                return spare
+            spare.close()  # it died (the OOM killer? killed from outside?): the next one
+        self.fork_spares()
+        return self.spares.pop(0)
 
     def _execute(self, req: dict[str, Any], spare: Spare) -> dict[str, Any]:
         wall_s = float(req["wall_s"])
@@ -402,16 +421,14 @@ class Runner:
         strays = 0
         deadline = time.monotonic() + 2.0
         while True:
-            try:
-                os.kill(-1, signal.SIGKILL)  # from pid 1: everyone in the pid namespace but us
-            except ProcessLookupError:
-                break
+            self._kill_job_uid()
             strays += _reap()
+            if not self._job_pids():
+                break
             if time.monotonic() > deadline:
                 problems.append("processes survived SIGKILL for 2 s")
                 break
             time.sleep(0.0002)
-        strays += _reap()
         try:
             os.chmod(JOB_DIR, 0o700)  # the job may have made it unreadable even for us
             for name in os.listdir(JOB_DIR):
@@ -438,6 +455,26 @@ class Runner:
             except OSError:
                 pass
         return "; ".join(problems)
+
+    def _kill_job_uid(self) -> None:
+        """SIGKILL to every process whose real or saved uid is the job uid: kill(-1) sent
+        with the job uid as real and effective uid (so without CAP_KILL), the saved uid
+        kept 0 to come back. The spares are root until their job starts: not hit. (kill(-1)
+        succeeds as long as any other process exists, signalled or not: see _job_pids.)"""
+        uid = self.job_uid
+        os.setresuid(uid, uid, 0)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.setresuid(0, 0, 0)
+
+    def _job_pids(self) -> set[str]:
+        """Processes in the container other than the runner and the idle spares (reaped
+        zombies are gone from /proc; threads are not listed)."""
+        mine = {"1", str(os.getpid()), *(str(sp.pid) for sp in self.spares)}
+        return {name for name in os.listdir("/proc") if name.isdigit()} - mine
 
 
 class Spare:
@@ -487,14 +524,8 @@ def _spare(
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.dup2(ctl, 3)
-        os.closerange(4, 1 << 20)  # the channel to the edge above all
+        os.closerange(4, 1 << 20)  # the channel to the edge above all, and the other spares'
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the OOM killer's first choice
-        os.write(fd, b"1000")
-        os.close(fd)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
         if stdio is not None:
             atexit._clear()
             sys.stdin, sys.stdout, sys.stderr = stdio
@@ -505,6 +536,14 @@ def _spare(
         usage = resource.getrusage(resource.RUSAGE_SELF)
         os.write(3, str(usage.ru_utime + usage.ru_stime).encode())
         os.close(3)
+        # Only now, with a job: idle spares stay root (a job cannot signal, trace or read
+        # them) and are not the OOM killer's choice.
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the OOM killer's first choice
+        os.write(fd, b"1000")
+        os.close(fd)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
         parts = msg.split(b"\0")
         # No RLIMIT_CPU: the runner enforces the job's CPU limit (all its processes), and an
         # armed process CPU timer makes the kernel sample the process's CPU clock at tick
@@ -634,6 +673,13 @@ def _job_cpu(cpu0: float | None, self0: float) -> float | None:
     if cpu0 is None or now is None:
         return None
     return max(0.0, (now - cpu0) - (time.process_time() - self0))
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _reap() -> int:

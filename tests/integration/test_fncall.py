@@ -303,6 +303,44 @@ def test_each_job_sees_only_its_own_files_and_no_stray_process(dsec: Client) -> 
     ], r.text
 
 
+SPARE_PROBE = r"""
+import os, signal
+me = {os.getpid(), os.getppid(), 1}
+others = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in me)
+uids, refused = [], 0
+for pid in others:
+    with open(f"/proc/{pid}/status") as fh:
+        uids.append(next(l.split()[1] for l in fh if l.startswith("Uid:")))
+    for attempt in (
+        lambda: os.kill(pid, signal.SIGKILL),
+        lambda: os.kill(pid, signal.SIGSTOP),
+        lambda: open(f"/proc/{pid}/environ").read(),
+        lambda: open(f"/proc/{pid}/mem", "rb").read(1),
+    ):
+        try:
+            attempt()
+        except PermissionError:
+            refused += 1
+print(len(others), sorted(set(uids)), refused)
+"""
+
+
+def test_a_job_cannot_touch_the_spares_waiting_for_later_jobs(dsec: Client) -> None:
+    # Job processes are forked ahead in batches; the idle ones stay root until their job
+    # starts, so a job (unprivileged) can neither kill, stop nor read the next jobs'.
+    # The bash pool has one container: the spares seen are the ones later jobs run in.
+    seen = []
+    for _ in range(5):  # more than a batch of spares: one of these jobs took the last
+        r = dsec.fncall(language="bash", code=f"python3 -c '{SPARE_PROBE}'")
+        assert r.verdict == "OK", r
+        n, uids, refused = r.text.split(" ", 1)[0], r.text.split("[")[1].split("]")[0], r.text
+        assert uids in ("'0'", ""), r.text  # all root
+        assert int(refused.split()[-1]) == 4 * int(n), r.text  # every attempt refused
+        seen.append(int(n))
+    assert max(seen) >= 1, seen  # there were spares to attack
+    healthy(dsec)
+
+
 def test_a_container_is_recycled_after_n_jobs_and_after_an_anomaly(dsec: Client) -> None:
     hosts = [
         dsec.fncall(language="bash", code="cat /etc/hostname").text
