@@ -6,6 +6,11 @@ edge publishes for the environments and languages its pools run (``fncall.env.<n
 placed without the selector and the edge gives the precise answer (an unknown language is
 INVALID_ARGUMENT there, not "no eligible edge" here).
 
+Jobs travel to an edge on one tagged stream per edge (``StreamFunctions``), shared by every
+caller's jobs: a message on an open stream costs a fraction of a unary call's set-up on both
+sides. The SDK's fncall reaches us the same way; RunFunction (unary) still works and takes the
+same edge streams.
+
 Jobs are short and many; asking placement for each one would cost a round trip per job and
 flood its overlay with phantom load (placement records every answer as an allocation). So a
 placement answer is reused for ``PLACEMENT_TTL_S`` per (project, selector); an edge that
@@ -31,6 +36,7 @@ from dsec.edge.v1 import edge_pb2
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._status import from_rpc_error, status_for
+from libdsec._tagged import TaggedStream
 from libdsec.errors import EdgeCapacity, InvalidArgument, NoEligibleEdge, Unavailable
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,32 @@ class FunctionRouter:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._placements: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, Any]] = {}
+        self._streams: dict[str, TaggedStream] = {}  # edge address -> its job stream
+
+    def _edge_stream(self, address: str) -> TaggedStream:
+        stream = self._streams.get(address)
+        if stream is None:
+            stub = self.gw.edges.stub_for_address(address)
+            stream = self._streams[address] = TaggedStream(stub.StreamFunctions)
+        return stream
+
+    async def _run_on(
+        self, address: str, who: Caller, job: types_pb2.FunctionJob
+    ) -> types_pb2.FunctionResult:
+        def request(tag: int, cancel: bool) -> edge_pb2.StreamFunctionsRequest:
+            if cancel:
+                return edge_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
+            return edge_pb2.StreamFunctionsRequest(tag=tag, job=job, project_id=who.project_id)
+
+        msg = await self._edge_stream(address).call(
+            request, timeout=(job.time_limit_s or 10.0) + JOB_MARGIN_S
+        )
+        return msg.result
+
+    async def close(self) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            await stream.aclose()
 
     async def _candidates(
         self, who: Caller, selector: dict[str, str], exclude: list[str]
@@ -111,16 +143,8 @@ class FunctionRouter:
                 if len(tried) >= MAX_ATTEMPTS:
                     break
                 tried.append(cand.edge_id)
-                stub = self.gw.edges.stub_for_address(cand.address)
                 try:
-                    resp = await downstream(
-                        stub.RunFunction(
-                            edge_pb2.RunFunctionRequest(job=job, project_id=who.project_id),
-                            timeout=(job.time_limit_s or 10.0) + JOB_MARGIN_S,
-                        ),
-                        "edge",
-                    )
-                    return resp.result
+                    return await self._run_on(cand.address, who, job)
                 except (EdgeCapacity, Unavailable) as err:
                     last = err
                     self._forget(who, selector)

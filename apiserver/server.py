@@ -40,10 +40,12 @@ async def main() -> None:
     server.add(ExecServicer(gw), "dsec.apiserver.v1.ExecService")
     server.add(FileServicer(gw), "dsec.apiserver.v1.FileService")
     server.add(ProjectServicer(gw, iam, cfg.instance_name), "dsec.apiserver.v1.ProjectService")
-    server.add(FunctionServicer(gw), "dsec.apiserver.v1.FunctionService")
+    functions = FunctionServicer(gw)
+    server.add(functions, "dsec.apiserver.v1.FunctionService")
     server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
     server.background(edges.run)
     server.on_close(gw.batcher.close)
+    server.on_close(functions.router.close)  # its edge job streams, before the channels
     server.on_close(edges.close)
     server.on_close(iam_channel.close)
     server.on_close(placement_channel.close)

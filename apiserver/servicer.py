@@ -13,6 +13,8 @@ from apiserver.gateway import Gateway
 from apiserver.routing import downstream
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
+from common.grpc_server import internal_error
+from common.tagged import serve_tagged
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
@@ -474,4 +476,20 @@ class FunctionServicer:
     ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
         who = await self.gw.caller(bearer_token(context))
         async for item in self.router.run_many(who, request):
+            yield item
+
+    async def StreamFunctions(
+        self, requests: AsyncIterator[apiserver_pb2.StreamFunctionsRequest], context: Any
+    ) -> AsyncIterator[apiserver_pb2.StreamFunctionsResponse]:
+        who = await self.gw.caller(bearer_token(context))
+
+        async def run(request: apiserver_pb2.StreamFunctionsRequest) -> Any:
+            return await self.router.run(who, request.job)
+
+        async for item in serve_tagged(
+            requests,
+            run,
+            apiserver_pb2.StreamFunctionsResponse,
+            internal=lambda exc: internal_error("StreamFunctions job", exc),
+        ):
             yield item

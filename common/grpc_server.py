@@ -78,7 +78,8 @@ async def _abort(context: grpc.aio.ServicerContext, err: DSecError) -> None:
     await context.abort(err.code, err.message, trailing_metadata=error_trailer(err))
 
 
-def _internal(context_method: str, exc: BaseException) -> DSecError:
+def internal_error(context_method: str, exc: BaseException) -> DSecError:
+    """Logs an unexpected exception with an incident id; the INTERNAL error to send instead."""
     incident = uuid.uuid4().hex[:12]
     log.error(
         "unhandled error in %s (incident %s)",
@@ -125,7 +126,7 @@ def _wrap(method: MethodDescriptor, fn: Callable[..., Any]) -> Callable[..., Any
             except DSecError as err:
                 await _abort(context, err)
             except Exception as exc:
-                await _abort(context, _internal(name, exc))
+                await _abort(context, internal_error(name, exc))
 
         return stream_handler
 
@@ -141,7 +142,7 @@ def _wrap(method: MethodDescriptor, fn: Callable[..., Any]) -> Callable[..., Any
         except DSecError as err:
             await _abort(context, err)
         except Exception as exc:
-            await _abort(context, _internal(name, exc))
+            await _abort(context, internal_error(name, exc))
 
     return unary_handler
 

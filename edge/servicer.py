@@ -377,6 +377,12 @@ class EdgeServicer:
         async for item in self.fncall.run_functions(request):
             yield item
 
+    async def StreamFunctions(
+        self, requests: AsyncIterator[edge_pb2.StreamFunctionsRequest], context: Any
+    ) -> AsyncIterator[edge_pb2.StreamFunctionsResponse]:
+        async for item in self.fncall.stream_functions(requests):
+            yield item
+
     # --------------------------------------------------------- containment
 
     async def UpdateNetworkPolicy(

@@ -31,7 +31,14 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._status import from_rpc_error, status_for
-from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable
+from libdsec._tagged import TaggedStream
+from libdsec.errors import (
+    DeadlineExceeded,
+    DSecError,
+    InvalidArgument,
+    Unavailable,
+    Unimplemented,
+)
 from libdsec.types import (
     Environment,
     ExecEvent,
@@ -235,6 +242,13 @@ class AsyncClient:
         self._projects = apiserver_pb2_grpc.ProjectServiceStub(self._channel)
         self._environments = apiserver_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._functions = apiserver_pb2_grpc.FunctionServiceStub(self._channel)
+        # fncall's jobs share one tagged stream (opened at the first job, reopened after a
+        # failure); an API server without StreamFunctions gets unary calls instead.
+        self._job_stream = TaggedStream(
+            lambda requests: self._functions.StreamFunctions(requests, metadata=self._metadata),
+            idle_timeout_s=STREAM_IDLE_TIMEOUT_S,
+        )
+        self._job_stream_ok = True
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -243,6 +257,7 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        await self._job_stream.aclose()
         await self._channel.close()
 
     def _t(self, timeout: float | None) -> float:
@@ -291,9 +306,22 @@ class AsyncClient:
             job_id=job_id,
         )
         deadline = timeout if timeout is not None else (time_limit_s or 10.0) + 180.0
+        pb = job.to_pb()
+        if self._job_stream_ok:
+
+            def request(tag: int, cancel: bool) -> apiserver_pb2.StreamFunctionsRequest:
+                if cancel:
+                    return apiserver_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
+                return apiserver_pb2.StreamFunctionsRequest(tag=tag, job=pb)
+
+            try:
+                msg = await self._job_stream.call(request, timeout=deadline)
+                return FunctionResult.from_pb(msg.result)
+            except Unimplemented:
+                self._job_stream_ok = False  # an older API server: one call per job
         resp = await _unary(
             self._functions.RunFunction(
-                apiserver_pb2.RunFunctionRequest(job=job.to_pb()),
+                apiserver_pb2.RunFunctionRequest(job=pb),
                 metadata=self._metadata,
                 timeout=deadline,
             )

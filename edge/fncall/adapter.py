@@ -1,7 +1,7 @@
 """gRPC adapter of FnCall on the edge: FunctionJob in -> FnCallService -> FunctionResult out.
 
-The edge servicer delegates RunFunction/RunFunctions here, so the service itself stays free of
-generated code.
+The edge servicer delegates RunFunction/RunFunctions/StreamFunctions here, so the service itself
+stays free of generated code.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from common.convert import ts
+from common.grpc_server import internal_error
+from common.tagged import serve_tagged
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.fncall.jobs import Job, Result
@@ -73,6 +75,23 @@ class FnCallAdapter:
     ) -> edge_pb2.RunFunctionResponse:
         result = await self._service().run(job_from_pb(request.job))
         return edge_pb2.RunFunctionResponse(result=result_pb(result))
+
+    def stream_functions(
+        self, requests: AsyncIterator[edge_pb2.StreamFunctionsRequest]
+    ) -> AsyncIterator[edge_pb2.StreamFunctionsResponse]:
+        """Tagged jobs, each run as soon as it arrives, answered as each finishes (the API
+        server keeps one such stream per edge for every caller's jobs)."""
+        service = self._service()
+
+        async def run(request: edge_pb2.StreamFunctionsRequest) -> types_pb2.FunctionResult:
+            return result_pb(await service.run(job_from_pb(request.job)))
+
+        return serve_tagged(
+            requests,
+            run,
+            edge_pb2.StreamFunctionsResponse,
+            internal=lambda exc: internal_error("edge StreamFunctions job", exc),
+        )
 
     async def run_functions(
         self, request: edge_pb2.RunFunctionsRequest

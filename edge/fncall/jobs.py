@@ -267,7 +267,7 @@ class Observed:
     wall_s: float
     cpu_s: float
     peak_bytes: int
-    killed: str = ""  # "wall", "cpu", "output" or ""
+    killed: str = ""  # "wall", "cpu", "output", "cancelled" (the caller went away) or ""
     over: str = ""  # the stream that exceeded the output limit
     oom_kills: int = 0  # kernel OOM kills in the container during the step
     pids_limit_hits: int = 0  # forks refused by the pids cgroup during the step
@@ -276,6 +276,8 @@ class Observed:
 def judge(o: Observed, lim: Limits, *, pids_max: int = 0) -> tuple[str, str]:
     """(verdict, message). Precedence: output, memory (the kernel killed it), time, memory
     (peak above the limit), runtime error, OK."""
+    if o.killed == "cancelled":
+        return "SYSTEM_ERROR", "cancelled: the caller went away"
     if o.killed == "output":
         return "OUTPUT_LIMIT", f"{o.over or 'output'} exceeded {lim.max_output} bytes"
     if o.signal == signal.SIGXFSZ:

@@ -33,6 +33,7 @@ from typing import Any
 from edge.fncall import gpu as gpus
 from edge.fncall import wire
 from edge.fncall.environments import JOB_ENV, Environment, FnCallSettings
+from edge.fncall.runner import ABORT_SIGNAL
 from edge.images import ImageResolver
 from edge.runtime import cgroups
 from edge.runtime.runc import RuncRuntime
@@ -162,6 +163,12 @@ class Worker:
             raise WorkerBroken(f"{self.sandbox_id}: no answer in {timeout_s:.1f} s") from None
         except (OSError, EOFError, asyncio.IncompleteReadError, wire.WireError) as exc:
             raise WorkerBroken(f"{self.sandbox_id}: channel failed: {exc!r}") from exc
+
+    def abort(self) -> None:
+        """Asks the runner to kill the job it runs (the caller went away); the answer still
+        comes, as for any killed job."""
+        with contextlib.suppress(OSError):
+            os.kill(self.proc.pid, ABORT_SIGNAL)
 
     async def receive(self) -> dict[str, Any]:
         prefix = await self.reader.readexactly(4)

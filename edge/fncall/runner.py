@@ -68,6 +68,8 @@ READ_CHUNK = 65536
 #: next forks come only when the batch is used up. Each idle spare costs a pids slot (the edge
 #: adds them to the container's limit) and little memory (its pages are shared).
 SPARES = 4
+#: Sent by the edge (from the host) to pid 1 when the caller of the running job went away.
+ABORT_SIGNAL = signal.SIGUSR1
 
 
 class Runner:
@@ -82,6 +84,10 @@ class Runner:
             except OSError:
                 continue
         self.python_ready = False
+        self.current_pid = 0  # the running job's main process
+        self.aborted = False
+        # The edge's "the caller gave up": kill the running job now, free the container.
+        signal.signal(ABORT_SIGNAL, self._abort)
         self.spare_count = SPARES
         self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
         self.stdio: tuple[Any, Any, Any] | None = None
@@ -313,6 +319,7 @@ class Runner:
         cpu0 = _cgroup_cpu_s()
         self0 = time.process_time()
         t0 = time.monotonic()
+        self.current_pid, self.aborted = pid, False
         try:
             spare.sock.send(go)
         except OSError:
@@ -335,11 +342,7 @@ class Runner:
         drain_deadline = float("inf")
 
         def kill_job() -> None:
-            for target in (pid, -pid):  # the main process, then its process group
-                try:
-                    os.kill(target, signal.SIGKILL)
-                except OSError:
-                    pass
+            _kill_group(pid)
 
         while True:
             now = time.monotonic()
@@ -353,6 +356,7 @@ class Runner:
                 if fd == pidfd:
                     if status is None:
                         t_exit = time.monotonic()
+                        self.current_pid = 0  # before its pid can be reused
                         _, status, rusage = os.wait4(pid, 0)
                         poller.unregister(pidfd)
                         drain_deadline = t_exit + DRAIN_GRACE_S
@@ -392,6 +396,8 @@ class Runner:
                 elif used is not None:
                     cpu_check = now + max((cpu_s - used) / self.cpu_cores, 0.002)
         assert status is not None and rusage is not None
+        if self.aborted and not killed:
+            killed = "cancelled"
         tree_cpu = _job_cpu(cpu0, self0)
         prep_cpu = spare.prep_cpu()
         result: dict[str, Any] = {
@@ -456,6 +462,11 @@ class Runner:
                 pass
         return "; ".join(problems)
 
+    def _abort(self, signum: int, frame: object) -> None:
+        if self.current_pid:
+            self.aborted = True
+            _kill_group(self.current_pid)
+
     def _kill_job_uid(self) -> None:
         """SIGKILL to every process whose real or saved uid is the job uid: kill(-1) sent
         with the job uid as real and effective uid (so without CAP_KILL), the saved uid
@@ -519,6 +530,7 @@ def _spare(
     (and every module it imports is loaded anew: hence all imports at the top of this file).
     """
     try:
+        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the runner's, not the job's
         os.setsid()
         os.dup2(stdin, 0)
         os.dup2(out_w, 1)
@@ -673,6 +685,11 @@ def _job_cpu(cpu0: float | None, self0: float) -> float | None:
     if cpu0 is None or now is None:
         return None
     return max(0.0, (now - cpu0) - (time.process_time() - self0))
+
+
+def _kill_group(pid: int) -> None:
+    for target in (pid, -pid):  # the main process, then its process group
+        _kill_quietly(target)
 
 
 def _kill_quietly(pid: int) -> None:

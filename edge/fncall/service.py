@@ -382,12 +382,16 @@ class FnCallService:
         for attempt in (1, 2):
             worker = await pool.acquire(self.settings.queue_timeout_s)
             # From here the exchange runs to its end even if our caller goes away: the answer
-            # must be read before the worker can serve anyone else.
+            # must be read before the worker can serve anyone else (the job is stopped early).
             task = asyncio.create_task(self._exchange(pool, worker, step))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             try:
                 return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    worker.abort()  # nobody waits for this job: stop it, free the container
+                raise
             except WorkerBroken as exc:
                 if attempt == 2 or not isinstance(exc.__cause__, (EOFError, OSError)):
                     raise

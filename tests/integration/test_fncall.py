@@ -8,6 +8,7 @@ serves the next job normally.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
-from libdsec import Client, FunctionJob
-from libdsec.errors import InvalidArgument, Unauthenticated
+from libdsec import AsyncClient, Client, FunctionJob
+from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
 from tests.conftest import print_log_tails, start_cluster
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -420,6 +421,31 @@ def test_bad_jobs_are_invalid_argument(dsec: Client) -> None:
         dsec.fncall(code="print(1)")  # neither a language nor a command
     with pytest.raises(InvalidArgument):
         list(dsec.fncall_many([FunctionJob(language="python", code="1"), {"language": "x"}]))
+
+
+def test_concurrent_jobs_share_one_stream_and_keep_their_own_outcomes(
+    fncall_cluster: LocalCluster,
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(fncall_cluster.apiserver, token=fncall_cluster.token) as c:
+            calls = [c.fncall(language="python", code=f"print({i})") for i in range(40)]
+            calls.append(c.fncall(language="cobol", code="x"))
+            calls.append(c.fncall(language="bash", code="sleep 30", time_limit_s=60, timeout=1))
+            t = time.monotonic()
+            *ok, unknown, given_up = await asyncio.gather(*calls, return_exceptions=True)
+            assert [getattr(r, "text", r) for r in ok] == [f"{i}\n" for i in range(40)]
+            assert isinstance(unknown, InvalidArgument), unknown
+            assert isinstance(given_up, DeadlineExceeded) and time.monotonic() - t < 20
+            assert c._job_stream._state is not None  # one stream carried them all
+            # and it goes on serving after an error and a timeout; the job given up was
+            # stopped: the bash pool's one container is free at once, not in 30 s
+            r = await c.fncall(language="python", code="print('again')")
+            assert r.text == "again\n"
+            t = time.monotonic()
+            r = await c.fncall(language="bash", code="echo free")
+            assert r.text == "free\n" and time.monotonic() - t < 10, r
+
+    asyncio.run(main())
 
 
 def test_the_caller_must_authenticate(fncall_cluster: LocalCluster) -> None:

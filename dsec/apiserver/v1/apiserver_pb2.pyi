@@ -1129,6 +1129,94 @@ class RunFunctionsResponse(_message.Message):
 Global___RunFunctionsResponse: _TypeAlias = RunFunctionsResponse  # noqa: Y015
 
 @_typing.final
+class StreamFunctionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    cancel: _builtins.bool
+    """give up the job with this tag"""
+    @_builtins.property
+    def job(self) -> _types_pb2.FunctionJob: ...
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        job: _types_pb2.FunctionJob | None = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "job", b"job", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamFunctionsRequest: _TypeAlias = StreamFunctionsRequest  # noqa: Y015
+
+@_typing.final
+class StreamFunctionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TAG_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    """0: a keepalive"""
+    error_code: _builtins.int
+    """google.rpc.Code of this job's error; 0 = OK"""
+    error_reason: _builtins.str
+    """stable reason, as in ErrorInfo"""
+    error_message: _builtins.str
+    @_builtins.property
+    def result(self) -> _types_pb2.FunctionResult:
+        """when error_code is 0"""
+
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        result: _types_pb2.FunctionResult | None = ...,
+        error_code: _builtins.int = ...,
+        error_reason: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "result", b"result", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamFunctionsResponse: _TypeAlias = StreamFunctionsResponse  # noqa: Y015
+
+@_typing.final
 class WhoAmIRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1929,6 +1929,11 @@ class FunctionServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsResponse.FromString,
                 _registered_method=True)
+        self.StreamFunctions = channel.stream_stream(
+                '/dsec.apiserver.v1.FunctionService/StreamFunctions',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsResponse.FromString,
+                _registered_method=True)
 
 
 class FunctionServiceServicer:
@@ -1950,6 +1955,19 @@ class FunctionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamFunctions(self, request_iterator, context):
+        """Jobs multiplexed on one stream (what the SDK's fncall uses: one stream per client, not
+        one call per job). Send a job at any time with a tag of your choosing (not 0, unique
+        among your jobs in flight); its outcome comes back with that tag as soon as it finishes:
+        a result, or the error that job alone got (the stream goes on). A request with `cancel`
+        gives the job of its tag up (no answer follows). While jobs run, a keepalive (tag 0)
+        comes after every 5 s of silence. Closing your side ends the stream once every job
+        has answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FunctionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1962,6 +1980,11 @@ def add_FunctionServiceServicer_to_server(servicer, server):
                     servicer.RunFunctions,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsResponse.SerializeToString,
+            ),
+            'StreamFunctions': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamFunctions,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2020,6 +2043,33 @@ class FunctionService:
             '/dsec.apiserver.v1.FunctionService/RunFunctions',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.RunFunctionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamFunctions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.apiserver.v1.FunctionService/StreamFunctions',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StreamFunctionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -555,6 +555,15 @@ class FunctionServiceStub:
     """Runs one short job in a warm pool."""
     RunFunctions: _grpc.UnaryStreamMultiCallable[_apiserver_pb2.RunFunctionsRequest, _apiserver_pb2.RunFunctionsResponse]
     """Runs many jobs; results stream back as they finish (index gives order)."""
+    StreamFunctions: _grpc.StreamStreamMultiCallable[_apiserver_pb2.StreamFunctionsRequest, _apiserver_pb2.StreamFunctionsResponse]
+    """Jobs multiplexed on one stream (what the SDK's fncall uses: one stream per client, not
+    one call per job). Send a job at any time with a tag of your choosing (not 0, unique
+    among your jobs in flight); its outcome comes back with that tag as soon as it finishes:
+    a result, or the error that job alone got (the stream goes on). A request with `cancel`
+    gives the job of its tag up (no answer follows). While jobs run, a keepalive (tag 0)
+    comes after every 5 s of silence. Closing your side ends the stream once every job
+    has answered.
+    """
 
 @_typing.type_check_only
 class FunctionServiceAsyncStub(FunctionServiceStub):
@@ -565,6 +574,15 @@ class FunctionServiceAsyncStub(FunctionServiceStub):
     """Runs one short job in a warm pool."""
     RunFunctions: _aio.UnaryStreamMultiCallable[_apiserver_pb2.RunFunctionsRequest, _apiserver_pb2.RunFunctionsResponse]  # type: ignore[assignment]
     """Runs many jobs; results stream back as they finish (index gives order)."""
+    StreamFunctions: _aio.StreamStreamMultiCallable[_apiserver_pb2.StreamFunctionsRequest, _apiserver_pb2.StreamFunctionsResponse]  # type: ignore[assignment]
+    """Jobs multiplexed on one stream (what the SDK's fncall uses: one stream per client, not
+    one call per job). Send a job at any time with a tag of your choosing (not 0, unique
+    among your jobs in flight); its outcome comes back with that tag as soon as it finishes:
+    a result, or the error that job alone got (the stream goes on). A request with `cancel`
+    gives the job of its tag up (no answer follows). While jobs run, a keepalive (tag 0)
+    comes after every 5 s of silence. Closing your side ends the stream once every job
+    has answered.
+    """
 
 class FunctionServiceServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- fncall"""
@@ -584,6 +602,21 @@ class FunctionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_apiserver_pb2.RunFunctionsResponse], _abc.AsyncIterator[_apiserver_pb2.RunFunctionsResponse]]:
         """Runs many jobs; results stream back as they finish (index gives order)."""
+
+    @_abc_1.abstractmethod
+    def StreamFunctions(
+        self,
+        request_iterator: _MaybeAsyncIterator[_apiserver_pb2.StreamFunctionsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_apiserver_pb2.StreamFunctionsResponse], _abc.AsyncIterator[_apiserver_pb2.StreamFunctionsResponse]]:
+        """Jobs multiplexed on one stream (what the SDK's fncall uses: one stream per client, not
+        one call per job). Send a job at any time with a tag of your choosing (not 0, unique
+        among your jobs in flight); its outcome comes back with that tag as soon as it finishes:
+        a result, or the error that job alone got (the stream goes on). A request with `cancel`
+        gives the job of its tag up (no answer follows). While jobs run, a keepalive (tag 0)
+        comes after every 5 s of silence. Closing your side ends the stream once every job
+        has answered.
+        """
 
 def add_FunctionServiceServicer_to_server(servicer: FunctionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

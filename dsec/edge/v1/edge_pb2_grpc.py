@@ -215,6 +215,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsResponse.FromString,
                 _registered_method=True)
+        self.StreamFunctions = channel.stream_stream(
+                '/dsec.edge.v1.EdgeService/StreamFunctions',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsResponse.FromString,
+                _registered_method=True)
         self.ImportImage = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/ImportImage',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ImportImageRequest.SerializeToString,
@@ -477,6 +482,14 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamFunctions(self, request_iterator, context):
+        """Tagged jobs multiplexed on one stream, as the API server's StreamFunctions (which
+        keeps one such stream per edge for all its callers' jobs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ImportImage(self, request, context):
         """Environments (the layer store is shared; imports run on a node with Docker).
         """
@@ -699,6 +712,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.RunFunctions,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsResponse.SerializeToString,
+            ),
+            'StreamFunctions': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamFunctions,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsResponse.SerializeToString,
             ),
             'ImportImage': grpc.unary_unary_rpc_method_handler(
                     servicer.ImportImage,
@@ -1703,6 +1721,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/RunFunctions',
             dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamFunctions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.edge.v1.EdgeService/StreamFunctions',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.StreamFunctionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,6 +89,10 @@ class EdgeServiceStub:
     RunFunction: _grpc.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]
     """FnCall warm pools on this node."""
     RunFunctions: _grpc.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]
+    StreamFunctions: _grpc.StreamStreamMultiCallable[_edge_pb2.StreamFunctionsRequest, _edge_pb2.StreamFunctionsResponse]
+    """Tagged jobs multiplexed on one stream, as the API server's StreamFunctions (which
+    keeps one such stream per edge for all its callers' jobs).
+    """
     ImportImage: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ImportImageRequest, _edge_pb2.ImportImageResponse]
     """Environments (the layer store is shared; imports run on a node with Docker)."""
     ListEnvironments: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ListEnvironmentsRequest, _edge_pb2.ListEnvironmentsResponse]
@@ -154,6 +158,10 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     RunFunction: _aio.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]  # type: ignore[assignment]
     """FnCall warm pools on this node."""
     RunFunctions: _aio.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]  # type: ignore[assignment]
+    StreamFunctions: _aio.StreamStreamMultiCallable[_edge_pb2.StreamFunctionsRequest, _edge_pb2.StreamFunctionsResponse]  # type: ignore[assignment]
+    """Tagged jobs multiplexed on one stream, as the API server's StreamFunctions (which
+    keeps one such stream per edge for all its callers' jobs).
+    """
     ImportImage: _aio.UnaryUnaryMultiCallable[_edge_pb2.ImportImageRequest, _edge_pb2.ImportImageResponse]  # type: ignore[assignment]
     """Environments (the layer store is shared; imports run on a node with Docker)."""
     ListEnvironments: _aio.UnaryUnaryMultiCallable[_edge_pb2.ListEnvironmentsRequest, _edge_pb2.ListEnvironmentsResponse]  # type: ignore[assignment]
@@ -432,6 +440,16 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.RunFunctionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_edge_pb2.RunFunctionsResponse], _abc.AsyncIterator[_edge_pb2.RunFunctionsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def StreamFunctions(
+        self,
+        request_iterator: _MaybeAsyncIterator[_edge_pb2.StreamFunctionsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_edge_pb2.StreamFunctionsResponse], _abc.AsyncIterator[_edge_pb2.StreamFunctionsResponse]]:
+        """Tagged jobs multiplexed on one stream, as the API server's StreamFunctions (which
+        keeps one such stream per edge for all its callers' jobs).
+        """
 
     @_abc_1.abstractmethod
     def ImportImage(

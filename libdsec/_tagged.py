@@ -1,0 +1,165 @@
+"""The caller's side of a tagged job stream (``StreamFunctions``): many concurrent calls
+share one bidirectional gRPC stream instead of paying a call each.
+
+Each request gets a tag here; the reader task matches every answer to its waiting caller.
+A unary call costs each side a full call set-up (HTTP/2 stream, headers, call objects,
+interceptors); a message on an open stream costs a fraction of that (measured on 10 ms jobs
+at concurrency 16: ~1.4 ms less CPU per job over the SDK -> API server -> edge chain).
+
+Failure rules, so that no caller ever hangs:
+
+- the stream breaks or ends: every waiting caller gets the stream's error (UNAVAILABLE if it
+  simply ended) and the next call opens a new stream;
+- the server says nothing (not even a keepalive, tag 0) for ``idle_timeout_s`` while calls
+  wait: the stream is declared stalled (DEADLINE_EXCEEDED, ``STREAM_STALLED``) and dropped;
+- a caller that times out or is cancelled sends a cancel for its tag and goes away.
+
+Used by the SDK (to the API server) and by the API server (to each edge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from libdsec._status import from_rpc_error, status_for
+from libdsec.errors import DeadlineExceeded, DSecError, Unavailable
+
+#: Request factory: (tag, cancel) -> the stream's request message.
+MakeRequest = Callable[[int, bool], Any]
+
+
+class _Open:
+    """One open stream: its call, the requests to send, the callers waiting by tag."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.closed = False
+        self.call: Any = None
+        self.reader: asyncio.Task[None] | None = None
+        self.idle: asyncio.Timeout | None = None  # the reader's current wait
+
+    async def requests(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            yield item
+
+
+class TaggedStream:
+    """``await stream.call(make, timeout)``: one request on the shared stream, its answer.
+
+    ``open_call(requests)`` starts the bidirectional call (e.g. ``stub.StreamFunctions``);
+    ``make(tag, cancel)`` builds a request. The answer is the response message; one that
+    carries an error (``error_code`` != 0) is raised as its typed :class:`DSecError`.
+    """
+
+    def __init__(
+        self, open_call: Callable[[AsyncIterator[Any]], Any], *, idle_timeout_s: float = 30.0
+    ) -> None:
+        self._open_call = open_call
+        self._idle_timeout_s = idle_timeout_s
+        self._tags = itertools.count(1)
+        self._state: _Open | None = None
+
+    def _ensure(self) -> _Open:
+        st = self._state
+        if st is None or st.closed:
+            st = _Open()
+            st.call = self._open_call(st.requests())
+            st.reader = asyncio.get_running_loop().create_task(self._read(st))
+            self._state = st
+        return st
+
+    async def call(self, make: MakeRequest, timeout: float | None) -> Any:
+        st = self._ensure()
+        tag = next(self._tags)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        st.pending[tag] = fut
+        st.queue.put_nowait(make(tag, False))
+        idle = st.idle
+        if idle is not None and idle.when() is None:  # the reader waits without a deadline
+            idle.reschedule(asyncio.get_running_loop().time() + self._idle_timeout_s)
+        try:
+            async with asyncio.timeout(timeout):
+                msg = await fut
+        except TimeoutError:
+            self._give_up(st, tag, make)
+            raise DeadlineExceeded(
+                f"no answer within {timeout:.1f} s", reason="DEADLINE_EXCEEDED"
+            ) from None
+        except BaseException:
+            self._give_up(st, tag, make)
+            raise
+        if msg.error_code:
+            raise status_for(
+                msg.error_code, msg.error_reason, msg.error_message, dict(msg.error_metadata)
+            )
+        return msg
+
+    @staticmethod
+    def _give_up(st: _Open, tag: int, make: MakeRequest) -> None:
+        if st.pending.pop(tag, None) is not None and not st.closed:
+            st.queue.put_nowait(make(tag, True))
+
+    async def _read(self, st: _Open) -> None:
+        err: DSecError = Unavailable("the job stream ended", reason="STREAM_CLOSED")
+        it = st.call.__aiter__()
+        try:
+            while True:
+                deadline = (
+                    asyncio.get_running_loop().time() + self._idle_timeout_s if st.pending else None
+                )
+                try:
+                    async with asyncio.timeout_at(deadline) as idle:
+                        st.idle = idle
+                        msg = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    err = DeadlineExceeded(
+                        f"the job stream said nothing (not even a keepalive) for "
+                        f"{self._idle_timeout_s:.0f} s",
+                        reason="STREAM_STALLED",
+                    )
+                    break
+                finally:
+                    st.idle = None
+                if msg.tag:
+                    fut = st.pending.pop(msg.tag, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        except grpc.aio.AioRpcError as exc:
+            err = from_rpc_error(exc)
+        except asyncio.CancelledError:
+            err = Unavailable("the job stream was closed", reason="STREAM_CLOSED")
+            raise
+        finally:
+            self._close(st, err)
+
+    def _close(self, st: _Open, err: DSecError) -> None:
+        st.closed = True
+        if self._state is st:
+            self._state = None
+        pending, st.pending = st.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        st.queue.put_nowait(None)  # ends the request iterator
+        if st.call is not None:
+            st.call.cancel()
+
+    async def aclose(self) -> None:
+        st, self._state = self._state, None
+        if st is None:
+            return
+        if st.reader is not None:
+            st.reader.cancel()
+            await asyncio.wait({st.reader})  # its own outcome is not ours to raise
+        self._close(st, Unavailable("the client was closed", reason="STREAM_CLOSED"))

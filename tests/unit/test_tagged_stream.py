@@ -1,0 +1,199 @@
+"""Tagged job streams (StreamFunctions) over real in-process gRPC: both sides of the
+multiplexing (libdsec._tagged, common.tagged), with a servicer whose jobs are scripted by
+their code ("sleep:0.2", "fail", "bug", "hang")."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from common.grpc_server import GrpcServer, internal_error
+from common.tagged import serve_tagged
+from dsec.apiserver.v1 import apiserver_pb2, apiserver_pb2_grpc
+from dsec.types.v1 import types_pb2
+from libdsec._tagged import TaggedStream
+from libdsec.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
+
+
+class Jobs:
+    def __init__(self) -> None:
+        self.keepalive_s = 0.2
+        self.cancelled: list[str] = []
+        self.started = 0
+
+    async def run(self, request: Any) -> types_pb2.FunctionResult:
+        self.started += 1
+        code = request.job.code
+        try:
+            if code.startswith("sleep:"):
+                await asyncio.sleep(float(code[6:]))
+            elif code == "fail":
+                raise InvalidArgument("no such language", reason="UNKNOWN_LANGUAGE")
+            elif code == "bug":
+                raise ZeroDivisionError("internals")
+            elif code == "hang":
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append(code)
+            raise
+        return types_pb2.FunctionResult(stdout=code.encode(), job_id=request.job.job_id)
+
+    async def StreamFunctions(
+        self, requests: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
+        async for item in serve_tagged(
+            requests,
+            self.run,
+            apiserver_pb2.StreamFunctionsResponse,
+            internal=lambda exc: internal_error("test job", exc),
+            keepalive_s=self.keepalive_s,
+        ):
+            yield item
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Jobs, GrpcServer]]:
+    jobs = Jobs()
+    s = GrpcServer("test", "127.0.0.1:0")
+    s.add(jobs, "dsec.apiserver.v1.FunctionService")
+    await s.start()
+    yield jobs, s
+    assert s.server is not None
+    await s.server.stop(None)
+
+
+def _request(code: str, job_id: str = "") -> Any:
+    def make(tag: int, cancel: bool) -> apiserver_pb2.StreamFunctionsRequest:
+        if cancel:
+            return apiserver_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
+        return apiserver_pb2.StreamFunctionsRequest(
+            tag=tag, job=types_pb2.FunctionJob(code=code, job_id=job_id)
+        )
+
+    return make
+
+
+async def test_concurrent_callers_each_get_their_own_answer(
+    served: tuple[Jobs, GrpcServer],
+) -> None:
+    jobs, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+
+        async def one(i: int) -> None:
+            code = f"sleep:{random.random() / 10:.3f}"
+            msg = await stream.call(_request(code, job_id=str(i)), timeout=10)
+            assert msg.result.stdout == code.encode() and msg.result.job_id == str(i)
+
+        await asyncio.gather(*(one(i) for i in range(60)))
+        assert jobs.started == 60  # one stream, sixty jobs, every answer matched
+        await stream.aclose()
+
+
+async def test_one_jobs_error_is_that_jobs_alone(served: tuple[Jobs, GrpcServer]) -> None:
+    _, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+        ok, bad, bug = await asyncio.gather(
+            stream.call(_request("sleep:0.1"), timeout=10),
+            stream.call(_request("fail"), timeout=10),
+            stream.call(_request("bug"), timeout=10),
+            return_exceptions=True,
+        )
+        assert not isinstance(ok, BaseException) and ok.result.stdout == b"sleep:0.1"
+        assert isinstance(bad, InvalidArgument) and bad.reason == "UNKNOWN_LANGUAGE"
+        assert isinstance(bug, Internal) and "internals" not in str(bug)  # no leak of details
+        # the stream goes on
+        assert (await stream.call(_request("x"), timeout=10)).result.stdout == b"x"
+        await stream.aclose()
+
+
+async def test_a_caller_that_gives_up_cancels_its_job(served: tuple[Jobs, GrpcServer]) -> None:
+    jobs, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+        with pytest.raises(DeadlineExceeded):
+            await stream.call(_request("hang"), timeout=0.3)
+        for _ in range(100):
+            if jobs.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert jobs.cancelled == ["hang"]
+        # a cancelled asyncio caller too
+        task = asyncio.ensure_future(stream.call(_request("hang"), timeout=10))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if len(jobs.cancelled) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert jobs.cancelled == ["hang", "hang"]
+        await stream.aclose()
+
+
+async def test_long_jobs_live_on_keepalives_and_a_silent_stream_is_stalled(
+    served: tuple[Jobs, GrpcServer],
+) -> None:
+    jobs, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stub = apiserver_pb2_grpc.FunctionServiceStub(ch)
+        # keepalives every 0.2 s: a 1.2 s job outlives a 0.6 s idle timeout
+        stream = TaggedStream(stub.StreamFunctions, idle_timeout_s=0.6)
+        msg = await stream.call(_request("sleep:1.2"), timeout=10)
+        assert msg.result.stdout == b"sleep:1.2"
+        await stream.aclose()
+        # no keepalives: the caller must not wait for the job's own (long) deadline
+        jobs.keepalive_s = 30.0
+        stream = TaggedStream(stub.StreamFunctions, idle_timeout_s=0.6)
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(DeadlineExceeded) as info:
+            await stream.call(_request("sleep:5"), timeout=60)
+        assert info.value.reason == "STREAM_STALLED" and loop.time() - t < 3
+        await stream.aclose()
+
+
+async def test_a_dying_server_fails_every_waiting_caller(
+    served: tuple[Jobs, GrpcServer],
+) -> None:
+    _, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+        waiting = [
+            asyncio.ensure_future(stream.call(_request("hang"), timeout=60)) for _ in range(5)
+        ]
+        await asyncio.sleep(0.3)
+        assert server.server is not None
+        await server.server.stop(None)
+        done, _ = await asyncio.wait(waiting, timeout=5)
+        assert len(done) == 5
+        for task in done:
+            exc = task.exception()
+            assert isinstance(exc, Unavailable), exc  # what to do: retry later
+        await stream.aclose()
+
+
+async def test_the_protocol_refuses_bad_tags_and_ends_when_every_job_answered(
+    served: tuple[Jobs, GrpcServer],
+) -> None:
+    _, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        call = apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions()
+        job = types_pb2.FunctionJob(code="sleep:0.3")
+        await call.write(apiserver_pb2.StreamFunctionsRequest(tag=7, job=job))
+        await call.write(apiserver_pb2.StreamFunctionsRequest(tag=7, job=job))
+        await call.write(apiserver_pb2.StreamFunctionsRequest(tag=0, job=job))
+        await call.done_writing()
+        answers = [msg async for msg in call]  # ends after job 7: the caller closed its side
+        real = [m for m in answers if m.tag or m.error_code]
+        reasons = sorted(m.error_reason for m in real if m.error_code)
+        assert reasons == ["BAD_TAG", "TAG_IN_USE"]
+        assert all(m.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for m in real[:2])
+        assert [m.result.stdout for m in real if not m.error_code] == [b"sleep:0.3"]
