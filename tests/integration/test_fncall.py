@@ -119,6 +119,37 @@ def test_python_jobs_get_a_fresh_random_state(dsec: Client) -> None:
     assert len(outs) == 4  # forked from one parent, yet never the same sequence
 
 
+THREADS_AND_FORK = """
+import os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+assert threading.enumerate() == [threading.main_thread()], threading.enumerate()
+with ThreadPoolExecutor(4) as pool:
+    print(sum(pool.map(lambda x: x * x, range(10))))
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+sys.stdout.flush()
+pid = os.fork()  # while another thread runs: the child must get threading's own fix-up
+if pid == 0:
+    seen = threading.enumerate()  # only this thread: the fork's fix-up forgot the other
+    ok = seen == [threading.main_thread()] and threading.current_thread() is seen[0]
+    th = threading.Thread(target=print, args=("child thread",))
+    th.start()
+    th.join()
+    sys.stdout.flush()
+    os._exit(0 if ok else 3)
+stop.set()
+t.join()
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_python_jobs_use_threads_and_fork_like_python3(dsec: Client) -> None:
+    for _ in range(3):  # spares of one batch and the next
+        r = dsec.fncall(language="python", code=THREADS_AND_FORK)
+        assert r.verdict == "OK" and r.text == "285\nchild thread\nchild 0\n", r
+
+
 def test_python_errors_and_exit_codes(dsec: Client) -> None:
     r = dsec.fncall(
         language="python", code="import sys\nprint('partial')\nraise ValueError('boom')"
