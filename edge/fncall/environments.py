@@ -61,6 +61,16 @@ class FnCallSettings:
     pids_max: int = 64
     #: Job processes each container forks ahead, back to back (see runner.SPARES).
     spares: int = 4
+    #: Sizes of the tmpfs at /job (the job's files) and /tmp of every pool container, in MiB.
+    #: Their pages count in the container's memory cgroup: each job's limit is raised by
+    #: their sum, so files never starve the runner of memory after a job is killed.
+    job_dir_mb: int = 128
+    tmp_dir_mb: int = 64
+
+    @property
+    def tmpfs_bytes(self) -> int:
+        return (self.job_dir_mb + self.tmp_dir_mb) * 1024 * 1024
+
     #: How long a job waits for a free container before the edge refuses it (EDGE_CAPACITY).
     queue_timeout_s: float = 30.0
     #: Jobs waiting per pool beyond which the edge refuses at once.

@@ -271,6 +271,7 @@ class Observed:
     over: str = ""  # the stream that exceeded the output limit
     oom_kills: int = 0  # kernel OOM kills in the container during the step
     pids_limit_hits: int = 0  # forks refused by the pids cgroup during the step
+    full: str = ""  # a tmpfs of the job's files ("/job", "/tmp") was full when it ended
 
 
 def judge(o: Observed, lim: Limits, *, pids_max: int = 0) -> tuple[str, str]:
@@ -282,6 +283,8 @@ def judge(o: Observed, lim: Limits, *, pids_max: int = 0) -> tuple[str, str]:
         return "OUTPUT_LIMIT", f"{o.over or 'output'} exceeded {lim.max_output} bytes"
     if o.signal == signal.SIGXFSZ:
         return "OUTPUT_LIMIT", f"a file exceeded the {MAX_FILE_BYTES}-byte size limit"
+    if o.full and (o.signal or o.exit_code):
+        return "OUTPUT_LIMIT", f"the job's files filled {o.full}"
     if o.oom_kills:
         return "MEMORY_LIMIT", f"killed at the memory limit of {lim.memory_bytes // MIB} MiB"
     if o.killed == "wall":

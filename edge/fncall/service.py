@@ -425,7 +425,9 @@ class FnCallService:
         retire = ""
         try:
             oom0, pids0 = probe.oom_kills(), probe.pids_limit_hits()
-            probe.set_memory_limit(probe.baseline + CONTAINER_SLACK + lim.memory_bytes)
+            probe.set_memory_limit(
+                probe.baseline + CONTAINER_SLACK + self.settings.tmpfs_bytes + lim.memory_bytes
+            )
             worker.jobs += 1
             pool.jobs_done += 1
             reply = await worker.call(msg, lim.wall_s + ANSWER_MARGIN_S)
@@ -441,6 +443,7 @@ class FnCallService:
                 peak_bytes=int(reply["maxrss_kb"]) * 1024,
                 killed=str(reply.get("killed", "")),
                 over=str(reply.get("over", "")),
+                full=str(reply.get("full", "")),
                 oom_kills=probe.oom_kills() - oom0,
                 pids_limit_hits=probe.pids_limit_hits() - pids0,
             )

@@ -212,6 +212,15 @@ def make_config(
         mounts.append(
             _mount(f"/etc/{name}", "bind", os.fspath(etc_dir / name), ["rbind", "rprivate"])
         )
+    for fs in spec.tmpfs:
+        mounts.append(
+            _mount(
+                fs.target,
+                "tmpfs",
+                "tmpfs",
+                ["nosuid", "nodev", f"mode={fs.mode:o}", f"size={fs.size_mb}m"],
+            )
+        )
     for bind in spec.binds:
         options = ["rbind", "rprivate", "nosuid", "nodev"]
         if bind.readonly:

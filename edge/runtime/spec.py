@@ -25,6 +25,15 @@ class BindMount:
 
 
 @dataclass(frozen=True)
+class TmpfsMount:
+    """A size-limited tmpfs at `target` (its pages count in the sandbox's memory cgroup)."""
+
+    target: str
+    size_mb: int
+    mode: int = 0o755
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """One sandbox as the runtime sees it: layers, pid 1 and limits.
 
@@ -53,6 +62,9 @@ class LaunchSpec:
     disk_mb: int = 0
     #: Extra bind mounts (host directory -> path in the sandbox).
     binds: tuple[BindMount, ...] = ()
+    #: tmpfs mounts (e.g. the FnCall pools' /job and /tmp: a file created on the overlay costs
+    #: ~0.2 ms there, on tmpfs ~6 us).
+    tmpfs: tuple[TmpfsMount, ...] = ()
     #: AppArmor profile of every process of the sandbox ("" = none; hosts without AppArmor).
     apparmor_profile: str = ""
     #: If set, the runtime does not have runc install the seccomp profile: pid 1 receives the
@@ -120,6 +132,11 @@ class LaunchSpec:
                 raise InvalidLaunchSpecError(f"bind target {b.target!r} must be absolute, no ..")
             if not b.source.is_dir():
                 raise InvalidLaunchSpecError(f"bind source {os.fspath(b.source)!r} is no directory")
+        for t in self.tmpfs:
+            if not t.target.startswith("/") or ".." in t.target.split("/") or t.target == "/":
+                raise InvalidLaunchSpecError(f"tmpfs target {t.target!r} must be absolute, no ..")
+            if t.size_mb < 1 or not 0 <= t.mode <= 0o7777:
+                raise InvalidLaunchSpecError(f"tmpfs {t.target}: size_mb >= 1, mode 0..0o7777")
 
 
 class SandboxStatus(enum.Enum):

@@ -288,6 +288,14 @@ def test_a_gigabyte_of_output(dsec: Client) -> None:
     # Into a file instead of a pipe: the per-file size limit (RLIMIT_FSIZE) stops it.
     r = dsec.fncall(language="bash", code="exec head -c 1000000000 /dev/zero > big")
     assert r.verdict == "OUTPUT_LIMIT" and r.signal == 25 and "file" in r.message, r
+    # Many files under the size limit: the job's tmpfs (/job, /tmp) fills up, the write fails.
+    for d in ("/job", "/tmp"):
+        r = dsec.fncall(
+            language="bash",
+            code=f"for i in 1 2 3 4; do head -c 50000000 /dev/zero > {d}/f$i || exit 7; done",
+        )
+        assert r.verdict == "OUTPUT_LIMIT" and f"filled {d}" in r.message, r
+        healthy(dsec)  # and the next job has its room back
     healthy(dsec)
 
 
