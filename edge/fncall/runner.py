@@ -251,50 +251,44 @@ class Runner:
         interpreter's page tables) and the job-independent set-up (session, limits, stdio)
         then cost the next job no latency. Only when the last batch is used up, and
         `spare_count` at once (see SPARES). Each waits for its job on a socketpair; its stdin
-        is a memfd the runner fills when the job comes."""
+        is a memfd the runner fills when the job comes.
+
+        Everything the batch needs is made before the first fork and put together after the
+        last: between two forks the runner writes (and so copies) as few pages as it can."""
         if self.spares:
             return
-        lean = _lean_after_fork()
+        ends = []
         try:
-            while len(self.spares) < self.spare_count:
+            for _ in range(self.spare_count):
+                ends.append(_SpareEnds())
+        except OSError:
+            if not ends:
+                raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        lean = _lean_after_fork()
+        pids: list[int] = []
+        try:
+            for e in ends:
                 try:
-                    self.spares.append(self._fork_spare())
+                    pid = os.fork()
                 except OSError:
-                    if not self.spares:
+                    if not pids:
                         raise
-                    return  # e.g. the pids limit: run with what we have
+                    break  # e.g. the pids limit: run with what we have
+                if pid == 0:  # pragma: no cover - the child never returns
+                    _spare(e.theirs.fileno(), e.stdin, e.out_w, e.err_w, self.job_uid, self.stdio)
+                pids.append(pid)
         finally:
             if lean:
                 _THREADING_AFTER_FORK[0].__code__ = _THREADING_AFTER_FORK[1]
-
-    def _fork_spare(self) -> Spare:
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        numpy_random = sys.modules.get("numpy.random")
-        if numpy_random is not None:
-            # Every job forks from this process: reseed for each, as a fresh interpreter
-            # would be (the stdlib's `random` reseeds itself after fork). Here rather than in
-            # the child: it costs the child no page copies.
-            numpy_random.seed(int.from_bytes(os.urandom(4), "little"))  # type: ignore[attr-defined]
-        try:
-            pid = os.fork()
-        except OSError:
-            for fd in (out_r, out_w, err_r, err_w, stdin):
-                os.close(fd)
-            mine.close()
-            theirs.close()
-            raise
-        if pid == 0:  # pragma: no cover - the child never returns
-            _spare(theirs.fileno(), stdin, out_w, err_w, self.job_uid, self.stdio)
-        # Closed before the next fork: no other spare may hold this one's write ends (EOF).
-        os.close(out_w)
-        os.close(err_w)
-        theirs.close()
-        return Spare(pid, os.pidfd_open(pid), mine, stdin, out_r, err_r)
+            for i, e in enumerate(ends):
+                # Our copies of the child ends: the spare holds its own (EOF when it is done).
+                e.close_child_ends()
+                if i < len(pids):
+                    self.spares.append(e.spare(pids[i]))
+                else:
+                    e.close()
 
     def _drop_spares(self) -> None:
         spares, self.spares = self.spares, []
@@ -501,6 +495,39 @@ class Runner:
         return {name for name in os.listdir("/proc") if name.isdigit()} - mine
 
 
+class _SpareEnds:
+    """The descriptors of one spare to be: its stdio pipes, stdin memfd and control socket.
+    Every spare closes all it inherits but its own (closerange) before it waits for a job."""
+
+    def __init__(self) -> None:
+        fds: list[int] = []
+        try:
+            self.out_r, self.out_w = os.pipe2(os.O_CLOEXEC)
+            fds += [self.out_r, self.out_w]
+            self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
+            fds += [self.err_r, self.err_w]
+            self.stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
+            fds.append(self.stdin)
+            self.mine, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def close_child_ends(self) -> None:
+        for fd in (self.out_w, self.err_w):
+            _close_quietly(fd)
+        self.theirs.close()
+
+    def spare(self, pid: int) -> Spare:
+        return Spare(pid, os.pidfd_open(pid), self.mine, self.stdin, self.out_r, self.err_r)
+
+    def close(self) -> None:
+        for fd in (self.out_r, self.err_r, self.stdin):
+            _close_quietly(fd)
+        self.mine.close()
+
+
 class Spare:
     """The pre-forked process of the next job and the runner's ends of its stdio."""
 
@@ -545,6 +572,12 @@ def _spare(
     try:
         if _THREADING_AFTER_FORK:  # see _lean_after_fork: the job's forks get the real hook
             _THREADING_AFTER_FORK[0].__code__ = _THREADING_AFTER_FORK[1]
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:
+            # Every job forks from one process: reseed, as a fresh interpreter would be (the
+            # stdlib's `random` reseeds itself after fork). Here, not in the runner between
+            # two forks: there each write is a page copy.
+            numpy_random.seed(int.from_bytes(os.urandom(4), "little"))  # type: ignore[attr-defined]
         signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the runner's, not the job's
         os.setsid()
         os.dup2(stdin, 0)
@@ -746,6 +779,13 @@ def _full_tmpfs() -> str:
 def _kill_group(pid: int) -> None:
     for target in (pid, -pid):  # the main process, then its process group
         _kill_quietly(target)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _kill_quietly(pid: int) -> None:
