@@ -36,8 +36,14 @@ from dsec.edge.v1 import edge_pb2
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._status import from_rpc_error, status_for
-from libdsec._tagged import TaggedStream
-from libdsec.errors import EdgeCapacity, InvalidArgument, NoEligibleEdge, Unavailable
+from libdsec._tagged import TaggedStream, stream_failed
+from libdsec.errors import (
+    EdgeCapacity,
+    InvalidArgument,
+    NoEligibleEdge,
+    Unavailable,
+    Unimplemented,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,7 @@ class FunctionRouter:
         self.gw = gw
         self._placements: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, Any]] = {}
         self._streams: dict[str, TaggedStream] = {}  # edge address -> its job stream
+        self._unary_edges: set[str] = set()  # edges without StreamFunctions
 
     def _edge_stream(self, address: str) -> TaggedStream:
         stream = self._streams.get(address)
@@ -79,10 +86,23 @@ class FunctionRouter:
                 return edge_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
             return edge_pb2.StreamFunctionsRequest(tag=tag, job=job, project_id=who.project_id)
 
-        msg = await self._edge_stream(address).call(
-            request, timeout=(job.time_limit_s or 10.0) + JOB_MARGIN_S
+        timeout = (job.time_limit_s or 10.0) + JOB_MARGIN_S
+        if address not in self._unary_edges:
+            try:
+                msg = await self._edge_stream(address).call(request, timeout=timeout)
+                return msg.result
+            except Unimplemented as exc:
+                if not stream_failed(exc):
+                    raise
+                self._unary_edges.add(address)  # an older edge: one call per job
+        stub = self.gw.edges.stub_for_address(address)
+        resp = await downstream(
+            stub.RunFunction(
+                edge_pb2.RunFunctionRequest(job=job, project_id=who.project_id), timeout=timeout
+            ),
+            "edge",
         )
-        return msg.result
+        return resp.result
 
     async def close(self) -> None:
         streams, self._streams = self._streams, {}

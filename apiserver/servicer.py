@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -481,15 +482,21 @@ class FunctionServicer:
     async def StreamFunctions(
         self, requests: AsyncIterator[apiserver_pb2.StreamFunctionsRequest], context: Any
     ) -> AsyncIterator[apiserver_pb2.StreamFunctionsResponse]:
-        who = await self.gw.caller(bearer_token(context))
+        token = bearer_token(context)
+        await self.gw.caller(token)  # a bad token ends the stream at once
 
         async def run(request: apiserver_pb2.StreamFunctionsRequest) -> Any:
+            # Per job, not once per stream: a stream lives long, a token may be revoked or
+            # expire meanwhile (the lookup is cached: no IAM call per job).
+            who = await self.gw.caller(token)
             return await self.router.run(who, request.job)
 
-        async for item in serve_tagged(
+        jobs = serve_tagged(
             requests,
             run,
             apiserver_pb2.StreamFunctionsResponse,
             internal=lambda exc: internal_error("StreamFunctions job", exc),
-        ):
-            yield item
+        )
+        async with contextlib.aclosing(jobs):
+            async for item in jobs:
+                yield item

@@ -4,8 +4,8 @@
 Every request with a new tag starts its job at once, concurrently with the others; its
 answer (a result, or the error that job alone got) is written as soon as it finishes. A
 request with ``cancel`` cancels the job of its tag (no answer follows). While jobs run and
-nothing else is written, a keepalive (tag 0) goes out every ``keepalive_s``, so the caller
-can tell a stalled stream from a long job. When the caller closes its side, the stream ends
+nothing else is written, a keepalive (tag 0) goes out every ``keepalive_s`` (also while no job
+runs: one may be on its way in), so the caller can tell a stalled stream from a long job. When the caller closes its side, the stream ends
 once every job has answered; when the caller goes away (the call is cancelled), every job
 still running is cancelled.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from libdsec.errors import DSecError, InvalidArgument, ResourceExhausted
+from libdsec.errors import DSecError, InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ async def serve_tagged(
     internal: Callable[[BaseException], DSecError],
     keepalive_s: float = KEEPALIVE_S,
     max_in_flight: int = MAX_IN_FLIGHT,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """Yields the responses of a StreamFunctions call.
 
     ``run(request)`` runs one job and returns its ``FunctionResult`` (or raises a
@@ -56,22 +56,33 @@ async def serve_tagged(
     running: dict[int, asyncio.Task[None]] = {}
     loop = asyncio.get_running_loop()
 
+    def answer(tag: int, err: DSecError) -> Any:
+        try:
+            return response(tag=tag, **error_fields(err))
+        except Exception as exc:
+            return response(tag=tag, **error_fields(internal(exc)))
+
     async def one(tag: int, request: Any) -> None:
+        me = asyncio.current_task()
         try:
             msg = response(tag=tag, result=await run(request))
         except asyncio.CancelledError:
-            return  # cancelled by the caller: no answer
+            if me is not None and me.cancelling():
+                return  # cancelled by the caller (or the stream ended): no answer
+            # a cancellation from inside the job (a closed channel downstream): answer it,
+            # or its caller would wait for its whole deadline
+            msg = answer(tag, Unavailable("the job was cancelled downstream", reason="CANCELLED"))
         except DSecError as err:
-            msg = response(tag=tag, **error_fields(err))
+            msg = answer(tag, err)
         except Exception as exc:
-            msg = response(tag=tag, **error_fields(internal(exc)))
+            msg = answer(tag, internal(exc))
         finally:
-            if running.get(tag) is asyncio.current_task():
+            if running.get(tag) is me:
                 del running[tag]
         out.put_nowait(msg)
 
     def refuse(tag: int, err: DSecError) -> None:
-        out.put_nowait(response(tag=tag, **error_fields(err)))
+        out.put_nowait(answer(tag, err))
 
     async def read() -> None:
         try:
@@ -111,8 +122,9 @@ async def serve_tagged(
                 async with asyncio.timeout(keepalive_s):
                     msg = await out.get()
             except TimeoutError:
-                if running:
-                    yield response(tag=0)
+                # Also with nothing running: a job still on its way in (a big upload) must not
+                # look like a dead stream to its caller.
+                yield response(tag=0)
                 continue
             if msg is _CLOSED:
                 caller_done = True

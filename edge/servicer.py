@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -380,8 +381,10 @@ class EdgeServicer:
     async def StreamFunctions(
         self, requests: AsyncIterator[edge_pb2.StreamFunctionsRequest], context: Any
     ) -> AsyncIterator[edge_pb2.StreamFunctionsResponse]:
-        async for item in self.fncall.stream_functions(requests):
-            yield item
+        jobs = self.fncall.stream_functions(requests)
+        async with contextlib.aclosing(jobs):  # its jobs are cancelled when we are closed
+            async for item in jobs:
+                yield item
 
     # --------------------------------------------------------- containment
 

@@ -27,10 +27,18 @@ from typing import Any
 import grpc
 
 from libdsec._status import from_rpc_error, status_for
-from libdsec.errors import DeadlineExceeded, DSecError, Unavailable
+from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable
 
 #: Request factory: (tag, cancel) -> the stream's request message.
 MakeRequest = Callable[[int, bool], Any]
+#: The largest job sent: the channels' message limit (64 MiB) minus room for the envelope.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024 - 64 * 1024
+
+
+def stream_failed(err: BaseException) -> bool:
+    """Whether ``err`` is the stream's own failure (every waiting call got it), not the error
+    one job got from the server (e.g. UNIMPLEMENTED: the server has no such stream at all)."""
+    return bool(getattr(err, "stream_failed", False))
 
 
 class _Open:
@@ -61,10 +69,15 @@ class TaggedStream:
     """
 
     def __init__(
-        self, open_call: Callable[[AsyncIterator[Any]], Any], *, idle_timeout_s: float = 30.0
+        self,
+        open_call: Callable[[AsyncIterator[Any]], Any],
+        *,
+        idle_timeout_s: float = 30.0,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         self._open_call = open_call
         self._idle_timeout_s = idle_timeout_s
+        self._max_request_bytes = max_request_bytes
         self._tags = itertools.count(1)
         self._state: _Open | None = None
 
@@ -78,14 +91,24 @@ class TaggedStream:
         return st
 
     async def call(self, make: MakeRequest, timeout: float | None) -> Any:
-        st = self._ensure()
         tag = next(self._tags)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        request = make(tag, False)
+        size = request.ByteSize()
+        if size > self._max_request_bytes:
+            # Refused here: past the channel's message limit gRPC would fail the whole stream,
+            # i.e. every other job on it.
+            raise InvalidArgument(
+                f"the job is {size} bytes; at most {self._max_request_bytes} per job",
+                reason="JOB_TOO_LARGE",
+            )
+        st = self._ensure()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         st.pending[tag] = fut
-        st.queue.put_nowait(make(tag, False))
+        st.queue.put_nowait(request)
         idle = st.idle
-        if idle is not None and idle.when() is None:  # the reader waits without a deadline
-            idle.reschedule(asyncio.get_running_loop().time() + self._idle_timeout_s)
+        if idle is not None and len(st.pending) == 1:  # the first waiter: the clock starts now
+            idle.reschedule(loop.time() + self._idle_timeout_s)
         try:
             async with asyncio.timeout(timeout):
                 msg = await fut
@@ -123,6 +146,8 @@ class TaggedStream:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
+                    if not st.pending:  # its waiters gave up meanwhile: nobody waits for it
+                        continue
                     err = DeadlineExceeded(
                         f"the job stream said nothing (not even a keepalive) for "
                         f"{self._idle_timeout_s:.0f} s",
@@ -144,6 +169,7 @@ class TaggedStream:
             self._close(st, err)
 
     def _close(self, st: _Open, err: DSecError) -> None:
+        err.stream_failed = True  # type: ignore[attr-defined]  # see stream_failed()
         st.closed = True
         if self._state is st:
             self._state = None

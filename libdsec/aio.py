@@ -31,7 +31,7 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._status import from_rpc_error, status_for
-from libdsec._tagged import TaggedStream
+from libdsec._tagged import TaggedStream, stream_failed
 from libdsec.errors import (
     DeadlineExceeded,
     DSecError,
@@ -317,7 +317,9 @@ class AsyncClient:
             try:
                 msg = await self._job_stream.call(request, timeout=deadline)
                 return FunctionResult.from_pb(msg.result)
-            except Unimplemented:
+            except Unimplemented as exc:
+                if not stream_failed(exc):
+                    raise  # that job's own answer
                 self._job_stream_ok = False  # an older API server: one call per job
         resp = await _unary(
             self._functions.RunFunction(

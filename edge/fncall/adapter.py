@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from common.convert import ts
@@ -78,7 +78,7 @@ class FnCallAdapter:
 
     def stream_functions(
         self, requests: AsyncIterator[edge_pb2.StreamFunctionsRequest]
-    ) -> AsyncIterator[edge_pb2.StreamFunctionsResponse]:
+    ) -> AsyncGenerator[edge_pb2.StreamFunctionsResponse, None]:
         """Tagged jobs, each run as soon as it arrives, answered as each finishes (the API
         server keeps one such stream per edge for every caller's jobs)."""
         service = self._service()

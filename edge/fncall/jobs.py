@@ -275,32 +275,33 @@ class Observed:
 
 
 def judge(o: Observed, lim: Limits, *, pids_max: int = 0) -> tuple[str, str]:
-    """(verdict, message). Precedence: output, memory (the kernel killed it), time, memory
-    (peak above the limit), runtime error, OK."""
+    """(verdict, message). Precedence: cancelled, output, memory (the kernel killed it), time,
+    memory (peak above the limit), files (a full tmpfs), runtime error, OK. A fork refused at
+    the process limit is noted on a time or runtime verdict (a fork bomb may end either way)."""
+    fork = (
+        f"; the process limit{f' ({pids_max})' if pids_max else ''} was reached"
+        if o.pids_limit_hits
+        else ""
+    )
     if o.killed == "cancelled":
         return "SYSTEM_ERROR", "cancelled: the caller went away"
     if o.killed == "output":
         return "OUTPUT_LIMIT", f"{o.over or 'output'} exceeded {lim.max_output} bytes"
     if o.signal == signal.SIGXFSZ:
         return "OUTPUT_LIMIT", f"a file exceeded the {MAX_FILE_BYTES}-byte size limit"
-    if o.full and (o.signal or o.exit_code):
-        return "OUTPUT_LIMIT", f"the job's files filled {o.full}"
     if o.oom_kills:
         return "MEMORY_LIMIT", f"killed at the memory limit of {lim.memory_bytes // MIB} MiB"
     if o.killed == "wall":
-        return "TIME_LIMIT", f"wall-clock limit of {lim.wall_s:g} s exceeded"
+        return "TIME_LIMIT", f"wall-clock limit of {lim.wall_s:g} s exceeded{fork}"
     if o.killed == "cpu" or o.signal == signal.SIGXCPU:
-        return "TIME_LIMIT", f"CPU time limit of {lim.cpu_s:g} s exceeded"
+        return "TIME_LIMIT", f"CPU time limit of {lim.cpu_s:g} s exceeded{fork}"
     if o.peak_bytes > lim.memory_bytes:
         return (
             "MEMORY_LIMIT",
             f"peak memory {o.peak_bytes / MIB:.1f} MiB above the limit of {lim.memory_bytes // MIB} MiB",
         )
-    fork = (
-        f"; the process limit{f' ({pids_max})' if pids_max else ''} was reached"
-        if o.pids_limit_hits
-        else ""
-    )
+    if o.full and (o.signal or o.exit_code):
+        return "OUTPUT_LIMIT", f"the job's files filled {o.full}"
     if o.signal:
         return "RUNTIME_ERROR", f"killed by {_signame(o.signal)}{fork}"
     if o.exit_code != 0:

@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import time
@@ -168,7 +169,10 @@ class Worker:
         """Asks the runner to kill the job it runs (the caller went away); the answer still
         comes, as for any killed job."""
         with contextlib.suppress(OSError):
-            os.kill(self.proc.pid, ABORT_SIGNAL)
+            if self.pidfd is not None:  # not a reused pid
+                signal.pidfd_send_signal(self.pidfd, ABORT_SIGNAL)
+            else:
+                os.kill(self.proc.pid, ABORT_SIGNAL)
 
     async def receive(self) -> dict[str, Any]:
         prefix = await self.reader.readexactly(4)

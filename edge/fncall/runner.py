@@ -18,8 +18,8 @@ Per job:
 4. limits: wall clock by the runner's poll timeout; CPU time of the whole job (every process,
    orphans included) from the container's cpuacct counter minus the runner's own, checked
    exactly when the budget could first be exhausted (so short jobs cost no wake-ups);
-5. afterwards, before answering: SIGKILL to every process of the job uid (kill(-1) with the
-   job uid as real uid: the job's processes, orphans included, but not the root spares), reap,
+5. afterwards, before answering: SIGKILL, as root, to every process in the container but the
+   runner and the idle spares (the job's, orphans included) until none is left, reap,
    empty /job and the world-writable scratch dirs, and check that no SysV IPC object
    survived. Anything unexpected is reported as an `anomaly` and the edge recycles the
    container. When the spares are used up, the next batch is forked.
@@ -85,6 +85,8 @@ class Runner:
                 continue
         self.python_ready = False
         self.current_pid = 0  # the running job's main process
+        self.in_run = False  # between reading a run request and answering it
+        self.abort_early = False  # an abort came before the job's process was running
         self.aborted = False
         # The edge's "the caller gave up": kill the running job now, free the container.
         signal.signal(ABORT_SIGNAL, self._abort)
@@ -144,7 +146,10 @@ class Runner:
             if op == "warm":
                 self.send(self.warm(req))
             elif op == "run":
-                self.send(self.run(req))
+                self.in_run, self.abort_early = True, False
+                result = self.run(req)
+                self.in_run = False
+                self.send(result)
                 try:
                     self.fork_spares()
                 except OSError as exc:  # the next job reports it (as an anomaly) if it persists
@@ -326,9 +331,13 @@ class Runner:
         t0 = time.monotonic()
         self.current_pid, self.aborted = pid, False
         try:
-            spare.sock.send(go)
+            spare.sock.sendall(go)
+            spare.sock.shutdown(socket.SHUT_WR)  # the end of the message: it reads to EOF
         except OSError:
             pass  # it died: the pidfd says so below, and the job is a runtime error
+        if self.abort_early:  # the caller went away while we prepared the job
+            self.aborted = True
+            _kill_group(pid)
         out = {out_r: bytearray(), err_r: bytearray()}
         names = {out_r: "stdout", err_r: "stderr"}
         poller = select.poll()
@@ -434,7 +443,8 @@ class Runner:
         strays = 0
         deadline = time.monotonic() + 2.0
         while True:
-            self._kill_job_uid()
+            for pid in self._job_pids():
+                _kill_quietly(pid)
             strays += _reap()
             if not self._job_pids():
                 break
@@ -473,26 +483,22 @@ class Runner:
         if self.current_pid:
             self.aborted = True
             _kill_group(self.current_pid)
+        elif self.in_run:  # still preparing it: _execute kills it as soon as it runs
+            self.abort_early = True
+        # else: late, for a job already answered (the edge had not read the answer yet)
 
-    def _kill_job_uid(self) -> None:
-        """SIGKILL to every process whose real or saved uid is the job uid: kill(-1) sent
-        with the job uid as real and effective uid (so without CAP_KILL), the saved uid
-        kept 0 to come back. The spares are root until their job starts: not hit. (kill(-1)
-        succeeds as long as any other process exists, signalled or not: see _job_pids.)"""
-        uid = self.job_uid
-        os.setresuid(uid, uid, 0)
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        finally:
-            os.setresuid(0, 0, 0)
+    def _job_pids(self) -> list[int]:
+        """Processes in the container other than the runner and the idle spares: the job's,
+        orphans included (reaped zombies are gone from /proc; threads are not listed).
 
-    def _job_pids(self) -> set[str]:
-        """Processes in the container other than the runner and the idle spares (reaped
-        zombies are gone from /proc; threads are not listed)."""
-        mine = {"1", str(os.getpid()), *(str(sp.pid) for sp in self.spares)}
-        return {name for name in os.listdir("/proc") if name.isdigit()} - mine
+        Killed one by one, as root, from this list: pid 1 never takes the job's uid (with it,
+        a job's process could renice, re-schedule or signal the runner). Not atomic like
+        kill(-1), so the caller repeats until the list is empty; a fork bomb cannot outrun
+        it: every process listed is killed, and the zombies keep the pids cgroup full until
+        we reap them. A pid cannot be reused by anything else meanwhile: only job processes
+        fork here, and only we reap orphans."""
+        mine = {1, os.getpid(), *(sp.pid for sp in self.spares)}
+        return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in mine]
 
 
 class _SpareEnds:
@@ -590,7 +596,13 @@ def _spare(
             atexit._clear()
             sys.stdin, sys.stdout, sys.stderr = stdio
             sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
-        msg = os.read(3, 1 << 20)
+        chunks = []
+        while True:  # the runner ends its message with a shutdown: read to EOF
+            chunk = os.read(3, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        msg = b"".join(chunks)
         if not msg:
             os._exit(0)  # the runner dropped us
         usage = resource.getrusage(resource.RUSAGE_SELF)

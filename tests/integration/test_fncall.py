@@ -381,6 +381,46 @@ def test_a_job_cannot_touch_the_spares_waiting_for_later_jobs(dsec: Client) -> N
     healthy(dsec)
 
 
+RUNNER_PROBE = r"""
+import os, signal, sys
+def attack():
+    for call in (
+        lambda: os.setpriority(os.PRIO_PROCESS, 1, 19),
+        lambda: os.sched_setaffinity(1, {0}),
+        lambda: os.kill(1, signal.SIGINT),
+        lambda: os.kill(1, signal.SIGUSR1),
+    ):
+        try:
+            call()
+            return True
+        except PermissionError:
+            pass
+    return False
+hit = attack()
+if os.fork() == 0:  # an orphan that keeps trying while the runner cleans up after us
+    os.setsid()
+    while not attack():
+        pass
+    os._exit(0)
+fields = open("/proc/1/stat").read().rsplit(")", 1)[1].split()
+print(hit, fields[16], open("/etc/hostname").read().strip())
+"""
+
+
+def test_a_job_cannot_touch_the_runner(dsec: Client) -> None:
+    # pid 1 stays root throughout, also while it kills the job's processes: a job (or an orphan
+    # it leaves, trying all along) can neither renice, pin nor signal it.
+    seen = []
+    for _ in range(5):
+        r = dsec.fncall(language="bash", code=f"python3 -c '{RUNNER_PROBE}'")
+        assert r.verdict == "OK", r
+        hit, nice, host = r.text.split()
+        assert hit == "False" and nice == "0", r.text
+        seen.append(host)
+    assert len(set(seen)) == 1, seen  # the same container (the runner never died)
+    healthy(dsec)
+
+
 def test_a_container_is_recycled_after_n_jobs_and_after_an_anomaly(dsec: Client) -> None:
     hosts = [
         dsec.fncall(language="bash", code="cat /etc/hostname").text

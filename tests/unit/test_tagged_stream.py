@@ -16,8 +16,14 @@ from common.grpc_server import GrpcServer, internal_error
 from common.tagged import serve_tagged
 from dsec.apiserver.v1 import apiserver_pb2, apiserver_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec._tagged import TaggedStream
-from libdsec.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
+from libdsec._tagged import TaggedStream, stream_failed
+from libdsec.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    Unimplemented,
+)
 
 
 class Jobs:
@@ -38,6 +44,8 @@ class Jobs:
                 raise ZeroDivisionError("internals")
             elif code == "hang":
                 await asyncio.sleep(3600)
+            elif code == "inner-cancel":  # e.g. a downstream call whose channel closed
+                raise asyncio.CancelledError
         except asyncio.CancelledError:
             self.cancelled.append(code)
             raise
@@ -197,3 +205,63 @@ async def test_the_protocol_refuses_bad_tags_and_ends_when_every_job_answered(
         assert reasons == ["BAD_TAG", "TAG_IN_USE"]
         assert all(m.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for m in real[:2])
         assert [m.result.stdout for m in real if not m.error_code] == [b"sleep:0.3"]
+
+
+async def test_an_idle_stream_is_not_stalled_and_the_clock_starts_with_the_first_waiter(
+    served: tuple[Jobs, GrpcServer],
+) -> None:
+    jobs, server = served
+    jobs.keepalive_s = 30.0  # a silent server
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(
+            apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions, idle_timeout_s=0.6
+        )
+        assert (await stream.call(_request("sleep:0.05"), timeout=5)).result.stdout
+        with pytest.raises(DeadlineExceeded):
+            await stream.call(_request("hang"), timeout=0.2)  # gives up: nobody waits now
+        await asyncio.sleep(0.3)
+        # a new waiter gets a full idle period of its own, not what was left of the last one's
+        msg = await stream.call(_request("sleep:0.4"), timeout=5)
+        assert msg.result.stdout == b"sleep:0.4"
+        await asyncio.sleep(0.8)  # idle past the timeout, nobody waiting: not a stall
+        assert (await stream.call(_request("x"), timeout=5)).result.stdout == b"x"
+        await stream.aclose()
+
+
+async def test_a_job_too_large_is_refused_alone(served: tuple[Jobs, GrpcServer]) -> None:
+    _, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(
+            apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions, max_request_bytes=1000
+        )
+        other = asyncio.ensure_future(stream.call(_request("sleep:0.2"), timeout=5))
+        with pytest.raises(InvalidArgument) as info:
+            await stream.call(_request("x" * 2000), timeout=5)
+        assert info.value.reason == "JOB_TOO_LARGE" and not stream_failed(info.value)
+        assert (await other).result.stdout == b"sleep:0.2"  # the stream was not touched
+        await stream.aclose()
+
+
+async def test_a_cancellation_inside_a_job_is_answered(served: tuple[Jobs, GrpcServer]) -> None:
+    _, server = served
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+        with pytest.raises(Unavailable) as info:
+            await stream.call(_request("inner-cancel"), timeout=5)
+        assert info.value.reason == "CANCELLED" and not stream_failed(info.value)
+        await stream.aclose()
+
+
+async def test_a_server_without_the_stream_is_a_stream_failure() -> None:
+    s = GrpcServer("test", "127.0.0.1:0")  # no FunctionService at all
+    await s.start()
+    try:
+        async with grpc.aio.insecure_channel(s.address) as ch:
+            stream = TaggedStream(apiserver_pb2_grpc.FunctionServiceStub(ch).StreamFunctions)
+            with pytest.raises(Unimplemented) as info:
+                await stream.call(_request("x"), timeout=5)
+            assert stream_failed(info.value)  # what tells the SDK to fall back to unary calls
+            await stream.aclose()
+    finally:
+        assert s.server is not None
+        await s.server.stop(None)

@@ -1960,8 +1960,8 @@ class FunctionServiceServicer:
         one call per job). Send a job at any time with a tag of your choosing (not 0, unique
         among your jobs in flight); its outcome comes back with that tag as soon as it finishes:
         a result, or the error that job alone got (the stream goes on). A request with `cancel`
-        gives the job of its tag up (no answer follows). While jobs run, a keepalive (tag 0)
-        comes after every 5 s of silence. Closing your side ends the stream once every job
+        gives the job of its tag up (no answer follows). A keepalive (tag 0) comes after
+        every 5 s of silence. Closing your side ends the stream once every job
         has answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
