@@ -443,11 +443,12 @@ class Runner:
         strays = 0
         deadline = time.monotonic() + 2.0
         while True:
-            for pid in self._job_pids():
-                _kill_quietly(pid)
             strays += _reap()
-            if not self._job_pids():
+            left = self._job_pids()
+            if not left:
                 break
+            for pid in left:
+                _kill_quietly(pid)
             if time.monotonic() > deadline:
                 problems.append("processes survived SIGKILL for 2 s")
                 break
