@@ -196,6 +196,14 @@ def obs(**kw: Any) -> Observed:
         (obs(signal=9, killed="output", oom_kills=1), "OUTPUT_LIMIT", ""),
         (obs(signal=9, killed="wall", oom_kills=1), "MEMORY_LIMIT", ""),
         (obs(signal=9, killed="wall", peak_bytes=100 * MIB), "TIME_LIMIT", ""),
+        # a fork bomb that ends at its time limit still says why
+        (obs(signal=9, killed="wall", pids_limit_hits=3), "TIME_LIMIT", "process limit (64)"),
+        # files: a failure with a full tmpfs; a time limit comes first; success is success
+        (obs(exit_code=7, full="/job"), "OUTPUT_LIMIT", "filled /job"),
+        (obs(signal=9, killed="wall", full="/tmp"), "TIME_LIMIT", "wall-clock"),
+        (obs(full="/tmp"), "OK", ""),
+        # the caller went away: nobody reads it, but it must not look like the program's fault
+        (obs(signal=9, killed="cancelled"), "SYSTEM_ERROR", "cancelled"),
     ],
 )
 def test_judge(observed: Observed, verdict: str, says: str) -> None:
