@@ -54,6 +54,8 @@ ANSWER_MARGIN_S = 15.0
 #: buffers, page cache of the job's files). The verdict holds the job to its limit exactly
 #: (peak RSS); the cgroup is the kernel-enforced backstop.
 CONTAINER_SLACK = 32 * 1024 * 1024
+#: How often the edge repeats its abort signal until a given-up job's answer comes.
+ABORT_REPEAT_S = 0.1
 COMPILE_CACHE_BYTES = 256 * 1024 * 1024
 COMPILE_CACHE_ENTRIES = 4096
 MAX_BATCH = 100_000
@@ -390,7 +392,12 @@ class FnCallService:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
                 if not task.done():
-                    worker.abort()  # nobody waits for this job: stop it, free the container
+                    # Nobody waits for this job: stop it, free the container. Repeated until
+                    # the answer comes: a signal that finds the runner still reading the
+                    # request does nothing (one after the answer does nothing either).
+                    aborting = asyncio.create_task(_abort_until_done(worker, task))
+                    self._tasks.add(aborting)
+                    aborting.add_done_callback(self._tasks.discard)
                 raise
             except WorkerBroken as exc:
                 if attempt == 2 or not isinstance(exc.__cause__, (EOFError, OSError)):
@@ -456,6 +463,12 @@ class FnCallService:
             raise
         finally:
             pool.release(worker, retire=retire)
+
+
+async def _abort_until_done(worker: Worker, exchange: asyncio.Task[Any]) -> None:
+    while not exchange.done():
+        worker.abort()
+        await asyncio.wait({exchange}, timeout=ABORT_REPEAT_S)
 
 
 def _cpu_seconds(reply: dict[str, Any]) -> float:
