@@ -36,13 +36,12 @@ from dsec.edge.v1 import edge_pb2
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._status import from_rpc_error, status_for
-from libdsec._tagged import TaggedStream, stream_failed
+from libdsec._tagged import TaggedStream
 from libdsec.errors import (
     EdgeCapacity,
     InvalidArgument,
     NoEligibleEdge,
     Unavailable,
-    Unimplemented,
 )
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,6 @@ class FunctionRouter:
         self.gw = gw
         self._placements: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, Any]] = {}
         self._streams: dict[str, TaggedStream] = {}  # edge address -> its job stream
-        self._unary_edges: set[str] = set()  # edges without StreamFunctions
 
     def _edge_stream(self, address: str) -> TaggedStream:
         stream = self._streams.get(address)
@@ -81,20 +79,13 @@ class FunctionRouter:
     async def _run_on(
         self, address: str, who: Caller, job: types_pb2.FunctionJob
     ) -> types_pb2.FunctionResult:
-        def request(tag: int, cancel: bool) -> edge_pb2.StreamFunctionsRequest:
-            if cancel:
-                return edge_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
-            return edge_pb2.StreamFunctionsRequest(tag=tag, job=job, project_id=who.project_id)
-
         timeout = (job.time_limit_s or 10.0) + JOB_MARGIN_S
-        if address not in self._unary_edges:
-            try:
-                msg = await self._edge_stream(address).call(request, timeout=timeout)
-                return msg.result
-            except Unimplemented as exc:
-                if not stream_failed(exc):
-                    raise
-                self._unary_edges.add(address)  # an older edge: one call per job
+        msg = await self._edge_stream(address).call_if_supported(
+            edge_pb2.StreamFunctionsRequest(job=job, project_id=who.project_id), timeout=timeout
+        )
+        if msg is not None:
+            return msg.result
+        # an older edge: one call per job
         stub = self.gw.edges.stub_for_address(address)
         resp = await downstream(
             stub.RunFunction(

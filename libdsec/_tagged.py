@@ -27,10 +27,8 @@ from typing import Any
 import grpc
 
 from libdsec._status import from_rpc_error, status_for
-from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable
+from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable, Unimplemented
 
-#: Request factory: (tag, cancel) -> the stream's request message.
-MakeRequest = Callable[[int, bool], Any]
 #: The largest job sent: the channels' message limit (64 MiB) minus room for the envelope.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024 - 64 * 1024
 
@@ -61,11 +59,13 @@ class _Open:
 
 
 class TaggedStream:
-    """``await stream.call(make, timeout)``: one request on the shared stream, its answer.
+    """``await stream.call(request, timeout)``: one request on the shared stream, its answer.
 
-    ``open_call(requests)`` starts the bidirectional call (e.g. ``stub.StreamFunctions``);
-    ``make(tag, cancel)`` builds a request. The answer is the response message; one that
-    carries an error (``error_code`` != 0) is raised as its typed :class:`DSecError`.
+    ``open_call(requests)`` starts the bidirectional call (e.g. ``stub.StreamFunctions``).
+    A request is a message with ``tag`` (set here) and ``cancel`` fields. The answer is the
+    response message; one that carries an error (``error_code`` != 0) is raised as its typed
+    :class:`DSecError`. ``unsupported`` turns true once the server answered the stream itself
+    with UNIMPLEMENTED (an older server): callers then use their unary call instead.
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class TaggedStream:
         self._max_request_bytes = max_request_bytes
         self._tags = itertools.count(1)
         self._state: _Open | None = None
+        self.unsupported = False
 
     def _ensure(self) -> _Open:
         st = self._state
@@ -90,9 +91,19 @@ class TaggedStream:
             self._state = st
         return st
 
-    async def call(self, make: MakeRequest, timeout: float | None) -> Any:
-        tag = next(self._tags)
-        request = make(tag, False)
+    async def call_if_supported(self, request: Any, timeout: float | None) -> Any | None:
+        """As :meth:`call`, or None if the server has no such stream (see ``unsupported``)."""
+        if self.unsupported:
+            return None
+        try:
+            return await self.call(request, timeout)
+        except Unimplemented:
+            if self.unsupported:
+                return None
+            raise  # that job's own answer
+
+    async def call(self, request: Any, timeout: float | None) -> Any:
+        tag = request.tag = next(self._tags)
         size = request.ByteSize()
         if size > self._max_request_bytes:
             # Refused here: past the channel's message limit gRPC would fail the whole stream,
@@ -113,12 +124,12 @@ class TaggedStream:
             async with asyncio.timeout(timeout):
                 msg = await fut
         except TimeoutError:
-            self._give_up(st, tag, make)
+            self._give_up(st, request)
             raise DeadlineExceeded(
                 f"no answer within {timeout:.1f} s", reason="DEADLINE_EXCEEDED"
             ) from None
         except BaseException:
-            self._give_up(st, tag, make)
+            self._give_up(st, request)
             raise
         if msg.error_code:
             raise status_for(
@@ -127,9 +138,9 @@ class TaggedStream:
         return msg
 
     @staticmethod
-    def _give_up(st: _Open, tag: int, make: MakeRequest) -> None:
-        if st.pending.pop(tag, None) is not None and not st.closed:
-            st.queue.put_nowait(make(tag, True))
+    def _give_up(st: _Open, request: Any) -> None:
+        if st.pending.pop(request.tag, None) is not None and not st.closed:
+            st.queue.put_nowait(type(request)(tag=request.tag, cancel=True))
 
     async def _read(self, st: _Open) -> None:
         err: DSecError = Unavailable("the job stream ended", reason="STREAM_CLOSED")
@@ -170,6 +181,8 @@ class TaggedStream:
 
     def _close(self, st: _Open, err: DSecError) -> None:
         err.stream_failed = True  # type: ignore[attr-defined]  # see stream_failed()
+        if isinstance(err, Unimplemented):
+            self.unsupported = True
         st.closed = True
         if self._state is st:
             self._state = None

@@ -31,13 +31,12 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._status import from_rpc_error, status_for
-from libdsec._tagged import TaggedStream, stream_failed
+from libdsec._tagged import TaggedStream
 from libdsec.errors import (
     DeadlineExceeded,
     DSecError,
     InvalidArgument,
     Unavailable,
-    Unimplemented,
 )
 from libdsec.types import (
     Environment,
@@ -248,7 +247,6 @@ class AsyncClient:
             lambda requests: self._functions.StreamFunctions(requests, metadata=self._metadata),
             idle_timeout_s=STREAM_IDLE_TIMEOUT_S,
         )
-        self._job_stream_ok = True
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -307,20 +305,12 @@ class AsyncClient:
         )
         deadline = timeout if timeout is not None else (time_limit_s or 10.0) + 180.0
         pb = job.to_pb()
-        if self._job_stream_ok:
-
-            def request(tag: int, cancel: bool) -> apiserver_pb2.StreamFunctionsRequest:
-                if cancel:
-                    return apiserver_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
-                return apiserver_pb2.StreamFunctionsRequest(tag=tag, job=pb)
-
-            try:
-                msg = await self._job_stream.call(request, timeout=deadline)
-                return FunctionResult.from_pb(msg.result)
-            except Unimplemented as exc:
-                if not stream_failed(exc):
-                    raise  # that job's own answer
-                self._job_stream_ok = False  # an older API server: one call per job
+        msg = await self._job_stream.call_if_supported(
+            apiserver_pb2.StreamFunctionsRequest(job=pb), timeout=deadline
+        )
+        if msg is not None:
+            return FunctionResult.from_pb(msg.result)
+        # an older API server: one call per job
         resp = await _unary(
             self._functions.RunFunction(
                 apiserver_pb2.RunFunctionRequest(job=pb),

@@ -168,11 +168,9 @@ class Worker:
     def abort(self) -> None:
         """Asks the runner to kill the job it runs (the caller went away); the answer still
         comes, as for any killed job."""
-        with contextlib.suppress(OSError):
-            if self.pidfd is not None:  # not a reused pid
+        if self.pidfd is not None:  # the runner's pidfd: never a reused pid
+            with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self.pidfd, ABORT_SIGNAL)
-            else:
-                os.kill(self.proc.pid, ABORT_SIGNAL)
 
     async def receive(self) -> dict[str, Any]:
         prefix = await self.reader.readexactly(4)

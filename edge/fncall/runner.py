@@ -83,7 +83,6 @@ class Runner:
                 self.scratch[d] = set(os.listdir(d))
             except OSError:
                 continue
-        self.python_ready = False
         self.current_pid = 0  # the running job's main process
         self.in_run = False  # between reading a run request and answering it
         self.abort_early = False  # an abort came before the job's process was running
@@ -185,7 +184,6 @@ class Runner:
         # so a job's first collection does not touch (and copy) the warm heap.
         gc.collect()
         gc.freeze()
-        self.python_ready = True
         self.fork_spares()
         return {
             "ok": not failed,
@@ -286,7 +284,7 @@ class Runner:
                 pids.append(pid)
         finally:
             if lean:
-                _THREADING_AFTER_FORK[0].__code__ = _THREADING_AFTER_FORK[1]
+                _real_after_fork()
             for i, e in enumerate(ends):
                 # Our copies of the child ends: the spare holds its own (EOF when it is done).
                 e.close_child_ends()
@@ -355,9 +353,6 @@ class Runner:
         cpu_check = t0 + cpu_s / self.cpu_cores if cpu0 is not None else float("inf")
         drain_deadline = float("inf")
 
-        def kill_job() -> None:
-            _kill_group(pid)
-
         while True:
             now = time.monotonic()
             if status is not None and (not open_pipes or now >= drain_deadline):
@@ -390,7 +385,7 @@ class Runner:
                         buf += chunk[: max(room, 0)]
                         if not killed:
                             killed, over = "output", names[fd]
-                            kill_job()
+                            _kill_group(pid)
                         # Stop reading: nothing more is kept; writers get EPIPE/SIGPIPE.
                         poller.unregister(fd)
                         open_pipes.discard(fd)
@@ -401,12 +396,12 @@ class Runner:
             now = time.monotonic()
             if now >= wall_deadline:
                 killed = "wall"
-                kill_job()
+                _kill_group(pid)
             elif now >= cpu_check:
                 used = _job_cpu(cpu0, self0)
                 if used is not None and used >= cpu_s:
                     killed = "cpu"
-                    kill_job()
+                    _kill_group(pid)
                 elif used is not None:
                     cpu_check = now + max((cpu_s - used) / self.cpu_cores, 0.002)
         assert status is not None and rusage is not None
@@ -440,10 +435,9 @@ class Runner:
     def _cleanup(self) -> str:
         """Kill every other process, reap, remove the job's files. "" or what went wrong."""
         problems = []
-        strays = 0
         deadline = time.monotonic() + 2.0
         while True:
-            strays += _reap()
+            _reap()
             left = self._job_pids()
             if not left:
                 break
@@ -558,10 +552,7 @@ class Spare:
 
     def close(self) -> None:
         for fd in (self.pidfd, self.stdin, self.out_r, self.err_r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            _close_quietly(fd)
         self.sock.close()
 
 
@@ -577,8 +568,7 @@ def _spare(
     (and every module it imports is loaded anew: hence all imports at the top of this file).
     """
     try:
-        if _THREADING_AFTER_FORK:  # see _lean_after_fork: the job's forks get the real hook
-            _THREADING_AFTER_FORK[0].__code__ = _THREADING_AFTER_FORK[1]
+        _real_after_fork()  # see _lean_after_fork: the job's own forks get the real hook
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:
             # Every job forks from one process: reseed, as a fresh interpreter would be (the
@@ -646,8 +636,8 @@ def _spare(
     os._exit(127)
 
 
-#: threading's at-fork hook and its code, when threading is imported (numpy imports it).
-_THREADING_AFTER_FORK: list[Any] = []
+#: threading's at-fork hook and its real code, once _lean_after_fork has swapped it.
+_AFTER_FORK: tuple[Any, Any] | None = None
 
 
 def _noop() -> None:  # pragma: no cover - replaces threading._after_fork in spares
@@ -667,11 +657,19 @@ def _lean_after_fork() -> bool:
         return False
     if threading.active_count() != 1 or threading._limbo:  # type: ignore[attr-defined]
         return False
+    global _AFTER_FORK
     hook = threading._after_fork  # type: ignore[attr-defined]
-    if not _THREADING_AFTER_FORK:
-        _THREADING_AFTER_FORK[:] = [hook, hook.__code__]
+    if _AFTER_FORK is None:
+        _AFTER_FORK = (hook, hook.__code__)
     hook.__code__ = _noop.__code__
     return True
+
+
+def _real_after_fork() -> None:
+    """Puts threading's after-fork hook back (after the batch in the runner, first thing in
+    each spare)."""
+    if _AFTER_FORK is not None:
+        _AFTER_FORK[0].__code__ = _AFTER_FORK[1]
 
 
 def _make_stdio() -> tuple[Any, Any, Any]:
@@ -808,16 +806,15 @@ def _kill_quietly(pid: int) -> None:
         pass
 
 
-def _reap() -> int:
-    n = 0
+def _reap() -> None:
+    """Collect every child that has exited (the job's orphans are ours: we are pid 1)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return n
+            return
         if pid == 0:
-            return n
-        n += 1
+            return
 
 
 def _remove_tree(path: str) -> None:

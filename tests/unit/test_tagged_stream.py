@@ -76,14 +76,7 @@ async def served() -> AsyncIterator[tuple[Jobs, GrpcServer]]:
 
 
 def _request(code: str, job_id: str = "") -> Any:
-    def make(tag: int, cancel: bool) -> apiserver_pb2.StreamFunctionsRequest:
-        if cancel:
-            return apiserver_pb2.StreamFunctionsRequest(tag=tag, cancel=True)
-        return apiserver_pb2.StreamFunctionsRequest(
-            tag=tag, job=types_pb2.FunctionJob(code=code, job_id=job_id)
-        )
-
-    return make
+    return apiserver_pb2.StreamFunctionsRequest(job=types_pb2.FunctionJob(code=code, job_id=job_id))
 
 
 async def test_concurrent_callers_each_get_their_own_answer(
