@@ -8,6 +8,8 @@ measured in the same run on the same busybox image.
 3. burst: B sandboxes created concurrently (create_many) vs B concurrent `docker run -d`.
 4. memory: PSS of aether + chronus per idle sandbox with B idle sandboxes (no per-sandbox host
    process exists: runc exits after start).
+5. create-to-first-command again with the B burst sandboxes still running, against section 1's
+   idle-node figure of the same run.
 
 usage: python bench/bench_containers.py [--n 50] [--burst 200] [--no-docker]
 """
@@ -93,16 +95,10 @@ def main() -> int:
         dsec.create(image=IMAGE, cpu=1, memory_mb=64).stop()  # warm: toolkit built, image mounted
 
         # 1. create -> first command
-        lat: list[float] = []
-        for _ in range(args.n):
-            t = time.perf_counter()
-            sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
-            r = sb.run("true")
-            lat.append(time.perf_counter() - t)
-            assert r.exit_code == 0, r  # a failed start is not a fast one
-            sb.stop(grace_s=0)
+        lat = create_first(dsec, args.n)
         d_lat = docker_create_exec(args.n) if use_docker else []
         p50, p99, _ = summary_ms(lat)
+        p50_idle, p99_idle = p50, p99
         dp50, dp99, _ = summary_ms(d_lat)
         table(
             f"create -> first command, {args.n} sandboxes (ms)",
@@ -208,8 +204,34 @@ def main() -> int:
                     ["per-sandbox host processes", 0.0, 0.0],
                 ],
             )
+
+        # 5. create -> first command again, now with the burst's sandboxes running: what a
+        #    busy node's creates cost (the host's mount table and cgroup tree hold them all).
+        busy = create_first(dsec, min(args.n, 30))
+        b50, b99, _ = summary_ms(busy)
+        table(
+            f"create -> first command with {len(ids)} sandboxes running (ms)",
+            ["node", "p50", "p99", "p50 vs idle node"],
+            [
+                ["idle node (section 1)", p50_idle, p99_idle, 1.0],
+                [f"{len(ids)} sandboxes running", b50, b99, b50 / p50_idle],
+            ],
+        )
         dsec.stop_all(task_id="burst")
     return 0
+
+
+def create_first(dsec: Client, n: int) -> list[float]:
+    """Sequential create + run("true") + stop; the time of the first two."""
+    lat: list[float] = []
+    for _ in range(n):
+        t = time.perf_counter()
+        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
+        r = sb.run("true")
+        lat.append(time.perf_counter() - t)
+        assert r.exit_code == 0, r  # a failed start is not a fast one
+        sb.stop(grace_s=0)
+    return lat
 
 
 if __name__ == "__main__":

@@ -259,9 +259,10 @@ class Containment:
 
     async def modified_files(self, rec: SandboxRecord) -> list[integrity.ModifiedFile]:
         sdir = self.backend.runtime.sandbox_dir(rec.sandbox_id)
+        pid = _init_pid(rec)
 
         def scan() -> list[integrity.ModifiedFile]:
-            lowers = integrity.overlay_lowers(sdir / "rootfs")
+            lowers = integrity.overlay_lowers(pid)
             if not lowers:
                 raise FailedPrecondition(
                     f"sandbox {rec.sandbox_id} has no mounted filesystem", reason="NOT_MOUNTED"
@@ -285,8 +286,9 @@ class Containment:
             if conn is not None and not conn.closed.is_set():
                 # The sibling shares the workspace directory it was started with: if the agent
                 # replaced the directory since, start a sibling on the current one.
-                rootfs = self.backend.runtime.sandbox_dir(sid) / "rootfs"
-                current = await asyncio.to_thread(_workspace_identity, rootfs, self.workspace(rec))
+                current = await asyncio.to_thread(
+                    _workspace_identity, _init_pid(rec), self.workspace(rec)
+                )
                 if current == self._trusted_workspace.get(sid):
                     return conn
             await self._destroy_trusted(sid)
@@ -304,7 +306,7 @@ class Containment:
         workspace = self.workspace(rec)
         staging = b.state_dir / "trusted" / tid
         src, identity = await asyncio.to_thread(
-            _stage_workspace, b.runtime.sandbox_dir(sid) / "rootfs", workspace, staging
+            _stage_workspace, _init_pid(rec), workspace, staging
         )
         prep = await self.prepare(rec)
         try:
@@ -481,11 +483,26 @@ def _rewrite(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def _open_workspace(rootfs: Path, workspace: str) -> int:
-    """An O_PATH descriptor of the sandbox's `workspace`, resolved inside its rootfs and refusing
-    symlinks anywhere on the way (the agent controls that tree; followed on the host, a symlink
-    to / would be the host's root). FailedPrecondition if that is not a directory."""
-    root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+def _init_pid(rec: SandboxRecord) -> int:
+    pid = int(rec.runtime.get("pid") or 0)
+    if pid <= 0:
+        raise FailedPrecondition(
+            f"sandbox {rec.sandbox_id} has no running init", reason="NOT_RUNNING"
+        )
+    return pid
+
+
+def _open_workspace(pid: int, workspace: str) -> int:
+    """An O_PATH descriptor of the sandbox's `workspace`, resolved inside its root (as its init
+    `pid` sees it: the host keeps no mount of a started sandbox's rootfs) and refusing symlinks
+    anywhere on the way (the agent controls that tree; followed on the host, a symlink to / would
+    be the host's root). FailedPrecondition if that is not a directory."""
+    try:
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"the sandbox's init {pid} is gone: {exc.strerror}", reason="NOT_RUNNING"
+        ) from None
     try:
         return _openat2_beneath(root, workspace.lstrip("/"))
     except OSError as exc:
@@ -498,8 +515,8 @@ def _open_workspace(rootfs: Path, workspace: str) -> int:
         os.close(root)
 
 
-def _workspace_identity(rootfs: Path, workspace: str) -> tuple[int, int]:
-    fd = _open_workspace(rootfs, workspace)
+def _workspace_identity(pid: int, workspace: str) -> tuple[int, int]:
+    fd = _open_workspace(pid, workspace)
     try:
         st = os.fstat(fd)
         return st.st_dev, st.st_ino
@@ -507,16 +524,21 @@ def _workspace_identity(rootfs: Path, workspace: str) -> tuple[int, int]:
         os.close(fd)
 
 
-def _stage_workspace(rootfs: Path, workspace: str, staging: Path) -> tuple[Path, tuple[int, int]]:
+def _stage_workspace(pid: int, workspace: str, staging: Path) -> tuple[Path, tuple[int, int]]:
     """Bind the sandbox's `workspace` (see _open_workspace) to `staging/work`, for runc to bind
-    from; returns that path and the directory's identity. Blocking."""
+    from; returns that path and the directory's identity. The directory is a mount of the
+    sandbox's own namespace, so the bind is a clone made there and attached here. Blocking."""
     staging.mkdir(parents=True, exist_ok=True)
     target = staging / "work"
     target.mkdir(exist_ok=True)
-    fd = _open_workspace(rootfs, workspace)
+    fd = _open_workspace(pid, workspace)
     try:
         st = os.fstat(fd)
-        mounts.mount(f"/proc/self/fd/{fd}", target, None, mounts.MS_BIND)
+        tree = mounts.clone_in_namespace_of(pid, fd)
+        try:
+            mounts.attach_detached(tree, target)
+        finally:
+            os.close(tree)
     finally:
         os.close(fd)
     return target, (st.st_dev, st.st_ino)

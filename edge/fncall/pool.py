@@ -253,6 +253,8 @@ class Launcher:
                 TmpfsMount("/job", self.settings.job_dir_mb, 0o700),
                 TmpfsMount("/tmp", self.settings.tmp_dir_mb, 0o1777),
             ),
+            # nvidia-container-cli configures the container through a host path to its root
+            keep_host_rootfs=gpu is not None,
         )
         # runc keeps going in its thread even if we are cancelled: track it, so that a
         # container created after our caller gave up is still removed (see close()).

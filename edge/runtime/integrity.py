@@ -33,11 +33,16 @@ class ModifiedFile:
     deleted: bool
 
 
-def overlay_lowers(rootfs: Path) -> list[Path]:
-    """The lower directories of the overlay mounted at `rootfs` (top-most first)."""
-    target = os.fspath(rootfs)
-    for m in read_mountinfo():
-        if m.mountpoint == target and m.fstype == "overlay":
+def overlay_lowers(pid: int) -> list[Path]:
+    """The lower directories (top-most first) of the overlay that is the root of process `pid`
+    (a sandbox's init): read from its own mount table, since the host keeps no mount of a started
+    sandbox's rootfs. [] if that root is not an overlay or the process is gone."""
+    try:
+        infos = read_mountinfo(f"/proc/{pid}/mountinfo")
+    except OSError:
+        return []
+    for m in infos:
+        if m.mountpoint == "/" and m.fstype == "overlay":
             for opt in m.super_options.split(","):
                 if opt.startswith("lowerdir="):
                     return [Path(p) for p in opt[len("lowerdir=") :].split(":") if p]

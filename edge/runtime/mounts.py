@@ -87,6 +87,70 @@ def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
         raise MountError(ctypes.get_errno(), "umount", os.fspath(target))
 
 
+def detach(target: str | os.PathLike[str]) -> None:
+    """Take a mount off this namespace's tree now (umount2 MNT_DETACH); copies in other mount
+    namespaces (a started sandbox's own root) keep the filesystem alive."""
+    umount(target, MNT_DETACH)
+
+
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_SETNS_FLAGS_NEWNS = 0x00020000  # CLONE_NEWNS
+_CLONE_FS = 0x00000200
+OPEN_TREE_CLONE = 1
+_OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+_AT_EMPTY_PATH = 0x1000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(rc: int, what: str, target: str) -> int:
+    if rc < 0:
+        raise MountError(ctypes.get_errno(), what, target)
+    return rc
+
+
+def clone_in_namespace_of(pid: int, dirfd: int) -> int:
+    """A detached copy (open_tree OPEN_TREE_CLONE) of the directory `dirfd` opened through
+    `/proc/<pid>/root`: a mount of another mount namespace, which the kernel clones only for a
+    caller inside that namespace. So the clone is made by a short-lived thread that leaves the
+    process's filesystem context (unshare CLONE_FS) and enters pid's mount namespace; the
+    returned descriptor (close-on-exec) can be attached here with `attach_detached`."""
+    result: list[int] = []
+    failure: list[BaseException] = []
+
+    def inside() -> None:
+        try:
+            ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _check(_libc.unshare(_CLONE_FS), "unshare(CLONE_FS)", str(pid))
+                _check(_libc.setns(ns, _SYS_SETNS_FLAGS_NEWNS), "setns(mnt)", str(pid))
+            finally:
+                os.close(ns)
+            flags = OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_EMPTY_PATH
+            result.append(_check(_libc.syscall(_SYS_OPEN_TREE, dirfd, b"", flags), "open_tree", ""))
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    t = threading.Thread(target=inside, name=f"mntns-{pid}")  # dies with its namespace switch
+    t.start()
+    t.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def attach_detached(tree_fd: int, target: str | os.PathLike[str]) -> None:
+    """move_mount(2) a detached tree (from `clone_in_namespace_of`) onto `target`."""
+    _check(
+        _libc.syscall(
+            _SYS_MOVE_MOUNT, tree_fd, b"", -100, _b(target), _MOVE_MOUNT_F_EMPTY_PATH
+        ),
+        "move_mount",
+        os.fspath(target),
+    )
+
+
 def umount_quiet(target: str | os.PathLike[str]) -> bool:
     """Unmount if mounted; a busy mount is detached lazily. Returns whether a mount went away.
 

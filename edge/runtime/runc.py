@@ -7,7 +7,8 @@ Layout under `state_dir` (one per edge; nothing outside it is ours except cgroup
     sandboxes/<id>/
         record.json       what create() acquired (layers, toolkit, cgroup); written first
         config.json       the OCI bundle (the sandbox dir IS the bundle)
-        rootfs/           overlay mount target
+        rootfs/           overlay mount target; taken off the host's mount table once pid 1
+                          runs (its namespace holds the overlay: reach it as /proc/<pid>/root)
         upper/ work/      overlay writable layer (pack_diff reads upper/); with a disk quota
                           (disk.py) they are on disk.img mounted at disk/, upper a symlink
         etc/              hosts, hostname, resolv.conf bind-mounted into the sandbox
@@ -67,6 +68,7 @@ from edge.runtime.mounts import (
     LayerImage,
     LayerMounts,
     as_layer,
+    detach,
     layer_from_identity,
     layer_identity,
     mount_overlay,
@@ -409,6 +411,11 @@ class RuncRuntime:
             undo.push(lambda: cgroups.remove(cg))
             undo.push(lambda: self._remove_container(sid, cg))
             pid = self._spawn_run(spec, sdir)
+            if not spec.keep_host_rootfs:
+                # pid 1 has pivoted into its own copy of the overlay; the host's copy is not
+                # needed and would make every later start slower: runc reads the whole mount
+                # table several times and copies it into each new mount namespace.
+                detach(rootfs)
         except BaseException:
             undo.run()
             raise

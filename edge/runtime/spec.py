@@ -72,6 +72,9 @@ class LaunchSpec:
     #: variable and must install it itself before anything else (aether does). Saves runc's
     #: per-start libseccomp compilation (edge/runtime/seccomp_bpf.py). Needs `pass_fd`.
     seccomp_fd_env: str = ""
+    #: Keep the rootfs overlay mounted on the host after the start (for tools that need a host
+    #: path to the sandbox's root: GPU injection). By default it is detached once pid 1 runs.
+    keep_host_rootfs: bool = False
 
     @property
     def effective_hostname(self) -> str:

@@ -84,6 +84,32 @@ def test_layers_erofs_and_dirs_merge_with_writes_in_upper(
     assert out.split() == ["top.txt", "from", "mid", "more"]
 
 
+def test_started_sandbox_keeps_no_mount_on_the_host(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    """The rootfs overlay lives on only in the sandbox's own mount namespace: the host's table
+    (which runc reads, and copies into every new sandbox) does not grow with each sandbox."""
+    before = Path("/proc/self/mountinfo").read_text().count("\n")
+    sbs = [runtime.create(spec_for()) for _ in range(3)]
+    host = Path("/proc/self/mountinfo").read_text()
+    assert all(str(sb.rootfs) not in host for sb in sbs)
+    # one shared EROFS mount of the image at most; nothing per sandbox
+    assert host.count("\n") <= before + 1
+    for sb in sbs:
+        own = (Path("/proc") / str(sb.pid) / "mountinfo").read_text().splitlines()
+        root = [line for line in own if line.split()[4] == "/"]
+        assert root and " - overlay " in root[-1], own
+        rc, _, err = sh(runtime, sb.sandbox_id, f"echo {sb.sandbox_id} > /root/mine")
+        assert rc == 0, err
+        assert (sb.upper / "root" / "mine").read_text() == f"{sb.sandbox_id}\n"
+        assert (Path("/proc") / str(sb.pid) / "root" / "root" / "mine").exists()
+    kept = runtime.create(spec_for(keep_host_rootfs=True))
+    assert is_mountpoint(kept.rootfs)
+    for sb in [*sbs, kept]:
+        runtime.destroy(sb.sandbox_id)
+        assert leftovers(runtime, sb.sandbox_id) == []
+
+
 def test_same_image_mounted_once_for_all_sandboxes(
     runtime: RuncRuntime, spec_for: SpecFactory, busybox: Any
 ) -> None:
