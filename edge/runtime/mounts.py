@@ -143,9 +143,7 @@ def clone_in_namespace_of(pid: int, dirfd: int) -> int:
 def attach_detached(tree_fd: int, target: str | os.PathLike[str]) -> None:
     """move_mount(2) a detached tree (from `clone_in_namespace_of`) onto `target`."""
     _check(
-        _libc.syscall(
-            _SYS_MOVE_MOUNT, tree_fd, b"", -100, _b(target), _MOVE_MOUNT_F_EMPTY_PATH
-        ),
+        _libc.syscall(_SYS_MOVE_MOUNT, tree_fd, b"", -100, _b(target), _MOVE_MOUNT_F_EMPTY_PATH),
         "move_mount",
         os.fspath(target),
     )
