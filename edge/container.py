@@ -89,7 +89,9 @@ class ContainerBackend:
         # runc run -d leaves the sandbox's init orphaned; as subreaper the edge
         # (not the host's pid 1, which reaps late here) collects its exit status.
         become_subreaper()
-        self.runtime = RuncRuntime(state_dir / "runtime", cgroup_parent=cgroup_parent)
+        self.runtime = RuncRuntime(
+            state_dir / "runtime", cgroup_parent=cgroup_parent, volatile_state=True
+        )
         self.environments = Environments(
             layers
             or LayerSettings(

@@ -435,7 +435,7 @@ class Containment:
                 f"{v['blocked_connects']} connections blocked by the network policy "
                 f"(max_blocked_connects {max_blocked})",
             )
-        usage = disk.usage(rt.sandbox_dir(sid))
+        usage = disk.usage(rt.writable_dir(sid))
         if usage is not None and usage.full:
             return (
                 "DISK_QUOTA",

@@ -192,7 +192,9 @@ class Launcher:
         self.state_dir = state_dir
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.runtime = RuncRuntime(state_dir / "runtime", cgroup_parent=cgroup_parent)
+        self.runtime = RuncRuntime(
+            state_dir / "runtime", cgroup_parent=cgroup_parent, volatile_state=True
+        )
         self.images = images
         self.settings = settings
         self.kit_dir = kit_dir

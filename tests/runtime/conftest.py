@@ -94,27 +94,37 @@ def cgroup_parent() -> Iterator[str]:
 
 @pytest.fixture
 def runtime(tmp_path: Path, cgroup_parent: str) -> Iterator[RuncRuntime]:
-    rt = RuncRuntime(tmp_path / "state", cgroup_parent=cgroup_parent)
+    rt = RuncRuntime(tmp_path / "state", cgroup_parent=cgroup_parent, volatile_state=True)
     yield rt
     # Always clean up, even when the test failed; then check nothing leaked.
-    RuncRuntime(tmp_path / "state", cgroup_parent=cgroup_parent).cleanup_orphans(set())
-    assert leftovers_of(rt) == []
+    again = RuncRuntime(tmp_path / "state", cgroup_parent=cgroup_parent, volatile_state=True)
+    again.cleanup_orphans(set())
+    try:
+        assert leftovers_of(rt) == []
+    finally:
+        again.release()
+    assert mounts_under(rt.state_dir) == []
 
 
 def leftovers_of(rt: RuncRuntime, sandbox_id: str | None = None) -> list[str]:
     """What is left on the host of one sandbox (or of the whole runtime): mounts under the state
     dir, cgroup directories, runc state, state directories, layer mountpoints."""
-    left = [f"mount:{m.mountpoint}" for m in mounts_under(rt.state_dir)]
+    volatile = {str(rt.sandboxes_dir), str(rt.runc_root)}  # the state tmpfs mounts themselves
+    left = [
+        f"mount:{m.mountpoint}" for m in mounts_under(rt.state_dir) if m.mountpoint not in volatile
+    ]
     if sandbox_id is None:
         left += [f"cgroup:{c}" for c in sorted(cgroups.children(rt.cgroup_parent))]
         left += [f"runc:{p}" for p in rt.runc_root.iterdir()]
         left += [f"state:{p}" for p in rt.sandboxes_dir.iterdir()]
+        left += [f"rw:{p}" for p in rt.rw_dir.iterdir()]
         left += [f"layer-dir:{p}" for p in rt.layers.root.iterdir()]
         return left
     left = [x for x in left if f"/{sandbox_id}/" in x + "/"]
     left += [f"cgroup:{d}" for d in cgroups.existing_dirs(rt.cgroup_path(sandbox_id))]
     left += [f"runc:{p}" for p in [rt.runc_root / sandbox_id] if p.exists()]
     left += [f"state:{p}" for p in [rt.sandbox_dir(sandbox_id)] if p.exists()]
+    left += [f"rw:{p}" for p in [rt.writable_dir(sandbox_id)] if p.exists()]
     return left
 
 
