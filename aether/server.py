@@ -35,7 +35,7 @@ UNAVAILABLE = 14
 HIGH_WATER = 16 * 1024 * 1024  # stop reading a side whose peer is this far behind
 LOW_WATER = 4 * 1024 * 1024
 
-F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE = (
+F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE, F_CLAIM = (
     3,
     4,
     5,
@@ -44,7 +44,10 @@ F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE
     8,
     9,
     10,
+    11,
 )
+#: Set in a warm sandbox's environment: chronus waits for the edge's Claim.
+WARM_ENV = "DSEC_AETHER_WARM"
 
 
 class Conn:
@@ -91,6 +94,8 @@ class Conn:
 class Aether:
     def __init__(self, config: AetherConfig, listener: _socket.socket) -> None:
         self.config = config
+        # A warm sandbox: started before anyone asked for it; chronus waits for the claim.
+        self.warm = os.environ.pop(WARM_ENV, "") == "1"
         self.sel = poller.Poller()
         listener.setblocking(False)
         os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
@@ -126,7 +131,12 @@ class Aether:
         # chronus (~10 ms here) while the edge reports the sandbox RUNNING to its caller.
         # Requests that arrive meanwhile wait in the chronus backlog.
         self._accept()
-        self._start_chronus()
+        if self.warm:
+            # A warm sandbox: chronus's modules now (shared with it by fork), chronus itself at
+            # the claim, with the sandbox's environment.
+            import chronus.engine  # noqa: F401
+        else:
+            self._start_chronus()
         self._update_interest()  # the loop below selects on what is registered
         log.info(
             "aether %d ready (chronus %d, %s mode)",
@@ -251,10 +261,24 @@ class Aether:
         elif kind == F_PING:
             assert self.edge is not None
             self.edge.queue(wire.join_frame(0, F_PONG, body))  # Pong mirrors Ping's nonce
+        elif kind == F_CLAIM:
+            self._claim(wire.decode("dsec.aether.v1.Claim", body).get("env") or {})
         elif kind == F_SHUTDOWN:
             grace = wire.decode("dsec.aether.v1.Shutdown", body).get("grace_s", 0.0)
             log.info("shutdown requested (grace %.1fs)", grace)
             self._shutdown_grace = max(0.0, grace)
+
+    def _claim(self, env: dict[str, str]) -> None:
+        """A warm sandbox is handed to its owner: its environment replaces ours (chronus and
+        every command inherit it from here), then chronus starts. A second claim is refused."""
+        if not self.warm:
+            log.warning("claim of a sandbox that is not warm: ignored")
+            return
+        self.warm = False
+        os.environ.clear()
+        os.environ.update(env)
+        log.info("claimed: chronus starts with the sandbox's environment")
+        self._start_chronus()
 
     def _to_chronus_frame(self, cid: int, kind: int, body: Any) -> None:
         payload = wire.join_frame(cid, kind, body)

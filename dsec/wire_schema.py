@@ -4,6 +4,7 @@ message name -> {field number: (name, descriptor type, extra, oneof)}
 extra: (repeated, message type) or for maps (key type, value type, value message)."""
 
 SCHEMA = {'dsec.aether.v1.Cancel': {},
+ 'dsec.aether.v1.Claim': {1: ('env', 'map', (9, 9, ''), '')},
  'dsec.aether.v1.Frame': {1: ('stream_id', 13, (False, ''), ''),
                           2: ('hello', 11, (False, 'dsec.aether.v1.Hello'), 'body'),
                           3: ('request', 11, (False, 'dsec.chronus.v1.Request'), 'body'),
@@ -13,7 +14,8 @@ SCHEMA = {'dsec.aether.v1.Cancel': {},
                           7: ('ping', 11, (False, 'dsec.aether.v1.Ping'), 'body'),
                           8: ('pong', 11, (False, 'dsec.aether.v1.Pong'), 'body'),
                           9: ('shutdown', 11, (False, 'dsec.aether.v1.Shutdown'), 'body'),
-                          10: ('half_close', 11, (False, 'dsec.aether.v1.HalfClose'), 'body')},
+                          10: ('half_close', 11, (False, 'dsec.aether.v1.HalfClose'), 'body'),
+                          11: ('claim', 11, (False, 'dsec.aether.v1.Claim'), 'body')},
  'dsec.aether.v1.HalfClose': {},
  'dsec.aether.v1.Hello': {1: ('protocol_version', 13, (False, ''), ''),
                           2: ('pid', 5, (False, ''), ''),

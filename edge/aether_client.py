@@ -316,6 +316,11 @@ class AetherConnection:
                 await pump
             await self._finish(sid, cancel=not done)
 
+    async def claim(self, env: dict[str, str]) -> None:
+        """Hands a warm sandbox to its owner: aether takes `env` as the sandbox's whole
+        environment and starts chronus with it (edge/warm.py)."""
+        await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env)))
+
     async def shutdown(self, grace_s: float) -> None:
         """Asks aether to end every process and exit."""
         with contextlib.suppress(Unavailable):

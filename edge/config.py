@@ -98,6 +98,10 @@ class EdgeConfig(ServiceConfig):
     layer_exclude: tuple[str, ...] = ()
     #: After a Docker import, collapse consecutive layers smaller than this (0 = never).
     layer_collapse_below_mb: int = 0
+    #: Warm container sandboxes kept started per image, image=count, e.g. "busybox=64"
+    #: ("" = none): a create that one can serve claims it instead of starting a container
+    #: (edge/warm.py). Each costs an idle aether (~6 MB) and is not counted in admission.
+    warm_pool: dict[str, str] = field(default_factory=dict)
     #: FnCall warm pools of a container edge, environment=containers, e.g.
     #: "python=4,cpp=2,bash=2" ("" = none: the edge does not offer FNCALL).
     fncall_pools: dict[str, str] = field(
@@ -124,6 +128,11 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(f"DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}}")
         if self.runtime not in ("container", "null"):
             raise ConfigError(f"DSEC_EDGE_RUNTIME={self.runtime!r}: expected container or null")
+        for image, count in self.warm_pool.items():
+            if not count.isdigit():
+                raise ConfigError(
+                    f"DSEC_EDGE_WARM_POOL: {image}={count!r}: the count must be a whole number"
+                )
         if self.on_shutdown not in ("keep", "stop"):
             raise ConfigError(f"DSEC_EDGE_ON_SHUTDOWN={self.on_shutdown!r}: expected keep or stop")
         if self.cpu_overcommit < 1 or self.memory_overcommit < 1:

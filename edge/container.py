@@ -49,6 +49,8 @@ from edge.runtime import mounts
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
+from edge.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
+from edge.warm import template as warm_template
 from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
@@ -79,6 +81,7 @@ class ContainerBackend:
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
         cgroup_parent: str = "dsec",
+        warm_pool: dict[str, int] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -105,6 +108,7 @@ class ContainerBackend:
         self.toolkit_dir = self._mount_toolkit()
         self.ready_timeout_s = ready_timeout_s
         self.connections: dict[str, AetherConnection] = {}
+        self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
         self._on_exit: ExitCallback | None = None
         # Network policy, private runtime dir, disk quota, watchdog, trusted execution.
         self.containment = Containment(
@@ -114,6 +118,10 @@ class ContainerBackend:
             watch_interval_s=watch_interval_s,
             pids_exhausted_after_s=pids_exhausted_after_s,
         )
+        # Started sandboxes waiting for their owner (edge/warm.py); None when none are kept.
+        self.warm: WarmPool | None = None
+        if warm_pool and any(n > 0 for n in warm_pool.values()):
+            self.warm = WarmPool(self, warm_pool, self._start_warm, self._discard_warm)
 
     @classmethod
     def from_config(cls, cfg: EdgeConfig) -> ContainerBackend:
@@ -144,6 +152,7 @@ class ContainerBackend:
             watch_interval_s=cfg.watch_interval_s,
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
             cgroup_parent=cfg.cgroup_parent,
+            warm_pool={k: int(v) for k, v in cfg.warm_pool.items()},
         )
 
     def _mount_toolkit(self) -> Path:
@@ -205,6 +214,7 @@ class ContainerBackend:
         *,
         backlog: int,
         binds: tuple[BindMount, ...] = (),
+        warm: bool = False,
     ) -> SandboxProcess:
         """Binds the channel socket, starts runc with aether as pid 1 holding its listening
         fd, and releases the edge's copies (of the socket and of ``prep``'s fds). Used for a
@@ -218,6 +228,8 @@ class ContainerBackend:
             listener.listen(backlog)
             env = self.sandbox_env(rec, image)
             env.update(prep.env)
+            if warm:
+                env[WARM_ENV] = "1"  # chronus waits for the claim
             spec = LaunchSpec(
                 sandbox_id=container_id,
                 lowers=list(image.lowers),
@@ -249,20 +261,26 @@ class ContainerBackend:
     async def start(self, rec: SandboxRecord) -> None:
         t0 = time.perf_counter()
         image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        w = self.warm.take(rec) if self.warm is not None else None
+        if w is not None:
+            if w.image.lowers == image.lowers and await self._claim(rec, w, t0):
+                return
+            await self._discard_warm(w)  # started on layers the image no longer has, or failed
+        if self.warm is None:
+            await self._start_cold(rec, image, t0)
+            return
+        self.warm.cold_starts += 1
+        try:
+            await self._start_cold(rec, image, t0)
+        finally:
+            self.warm.cold_starts -= 1
+
+    async def _start_cold(self, rec: SandboxRecord, image: ResolvedImage, t0: float) -> None:
         prep = await self.containment.prepare(rec)
         t1 = time.perf_counter()
         proc = await self.launch(rec.sandbox_id, rec, image, prep, backlog=16)
         t2 = time.perf_counter()
-        path = self._socket_path(rec.sandbox_id)
-        rec.runtime = {
-            "pid": proc.pid,
-            "socket": str(path),
-            "image": image.name,
-            # what pack_diff stacks the sandbox's diff on
-            "layers": [ref.to_dict() for ref in image.layers],
-            "image_env": image.env,
-            "image_workdir": image.workdir,
-        }
+        rec.runtime = self._runtime_record(proc, image, self._socket_path(rec.sandbox_id))
         try:
             # Network and eBPF policy before aether is even connected: no agent code yet.
             await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
@@ -282,6 +300,131 @@ class ContainerBackend:
                 "aether_ready_ms": round((t3 - t2) * 1000, 2),
             },
         )
+
+    # ------------------------------------------------------------- warm sandboxes
+
+    async def _start_warm(self, image_name: str) -> WarmSandbox:
+        """Start a sandbox nobody owns yet (see edge/warm.py), up to aether's Hello."""
+        cid = new_warm_id()
+        tmpl = warm_template(cid, image_name)
+        image = await asyncio.to_thread(self.images.resolve, image_name, [])
+        prep = await self.containment.prepare(tmpl)
+        proc = await self.launch(cid, tmpl, image, prep, backlog=16, warm=True)
+        holder: list[WarmSandbox] = []
+
+        async def closed(reason: str) -> None:
+            if self.connections.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
+                await self._channel_closed(conn.sandbox_id, reason)
+            elif holder and self.warm is not None and self.warm.forget(holder[0]):
+                log.warning("warm sandbox %s lost its channel (%s)", cid, reason)
+                await self._discard_warm(holder[0])
+
+        conn = AetherConnection(self._socket_address(cid), cid, on_close=closed)
+        try:
+            await conn.connect(timeout_s=self.ready_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self.runtime.destroy, cid)
+            self._socket_path(cid).unlink(missing_ok=True)
+            raise
+        w = WarmSandbox(cid, image_name, image, proc, conn, prep, time.monotonic())
+        holder.append(w)
+        return w
+
+    async def _discard_warm(self, w: WarmSandbox) -> None:
+        if self.connections.get(w.conn.sandbox_id) is w.conn:
+            return  # claimed since: its sandbox's teardown owns it
+        with contextlib.suppress(Exception):
+            await w.conn.close()
+        cid = w.conn.sandbox_id  # its current runtime id (a failed claim may have renamed it)
+        try:
+            await asyncio.to_thread(self.runtime.destroy, cid)
+        except Exception:
+            log.exception("warm sandbox %s: destroy failed (an orphan for the next cleanup)", cid)
+        self._socket_path(cid).unlink(missing_ok=True)
+        (self.logs / f"{w.cid}.log").unlink(missing_ok=True)
+
+    async def _claim(self, rec: SandboxRecord, w: WarmSandbox, t0: float) -> bool:
+        """Make warm sandbox `w` the sandbox of `rec`; False (nothing claimed) on failure."""
+        sid = rec.sandbox_id
+        spec = rec.spec
+        t0r = time.perf_counter()
+        try:
+            proc = await asyncio.to_thread(
+                self.runtime.rename,
+                w.cid,
+                sid,
+                hostname=sid[:63],
+                cpu_millis=spec.cpu_millis,
+                memory_mb=spec.memory_mb,
+                pids_max=spec.pids_max,
+            )
+        except Exception as exc:
+            log.warning("claim of warm sandbox %s for %s failed: %s", w.cid, sid, exc)
+            if not self.runtime.sandbox_dir(w.cid).exists():
+                w.conn.sandbox_id = sid  # renamed (partly): tear down under the new name
+            return False
+        t1 = time.perf_counter()
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self._socket_path(w.cid), self._socket_path(sid))
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self.logs / f"{w.cid}.log", self.logs / f"{sid}.log")
+        conn = w.conn
+        conn.sandbox_id = sid
+        conn.socket_path = self._socket_address(sid)  # for reconnects
+        self.connections[sid] = conn
+        rec.runtime = self._runtime_record(proc, w.image, self._socket_path(sid))
+        try:
+            env = self.sandbox_env(rec, w.image)
+            env.update(w.prep.env)
+            await conn.claim(env)
+            await self.containment.started(rec, proc.pid, proc.cgroup_path, w.prep)
+        except BaseException:
+            await self.destroy(rec)
+            raise
+        assert self.warm is not None
+        self.warm.claimed += 1
+        # Its cgroup2 directory follows off the critical path (an RCU grace period per move).
+        move = asyncio.ensure_future(asyncio.to_thread(self.runtime.finish_rename, sid))
+        self._renaming[sid] = move
+        move.add_done_callback(lambda _: self._renaming.pop(sid, None))
+        log.info(
+            "sandbox %s started in %.1f ms (warm, waited %.1f s)",
+            sid,
+            (time.perf_counter() - t0) * 1000,
+            time.monotonic() - w.started_at,
+            extra={
+                "sandbox_id": sid,
+                "warm": True,
+                "resolve_ms": round((t0r - t0) * 1000, 2),
+                "rename_ms": round((t1 - t0r) * 1000, 2),
+            },
+        )
+        return True
+
+    async def settled(self, sandbox_id: str) -> None:
+        """Wait until a just-claimed sandbox's cgroup2 directory has its name (see _claim)."""
+        move = self._renaming.get(sandbox_id)
+        if move is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(move)
+
+    async def warm_loop(self) -> None:
+        if self.warm is not None:
+            await self.warm.run()
+
+    @staticmethod
+    def _runtime_record(
+        proc: SandboxProcess, image: ResolvedImage, socket_path: Path
+    ) -> dict[str, Any]:
+        return {
+            "pid": proc.pid,
+            "socket": str(socket_path),
+            "image": image.name,
+            # what pack_diff stacks the sandbox's diff on
+            "layers": [ref.to_dict() for ref in image.layers],
+            "image_env": image.env,
+            "image_workdir": image.workdir,
+        }
 
     async def _connect(self, sid: str, timeout_s: float | None = None) -> AetherConnection:
         async def closed(reason: str) -> None:
@@ -338,6 +481,7 @@ class ContainerBackend:
         await asyncio.to_thread(self.runtime.stop, rec.sandbox_id, grace_s)
 
     async def destroy(self, rec: SandboxRecord) -> None:
+        await self.settled(rec.sandbox_id)
         conn = self.connections.pop(rec.sandbox_id, None)
         if conn is not None:
             await conn.close()
@@ -477,6 +621,8 @@ class ContainerBackend:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        if self.warm is not None:
+            await self.warm.close()  # ours alone: nobody would re-adopt them
         await self.containment.close()
         # The edge is going away, not necessarily the sandboxes: drop connections;
         # containers (if any are left) keep running and are re-adopted later.
@@ -484,7 +630,7 @@ class ContainerBackend:
             conn = self.connections.pop(sid)
             with contextlib.suppress(Exception):
                 await conn.close()
-        if not self.runtime.list_ids():
+        if self.runtime.release():
             # Nothing runs: leave no mount behind.
             mounts.umount_quiet(self.toolkit_dir)
             with contextlib.suppress(OSError):

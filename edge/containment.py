@@ -231,6 +231,7 @@ class Containment:
     async def update_network(self, rec: SandboxRecord, raw: Mapping[str, Any]) -> None:
         """Replace a running sandbox's policy; the next connection sees it."""
         sid = rec.sandbox_id
+        await self.backend.settled(sid)  # its cgroup2 directory, where the programs attach
         net = self.network
         if net is None:
             from edge.network.policy import parse

@@ -139,6 +139,10 @@ async def main() -> None:
         server.background(fncall.run_pools)
         server.on_close(fncall.close)
     for b in backends:
+        warm = getattr(b, "warm_loop", None)  # started sandboxes waiting for their owner
+        if warm is not None:
+            server.background(warm)
+    for b in backends:
         watch = getattr(b, "watch_loop", None)  # containment: counters, limits, kernel faults
         if watch is not None:
             server.background(watch)

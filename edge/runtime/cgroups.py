@@ -158,3 +158,63 @@ def _rmdir_killing(d: Path, deadline: float) -> bool:
                 log.warning("cannot remove cgroup %s: %s", d, exc)
                 return False
         time.sleep(0.005)
+
+
+def set_limits(
+    cgroup_path: str, *, cpu_quota_us: int, cpu_shares: int, memory_bytes: int, pids_max: int
+) -> None:
+    """Rewrite a running container's cpu, memory (+memsw) and pids limits (what runc set from
+    the bundle at its start). Memory and memory+swap are written in the order that keeps
+    memsw >= memory at every step. Raises OSError (EBUSY: usage above the new memory limit)."""
+
+    def write(controller: str, name: str, value: int) -> None:
+        d = controller_dir(controller, cgroup_path)
+        if d is None:
+            return
+        f = d / name
+        if f.exists():
+            f.write_text(str(value))
+
+    write("cpu", "cpu.cfs_quota_us", cpu_quota_us)
+    write("cpu", "cpu.shares", cpu_shares)
+    current = read_int("memory", cgroup_path, "memory.limit_in_bytes") or 0
+    order = ["memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
+    for name in order if memory_bytes > current else reversed(order):
+        write("memory", name, memory_bytes)
+    write("pids", "pids.max", pids_max)
+
+
+def rename(old_path: str, new_path: str) -> bool:
+    """Rename a cgroup (same parent) in every cgroup v1 hierarchy (kernfs renames: cheap, the
+    processes stay). cgroup2 refuses renames (EPERM): returns whether a cgroup2 directory is
+    left under the old name, for `move_unified`."""
+    unified = hierarchies().get("unified")
+    left = False
+    for d in existing_dirs(old_path):
+        if unified is not None and d.is_relative_to(unified):
+            left = True
+        else:
+            os.rename(d, d.parent / Path(new_path).name)
+    return left
+
+
+def move_unified(old_path: str, new_path: str) -> None:
+    """The cgroup2 half of `rename`: make the new directory, move the processes into it, remove
+    the old one. Each move takes the kernel's threadgroup lock for writing (an RCU grace period:
+    2-17 ms measured under load), hence its own step that callers run off the critical path."""
+    unified = hierarchies().get("unified")
+    if unified is None:
+        return
+    d = unified / old_path.lstrip("/")
+    target = unified / new_path.lstrip("/")
+    if not d.is_dir():
+        return
+    target.mkdir(exist_ok=True)
+    for _ in range(100):
+        pids = procs(d)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                (target / "cgroup.procs").write_text(str(pid))
+    d.rmdir()

@@ -19,9 +19,10 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from edge.runtime.errors import LayerError, MountError, OverlayOptionsTooLongError
 
@@ -110,34 +111,63 @@ def _check(rc: int, what: str, target: str) -> int:
     return rc
 
 
-def clone_in_namespace_of(pid: int, dirfd: int) -> int:
-    """A detached copy (open_tree OPEN_TREE_CLONE) of the directory `dirfd` opened through
-    `/proc/<pid>/root`: a mount of another mount namespace, which the kernel clones only for a
-    caller inside that namespace. So the clone is made by a short-lived thread that leaves the
-    process's filesystem context (unshare CLONE_FS) and enters pid's mount namespace; the
-    returned descriptor (close-on-exec) can be attached here with `attach_detached`."""
-    result: list[int] = []
+_CLONE_NEWUTS = 0x04000000
+T = TypeVar("T")
+
+
+def in_namespace_of(pid: int, ns: str, fn: Callable[[], T]) -> T:
+    """Run `fn` in a short-lived thread that entered process `pid`'s namespace `ns` ("mnt" or
+    "uts"; setns is per thread, so the process's other threads are not affected, and the thread
+    ends with its switch). For "mnt" the thread first leaves the process's filesystem context
+    (unshare CLONE_FS), which setns into a mount namespace requires."""
+    flag = {"mnt": _SYS_SETNS_FLAGS_NEWNS, "uts": _CLONE_NEWUTS}[ns]
+    result: list[T] = []
     failure: list[BaseException] = []
 
     def inside() -> None:
         try:
-            ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _check(_libc.unshare(_CLONE_FS), "unshare(CLONE_FS)", str(pid))
-                _check(_libc.setns(ns, _SYS_SETNS_FLAGS_NEWNS), "setns(mnt)", str(pid))
+                if ns == "mnt":
+                    _check(_libc.unshare(_CLONE_FS), "unshare(CLONE_FS)", str(pid))
+                _check(_libc.setns(fd, flag), f"setns({ns})", str(pid))
             finally:
-                os.close(ns)
-            flags = OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_EMPTY_PATH
-            result.append(_check(_libc.syscall(_SYS_OPEN_TREE, dirfd, b"", flags), "open_tree", ""))
+                os.close(fd)
+            result.append(fn())
         except BaseException as exc:  # re-raised in the caller's thread
             failure.append(exc)
 
-    t = threading.Thread(target=inside, name=f"mntns-{pid}")  # dies with its namespace switch
+    t = threading.Thread(target=inside, name=f"{ns}ns-{pid}")
     t.start()
     t.join()
     if failure:
         raise failure[0]
     return result[0]
+
+
+def clone_in_namespace_of(pid: int, dirfd: int) -> int:
+    """A detached copy (open_tree OPEN_TREE_CLONE) of the directory `dirfd` opened through
+    `/proc/<pid>/root`: a mount of another mount namespace, which the kernel clones only for a
+    caller inside that namespace (`in_namespace_of`). The returned descriptor (close-on-exec) can
+    be attached here with `attach_detached`."""
+    flags = OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_EMPTY_PATH
+    return in_namespace_of(
+        pid,
+        "mnt",
+        lambda: _check(_libc.syscall(_SYS_OPEN_TREE, dirfd, b"", flags), "open_tree", ""),
+    )
+
+
+def set_hostname_of(pid: int, hostname: str) -> None:
+    """sethostname(2) in process `pid`'s UTS namespace (a started sandbox's)."""
+    name = hostname.encode()
+    in_namespace_of(
+        pid,
+        "uts",
+        lambda: _check(
+            _libc.sethostname(name, ctypes.c_size_t(len(name))), "sethostname", hostname
+        ),
+    )
 
 
 def attach_detached(tree_fd: int, target: str | os.PathLike[str]) -> None:

@@ -53,7 +53,10 @@ from typing import Any
 from edge.runtime import cgroups, disk, seccomp_bpf
 from edge.runtime.bundle import (
     NOFILE,
+    cpu_quota_us,
+    cpu_shares,
     hardened_seccomp,
+    hosts_file,
     make_config,
     write_config,
     write_etc_files,
@@ -79,6 +82,7 @@ from edge.runtime.mounts import (
     mount,
     mount_overlay,
     mounts_under,
+    set_hostname_of,
     umount_quiet,
 )
 from edge.runtime.spec import (
@@ -460,6 +464,90 @@ class RuncRuntime:
             log_path=spec.log_path,
         )
 
+    def rename(
+        self,
+        old: str,
+        new: str,
+        *,
+        hostname: str,
+        cpu_millis: int,
+        memory_mb: int,
+        pids_max: int,
+    ) -> SandboxProcess:
+        """Give a started sandbox another id (a warm sandbox its owner's): its directories,
+        runc state, cgroups, record and layer holders move to the new name, its hostname and
+        /etc files change, and its cgroup limits become the given ones. Nothing
+        else differs afterwards from a sandbox created under `new`. Blocking.
+
+        A crash midway leaves state under both names, neither in the edge's records: orphans
+        that `cleanup_orphans` removes (it collects ids from every source)."""
+        osd, nsd = self.sandbox_dir(old), self.sandbox_dir(new)
+        rec = self._read_record(old)
+        if rec is None:
+            raise SandboxNotFoundError(old)
+        if self._container_exists(new) or nsd.exists() or self.writable_dir(new).exists():
+            raise SandboxExistsError(new)
+        pid = self._init_pid(old)
+        ocg, ncg = self.cgroup_path(old), self.cgroup_path(new)
+        unified_left = cgroups.rename(ocg, ncg)
+        os.rename(self.writable_dir(old), self.writable_dir(new))
+        os.rename(osd, nsd)
+        link = nsd / "upper"
+        target = os.readlink(link).replace(
+            os.fspath(self.writable_dir(old)), os.fspath(self.writable_dir(new)), 1
+        )
+        link.unlink()
+        link.symlink_to(target)
+        os.rename(self.runc_root / old, self.runc_root / new)
+        # runc's state and our bundle name the container by its id in every path (cgroups,
+        # rootfs, bind sources); the id is a random token, so a plain replace is exact.
+        for f in (self.runc_root / new / "state.json", nsd / "config.json"):
+            f.write_text(f.read_text().replace(old, new))
+        holders = self._record_layers(rec)
+        rec["sandbox_id"] = new
+        rec["cgroup_path"] = ncg
+        if rec.get("log_path"):
+            rec["log_path"] = rec["log_path"].replace(old, new)
+        (nsd / "record.json").write_text(json.dumps(rec))
+        for (holder, layer), (new_holder, _) in zip(holders, self._record_layers(rec), strict=True):
+            self.layers.acquire(layer, new_holder)
+            self.layers.release(layer, holder)
+        set_hostname_of(pid, hostname)
+        for name, text in (("hostname", hostname + "\n"), ("hosts", hosts_file(hostname))):
+            with open(nsd / "etc" / name, "r+") as fh:  # bind-mounted: rewritten in place
+                fh.truncate(0)
+                fh.write(text)
+        cgroups.set_limits(
+            ncg,
+            cpu_quota_us=cpu_quota_us(cpu_millis),
+            cpu_shares=cpu_shares(cpu_millis),
+            memory_bytes=memory_mb * 1024 * 1024,
+            pids_max=pids_max,
+        )
+        if unified_left:
+            # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
+            # runs after the claim; a crash in between leaves an orphan cgroup2 directory
+            # (removed, with what runs in it, by the next cleanup).
+            (nsd / "unified.pending").write_text(old)
+        return SandboxProcess(
+            sandbox_id=new,
+            pid=pid,
+            rootfs=nsd / "rootfs",
+            upper=Path(target),
+            cgroup_path=ncg,
+            log_path=Path(rec["log_path"]) if rec.get("log_path") else None,
+        )
+
+    def finish_rename(self, new: str) -> None:
+        """Move the renamed sandbox's cgroup2 directory to its new name (see `rename`)."""
+        pending = self.sandbox_dir(new) / "unified.pending"
+        try:
+            old = pending.read_text()
+        except FileNotFoundError:
+            return
+        cgroups.move_unified(self.cgroup_path(old), self.cgroup_path(new))
+        pending.unlink()
+
     def seccomp_memfd(self) -> int:
         """The runtime's profile compiled once (seccomp_bpf) in a sealed memfd, kept open for
         the runtime's life and dup'd into every init that installs the filter itself."""
@@ -578,6 +666,8 @@ class RuncRuntime:
         rec = self._read_record(sandbox_id)
         removed: list[str] = []
         errors: list[str] = []
+        with contextlib.suppress(OSError):
+            self.finish_rename(sandbox_id)  # a cgroup2 directory still under its warm name
 
         def attempt(what: str, fn: Callable[[], object]) -> None:
             try:
@@ -743,6 +833,9 @@ class RuncRuntime:
         directories, runc containers, cgroups under our parent, overlay mounts under our
         sandboxes directory; then unmounts layer images nobody holds any more.
         """
+        for sid in keep:
+            with contextlib.suppress(OSError, InvalidLaunchSpecError):
+                self.finish_rename(sid)  # before its old cgroup2 name looks like an orphan
         ids = set(self.list_ids()) | {
             name for name in cgroups.children(self.cgroup_parent) if SANDBOX_ID_RE.fullmatch(name)
         }

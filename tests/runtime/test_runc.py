@@ -110,6 +110,49 @@ def test_started_sandbox_keeps_no_mount_on_the_host(
         assert leftovers(runtime, sb.sandbox_id) == []
 
 
+def test_rename_gives_a_started_sandbox_another_identity(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    toolkit_image_path: Path,
+    cgroup_parent: str,
+    leftovers: Leftovers,
+) -> None:
+    """A warm sandbox becomes its owner's: afterwards nothing tells it from one created
+    under the new id (runc, cgroups, hostname, /etc files, limits, layer holders, recovery)."""
+    warm = runtime.create(spec_for(toolkit_dir=toolkit_image_path, memory_mb=256))
+    sh(runtime, warm.sandbox_id, "echo kept > /root/f")
+    new = warm.sandbox_id.replace("-0", "-owned")
+    proc = runtime.rename(
+        warm.sandbox_id, new, hostname="agent-box", cpu_millis=500, memory_mb=96, pids_max=77
+    )
+    assert proc.pid == warm.pid and proc.sandbox_id == new
+    runtime.finish_rename(new)  # the cgroup2 half (the edge runs it after the claim)
+    assert leftovers(runtime, warm.sandbox_id) == []  # nothing under the old name
+    assert cgroups.existing_dirs(runtime.cgroup_path(warm.sandbox_id)) == []
+    assert runtime.state(new).status is SandboxStatus.RUNNING
+    rc, out, err = sh(
+        runtime, new, "hostname; cat /etc/hostname; grep -c agent-box /etc/hosts; cat /root/f"
+    )
+    assert rc == 0, err
+    assert out.split() == ["agent-box", "agent-box", "1", "kept"]
+    assert (proc.upper / "root" / "f").read_text() == "kept\n"
+    cg = runtime.cgroup_path(new)
+    assert cgroups.read_int("memory", cg, "memory.limit_in_bytes") == 96 * 1024 * 1024
+    assert cgroups.read_int("pids", cg, "pids.max") == 77
+    assert cgroups.read_int("cpu", cg, "cpu.cfs_quota_us") == 50000
+    assert warm.pid in cgroups.procs(cgroups.controller_dir("pids", cg))
+    runtime.pause(new)  # runc finds the renamed cgroups through its rewritten state
+    assert runtime.state(new).status is SandboxStatus.PAUSED
+    runtime.resume(new)
+    # a restarted edge re-adopts it under the new name, holding its layers
+    again = RuncRuntime(runtime.state_dir, cgroup_parent=cgroup_parent, volatile_state=True)
+    assert again.list_ids() == [new]
+    assert again.cleanup_orphans({new}) == []
+    runtime.destroy(new)
+    assert leftovers(runtime, new) == []
+    assert mounts_under(runtime.layers.root) == []  # the toolkit image's holder went with it
+
+
 def test_same_image_mounted_once_for_all_sandboxes(
     runtime: RuncRuntime, spec_for: SpecFactory, busybox: Any
 ) -> None:

@@ -14,9 +14,11 @@ declares the peer dead when nothing arrives for 20 s. When the channel
 closes the edge marks the sandbox failed (CHANNEL_CLOSED).
 """
 
+from collections import abc as _abc
 from dsec.chronus.v1 import chronus_pb2 as _chronus_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -42,6 +44,7 @@ class Frame(_message.Message):
     PONG_FIELD_NUMBER: _builtins.int
     SHUTDOWN_FIELD_NUMBER: _builtins.int
     HALF_CLOSE_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     """chosen by the edge, odd numbers; 0 for control frames"""
     @_builtins.property
@@ -76,6 +79,10 @@ class Frame(_message.Message):
     def half_close(self) -> Global___HalfClose:
         """edge -> aether: no more requests on the stream"""
 
+    @_builtins.property
+    def claim(self) -> Global___Claim:
+        """edge -> aether: a warm sandbox becomes a sandbox"""
+
     def __init__(
         self,
         *,
@@ -89,16 +96,61 @@ class Frame(_message.Message):
         pong: Global___Pong | None = ...,
         shutdown: Global___Shutdown | None = ...,
         half_close: Global___HalfClose | None = ...,
+        claim: Global___Claim | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown", "stream_id", b"stream_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown", "stream_id", b"stream_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "request", "response", "end", "cancel", "ping", "pong", "shutdown", "half_close"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "request", "response", "end", "cancel", "ping", "pong", "shutdown", "half_close", "claim"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___Frame: _TypeAlias = Frame  # noqa: Y015
+
+@_typing.final
+class Claim(_message.Message):
+    """A warm (pre-started) sandbox's aether has imported chronus but not forked it; the claim gives
+    it the sandbox's environment (the whole of it, replacing pid 1's), and chronus starts with it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENV_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Claim: _TypeAlias = Claim  # noqa: Y015
 
 @_typing.final
 class Hello(_message.Message):

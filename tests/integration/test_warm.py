@@ -1,0 +1,161 @@
+"""Warm sandboxes (edge/warm.py) against real runc: a create claims a started sandbox, which then
+behaves as one created cold; the pool refills, discards a broken one, and an edge restart keeps
+the claimed sandboxes and replaces the warm ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsecctl.cluster import EdgeSpec, LocalCluster
+from edge.runtime import cgroups
+from libdsec import Client
+from tests.conftest import start_cluster
+from tests.helpers import wait_for
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+EDGE = "wrm"
+POOL = 2
+
+
+@pytest.fixture(scope="module")
+def warm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(
+        tmp_path_factory.mktemp("warm"),
+        edges=[
+            EdgeSpec(
+                edge_id=EDGE,
+                runtime="container",
+                extra_env={
+                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+                    "DSEC_EDGE_FNCALL_POOLS": "",
+                    "DSEC_EDGE_WARM_POOL": f"busybox={POOL}",
+                },
+            )
+        ],
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def client(warm_cluster: LocalCluster) -> Iterator[Client]:
+    with Client(warm_cluster.apiserver, token=warm_cluster.token) as c:
+        yield c
+
+
+def _runc(c: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    root = c.home / "edges" / EDGE / "container" / "runtime" / "runc"
+    return subprocess.run(["runc", "--root", str(root), *args], capture_output=True, text=True)
+
+
+def _warm_ids(c: LocalCluster) -> list[str]:
+    out = _runc(c, "list", "-q").stdout.split()
+    return sorted(i for i in out if i.startswith("warm-"))
+
+
+def _full(c: LocalCluster) -> list[str]:
+    return wait_for(lambda: (ids := _warm_ids(c)) and len(ids) == POOL and ids, timeout_s=30)
+
+
+def _started_warm(c: LocalCluster, sandbox_id: str) -> bool:
+    """Whether the edge's log says the sandbox was a claimed warm one (cold starts log the
+    runc and aether times instead)."""
+    for line in (c.home / "logs" / f"edge-{EDGE}.log").read_text().splitlines():
+        if f"sandbox {sandbox_id} started" in line:
+            return bool(json.loads(line).get("warm"))
+    raise AssertionError(f"no start logged for {sandbox_id}")
+
+
+def test_a_create_claims_a_warm_sandbox_with_its_own_settings(
+    warm_cluster: LocalCluster, client: Client
+) -> None:
+    before = _full(warm_cluster)
+    with client.create(
+        image="busybox", cpu=0.5, memory_mb=96, env={"TASK": "t-17"}, workdir="/root"
+    ) as sb:
+        assert _started_warm(warm_cluster, sb.id)
+        assert not set(_warm_ids(warm_cluster)) >= set(before)  # one of them became sb
+        r = sb.run(
+            "echo $TASK; pwd; hostname; cat /etc/hostname;"
+            " cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
+        )
+        assert r.exit_code == 0, r
+        assert r.stdout.decode().split() == [
+            "t-17",
+            "/root",
+            sb.id,
+            sb.id,
+            str(96 * 1024 * 1024),
+            "50000",
+        ]
+        s = sb.session()  # sessions, files and background commands work as on any sandbox
+        s.run("cd /etc && export X=7")
+        assert s.run("pwd; echo $X").stdout == b"/etc\n7\n"
+        sb.files.write("/root/f", b"data")
+        assert sb.run("cat f").stdout == b"data"
+        p = sb.start("sleep 30")
+        p.kill()
+        info = p.wait(timeout_s=5)
+        assert not info.running and info.exit is not None
+        pid1 = json.loads(_runc(warm_cluster, "state", sb.id).stdout)["pid"]
+        cg = Path(f"/proc/{pid1}/cgroup").read_text()
+        assert sb.id in cg and "warm-" not in cg  # every hierarchy, cgroup2 included (it follows)
+    # stopped like any sandbox: nothing of it or of its warm name is left
+    assert sb.id not in _runc(warm_cluster, "list", "-q").stdout
+    parent = f"dsec-test-{os.getpid()}-{EDGE}"
+    assert not any(n.startswith("sb-") for n in cgroups.children(parent))
+    refilled = _full(warm_cluster)
+    assert sorted(set(cgroups.children(parent))) == refilled  # no strays
+
+
+def test_creates_the_pool_cannot_serve_start_cold(
+    warm_cluster: LocalCluster, client: Client
+) -> None:
+    _full(warm_cluster)
+    with client.create(image="busybox", cpu=0.5, memory_mb=64, disk_mb=32) as quota:
+        assert not _started_warm(warm_cluster, quota.id)  # a disk quota: its own filesystem
+        assert quota.run("true").exit_code == 0
+    with client.create(image="bookworm", cpu=0.5, memory_mb=128) as other:
+        assert not _started_warm(warm_cluster, other.id)  # no warm sandboxes of that image
+
+
+def test_a_broken_warm_sandbox_is_replaced(warm_cluster: LocalCluster, client: Client) -> None:
+    victim = _full(warm_cluster)[0]
+    os.kill(json.loads(_runc(warm_cluster, "state", victim).stdout)["pid"], signal.SIGKILL)
+    wait_for(lambda: victim not in _warm_ids(warm_cluster) and len(_warm_ids(warm_cluster)) == POOL)
+    with client.create(image="busybox", cpu=0.5, memory_mb=64) as sb:
+        assert sb.run("echo ok").stdout == b"ok\n"
+
+
+def test_edge_restart_keeps_claimed_sandboxes_and_replaces_warm_ones(
+    warm_cluster: LocalCluster, client: Client
+) -> None:
+    _full(warm_cluster)
+    sb = client.create(image="busybox", cpu=0.5, memory_mb=64, env={"K": "v"})
+    try:
+        assert _started_warm(warm_cluster, sb.id)
+        warm_before = set(_warm_ids(warm_cluster))
+        warm_cluster.kill(f"edge-{EDGE}", signal.SIGKILL)
+        warm_cluster.restart(f"edge-{EDGE}")
+        after = set(_full(warm_cluster))
+        assert not after & warm_before  # the unowned ones were removed as orphans
+        r = wait_for(lambda: _ok(client, sb.id), timeout_s=20)
+        assert r == b"v\n"
+    finally:
+        sb.stop()
+
+
+def _ok(client: Client, sandbox_id: str) -> bytes | None:
+    try:
+        return client.get(sandbox_id).run("echo $K").stdout
+    except Exception:
+        return None
