@@ -10,8 +10,14 @@ measured in the same run on the same busybox image.
    process exists: runc exits after start).
 5. create-to-first-command again with the B burst sandboxes still running, against section 1's
    idle-node figure of the same run.
+6. create-to-first-command on a second edge of the same machine that keeps W warm sandboxes
+   (edge/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
+7. a burst of B on that edge (W of them warm at the start, the rest cold), against section 3.
 
-usage: python bench/bench_containers.py [--n 50] [--burst 200] [--no-docker]
+Sections 1-5 run on the cold edge (node_selector pool=cold) while the warm edge sits idle
+with its pool full; 6-7 on the warm edge.
+
+usage: python bench/bench_containers.py [--n 50] [--burst 200] [--warm 64] [--no-docker]
 """
 
 from __future__ import annotations
@@ -81,18 +87,32 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--rtt", type=int, default=500)
+    ap.add_argument("--warm", type=int, default=64, help="warm sandboxes of the warm edge")
     ap.add_argument("--no-docker", action="store_true")
     args = ap.parse_args()
     use_docker = not args.no_docker and docker_available()
 
-    edge = EdgeSpec(
+    env = {"DSEC_EDGE_CPU_OVERCOMMIT": "200", "DSEC_EDGE_FNCALL_POOLS": ""}
+    cold_edge = EdgeSpec(
         edge_id="bench",
         runtime="container",
+        labels={"pool": "cold"},
         max_sandboxes=args.burst + 50,
-        extra_env={"DSEC_EDGE_CPU_OVERCOMMIT": "200", "DSEC_EDGE_FNCALL_POOLS": ""},
+        extra_env=env,
     )
-    with cluster(edges=[edge]) as c, Client(c.apiserver, token=c.token) as dsec:
-        dsec.create(image=IMAGE, cpu=1, memory_mb=64).stop()  # warm: toolkit built, image mounted
+    # The same machine, with warm sandboxes of the image (edge/warm.py): sections 6 and 7.
+    warm_edge = EdgeSpec(
+        edge_id="warm",
+        runtime="container",
+        labels={"pool": "warm"},
+        max_sandboxes=args.burst + 50,
+        extra_env={**env, "DSEC_EDGE_WARM_POOL": f"{IMAGE}={args.warm}"},
+    )
+    with cluster(edges=[cold_edge, warm_edge]) as c, Client(c.apiserver, token=c.token) as dsec:
+        # toolkit built, image mounted on both edges
+        dsec.create(image=IMAGE, cpu=1, memory_mb=64, node_selector=COLD).stop()
+        dsec.create(image=IMAGE, cpu=1, memory_mb=64, node_selector=WARM).stop()
+        wait_warm(c, args.warm)  # the warm edge's refill idle before anything is measured
 
         # 1. create -> first command
         lat = create_first(dsec, args.n)
@@ -112,7 +132,7 @@ def main() -> int:
         # 2. run("true") round trip, interleaved with two same-run baselines on the same path:
         #    GetSandbox (SDK -> apiserver -> edge) and files.stat (... -> aether -> chronus, no
         #    process started), so machine noise shows in all three alike.
-        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
+        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64, node_selector=COLD)
         for _ in range(20):
             assert sb.run("true").exit_code == 0
         rtt: list[float] = []
@@ -144,17 +164,17 @@ def main() -> int:
         )
 
         # 3. burst
-        async def burst() -> tuple[float, list[str], int]:
+        async def burst(task: str, sel: dict[str, str]) -> tuple[float, list[str], int]:
             async with AsyncClient(c.apiserver, token=c.token) as ac:
                 t = time.perf_counter()
                 res = await ac.create_many(
-                    args.burst, image=IMAGE, cpu=1, memory_mb=32, task_id="burst"
+                    args.burst, image=IMAGE, cpu=1, memory_mb=32, task_id=task, node_selector=sel
                 )
                 elapsed = time.perf_counter() - t
                 ok = [r.id for r in res if not isinstance(r, Exception)]
                 return elapsed, ok, len(res) - len(ok)
 
-        elapsed, ids, failed = asyncio.run(burst())
+        elapsed, ids, failed = asyncio.run(burst("burst", COLD))
         d_elapsed = docker_burst(args.burst) if use_docker else float("nan")
         table(
             f"burst of {args.burst} concurrent creates",
@@ -218,15 +238,68 @@ def main() -> int:
             ],
         )
         dsec.stop_all(task_id="burst")
+
+        # 6. the same with warm sandboxes: create -> first command claims one
+        wait_warm(c, args.warm)
+        w_lat = create_first(dsec, args.n, WARM)
+        w50, w99, _ = summary_ms(w_lat)
+        table(
+            f"create -> first command, {args.n} sandboxes, an edge keeping {args.warm} warm (ms)",
+            ["system", "p50", "p99", "p50 vs cold (section 1)"]
+            + (["docker p50 / p50"] if d_lat else []),
+            [
+                ["dsec cold (section 1)", p50_idle, p99_idle, 1.0]
+                + ([dp50 / p50_idle] if d_lat else []),
+                ["dsec warm", w50, w99, w50 / p50_idle] + ([dp50 / w50] if d_lat else []),
+            ],
+        )
+
+        # 7. a burst larger than the pool: the first `warm` claim, the rest start cold
+        wait_warm(c, args.warm)
+        w_elapsed, w_ids, w_failed = asyncio.run(burst("wburst", WARM))
+        table(
+            f"burst of {args.burst} concurrent creates, {args.warm} of them warm at the start",
+            ["system", "seconds", "sandboxes/s", "failed", "vs cold burst (section 3)"],
+            [
+                ["dsec cold edge (section 3)", elapsed, len(ids) / elapsed, failed, 1.0],
+                [
+                    f"dsec edge keeping {args.warm} warm",
+                    w_elapsed,
+                    len(w_ids) / w_elapsed,
+                    w_failed,
+                    (len(w_ids) / w_elapsed) / (len(ids) / elapsed),
+                ],
+            ],
+        )
+        dsec.stop_all(task_id="wburst")
     return 0
 
 
-def create_first(dsec: Client, n: int) -> list[float]:
+COLD = {"pool": "cold"}
+WARM = {"pool": "warm"}
+
+
+def wait_warm(c: object, n: int, timeout_s: float = 120.0) -> None:
+    """Until the warm edge holds `n` warm sandboxes (its runc root lists them)."""
+    root = Path(c.home) / "edges" / "warm" / "container" / "runtime" / "runc"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["runc", "--root", str(root), "list", "-q"], capture_output=True, text=True
+        )
+        if sum(1 for i in out.stdout.split() if i.startswith("warm-")) >= n:
+            time.sleep(0.6)  # past the pool's quiet period: its refill loop is idle
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the warm edge did not reach {n} warm sandboxes in {timeout_s} s")
+
+
+def create_first(dsec: Client, n: int, sel: dict[str, str] = COLD) -> list[float]:
     """Sequential create + run("true") + stop; the time of the first two."""
     lat: list[float] = []
     for _ in range(n):
         t = time.perf_counter()
-        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64)
+        sb = dsec.create(image=IMAGE, cpu=1, memory_mb=64, node_selector=sel)
         r = sb.run("true")
         lat.append(time.perf_counter() - t)
         assert r.exit_code == 0, r  # a failed start is not a fast one

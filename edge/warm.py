@@ -86,6 +86,7 @@ class WarmPool:
         self.claimed = 0
         self.missed = 0  # eligible creates that found the pool empty
         self._closing = False
+        self._tasks: set[asyncio.Future[None]] = set()
         self.quiet_s = 0.5
         self._last_create = 0.0
 
@@ -110,10 +111,15 @@ class WarmPool:
             if not w.conn.closed.is_set():
                 self._wake.set()
                 return w
-            asyncio.get_running_loop().create_task(self._discard(w))
+            self._spawn(self._discard(w))  # its channel closed while it waited
         self.missed += 1
         self._wake.set()
         return None
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)  # referenced until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
 
     def forget(self, w: WarmSandbox) -> bool:
         """Remove a warm sandbox whose channel closed; True if it was still waiting here."""
