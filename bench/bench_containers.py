@@ -240,6 +240,7 @@ def main() -> int:
         dsec.stop_all(task_id="burst")
 
         # 6. the same with warm sandboxes: create -> first command claims one
+        wait_runc_empty(c, "bench")  # the cold edge's burst torn down: nothing else runs
         wait_warm(c, args.warm)
         w_lat = create_first(dsec, args.n, WARM)
         w50, w99, _ = summary_ms(w_lat)
@@ -279,15 +280,27 @@ COLD = {"pool": "cold"}
 WARM = {"pool": "warm"}
 
 
+def _runc_ids(c: object, edge: str) -> list[str]:
+    home = Path(c.home)  # type: ignore[attr-defined]
+    root = home / "edges" / edge / "container" / "runtime" / "runc"
+    out = subprocess.run(
+        ["runc", "--root", str(root), "list", "-q"], capture_output=True, text=True
+    )
+    return out.stdout.split()
+
+
+def wait_runc_empty(c: object, edge: str, timeout_s: float = 120.0) -> None:
+    """Until `edge` runs no container (a stop_all's teardown continues after it returns)."""
+    deadline = time.monotonic() + timeout_s
+    while _runc_ids(c, edge) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def wait_warm(c: object, n: int, timeout_s: float = 120.0) -> None:
     """Until the warm edge holds `n` warm sandboxes (its runc root lists them)."""
-    root = Path(c.home) / "edges" / "warm" / "container" / "runtime" / "runc"  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["runc", "--root", str(root), "list", "-q"], capture_output=True, text=True
-        )
-        if sum(1 for i in out.stdout.split() if i.startswith("warm-")) >= n:
+        if sum(1 for i in _runc_ids(c, "warm") if i.startswith("warm-")) >= n:
             time.sleep(0.6)  # past the pool's quiet period: its refill loop is idle
             return
         time.sleep(0.2)
