@@ -31,6 +31,7 @@ def run_demo() -> int:
 
     with Client(token=token.secret) as agent:
         step(f"the agent sees itself in {agent.whoami().project_id}")
+        t0 = time.perf_counter()
         try:
             sb = agent.create(
                 image="busybox",
@@ -45,7 +46,11 @@ def run_demo() -> int:
             step(f"sandbox creation unavailable here: {err}")
             return 0
         with sb:
-            step(f"created container sandbox {sb.id} on edge {sb.info.edge_id} ({sb.info.state})")
+            took = (time.perf_counter() - t0) * 1000
+            step(
+                f"created container sandbox {sb.id} on edge {sb.info.edge_id} ({sb.info.state})"
+                f" in {took:.0f} ms (a warm sandbox, if the edge had one ready)"
+            )
             try:
                 r = sb.run("echo hello from $(hostname); uname -sr")
                 step(

@@ -26,6 +26,7 @@ token (0600), logs/, and each service's state.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Any
@@ -46,7 +47,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     if running is not None:
         running.stop()
-    edges = [EdgeSpec(edge_id=f"edge{i}", runtime=args.runtime) for i in range(args.edges)]
+    # A few warm busybox sandboxes per edge (README "Warm sandboxes"); DSEC_EDGE_WARM_POOL
+    # in the environment replaces this ("" for none).
+    warm = {"DSEC_EDGE_WARM_POOL": os.environ.get("DSEC_EDGE_WARM_POOL", "busybox=4")}
+    edges = [
+        EdgeSpec(edge_id=f"edge{i}", runtime=args.runtime, extra_env=dict(warm))
+        for i in range(args.edges)
+    ]
     cluster = LocalCluster(
         home,
         transport="tcp",
