@@ -211,6 +211,7 @@ class Launcher:
         if left:
             log.info("fncall: removed %d leftovers at shutdown", len(left))
         await asyncio.to_thread(cgroups.remove, f"/{self.runtime.cgroup_parent}")
+        await asyncio.to_thread(self.runtime.release)  # its state tmpfs mounts, now empty
 
     def container_memory_bytes(self) -> int:
         mb = self.settings.max_memory_mb + CONTAINER_OVERHEAD_MB
