@@ -382,7 +382,7 @@ class ContainerBackend:
             await self.destroy(rec)
             raise
         assert self.warm is not None
-        self.warm.claimed += 1
+        self.warm.claimed[spec.image] += 1
         # Its cgroup2 directory follows off the critical path (an RCU grace period per move).
         move = asyncio.ensure_future(asyncio.to_thread(self.runtime.finish_rename, sid))
         self._renaming[sid] = move

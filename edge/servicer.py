@@ -164,6 +164,14 @@ class EdgeServicer:
             live_sandbox_ids=m.live_ids() if request.include_sandbox_ids else [],
             as_of=ts(time.time()),
             draining=m.draining,
+            warm={
+                image: edge_pb2.WarmPoolStatus(
+                    target=target, ready=ready, claimed=claimed, missed=missed
+                )
+                for b in m.backends.values()
+                if (pool := getattr(b, "warm", None)) is not None
+                for image, (target, ready, claimed, missed) in pool.status().items()
+            },
         )
 
     async def WatchSandboxes(

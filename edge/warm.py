@@ -83,8 +83,8 @@ class WarmPool:
         }
         self._wake = asyncio.Event()
         self.cold_starts = 0  # creates starting cold right now: refill waits for them
-        self.claimed = 0
-        self.missed = 0  # eligible creates that found the pool empty
+        self.claimed: collections.Counter[str] = collections.Counter()  # per image
+        self.missed: collections.Counter[str] = collections.Counter()  # eligible, none ready
         self._closing = False
         self._tasks: set[asyncio.Future[None]] = set()
         self.quiet_s = 0.5
@@ -112,7 +112,7 @@ class WarmPool:
                 self._wake.set()
                 return w
             self._spawn(self._discard(w))  # its channel closed while it waited
-        self.missed += 1
+        self.missed[rec.spec.image] += 1
         self._wake.set()
         return None
 
@@ -130,12 +130,11 @@ class WarmPool:
             return True
         return False
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, tuple[int, int, int, int]]:
+        """image -> (target, ready, claimed, missed)."""
         return {
-            "targets": dict(self.targets),
-            "ready": {k: len(q) for k, q in self.ready.items()},
-            "claimed": self.claimed,
-            "missed": self.missed,
+            k: (n, len(self.ready[k]), self.claimed[k], self.missed[k])
+            for k, n in self.targets.items()
         }
 
     async def run(self) -> None:

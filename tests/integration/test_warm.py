@@ -11,8 +11,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from edge.runtime import cgroups
 from libdsec import Client
@@ -63,7 +65,9 @@ def _warm_ids(c: LocalCluster) -> list[str]:
 
 
 def _full(c: LocalCluster) -> list[str]:
-    return wait_for(lambda: (ids := _warm_ids(c)) and len(ids) == POOL and ids, timeout_s=30)
+    """Until the pool reports all its warm sandboxes ready; their runtime ids."""
+    wait_for(lambda: _pool_status(c).ready == POOL, timeout_s=30)
+    return wait_for(lambda: (ids := _warm_ids(c)) and len(ids) == POOL and ids, timeout_s=10)
 
 
 def _started_warm(c: LocalCluster, sandbox_id: str) -> bool:
@@ -75,15 +79,26 @@ def _started_warm(c: LocalCluster, sandbox_id: str) -> bool:
     raise AssertionError(f"no start logged for {sandbox_id}")
 
 
+def _pool_status(c: LocalCluster) -> edge_pb2.WarmPoolStatus:
+    with grpc.insecure_channel(c.process(f"edge-{EDGE}").address) as ch:
+        resp = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+            edge_pb2.GetNodeStatusRequest(), timeout=10
+        )
+    return resp.warm["busybox"]
+
+
 def test_a_create_claims_a_warm_sandbox_with_its_own_settings(
     warm_cluster: LocalCluster, client: Client
 ) -> None:
     before = _full(warm_cluster)
+    status = _pool_status(warm_cluster)
+    assert (status.target, status.ready) == (POOL, POOL)
     with client.create(
         image="busybox", cpu=0.5, memory_mb=96, env={"TASK": "t-17"}, workdir="/root"
     ) as sb:
         assert _started_warm(warm_cluster, sb.id)
         assert not set(_warm_ids(warm_cluster)) >= set(before)  # one of them became sb
+        assert _pool_status(warm_cluster).claimed == status.claimed + 1
         r = sb.run(
             "echo $TASK; pwd; hostname; cat /etc/hostname;"
             " cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
@@ -126,6 +141,20 @@ def test_creates_the_pool_cannot_serve_start_cold(
         assert quota.run("true").exit_code == 0
     with client.create(image="bookworm", cpu=0.5, memory_mb=128) as other:
         assert not _started_warm(warm_cluster, other.id)  # no warm sandboxes of that image
+    _full(warm_cluster)
+    status = _pool_status(warm_cluster)
+    # more creates at once than the pool holds: one of them starts cold
+    many = client.create_many(POOL + 1, image="busybox", cpu=0.2, memory_mb=64)
+    try:
+        assert all(not isinstance(sb, Exception) for sb in many), many
+        warm = [_started_warm(warm_cluster, sb.id) for sb in many]  # type: ignore[union-attr]
+        assert sorted(warm) == [False] + [True] * POOL, warm
+        assert all(sb.run("true").exit_code == 0 for sb in many)  # type: ignore[union-attr]
+    finally:
+        for sb in many:
+            if not isinstance(sb, Exception):
+                sb.stop()
+    assert _pool_status(warm_cluster).missed == status.missed + 1
 
 
 def test_a_broken_warm_sandbox_is_replaced(warm_cluster: LocalCluster, client: Client) -> None:

@@ -732,6 +732,27 @@ class GetNodeStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class WarmEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___WarmPoolStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___WarmPoolStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INFO_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
@@ -740,6 +761,7 @@ class GetNodeStatusResponse(_message.Message):
     AS_OF_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
+    WARM_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -757,6 +779,10 @@ class GetNodeStatusResponse(_message.Message):
     def sandboxes_by_principal(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """live sandboxes per creator (token id)"""
 
+    @_builtins.property
+    def warm(self) -> _containers.MessageMap[_builtins.str, Global___WarmPoolStatus]:
+        """warm container sandboxes per image (DSEC_EDGE_WARM_POOL)"""
+
     def __init__(
         self,
         *,
@@ -768,14 +794,47 @@ class GetNodeStatusResponse(_message.Message):
         as_of: _timestamp_pb2.Timestamp | None = ...,
         draining: _builtins.bool = ...,
         sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        warm: _abc.Mapping[_builtins.str, Global___WarmPoolStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class WarmPoolStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    CLAIMED_FIELD_NUMBER: _builtins.int
+    MISSED_FIELD_NUMBER: _builtins.int
+    target: _builtins.int
+    """kept started"""
+    ready: _builtins.int
+    """started and unclaimed now"""
+    claimed: _builtins.int
+    """creates served by one since the edge started"""
+    missed: _builtins.int
+    """creates of this image that found none ready (started cold)"""
+    def __init__(
+        self,
+        *,
+        target: _builtins.int = ...,
+        ready: _builtins.int = ...,
+        claimed: _builtins.int = ...,
+        missed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed", b"claimed", "missed", b"missed", "ready", b"ready", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmPoolStatus: _TypeAlias = WarmPoolStatus  # noqa: Y015
 
 @_typing.final
 class WatchSandboxesRequest(_message.Message):
