@@ -88,6 +88,7 @@ class ContainerBackend:
         self.logs = state_dir / "logs"
         for d in (self.sockets, self.logs):
             d.mkdir(parents=True, exist_ok=True)
+        mounts.mount_volatile(self.sockets, "16m")  # one socket file per sandbox, kept on restart
         self._sockets_fd = os.open(self.sockets, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         # runc run -d leaves the sandbox's init orphaned; as subreaper the edge
         # (not the host's pid 1, which reaps late here) collects its exit status.
@@ -633,6 +634,7 @@ class ContainerBackend:
         if self.runtime.release():
             # Nothing runs: leave no mount behind.
             mounts.umount_quiet(self.toolkit_dir)
+            mounts.umount_quiet(self.sockets)
             with contextlib.suppress(OSError):
                 self.toolkit_dir.rmdir()
         self.environments.close()

@@ -558,7 +558,9 @@ class SandboxManager:
         self._changed(rec)
 
     def _changed(self, rec: SandboxRecord) -> None:
-        if self.backend_of(rec).persistent:
+        # STARTING is not written: recovery treats it as PENDING (no runtime state yet either
+        # way), and each write is a new inode (tmp + rename) in the event loop's thread.
+        if self.backend_of(rec).persistent and rec.state != "STARTING":
             self._persist(rec)
         subscribers = self._subscribers
         if rec.state == TERMINAL and self._end_subscribers:

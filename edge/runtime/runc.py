@@ -70,17 +70,14 @@ from edge.runtime.errors import (
     SandboxRuntimeError,
 )
 from edge.runtime.mounts import (
-    MS_NODEV,
-    MS_NOSUID,
     LayerImage,
     LayerMounts,
     as_layer,
     detach,
-    is_mountpoint,
     layer_from_identity,
     layer_identity,
-    mount,
     mount_overlay,
+    mount_volatile,
     mounts_under,
     set_hostname_of,
     umount_quiet,
@@ -149,6 +146,10 @@ def _wait_pidfd(pidfd: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0, int(timeout_s * 1000))))
 
 
+#: Size cap of each volatile state tmpfs (bundles, records, runc's state: ~20 KiB per sandbox).
+VOLATILE_SIZE = "256m"
+
+
 class RuncRuntime:
     """Creates, inspects and tears down runc sandboxes. Blocking; callers use asyncio.to_thread.
 
@@ -188,7 +189,7 @@ class RuncRuntime:
             d.mkdir(parents=True, exist_ok=True)
         if volatile_state:
             for d in (self.sandboxes_dir, self.runc_root):
-                _mount_volatile(d)
+                mount_volatile(d, VOLATILE_SIZE)
         self.nofile = _nofile_limit()
         self.layers = LayerMounts(Path(layer_root) if layer_root else self.state_dir / "layers")
         self.layers.root.mkdir(parents=True, exist_ok=True)
@@ -853,25 +854,6 @@ class RuncRuntime:
         self.layers.recover(self._claims(only=keep))
         removed += [f"layer:{p}" for p in self.layers.unmount_unused()]
         return removed
-
-
-#: Size cap of each volatile state tmpfs (bundles, records, runc's state: ~20 KiB per sandbox).
-VOLATILE_SIZE = "256m"
-
-
-def _mount_volatile(d: Path) -> None:
-    """A tmpfs at `d` unless one is there (a restarted edge finds its sandboxes' state in it).
-
-    Small per-sandbox files (bundle, record, /etc files, runc's state and fifo) are created and
-    deleted with every sandbox; on this machine kind's journal-less ext4 each new inode skips
-    every recently deleted one (ext4 `recently_deleted`), which after a burst of deletes cost
-    ~1 ms per file created (measured; 40 us on a quiet directory). runc's own default root is a
-    tmpfs (/run/runc) for the same kind of reason. Everything here dies with the machine, as the
-    sandboxes do; their writable layers stay on disk (`rw/`) and are orphans to clean up then.
-    """
-    if is_mountpoint(d):
-        return
-    mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={VOLATILE_SIZE}")
 
 
 def _holder(sandbox_id: str, use: int | str) -> str:
