@@ -81,6 +81,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
                         "DSEC_EDGE_CGROUP_PARENT": f"dsec-adversarial-{os.getpid()}",
                         "DSEC_EDGE_WATCH_INTERVAL_S": "0.5",
                         "DSEC_EDGE_PIDS_EXHAUSTED_AFTER_S": "1.5",
+                        # Some of the suite's sandboxes are claimed warm ones (busybox, no
+                        # network, no quota), the rest start cold: every control must hold
+                        # on both.
+                        "DSEC_EDGE_WARM_POOL": "busybox=3",
                     },
                 )
             ],
