@@ -157,6 +157,7 @@ class EdgeServicer:
                 memory_mb_capacity=m.capacity.memory_mb,
                 gpus_free=m.capacity.gpus - load.gpus,
                 sandboxes_by_backend={"BACKEND_" + k: v for k, v in load.by_backend.items()},
+                warm_ready={image: st[1] for image, st in self._warm_status().items()},
             ),
             sandboxes_by_project=by_project,
             sandboxes_by_principal=by_principal,
@@ -168,11 +169,18 @@ class EdgeServicer:
                 image: edge_pb2.WarmPoolStatus(
                     target=target, ready=ready, claimed=claimed, missed=missed
                 )
-                for b in m.backends.values()
-                if (pool := getattr(b, "warm", None)) is not None
-                for image, (target, ready, claimed, missed) in pool.status().items()
+                for image, (target, ready, claimed, missed) in self._warm_status().items()
             },
         )
+
+    def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:
+        """image -> (target, ready, claimed, missed) of the backends' warm pools."""
+        out: dict[str, tuple[int, int, int, int]] = {}
+        for b in self.manager.backends.values():
+            pool = getattr(b, "warm", None)
+            if pool is not None:
+                out.update(pool.status())
+        return out
 
     async def WatchSandboxes(
         self, request: edge_pb2.WatchSandboxesRequest, context: Any

@@ -37,6 +37,7 @@ def edge_view(status: watcher_pb2.EdgeStatus) -> EdgeView:
         gpus_free=load.gpus_free if status.HasField("load") else info.gpu_count,
         sandboxes=load.sandboxes,
         probed_at=from_ts(status.last_probe_at) or 0.0,
+        warm=dict(load.warm_ready),
     )
 
 

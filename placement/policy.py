@@ -11,6 +11,12 @@ The overlay is kept per edge as running sums over a time-ordered queue of
 placements, so a decision costs O(edges) however many placements are pending;
 a burst (:meth:`Placer.place_group`) is decided in one pass over arrays.
 
+Warm sandboxes: an edge reports how many warm container sandboxes of each image it has ready
+(edge/warm.py). A create such a sandbox can serve (``Request.warm_image``) is placed by the same
+power-of-k rule, but among the eligible edges that still have one of its image, counting down
+this instance's own placements since each edge's probe; only when none has one does it fall back
+to all eligible edges. A claimed warm sandbox starts ~3x faster than a cold one here.
+
 Bursting: once on-prem allocation passes ``burst_threshold`` (default 0.8),
 eligible requests go to edges labelled ``location=cloud``; cloud edges are
 otherwise used only when no on-prem edge fits.
@@ -40,6 +46,8 @@ class EdgeView:
     gpus_free: int
     sandboxes: int
     probed_at: float
+    #: warm container sandboxes ready at the probe, per image
+    warm: dict[str, int] = field(default_factory=dict)
 
     @property
     def cloud(self) -> bool:
@@ -54,6 +62,8 @@ class Request:
     gpu_count: int = 0
     node_selector: dict[str, str] = field(default_factory=dict)
     exclude: frozenset[str] = frozenset()
+    #: the image, when a warm sandbox of it could serve this create ("" = it could not)
+    warm_image: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,8 @@ class Placer:
         self.rng = rng or random.Random()
         self.edges: dict[str, EdgeView] = {}
         self.overlay: dict[str, EdgeOverlay] = {}
+        #: per edge, (wall time, image) of our placements there that take a warm sandbox
+        self.warm_taken: dict[str, deque[tuple[float, str]]] = {}
         self.snapshot_at = 0.0
         self.placed_total = 0
 
@@ -145,6 +157,11 @@ class Placer:
         self._age(edge)
 
     def _age(self, edge: EdgeView) -> None:
+        taken = self.warm_taken.get(edge.edge_id)
+        if taken:
+            t = max(edge.probed_at - self.overlay_grace_s, time.time() - self.overlay_ttl_s)
+            while taken and taken[0][0] <= t:
+                taken.popleft()
         ov = self.overlay.get(edge.edge_id)
         if ov is not None:
             ov.drop_until(
@@ -154,6 +171,23 @@ class Placer:
     def remove_edge(self, edge_id: str) -> None:
         self.edges.pop(edge_id, None)
         self.overlay.pop(edge_id, None)
+        self.warm_taken.pop(edge_id, None)
+
+    def warm_left(self, e: EdgeView, image: str) -> int:
+        """Warm sandboxes of `image` on `e` that our placements since its probe did not take."""
+        have = e.warm.get(image, 0) if image else 0
+        if have <= 0:
+            return 0
+        taken = self.warm_taken.get(e.edge_id)
+        return max(0, have - sum(1 for _, i in taken if i == image)) if taken else have
+
+    def _take_warm(self, edge_id: str, image: str, count: int) -> None:
+        q = self.warm_taken.get(edge_id)
+        if q is None:
+            q = self.warm_taken[edge_id] = deque()
+        now = time.time()
+        for _ in range(count):
+            q.append((now, image))
 
     def record(self, edge_id: str, cpu: int, memory: int, gpus: int = 0, count: int = 1) -> None:
         ov = self.overlay.get(edge_id)
@@ -225,13 +259,17 @@ class Placer:
         if not eligible:
             raise NoEligibleEdge(f"no eligible edge: {why}", metadata={"backend": req.backend})
         pool = self._pool(eligible)
-        sample = self.rng.sample(pool, min(self.k, len(pool)))
+        warm = [e for e in pool if self.warm_left(e, req.warm_image) > 0]
+        first = warm or pool  # edges with a warm sandbox for it come first
+        sample = self.rng.sample(first, min(self.k, len(first)))
         sample.sort(key=self.score)
         rest = [e for e in pool if e not in sample]
         self.rng.shuffle(rest)
         ordered = (sample + rest)[: self.max_candidates]
         best = ordered[0]
         self.record(best.edge_id, req.cpu_millis, req.memory_mb, req.gpu_count)
+        if warm:
+            self._take_warm(best.edge_id, req.warm_image, 1)
         return [Candidate(e.edge_id, e.address, e.cloud) for e in ordered]
 
     def place_group(
@@ -281,6 +319,10 @@ class Placer:
         def fits(i: int) -> bool:
             return cpu[i] + rc <= cap_cpu[i] and mem[i] + rm <= cap_mem[i] and gpus[i] >= rg
 
+        # Warm sandboxes left per edge for this request; edges with some are chosen first.
+        warm = [self.warm_left(e, req.warm_image) for e in eligible]
+        warm_taken = [0] * len(eligible)
+
         onprem_pool = [i for i in range(len(eligible)) if not cloud[i]]
         cloud_pool = [i for i in range(len(eligible)) if cloud[i]]
         chosen: list[int] = []
@@ -294,6 +336,10 @@ class Placer:
             )
             pool = cloud_pool if use_cloud else onprem_pool
             n = len(pool)
+            if n and any(warm):
+                warm_pool = [i for i in pool if warm[i] > 0]
+                if warm_pool:
+                    pool, n = warm_pool, len(warm_pool)
             if n == 0:
                 error = NoEligibleEdge(
                     f"no eligible edge: {len(self.edges)} edges: not enough free capacity"
@@ -318,16 +364,23 @@ class Placer:
                 cpu[best] += rc
                 mem[best] += rm
                 gpus[best] -= rg
+                if warm[best] > 0:
+                    warm[best] -= 1
+                    warm_taken[best] += 1
                 if not cloud[best]:
                     op_used += rc * cap_mem[best] / cap_cpu[best] + rm
                 if not fits(best):
-                    pool.remove(best)
+                    for p in (onprem_pool, cloud_pool):
+                        if best in p:
+                            p.remove(best)
                     break
         counts: dict[int, int] = {}
         for i in chosen:
             counts[i] = counts.get(i, 0) + 1
         for i, n in counts.items():
             self.record(cands[i].edge_id, rc, rm, rg, n)
+            if warm_taken[i]:
+                self._take_warm(cands[i].edge_id, req.warm_image, warm_taken[i])
         return cands, chosen, error
 
     def _eligible(self, req: Request) -> tuple[list[EdgeView], str]:

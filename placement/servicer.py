@@ -37,6 +37,18 @@ def _request(item: placement_pb2.PlacementItem) -> Request:
         if spec.backend
         else "CONTAINER"
     )
+    # What an edge's warm sandboxes can serve (edge/warm.py: no toolkit layers, no network
+    # policy, no disk quota): such a create prefers an edge that has one of its image ready.
+    warm_image = (
+        spec.image
+        if backend == "CONTAINER"
+        and spec.image
+        and not spec.toolkits
+        and not spec.network.ByteSize()
+        and not spec.resources.disk_mb
+        and not spec.resources.gpu_count
+        else ""
+    )
     return Request(
         backend=backend,
         cpu_millis=spec.resources.cpu_millis or 1000,
@@ -44,6 +56,7 @@ def _request(item: placement_pb2.PlacementItem) -> Request:
         gpu_count=spec.resources.gpu_count,
         node_selector=dict(spec.node_selector),
         exclude=frozenset(item.exclude_edges),
+        warm_image=warm_image,
     )
 
 

@@ -188,3 +188,47 @@ def _ok(client: Client, sandbox_id: str) -> bytes | None:
         return client.get(sandbox_id).run("echo $K").stdout
     except Exception:
         return None
+
+
+def test_placement_sends_creates_to_the_edge_with_warm_sandboxes(tmp_path: Path) -> None:
+    """Two edges, one keeping warm busybox sandboxes: creates it can serve go there (as long as
+    it has some), whatever the load; others are placed by load as always."""
+    from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+
+    env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""}
+    c = start_cluster(
+        tmp_path,
+        edges=[
+            EdgeSpec(
+                edge_id="plw",
+                runtime="container",
+                extra_env={**env, "DSEC_EDGE_WARM_POOL": "busybox=2"},
+            ),
+            EdgeSpec(edge_id="plc", runtime="container", extra_env=env),
+        ],
+    )
+
+    def watcher_sees_warm() -> bool:
+        with grpc.insecure_channel(c.process("watcher").address) as ch:
+            snap = (
+                watcher_pb2_grpc.WatcherServiceStub(ch)
+                .GetClusterSnapshot(watcher_pb2.GetClusterSnapshotRequest(), timeout=10)
+                .snapshot
+            )
+        return any(
+            e.info.edge_id == "plw" and e.load.warm_ready["busybox"] == 2 for e in snap.edges
+        )
+
+    made = []
+    try:
+        with Client(c.apiserver, token=c.token) as client:
+            wait_for(watcher_sees_warm, timeout_s=30)
+            for _ in range(2):
+                sb = client.create(image="busybox", cpu=0.2, memory_mb=64)
+                made.append(sb)
+                assert sb.info.edge_id == "plw"
+                assert sb.run("true").exit_code == 0
+            for sb in made:
+                sb.stop()
+    finally:
+        c.stop()

@@ -198,3 +198,40 @@ def test_when_only_the_overlay_makes_edges_look_full_the_edges_decide() -> None:
     placer.forget("e0", 500, 1, count=10)
     placer.forget("e1", 500, 1, count=10)
     assert placer.overlay_entries() == 0
+
+
+def _warm(e: EdgeView, **ready: int) -> EdgeView:
+    e.warm = dict(ready)
+    return e
+
+
+def test_creates_go_first_to_edges_with_a_warm_sandbox_of_their_image() -> None:
+    placer = Placer(k=2, rng=random.Random(3))
+    # e1 is the busier edge, but the only one with warm busybox sandboxes (3 of them)
+    placer.update([edge(0), _warm(edge(1, cpu=4000), busybox=3)])
+    warm_req = Request("CONTAINER", 100, 64, warm_image="busybox")
+    picks = [placer.place(warm_req)[0].edge_id for _ in range(3)]
+    assert picks == ["e1", "e1", "e1"]
+    assert placer.warm_left(placer.edges["e1"], "busybox") == 0
+    # ... then by load again; other images and unservable creates never looked at warm ones
+    assert placer.place(warm_req)[0].edge_id == "e0"
+    assert placer.place(Request("CONTAINER", 100, 64, warm_image="bookworm"))[0].edge_id == "e0"
+    assert placer.place(Request("CONTAINER", 100, 64))[0].edge_id == "e0"
+
+
+def test_a_burst_takes_the_warm_sandboxes_first_and_a_probe_brings_new_ones() -> None:
+    placer = Placer(k=2, rng=random.Random(5), overlay_grace_s=0.0)
+    a, b, c = edge(0), _warm(edge(1), busybox=4), _warm(edge(2), busybox=2)
+    placer.update([a, b, c])
+    req = Request("CONTAINER", 100, 64, warm_image="busybox")
+    cands, chosen, err = placer.place_group(req, 12)
+    assert err is None
+    per_edge = [cands[i].edge_id for i in chosen]
+    # the first six decisions use the six warm sandboxes, the rest spread by load
+    assert sorted(per_edge[:6]) == ["e1"] * 4 + ["e2"] * 2
+    assert {e: per_edge.count(e) for e in ("e0", "e1", "e2")}["e0"] >= 3
+    assert placer.warm_left(placer.edges["e1"], "busybox") == 0
+    # a probe after those placements reports what the edge refilled: usable again
+    time.sleep(0.01)
+    placer.update_edge(_warm(edge(1), busybox=4))
+    assert placer.warm_left(placer.edges["e1"], "busybox") == 4

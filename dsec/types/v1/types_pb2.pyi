@@ -2386,6 +2386,26 @@ class EdgeLoad(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class WarmReadyEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOXES_FIELD_NUMBER: _builtins.int
     CPU_MILLIS_ALLOCATED_FIELD_NUMBER: _builtins.int
     MEMORY_MB_ALLOCATED_FIELD_NUMBER: _builtins.int
@@ -2393,6 +2413,7 @@ class EdgeLoad(_message.Message):
     MEMORY_MB_CAPACITY_FIELD_NUMBER: _builtins.int
     GPUS_FREE_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_BACKEND_FIELD_NUMBER: _builtins.int
+    WARM_READY_FIELD_NUMBER: _builtins.int
     sandboxes: _builtins.int
     cpu_millis_allocated: _builtins.int
     memory_mb_allocated: _builtins.int
@@ -2405,6 +2426,10 @@ class EdgeLoad(_message.Message):
     def sandboxes_by_backend(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """key: Backend name"""
 
+    @_builtins.property
+    def warm_ready(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """warm container sandboxes ready now, per image"""
+
     def __init__(
         self,
         *,
@@ -2415,10 +2440,11 @@ class EdgeLoad(_message.Message):
         memory_mb_capacity: _builtins.int = ...,
         gpus_free: _builtins.int = ...,
         sandboxes_by_backend: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        warm_ready: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millis_allocated", b"cpu_millis_allocated", "cpu_millis_capacity", b"cpu_millis_capacity", "gpus_free", b"gpus_free", "memory_mb_allocated", b"memory_mb_allocated", "memory_mb_capacity", b"memory_mb_capacity", "sandboxes", b"sandboxes", "sandboxes_by_backend", b"sandboxes_by_backend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millis_allocated", b"cpu_millis_allocated", "cpu_millis_capacity", b"cpu_millis_capacity", "gpus_free", b"gpus_free", "memory_mb_allocated", b"memory_mb_allocated", "memory_mb_capacity", b"memory_mb_capacity", "sandboxes", b"sandboxes", "sandboxes_by_backend", b"sandboxes_by_backend", "warm_ready", b"warm_ready"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
