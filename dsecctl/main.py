@@ -97,7 +97,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         p = cluster.process(name)
         print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}")
         bad += state != "SERVING"
+        if name.startswith("edge-") and state == "SERVING":
+            for line in _warm_lines(p.address):
+                print(f"{'':<12} {line}")
     return 1 if bad else 0
+
+
+def _warm_lines(address: str) -> list[str]:
+    """The edge's warm pools, one line per image (GetNodeStatus)."""
+    import grpc
+
+    from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+                edge_pb2.GetNodeStatusRequest(), timeout=2
+            )
+    except grpc.RpcError:
+        return []
+    return [
+        f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
+        for image, w in sorted(resp.warm.items())
+    ]
 
 
 def _client() -> Any:
