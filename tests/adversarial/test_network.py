@@ -69,6 +69,29 @@ def test_a_sandbox_without_network_can_be_given_one(make_sandbox: Callable[..., 
     assert _nc(sb, "pypi.org", 443) == (0, b"pypi.org\n")
 
 
+def test_a_claimed_warm_sandbox_can_be_given_a_network(
+    make_sandbox: Callable[..., Sandbox], lab: Lab
+) -> None:
+    """A warm sandbox's cgroup2 directory follows its claim off the critical path; the eBPF
+    programs of a policy given afterwards must attach to the right one."""
+    import json
+
+    log = lab.cluster.home / "logs" / "edge-adv0.log"
+
+    def claimed_warm(sandbox_id: str) -> bool:
+        for line in log.read_text().splitlines():
+            if f"sandbox {sandbox_id} started" in line:
+                return bool(json.loads(line).get("warm"))
+        return False
+
+    # The suite's edge keeps 3 warm busybox sandboxes; refill runs between creates.
+    sb = wait_for(lambda: (s := make_sandbox()) and claimed_warm(s.id) and s, timeout_s=30)
+    sb.update_network_policy(NetworkPolicy(allow=["pypi.org:443"]))
+    assert _nc(sb, "pypi.org", 443) == (0, b"pypi.org\n")
+    code, out = _nc(sb, NPM, 443)
+    assert code != 0 and b"not permitted" in out
+
+
 def test_port_scan_for_mirrors_is_blocked_and_counted(
     make_sandbox: Callable[..., Sandbox], lab: Lab
 ) -> None:
