@@ -122,7 +122,7 @@ class ContainerBackend:
         # Started sandboxes waiting for their owner (edge/warm.py); None when none are kept.
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
-            self.warm = WarmPool(self, warm_pool, self._start_warm, self._discard_warm)
+            self.warm = WarmPool(warm_pool, self._start_warm, self._discard_warm)
 
     @classmethod
     def from_config(cls, cfg: EdgeConfig) -> ContainerBackend:

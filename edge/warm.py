@@ -44,7 +44,6 @@ from edge.model import SandboxRecord, SandboxSpec
 
 if TYPE_CHECKING:
     from edge.aether_client import AetherConnection
-    from edge.container import ContainerBackend
     from edge.runtime.spec import SandboxProcess
 
 log = logging.getLogger(__name__)
@@ -67,14 +66,14 @@ class WarmSandbox:
 
 
 class WarmPool:
+    """The warm sandboxes of one backend, per image; `start` and `discard` are the backend's."""
+
     def __init__(
         self,
-        backend: ContainerBackend,
         targets: dict[str, int],
         start: Callable[[str], Awaitable[WarmSandbox]],
         discard: Callable[[WarmSandbox], Awaitable[None]],
     ) -> None:
-        self.backend = backend
         self.targets = {k: v for k, v in targets.items() if v > 0}
         self._start = start
         self._discard = discard
