@@ -110,6 +110,8 @@ class ContainerBackend:
         self.ready_timeout_s = ready_timeout_s
         self.connections: dict[str, AetherConnection] = {}
         self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
+        self._warm_starting: set[asyncio.Future[WarmSandbox]] = set()
+        self._warm_unclaimed: dict[str, WarmSandbox] = {}  # every warm sandbox not yet claimed
         self._on_exit: ExitCallback | None = None
         # Network policy, private runtime dir, disk quota, watchdog, trusted execution.
         self.containment = Containment(
@@ -305,7 +307,16 @@ class ContainerBackend:
     # ------------------------------------------------------------- warm sandboxes
 
     async def _start_warm(self, image_name: str) -> WarmSandbox:
-        """Start a sandbox nobody owns yet (see edge/warm.py), up to aether's Hello."""
+        """Start a sandbox nobody owns yet (see edge/warm.py), up to aether's Hello.
+
+        The start runs on even if the pool's loop is cancelled (edge shutdown): runc would
+        finish in its thread anyway, and `close` waits for it and removes what it made."""
+        start = asyncio.ensure_future(self._start_warm_now(image_name))
+        self._warm_starting.add(start)
+        start.add_done_callback(self._warm_starting.discard)
+        return await asyncio.shield(start)
+
+    async def _start_warm_now(self, image_name: str) -> WarmSandbox:
         cid = new_warm_id()
         tmpl = warm_template(cid, image_name)
         image = await asyncio.to_thread(self.images.resolve, image_name, [])
@@ -329,11 +340,14 @@ class ContainerBackend:
             raise
         w = WarmSandbox(cid, image_name, image, proc, conn, prep, time.monotonic())
         holder.append(w)
+        self._warm_unclaimed[cid] = w  # until claimed or discarded, whoever holds it
         return w
 
     async def _discard_warm(self, w: WarmSandbox) -> None:
         if self.connections.get(w.conn.sandbox_id) is w.conn:
             return  # claimed since: its sandbox's teardown owns it
+        if self._warm_unclaimed.pop(w.cid, None) is None:
+            return  # discarded already
         with contextlib.suppress(Exception):
             await w.conn.close()
         cid = w.conn.sandbox_id  # its current runtime id (a failed claim may have renamed it)
@@ -373,6 +387,7 @@ class ContainerBackend:
         conn.sandbox_id = sid
         conn.socket_path = self._socket_address(sid)  # for reconnects
         self.connections[sid] = conn
+        self._warm_unclaimed.pop(w.cid, None)  # the sandbox's record owns it from here
         rec.runtime = self._runtime_record(proc, w.image, self._socket_path(sid))
         try:
             env = self.sandbox_env(rec, w.image)
@@ -624,6 +639,11 @@ class ContainerBackend:
     async def close(self) -> None:
         if self.warm is not None:
             await self.warm.close()  # ours alone: nobody would re-adopt them
+            # Starts still under way (the pool's loop is cancelled by now), and any warm
+            # sandbox that was between its start and the pool when that happened.
+            await asyncio.gather(*self._warm_starting, return_exceptions=True)
+            for w in list(self._warm_unclaimed.values()):
+                await self._discard_warm(w)
         await self.containment.close()
         # The edge is going away, not necessarily the sandboxes: drop connections;
         # containers (if any are left) keep running and are re-adopted later.

@@ -232,3 +232,36 @@ def test_placement_sends_creates_to_the_edge_with_warm_sandboxes(tmp_path: Path)
                 sb.stop()
     finally:
         c.stop()
+
+
+def test_an_edge_stopping_while_its_pool_fills_leaves_no_sandbox(tmp_path: Path) -> None:
+    """Stopped a moment after its start, while its pool is still filling (a start under way in
+    runc's thread), the edge removes every warm sandbox, the one being started included."""
+    c = start_cluster(
+        tmp_path,
+        edges=[
+            EdgeSpec(
+                edge_id="stp",
+                runtime="container",
+                extra_env={
+                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+                    "DSEC_EDGE_FNCALL_POOLS": "",
+                    "DSEC_EDGE_WARM_POOL": "busybox=40",
+                },
+            )
+        ],
+    )
+    parent = f"dsec-test-{os.getpid()}-stp"
+    root = tmp_path / "edges" / "stp" / "container" / "runtime" / "runc"
+    try:
+        wait_for(
+            lambda: subprocess.run(
+                ["runc", "--root", str(root), "list", "-q"], capture_output=True, text=True
+            ).stdout.split(),
+            timeout_s=30,
+        )  # filling has begun
+    finally:
+        c.stop()
+    assert cgroups.children(parent) == set()
+    pids = Path("/sys/fs/cgroup/pids") / parent / "cgroup.procs"
+    assert not pids.exists() or pids.read_text() == ""
