@@ -493,6 +493,11 @@ class RuncRuntime:
         unified_left = cgroups.rename(ocg, ncg)
         os.rename(self.writable_dir(old), self.writable_dir(new))
         os.rename(osd, nsd)
+        if unified_left:
+            # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
+            # runs right after the claim; after a crash in between, `cleanup_orphans` finishes
+            # the move for the sandboxes it keeps before it collects orphans.
+            (nsd / "unified.pending").write_text(old)
         link = nsd / "upper"
         target = os.readlink(link).replace(
             os.fspath(self.writable_dir(old)), os.fspath(self.writable_dir(new)), 1
@@ -525,11 +530,6 @@ class RuncRuntime:
             memory_bytes=memory_mb * 1024 * 1024,
             pids_max=pids_max,
         )
-        if unified_left:
-            # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
-            # runs after the claim; a crash in between leaves an orphan cgroup2 directory
-            # (removed, with what runs in it, by the next cleanup).
-            (nsd / "unified.pending").write_text(old)
         return SandboxProcess(
             sandbox_id=new,
             pid=pid,

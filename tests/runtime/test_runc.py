@@ -153,6 +153,25 @@ def test_rename_gives_a_started_sandbox_another_identity(
     assert mounts_under(runtime.layers.root) == []  # the toolkit image's holder went with it
 
 
+def test_cleanup_after_a_crash_between_rename_and_its_cgroup2_move_keeps_the_sandbox(
+    runtime: RuncRuntime, spec_for: SpecFactory, cgroup_parent: str, leftovers: Leftovers
+) -> None:
+    warm = runtime.create(spec_for())
+    new = warm.sandbox_id.replace("-0", "-kept")
+    runtime.rename(warm.sandbox_id, new, hostname=new, cpu_millis=500, memory_mb=64, pids_max=64)
+    # the edge died before finish_rename: a restarted one keeps `new`, whose cgroup2 directory
+    # still has the warm name, which must not be taken for an orphan (with pid 1 in it)
+    again = RuncRuntime(runtime.state_dir, cgroup_parent=cgroup_parent, volatile_state=True)
+    again.cleanup_orphans({new})
+    assert again.state(new).status is SandboxStatus.RUNNING
+    assert cgroups.existing_dirs(runtime.cgroup_path(warm.sandbox_id)) == []
+    assert not (runtime.sandbox_dir(new) / "unified.pending").exists()
+    rc, out, _ = sh(again, new, "echo alive")
+    assert (rc, out) == (0, "alive\n")
+    again.destroy(new)
+    assert leftovers(runtime, new) == []
+
+
 def test_same_image_mounted_once_for_all_sandboxes(
     runtime: RuncRuntime, spec_for: SpecFactory, busybox: Any
 ) -> None:

@@ -258,3 +258,39 @@ async def test_a_server_without_the_stream_is_a_stream_failure() -> None:
     finally:
         assert s.server is not None
         await s.server.stop(None)
+
+
+class Refusing:
+    """A stream that ends at once, before reading anything (the API server's bad token)."""
+
+    async def StreamFunctions(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        from libdsec.errors import Unauthenticated
+
+        raise Unauthenticated("no such token", reason="INVALID_TOKEN")
+        yield  # pragma: no cover - makes this a stream handler
+
+
+async def test_a_stream_refused_at_once_fails_its_job_with_the_servers_status() -> None:
+    """The refusal races the first request being written; whichever comes first, the caller
+    must see the server's status. (A full test run once saw gRPC's generic INTERNAL here, with
+    the API server as a separate process; 900 in-process tries did not reproduce it.)"""
+    from libdsec.errors import Unauthenticated
+
+    s = GrpcServer("test", "127.0.0.1:0")
+    s.add(Refusing(), "dsec.apiserver.v1.FunctionService")
+    await s.start()
+    seen: dict[str, int] = {}
+    try:
+        async with grpc.aio.insecure_channel(s.address) as ch:
+            stub = apiserver_pb2_grpc.FunctionServiceStub(ch)
+            for _ in range(300):
+                stream = TaggedStream(stub.StreamFunctions)
+                try:
+                    await stream.call(_request("x"), timeout=10)
+                except Exception as exc:
+                    seen[type(exc).__name__] = seen.get(type(exc).__name__, 0) + 1
+                await stream.aclose()
+    finally:
+        assert s.server is not None
+        await s.server.stop(None)
+    assert seen == {Unauthenticated.__name__: 300}, seen
