@@ -269,14 +269,8 @@ class ContainerBackend:
             if w.image.lowers == image.lowers and await self._claim(rec, w, t0):
                 return
             await self._discard_warm(w)  # started on layers the image no longer has, or failed
-        if self.warm is None:
+        with self.warm.cold_start() if self.warm is not None else contextlib.nullcontext():
             await self._start_cold(rec, image, t0)
-            return
-        self.warm.cold_starts += 1
-        try:
-            await self._start_cold(rec, image, t0)
-        finally:
-            self.warm.cold_starts -= 1
 
     async def _start_cold(self, rec: SandboxRecord, image: ResolvedImage, t0: float) -> None:
         prep = await self.containment.prepare(rec)

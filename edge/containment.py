@@ -42,6 +42,7 @@ from edge.network.denials import DenialCounter
 from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
 from edge.runtime import apparmor, cgroups, disk, integrity, mounts
+from edge.runtime.bundle import rewrite_in_place
 from edge.runtime.detached import detached_tmpfs
 from edge.runtime.spec import BindMount
 from libdsec.errors import FailedPrecondition, InvalidArgument
@@ -253,7 +254,7 @@ class Containment:
             rec.runtime["net"] = await net.attach(sid, pid, cg, policy, resolved)
             # DNS through the edge from now on (the file is bind-mounted: rewrite in place).
             resolv = self.backend.runtime.sandbox_dir(sid) / "etc" / "resolv.conf"
-            await asyncio.to_thread(_rewrite, resolv, f"nameserver {net.gateway}\n")
+            await asyncio.to_thread(rewrite_in_place, resolv, f"nameserver {net.gateway}\n")
         rec.spec.network = dict(raw)
 
     # ------------------------------------------------------------------ integrity
@@ -475,13 +476,6 @@ def _remove_empty_cgroup_parent(parent: str) -> None:
     for root in set(cgroups.hierarchies().values()):
         with contextlib.suppress(OSError):
             (root / parent.strip("/")).rmdir()
-
-
-def _rewrite(path: Path, text: str) -> None:
-    """Replace a bind-mounted file's content in place (a rename would not be seen)."""
-    with open(path, "r+") as fh:
-        fh.truncate(0)
-        fh.write(text)
 
 
 def _init_pid(rec: SandboxRecord) -> int:

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +81,7 @@ class WarmPool:
             k: collections.deque() for k in self.targets
         }
         self._wake = asyncio.Event()
-        self.cold_starts = 0  # creates starting cold right now: refill waits for them
+        self._cold_starts = 0  # creates starting cold right now: refill waits for them
         self.claimed: collections.Counter[str] = collections.Counter()  # per image
         self.missed: collections.Counter[str] = collections.Counter()  # eligible, none ready
         self._closing = False
@@ -115,6 +115,15 @@ class WarmPool:
         self._wake.set()
         return None
 
+    @contextlib.contextmanager
+    def cold_start(self) -> Iterator[None]:
+        """Around a create that starts cold: the refill waits until none is left."""
+        self._cold_starts += 1
+        try:
+            yield
+        finally:
+            self._cold_starts -= 1
+
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)  # referenced until done: the loop keeps only weak references
@@ -143,7 +152,7 @@ class WarmPool:
             short = [k for k, n in self.targets.items() if len(self.ready[k]) < n]
             low = [k for k in short if len(self.ready[k]) * 4 < self.targets[k]]
             busy = time.monotonic() - self._last_create < self.quiet_s
-            if not short or self.cold_starts > 0 or (busy and not low):
+            if not short or self._cold_starts > 0 or (busy and not low):
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.quiet_s / 2)

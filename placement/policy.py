@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from libdsec.errors import NoEligibleEdge
@@ -113,6 +113,26 @@ class EdgeOverlay:
         return False
 
 
+class WarmTaken:
+    """This instance's placements on one edge that take a warm sandbox, not yet seen by a probe:
+    a time-ordered queue with running counts per image (a lookup costs O(1), like the overlay)."""
+
+    __slots__ = ("entries", "per_image")
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[float, str]] = deque()
+        self.per_image: Counter[str] = Counter()
+
+    def add(self, at: float, image: str, count: int = 1) -> None:
+        self.entries.extend([(at, image)] * count)
+        self.per_image[image] += count
+
+    def drop_until(self, t: float) -> None:
+        e = self.entries
+        while e and e[0][0] <= t:
+            self.per_image[e.popleft()[1]] -= 1
+
+
 class Placer:
     def __init__(
         self,
@@ -135,8 +155,8 @@ class Placer:
         self.rng = rng or random.Random()
         self.edges: dict[str, EdgeView] = {}
         self.overlay: dict[str, EdgeOverlay] = {}
-        #: per edge, (wall time, image) of our placements there that take a warm sandbox
-        self.warm_taken: dict[str, deque[tuple[float, str]]] = {}
+        #: per edge, our placements there that take a warm sandbox since its probe
+        self.warm_taken: dict[str, WarmTaken] = {}
         self.snapshot_at = 0.0
         self.placed_total = 0
 
@@ -158,10 +178,10 @@ class Placer:
 
     def _age(self, edge: EdgeView) -> None:
         taken = self.warm_taken.get(edge.edge_id)
-        if taken:
-            t = max(edge.probed_at - self.overlay_grace_s, time.time() - self.overlay_ttl_s)
-            while taken and taken[0][0] <= t:
-                taken.popleft()
+        if taken is not None:
+            taken.drop_until(
+                max(edge.probed_at - self.overlay_grace_s, time.time() - self.overlay_ttl_s)
+            )
         ov = self.overlay.get(edge.edge_id)
         if ov is not None:
             ov.drop_until(
@@ -179,15 +199,13 @@ class Placer:
         if have <= 0:
             return 0
         taken = self.warm_taken.get(e.edge_id)
-        return max(0, have - sum(1 for _, i in taken if i == image)) if taken else have
+        return max(0, have - taken.per_image[image]) if taken is not None else have
 
     def _take_warm(self, edge_id: str, image: str, count: int) -> None:
-        q = self.warm_taken.get(edge_id)
-        if q is None:
-            q = self.warm_taken[edge_id] = deque()
-        now = time.time()
-        for _ in range(count):
-            q.append((now, image))
+        taken = self.warm_taken.get(edge_id)
+        if taken is None:
+            taken = self.warm_taken[edge_id] = WarmTaken()
+        taken.add(time.time(), image, count)
 
     def record(self, edge_id: str, cpu: int, memory: int, gpus: int = 0, count: int = 1) -> None:
         ov = self.overlay.get(edge_id)

@@ -316,6 +316,14 @@ def resolv_conf(host_text: str, nameservers: tuple[str, ...] | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
+def rewrite_in_place(path: Path, text: str) -> None:
+    """Replace the content of a file the sandbox sees bind-mounted (its /etc files): in place,
+    since a new file renamed over it would not be seen through the bind mount."""
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+        fh.write(text)
+
+
 def write_etc_files(
     etc_dir: Path,
     hostname: str,

@@ -58,6 +58,7 @@ from edge.runtime.bundle import (
     hardened_seccomp,
     hosts_file,
     make_config,
+    rewrite_in_place,
     write_config,
     write_etc_files,
 )
@@ -79,6 +80,7 @@ from edge.runtime.mounts import (
     mount_overlay,
     mount_volatile,
     mounts_under,
+    read_mountinfo,
     set_hostname_of,
     umount_quiet,
 )
@@ -176,7 +178,6 @@ class RuncRuntime:
         self.runc_root = Path(runc_root) if runc_root else self.state_dir / "runc"
         #: writable layers (upper/ work/, or a quota filesystem): on disk, whatever else is not
         self.rw_dir = self.state_dir / "rw"
-        self.volatile_state = volatile_state
         self.cgroup_parent = cgroup_parent.strip("/")
         runc = shutil.which(runc_binary)
         if runc is None:
@@ -519,10 +520,8 @@ class RuncRuntime:
             self.layers.acquire(layer, new_holder)
             self.layers.release(layer, holder)
         set_hostname_of(pid, hostname)
-        for name, text in (("hostname", hostname + "\n"), ("hosts", hosts_file(hostname))):
-            with open(nsd / "etc" / name, "r+") as fh:  # bind-mounted: rewritten in place
-                fh.truncate(0)
-                fh.write(text)
+        rewrite_in_place(nsd / "etc" / "hostname", hostname + "\n")
+        rewrite_in_place(nsd / "etc" / "hosts", hosts_file(hostname))
         cgroups.set_limits(
             ncg,
             cpu_quota_us=cpu_quota_us(cpu_millis),
@@ -685,16 +684,19 @@ class RuncRuntime:
             attempt("cgroups", lambda: cgroups.remove(cg))
             removed += [f"cgroup:{d}" for d in leftover]
         rw = self.writable_dir(sandbox_id)
-        for m in [*mounts_under(sdir), *mounts_under(rw)]:
+        infos = read_mountinfo()  # once: a started sandbox keeps no mount here (see create)
+        mine = [*mounts_under(sdir, infos), *mounts_under(rw, infos)]
+        for m in mine:
             attempt(f"umount {m.mountpoint}", functools.partial(umount_quiet, m.mountpoint))
             removed.append(f"mount:{m.mountpoint}")
         for holder, layer in self._record_layers(rec) if rec else []:
             mp = self.layers.mountpoint(layer) if isinstance(layer, LayerImage) else None
             if self.layers.release(layer, holder):
                 removed.append(f"layer:{mp}")
+        left = read_mountinfo() if mine else []  # what the unmounts above did not take
         for d in (sdir, rw):
             if d.exists() or d.is_symlink():
-                if mounts_under(d):
+                if mounts_under(d, left):
                     errors.append(f"{d} still has mounts; not removing it")
                 else:
                     attempt(f"rmtree {d}", functools.partial(shutil.rmtree, d))
