@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import errno
 import gc
 import os
@@ -56,6 +57,11 @@ if TYPE_CHECKING:
 CONTROL_FD = 3
 JOB_DIR = "/job"
 CPUACCT = "/sys/fs/cgroup/cpuacct/cpuacct.usage"
+#: Tasks in the container's pids cgroup: after a job, the runner and the idle spares alone
+#: mean no process of the job is left, and /proc need not be listed.
+PIDS_CURRENT = "/sys/fs/cgroup/pids/pids.current"
+#: Filesystems whose directory size counts entries (20 bytes each): tmpfs, mqueue.
+COUNTING_FS = ("tmpfs", "mqueue")
 #: After the main process exits, how long to keep reading pipes still held open by its children.
 DRAIN_GRACE_S = 0.05
 #: World-writable places a job can leave files in; emptied after every job.
@@ -70,6 +76,9 @@ READ_CHUNK = 65536
 SPARES = 4
 #: Sent by the edge (from the host) to pid 1 when the caller of the running job went away.
 ABORT_SIGNAL = signal.SIGUSR1
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
 
 
 class Runner:
@@ -91,7 +100,9 @@ class Runner:
         signal.signal(ABORT_SIGNAL, self._abort)
         self.spare_count = SPARES
         self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
-        self.stdio: tuple[Any, Any, Any] | None = None
+        #: Rewrites numpy's global legacy RNG state before each fork (None without numpy).
+        self.numpy_seeder: _NumpySeeder | None = None
+        self.reseed_in_spares = False  # numpy loaded, but its state cannot be written directly
         # /job stays; only its contents come and go (the edge mounts a tmpfs there; without
         # one it is a directory of the overlay, where creating and removing a directory per
         # job costs milliseconds of waiting on the upper layer's journal when the machine is
@@ -103,6 +114,17 @@ class Runner:
         else:
             _remove_tree(JOB_DIR)
             os.mkdir(JOB_DIR, 0o700)
+        self.cpuacct = _open_quietly(CPUACCT)
+        self.pids_current = _open_quietly(PIDS_CURRENT)
+        # Scratch dirs that start empty on a filesystem whose directory size counts its
+        # entries: while the size is that of an empty one, there is nothing to list. Exact:
+        # the dirs are sticky and root's, so a job can add entries but remove only its own.
+        counting = _mounts_of(COUNTING_FS)
+        self.empty_size: dict[str, int] = {}
+        for d, keep in self.scratch.items():
+            if not keep and d in counting:
+                with contextlib.suppress(OSError):
+                    self.empty_size[d] = os.stat(d).st_size
         self.sysv_fds = []
         for path in SYSV_IPC:
             try:
@@ -179,17 +201,30 @@ class Runner:
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in req.get("job_env", {}).items()})
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # a file past RLIMIT_FSIZE kills the job
-        self.stdio = _make_stdio()
+        # The runner's own sys.stdin/stdout/stderr become the ones a job gets (on fds 0-2, which
+        # only the job's process redirects), so a spare replaces nothing: replacing them freed
+        # the runner's objects in every job (~60 page copies). The runner writes only
+        # diagnostics, to fd 2 as before, flushed before each fork.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdio = _make_stdio()
+        sys.stdin, sys.stdout, sys.stderr = stdio
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
+        atexit._clear()  # a job starts with no exit handlers, like python3
+        self.numpy_seeder = _NumpySeeder.for_numpy()
+        self.reseed_in_spares = self.numpy_seeder is None and "numpy.random" in sys.modules
         # Objects made so far are never freed: keep them out of the collector's generations,
         # so a job's first collection does not touch (and copy) the warm heap.
         gc.collect()
         gc.freeze()
+        huge = _use_huge_pages()
         self.fork_spares()
         return {
             "ok": not failed,
             "error": "; ".join(failed),
             "warm_s": time.perf_counter() - t0,
             "modules": len(sys.modules),
+            "huge_pages": huge,
         }
 
     # ---------------------------------------------------------------- run
@@ -269,10 +304,20 @@ class Runner:
                 raise
         sys.stdout.flush()
         sys.stderr.flush()
+        seeder = self.numpy_seeder
+        if seeder is not None:
+            seeder.prepare(len(ends))
         lean = _lean_after_fork()
+        # The spares must not inherit the runner's handler (its Python code would run in the
+        # job): with the default disposition they start without it, and the signal, if the edge
+        # sends it now, is dropped by the kernel (pid 1 of a pid namespace, no handler): no job
+        # is running, so it has nothing to abort.
+        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)
         pids: list[int] = []
         try:
-            for e in ends:
+            for i, e in enumerate(ends):
+                if seeder is not None:
+                    seeder.seed(i)
                 try:
                     pid = os.fork()
                 except OSError:
@@ -280,9 +325,17 @@ class Runner:
                         raise
                     break  # e.g. the pids limit: run with what we have
                 if pid == 0:  # pragma: no cover - the child never returns
-                    _spare(e.theirs.fileno(), e.stdin, e.out_w, e.err_w, self.job_uid, self.stdio)
+                    _spare(
+                        e.theirs.fileno(),
+                        e.stdin,
+                        e.out_w,
+                        e.err_w,
+                        self.job_uid,
+                        self.reseed_in_spares,
+                    )
                 pids.append(pid)
         finally:
+            signal.signal(ABORT_SIGNAL, self._abort)
             if lean:
                 _real_after_fork()
             for i, e in enumerate(ends):
@@ -324,7 +377,10 @@ class Runner:
                 *(req.get("argv") or req.get("args") or []),
             ]
         ).encode()
-        cpu0 = _cgroup_cpu_s()
+        # From here, for the spare: the OOM killer's first choice (idle spares are not), and
+        # the CPU it used before its job (the fork's own cost) is not the job's.
+        prep_cpu = _start_job(pid)
+        cpu0 = self._cgroup_cpu_s()
         self0 = time.process_time()
         t0 = time.monotonic()
         self.current_pid, self.aborted = pid, False
@@ -398,7 +454,7 @@ class Runner:
                 killed = "wall"
                 _kill_group(pid)
             elif now >= cpu_check:
-                used = _job_cpu(cpu0, self0)
+                used = self._job_cpu(cpu0, self0)
                 if used is not None and used >= cpu_s:
                     killed = "cpu"
                     _kill_group(pid)
@@ -407,8 +463,7 @@ class Runner:
         assert status is not None and rusage is not None
         if self.aborted and not killed:
             killed = "cancelled"
-        tree_cpu = _job_cpu(cpu0, self0)
-        prep_cpu = spare.prep_cpu()
+        tree_cpu = self._job_cpu(cpu0, self0)
         result: dict[str, Any] = {
             "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0,
@@ -455,6 +510,8 @@ class Runner:
             problems.append(f"cannot empty {JOB_DIR}: {exc}")
         for d, keep in self.scratch.items():
             try:
+                if d in self.empty_size and os.stat(d).st_size == self.empty_size[d]:
+                    continue
                 names = os.listdir(d)
             except OSError:
                 continue
@@ -482,6 +539,18 @@ class Runner:
             self.abort_early = True
         # else: late, for a job already answered (the edge had not read the answer yet)
 
+    def _cgroup_cpu_s(self) -> float | None:
+        """CPU seconds of every process in the container so far (cpuacct), if readable."""
+        ns = _pread_int(self.cpuacct)
+        return None if ns is None else ns / 1e9
+
+    def _job_cpu(self, cpu0: float | None, self0: float) -> float | None:
+        """CPU seconds of every process in the container since the job started, minus ours."""
+        now = self._cgroup_cpu_s()
+        if cpu0 is None or now is None:
+            return None
+        return max(0.0, (now - cpu0) - (time.process_time() - self0))
+
     def _job_pids(self) -> list[int]:
         """Processes in the container other than the runner and the idle spares: the job's,
         orphans included (reaped zombies are gone from /proc; threads are not listed).
@@ -492,6 +561,8 @@ class Runner:
         it: every process listed is killed, and the zombies keep the pids cgroup full until
         we reap them. A pid cannot be reused by anything else meanwhile: only job processes
         fork here, and only we reap orphans."""
+        if _pread_int(self.pids_current) == 1 + len(self.spares):  # reaped: the count is exact
+            return []
         mine = {1, os.getpid(), *(sp.pid for sp in self.spares)}
         return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in mine]
 
@@ -542,14 +613,6 @@ class Spare:
         self.out_r = out_r
         self.err_r = err_r
 
-    def prep_cpu(self) -> float:
-        """CPU seconds it spent before its job started (it reports them when it starts)."""
-        try:
-            self.sock.setblocking(False)
-            return float(self.sock.recv(64).decode() or 0)
-        except (OSError, ValueError):
-            return 0.0
-
     def close(self) -> None:
         for fd in (self.pidfd, self.stdin, self.out_r, self.err_r):
             _close_quietly(fd)
@@ -560,22 +623,21 @@ class Spare:
 
 
 def _spare(
-    ctl: int, stdin: int, out_w: int, err_w: int, uid: int, stdio: tuple[Any, Any, Any] | None
-) -> None:  # pragma: no cover - runs in the forked child
+    ctl: int, stdin: int, out_w: int, err_w: int, uid: int, reseed_numpy: bool
+) -> None:  # pragma: no cover
     """The next job's process: set up what does not depend on the job, wait, then run it.
 
     Lean on purpose: every Python object made or page written here is a copy-on-write fault
-    (and every module it imports is loaded anew: hence all imports at the top of this file).
+    (~2-3 us each here; and every module it imports is loaded anew: hence all imports at the
+    top of this file). What can be done once for all spares is done by the runner: the job's
+    sys.stdin/stdout/stderr objects, no atexit handlers, the default disposition of the
+    runner's abort signal, numpy's RNG state (a new one written before each fork), and at
+    the job's start its oom_score_adj.
     """
     try:
         _real_after_fork()  # see _lean_after_fork: the job's own forks get the real hook
-        numpy_random = sys.modules.get("numpy.random")
-        if numpy_random is not None:
-            # Every job forks from one process: reseed, as a fresh interpreter would be (the
-            # stdlib's `random` reseeds itself after fork). Here, not in the runner between
-            # two forks: there each write is a page copy.
-            numpy_random.seed(int.from_bytes(os.urandom(4), "little"))  # type: ignore[attr-defined]
-        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the runner's, not the job's
+        if reseed_numpy:  # the runner could not give us our own state (_NumpySeeder)
+            sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
         os.setsid()
         os.dup2(stdin, 0)
         os.dup2(out_w, 1)
@@ -583,27 +645,17 @@ def _spare(
         os.dup2(ctl, 3)
         os.closerange(4, 1 << 20)  # the channel to the edge above all, and the other spares'
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if stdio is not None:
-            atexit._clear()
-            sys.stdin, sys.stdout, sys.stderr = stdio
-            sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
         chunks = []
         while True:  # the runner ends its message with a shutdown: read to EOF
             chunk = os.read(3, 1 << 20)
             if not chunk:
                 break
             chunks.append(chunk)
+        os.close(3)
         msg = b"".join(chunks)
         if not msg:
             os._exit(0)  # the runner dropped us
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        os.write(3, str(usage.ru_utime + usage.ru_stime).encode())
-        os.close(3)
-        # Only now, with a job: idle spares stay root (a job cannot signal, trace or read
-        # them) and are not the OOM killer's choice.
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the OOM killer's first choice
-        os.write(fd, b"1000")
-        os.close(fd)
+        # Only now, with a job: idle spares stay root (a job cannot signal, trace or read them).
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
@@ -672,6 +724,92 @@ def _real_after_fork() -> None:
         _AFTER_FORK[0].__code__ = _AFTER_FORK[1]
 
 
+def _start_job(pid: int) -> float:
+    """Marks spare `pid` as the running job's (oom_score_adj 1000: the OOM killer's first
+    choice) and returns the CPU seconds it has used so far (its fork and set-up)."""
+    try:
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+        fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY)
+        try:
+            return int(os.read(fd, 128).split()[0]) / 1e9  # ns on the CPU
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, IndexError):
+        return 0.0  # it died: the job is a runtime error, reported as such
+
+
+class _NumpySeeder:
+    """Gives numpy's global RNG a new state before each fork of a batch, so every job starts
+    with its own, as a fresh python3 seeds it from the OS: 624 random words and pos = 624
+    (the next draw regenerates the block), written straight into the state through
+    /proc/self/mem: one pwrite. (The runner shares its pages with the spares: seeding
+    through numpy's Python API cost each job ~70 page copies, a ctypes call ~18.)"""
+
+    def __init__(self, address: int, size: int, mem: int) -> None:
+        self.address, self.size, self.mem = address, size, mem
+        self.batch: list[bytes] = []
+
+    @classmethod
+    def for_numpy(cls) -> _NumpySeeder | None:
+        """One for numpy's global legacy RandomState (`numpy.random.rand` & co.) if its
+        state is where this expects it and /proc/self/mem can write it; else None (and the
+        spares reseed numpy themselves, through its API)."""
+        try:
+            bitgen = sys.modules["numpy.random.mtrand"]._rand._bit_generator
+            if type(bitgen).__name__ != "MT19937":
+                return None
+            address = int(bitgen.ctypes.state_address)
+            mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)  # spares close it
+        except Exception:
+            return None
+        return cls(address, 624 * 4 + 4, mem)  # uint32 key[624], int pos
+
+    def prepare(self, n: int) -> None:
+        """The states of the next `n` forks, made before the first (between two forks every
+        object the runner makes is a page copy)."""
+        words = self.size - 4
+        blob = os.urandom(words * n)
+        pos = (624).to_bytes(4, sys.byteorder)
+        self.batch = [blob[i * words : (i + 1) * words] + pos for i in range(n)]
+
+    def seed(self, i: int) -> None:
+        if os.pwrite(self.mem, self.batch[i], self.address) != self.size:
+            raise OSError(errno.EIO, "short write of numpy's RNG state")
+
+
+def _use_huge_pages() -> int:
+    """Backs the warm heap with transparent huge pages where whole 2 MiB ranges allow it
+    (MADV_COLLAPSE, Linux >= 6.1): a fork then copies one entry per 2 MiB instead of 512,
+    and each job's exit unmaps as few. Best effort; the number of huge pages made."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, AttributeError):
+        return 0
+    made = 0
+    for line in lines:
+        f = line.split()
+        if f[1] != "rw-p" or (len(f) > 5 and f[5] != "[heap]"):
+            continue  # private writable anonymous memory only
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        start = (lo + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        end = hi & ~(HUGE_PAGE - 1)
+        if end <= start:
+            continue
+        libc.madvise(start, end - start, MADV_HUGEPAGE)
+        if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
+            made += (end - start) // HUGE_PAGE
+    return made
+
+
 def _make_stdio() -> tuple[Any, Any, Any]:
     """sys.stdin/stdout/stderr of a job, as python3 makes them, on fds 0, 1 and 2."""
     import io
@@ -737,10 +875,18 @@ def _exit_code(exc: SystemExit) -> int:  # pragma: no cover
 
 
 def _finish(code: int) -> int:  # pragma: no cover
-    """Interpreter shutdown as far as a job can observe it: threads, atexit, flushed stdio."""
+    """Interpreter shutdown as far as a job can observe it: threads, atexit, flushed stdio.
+
+    With no exit handler of either kind and no non-daemon thread, threading's shutdown would
+    only mark the main thread stopped, which nothing runs after to see: skipped (it touched
+    ~40 pages of the warm heap, each a copy in every job)."""
     try:
         threading = sys.modules.get("threading")
-        if threading is not None:
+        if threading is not None and (
+            atexit._ncallbacks()
+            or threading._shutdown_locks  # type: ignore[attr-defined]
+            or threading._threading_atexits  # type: ignore[attr-defined]
+        ):
             threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
     except SystemExit as exc:
@@ -758,20 +904,29 @@ def _finish(code: int) -> int:  # pragma: no cover
 # ---------------------------------------------------------------- helpers
 
 
-def _cgroup_cpu_s() -> float | None:
+def _open_quietly(path: str) -> int:
     try:
-        with open(CPUACCT, "rb") as fh:
-            return int(fh.read()) / 1e9
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+def _mounts_of(fstypes: tuple[str, ...]) -> set[str]:
+    """Mount points (in this mount namespace) of the given filesystem types."""
+    try:
+        with open("/proc/self/mounts") as fh:
+            return {f[1] for f in (line.split() for line in fh) if len(f) > 2 and f[2] in fstypes}
+    except OSError:
+        return set()
+
+
+def _pread_int(fd: int) -> int | None:
+    if fd < 0:
+        return None
+    try:
+        return int(os.pread(fd, 64, 0))
     except (OSError, ValueError):
         return None
-
-
-def _job_cpu(cpu0: float | None, self0: float) -> float | None:
-    """CPU seconds of every process in the container since the job started, minus ours."""
-    now = _cgroup_cpu_s()
-    if cpu0 is None or now is None:
-        return None
-    return max(0.0, (now - cpu0) - (time.process_time() - self0))
 
 
 def _full_tmpfs() -> str:

@@ -114,9 +114,51 @@ def test_python_runs_warm_with_numpy_already_imported(dsec: Client) -> None:
 
 
 def test_python_jobs_get_a_fresh_random_state(dsec: Client) -> None:
+    # Forked from one parent, yet never the same sequence: numpy's global RNG (its state is
+    # rewritten by the runner before each fork) and the standard library's (reseeded by
+    # CPython after a fork), each on its own.
     code = "import numpy, random; print(numpy.random.randint(1 << 30), random.random())"
-    outs = {dsec.fncall(language="python", code=code).text for _ in range(4)}
-    assert len(outs) == 4  # forked from one parent, yet never the same sequence
+    outs = [dsec.fncall(language="python", code=code).text.split() for _ in range(6)]
+    assert len({o[0] for o in outs}) == 6, outs
+    assert len({o[1] for o in outs}) == 6, outs
+    # Gaussian draws and the state API work on the new state like on any other ...
+    r = dsec.fncall(
+        language="python",
+        code="import numpy as np\n"
+        "s = np.random.get_state()\n"
+        "assert s[0] == 'MT19937' and len(s[1]) == 624 and s[2] == 624, s[2]\n"
+        "a = np.random.normal(size=3)\n"
+        "np.random.set_state(s)\n"
+        "assert (np.random.normal(size=3) == a).all()\n"
+        "print('ok')\n",
+    )
+    assert r.text == "ok\n", r
+    # ... and a job that seeds gets numpy's documented sequence for that seed.
+    seeded = "import numpy as np; np.random.seed(42); print(np.random.randint(1 << 30, size=3))"
+    fresh = dsec.fncall(command=["python3", "-c", seeded], environment="python")
+    assert fresh.verdict == "OK" and len(fresh.text.split()) == 3, fresh
+    assert dsec.fncall(language="python", code=seeded).text == fresh.text
+
+
+def test_python_jobs_start_like_python3(dsec: Client) -> None:
+    """What the runner prepared once for all jobs (stdio objects, no exit handlers, the abort
+    signal's default disposition, the OOM score) is each job's as in a fresh python3 (run in
+    the same environment, same run), and the job's own exit handlers and buffered output
+    still run and arrive."""
+    code = (
+        "import atexit, os, signal, sys\n"
+        "print(sys.stdout is sys.__stdout__, sys.stdin is sys.__stdin__, sys.stdout.fileno())\n"
+        "print(sys.stderr.line_buffering, sys.stderr.errors, sys.stdout.encoding)\n"
+        "print(atexit._ncallbacks(), signal.getsignal(signal.SIGUSR1), os.getuid())\n"
+        "print(open('/proc/self/oom_score_adj').read().strip(), repr(sys.stdin.read()))\n"
+        "atexit.register(lambda: print('bye'))\n"
+        "sys.stdout.write('unflushed')\n"
+    )
+    warm = dsec.fncall(language="python", code=code, stdin="in")
+    fresh = dsec.fncall(command=["python3", "-c", code], environment="python", stdin="in")
+    assert warm.verdict == fresh.verdict == "OK", (warm, fresh)
+    assert warm.text == fresh.text, (warm.text, fresh.text)
+    assert warm.text.endswith("1000 'in'\nunflushedbye\n"), warm.text
 
 
 THREADS_AND_FORK = """
