@@ -56,8 +56,8 @@ class FnCallSettings:
     cpu_millis: int = 1000
     #: The most memory one job may ask for.
     max_memory_mb: int = 4096
-    #: pids cgroup limit of one container's jobs (the runner counts as one; the idle spares
-    #: come on top).
+    #: pids cgroup limit of one container's jobs (the runner counts as one; the idle spares,
+    #: and with preloads the zygote and its spares, come on top).
     pids_max: int = 64
     #: Job processes each container forks ahead, back to back (see runner.SPARES).
     spares: int = 4

@@ -246,8 +246,11 @@ class Launcher:
             cwd="/",
             cpu_millis=self.settings.cpu_millis,
             memory_mb=self.container_memory_bytes() // (1024 * 1024),
-            # the idle spares wait as processes of their own
-            pids_max=self.settings.pids_max + self.settings.spares,
+            # the idle spares wait as processes of their own: a batch of the runner's, and
+            # with preloads the zygote (the warm interpreter) and a batch of its spares
+            pids_max=self.settings.pids_max
+            + self.settings.spares * (2 if env.preload else 1)
+            + (1 if env.preload else 0),
             toolkit_dir=self.kit_dir,
             pass_fd=child.fileno(),
             log_path=self.logs / f"{sid}.log",

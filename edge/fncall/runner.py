@@ -35,6 +35,7 @@ import builtins
 import contextlib
 import errno
 import gc
+import json
 import os
 import resource
 import select
@@ -99,10 +100,14 @@ class Runner:
         # The edge's "the caller gave up": kill the running job now, free the container.
         signal.signal(ABORT_SIGNAL, self._abort)
         self.spare_count = SPARES
-        self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
-        #: Rewrites numpy's global legacy RNG state before each fork (None without numpy).
-        self.numpy_seeder: _NumpySeeder | None = None
-        self.reseed_in_spares = False  # numpy loaded, but its state cannot be written directly
+        #: Spares forked from this (lean) interpreter: jobs that need none of the preloads,
+        #: and every exec()ed program.
+        self.lean = _LocalSpares(self)
+        #: The warm interpreter with the environment's preloads (a child of ours), and the
+        #: spares it forks, for Python jobs whose sources name a preloaded module.
+        self.zygote: _Zygote | None = None
+        self.warm_spares: _ZygoteSpares | None = None
+        self.preload_names: tuple[bytes, ...] = ()
         # /job stays; only its contents come and go (the edge mounts a tmpfs there; without
         # one it is a directory of the overlay, where creating and removing a directory per
         # job costs milliseconds of waiting on the upper layer's journal when the machine is
@@ -187,12 +192,7 @@ class Runner:
         self.cpu_cores = float(req.get("cpu_cores", self.cpu_cores)) or 1.0
         self.spare_count = max(1, int(req.get("spares", self.spare_count)))
         t0 = time.perf_counter()
-        failed = []
-        for name in req.get("preload", []):
-            try:
-                __import__(name)
-            except Exception as exc:  # reported; the edge decides whether the pool is usable
-                failed.append(f"{name}: {exc!r}")
+        preload = [str(name) for name in req.get("preload", [])]
         # Everything a job's process would otherwise set up for itself is done here, once:
         # in the job's process each new object or changed page costs a copy-on-write fault
         # (measured: ~3 us each, hundreds per job). So the runner itself carries the jobs'
@@ -211,28 +211,42 @@ class Runner:
         sys.stdin, sys.stdout, sys.stderr = stdio
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
         atexit._clear()  # a job starts with no exit handlers, like python3
-        self.numpy_seeder = _NumpySeeder.for_numpy()
-        self.reseed_in_spares = self.numpy_seeder is None and "numpy.random" in sys.modules
         # Objects made so far are never freed: keep them out of the collector's generations,
         # so a job's first collection does not touch (and copy) the warm heap.
         gc.collect()
         gc.freeze()
-        huge = _use_huge_pages()
+        ready: dict[str, Any] = {"ok": True, "error": "", "modules": len(sys.modules)}
+        if preload:
+            # Why a second interpreter: a fork costs in proportion to the parent's memory
+            # (page tables copied, then unmapped at the job's exit; measured with numpy
+            # loaded 0.40 + 0.82 ms per job, without 0.16 + 0.47 ms), and most Python jobs
+            # never import the preloads. So this runner stays lean and a child of it, the
+            # zygote, imports them and forks the spares of the jobs that name them.
+            self.zygote, ready = _Zygote.start(preload, self.job_uid)
+            if self.zygote is not None:
+                self.warm_spares = _ZygoteSpares(self, self.zygote)
+                self.preload_names = tuple({n.split(".")[0].encode() for n in preload})
         self.fork_spares()
-        return {
-            "ok": not failed,
-            "error": "; ".join(failed),
-            "warm_s": time.perf_counter() - t0,
-            "modules": len(sys.modules),
-            "huge_pages": huge,
-        }
+        ready["warm_s"] = time.perf_counter() - t0
+        return ready
 
     # ---------------------------------------------------------------- run
+
+    def _spares_for(self, req: dict[str, Any]) -> _LocalSpares | _ZygoteSpares:
+        """The zygote's spares for a Python job whose files name a preloaded module (even in
+        a comment: a false positive costs a little, a miss only the module's import)."""
+        warm = self.warm_spares
+        if warm is not None and req.get("python_main"):
+            for i in range(len(req.get("files", []))):
+                content = req.get(f"file{i}", b"")
+                if any(name in content for name in self.preload_names):
+                    return warm
+        return self.lean
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         try:
             self._prepare(req)
-            spare = self._take_spare()
+            spare = self._spares_for(req).take()
             data = req.get("stdin", b"")
             if data:
                 _write_all(spare.stdin, data)
@@ -243,6 +257,10 @@ class Runner:
             return {"anomaly": f"job setup failed: {exc!r}"}
         try:
             result = self._execute(req, spare)
+        except (OSError, ValueError) as exc:  # the zygote went away under the job
+            self._drop_spares()
+            self._cleanup()
+            return {"anomaly": f"job failed in the runner: {exc!r}"}
         finally:
             spare.close()
         anomaly = self._cleanup()
@@ -285,81 +303,19 @@ class Runner:
     # -------------------------------------------------------------- spare
 
     def fork_spares(self) -> None:
-        """Fork the next jobs' processes now, while no job waits: fork itself (copying the warm
-        interpreter's page tables) and the job-independent set-up (session, limits, stdio)
-        then cost the next job no latency. Only when the last batch is used up, and
-        `spare_count` at once (see SPARES). Each waits for its job on a socketpair; its stdin
-        is a memfd the runner fills when the job comes.
-
-        Everything the batch needs is made before the first fork and put together after the
-        last: between two forks the runner writes (and so copies) as few pages as it can."""
-        if self.spares:
-            return
-        ends = []
-        try:
-            for _ in range(self.spare_count):
-                ends.append(_SpareEnds())
-        except OSError:
-            if not ends:
-                raise
-        sys.stdout.flush()
-        sys.stderr.flush()
-        seeder = self.numpy_seeder
-        if seeder is not None:
-            seeder.prepare(len(ends))
-        lean = _lean_after_fork()
-        # The spares must not inherit the runner's handler (its Python code would run in the
-        # job): with the default disposition they start without it, and the signal, if the edge
-        # sends it now, is dropped by the kernel (pid 1 of a pid namespace, no handler): no job
-        # is running, so it has nothing to abort.
-        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)
-        pids: list[int] = []
-        try:
-            for i, e in enumerate(ends):
-                if seeder is not None:
-                    seeder.seed(i)
-                try:
-                    pid = os.fork()
-                except OSError:
-                    if not pids:
-                        raise
-                    break  # e.g. the pids limit: run with what we have
-                if pid == 0:  # pragma: no cover - the child never returns
-                    _spare(
-                        e.theirs.fileno(),
-                        e.stdin,
-                        e.out_w,
-                        e.err_w,
-                        self.job_uid,
-                        self.reseed_in_spares,
-                    )
-                pids.append(pid)
-        finally:
-            signal.signal(ABORT_SIGNAL, self._abort)
-            if lean:
-                _real_after_fork()
-            for i, e in enumerate(ends):
-                # Our copies of the child ends: the spare holds its own (EOF when it is done).
-                e.close_child_ends()
-                if i < len(pids):
-                    self.spares.append(e.spare(pids[i]))
-                else:
-                    e.close()
+        """Refills every kind of spare whose batch is used up (see _LocalSpares)."""
+        self.lean.fork_batch()
+        if self.warm_spares is not None:
+            self.warm_spares.fork_batch()
 
     def _drop_spares(self) -> None:
-        spares, self.spares = self.spares, []
-        for spare in spares:
-            _kill_quietly(spare.pid)
-            spare.close()
+        self.lean.drop()
+        if self.warm_spares is not None:
+            self.warm_spares.drop()
 
-    def _take_spare(self) -> Spare:
-        while self.spares:
-            spare = self.spares.pop(0)
-            if not select.select([spare.pidfd], [], [], 0)[0]:
-                return spare
-            spare.close()  # it died (the OOM killer? killed from outside?): the next one
-        self.fork_spares()
-        return self.spares.pop(0)
+    def _all_spares(self) -> list[Spare]:
+        warm = self.warm_spares.spares if self.warm_spares is not None else []
+        return [*self.lean.spares, *warm]
 
     def _execute(self, req: dict[str, Any], spare: Spare) -> dict[str, Any]:
         wall_s = float(req["wall_s"])
@@ -422,7 +378,7 @@ class Runner:
                     if status is None:
                         t_exit = time.monotonic()
                         self.current_pid = 0  # before its pid can be reused
-                        _, status, rusage = os.wait4(pid, 0)
+                        status, rusage = spare.source.reap(pid)
                         poller.unregister(pidfd)
                         drain_deadline = t_exit + DRAIN_GRACE_S
                     continue
@@ -561,10 +517,290 @@ class Runner:
         it: every process listed is killed, and the zombies keep the pids cgroup full until
         we reap them. A pid cannot be reused by anything else meanwhile: only job processes
         fork here, and only we reap orphans."""
-        if _pread_int(self.pids_current) == 1 + len(self.spares):  # reaped: the count is exact
+        spares = self._all_spares()
+        zygote = [self.zygote.pid] if self.zygote is not None else []
+        if _pread_int(self.pids_current) == 1 + len(zygote) + len(spares):  # all reaped: exact
             return []
-        mine = {1, os.getpid(), *(sp.pid for sp in self.spares)}
+        mine = {1, os.getpid(), *zygote, *(sp.pid for sp in spares)}
         return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in mine]
+
+
+class _LocalSpares:
+    """Spares forked from the runner itself, in batches (see SPARES)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
+
+    def fork_batch(self) -> None:
+        """Fork the next jobs' processes now, while no job waits: fork itself (copying the
+        interpreter's page tables) and the job-independent set-up (session, limits, stdio)
+        then cost the next job no latency. Only when the last batch is used up, and
+        `spare_count` at once (see SPARES). Each waits for its job on a socketpair; its stdin
+        is a memfd the runner fills when the job comes."""
+        if self.spares:
+            return
+        ends = _spare_ends(self.runner.spare_count)
+        # The spares must not inherit the runner's handler (its Python code would run in the
+        # job): with the default disposition they start without it, and the signal, if the
+        # edge sends it now, is dropped by the kernel (pid 1 of a pid namespace, no handler):
+        # no job is running, so it has nothing to abort.
+        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)
+        pids: list[int] = []
+        try:
+            pids = _fork_batch([e.child_fds() for e in ends], self.runner.job_uid, None, False)
+        finally:
+            signal.signal(ABORT_SIGNAL, self.runner._abort)
+            self.spares += _keep(ends, pids, self)
+
+    def take(self) -> Spare:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if not select.select([spare.pidfd], [], [], 0)[0]:
+                return spare
+            # It died (the OOM killer? killed from outside?): the next one. (Reaped later.)
+            spare.close()
+        self.fork_batch()
+        return self.spares.pop(0)
+
+    def reap(self, pid: int) -> tuple[int, Any]:
+        _, status, rusage = os.wait4(pid, 0)
+        return status, rusage
+
+    def drop(self) -> None:
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _kill_quietly(spare.pid)
+            spare.close()
+
+
+class _Usage:
+    """The fields of a struct rusage the runner uses, as the zygote reports them."""
+
+    def __init__(self, utime: float, stime: float, maxrss: int) -> None:
+        self.ru_utime, self.ru_stime, self.ru_maxrss = utime, stime, maxrss
+
+
+class _Zygote:
+    """The runner's child that imported the environment's preloads and forks spares from
+    that warm interpreter on request. Its spares are its children, so it reaps them and
+    reports how each ended. The channel is a SOCK_SEQPACKET socketpair (one JSON message
+    each way per request; a fork request carries the spares' descriptors)."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+    @classmethod
+    def start(cls, preload: list[str], uid: int) -> tuple[_Zygote | None, dict[str, Any]]:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns
+            mine.close()
+            _zygote_main(theirs, preload, uid)
+        theirs.close()
+        zygote = cls(pid, mine)
+        try:
+            ready = zygote.receive()
+        except (OSError, ValueError) as exc:
+            ready = {"ok": False, "error": f"the warm interpreter did not start: {exc!r}"}
+        if not ready.get("ok"):
+            _kill_quietly(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            mine.close()
+            return None, ready
+        return zygote, ready
+
+    def request(self, message: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        data = json.dumps(message).encode()
+        if fds:
+            socket.send_fds(self.sock, [data], fds)
+        else:
+            self.sock.send(data)
+        return self.receive()
+
+    def receive(self) -> dict[str, Any]:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the warm interpreter (zygote) is gone")
+        reply = json.loads(data)
+        if not isinstance(reply, dict):
+            raise ValueError("bad reply from the zygote")
+        return reply
+
+
+class _ZygoteSpares:
+    """Spares forked by the zygote (the same batches as _LocalSpares), reaped through it."""
+
+    def __init__(self, runner: Runner, zygote: _Zygote) -> None:
+        self.runner = runner
+        self.zygote = zygote
+        self.spares: list[Spare] = []
+
+    def fork_batch(self) -> None:
+        if self.spares:
+            return
+        ends = _spare_ends(self.runner.spare_count)
+        pids: list[int] = []
+        try:
+            reply = self.zygote.request({"op": "fork"}, [fd for e in ends for fd in e.child_fds()])
+            pids = [int(p) for p in reply.get("pids", [])]
+            if not pids:
+                raise OSError(errno.EAGAIN, f"the zygote forked nothing: {reply.get('error')}")
+        finally:
+            self.spares += _keep(ends, pids, self)
+
+    def take(self) -> Spare:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if not select.select([spare.pidfd], [], [], 0)[0]:
+                return spare
+            spare.close()
+            self.reap(spare.pid)  # the zygote's zombie
+        self.fork_batch()
+        return self.spares.pop(0)
+
+    def reap(self, pid: int) -> tuple[int, Any]:
+        r = self.zygote.request({"op": "reap", "pid": pid})
+        if r.get("status") is None:
+            raise ChildProcessError(f"the zygote has no child {pid}")
+        return int(r["status"]), _Usage(float(r["utime"]), float(r["stime"]), int(r["maxrss"]))
+
+    def drop(self) -> None:
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _kill_quietly(spare.pid)
+            spare.close()
+            with contextlib.suppress(OSError, ValueError):
+                self.reap(spare.pid)
+
+
+def _spare_ends(n: int) -> list[_SpareEnds]:
+    """Descriptors for up to `n` spares (at least one, or OSError): made before any fork."""
+    ends = []
+    try:
+        for _ in range(n):
+            ends.append(_SpareEnds())
+    except OSError:
+        if not ends:
+            raise
+    return ends
+
+
+def _keep(
+    ends: list[_SpareEnds], pids: list[int], source: _LocalSpares | _ZygoteSpares
+) -> list[Spare]:
+    """After a batch: drop our copies of the child ends (the spare holds its own: EOF when
+    it is done) and make the Spares of the forked ones; close the rest."""
+    out = []
+    for i, e in enumerate(ends):
+        e.close_child_ends()
+        if i < len(pids):
+            out.append(e.spare(pids[i], source))
+        else:
+            e.close()
+    return out
+
+
+def _fork_batch(
+    children: list[tuple[int, int, int, int]],
+    uid: int,
+    seeder: _NumpySeeder | None,
+    reseed_numpy: bool,
+) -> list[int]:
+    """Forks one spare per (ctl, stdin, stdout, stderr) back to back; their pids (fewer
+    than asked when a fork fails after the first, e.g. at the pids limit).
+
+    Everything the batch needs is made before the first fork: after a fork every page this
+    process writes is a copy, so between two forks it writes as few as it can."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if seeder is not None:
+        seeder.prepare(len(children))
+    lean = _lean_after_fork()
+    pids: list[int] = []
+    try:
+        for i, (ctl, stdin, out_w, err_w) in enumerate(children):
+            if seeder is not None:
+                seeder.seed(i)
+            try:
+                pid = os.fork()
+            except OSError:
+                if not pids:
+                    raise
+                break  # e.g. the pids limit: run with what we have
+            if pid == 0:  # pragma: no cover - the child never returns
+                _spare(ctl, stdin, out_w, err_w, uid, reseed_numpy)
+            pids.append(pid)
+    finally:
+        if lean:
+            _real_after_fork()
+    return pids
+
+
+def _zygote_main(sock: socket.socket, preload: list[str], uid: int) -> None:  # pragma: no cover
+    """The zygote: import the preloads once, then fork spares and reap them on request.
+
+    It runs as little Python as it can between forks (its pages are the spares' pages: each
+    one it writes is a copy), and nothing of the job: the runner does all the rest."""
+    try:
+        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the edge signals the runner, not us
+        failed = []
+        for name in preload:
+            try:
+                __import__(name)
+            except Exception as exc:  # reported; the edge decides whether the pool is usable
+                failed.append(f"{name}: {exc!r}")
+        seeder = _NumpySeeder.for_numpy()
+        reseed = seeder is None and "numpy.random" in sys.modules
+        gc.collect()
+        gc.freeze()
+        huge = _use_huge_pages()
+        sock.send(
+            json.dumps(
+                {
+                    "ok": not failed,
+                    "error": "; ".join(failed),
+                    "modules": len(sys.modules),
+                    "huge_pages": huge,
+                }
+            ).encode()
+        )
+        while True:
+            data, fds, _, _ = socket.recv_fds(sock, 65536, 4 * 32)
+            if not data:
+                break
+            req = json.loads(data)
+            reply: dict[str, Any]
+            if req.get("op") == "fork":
+                groups = [tuple(fds[i : i + 4]) for i in range(0, len(fds) - 3, 4)]
+                try:
+                    reply = {"pids": _fork_batch(groups, uid, seeder, reseed)}  # type: ignore[arg-type]
+                except OSError as exc:
+                    reply = {"pids": [], "error": str(exc)}
+            elif req.get("op") == "reap":
+                try:
+                    _, status, ru = os.wait4(int(req["pid"]), 0)
+                    reply = {
+                        "status": status,
+                        "utime": ru.ru_utime,
+                        "stime": ru.ru_stime,
+                        "maxrss": ru.ru_maxrss,
+                    }
+                except ChildProcessError:
+                    reply = {"status": None}
+            else:
+                reply = {"error": f"unknown op {req.get('op')!r}"}
+            for fd in fds:
+                _close_quietly(fd)
+            sock.send(json.dumps(reply).encode())
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            print(f"fncall zygote: {exc!r}", file=sys.stderr)
+    os._exit(0)
 
 
 class _SpareEnds:
@@ -591,8 +827,12 @@ class _SpareEnds:
             _close_quietly(fd)
         self.theirs.close()
 
-    def spare(self, pid: int) -> Spare:
-        return Spare(pid, os.pidfd_open(pid), self.mine, self.stdin, self.out_r, self.err_r)
+    def child_fds(self) -> tuple[int, int, int, int]:
+        """What the spare keeps: its control socket, stdin, stdout and stderr."""
+        return self.theirs.fileno(), self.stdin, self.out_w, self.err_w
+
+    def spare(self, pid: int, source: _LocalSpares | _ZygoteSpares) -> Spare:
+        return Spare(pid, os.pidfd_open(pid), self.mine, self.stdin, self.out_r, self.err_r, source)
 
     def close(self) -> None:
         for fd in (self.out_r, self.err_r, self.stdin):
@@ -604,8 +844,16 @@ class Spare:
     """The pre-forked process of the next job and the runner's ends of its stdio."""
 
     def __init__(
-        self, pid: int, pidfd: int, sock: socket.socket, stdin: int, out_r: int, err_r: int
+        self,
+        pid: int,
+        pidfd: int,
+        sock: socket.socket,
+        stdin: int,
+        out_r: int,
+        err_r: int,
+        source: _LocalSpares | _ZygoteSpares,
     ) -> None:
+        self.source = source  # who forked it, and so who reaps it
         self.pid = pid
         self.pidfd = pidfd
         self.sock = sock

@@ -423,6 +423,53 @@ def test_a_job_cannot_touch_the_spares_waiting_for_later_jobs(dsec: Client) -> N
     healthy(dsec)
 
 
+def test_jobs_naming_a_preload_fork_from_the_warm_interpreter(dsec: Client) -> None:
+    """The runner is a lean interpreter; its child, the zygote, imported the preloads (numpy)
+    and forks the spares of the Python jobs whose files name one. Either way a job behaves
+    as under python3; the hostile programs get their verdicts on the warm path too."""
+
+    def numpy_loaded(code: str) -> str:
+        r = dsec.fncall(language="python", code=code)
+        assert r.verdict == "OK", r
+        return r.text
+
+    check = "import sys; print(('nu' + 'mpy') in sys.modules)"
+    # Not named: numpy is not loaded (as in a fresh python3) and the job is a lean fork ...
+    assert numpy_loaded(check) == "False\n"
+    # ... named (even in a comment): forked from the interpreter that has it.
+    assert numpy_loaded(check + "  # numpy") == "True\n"
+    # A lean job that imports it in a way no one could see coming still gets it (cold).
+    assert numpy_loaded("m = __import__('nu' + 'mpy'); print(m.arange(4).sum())") == "6\n"
+    # The zygote and its idle spares are root: a job it forked can neither kill, stop nor
+    # read them, nor the lean spares beside them.
+    probe = SPARE_PROBE.replace("me = {os.getpid(), os.getppid(), 1}", "me = {os.getpid(), 1}")
+    for _ in range(6):  # more than a batch: the zygote forks the next one meanwhile
+        r = dsec.fncall(language="python", code="import numpy\n" + probe)
+        assert r.verdict == "OK", r
+        n, rest = r.text.split(" ", 1)
+        assert rest.startswith("['0'] "), r.text  # all root
+        assert int(rest.split()[-1]) == 4 * int(n), r.text  # every attempt refused
+        assert int(n) >= 2, r.text  # at least the zygote and a spare to attack
+    r = dsec.fncall(
+        language="python",
+        code="import numpy as np\na = [np.ones(1 << 22) for _ in range(100)]",
+        memory_mb=96,
+        time_limit_s=10,
+    )
+    assert r.verdict == "MEMORY_LIMIT", r
+    r = dsec.fncall(
+        language="python", code="import numpy, os\nwhile True: os.fork()", time_limit_s=3
+    )
+    assert r.verdict in ("RUNTIME_ERROR", "TIME_LIMIT"), r
+    r = dsec.fncall(language="python", code="import numpy\nwhile True: pass", time_limit_s=0.5)
+    assert r.verdict == "TIME_LIMIT", r
+    r = dsec.fncall(language="python", code="import numpy\nraise SystemExit(3)")
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 3, r
+    for _ in range(3):  # and the warm path serves the next jobs normally
+        assert numpy_loaded("import numpy as np; print(np.int64(41) + 1)") == "42\n"
+    healthy(dsec, "python")
+
+
 RUNNER_PROBE = r"""
 import os, signal, sys
 def attack():
