@@ -748,6 +748,10 @@ def _zygote_main(sock: socket.socket, preload: list[str], uid: int) -> None:  # 
     one it writes is a copy), and nothing of the job: the runner does all the rest."""
     try:
         signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the edge signals the runner, not us
+        # Of the runner's descriptors only stdio stays: above all not its channel to the edge
+        # (the edge must see EOF when the runner dies).
+        os.closerange(3, sock.fileno())
+        os.closerange(sock.fileno() + 1, 1 << 20)
         failed = []
         for name in preload:
             try:
