@@ -232,7 +232,7 @@ class Runner:
 
     # ---------------------------------------------------------------- run
 
-    def _spares_for(self, req: dict[str, Any]) -> _LocalSpares | _ZygoteSpares:
+    def _spares_for(self, req: dict[str, Any]) -> _Spares:
         """The zygote's spares for a Python job whose files name a preloaded module (even in
         a comment: a false positive costs a little, a miss only the module's import)."""
         warm = self.warm_spares
@@ -525,12 +525,45 @@ class Runner:
         return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in mine]
 
 
-class _LocalSpares:
-    """Spares forked from the runner itself, in batches (see SPARES)."""
+class _Spares:
+    """Forked job processes waiting for a job, of one parent; refilled a batch at a time."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
+
+    def fork_batch(self) -> None:
+        raise NotImplementedError
+
+    def reap(self, pid: int) -> tuple[int, Any]:
+        """The wait status and rusage of spare `pid`, once it has exited."""
+        raise NotImplementedError
+
+    def _bury(self, spare: Spare) -> None:
+        """A dead or dropped spare is gone from the list: its zombie is its parent's."""
+
+    def take(self) -> Spare:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if not select.select([spare.pidfd], [], [], 0)[0]:
+                return spare
+            # It died (the OOM killer? killed from outside?): the next one.
+            spare.close()
+            self._bury(spare)
+        self.fork_batch()
+        return self.spares.pop(0)
+
+    def drop(self) -> None:
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            _kill_quietly(spare.pid)
+            spare.close()
+            self._bury(spare)
+
+
+class _LocalSpares(_Spares):
+    """Spares forked from the runner itself, in batches (see SPARES). Dead ones are reaped
+    with the job's orphans after each job (we are their parent)."""
 
     def fork_batch(self) -> None:
         """Fork the next jobs' processes now, while no job waits: fork itself (copying the
@@ -553,25 +586,9 @@ class _LocalSpares:
             signal.signal(ABORT_SIGNAL, self.runner._abort)
             self.spares += _keep(ends, pids, self)
 
-    def take(self) -> Spare:
-        while self.spares:
-            spare = self.spares.pop(0)
-            if not select.select([spare.pidfd], [], [], 0)[0]:
-                return spare
-            # It died (the OOM killer? killed from outside?): the next one. (Reaped later.)
-            spare.close()
-        self.fork_batch()
-        return self.spares.pop(0)
-
     def reap(self, pid: int) -> tuple[int, Any]:
         _, status, rusage = os.wait4(pid, 0)
         return status, rusage
-
-    def drop(self) -> None:
-        spares, self.spares = self.spares, []
-        for spare in spares:
-            _kill_quietly(spare.pid)
-            spare.close()
 
 
 class _Usage:
@@ -632,13 +649,12 @@ class _Zygote:
         return reply
 
 
-class _ZygoteSpares:
+class _ZygoteSpares(_Spares):
     """Spares forked by the zygote (the same batches as _LocalSpares), reaped through it."""
 
     def __init__(self, runner: Runner, zygote: _Zygote) -> None:
-        self.runner = runner
+        super().__init__(runner)
         self.zygote = zygote
-        self.spares: list[Spare] = []
 
     def fork_batch(self) -> None:
         if self.spares:
@@ -653,29 +669,15 @@ class _ZygoteSpares:
         finally:
             self.spares += _keep(ends, pids, self)
 
-    def take(self) -> Spare:
-        while self.spares:
-            spare = self.spares.pop(0)
-            if not select.select([spare.pidfd], [], [], 0)[0]:
-                return spare
-            spare.close()
-            self.reap(spare.pid)  # the zygote's zombie
-        self.fork_batch()
-        return self.spares.pop(0)
-
     def reap(self, pid: int) -> tuple[int, Any]:
         r = self.zygote.request({"op": "reap", "pid": pid})
         if r.get("status") is None:
             raise ChildProcessError(f"the zygote has no child {pid}")
         return int(r["status"]), _Usage(float(r["utime"]), float(r["stime"]), int(r["maxrss"]))
 
-    def drop(self) -> None:
-        spares, self.spares = self.spares, []
-        for spare in spares:
-            _kill_quietly(spare.pid)
-            spare.close()
-            with contextlib.suppress(OSError, ValueError):
-                self.reap(spare.pid)
+    def _bury(self, spare: Spare) -> None:
+        with contextlib.suppress(OSError, ValueError):  # ChildProcessError is an OSError
+            self.reap(spare.pid)
 
 
 def _spare_ends(n: int) -> list[_SpareEnds]:
@@ -690,9 +692,7 @@ def _spare_ends(n: int) -> list[_SpareEnds]:
     return ends
 
 
-def _keep(
-    ends: list[_SpareEnds], pids: list[int], source: _LocalSpares | _ZygoteSpares
-) -> list[Spare]:
+def _keep(ends: list[_SpareEnds], pids: list[int], source: _Spares) -> list[Spare]:
     """After a batch: drop our copies of the child ends (the spare holds its own: EOF when
     it is done) and make the Spares of the forked ones; close the rest."""
     out = []
@@ -835,7 +835,7 @@ class _SpareEnds:
         """What the spare keeps: its control socket, stdin, stdout and stderr."""
         return self.theirs.fileno(), self.stdin, self.out_w, self.err_w
 
-    def spare(self, pid: int, source: _LocalSpares | _ZygoteSpares) -> Spare:
+    def spare(self, pid: int, source: _Spares) -> Spare:
         return Spare(pid, os.pidfd_open(pid), self.mine, self.stdin, self.out_r, self.err_r, source)
 
     def close(self) -> None:
@@ -855,7 +855,7 @@ class Spare:
         stdin: int,
         out_r: int,
         err_r: int,
-        source: _LocalSpares | _ZygoteSpares,
+        source: _Spares,
     ) -> None:
         self.source = source  # who forked it, and so who reaps it
         self.pid = pid
