@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from typing import IO, Any, TypeVar
@@ -72,9 +73,23 @@ class _Loop:
             self.run(agen.aclose())  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        # As asyncio.run ends: what is still pending (gRPC's own per-call tasks, after the
+        # channel closed) is cancelled and given a moment to finish, not destroyed pending
+        # ("Task was destroyed but it is pending!" at exit).
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_finish_tasks(), self.loop).result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
+
+
+async def _finish_tasks(grace_s: float = 1.0) -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace_s)
 
 
 class Client:

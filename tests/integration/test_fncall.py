@@ -621,6 +621,28 @@ def test_the_caller_must_authenticate(fncall_cluster: LocalCluster) -> None:
         c.fncall(language="python", code="print(1)")
 
 
+def test_a_closed_client_leaves_nothing_pending(fncall_cluster: LocalCluster) -> None:
+    """Closing the sync Client ends its loop as asyncio.run does: gRPC's own per-call tasks
+    are finished, not destroyed pending (a warning on the caller's stderr at exit, seen in
+    about one run of four before)."""
+    code = (
+        "import sys\n"
+        "from libdsec import Client\n"
+        "for _ in range(6):\n"
+        "    with Client(sys.argv[1], token=sys.argv[2]) as c:\n"
+        "        assert c.fncall(language='bash', code='echo ok').text == 'ok\\n'\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, fncall_cluster.apiserver, fncall_cluster.token],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert r.returncode == 0, r.stderr
+    assert "was destroyed but it is pending" not in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------ CLI
 
 
