@@ -8,6 +8,8 @@
 2. Throughput at concurrency 16 of a job burning 10 ms of CPU, vs the machine's ideal
    (cores / 10 ms: 200 jobs/s on 2 cores) and vs the same 10 ms loop run bare on every core in
    this run (what this, shared, machine actually delivers now). Target: >= 70% of ideal.
+   And the same callers with an empty job: the platform's own CPU per job (every process on
+   the machine, the caller included), which bounds any job's rate at cores / (job + that).
 3. A C++ online-judge task: compile once, run against 100 test cases (one fncall_many call)
    vs compiling and running each case in a fresh `docker run --rm` (2 at a time: one per core).
 
@@ -147,12 +149,12 @@ def dsec_latency(client: Client, n: int) -> list[float]:
 
 
 async def dsec_throughput(
-    target: str, token: str, seconds: float, concurrency: int
+    target: str, token: str, seconds: float, concurrency: int, code: str = BURN_10MS
 ) -> tuple[float, int, float]:
     """(jobs/s, jobs, mean reported CPU per job) with `concurrency` callers in a loop."""
     async with AsyncClient(target, token=token) as c:
         for _ in range(10):
-            await c.fncall(language="python", code=BURN_10MS)
+            await c.fncall(language="python", code=code)
         done = 0
         bad = 0
         cpu = 0.0
@@ -161,7 +163,7 @@ async def dsec_throughput(
         async def caller() -> None:
             nonlocal done, bad, cpu
             while time.perf_counter() < deadline:
-                r = await c.fncall(language="python", code=BURN_10MS, time_limit_s=5)
+                r = await c.fncall(language="python", code=code, time_limit_s=5)
                 done += 1
                 cpu += r.cpu_time_s
                 bad += not r.ok
@@ -227,6 +229,11 @@ def main() -> int:
         rate, jobs, cpu_per_job = asyncio.run(
             dsec_throughput(c.apiserver, c.token, args.seconds, args.concurrency)
         )
+        # The same with an empty job: what the platform itself costs per job (CPU of every
+        # process on the machine, the caller included), whatever the job does.
+        empty_rate, _, _ = asyncio.run(
+            dsec_throughput(c.apiserver, c.token, args.seconds / 2, args.concurrency, "pass")
+        )
         batch_rate = asyncio.run(
             dsec_batch_throughput(
                 c.apiserver, c.token, int(rate * args.seconds / 2) or 100, args.concurrency
@@ -270,6 +277,14 @@ def main() -> int:
                 100 * batch_rate / ideal,
                 100 * batch_rate / bare,
                 "one call",
+            ],
+            [
+                f"dsec fncall x{args.concurrency} callers, empty job",
+                empty_rate,
+                "",
+                "",
+                f"platform cost {cores / empty_rate * 1000:.2f} ms CPU/job"
+                f" -> a 10 ms job at most {cores / (0.010 + cores / empty_rate):.0f}/s",
             ],
         ],
     )
