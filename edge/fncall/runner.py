@@ -633,14 +633,20 @@ class _Zygote:
 
     def request(self, message: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         data = json.dumps(message).encode()
-        if fds:
-            socket.send_fds(self.sock, [data], fds)
-        else:
-            self.sock.send(data)
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.send(data)
+        except OSError as exc:
+            raise ConnectionError(f"the warm interpreter (zygote) is gone: {exc}") from exc
         return self.receive()
 
     def receive(self) -> dict[str, Any]:
-        data = self.sock.recv(65536)
+        try:
+            data = self.sock.recv(65536)
+        except OSError as exc:
+            raise ConnectionError(f"the warm interpreter (zygote) is gone: {exc}") from exc
         if not data:
             raise ConnectionError("the warm interpreter (zygote) is gone")
         reply = json.loads(data)

@@ -470,6 +470,49 @@ def test_jobs_naming_a_preload_fork_from_the_warm_interpreter(dsec: Client) -> N
     healthy(dsec, "python")
 
 
+def test_a_dead_zygote_costs_one_job_and_its_container(dsec: Client) -> None:
+    """The zygote killed from outside (e.g. by the OOM killer): the job that finds it gone is a
+    SYSTEM_ERROR (the platform failed: retry), never a hang; the container is replaced and
+    jobs naming numpy run normally again."""
+    r = dsec.fncall(
+        language="python",
+        code="import os, numpy\nprint(os.getppid(), open('/etc/hostname').read())",
+    )
+    assert r.verdict == "OK", r
+    zygote_ns_pid, host = r.text.split()
+    host_pid = None
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:  # the container's processes see its /etc/hostname; the zygote is its NSpid there
+            with open(f"/proc/{d}/root/etc/hostname") as fh:
+                if fh.read().strip() != host:
+                    continue
+            with open(f"/proc/{d}/status") as fh:
+                nspid = next(line.split()[-1] for line in fh if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if nspid == zygote_ns_pid:
+            host_pid = int(d)
+    assert host_pid is not None, (zygote_ns_pid, host)
+    os.kill(host_pid, 9)  # a process of this test's own cluster
+    verdicts, failed = [], []
+    for _ in range(8):
+        t = time.monotonic()
+        r = dsec.fncall(
+            language="python", code="import numpy; print(numpy.int8(7))", time_limit_s=5
+        )
+        assert time.monotonic() - t < 30, r
+        verdicts.append(r.verdict)
+        if r.verdict == "SYSTEM_ERROR":
+            failed.append(r.message)
+        else:
+            assert r.verdict == "OK" and r.text == "7\n", r
+    assert len(failed) == 1 and "zygote" in failed[0], (verdicts, failed)  # that container's
+    assert verdicts[-4:] == ["OK"] * 4, verdicts
+    healthy(dsec, "python")
+
+
 RUNNER_PROBE = r"""
 import os, signal, sys
 def attack():
