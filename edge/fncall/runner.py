@@ -233,11 +233,14 @@ class Runner:
     # ---------------------------------------------------------------- run
 
     def _spares_for(self, req: dict[str, Any]) -> _Spares:
-        """The zygote's spares for a Python job whose files name a preloaded module (even in
-        a comment: a false positive costs a little, a miss only the module's import)."""
+        """The zygote's spares for a Python job whose .py files name a preloaded module (even
+        in a comment: a false positive costs a little, a miss only the module's import; data
+        files are not searched)."""
         warm = self.warm_spares
         if warm is not None and req.get("python_main"):
-            for i in range(len(req.get("files", []))):
+            for i, f in enumerate(req.get("files", [])):
+                if not str(f.get("path", "")).endswith(".py"):
+                    continue
                 content = req.get(f"file{i}", b"")
                 if any(name in content for name in self.preload_names):
                     return warm

@@ -438,6 +438,11 @@ def test_jobs_naming_a_preload_fork_from_the_warm_interpreter(dsec: Client) -> N
     assert numpy_loaded(check) == "False\n"
     # ... named (even in a comment): forked from the interpreter that has it.
     assert numpy_loaded(check + "  # numpy") == "True\n"
+    # Only .py files are searched: a data file naming it changes nothing; a module does.
+    r = dsec.fncall(language="python", code=check, files={"words.txt": "numpy"})
+    assert r.text == "False\n", r
+    r = dsec.fncall(language="python", code=check, files={"helper.py": "import numpy"})
+    assert r.text == "True\n", r
     # A lean job that imports it in a way no one could see coming still gets it (cold).
     assert numpy_loaded("m = __import__('nu' + 'mpy'); print(m.arange(4).sum())") == "6\n"
     # The zygote and its idle spares are root: a job it forked can neither kill, stop nor
