@@ -103,9 +103,8 @@ class Runner:
         #: Spares forked from this (lean) interpreter: jobs that need none of the preloads,
         #: and every exec()ed program.
         self.lean = _LocalSpares(self)
-        #: The warm interpreter with the environment's preloads (a child of ours), and the
-        #: spares it forks, for Python jobs whose sources name a preloaded module.
-        self.zygote: _Zygote | None = None
+        #: The spares of the warm interpreter with the environment's preloads (the zygote, a
+        #: child of ours), for Python jobs whose sources name a preloaded module.
         self.warm_spares: _ZygoteSpares | None = None
         self.preload_names: tuple[bytes, ...] = ()
         # /job stays; only its contents come and go (the edge mounts a tmpfs there; without
@@ -197,14 +196,12 @@ class Runner:
         # in the job's process each new object or changed page costs a copy-on-write fault
         # (measured: ~3 us each, hundreds per job). So the runner itself carries the jobs'
         # environment, signal dispositions and sys.stdin/stdout/stderr objects (on fds 0-2,
-        # which only the job's process redirects).
+        # which only the job's process redirects: replacing them in each spare freed the
+        # runner's objects, ~60 page copies). It writes only diagnostics, to fd 2 as before,
+        # flushed before each fork.
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in req.get("job_env", {}).items()})
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # a file past RLIMIT_FSIZE kills the job
-        # The runner's own sys.stdin/stdout/stderr become the ones a job gets (on fds 0-2, which
-        # only the job's process redirects), so a spare replaces nothing: replacing them freed
-        # the runner's objects in every job (~60 page copies). The runner writes only
-        # diagnostics, to fd 2 as before, flushed before each fork.
         sys.stdout.flush()
         sys.stderr.flush()
         stdio = _make_stdio()
@@ -222,9 +219,9 @@ class Runner:
             # loaded 0.40 + 0.82 ms per job, without 0.16 + 0.47 ms), and most Python jobs
             # never import the preloads. So this runner stays lean and a child of it, the
             # zygote, imports them and forks the spares of the jobs that name them.
-            self.zygote, ready = _Zygote.start(preload, self.job_uid)
-            if self.zygote is not None:
-                self.warm_spares = _ZygoteSpares(self, self.zygote)
+            zygote, ready = _Zygote.start(preload, self.job_uid)
+            if zygote is not None:
+                self.warm_spares = _ZygoteSpares(self, zygote)
                 self.preload_names = tuple({n.split(".")[0].encode() for n in preload})
         self.fork_spares()
         ready["warm_s"] = time.perf_counter() - t0
@@ -521,7 +518,7 @@ class Runner:
         we reap them. A pid cannot be reused by anything else meanwhile: only job processes
         fork here, and only we reap orphans."""
         spares = self._all_spares()
-        zygote = [self.zygote.pid] if self.zygote is not None else []
+        zygote = [self.warm_spares.zygote.pid] if self.warm_spares is not None else []
         if _pread_int(self.pids_current) == 1 + len(zygote) + len(spares):  # all reaped: exact
             return []
         mine = {1, os.getpid(), *zygote, *(sp.pid for sp in spares)}
