@@ -1,5 +1,9 @@
 """python -m watcher"""
 
+import common.grpc_engine  # noqa: F401  (first: it sets up gRPC before grpc loads)
+
+# isort: split
+
 from common.grpc_server import run_service
 from watcher.server import main
 
