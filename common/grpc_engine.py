@@ -23,6 +23,9 @@ import sys
 #: The experiments dsec's services turn off.
 EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
-if "grpc" in sys.modules:  # pragma: no cover - a programming error in an entry point
-    raise RuntimeError("common.grpc_engine must be imported before grpc")
-os.environ.setdefault("GRPC_EXPERIMENTS", EXPERIMENTS)
+if "grpc" in sys.modules:  # too late to matter: say so, change nothing
+    print(
+        "dsec: common.grpc_engine imported after grpc; gRPC's I/O engine unchanged", file=sys.stderr
+    )
+else:
+    os.environ.setdefault("GRPC_EXPERIMENTS", EXPERIMENTS)
