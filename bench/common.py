@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,3 +96,50 @@ def descendants(pid: int) -> list[int]:
 
 def docker_available() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------- CPU per process group
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+Snapshot = tuple[int, dict[int, tuple[str, int, int, int]]]
+
+
+def cpu_snapshot() -> Snapshot:
+    """(busy ticks of the whole machine,
+    {pid: (cmdline, parent pid, own ticks, reaped children's ticks)})."""
+    with open("/proc/stat") as fh:
+        v = [int(x) for x in fh.readline().split()[1:]]
+    busy = sum(v) - v[3] - v[4]  # all but idle and iowait
+    procs: dict[int, tuple[str, int, int, int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                st = fh.read()
+            with open(f"/proc/{d}/cmdline", "rb") as fb:
+                cmd = fb.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        f = st[st.rfind(")") + 2 :].split()
+        procs[int(d)] = (cmd, int(f[1]), int(f[11]) + int(f[12]), int(f[13]) + int(f[14]))
+    return busy, procs
+
+
+def cpu_split(
+    before: Snapshot, after: Snapshot, classify: Callable[[int, str, str], tuple[str, str]]
+) -> dict[str, float]:
+    """CPU seconds per group between two snapshots. ``classify(pid, cmdline, parent's
+    cmdline)`` names the group of a process's own CPU and the group of its reaped children's;
+    what no live process accounts for (kernel threads, exits nobody reaped) is "other"."""
+    out: dict[str, float] = {}
+    procs = after[1]
+    for pid, (cmd, ppid, own, kids) in procs.items():
+        own0, kids0 = before[1].get(pid, (cmd, ppid, 0, 0))[2:]
+        mine, children = classify(pid, cmd, procs.get(ppid, ("",))[0])
+        out[mine] = out.get(mine, 0.0) + (own - own0) / _HZ
+        out[children] = out.get(children, 0.0) + (kids - kids0) / _HZ
+    out["other"] = out.get("other", 0.0) + (after[0] - before[0]) / _HZ - sum(out.values())
+    return out
