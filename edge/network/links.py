@@ -62,7 +62,10 @@ def netns_of(pid: int) -> Iterator[Any]:
     """A netlink socket in the network namespace of `pid`.
 
     The socket is made with this thread briefly inside that namespace (setns is per thread), then
-    the thread returns to its own: the socket stays bound to the sandbox's namespace.
+    the thread returns to its own: the socket stays bound to the sandbox's namespace. Not
+    through `mounts.in_namespace_of` (a short-lived thread): an IPRoute made in another thread
+    and used in this one sent its requests to the edge's own namespace (tried: the sandbox's
+    default route then failed with EEXIST).
     """
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
