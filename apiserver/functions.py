@@ -13,9 +13,13 @@ same edge streams.
 
 Jobs are short and many; asking placement for each one would cost a round trip per job and
 flood its overlay with phantom load (placement records every answer as an allocation). So a
-placement answer is reused for ``PLACEMENT_TTL_S`` per (project, selector); an edge that
-refuses (EDGE_CAPACITY: its pool queue is full) or is unreachable drops the cached answer and
-the job goes to the next candidate. Jobs are not charged to quota: pools are platform capacity,
+placement answer (its ranked candidates, up to placement's ``max_candidates``) is reused for
+``PLACEMENT_TTL_S`` per (project, selector), and each job goes to the candidate with the fewest
+of this server's jobs outstanding on it (single jobs, and a batch's jobs until their results
+come), ties in placement's order: a burst spreads over the candidates at once instead of
+queueing on the first one for the whole TTL while the others idle. An edge that refuses
+(EDGE_CAPACITY: its pool queue is full) or is unreachable drops the cached answer and the job
+goes to the next candidate. Jobs are not charged to quota: pools are platform capacity,
 created before any job, and nothing outlives a job.
 """
 
@@ -68,6 +72,21 @@ class FunctionRouter:
         self.gw = gw
         self._placements: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, Any]] = {}
         self._streams: dict[str, TaggedStream] = {}  # edge address -> its job stream
+        self._outstanding: dict[str, int] = {}  # edge id -> this server's jobs not answered yet
+
+    def _least_busy_first(
+        self, cands: list[placement_pb2.Candidate]
+    ) -> list[placement_pb2.Candidate]:
+        """The candidates by this server's outstanding jobs on each (stable: placement's order
+        breaks ties)."""
+        return sorted(cands, key=lambda c: self._outstanding.get(c.edge_id, 0))
+
+    def _add_outstanding(self, edge_id: str, n: int) -> None:
+        left = self._outstanding.get(edge_id, 0) + n
+        if left > 0:
+            self._outstanding[edge_id] = left
+        else:
+            self._outstanding.pop(edge_id, None)
 
     def _edge_stream(self, address: str) -> TaggedStream:
         stream = self._streams.get(address)
@@ -150,16 +169,19 @@ class FunctionRouter:
             ]
             if not cands:
                 break
-            for cand in cands:
+            for cand in self._least_busy_first(cands):
                 if len(tried) >= MAX_ATTEMPTS:
                     break
                 tried.append(cand.edge_id)
+                self._add_outstanding(cand.edge_id, 1)
                 try:
                     return await self._run_on(cand.address, who, job)
                 except (EdgeCapacity, Unavailable) as err:
                     last = err
                     self._forget(who, selector)
                     log.info("edge %s refused a fncall job (%s); next", cand.edge_id, err.reason)
+                finally:
+                    self._add_outstanding(cand.edge_id, -1)
         raise last or NoEligibleEdge("no edge accepted the fncall job")
 
     async def run_many(
@@ -179,7 +201,7 @@ class FunctionRouter:
             ]
             if not cands:
                 break
-            cand = cands[0]
+            cand = self._least_busy_first(cands)[0]
             tried.append(cand.edge_id)
             call = self.gw.edges.stub_for_address(cand.address).RunFunctions(
                 edge_pb2.RunFunctionsRequest(
@@ -187,10 +209,14 @@ class FunctionRouter:
                 )
             )
             started = False
+            pending = len(jobs)  # this batch's jobs outstanding on that edge
+            self._add_outstanding(cand.edge_id, pending)
             try:
                 async for msg in call:
                     started = True
                     if msg.WhichOneof("event") == "result":
+                        pending -= 1
+                        self._add_outstanding(cand.edge_id, -1)
                         yield apiserver_pb2.RunFunctionsResponse(result=msg.result)
                     else:
                         yield apiserver_pb2.RunFunctionsResponse(keepalive=msg.keepalive)
@@ -203,4 +229,5 @@ class FunctionRouter:
                 self._forget(who, selector)
             finally:
                 call.cancel()
+                self._add_outstanding(cand.edge_id, -pending)
         raise last or NoEligibleEdge("no edge accepted the fncall jobs")

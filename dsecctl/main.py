@@ -104,7 +104,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _warm_lines(address: str) -> list[str]:
-    """The edge's warm pools, one line per image (GetNodeStatus)."""
+    """The edge's warm sandboxes (one line per image) and FnCall pools (one per environment),
+    from GetNodeStatus."""
     import grpc
 
     from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
@@ -119,6 +120,10 @@ def _warm_lines(address: str) -> list[str]:
     return [
         f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
         for image, w in sorted(resp.warm.items())
+    ] + [
+        f"fncall {env}: {p.workers}/{p.size} up ({p.idle} idle, {p.starting} starting),"
+        f" {p.waiting} queued, {p.jobs} jobs, {p.recycled} recycled"
+        for env, p in sorted(resp.fncall.items())
     ]
 
 

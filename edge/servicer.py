@@ -171,6 +171,7 @@ class EdgeServicer:
                 )
                 for image, (target, ready, claimed, missed) in self._warm_status().items()
             },
+            fncall=self.fncall.pool_status(),
         )
 
     def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:

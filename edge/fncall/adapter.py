@@ -70,6 +70,15 @@ class FnCallAdapter:
             raise FailedPrecondition(self.why_not, reason="FNCALL_NOT_OFFERED")
         return self.service
 
+    def pool_status(self) -> dict[str, edge_pb2.FnCallPoolStatus]:
+        """Each pool's containers and jobs now, for GetNodeStatus (none if not offered)."""
+        if self.service is None:
+            return {}
+        return {
+            name: edge_pb2.FnCallPoolStatus(**counts)
+            for name, counts in self.service.stats().items()
+        }
+
     async def run_function(
         self, request: edge_pb2.RunFunctionRequest
     ) -> edge_pb2.RunFunctionResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import AsyncClient, Client, FunctionJob
 from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
@@ -572,6 +575,55 @@ def test_a_container_is_recycled_after_n_jobs_and_after_an_anomaly(dsec: Client)
     assert after.text.split("\n")[0] + "\n" != before and after.text.split("\n")[1] == "0"
 
 
+def _pools(c: LocalCluster) -> dict[str, edge_pb2.FnCallPoolStatus]:
+    with grpc.insecure_channel(c.process("edge-fn0").address) as ch:
+        resp = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+            edge_pb2.GetNodeStatusRequest(), timeout=10
+        )
+    return dict(resp.fncall)
+
+
+def test_node_status_and_dsec_status_show_each_pool(
+    fncall_cluster: LocalCluster, dsec: Client
+) -> None:
+    """What an operator sees (grpcurl GetNodeStatus, `dsec status`): every pool's size,
+    containers up/idle/starting, queued jobs, jobs run and containers recycled."""
+    before = _pools(fncall_cluster)
+    assert {env: p.size for env, p in before.items()} == {"python": 2, "cpp": 1, "bash": 1}
+    for p in before.values():
+        assert p.idle <= p.workers <= p.size and p.waiting == 0
+    for _ in range(5):
+        assert dsec.fncall(language="python", code="print(1)").ok
+    # SysV IPC left behind is an anomaly: the runner reports it, that container is replaced.
+    assert dsec.fncall(language="bash", code="ipcmk -M 4096 >/dev/null").ok
+    after = _pools(fncall_cluster)
+    assert after["python"].jobs - before["python"].jobs == 5
+    assert after["cpp"].jobs == before["cpp"].jobs
+    assert after["bash"].jobs - before["bash"].jobs == 1
+    assert after["bash"].recycled - before["bash"].recycled == 1
+    deadline = time.monotonic() + 60  # the refill
+    while _pools(fncall_cluster)["bash"].idle != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pools(fncall_cluster)["bash"].idle == 1
+    out = subprocess.run(
+        [sys.executable, "-m", "dsecctl", "status"],
+        env={**os.environ, "DSEC_HOME": str(fncall_cluster.home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(
+        r"fncall python: (\d)/2 up \((\d) idle, (\d) starting\), 0 queued, (\d+) jobs", out.stdout
+    )
+    assert m is not None, out.stdout
+    assert int(m.group(4)) >= after["python"].jobs
+    assert re.search(
+        r"fncall bash: 1/1 up \(1 idle, 0 starting\), 0 queued, \d+ jobs, [1-9]\d* recycled",
+        out.stdout,
+    ), out.stdout
+
+
 # ------------------------------------------------------------------ batches
 
 
@@ -729,6 +781,47 @@ def test_cli(fncall_cluster: LocalCluster, tmp_path: Path) -> None:
     assert "2/3 cases passed" in r.stderr
     r = dsec_cli("--", "sh", "-c", "echo from-a-command")
     assert r.returncode == 0 and r.stdout == "from-a-command\n"
+
+
+# ------------------------------------------------------------------ several edges
+
+
+def test_a_burst_spreads_over_the_edges_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two edges with two Python containers each: a burst of concurrent jobs right after one
+    job (the API server still holds that placement answer) runs on both edges together, not
+    queued on the first candidate while the other idles."""
+    home = tmp_path_factory.mktemp("fn2cluster")
+    env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": "python=2"}
+    c = start_cluster(
+        home,
+        edges=[EdgeSpec(edge_id=e, runtime="container", extra_env=dict(env)) for e in ("fa", "fb")],
+    )
+    try:
+
+        async def burst() -> list[str]:
+            async with AsyncClient(c.apiserver, token=c.token) as ac:
+                for _ in range(60):  # until placement offers both edges (the watcher saw them)
+                    seen = await asyncio.gather(
+                        *(ac.fncall(language="python", code="pass") for _ in range(8))
+                    )
+                    if {r.edge_id for r in seen} == {"fa", "fb"}:
+                        break
+                    await asyncio.sleep(0.5)
+                first = await ac.fncall(language="python", code="pass")
+                assert first.ok, first
+                results = await asyncio.gather(
+                    *(
+                        ac.fncall(language="python", code="import time; time.sleep(0.4)")
+                        for _ in range(8)
+                    )
+                )
+                assert all(r.ok for r in results), results
+                return [r.edge_id for r in results]
+
+        edges = asyncio.run(burst())
+        assert edges.count("fa") == 4 and edges.count("fb") == 4, edges
+    finally:
+        c.stop()
 
 
 # ------------------------------------------------------------------ GPU

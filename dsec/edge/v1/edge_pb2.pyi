@@ -753,6 +753,27 @@ class GetNodeStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class FncallEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___FnCallPoolStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___FnCallPoolStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INFO_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
@@ -762,6 +783,7 @@ class GetNodeStatusResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
     WARM_FIELD_NUMBER: _builtins.int
+    FNCALL_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -783,6 +805,10 @@ class GetNodeStatusResponse(_message.Message):
     def warm(self) -> _containers.MessageMap[_builtins.str, Global___WarmPoolStatus]:
         """warm container sandboxes per image (DSEC_EDGE_WARM_POOL)"""
 
+    @_builtins.property
+    def fncall(self) -> _containers.MessageMap[_builtins.str, Global___FnCallPoolStatus]:
+        """FnCall pools per environment (DSEC_EDGE_FNCALL_POOLS)"""
+
     def __init__(
         self,
         *,
@@ -795,14 +821,59 @@ class GetNodeStatusResponse(_message.Message):
         draining: _builtins.bool = ...,
         sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         warm: _abc.Mapping[_builtins.str, Global___WarmPoolStatus] | None = ...,
+        fncall: _abc.Mapping[_builtins.str, Global___FnCallPoolStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class FnCallPoolStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    IDLE_FIELD_NUMBER: _builtins.int
+    STARTING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
+    RECYCLED_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """containers the pool keeps"""
+    workers: _builtins.int
+    """containers up now (idle or running a job)"""
+    idle: _builtins.int
+    """containers ready for a job now"""
+    starting: _builtins.int
+    """containers being started (refill)"""
+    waiting: _builtins.int
+    """jobs queued for a container now"""
+    jobs: _builtins.int
+    """steps run since the edge started (a compile is one, each run one)"""
+    recycled: _builtins.int
+    """containers replaced: after N jobs, an anomaly or a broken channel"""
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        workers: _builtins.int = ...,
+        idle: _builtins.int = ...,
+        starting: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        jobs: _builtins.int = ...,
+        recycled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle", b"idle", "jobs", b"jobs", "recycled", b"recycled", "size", b"size", "starting", b"starting", "waiting", b"waiting", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FnCallPoolStatus: _TypeAlias = FnCallPoolStatus  # noqa: Y015
 
 @_typing.final
 class WarmPoolStatus(_message.Message):
