@@ -25,6 +25,7 @@ created before any job, and nothing outlives a job.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from dsec.types.v1 import types_pb2
 from libdsec._status import from_rpc_error, status_for
 from libdsec._tagged import TaggedStream
 from libdsec.errors import (
+    DSecError,
     EdgeCapacity,
     InvalidArgument,
     NoEligibleEdge,
@@ -55,6 +57,8 @@ MAX_ATTEMPTS = 3
 #: A job's deadline past its own time limit: compilation, waiting for a pool container.
 JOB_MARGIN_S = 120.0
 MAX_BATCH = 100_000
+#: A batch is split over the placement answer's edges only if each gets at least this many jobs.
+SPLIT_MIN_JOBS = 32
 
 
 def _selector(jobs: list[types_pb2.FunctionJob]) -> dict[str, str]:
@@ -187,12 +191,63 @@ class FunctionRouter:
     async def run_many(
         self, who: Caller, request: apiserver_pb2.RunFunctionsRequest
     ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
+        """A batch on one edge, or split over the placement answer's candidates when it is
+        large enough that each gets ``SPLIT_MIN_JOBS`` (every edge then compiles a program
+        once for its share). Results stream as they finish, with the batch's own indices."""
         jobs = list(request.jobs)
         if not jobs:
             raise InvalidArgument("give at least one job")
         if len(jobs) > MAX_BATCH:
             raise InvalidArgument(f"at most {MAX_BATCH} jobs per call", reason="BATCH_TOO_LARGE")
         selector = _selector(jobs)
+        parts = min(len(await self._candidates(who, selector, [])), len(jobs) // SPLIT_MIN_JOBS)
+        if parts <= 1:
+            async for msg in self._batch(who, selector, jobs, list(range(len(jobs))), request):
+                yield msg
+            return
+        # Strided, so that each edge gets a like mix when the batch is sorted (e.g. by size).
+        shares = [(jobs[k::parts], list(range(k, len(jobs), parts))) for k in range(parts)]
+        parallelism = -(-request.parallelism // parts) if request.parallelism > 0 else 0
+        # Bounded: a caller reading slowly holds the edges back, as on one edge's stream.
+        out: asyncio.Queue[apiserver_pb2.RunFunctionsResponse | Exception | None]
+        out = asyncio.Queue(maxsize=16)
+
+        async def pump(share: list[types_pb2.FunctionJob], index: list[int]) -> None:
+            try:
+                part = apiserver_pb2.RunFunctionsRequest(parallelism=parallelism)
+                async for msg in self._batch(who, selector, share, index, part):
+                    await out.put(msg)
+                await out.put(None)
+            except Exception as exc:  # re-raised by the consumer, which cancels the rest
+                await out.put(exc)
+
+        # Each part picks its edge (the least busy) before the next starts: one per edge.
+        tasks = [asyncio.create_task(pump(share, index)) for share, index in shares]
+        try:
+            running = parts
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _batch(
+        self,
+        who: Caller,
+        selector: dict[str, str],
+        jobs: list[types_pb2.FunctionJob],
+        index: list[int],
+        request: apiserver_pb2.RunFunctionsRequest,
+    ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
+        """`jobs` as one batch on the least busy candidate (the next one if it refuses before
+        starting); result i of the edge's batch is job ``index[i]`` of the caller's."""
         tried: list[str] = []
         last: Exception | None = None
         while len(tried) < MAX_ATTEMPTS:
@@ -203,20 +258,21 @@ class FunctionRouter:
                 break
             cand = self._least_busy_first(cands)[0]
             tried.append(cand.edge_id)
+            pending = len(jobs)  # this batch's jobs outstanding on that edge
+            self._add_outstanding(cand.edge_id, pending)
             call = self.gw.edges.stub_for_address(cand.address).RunFunctions(
                 edge_pb2.RunFunctionsRequest(
                     jobs=jobs, parallelism=request.parallelism, project_id=who.project_id
                 )
             )
             started = False
-            pending = len(jobs)  # this batch's jobs outstanding on that edge
-            self._add_outstanding(cand.edge_id, pending)
             try:
                 async for msg in call:
                     started = True
                     if msg.WhichOneof("event") == "result":
                         pending -= 1
                         self._add_outstanding(cand.edge_id, -1)
+                        msg.result.index = index[msg.result.index]
                         yield apiserver_pb2.RunFunctionsResponse(result=msg.result)
                     else:
                         yield apiserver_pb2.RunFunctionsResponse(keepalive=msg.keepalive)
@@ -224,10 +280,20 @@ class FunctionRouter:
             except grpc.aio.AioRpcError as exc:
                 err = from_rpc_error(exc)
                 if started or not isinstance(err, (EdgeCapacity, Unavailable)):
-                    raise err from exc
+                    raise _in_caller_terms(err, index) from exc
                 last = err
                 self._forget(who, selector)
             finally:
                 call.cancel()
                 self._add_outstanding(cand.edge_id, -pending)
         raise last or NoEligibleEdge("no edge accepted the fncall jobs")
+
+
+def _in_caller_terms(err: DSecError, index: list[int]) -> DSecError:
+    """An edge's error about job i of its share, told about the caller's job index[i]."""
+    where = err.metadata.get("job_index", "")
+    if not where.isdigit() or int(where) >= len(index) or index[int(where)] == int(where):
+        return err
+    mine = index[int(where)]
+    message = err.message.replace(f"jobs[{where}]", f"jobs[{mine}]", 1)
+    return type(err)(message, reason=err.reason, metadata={**err.metadata, "job_index": str(mine)})

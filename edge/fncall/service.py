@@ -287,7 +287,9 @@ class FnCallService:
                 plans.append(self.check(job))
             except DSecError as err:
                 raise type(err)(
-                    f"jobs[{i}]: {err.message}", reason=err.reason, metadata=err.metadata
+                    f"jobs[{i}]: {err.message}",
+                    reason=err.reason,
+                    metadata={**err.metadata, "job_index": str(i)},
                 ) from None
         for env in {p.environment for p in plans}:
             await self._pool(env)  # fail the call up front if an environment is not offered

@@ -786,10 +786,12 @@ def test_cli(fncall_cluster: LocalCluster, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ several edges
 
 
-def test_a_burst_spreads_over_the_edges_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_bursts_and_batches_spread_over_the_edges(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """Two edges with two Python containers each: a burst of concurrent jobs right after one
     job (the API server still holds that placement answer) runs on both edges together, not
-    queued on the first candidate while the other idles."""
+    queued on the first candidate while the other idles; a large batch is split over both."""
     home = tmp_path_factory.mktemp("fn2cluster")
     env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": "python=2"}
     c = start_cluster(
@@ -820,6 +822,21 @@ def test_a_burst_spreads_over_the_edges_at_once(tmp_path_factory: pytest.TempPat
 
         edges = asyncio.run(burst())
         assert edges.count("fa") == 4 and edges.count("fb") == 4, edges
+
+        # A batch large enough is split over both edges; results keep the batch's indices.
+        with Client(c.apiserver, token=c.token) as client:
+            jobs = [FunctionJob(language="python", code=f"print({i} * 3)") for i in range(96)]
+            got = list(client.fncall_many(jobs, parallelism=8))
+            assert sorted(r.index for r in got) == list(range(96))
+            assert all(r.ok and r.text == f"{r.index * 3}\n" for r in got), got
+            by_edge = [r.edge_id for r in got]
+            assert by_edge.count("fa") == 48 and by_edge.count("fb") == 48, by_edge
+            # A bad job in the second edge's share is named by its index in the caller's batch.
+            jobs[71] = FunctionJob(language="cobol", code="")
+            with pytest.raises(InvalidArgument) as bad:
+                list(client.fncall_many(jobs))
+            assert "jobs[71]" in bad.value.message and bad.value.reason == "UNKNOWN_LANGUAGE"
+            assert bad.value.metadata.get("job_index") == "71", bad.value.metadata
     finally:
         c.stop()
 
