@@ -31,6 +31,8 @@ from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavail
 
 #: The largest job sent: the channels' message limit (64 MiB) minus room for the envelope.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024 - 64 * 1024
+#: How long a close waits for the server to end an idle stream before cancelling it.
+CLOSE_GRACE_S = 1.0
 
 
 def stream_failed(err: BaseException) -> bool:
@@ -195,10 +197,19 @@ class TaggedStream:
             st.call.cancel()
 
     async def aclose(self) -> None:
+        """Ends the stream. With no call waiting, gracefully: the requests end, the server ends
+        the stream, and the reader sees its end (so gRPC has the call's final status before
+        the event loop may close: a call merely cancelled gets it a moment later, and if the
+        loop is closed by then gRPC logs "Event loop is closed" from another loop of the
+        process, e.g. after ``asyncio.run``). Otherwise, or if the server is slow to end it,
+        every waiting call gets UNAVAILABLE (STREAM_CLOSED) and the call is cancelled."""
         st, self._state = self._state, None
         if st is None:
             return
         if st.reader is not None:
+            if not st.pending and not st.closed:
+                st.queue.put_nowait(None)  # half-close: the server ends the stream
+                await asyncio.wait({st.reader}, timeout=CLOSE_GRACE_S)
             st.reader.cancel()
             await asyncio.wait({st.reader})  # its own outcome is not ours to raise
         self._close(st, Unavailable("the client was closed", reason="STREAM_CLOSED"))

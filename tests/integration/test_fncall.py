@@ -743,6 +743,35 @@ def test_a_closed_client_leaves_nothing_pending(fncall_cluster: LocalCluster) ->
     assert "was destroyed but it is pending" not in r.stderr, r.stderr
 
 
+def test_clients_on_several_event_loops_close_cleanly(fncall_cluster: LocalCluster) -> None:
+    """A sync Client (its own loop) alive while AsyncClients come and go under asyncio.run:
+    each close ends its job stream before its loop closes, so gRPC delivers no late event to
+    a closed loop ("Event loop is closed" from gRPC's poller, 8 times in 18 closes before)."""
+    code = (
+        "import asyncio, sys\n"
+        "from libdsec import AsyncClient, Client\n"
+        "async def once():\n"
+        "    async with AsyncClient(sys.argv[1], token=sys.argv[2]) as c:\n"
+        "        rs = await asyncio.gather(*(c.fncall(language='bash', code='echo ok')\n"
+        "                                    for _ in range(8)))\n"
+        "        assert all(r.text == 'ok\\n' for r in rs)\n"
+        "with Client(sys.argv[1], token=sys.argv[2]) as sync:\n"
+        "    for _ in range(12):\n"
+        "        assert sync.fncall(language='bash', code='echo ok').ok\n"
+        "        asyncio.run(once())\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, fncall_cluster.apiserver, fncall_cluster.token],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Event loop is closed" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------ CLI
 
 
