@@ -721,6 +721,19 @@ def test_the_caller_must_authenticate(fncall_cluster: LocalCluster) -> None:
         c.fncall(language="python", code="print(1)")
 
 
+def _caller_process(c: LocalCluster, code: str) -> subprocess.CompletedProcess[str]:
+    """Runs `code` as a caller's own process (argv: the API server, a token); it must exit 0."""
+    r = subprocess.run(
+        [sys.executable, "-c", code, c.apiserver, c.token],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_a_closed_client_leaves_nothing_pending(fncall_cluster: LocalCluster) -> None:
     """Closing the sync Client ends its loop as asyncio.run does: gRPC's own per-call tasks
     are finished, not destroyed pending (a warning on the caller's stderr at exit, seen in
@@ -732,14 +745,7 @@ def test_a_closed_client_leaves_nothing_pending(fncall_cluster: LocalCluster) ->
         "    with Client(sys.argv[1], token=sys.argv[2]) as c:\n"
         "        assert c.fncall(language='bash', code='echo ok').text == 'ok\\n'\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code, fncall_cluster.apiserver, fncall_cluster.token],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert r.returncode == 0, r.stderr
+    r = _caller_process(fncall_cluster, code)
     assert "was destroyed but it is pending" not in r.stderr, r.stderr
 
 
@@ -760,14 +766,7 @@ def test_clients_on_several_event_loops_close_cleanly(fncall_cluster: LocalClust
         "        assert sync.fncall(language='bash', code='echo ok').ok\n"
         "        asyncio.run(once())\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code, fncall_cluster.apiserver, fncall_cluster.token],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert r.returncode == 0, r.stderr
+    r = _caller_process(fncall_cluster, code)
     assert "Event loop is closed" not in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
 
