@@ -12,6 +12,7 @@ import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -358,6 +359,61 @@ def test_closing_stdout_and_running_on(dsec: Client) -> None:
 
 
 # ------------------------------------------------------------------ isolation between jobs
+
+
+NET_PROBE = r"""
+import errno, socket, sys
+port, name = int(sys.argv[1]), sys.argv[2]
+print("links", sorted(n for _, n in socket.if_nameindex()))
+for family, where in ((socket.AF_INET, ("127.0.0.1", port)), (socket.AF_UNIX, "\0" + name)):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(where)
+        print("reached", family.name)
+    except OSError as exc:
+        print("refused", family.name, errno.errorcode.get(exc.errno, exc.errno))
+"""
+
+
+def test_jobs_have_no_network_and_cannot_reach_the_host(dsec: Client) -> None:
+    """A job runs in a private, empty network namespace: only its own loopback, nothing
+    listening there, and neither the host's loopback (a TCP listener this test opens on
+    127.0.0.1) nor the host's abstract Unix sockets (one opened here too) are reachable."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    name = f"dsec-test-{os.getpid()}-fncall"
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    abstract.bind("\0" + name)
+    abstract.listen()
+    try:
+        port = tcp.getsockname()[1]
+        for language in ("python", "bash"):
+            if language == "python":
+                r = dsec.fncall(
+                    files={"probe.py": NET_PROBE},
+                    command=["python3", "probe.py", str(port), name],
+                    environment="python",
+                )
+            else:  # the same through bash's own /dev/tcp: no Python involved
+                r = dsec.fncall(
+                    language="bash",
+                    code=f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo reached"
+                    " || echo refused; ls /sys/class/net",
+                )
+            assert r.verdict == "OK", r
+            if language == "python":
+                lines = r.text.splitlines()
+                assert lines[0] == "links ['lo']", lines
+                assert lines[1] == "refused AF_INET ECONNREFUSED", lines
+                assert lines[2] == "refused AF_UNIX ECONNREFUSED", lines
+            else:
+                assert r.text.split() == ["refused", "lo"], r.text
+        tcp.settimeout(0.1)
+        with pytest.raises(TimeoutError):
+            tcp.accept()  # nobody came
+    finally:
+        tcp.close()
+        abstract.close()
 
 
 def test_each_job_sees_only_its_own_files_and_no_stray_process(dsec: Client) -> None:
