@@ -421,14 +421,19 @@ def test_each_job_sees_only_its_own_files_and_no_stray_process(dsec: Client) -> 
     r = dsec.fncall(
         language="bash",
         code="echo secret > /tmp/leak; echo secret > mine; mkdir -p /dev/shm/x sub/dir;"
+        " echo s > /var/tmp/leak; echo s > /run/lock/leak; touch /dev/mqueue/leak;"
         " python3 -c \"import os; os.setxattr('/job', 'user.leak', b'1')\"; chmod 777 /job;"
-        " (sleep 300 &) ; nohup sleep 301 >/dev/null 2>&1 & cat /etc/hostname",
+        " (sleep 300 &) ; nohup sleep 301 >/dev/null 2>&1 &"
+        " ls -d /tmp/leak /dev/shm/x /var/tmp/leak /run/lock/leak /dev/mqueue/leak | wc -l;"
+        " cat /etc/hostname",
     )
     assert r.verdict == "OK", r
-    host = r.text
+    made, host = r.text.split("\n", 1)
+    assert made == "5", r.text  # every leftover was really made
     r = dsec.fncall(
         language="bash",
-        code="cat /etc/hostname; echo files: $(ls -A /job /tmp /dev/shm | grep -v ':$');"
+        code="cat /etc/hostname; echo files: $(ls -A /job /tmp /dev/shm /var/tmp /run/lock"
+        " /dev/mqueue | grep -v ':$');"
         " echo sleepers: $(ps -eo args | grep -c '[s]leep 30');"
         " echo xattrs: $(python3 -c \"import os; print(len(os.listxattr('/job')))\");"
         " echo mode: $(stat -c %a /job); touch /etc/evil 2>/dev/null || echo etc: read-only",
