@@ -202,7 +202,8 @@ class FunctionRouter:
         selector = _selector(jobs)
         parts = min(len(await self._candidates(who, selector, [])), len(jobs) // SPLIT_MIN_JOBS)
         if parts <= 1:
-            async for msg in self._batch(who, selector, jobs, list(range(len(jobs))), request):
+            index = list(range(len(jobs)))
+            async for msg in self._batch(who, selector, jobs, index, request.parallelism):
                 yield msg
             return
         # Strided, so that each edge gets a like mix when the batch is sorted (e.g. by size).
@@ -214,8 +215,7 @@ class FunctionRouter:
 
         async def pump(share: list[types_pb2.FunctionJob], index: list[int]) -> None:
             try:
-                part = apiserver_pb2.RunFunctionsRequest(parallelism=parallelism)
-                async for msg in self._batch(who, selector, share, index, part):
+                async for msg in self._batch(who, selector, share, index, parallelism):
                     await out.put(msg)
                 await out.put(None)
             except Exception as exc:  # re-raised by the consumer, which cancels the rest
@@ -244,7 +244,7 @@ class FunctionRouter:
         selector: dict[str, str],
         jobs: list[types_pb2.FunctionJob],
         index: list[int],
-        request: apiserver_pb2.RunFunctionsRequest,
+        parallelism: int,
     ) -> AsyncIterator[apiserver_pb2.RunFunctionsResponse]:
         """`jobs` as one batch on the least busy candidate (the next one if it refuses before
         starting); result i of the edge's batch is job ``index[i]`` of the caller's."""
@@ -262,7 +262,7 @@ class FunctionRouter:
             self._add_outstanding(cand.edge_id, pending)
             call = self.gw.edges.stub_for_address(cand.address).RunFunctions(
                 edge_pb2.RunFunctionsRequest(
-                    jobs=jobs, parallelism=request.parallelism, project_id=who.project_id
+                    jobs=jobs, parallelism=parallelism, project_id=who.project_id
                 )
             )
             started = False

@@ -98,12 +98,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}")
         bad += state != "SERVING"
         if name.startswith("edge-") and state == "SERVING":
-            for line in _warm_lines(p.address):
+            for line in _pool_lines(p.address):
                 print(f"{'':<12} {line}")
     return 1 if bad else 0
 
 
-def _warm_lines(address: str) -> list[str]:
+def _pool_lines(address: str) -> list[str]:
     """The edge's warm sandboxes (one line per image) and FnCall pools (one per environment),
     from GetNodeStatus."""
     import grpc
