@@ -188,7 +188,22 @@ class Engine:
                 else:
                     opened = False
             if opened:
-                start_thread(self._run, stream, frame["request"])
+                try:
+                    start_thread(self._run, stream, frame["request"])
+                except RuntimeError:  # "can't start new thread": the sandbox's pids limit
+                    # This call fails, typed; chronus and every other call go on (uncaught,
+                    # it ended chronus and, with it, every stream: CHRONUS_RESTARTED).
+                    with self._streams_lock:
+                        self._streams.pop(stream_id, None)
+                    end = {
+                        "code": errors.RESOURCE_EXHAUSTED,
+                        "reason": "PIDS_LIMIT",
+                        "message": "the sandbox is at its pids limit: no thread for this call",
+                    }
+                    try:
+                        self.send({"stream_id": stream_id, "end": end})
+                    except OSError:
+                        pass  # the channel is gone; the reader notices
             else:
                 stream.push(frame["request"], size)
         elif "half_close" in frame or "cancel" in frame:

@@ -3,6 +3,7 @@ driven over its framed socket with aether.wire (dict form)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import itertools
 import os
@@ -94,9 +95,8 @@ class CallError(Exception):
         self.reason = end.get("reason")
 
 
-@pytest.fixture(scope="module")
-def chronus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChronusClient, int, Path]]:
-    work = tmp_path_factory.mktemp("chronus")
+def start_chronus(work: Path) -> tuple[ChronusClient, subprocess.Popen[bytes]]:
+    """The real chronus as a subprocess on a socketpair, as aether runs it."""
     ours, theirs = socket.socketpair()
     env = dict(
         os.environ,
@@ -118,18 +118,30 @@ def chronus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChronusC
         start_new_session=True,
     )
     theirs.close()
+    return ChronusClient(ours), proc
+
+
+def stop_chronus(client: ChronusClient, proc: subprocess.Popen[bytes]) -> None:
+    """Kills chronus and everything it started."""
+    tree = descendants({proc.pid}, proc_table())
+    client.sock.close()
+    proc.kill()
+    proc.wait()
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def chronus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChronusClient, int, Path]]:
+    work = tmp_path_factory.mktemp("chronus")
+    client, proc = start_chronus(work)
     try:
-        yield ChronusClient(ours), proc.pid, work
+        yield client, proc.pid, work
     finally:
-        tree = descendants({proc.pid}, proc_table())
-        ours.close()
-        proc.kill()
-        proc.wait()
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_chronus(client, proc)
 
 
 @pytest.fixture
@@ -256,6 +268,39 @@ def test_background_grandchild_does_not_hold_the_call(client: ChronusClient) -> 
     r = client.run("sleep 30 & echo started")
     assert r["stdout"] == b"started\n" and time.monotonic() - t0 < 2
     client.run("pkill -f 'sleep 30' || true")
+
+
+PIDS_ROOT = Path("/sys/fs/cgroup/pids")
+
+
+@pytest.mark.skipif(
+    not (PIDS_ROOT / "cgroup.procs").exists() or os.geteuid() != 0,
+    reason="needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids",
+)
+def test_a_call_at_the_pids_limit_fails_alone(tmp_path: Path) -> None:
+    """At the sandbox's pids limit a new call gets no thread: it fails with RESOURCE_EXHAUSTED
+    (PIDS_LIMIT) and chronus serves the next one (it used to exit, which ended every stream:
+    CHRONUS_RESTARTED, seen under a fork bomb). A real pids cgroup, full."""
+    cg = PIDS_ROOT / f"dsec-test-{os.getpid()}-chronus"
+    cg.mkdir()
+    client, proc = start_chronus(tmp_path)
+    try:
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+        assert client.run("echo ready")["stdout"] == b"ready\n"
+        (cg / "pids.max").write_text((cg / "pids.current").read_text().strip())
+        with pytest.raises(CallError) as full:
+            client.run("echo never")
+        assert (full.value.code, full.value.reason) == (8, "PIDS_LIMIT"), full.value
+        (cg / "pids.max").write_text("max")
+        assert client.run("echo again")["stdout"] == b"again\n"
+        assert proc.poll() is None
+    finally:
+        stop_chronus(client, proc)
+        for pid in (cg / "cgroup.procs").read_text().split():  # none left, normally
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        eventually(lambda: not (cg / "cgroup.procs").read_text().split())
+        cg.rmdir()
 
 
 # ------------------------------------------------------------ streaming
