@@ -11,13 +11,14 @@ from typing import Any
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
+from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
 from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxSpec
 from libdsec._status import code_number
-from libdsec.errors import FailedPrecondition, InvalidArgument
+from libdsec.errors import InvalidArgument
 
 KEEPALIVE_DEFAULT_MS = 5000
 
@@ -178,9 +179,8 @@ class EdgeServicer:
         """image -> (target, ready, claimed, missed) of the backends' warm pools."""
         out: dict[str, tuple[int, int, int, int]] = {}
         for b in self.manager.backends.values():
-            pool = getattr(b, "warm", None)
-            if pool is not None:
-                out.update(pool.status())
+            if offers(b, WarmClaims):
+                out.update(require(b, WarmClaims).warm_status())
         return out
 
     async def WatchSandboxes(
@@ -206,8 +206,10 @@ class EdgeServicer:
     async def _channel(self, sandbox_id: str) -> Any:
         if not sandbox_id:
             raise InvalidArgument("sandbox_id is required")
+        # The capability first: a sandbox whose backend runs no commands is not resumed for it.
+        executes = require(self.manager.backend_of(self.manager.get_live(sandbox_id)), Executes)
         rec = await self.manager.touch(sandbox_id)
-        return self.manager.backend_of(rec).channel(rec)
+        return executes.channel(rec)
 
     async def _exec_channel(self, request: types_pb2.ExecRequest) -> tuple[Any, Any]:
         """The channel for an exec, and the request to send on it. A trusted exec goes to the
@@ -221,14 +223,10 @@ class EdgeServicer:
             )
         if not request.sandbox_id:
             raise InvalidArgument("sandbox_id is required")
+        live = self.manager.get_live(request.sandbox_id)
+        trusted = require(self.manager.backend_of(live), TrustedExecution)
         rec = await self.manager.touch(request.sandbox_id)
-        trusted = getattr(self.manager.backend_of(rec), "trusted_channel", None)
-        if trusted is None:
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id}'s runtime has no trusted execution",
-                reason="TRUSTED_EXEC_UNSUPPORTED",
-            )
-        channel = await trusted(rec)
+        channel = await trusted.trusted_channel(rec)
         plain = types_pb2.ExecRequest()
         plain.CopyFrom(request)
         plain.trusted = False

@@ -1,6 +1,6 @@
 """Containment of untrusted agents in container sandboxes (the Untrusted agents issue).
 
-The container backend (`edge.container`) calls in here at a few points of a sandbox's life; this
+The container backend (`edge.backends.container.backend`) calls in here at a few points of a sandbox's life; this
 module owns what the edge adds to a runc sandbox so that an agent that is root inside it, and
 optimises its reward rather than its task, stays contained and gets reported:
 
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.aether_client import AetherConnection
+from edge.config import MIN_DISK_MB
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network.denials import DenialCounter
 from edge.network.manager import NetworkManager
@@ -48,7 +49,7 @@ from edge.runtime.spec import BindMount
 from libdsec.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
-    from edge.container import ContainerBackend
+    from edge.backends.container.backend import ContainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +88,17 @@ class Containment:
         backend: ContainerBackend,
         network: NetworkManager | None,
         *,
-        default_disk_mb: int = 0,
+        default_disk_mb: int = 10240,
+        max_disk_mb: int = 204800,
+        log_max_bytes: int = 1 << 20,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
     ) -> None:
         self.backend = backend
         self.network = network
         self.default_disk_mb = default_disk_mb
+        self.max_disk_mb = max_disk_mb
+        self.log_max_bytes = log_max_bytes
         self.watch_interval_s = watch_interval_s
         self.pids_exhausted_after_s = pids_exhausted_after_s
         self.watched: dict[str, _Watch] = {}
@@ -144,10 +149,12 @@ class Containment:
 
     def validate(self, spec: SandboxSpec) -> None:
         """Before admission (blocking): network policy and disk quota."""
-        if spec.disk_mb and spec.disk_mb < 16:
+        if spec.disk_mb and not MIN_DISK_MB <= spec.disk_mb <= self.max_disk_mb:
             raise InvalidArgument(
-                f"resources.disk_mb={spec.disk_mb}: at least 16 (or 0 for the default)",
+                f"resources.disk_mb={spec.disk_mb}: expected {MIN_DISK_MB}..{self.max_disk_mb} "
+                f"(this edge's maximum), or 0 for its default ({self.default_disk_mb})",
                 reason="INVALID_RESOURCES",
+                metadata={"field": "resources.disk_mb", "max_disk_mb": str(self.max_disk_mb)},
             )
         self._policy(spec.network)
 
@@ -384,6 +391,7 @@ class Containment:
             if w.rec.state != "RUNNING" or sid not in self.backend.connections:
                 continue
             counters, verdict = await asyncio.to_thread(self._check, sid, w, faults)
+            await asyncio.to_thread(self._cap_log, sid)
             if any(w.rec.violations.get(k) != v for k, v in counters.items()):
                 # Merged here, on the loop: the servicer counts output truncations too.
                 w.rec.violations = {**w.rec.violations, **counters}
@@ -394,6 +402,25 @@ class Containment:
                 )
                 self.watched.pop(sid, None)
                 await self.backend._on_exit(sid, reason, message)
+
+    def _cap_log(self, sid: str) -> None:
+        """Keep the sandbox's aether/chronus log below log_max_bytes: past it, cut it back to
+        its head (how the sandbox started) plus a marker; what follows is appended after it
+        (the writers' descriptor is O_APPEND). Blocking."""
+        path = self.backend.logs / f"{sid}.log"
+        try:
+            size = os.stat(path).st_size
+            if size <= self.log_max_bytes:
+                return
+            head = self.log_max_bytes // 4
+            with open(path, "r+b") as fh:
+                fh.truncate(head)
+                fh.seek(head)
+                fh.write(
+                    f"\n[dsec edge: log cut at {size} bytes; head kept, tail follows]\n".encode()
+                )
+        except OSError:
+            return
 
     def _check(
         self, sid: str, w: _Watch, faults: set[int]

@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import ExitCallback
+from edge.backends.container.containment import Containment
+from edge.backends.container.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
+from edge.backends.container.warm import template as warm_template
+from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
 from edge.config import EdgeConfig
-from edge.containment import Containment
+from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ImageResolver, ResolvedImage
 from edge.layers import Environments, LayerRef, LayerSettings, PackResult
 from edge.layers.diff import mount_points
@@ -49,8 +52,6 @@ from edge.runtime import mounts
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
-from edge.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
-from edge.warm import template as warm_template
 from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
@@ -67,6 +68,20 @@ class ContainerBackend:
     name = "container"
     serves: tuple[str, ...] = ("CONTAINER",)
     persistent = True
+    starts_inline = False
+    capabilities: frozenset[Capability] = frozenset(
+        {
+            Capability.EXEC,
+            Capability.PAUSE,
+            Capability.PACK_DIFF,
+            Capability.TRUSTED_EXEC,
+            Capability.NETWORK_POLICY,
+            Capability.MODIFIED_FILES,
+            Capability.WARM_CLAIM,
+            Capability.DISK_USAGE,
+            Capability.LAYER_STORE,
+        }
+    )
 
     def __init__(
         self,
@@ -77,7 +92,10 @@ class ContainerBackend:
         ready_timeout_s: float = 30.0,
         layers: LayerSettings | None = None,
         network: NetworkManager | None = None,
-        default_disk_mb: int = 0,
+        default_disk_mb: int = 10240,
+        max_disk_mb: int = 204800,
+        log_max_bytes: int = 1 << 20,
+        layer_gc_interval_s: float = 300.0,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
         cgroup_parent: str = "dsec",
@@ -108,6 +126,7 @@ class ContainerBackend:
         self.images = ImageResolver(self.environments)
         self.toolkit_dir = self._mount_toolkit()
         self.ready_timeout_s = ready_timeout_s
+        self.layer_gc_interval_s = layer_gc_interval_s
         self.connections: dict[str, AetherConnection] = {}
         self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
         self._warm_starting: set[asyncio.Future[WarmSandbox]] = set()
@@ -118,10 +137,12 @@ class ContainerBackend:
             self,
             network,
             default_disk_mb=default_disk_mb,
+            max_disk_mb=max_disk_mb,
+            log_max_bytes=log_max_bytes,
             watch_interval_s=watch_interval_s,
             pids_exhausted_after_s=pids_exhausted_after_s,
         )
-        # Started sandboxes waiting for their owner (edge/warm.py); None when none are kept.
+        # Started sandboxes waiting for their owner (edge/backends/container/warm.py); None when none are kept.
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
             self.warm = WarmPool(warm_pool, self._start_warm, self._discard_warm)
@@ -152,6 +173,9 @@ class ContainerBackend:
                 refresh_s=cfg.dns_refresh_s,
             ),
             default_disk_mb=cfg.default_disk_mb,
+            max_disk_mb=cfg.max_disk_mb,
+            log_max_bytes=cfg.sandbox_log_max_kb * 1024,
+            layer_gc_interval_s=cfg.layer_gc_interval_s,
             watch_interval_s=cfg.watch_interval_s,
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
             cgroup_parent=cfg.cgroup_parent,
@@ -301,7 +325,7 @@ class ContainerBackend:
     # ------------------------------------------------------------- warm sandboxes
 
     async def _start_warm(self, image_name: str) -> WarmSandbox:
-        """Start a sandbox nobody owns yet (see edge/warm.py), up to aether's Hello.
+        """Start a sandbox nobody owns yet (see edge/backends/container/warm.py), up to aether's Hello.
 
         The start runs on even if the pool's loop is cancelled (edge shutdown): runc would
         finish in its thread anyway, and `close` waits for it and removes what it made."""
@@ -472,6 +496,29 @@ class ContainerBackend:
                 await self._on_exit(
                     sandbox_id, "CHANNEL_CLOSED", f"aether channel closed: {reason}"
                 )
+
+    # ------------------------------------------------------------ contract extras
+
+    def background_loops(self) -> list[BackgroundLoop]:
+        return [
+            lambda: self.maintain_layers(self.layer_gc_interval_s),  # leases, gc, verification
+            self.warm_loop,  # started sandboxes waiting for their owner
+            self.watch_loop,  # containment: counters, limits, kernel faults, log caps
+        ]
+
+    def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
+        return self.warm.status() if self.warm is not None else {}
+
+    def disk_paths(self) -> list[Path]:
+        return [self.runtime.rw_dir, self.logs, self.state_dir / "layer-cache"]
+
+    def disk_allocations(self) -> Allocations:
+        """Bytes each sandbox holds on disk: its writable layer's image and its log."""
+        rt = self.runtime
+        return sum_allocations(
+            list(self.containment.watched),
+            lambda sid: (rt.writable_dir(sid) / "disk.img", self.logs / f"{sid}.log"),
+        )
 
     # ------------------------------------------------------------ control
 
