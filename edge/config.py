@@ -85,6 +85,9 @@ class EdgeConfig(ServiceConfig):
     disk_check_interval_s: float = 0.25
     #: Each sandbox's aether/chronus log is kept below this (the edge cuts it to its head).
     sandbox_log_max_kb: int = 1024
+    #: Host controls the operator turns off explicitly (edge/controls.py: landlock, network,
+    #: memory_swap). Every other control the edge relies on must be there, or it refuses to start.
+    disabled_controls: tuple[str, ...] = ()
     #: cgroup of this edge's sandboxes (each sandbox is <parent>/<id>). It must belong to this
     #: edge alone: at start every child it does not know is removed as an orphan.
     cgroup_parent: str = "dsec"

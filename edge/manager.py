@@ -187,6 +187,15 @@ class SandboxManager:
             )
         if spec.cpu_millis <= 0 or spec.memory_mb <= 0:
             raise InvalidArgument("cpu_millis and memory_mb must be positive")
+        reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
+        if reserved:
+            # aether and chronus take their settings (Landlock on, the channel's fd, ...) from
+            # DSEC_* variables: a caller must not be able to turn a control off through them.
+            raise InvalidArgument(
+                f"env {', '.join(reserved)}: names beginning with DSEC_ are reserved",
+                reason="RESERVED_ENV",
+                metadata={"field": "env"},
+            )
 
     def _admit(self, spec: SandboxSpec) -> None:
         self._check_disk()

@@ -15,9 +15,11 @@ from common.telemetry import setup_logging, setup_tracing
 from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descriptor)
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+from edge import controls
 from edge.backends import NullBackend, SandboxBackend
 from edge.backends.contract import DiskUsage, LayerStore, offers, require
 from edge.config import EdgeConfig
+from edge.controls import Control
 from edge.disk_guard import DiskGuard
 from edge.fncall.adapter import FnCallAdapter
 from edge.fncall.service import FnCallService
@@ -27,6 +29,20 @@ from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
 
 log = logging.getLogger(__name__)
+
+
+def check_controls(cfg: EdgeConfig) -> list[Control]:
+    """The host controls the runtime relies on (edge/controls.py); raises ControlMissing.
+    The null runtime starts nothing, so it relies on none."""
+    if cfg.runtime == "null":
+        return []
+    from edge.runtime import apparmor
+
+    return controls.check(
+        disabled=cfg.disabled_controls,
+        bpf_pin_dir=cfg.bpf_pin_dir,
+        apparmor=apparmor.available(),
+    )
 
 
 def make_backends(cfg: EdgeConfig) -> list[SandboxBackend]:
@@ -115,6 +131,11 @@ async def main() -> None:
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=64, thread_name_prefix="edge")
     )
+    try:
+        host_controls = check_controls(cfg)
+    except controls.ControlMissing as exc:
+        log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
+        raise SystemExit(2) from None
     backends = make_backends(cfg)
     guard = make_disk_guard(cfg, backends)
     manager = SandboxManager(
@@ -144,6 +165,7 @@ async def main() -> None:
             info,
             fncall=FnCallAdapter(fncall, no_fncall),
             layers=LayersAdapter(environments, manager),
+            controls=host_controls,
         ),
         "dsec.edge.v1.EdgeService",
     )

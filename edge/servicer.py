@@ -12,6 +12,7 @@ from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
+from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
 from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
@@ -36,8 +37,13 @@ class EdgeServicer:
         *,
         fncall: FnCallAdapter | None = None,
         layers: LayersAdapter | None = None,
+        controls: list[Control] | None = None,
     ) -> None:
         self.manager = manager
+        self.controls = [
+            edge_pb2.HostControl(name=c.name, state=c.state, detail=c.detail)
+            for c in controls or []
+        ]
         self.info = info
         self.fncall = fncall or FnCallAdapter(None)
         self.layers = layers or LayersAdapter(None, manager)
@@ -173,6 +179,7 @@ class EdgeServicer:
                 for image, (target, ready, claimed, missed) in self._warm_status().items()
             },
             fncall=self.fncall.pool_status(),
+            controls=self.controls,
         )
 
     def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:

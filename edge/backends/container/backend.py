@@ -100,6 +100,7 @@ class ContainerBackend:
         pids_exhausted_after_s: float = 3.0,
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
+        landlock: bool = True,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -126,6 +127,9 @@ class ContainerBackend:
         self.images = ImageResolver(self.environments)
         self.toolkit_dir = self._mount_toolkit()
         self.ready_timeout_s = ready_timeout_s
+        #: chronus must put every command in a Landlock domain (refusing to run without one)
+        #: unless the operator turned the control off (edge/controls.py).
+        self.landlock = landlock
         self.layer_gc_interval_s = layer_gc_interval_s
         self.connections: dict[str, AetherConnection] = {}
         self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
@@ -165,13 +169,16 @@ class ContainerBackend:
                 exclude=tuple(cfg.layer_exclude),
                 collapse_below_bytes=cfg.layer_collapse_below_mb << 20,
             ),
-            network=NetworkManager(
+            network=None
+            if "network" in cfg.disabled_controls
+            else NetworkManager(
                 bridge=cfg.net_bridge,
                 subnet=cfg.net_subnet,
                 upstream=cfg.dns_upstream,
                 pin_root=cfg.bpf_pin_dir / cfg.edge_id,
                 refresh_s=cfg.dns_refresh_s,
             ),
+            landlock="landlock" not in cfg.disabled_controls,
             default_disk_mb=cfg.default_disk_mb,
             max_disk_mb=cfg.max_disk_mb,
             log_max_bytes=cfg.sandbox_log_max_kb * 1024,
@@ -226,6 +233,7 @@ class ContainerBackend:
             "DSEC_AETHER_LISTEN_FD": "3",
         }
         env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+        env["DSEC_CHRONUS_LANDLOCK"] = "on" if self.landlock else "off"
         # pid 1 is the toolkit's ld.so, which obeys LD_PRELOAD, LD_AUDIT, ...: aether must load
         # no library of the image's or the caller's. chronus gives them back to every command.
         for name in [k for k in env if k.startswith("LD_")]:
