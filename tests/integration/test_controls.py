@@ -9,6 +9,8 @@ that is not bpffs, so the network control cannot work on that edge.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -103,5 +105,17 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -
                     network=NetworkPolicy(allow=["10.1.2.3:80"]),
                 )
             assert refused.value.reason == "NETWORK_UNAVAILABLE"
+        out = subprocess.run(
+            [sys.executable, "-m", "dsecctl", "status"],
+            env={**os.environ, "DSEC_HOME": str(c.home)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "controls disabled: network" in out.stdout, out.stdout
+        enforced = next(line for line in out.stdout.splitlines() if "controls enforced:" in line)
+        assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
+        assert "controls absent: apparmor" in out.stdout
     finally:
         c.stop()
