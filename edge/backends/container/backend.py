@@ -311,6 +311,8 @@ class ContainerBackend:
         t2 = time.perf_counter()
         rec.runtime = self._runtime_record(proc, image, self._socket_path(rec.sandbox_id))
         try:
+            # Before aether forks chronus (after its Hello): everything inherits the policy.
+            _apply_qos(rec, proc.pid)
             # Network and eBPF policy before aether is even connected: no agent code yet.
             await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
             await self._connect(rec.sandbox_id)
@@ -416,6 +418,7 @@ class ContainerBackend:
         self._warm_unclaimed.pop(w.cid, None)  # the sandbox's record owns it from here
         rec.runtime = self._runtime_record(proc, w.image, self._socket_path(sid))
         try:
+            _apply_qos(rec, proc.pid)  # before the claim: chronus is forked after it
             env = self.sandbox_env(rec, w.image)
             env.update(w.prep.env)
             await conn.claim(env)
@@ -707,3 +710,12 @@ class ContainerBackend:
             with contextlib.suppress(OSError):
                 self.toolkit_dir.rmdir()
         self.environments.close()
+
+
+def _apply_qos(rec: SandboxRecord, pid: int) -> None:
+    """A best-effort sandbox runs under SCHED_IDLE: set on pid 1 while it is the sandbox's only
+    process, so chronus and every command inherit it. A command cannot switch back: leaving
+    SCHED_IDLE takes CAP_SYS_NICE (not in a sandbox's set) or an RLIMIT_NICE above 0 (sandboxes
+    inherit 0); tested. Latency-sensitive sandboxes keep SCHED_OTHER."""
+    if rec.spec.qos == "BEST_EFFORT":
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
