@@ -122,14 +122,18 @@ def _pool_lines(address: str) -> list[str]:
     for c in resp.controls:
         by_state.setdefault(c.state, []).append(c.name)
     controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
-    return controls + [
-        f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
-        for image, w in sorted(resp.warm.items())
-    ] + [
-        f"fncall {env}: {p.workers}/{p.size} up ({p.idle} idle, {p.starting} starting),"
-        f" {p.waiting} queued, {p.jobs} jobs, {p.recycled} recycled"
-        for env, p in sorted(resp.fncall.items())
-    ]
+    return (
+        controls
+        + [
+            f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
+            for image, w in sorted(resp.warm.items())
+        ]
+        + [
+            f"fncall {env}: {p.workers}/{p.size} up ({p.idle} idle, {p.starting} starting),"
+            f" {p.waiting} queued, {p.jobs} jobs, {p.recycled} recycled"
+            for env, p in sorted(resp.fncall.items())
+        ]
+    )
 
 
 def _client() -> Any:
