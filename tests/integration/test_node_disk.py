@@ -34,6 +34,16 @@ FS_MB = 448  # the node's "disk"
 RESERVE_MB = 64
 
 
+def _fill(disk: Path) -> Path:
+    """Fill the node's "disk" to the last block from the host (bounded by its size)."""
+    filler = disk / "filler"
+    with open(filler, "wb") as fh, contextlib.suppress(OSError):
+        for _ in range(FS_MB):
+            fh.write(b"\0" * (1 << 20))
+    assert _free_mb(disk) == 0
+    return filler
+
+
 def _free_mb(path: Path) -> int:
     st = os.statvfs(path)
     return (st.f_bavail * st.f_frsize) >> 20
@@ -137,13 +147,8 @@ def test_a_full_disk_refuses_creates_and_still_stops_reaps_and_deletes(
     deleted = client.create(image="busybox", cpu=0.25, memory_mb=64)
     idle = client.create(image="busybox", cpu=0.25, memory_mb=64, idle_timeout_s=4)
     stopped.start("sleep 600")
-    filler = small_disk / "filler"
+    filler = _fill(small_disk)
     try:
-        # Fill the node's "disk" to the last block from the host (bounded by its size).
-        with open(filler, "wb") as fh, contextlib.suppress(OSError):
-            for _ in range(FS_MB):
-                fh.write(b"\0" * (1 << 20))
-        assert _free_mb(small_disk) == 0
         # The reserve is checked every 0.25 s: the next creates are refused, typed.
         refusal = wait_for(lambda: _refusal(client), timeout_s=5)
         assert isinstance(refusal, NodeDiskLow), refusal
@@ -190,12 +195,8 @@ def test_the_edge_shuts_down_cleanly_on_a_full_disk(
     cgroups = [Path("/sys/fs/cgroup/pids") / cgroup_parent / sb.id for sb in sandboxes]
     assert all(cg.is_dir() for cg in cgroups)
     inits = [int((cg / "cgroup.procs").read_text().split()[0]) for cg in cgroups]
-    filler = small_disk / "filler"
+    filler = _fill(small_disk)
     try:
-        with open(filler, "wb") as fh, contextlib.suppress(OSError):
-            for _ in range(FS_MB):
-                fh.write(b"\0" * (1 << 20))
-        assert _free_mb(small_disk) == 0
         edge = next(p for p in disk_cluster.processes if p.name.startswith("edge"))
         assert edge.proc is not None
         disk_cluster.stop(grace_s=30)
