@@ -20,8 +20,7 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec._status import code_number, from_rpc_error
-from libdsec.errors import InvalidArgument
+from libdsec.errors import InvalidArgument, code_number, from_rpc_error
 
 #: Parallel edge calls of one StopSandboxes.
 STOP_CONCURRENCY = 64

@@ -16,8 +16,7 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxSpec
-from libdsec._status import code_number
-from libdsec.errors import FailedPrecondition, InvalidArgument
+from libdsec.errors import FailedPrecondition, InvalidArgument, code_number
 
 KEEPALIVE_DEFAULT_MS = 5000
 

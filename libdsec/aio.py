@@ -30,13 +30,14 @@ from dsec.apiserver.v1 import apiserver_pb2, apiserver_pb2_grpc
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
-from libdsec._status import from_rpc_error, status_for
 from libdsec._tagged import TaggedStream
 from libdsec.errors import (
     DeadlineExceeded,
     DSecError,
     InvalidArgument,
     Unavailable,
+    from_rpc_error,
+    status_for,
 )
 from libdsec.types import (
     Environment,
