@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import json
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
@@ -31,12 +30,17 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._tagged import TaggedStream
+from libdsec._transport import (
+    CHANNEL_OPTIONS,
+    DEFAULT_TIMEOUT_S,
+    STREAM_IDLE_TIMEOUT_S,
+)
+from libdsec._transport import stream as _stream
+from libdsec._transport import unary as _unary
 from libdsec.errors import (
-    DeadlineExceeded,
     DSecError,
     InvalidArgument,
     Unavailable,
-    from_rpc_error,
     status_for,
 )
 from libdsec.types import (
@@ -69,85 +73,7 @@ _BACKENDS = {
     "vm": types_pb2.BACKEND_VM,
 }
 
-#: Methods safe to retry on UNAVAILABLE (they change nothing, or are idempotent).
-_IDEMPOTENT = {
-    "dsec.apiserver.v1.SandboxService": [
-        "GetSandbox",
-        "ListSandboxes",
-        "StopSandbox",
-        "PauseSandbox",
-        "ResumeSandbox",
-    ],
-    "dsec.apiserver.v1.ExecService": ["WaitExec", "ListExecs", "ListSessions"],
-    "dsec.apiserver.v1.FileService": ["ReadFile", "ListDir", "StatPath"],
-    "dsec.apiserver.v1.ProjectService": ["WhoAmI", "GetProject", "ListProjects", "ListTokens"],
-    "dsec.apiserver.v1.EnvironmentService": ["ListEnvironments", "GetEnvironment", "ListLayers"],
-}
-
 CHUNK = 1024 * 1024
-#: A stream with no message (not even a keepalive) for this long is dead.
-STREAM_IDLE_TIMEOUT_S = 30.0
-DEFAULT_TIMEOUT_S = 30.0
-
-
-def _service_config() -> str:
-    names = [{"service": svc, "method": m} for svc, methods in _IDEMPOTENT.items() for m in methods]
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": names,
-                    "retryPolicy": {
-                        "maxAttempts": 5,
-                        "initialBackoff": "0.1s",
-                        "maxBackoff": "2s",
-                        "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"],
-                    },
-                }
-            ]
-        }
-    )
-
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.enable_retries", 1),
-    ("grpc.service_config", _service_config()),
-]
-
-
-async def _unary(call: Any) -> Any:
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        raise from_rpc_error(exc) from exc
-
-
-async def _stream(call: Any, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> AsyncIterator[Any]:
-    """Iterates a server stream; a stalled stream raises instead of hanging."""
-    it = call.__aiter__()
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(it.__anext__(), timeout=idle_timeout_s)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"no message (not even a keepalive) for {idle_timeout_s:.0f} s",
-                    reason="STREAM_STALLED",
-                ) from None
-            except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc) from exc
-            yield item
-    finally:
-        call.cancel()
 
 
 def _resources(
