@@ -13,6 +13,7 @@ bound to one gRPC status code and a stable ``reason``.
 
 from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
 from libdsec.errors import DSecError
+from libdsec.options import CreateOptions, SandboxOptions
 from libdsec.sync import Client, Files, Process, Sandbox, Session
 from libdsec.types import (
     Environment,
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSession",
     "Client",
+    "CreateOptions",
     "DSecError",
     "Environment",
     "ExecInfo",
@@ -66,6 +68,7 @@ __all__ = [
     "Quota",
     "Sandbox",
     "SandboxInfo",
+    "SandboxOptions",
     "Session",
     "Started",
     "TokenInfo",

@@ -22,8 +22,8 @@ this module (the client: sandboxes, environments, projects, tokens, fncall),
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.iam.v1 import iam_pb2
@@ -44,13 +44,13 @@ from libdsec.errors import (
     SandboxTerminated,
     status_for,
 )
+from libdsec.options import CreateOptions, SandboxOptions, make_spec, split_key
 from libdsec.types import (
     Environment,
     ExitStatus,
     FunctionJob,
     FunctionResult,
     Layer,
-    NetworkPolicy,
     NewToken,
     Principal,
     Project,
@@ -58,77 +58,6 @@ from libdsec.types import (
     SandboxInfo,
     TokenInfo,
 )
-
-_BACKENDS = {
-    "fncall": types_pb2.BACKEND_FNCALL,
-    "container": types_pb2.BACKEND_CONTAINER,
-    "microvm": types_pb2.BACKEND_MICROVM,
-    "vm": types_pb2.BACKEND_VM,
-}
-
-
-def _resources(
-    cpu: float | None,
-    memory_mb: int | None,
-    pids_max: int | None,
-    disk_mb: int | None,
-    gpus: int | None,
-) -> types_pb2.Resources:
-    return types_pb2.Resources(
-        cpu_millis=round((cpu or 0) * 1000),
-        memory_mb=memory_mb or 0,
-        pids_max=pids_max or 0,
-        disk_mb=disk_mb or 0,
-        gpu_count=gpus or 0,
-    )
-
-
-def make_spec(
-    *,
-    backend: str = "container",
-    image: str = "",
-    cpu: float | None = None,
-    memory_mb: int | None = None,
-    pids_max: int | None = None,
-    disk_mb: int | None = None,
-    gpus: int | None = None,
-    ttl_s: int | None = None,
-    idle_timeout_s: int | None = None,
-    labels: Mapping[str, str] | None = None,
-    task_id: str = "",
-    env: Mapping[str, str] | None = None,
-    network: NetworkPolicy | None = None,
-    workdir: str = "",
-    best_effort: bool = False,
-    node_selector: Mapping[str, str] | None = None,
-    toolkits: Iterable[str] = (),
-) -> types_pb2.SandboxSpec:
-    """The protobuf spec for keyword options (shared by create and create_many)."""
-    if backend not in _BACKENDS:
-        raise InvalidArgument(
-            f"backend must be one of {sorted(_BACKENDS)}, not {backend!r}", reason="INVALID_BACKEND"
-        )
-    if cpu is not None and cpu <= 0:
-        raise InvalidArgument(f"cpu must be > 0, not {cpu}", reason="INVALID_RESOURCES")
-    spec = types_pb2.SandboxSpec(
-        backend=_BACKENDS[backend],
-        image=image,
-        resources=_resources(cpu, memory_mb, pids_max, disk_mb, gpus),
-        ttl_s=ttl_s or 0,
-        idle_timeout_s=idle_timeout_s or 0,
-        labels=dict(labels or {}),
-        task_id=task_id,
-        env=dict(env or {}),
-        workdir=workdir,
-        qos=types_pb2.QOS_CLASS_BEST_EFFORT
-        if best_effort
-        else types_pb2.QOS_CLASS_LATENCY_SENSITIVE,
-        node_selector=dict(node_selector or {}),
-        toolkits=list(toolkits),
-    )
-    if network is not None:
-        spec.network.CopyFrom(network.to_pb())
-    return spec
 
 
 class AsyncClient:
@@ -265,26 +194,30 @@ class AsyncClient:
     async def create(
         self,
         *,
-        idempotency_key: str = "",
         wait: bool = True,
         timeout: float | None = 180.0,
-        **options: Any,
+        **options: Unpack[CreateOptions],
     ) -> AsyncSandbox:
         """Creates a sandbox and (by default) waits until it accepts commands.
 
-        Options: ``backend`` ("container", "fncall", "microvm", "vm"),
-        ``image`` (environment name, e.g. "bookworm", "busybox",
-        "docker:python:3.11"), ``cpu`` (cores), ``memory_mb``, ``pids_max``,
-        ``disk_mb``, ``gpus``, ``ttl_s``, ``idle_timeout_s``, ``labels``,
-        ``task_id``, ``env``, ``network`` (:class:`NetworkPolicy`),
-        ``workdir``, ``best_effort``, ``node_selector``, ``toolkits``.
+        The options (:class:`~libdsec.options.CreateOptions`, typed keywords): ``backend``,
+        ``image``, ``cpu``, ``memory_mb``, ``pids_max``, ``disk_mb``, ``gpus``, ``ttl_s``,
+        ``idle_timeout_s``, ``labels``, ``task_id``, ``env``, ``network``, ``workdir``,
+        ``best_effort``, ``node_selector``, ``toolkits``, and ``idempotency_key`` (a retried
+        create with the same key returns the first attempt's sandbox instead of making
+        another). ``wait=False`` returns once the sandbox is admitted (PENDING/STARTING)::
 
-        ``idempotency_key``: a retried create with the same key returns the
-        first attempt's sandbox instead of making another.
+            async with await dsec.create(
+                image="bookworm", cpu=1, memory_mb=1024, ttl_s=3600, task_id="swe-123"
+            ) as sb:
+                print(sb.id, sb.info.state)     # sb-edge0-..., RUNNING
+
+        A sandbox that ended while starting raises
+        :class:`~libdsec.errors.SandboxTerminated` with its reason.
         """
-        spec = make_spec(**options)
+        key, sandbox_options = split_key(options)
         req = apiserver_pb2.CreateSandboxRequest(
-            spec=spec, idempotency_key=idempotency_key, wait_ready=wait
+            spec=make_spec(**sandbox_options), idempotency_key=key, wait_ready=wait
         )
         resp = await self._rpc.unary(self._rpc.sandboxes.CreateSandbox, req, timeout=timeout)
         info = SandboxInfo.from_pb(resp.sandbox)
@@ -302,12 +235,19 @@ class AsyncClient:
         self,
         count: int | None = None,
         *,
-        specs: list[dict[str, Any]] | None = None,
+        specs: Sequence[CreateOptions] | None = None,
         wait: bool = True,
         timeout: float | None = 600.0,
-        **options: Any,
+        **options: Unpack[SandboxOptions],
     ) -> list[AsyncSandbox | DSecError]:
-        """Creates many sandboxes in one call: ``count`` alike, or one per dict in ``specs``.
+        """Creates many sandboxes in one call: ``count`` alike (the options as for
+        :meth:`create`, without an idempotency key), or one per item of ``specs`` (each a
+        :class:`~libdsec.options.CreateOptions`, with its own key if wanted)::
+
+            same = await dsec.create_many(40, image="busybox", cpu=0.25, task_id="swe-123")
+            each = await dsec.create_many(
+                specs=[{"image": "busybox", "idempotency_key": f"swe-123/{i}"} for i in range(8)]
+            )
 
         Returns, in order, a sandbox or the error that item got (nothing is
         raised for per-item failures).
@@ -316,8 +256,7 @@ class AsyncClient:
         if specs is None:
             if not count or count < 1:
                 raise InvalidArgument("give count >= 1 or specs")
-            key = options.pop("idempotency_key", "")
-            if key:
+            if "idempotency_key" in options:
                 raise InvalidArgument("idempotency keys go in specs=[...], one per item")
             template = apiserver_pb2.CreateSandboxRequest(
                 spec=make_spec(**options), wait_ready=wait
@@ -326,10 +265,13 @@ class AsyncClient:
             for _ in range(count):
                 add().CopyFrom(template)
         else:
-            for s in specs:
-                s = dict(s)
-                key = s.pop("idempotency_key", "")
-                req.items.add(spec=make_spec(**s), idempotency_key=key, wait_ready=wait)
+            if options or count is not None:
+                raise InvalidArgument("give count and options, or specs, not both")
+            for item in specs:
+                key, sandbox_options = split_key(item)
+                req.items.add(
+                    spec=make_spec(**sandbox_options), idempotency_key=key, wait_ready=wait
+                )
         resp = await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req, timeout=timeout)
         out: list[AsyncSandbox | DSecError] = []
         for r in resp.results:

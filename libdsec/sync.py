@@ -21,11 +21,12 @@ import asyncio
 import builtins
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
-from typing import IO, Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, TypeVar, Unpack
 
 from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
 from libdsec.errors import DSecError
+from libdsec.options import CreateOptions, SandboxOptions
 from libdsec.types import (
     Environment,
     ExecEvent,
@@ -127,12 +128,42 @@ class Client:
     def whoami(self, **kw: Any) -> Principal:
         return self._loop.run(self._async.whoami(**kw))
 
-    def create(self, **options: Any) -> Sandbox:
-        """See :meth:`AsyncClient.create`. The sandbox is a context manager that stops on exit."""
-        return Sandbox(self, self._loop.run(self._async.create(**options)))
+    def create(
+        self,
+        *,
+        wait: bool = True,
+        timeout: float | None = 180.0,
+        **options: Unpack[CreateOptions],
+    ) -> Sandbox:
+        """Creates a sandbox and (by default) waits until it accepts commands; the options are
+        :class:`~libdsec.options.CreateOptions` (typed keywords), as for
+        :meth:`AsyncClient.create`. The sandbox is a context manager that stops on exit::
 
-    def create_many(self, count: int | None = None, **options: Any) -> list[Sandbox | DSecError]:
-        out = self._loop.run(self._async.create_many(count, **options))
+            with dsec.create(image="busybox", cpu=0.5, memory_mb=256, task_id="swe-123") as sb:
+                print(sb.run("echo hi").text)
+        """
+        return Sandbox(
+            self, self._loop.run(self._async.create(wait=wait, timeout=timeout, **options))
+        )
+
+    def create_many(
+        self,
+        count: int | None = None,
+        *,
+        specs: Sequence[CreateOptions] | None = None,
+        wait: bool = True,
+        timeout: float | None = 600.0,
+        **options: Unpack[SandboxOptions],
+    ) -> list[Sandbox | DSecError]:
+        """Many sandboxes in one call, ``count`` alike or one per item of ``specs``; in order,
+        a sandbox or the error that item got (see :meth:`AsyncClient.create_many`)::
+
+            for r in dsec.create_many(40, image="busybox", cpu=0.25, task_id="swe-123"):
+                print(r.id if isinstance(r, Sandbox) else f"failed: {r.reason}")
+        """
+        out = self._loop.run(
+            self._async.create_many(count, specs=specs, wait=wait, timeout=timeout, **options)
+        )
         return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
 
     def get(self, sandbox_id: str, **kw: Any) -> Sandbox:
