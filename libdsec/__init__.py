@@ -11,10 +11,17 @@ Errors are classes of :mod:`libdsec.errors` (root :class:`DSecError`), each
 bound to one gRPC status code and a stable ``reason``.
 """
 
-from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec.aio import (
+    AsyncClient,
+    AsyncFiles,
+    AsyncProcess,
+    AsyncSandbox,
+    AsyncSession,
+    AsyncWatch,
+)
 from libdsec.errors import DSecError
 from libdsec.options import CreateOptions, SandboxOptions
-from libdsec.sync import Client, Files, Process, Sandbox, Session
+from libdsec.sync import Client, Files, Process, Sandbox, Session, Watch
 from libdsec.types import (
     Environment,
     ExecInfo,
@@ -44,6 +51,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncWatch",
     "Client",
     "CreateOptions",
     "DSecError",
@@ -72,4 +80,5 @@ __all__ = [
     "Session",
     "Started",
     "TokenInfo",
+    "Watch",
 ]

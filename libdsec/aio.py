@@ -36,8 +36,10 @@ from libdsec._transport import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
     STREAM_IDLE_TIMEOUT_S,
+    STREAM_KEEPALIVE_INTERVAL_S,
     Transport,
 )
+from libdsec._watch import AsyncWatch
 from libdsec.errors import (
     DSecError,
     InvalidArgument,
@@ -87,6 +89,7 @@ class AsyncClient:
             lambda requests: rpc.functions.StreamFunctions(requests, metadata=rpc.metadata),
             idle_timeout_s=STREAM_IDLE_TIMEOUT_S,
         )
+        self._watches: set[AsyncWatch] = set()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -95,6 +98,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Closes the channel; open watches end first (their iterations stop, no error)."""
+        for w in list(self._watches):
+            await w.aclose()
         await self._job_stream.aclose()
         await self._rpc.close()
 
@@ -339,6 +345,44 @@ class AsyncClient:
         )
         return list(resp.sandbox_ids)
 
+    def watch(
+        self,
+        *,
+        task_id: str = "",
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        keepalive_interval_s: float = STREAM_KEEPALIVE_INTERVAL_S,
+    ) -> AsyncWatch:
+        """Changes of this project's sandboxes (and its subprojects'), as they happen: an async
+        iterator of :class:`SandboxInfo` (the same as :meth:`get` and :meth:`list` give), one
+        per change (created, each state change, terminated with its reason), filtered by task
+        id and/or labels (all must match)::
+
+            async with dsec.watch(task_id="swe-123") as changes:   # established on entry
+                sb = await dsec.create(image="busybox", task_id="swe-123")
+                async for info in changes:
+                    print(info.id, info.state, info.termination_reason)
+                    if info.terminated:
+                        break
+
+        ``async for info in dsec.watch(...)`` works too (the stream opens at the first
+        step). Keepalives (every ``keepalive_interval_s``) are skipped; a stream silent for
+        six of them raises :class:`~libdsec.errors.DeadlineExceeded` (``STREAM_STALLED``).
+        The iteration ends without an error when the watch is closed (``await
+        changes.aclose()``, or leaving the ``async with``), when this client closes, or after
+        ``timeout`` seconds if given (None: until closed).
+        """
+        w = AsyncWatch(
+            self._rpc,
+            task_id=task_id,
+            labels=labels,
+            timeout=timeout,
+            keepalive_interval_s=keepalive_interval_s,
+        )
+        self._watches.add(w)
+        w._on_close.append(self._watches.discard)
+        return w
+
     # -------------------------------------------------------- environments
 
     async def _env_call(self, method: str, request: Any, timeout: float | None) -> Any:
@@ -522,6 +566,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncWatch",
     "ExitStatus",
     "make_spec",
 ]

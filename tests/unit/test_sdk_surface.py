@@ -14,12 +14,14 @@ PUBLIC = {
         "AsyncProcess",
         "AsyncSandbox",
         "AsyncSession",
+        "AsyncWatch",
         "Client",
         "DSecError",
         "Files",
         "Process",
         "Sandbox",
         "Session",
+        "Watch",
         "SandboxInfo",
         "NetworkPolicy",
         "Quota",
@@ -30,6 +32,7 @@ PUBLIC = {
         "AsyncProcess",
         "AsyncSandbox",
         "AsyncSession",
+        "AsyncWatch",
         "CHANNEL_OPTIONS",
         "CHUNK",
         "DEFAULT_TIMEOUT_S",
@@ -37,7 +40,7 @@ PUBLIC = {
         "ExitStatus",
         "make_spec",
     ],
-    "libdsec.sync": ["Client", "Files", "Process", "Sandbox", "Session"],
+    "libdsec.sync": ["Client", "Files", "Process", "Sandbox", "Session", "Watch"],
     "libdsec.errors": [
         "DSecError",
         "from_rpc_error",
@@ -64,3 +67,16 @@ def test_one_class_per_name_across_import_paths() -> None:
 
     assert libdsec.AsyncSandbox is libdsec.aio.AsyncSandbox
     assert libdsec.Client is libdsec.sync.Client
+
+
+def test_watch_takes_the_same_keywords_in_both_clients() -> None:
+    import inspect
+
+    from libdsec import AsyncClient, Client
+
+    sync = inspect.signature(Client.watch).parameters
+    aio = inspect.signature(AsyncClient.watch).parameters
+    assert [(p.name, p.kind, p.default) for p in sync.values()] == [
+        (p.name, p.kind, p.default) for p in aio.values()
+    ]
+    assert list(sync)[1:4] == ["task_id", "labels", "timeout"]
