@@ -112,3 +112,12 @@ def test_the_demo_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "==> FAILED connect: Unavailable [UNAVAILABLE]" in r.stdout, r.stdout
     assert "not run: the agent's tour" in r.stdout
+
+
+# -------------------------------------------------------------------- watch
+
+
+@pytest.mark.parametrize("action", ["watch", "create"])
+def test_a_label_without_a_value_is_refused(action: str, tmp_path: Path) -> None:
+    r = dsec("sandbox", action, "--label", "stage", env=cli_env("unix:/nowhere", "t", tmp_path))
+    assert r.returncode == 2 and "expected KEY=VALUE, not 'stage'" in r.stderr, r.stderr
