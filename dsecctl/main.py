@@ -228,6 +228,8 @@ def _watch(c: Any, args: argparse.Namespace) -> int:
     Text: ``time id state reason``; ``--json``: one object per line."""
     try:
         with c.watch(task_id=args.task, labels=_labels(args.label)) as changes:
+            # on stderr (stdout stays one change per line): from here on, nothing is missed
+            print("watching (Ctrl-C to stop)", file=sys.stderr, flush=True)
             for info in changes:
                 now = datetime.datetime.now(datetime.UTC)
                 if args.json:
