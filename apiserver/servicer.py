@@ -12,6 +12,7 @@ import grpc
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
+from apiserver.watch import SandboxWatch
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
 from common.grpc_server import internal_error
@@ -242,6 +243,15 @@ class SandboxServicer:
         return apiserver_pb2.GetModifiedFilesResponse(
             files=[apiserver_pb2.ModifiedFile(path=f.path, deleted=f.deleted) for f in resp.files]
         )
+
+    async def WatchSandboxes(
+        self, request: apiserver_pb2.WatchSandboxesRequest, context: Any
+    ) -> AsyncIterator[apiserver_pb2.WatchSandboxesResponse]:
+        who = await self.gw.caller(bearer_token(context))
+        events = SandboxWatch(self.gw, who, request).events()
+        async with contextlib.aclosing(events):  # its edge streams end with the caller's
+            async for item in events:
+                yield item
 
 
 class _Forwarder:
