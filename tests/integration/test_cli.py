@@ -7,16 +7,25 @@ Ctrl-C and exits 0 on it.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import queue
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
+from libdsec import Client
 from tests.conftest import print_log_tails, start_cluster
+from tests.helpers import sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,3 +130,77 @@ def test_the_demo_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
 def test_a_label_without_a_value_is_refused(action: str, tmp_path: Path) -> None:
     r = dsec("sandbox", action, "--label", "stage", env=cli_env("unix:/nowhere", "t", tmp_path))
     assert r.returncode == 2 and "expected KEY=VALUE, not 'stage'" in r.stderr, r.stderr
+
+
+class Lines:
+    """A stream of a subprocess read line by line on a thread, with a deadline per line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def until(self, match: Callable[[str], bool], timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"no such line within {timeout_s} s; saw {self.seen}"
+                ) from None
+            if line is None:
+                raise AssertionError(f"the stream ended; saw {self.seen}")
+            self.seen.append(line)
+            if match(line):
+                return line
+
+
+@needs_images
+@pytest.mark.parametrize("as_json", [False, True])
+def test_sandbox_watch_prints_each_change_until_ctrl_c(
+    cli_cluster: LocalCluster, tmp_path: Path, request: pytest.FixtureRequest, as_json: bool
+) -> None:
+    task = f"cli-watch-{as_json}"
+    args = ["sandbox", "watch", "--task", task, "--label", "via=cli"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsecctl", *args, *(["--json"] if as_json else [])],
+        cwd=ROOT,
+        env=cli_env(cli_cluster.apiserver, cli_cluster.token, tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = Lines(proc.stdout), Lines(proc.stderr)  # type: ignore[arg-type]
+        err.until(lambda line: line.startswith("watching"))  # established: nothing is missed
+        with Client(cli_cluster.apiserver, token=cli_cluster.token) as c:
+            with sandbox_factory(c, request.node.nodeid, memory_mb=64) as make:
+                other = make(task_id=task)  # no via=cli label: filtered out
+                sb = make(task_id=task, labels={"via": "cli"})
+                running = out.until(lambda line: sb.id in line and "RUNNING" in line)
+                sb.stop(grace_s=0.2)
+                ended = out.until(lambda line: sb.id in line and "TERMINATED" in line)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, err.seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any(other.id in line for line in out.seen), out.seen
+    if as_json:
+        first, last = json.loads(running), json.loads(ended)
+        assert (first["id"], first["state"], first["task_id"]) == (sb.id, "RUNNING", task)
+        assert (last["state"], last["reason"]) == ("TERMINATED", "STOPPED")
+        assert last["labels"]["via"] == "cli" and "time" in last
+    else:
+        when, sandbox_id, state, reason = ended.split()
+        assert (sandbox_id, state, reason) == (sb.id, "TERMINATED", "STOPPED")
+        datetime.datetime.fromisoformat(when)  # a timestamp comes first
+        assert running.split()[3] == "-"  # no reason while it runs
+    assert "Traceback" not in "\n".join(err.seen)
