@@ -49,7 +49,6 @@ from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2, placement_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec._status import status_for
 from libdsec.errors import (
     DeadlineExceeded,
     DSecError,
@@ -58,6 +57,7 @@ from libdsec.errors import (
     NoEligibleEdge,
     SandboxNotFound,
     Unavailable,
+    status_for,
 )
 
 log = logging.getLogger(__name__)

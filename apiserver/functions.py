@@ -40,7 +40,6 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
-from libdsec._status import from_rpc_error, status_for
 from libdsec._tagged import TaggedStream
 from libdsec.errors import (
     DSecError,
@@ -48,6 +47,8 @@ from libdsec.errors import (
     InvalidArgument,
     NoEligibleEdge,
     Unavailable,
+    from_rpc_error,
+    status_for,
 )
 
 log = logging.getLogger(__name__)

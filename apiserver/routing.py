@@ -23,8 +23,7 @@ from common.channels import DEFAULT_DEADLINE_S, open_channel
 from dsec.edge.v1 import edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
-from libdsec._status import from_rpc_error
-from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated, Unavailable
+from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated, Unavailable, from_rpc_error
 
 log = logging.getLogger(__name__)
 

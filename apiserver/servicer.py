@@ -12,6 +12,7 @@ import grpc
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
+from apiserver.watch import SandboxWatch
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
 from common.grpc_server import internal_error
@@ -20,8 +21,7 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec._status import code_number, from_rpc_error
-from libdsec.errors import InvalidArgument
+from libdsec.errors import InvalidArgument, code_number, from_rpc_error
 
 #: Parallel edge calls of one StopSandboxes.
 STOP_CONCURRENCY = 64
@@ -243,6 +243,15 @@ class SandboxServicer:
         return apiserver_pb2.GetModifiedFilesResponse(
             files=[apiserver_pb2.ModifiedFile(path=f.path, deleted=f.deleted) for f in resp.files]
         )
+
+    async def WatchSandboxes(
+        self, request: apiserver_pb2.WatchSandboxesRequest, context: Any
+    ) -> AsyncIterator[apiserver_pb2.WatchSandboxesResponse]:
+        who = await self.gw.caller(bearer_token(context))
+        events = SandboxWatch(self.gw, who, request).events()
+        async with contextlib.aclosing(events):  # its edge streams end with the caller's
+            async for item in events:
+                yield item
 
 
 class _Forwarder:

@@ -1,50 +1,21 @@
 """Outbound gRPC channels between services.
 
-Every channel gets keepalives (a dead peer is noticed within seconds, not at
-the next TCP timeout), the tracing client interceptors, and a retry policy for
-UNAVAILABLE on methods the caller marks idempotent (grpc's service config).
+Every channel gets the options every dsec channel has (keepalives: a dead peer is noticed
+within seconds, not at the next TCP timeout; message limits), the tracing client
+interceptors, and a retry policy for UNAVAILABLE on services the caller marks idempotent.
+The options and the retry config are defined once, in ``libdsec/_transport.py``, for the SDK
+and the services alike; the services' policy is :data:`SERVICE_RETRY` there.
 Every call still needs its own deadline: use :data:`DEFAULT_DEADLINE_S`.
 """
 
 from __future__ import annotations
 
-import json
-
 import grpc
 
 from common.telemetry import client_interceptors
+from libdsec._transport import SERVICE_RETRY, channel_options, retry_service_config
 
 DEFAULT_DEADLINE_S = 10.0
-
-CHANNEL_OPTIONS: list[tuple[str, str | int]] = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.enable_retries", 1),
-]
-
-
-def retry_service_config(services: list[str]) -> str:
-    """Retries UNAVAILABLE up to 4 attempts with backoff for the given services."""
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": s} for s in services],
-                    "retryPolicy": {
-                        "maxAttempts": 4,
-                        "initialBackoff": "0.05s",
-                        "maxBackoff": "1s",
-                        "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"],
-                    },
-                }
-            ]
-        }
-    )
 
 
 def open_channel(
@@ -55,9 +26,7 @@ def open_channel(
     ``retry_services`` lists fully-qualified services whose every method is
     idempotent, e.g. ``["dsec.watcher.v1.WatcherService"]``.
     """
-    options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
-    if retry_services:
-        options.append(("grpc.service_config", retry_service_config(retry_services)))
+    config = retry_service_config(retry_services, SERVICE_RETRY) if retry_services else None
     return grpc.aio.insecure_channel(
-        target, options=options, interceptors=client_interceptors(caller)
+        target, options=channel_options(config), interceptors=client_interceptors(caller)
     )

@@ -35,8 +35,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from common.telemetry import TracingServerInterceptor
-from libdsec._status import error_trailer
-from libdsec.errors import DSecError, InvalidArgument
+from libdsec.errors import DSecError, InvalidArgument, error_trailer
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@
     dsec sandbox create [--image I] [--cpu C] [--memory-mb M] [--ttl-s T] [--label k=v] [--task T]
                         [--count N]
     dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID|--task T
+    dsec sandbox watch [--task T] [--label k=v]... [--json]   one line per change, until Ctrl-C
     dsec sandbox pack ID NAME [--exclude GLOB]... [--no-default-excludes]
     dsec env list [PREFIX] | dsec env show NAME | dsec env layers | dsec env rm NAME
     dsec env import SOURCE [--name N] [--kind K] [--base B]   docker:REF, dir:/path, tar:/path
@@ -26,6 +27,8 @@ token (0600), logs/, and each service's state.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import shlex
 import sys
@@ -217,12 +220,48 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
-def _labels(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, _, v = item.partition("=")
-        out[k] = v
-    return out
+def _label(item: str) -> tuple[str, str]:
+    """A ``--label`` argument: ``KEY=VALUE`` (the value may be empty, the key not)."""
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {item!r}")
+    return key, value
+
+
+def _labels(items: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(items)
+
+
+def _watch(c: Any, args: argparse.Namespace) -> int:
+    """One line per change of the matching sandboxes until Ctrl-C (exit 0) or the stream ends.
+    Text: ``time id state reason``; ``--json``: one object per line."""
+    try:
+        with c.watch(task_id=args.task, labels=_labels(args.label)) as changes:
+            # on stderr (stdout stays one change per line): from here on, nothing is missed
+            print("watching (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            for info in changes:
+                now = datetime.datetime.now(datetime.UTC)
+                if args.json:
+                    line = json.dumps(
+                        {
+                            "time": now.isoformat(timespec="milliseconds"),
+                            "id": info.id,
+                            "state": info.state,
+                            "reason": info.termination_reason,
+                            "message": info.termination_message,
+                            "task_id": info.task_id,
+                            "labels": info.labels,
+                            "edge_id": info.edge_id,
+                            "image": info.image,
+                        }
+                    )
+                else:
+                    reason = info.termination_reason or "-"
+                    line = f"{now.isoformat(timespec='milliseconds')}  {info.id}  {info.state:<10} {reason}"
+                print(line, flush=True)
+    except KeyboardInterrupt:
+        return 0
+    return 0
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
@@ -248,6 +287,8 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
                 return 1 if failed else 0
             sb = c.create(**options)
             print(sb.id)
+        elif args.action == "watch":
+            return _watch(c, args)
         elif args.action == "list":
             for s in c.list(task_id=args.task):
                 reason = f" ({s.termination_reason})" if s.termination_reason else ""
@@ -403,11 +444,22 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--cpu", type=float, default=None)
     sc.add_argument("--memory-mb", type=int, default=None)
     sc.add_argument("--ttl-s", type=int, default=None)
-    sc.add_argument("--label", action="append", default=[])
+    sc.add_argument("--label", action="append", default=[], type=_label, metavar="KEY=VALUE")
     sc.add_argument("--task", default="")
     sc.add_argument("--count", type=int, default=1, help="create this many in one call")
     sl = ssub.add_parser("list")
     sl.add_argument("--task", default="")
+    sw = ssub.add_parser("watch", help="one line per change (time id state reason) until Ctrl-C")
+    sw.add_argument("--task", default="", help="only this task's sandboxes")
+    sw.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="only sandboxes with this label (repeatable: all must match)",
+    )
+    sw.add_argument("--json", action="store_true", help="one JSON object per line")
     se = ssub.add_parser("exec")
     se.add_argument("sandbox_id")
     se.add_argument("--timeout-s", type=float, default=600.0)

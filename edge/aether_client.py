@@ -31,8 +31,7 @@ from typing import Any
 
 from dsec.aether.v1 import aether_pb2
 from dsec.chronus.v1 import chronus_pb2
-from libdsec._status import status_for
-from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable
+from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable, status_for
 
 log = logging.getLogger(__name__)
 

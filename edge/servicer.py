@@ -17,11 +17,21 @@ from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from
 from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
-from edge.model import SandboxSpec
-from libdsec._status import code_number
-from libdsec.errors import InvalidArgument
+from edge.model import SandboxRecord, SandboxSpec
+from libdsec.errors import InvalidArgument, Unavailable, code_number
 
 KEEPALIVE_DEFAULT_MS = 5000
+#: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
+WATCH_QUEUE = 200_000
+
+
+def _watched(rec: SandboxRecord, prefix: str, task_id: str, labels: dict[str, str]) -> bool:
+    """Whether a change of ``rec`` passes a WatchSandboxes filter (as ListSandboxes' filters)."""
+    if prefix and rec.project_id != prefix and not rec.project_id.startswith(prefix + "/"):
+        return False
+    if task_id and rec.spec.task_id != task_id:
+        return False
+    return not labels or all(rec.spec.labels.get(k) == v for k, v in labels.items())
 
 
 def _state_names(states: Any) -> set[str] | None:
@@ -194,17 +204,49 @@ class EdgeServicer:
         self, request: edge_pb2.WatchSandboxesRequest, context: Any
     ) -> AsyncIterator[edge_pb2.WatchSandboxesResponse]:
         interval = (request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000
-        q = self.manager.subscribe()
+        prefix, task_id = request.project_prefix, request.task_id
+        labels = dict(request.label_selector)
+        q = self.manager.subscribe(WATCH_QUEUE)
         try:
+            # Subscribed before the replay is read, and both without yielding: no change
+            # falls between them. Converted at once: the records go on changing.
+            at = ts(time.time())
+            replay = []
+            if request.HasField("changed_since"):
+                since = request.changed_since.seconds + request.changed_since.nanos / 1e9
+                replay = [
+                    sandbox_pb(r)
+                    for r in self.manager.list(
+                        project_prefix=prefix, task_id=task_id, labels=labels
+                    )
+                    if max(r.created_at, r.started_at or 0.0, r.terminated_at or 0.0) >= since
+                ]
+            for sb in replay:
+                yield edge_pb2.WatchSandboxesResponse(changed=sb)
+            yield edge_pb2.WatchSandboxesResponse(keepalive=types_pb2.Keepalive(at=at))
+            last = time.monotonic()
             while True:
-                try:
-                    rec = await asyncio.wait_for(q.get(), timeout=interval)
-                except TimeoutError:
+                if q.full():
+                    # The manager drops a subscriber it finds full: end the stream rather
+                    # than go silent (the caller asks again with changed_since).
+                    raise Unavailable(
+                        "this watch fell too far behind the edge's changes",
+                        reason="WATCH_OVERFLOW",
+                    )
+                due = interval - (time.monotonic() - last)
+                if due <= 0 and q.empty():
+                    # Every change until now has been sent: `at` is a safe changed_since.
+                    last = time.monotonic()
                     yield edge_pb2.WatchSandboxesResponse(
                         keepalive=types_pb2.Keepalive(at=ts(time.time()))
                     )
                     continue
-                yield edge_pb2.WatchSandboxesResponse(changed=sandbox_pb(rec))
+                try:
+                    rec = await asyncio.wait_for(q.get(), timeout=max(due, 0.0))
+                except TimeoutError:
+                    continue
+                if _watched(rec, prefix, task_id, labels):
+                    yield edge_pb2.WatchSandboxesResponse(changed=sandbox_pb(rec))
         finally:
             self.manager.unsubscribe(q)
 

@@ -10,8 +10,7 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from iam.domain import Iam, Principal
 from iam.store import ProjectRecord, Quota, Reservation, TokenRecord
-from libdsec._status import code_number
-from libdsec.errors import InvalidArgument
+from libdsec.errors import InvalidArgument, code_number
 
 #: Items per ReserveQuotas call.
 MAX_BATCH = 100_000

@@ -11,9 +11,17 @@ Errors are classes of :mod:`libdsec.errors` (root :class:`DSecError`), each
 bound to one gRPC status code and a stable ``reason``.
 """
 
-from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec.aio import (
+    AsyncClient,
+    AsyncFiles,
+    AsyncProcess,
+    AsyncSandbox,
+    AsyncSession,
+    AsyncWatch,
+)
 from libdsec.errors import DSecError
-from libdsec.sync import Client, Files, Process, Sandbox, Session
+from libdsec.options import CreateOptions, SandboxOptions
+from libdsec.sync import Client, Files, Process, Sandbox, Session, Watch
 from libdsec.types import (
     Environment,
     ExecInfo,
@@ -43,7 +51,9 @@ __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncWatch",
     "Client",
+    "CreateOptions",
     "DSecError",
     "Environment",
     "ExecInfo",
@@ -66,7 +76,9 @@ __all__ = [
     "Quota",
     "Sandbox",
     "SandboxInfo",
+    "SandboxOptions",
     "Session",
     "Started",
     "TokenInfo",
+    "Watch",
 ]

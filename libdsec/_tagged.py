@@ -26,8 +26,15 @@ from typing import Any
 
 import grpc
 
-from libdsec._status import from_rpc_error, status_for
-from libdsec.errors import DeadlineExceeded, DSecError, InvalidArgument, Unavailable, Unimplemented
+from libdsec.errors import (
+    DeadlineExceeded,
+    DSecError,
+    InvalidArgument,
+    Unavailable,
+    Unimplemented,
+    from_rpc_error,
+    status_for,
+)
 
 #: The largest job sent: the channels' message limit (64 MiB) minus room for the envelope.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024 - 64 * 1024

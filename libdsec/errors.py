@@ -38,14 +38,22 @@ Tree::
     ├── Unimplemented             UNIMPLEMENTED        not in this version/backend
     │   └── BackendCapabilityMissing   the sandbox's backend lacks the capability
     └── Internal                  INTERNAL             a dsec bug
+
+Mapping a status to a class and back, for code that makes or handles gRPC calls
+itself (the services and the SDK use the same functions, so both sides agree):
+:func:`from_rpc_error` turns a failed call into its class, :func:`error_trailer` is the trailing metadata a server sends with an error,
+:func:`status_for` rebuilds an error from a numeric code carried in a message
+(per-item batch results), :func:`code_number` is the number of a code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import grpc
+
+from dsec.types.v1 import types_pb2
 
 __all__ = [
     "AlreadyExists",
@@ -73,7 +81,11 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
+    "code_number",
     "error_class_for",
+    "error_trailer",
+    "from_rpc_error",
+    "status_for",
 ]
 
 #: Name of the binary trailer carrying a serialized ``dsec.types.v1.ErrorInfo``.
@@ -268,3 +280,67 @@ def error_class_for(code: grpc.StatusCode, reason: str | None) -> type[DSecError
         if by_code is None or issubclass(by_code, cls):
             by_code = cls
     return by_code or DSecError
+
+
+def from_rpc_error(exc: grpc.RpcError) -> DSecError:
+    """The most specific :class:`DSecError` for a failed call: its code, and the reason and
+    metadata of its ``dsec-error-bin`` trailer if it has one (a foreign or corrupt trailer is
+    ignored: the code still picks the class)::
+
+        try:
+            await stub.GetSandbox(request, metadata=auth, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc   # NOT_FOUND + SANDBOX_NOT_FOUND: SandboxNotFound
+    """
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    info = _trailer_info(trailing)
+    reason = info.reason if info is not None and info.reason else None
+    cls = error_class_for(code, reason)
+    return cls(details or "", reason=reason, metadata=dict(info.metadata) if info else None)
+
+
+def error_trailer(err: DSecError) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata that carries ``err``'s reason and metadata to the caller
+    (a server sends it with ``err.code``; :func:`from_rpc_error` reads it back)::
+
+        await context.abort(err.code, err.message, trailing_metadata=error_trailer(err))
+    """
+    info = types_pb2.ErrorInfo(reason=err.reason, metadata=err.metadata)
+    return ((ERROR_TRAILER, info.SerializeToString()),)
+
+
+def status_for(
+    code_value: int, reason: str, message: str, metadata: Mapping[str, str] | None = None
+) -> DSecError:
+    """An error from a numeric status code carried inside a message (e.g. the per-item
+    results of ``CreateSandboxes``); an unknown number gives ``UNKNOWN``::
+
+        >>> status_for(8, "QUOTA_EXCEEDED", "sandboxes would be 33 > 32")
+        QuotaExceeded('sandboxes would be 33 > 32')
+    """
+    code = _CODES.get(code_value, grpc.StatusCode.UNKNOWN)
+    return error_class_for(code, reason or None)(message, reason=reason or None, metadata=metadata)
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    """The numeric value of a status code (``code_number(grpc.StatusCode.NOT_FOUND) == 5``),
+    as carried in messages (see :func:`status_for`)."""
+    return int(code.value[0])
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _trailer_info(trailing: Sequence[Any] | None) -> types_pb2.ErrorInfo | None:
+    for item in trailing or ():
+        key, value = (item.key, item.value) if hasattr(item, "key") else item
+        if key == ERROR_TRAILER:
+            info = types_pb2.ErrorInfo()
+            try:
+                info.ParseFromString(value)
+            except Exception:  # a foreign or corrupt trailer: ignore, keep the code
+                return None
+            return info
+    return None

@@ -19,13 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
-from typing import IO, Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, TypeVar, Unpack
 
-from libdsec.aio import AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
+from libdsec.aio import (
+    AsyncClient,
+    AsyncFiles,
+    AsyncProcess,
+    AsyncSandbox,
+    AsyncSession,
+    AsyncWatch,
+)
 from libdsec.errors import DSecError
+from libdsec.options import CreateOptions, SandboxOptions
 from libdsec.types import (
     Environment,
     ExecEvent,
@@ -127,12 +137,42 @@ class Client:
     def whoami(self, **kw: Any) -> Principal:
         return self._loop.run(self._async.whoami(**kw))
 
-    def create(self, **options: Any) -> Sandbox:
-        """See :meth:`AsyncClient.create`. The sandbox is a context manager that stops on exit."""
-        return Sandbox(self, self._loop.run(self._async.create(**options)))
+    def create(
+        self,
+        *,
+        wait: bool = True,
+        timeout: float | None = 180.0,
+        **options: Unpack[CreateOptions],
+    ) -> Sandbox:
+        """Creates a sandbox and (by default) waits until it accepts commands; the options are
+        :class:`~libdsec.options.CreateOptions` (typed keywords), as for
+        :meth:`AsyncClient.create`. The sandbox is a context manager that stops on exit::
 
-    def create_many(self, count: int | None = None, **options: Any) -> list[Sandbox | DSecError]:
-        out = self._loop.run(self._async.create_many(count, **options))
+            with dsec.create(image="busybox", cpu=0.5, memory_mb=256, task_id="swe-123") as sb:
+                print(sb.run("echo hi").text)
+        """
+        return Sandbox(
+            self, self._loop.run(self._async.create(wait=wait, timeout=timeout, **options))
+        )
+
+    def create_many(
+        self,
+        count: int | None = None,
+        *,
+        specs: Sequence[CreateOptions] | None = None,
+        wait: bool = True,
+        timeout: float | None = 600.0,
+        **options: Unpack[SandboxOptions],
+    ) -> list[Sandbox | DSecError]:
+        """Many sandboxes in one call, ``count`` alike or one per item of ``specs``; in order,
+        a sandbox or the error that item got (see :meth:`AsyncClient.create_many`)::
+
+            for r in dsec.create_many(40, image="busybox", cpu=0.25, task_id="swe-123"):
+                print(r.id if isinstance(r, Sandbox) else f"failed: {r.reason}")
+        """
+        out = self._loop.run(
+            self._async.create_many(count, specs=specs, wait=wait, timeout=timeout, **options)
+        )
         return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
 
     def get(self, sandbox_id: str, **kw: Any) -> Sandbox:
@@ -144,6 +184,43 @@ class Client:
 
     def stop_all(self, **kw: Any) -> builtins.list[str]:
         return self._loop.run(self._async.stop_all(**kw))
+
+    def watch(
+        self,
+        *,
+        task_id: str = "",
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        keepalive_interval_s: float = STREAM_KEEPALIVE_INTERVAL_S,
+    ) -> Watch:
+        """Changes of this project's sandboxes as they happen: an iterator of
+        :class:`SandboxInfo` (as :meth:`get` and :meth:`list` give), one per change (created,
+        each state change, terminated with its reason), filtered by task id and/or labels.
+        The watch is established when this returns (every change after it is reported); it
+        is a context manager, ends without an error on ``close()``, when this client closes,
+        or after ``timeout`` seconds if given, and raises
+        :class:`~libdsec.errors.DeadlineExceeded` (``STREAM_STALLED``) if the stream goes
+        silent (see :meth:`AsyncClient.watch`)::
+
+            with dsec.watch(task_id="swe-123") as changes:
+                sb = dsec.create(image="busybox", task_id="swe-123")
+                for info in changes:
+                    print(info.id, info.state, info.termination_reason)
+                    if info.terminated:
+                        break
+        """
+        w = self._async.watch(
+            task_id=task_id,
+            labels=labels,
+            timeout=timeout,
+            keepalive_interval_s=keepalive_interval_s,
+        )
+        try:
+            self._loop.run(w.start())
+        except BaseException:
+            self._loop.run(w.aclose())
+            raise
+        return Watch(self, w)
 
     def fncall(self, **kw: Any) -> FunctionResult:
         """Runs one short job in a warm pool (see :meth:`AsyncClient.fncall`).
@@ -202,6 +279,41 @@ class Client:
 
     def revoke_token(self, token_id: str, **kw: Any) -> None:
         self._loop.run(self._async.revoke_token(token_id, **kw))
+
+
+class Watch:
+    """Changes of sandboxes (see :meth:`Client.watch`): an iterator of :class:`SandboxInfo`,
+    a context manager, closable."""
+
+    def __init__(self, client: Client, watch: AsyncWatch) -> None:
+        self._c = client
+        self._w = watch
+
+    def __iter__(self) -> Watch:
+        return self
+
+    def __next__(self) -> SandboxInfo:
+        if self._w.closed:
+            raise StopIteration
+        try:
+            return self._c._loop.run(self._w.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+        except concurrent.futures.CancelledError:
+            if self._w.closed:  # the client closed while this thread waited
+                raise StopIteration from None
+            raise
+
+    def close(self) -> None:
+        """Ends the watch (idempotent); an iteration in another thread ends without an error."""
+        if not self._w.closed and self._c._loop.loop.is_running():
+            self._c._loop.run(self._w.aclose())
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Process:
@@ -374,4 +486,4 @@ class Sandbox:
         self._c._loop.run(self._s.delete())
 
 
-__all__ = ["Client", "Files", "Process", "Sandbox", "Session"]
+__all__ = ["Client", "Files", "Process", "Sandbox", "Session", "Watch"]

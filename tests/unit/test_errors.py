@@ -11,7 +11,7 @@ import pytest
 import dsec.iam.v1.iam_pb2 as iam_pb2
 from common.grpc_server import GrpcServer
 from libdsec import errors
-from libdsec._status import from_rpc_error
+from libdsec.errors import from_rpc_error
 
 
 def test_every_class_maps_back_from_its_code_and_reason() -> None:
@@ -20,7 +20,8 @@ def test_every_class_maps_back_from_its_code_and_reason() -> None:
 
     # The public vocabulary: classes defined in libdsec.errors (services may subclass further).
     classes = [c for c in walk(errors.DSecError)[1:] if c.__module__ == "libdsec.errors"]
-    assert len(classes) == len(errors.__all__) - 2  # minus DSecError and error_class_for
+    exported = [n for n in errors.__all__ if isinstance(getattr(errors, n), type)]
+    assert len(classes) == len(exported) - 1  # minus DSecError
     for cls in classes:
         assert errors.error_class_for(cls.code, cls.default_reason) is cls
     # an unknown reason falls back to the code's base class
@@ -80,6 +81,19 @@ async def test_typed_errors_round_trip(server: GrpcServer) -> None:
     assert type(err) is errors.InvalidArgument and err.reason == "BAD_NAME"
     ok = await _call(server, "fine")
     assert ok.project.project_id == "root/fine"
+
+
+def test_status_mapping_is_public_api_of_libdsec_errors() -> None:
+    # Numeric codes carried in messages (batch results) map to the same classes as statuses.
+    assert errors.code_number(grpc.StatusCode.RESOURCE_EXHAUSTED) == 8
+    err = errors.status_for(8, "QUOTA_EXCEEDED", "over", {"project": "root/a"})
+    assert type(err) is errors.QuotaExceeded and err.metadata == {"project": "root/a"}
+    assert type(errors.status_for(5, "", "gone")) is errors.NotFound
+    assert type(errors.status_for(999, "", "?")) is errors.DSecError  # an unknown number
+    (key, value), *_ = errors.error_trailer(errors.SandboxNotFound("no sb"))
+    assert key == errors.ERROR_TRAILER and b"SANDBOX_NOT_FOUND" in value
+    for name in ("from_rpc_error", "status_for", "code_number", "error_trailer"):
+        assert name in errors.__all__ and getattr(errors, name).__doc__
 
 
 async def test_unexpected_exception_is_internal_without_internals(server: GrpcServer) -> None:

@@ -730,10 +730,13 @@ class WatchSandboxesRequest(_message.Message):
     LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
+    """"" = any"""
     keepalive_interval_ms: _builtins.int
-    """0 = 5000"""
+    """after this much silence; 0 = 5000, else 100..600000"""
     @_builtins.property
-    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match"""
+
     def __init__(
         self,
         *,

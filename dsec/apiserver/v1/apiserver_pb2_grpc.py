@@ -192,7 +192,10 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchSandboxes(self, request, context):
-        """State changes of the caller's sandboxes as they happen (with keepalives).
+        """The caller's sandboxes (its project and subprojects) as they are created, change state
+        and end (with the termination reason), from every edge, with keepalives. The first
+        keepalive means the watch is established: every change after it is reported, at least
+        once (a change may come twice after an edge's stream broke and was reopened).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -68,7 +68,11 @@ class SandboxServiceStub:
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]
     """Which files of the read-only layers the sandbox modified or deleted."""
     WatchSandboxes: _grpc.UnaryStreamMultiCallable[_apiserver_pb2.WatchSandboxesRequest, _apiserver_pb2.WatchSandboxesResponse]
-    """State changes of the caller's sandboxes as they happen (with keepalives)."""
+    """The caller's sandboxes (its project and subprojects) as they are created, change state
+    and end (with the termination reason), from every edge, with keepalives. The first
+    keepalive means the watch is established: every change after it is reported, at least
+    once (a change may come twice after an edge's stream broke and was reopened).
+    """
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
@@ -97,7 +101,11 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
     """Which files of the read-only layers the sandbox modified or deleted."""
     WatchSandboxes: _aio.UnaryStreamMultiCallable[_apiserver_pb2.WatchSandboxesRequest, _apiserver_pb2.WatchSandboxesResponse]  # type: ignore[assignment]
-    """State changes of the caller's sandboxes as they happen (with keepalives)."""
+    """The caller's sandboxes (its project and subprojects) as they are created, change state
+    and end (with the termination reason), from every edge, with keepalives. The first
+    keepalive means the watch is established: every change after it is reported, at least
+    once (a change may come twice after an edge's stream broke and was reopened).
+    """
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
     """----------------------------------------------------------------- sandboxes"""
@@ -201,7 +209,11 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _apiserver_pb2.WatchSandboxesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_apiserver_pb2.WatchSandboxesResponse], _abc.AsyncIterator[_apiserver_pb2.WatchSandboxesResponse]]:
-        """State changes of the caller's sandboxes as they happen (with keepalives)."""
+        """The caller's sandboxes (its project and subprojects) as they are created, change state
+        and end (with the termination reason), from every edge, with keepalives. The first
+        keepalive means the watch is established: every change after it is reported, at least
+        once (a change may come twice after an edge's stream broke and was reopened).
+        """
 
 def add_SandboxServiceServicer_to_server(servicer: SandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

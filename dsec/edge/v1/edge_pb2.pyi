@@ -949,18 +949,72 @@ Global___WarmPoolStatus: _TypeAlias = WarmPoolStatus  # noqa: Y015
 
 @_typing.final
 class WatchSandboxesRequest(_message.Message):
+    """The stream starts with the replay (if asked for), then a keepalive whose `at` (this edge's
+    clock) is the moment it began following changes: every change after it is sent. A caller
+    whose stream broke asks again with the last keepalive's `at` as changed_since and misses no
+    creation, start or end (one near the break may come twice; a pause or resume in the gap is
+    not replayed).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    CHANGED_SINCE_FIELD_NUMBER: _builtins.int
     keepalive_interval_ms: _builtins.int
+    """A keepalive this often (when no change waits to be sent: every change before its `at`
+    has been sent, busy or not); 0 = 5000.
+    """
+    project_prefix: _builtins.str
+    """Filters: only sandboxes matching all that are set (as in ListSandboxes).
+    project id or ancestor; "" = all
+    """
+    task_id: _builtins.str
+    """"" = any"""
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match"""
+
+    @_builtins.property
+    def changed_since(self) -> _timestamp_pb2.Timestamp:
+        """First, every matching sandbox created, started or ended at or after this time, as it
+        is now (the gap of a broken stream; epoch = every sandbox the edge has). Unset = none.
+        """
+
     def __init__(
         self,
         *,
         keepalive_interval_ms: _builtins.int = ...,
+        project_prefix: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        changed_since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_ms", b"keepalive_interval_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

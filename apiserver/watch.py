@@ -1,0 +1,197 @@
+"""SandboxService/WatchSandboxes: the caller's sandboxes as they change, fanned in from the edges.
+
+One edge stream per edge, with the filters pushed down (the caller's project subtree, task,
+labels): opened for every edge of the watcher's snapshot when the watch starts, and for edges
+that appear later (the directory the API server already refreshes). Each edge stream first
+replays what changed since the watch started (or, after a break, since that edge's last
+keepalive: its own clock), so a sandbox created on an edge the directory did not list yet, or
+during a broken stream, is still reported; a broken stream is reopened with back-off. The
+caller's first keepalive comes once every edge known at the start is followed (or has failed
+once): a change after it is reported. Changes are at least once (a change near an edge
+stream's break may come twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from apiserver.creation import Caller
+from apiserver.gateway import Gateway
+from apiserver.routing import within
+from common.convert import ts
+from dsec.apiserver.v1 import apiserver_pb2
+from dsec.edge.v1 import edge_pb2
+from dsec.types.v1 import types_pb2
+from libdsec.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_DEFAULT_MS = 5000
+KEEPALIVE_RANGE_MS = (100, 600_000)
+#: What the edge streams are asked for: a silent edge stream is dropped after STALL_AFTER of them.
+EDGE_KEEPALIVE_MS = 2000
+STALL_AFTER = 3
+#: An edge stream is renewed this often (every outbound call has a deadline; the replay
+#: makes the renewal invisible to the caller).
+EDGE_STREAM_S = 600.0
+BACKOFF_S = (0.2, 5.0)
+#: How often the edge directory is checked for edges that appeared.
+DIRECTORY_POLL_S = 1.0
+#: Changes buffered for a slow caller; beyond it the edge streams wait (and, far behind,
+#: end with WATCH_OVERFLOW and replay).
+QUEUE = 10_000
+
+
+class _Ready:
+    """Queue marker: every edge known at the start is followed."""
+
+
+def keepalive_interval_s(request: apiserver_pb2.WatchSandboxesRequest) -> float:
+    ms = request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS
+    lo, hi = KEEPALIVE_RANGE_MS
+    if not lo <= ms <= hi:
+        raise InvalidArgument(
+            f"keepalive_interval_ms={ms} must be 0 (= {KEEPALIVE_DEFAULT_MS}) or in {lo}..{hi}",
+            reason="INVALID_KEEPALIVE",
+        )
+    return ms / 1000
+
+
+class SandboxWatch:
+    """One caller's WatchSandboxes: a task per edge, fanned into one queue."""
+
+    def __init__(
+        self, gw: Gateway, who: Caller, request: apiserver_pb2.WatchSandboxesRequest
+    ) -> None:
+        self.gw = gw
+        self.who = who
+        self.interval_s = keepalive_interval_s(request)
+        self.edge_request = edge_pb2.WatchSandboxesRequest(
+            keepalive_interval_ms=EDGE_KEEPALIVE_MS,
+            project_prefix=who.project_id,
+            task_id=request.task_id,
+            label_selector=request.label_selector,
+        )
+        self.started_at = time.time()
+        self.out: asyncio.Queue[types_pb2.Sandbox | _Ready | BaseException] = asyncio.Queue(QUEUE)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        #: per edge, the replay start of its next stream (that edge's clock, once it has sent one)
+        self.since: dict[str, Timestamp] = {}
+        self._unready: set[str] = set()
+
+    async def events(self) -> AsyncGenerator[apiserver_pb2.WatchSandboxesResponse, None]:
+        await self.gw.edges.refresh()
+        self._unready = set(self.gw.edges.addresses)
+        for edge_id in self._unready.copy():
+            self._follow(edge_id)
+        if not self._unready:
+            self.out.put_nowait(_Ready())
+        directory = asyncio.create_task(self._directory())
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(self.out.get(), timeout=self.interval_s)
+                except TimeoutError:
+                    item = _Ready()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _Ready):
+                    # A long stream outlives a token: a revoked or expired one ends it.
+                    await self.gw.caller(self.who.token)
+                    yield apiserver_pb2.WatchSandboxesResponse(
+                        keepalive=types_pb2.Keepalive(at=ts(time.time()))
+                    )
+                elif within(item.project_id, self.who.project_id):  # the edge filtered already
+                    yield apiserver_pb2.WatchSandboxesResponse(changed=item)
+        finally:
+            tasks = [directory, *self.tasks.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _follow(self, edge_id: str) -> None:
+        self.tasks[edge_id] = asyncio.create_task(self._edge(edge_id))
+
+    def _ready(self, edge_id: str) -> None:
+        if edge_id in self._unready:
+            self._unready.discard(edge_id)
+            if not self._unready:
+                self.out.put_nowait(_Ready())
+
+    async def _directory(self) -> None:
+        """Follows edges that appear after the start (and ones that come back)."""
+        while True:
+            await asyncio.sleep(DIRECTORY_POLL_S)
+            for edge_id in self.gw.edges.addresses:
+                task = self.tasks.get(edge_id)
+                if task is None or task.done():
+                    self._follow(edge_id)
+
+    async def _edge(self, edge_id: str) -> None:
+        try:
+            await self._edge_loop(edge_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: end the caller's stream with it, not silently
+            self.out.put_nowait(exc)
+
+    async def _edge_loop(self, edge_id: str) -> None:
+        backoff = BACKOFF_S[0]
+        #: changes delivered since this edge's last keepalive: a replay after a break skips them
+        recent: dict[str, tuple[int, int]] = {}
+        while True:
+            address = self.gw.edges.addresses.get(edge_id)
+            if address is None:  # the watcher forgot the edge
+                self._ready(edge_id)
+                return
+            request = edge_pb2.WatchSandboxesRequest()
+            request.CopyFrom(self.edge_request)
+            since = self.since.get(edge_id)
+            if since is None:
+                request.changed_since.FromNanoseconds(int(self.started_at * 1e9))
+            else:
+                request.changed_since.CopyFrom(since)
+            call = self.gw.edges.stub_for_address(address).WatchSandboxes(
+                request, timeout=EDGE_STREAM_S
+            )
+            renewed = False
+            replaying = True  # until the stream's first keepalive
+            try:
+                while True:
+                    msg = await asyncio.wait_for(
+                        call.read(), timeout=STALL_AFTER * EDGE_KEEPALIVE_MS / 1000
+                    )
+                    if msg is grpc.aio.EOF:
+                        break
+                    if msg.HasField("keepalive"):
+                        self.since[edge_id] = msg.keepalive.at
+                        recent.clear()
+                        replaying = False
+                        backoff = BACKOFF_S[0]
+                        self._ready(edge_id)
+                        continue
+                    sb = msg.changed
+                    key = (sb.state, sb.termination.reason)
+                    if replaying and recent.get(sb.id) == key:
+                        continue  # delivered before the break, after the last keepalive
+                    recent[sb.id] = key
+                    await self.out.put(sb)
+            except grpc.aio.AioRpcError as exc:
+                renewed = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not renewed:
+                    log.info("watch: edge %s stream broke: %s", edge_id, exc.code().name)
+            except TimeoutError:
+                log.info("watch: edge %s stream stalled", edge_id)
+            finally:
+                call.cancel()
+            self._ready(edge_id)  # the first keepalive waits for no broken edge
+            if not renewed:
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, BACKOFF_S[1])

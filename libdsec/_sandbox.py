@@ -1,0 +1,432 @@
+"""A sandbox and what runs in it: :class:`AsyncSandbox`, :class:`AsyncProcess` (a
+background command), :class:`AsyncSession` (a persistent shell).
+
+    async with await dsec.create(image="bookworm") as sb:     # stopped on exit
+        r = await sb.run("python3 -c 'print(6*7)'")
+        async for ev in sb.stream("make test"):                # Started, Output..., Exited
+            print(ev)
+        proc = await sb.start("python3 -m http.server 8000")   # background, reattachable
+        print((await sb.http(8000, "/")).status)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dsec.apiserver.v1 import apiserver_pb2
+from dsec.types.v1 import types_pb2
+from libdsec._files import AsyncFiles
+from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
+from libdsec.errors import DSecError, Unavailable
+from libdsec.types import (
+    Environment,
+    ExecEvent,
+    ExecInfo,
+    ExecResult,
+    Exited,
+    HttpResponse,
+    ModifiedFile,
+    NetworkPolicy,
+    SandboxInfo,
+    event_from_pb,
+)
+
+if TYPE_CHECKING:
+    from libdsec.aio import AsyncClient
+
+
+def _exec_request(
+    sandbox_id: str,
+    cmd: str | list[str],
+    *,
+    timeout_s: float | None,
+    cwd: str | None,
+    env: Mapping[str, str] | None,
+    stdin: bytes | str | None,
+    pty: bool,
+    max_output_bytes: int | None,
+    session_id: str = "",
+    background: bool = False,
+    stdin_open: bool = False,
+    trusted: bool = False,
+) -> types_pb2.ExecRequest:
+    req = types_pb2.ExecRequest(
+        sandbox_id=sandbox_id,
+        cwd=cwd or "",
+        env=dict(env or {}),
+        timeout_s=timeout_s or 0.0,
+        stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
+        stdin_open=stdin_open,
+        pty=pty,
+        max_output_bytes=max_output_bytes or 0,
+        session_id=session_id,
+        background=background,
+        trusted=trusted,
+    )
+    if isinstance(cmd, str):
+        req.command = cmd
+    else:
+        req.argv.extend(cmd)
+    return req
+
+
+class AsyncProcess:
+    """A background command: reattach, wait, signal at any later time."""
+
+    def __init__(self, sandbox: AsyncSandbox, exec_id: str, pid: int) -> None:
+        self.sandbox = sandbox
+        self.exec_id = exec_id
+        self.pid = pid
+
+    async def wait(self, timeout_s: float | None = None) -> ExecInfo:
+        """Waits for exit (or ``timeout_s``; then ``.running`` is still True)."""
+        rpc = self.sandbox.client._rpc
+        resp = await rpc.unary(
+            rpc.exec.WaitExec,
+            types_pb2.WaitExecRequest(
+                sandbox_id=self.sandbox.id, exec_id=self.exec_id, timeout_s=timeout_s or 0
+            ),
+            timeout=(timeout_s or 86400) + 30,
+        )
+        return ExecInfo.from_pb(resp.info)
+
+    async def kill(self, signal: int = 9) -> bool:
+        """Signals the command's whole process group; False if it had already exited."""
+        c = self.sandbox.client
+        resp = await c._rpc.unary(
+            c._rpc.exec.SignalExec,
+            types_pb2.SignalExecRequest(
+                sandbox_id=self.sandbox.id, exec_id=self.exec_id, signal=signal
+            ),
+            timeout=c.timeout,
+        )
+        return bool(resp.delivered)
+
+    async def attach(
+        self, *, stdout_offset: int = 0, stderr_offset: int = 0
+    ) -> AsyncIterator[ExecEvent]:
+        """Output from the given offsets (what is still held), then live, then the exit."""
+        rpc = self.sandbox.client._rpc
+        request = types_pb2.AttachExecRequest(
+            sandbox_id=self.sandbox.id,
+            exec_id=self.exec_id,
+            stdout_offset=stdout_offset,
+            stderr_offset=stderr_offset,
+        )
+        async for ev in rpc.stream(rpc.exec.AttachExec, request):
+            e = event_from_pb(ev)
+            if e is not None:
+                yield e
+
+
+class AsyncSession:
+    """A persistent shell: cwd, exported env and started services survive between runs."""
+
+    def __init__(self, sandbox: AsyncSandbox, session_id: str) -> None:
+        self.sandbox = sandbox
+        self.session_id = session_id
+
+    async def run(self, cmd: str, **kw: Any) -> ExecResult:
+        return await self.sandbox.run(cmd, session=self.session_id, **kw)
+
+    def stream(self, cmd: str, **kw: Any) -> AsyncIterator[ExecEvent]:
+        return self.sandbox.stream(cmd, session=self.session_id, **kw)
+
+    async def close(self) -> None:
+        c = self.sandbox.client
+        await c._rpc.unary(
+            c._rpc.exec.CloseSession,
+            types_pb2.CloseSessionRequest(sandbox_id=self.sandbox.id, session_id=self.session_id),
+            timeout=c.timeout,
+        )
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncSandbox:
+    """A sandbox: run commands, use files, stop it. An async context manager that stops on exit."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self.client = client
+        self.info = info
+        self.files = AsyncFiles(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.state}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.stop()
+        except DSecError:
+            pass  # already gone: nothing to clean up
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = await self.client._info(self.id)
+        return self.info
+
+    async def run(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        pty: bool = False,
+        max_output_bytes: int | None = None,
+        session: str = "",
+        trusted: bool = False,
+    ) -> ExecResult:
+        """Runs a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
+
+        On timeout the command's whole process group is killed and the
+        result has ``timed_out=True`` (no exception). Output beyond
+        ``max_output_bytes`` per stream keeps its head and tail
+        (``truncated=True``).
+
+        ``trusted=True`` is for the evaluation step: the command runs from the
+        image's read-only layers plus the sandbox's workspace (its workdir, or
+        ``/work``), in a sibling container the agent's processes cannot see, so a
+        ``/bin/bash`` or test runner the agent replaced is not used::
+
+            r = await sb.run("cd /work && python3 -m pytest -q", trusted=True)
+        """
+        c = self.client
+        req = _exec_request(
+            self.id,
+            cmd,
+            timeout_s=timeout_s,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            pty=pty,
+            max_output_bytes=max_output_bytes,
+            session_id=session,
+            trusted=trusted,
+        )
+        deadline = (timeout_s or 600.0) + 60.0
+        return ExecResult.from_pb(await c._rpc.unary(c._rpc.exec.Exec, req, timeout=deadline))
+
+    async def stream(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        pty: bool = False,
+        max_output_bytes: int | None = None,
+        session: str = "",
+        trusted: bool = False,
+    ) -> AsyncIterator[ExecEvent]:
+        """Yields :class:`Started`, then :class:`Output` events as produced, then one :class:`Exited`.
+
+        Keepalives flow underneath; if the stream stalls or the sandbox dies
+        an error is raised (never a hang).
+        """
+        c = self.client
+        req = _exec_request(
+            self.id,
+            cmd,
+            timeout_s=timeout_s,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            pty=pty,
+            max_output_bytes=max_output_bytes,
+            session_id=session,
+            trusted=trusted,
+        )
+        req.keepalive_interval_ms = round(STREAM_KEEPALIVE_INTERVAL_S * 1000)
+        exited = False
+        async for ev in c._rpc.stream(c._rpc.exec.ExecStream, req):
+            e = event_from_pb(ev)
+            if e is not None:
+                exited = exited or isinstance(e, Exited)
+                yield e
+        if not exited:
+            raise Unavailable(
+                "the stream ended without an exit status", reason="STREAM_ENDED_EARLY"
+            )
+
+    async def start(
+        self,
+        cmd: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
+        session: str = "",
+    ) -> AsyncProcess:
+        """Starts a background command; returns at once with a handle to wait on, kill or reattach."""
+        c = self.client
+        req = _exec_request(
+            self.id,
+            cmd,
+            timeout_s=timeout_s,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            pty=False,
+            max_output_bytes=max_output_bytes,
+            session_id=session,
+            background=True,
+        )
+        async for ev in c._rpc.stream(c._rpc.exec.ExecStream, req):
+            if ev.WhichOneof("event") == "started":
+                return AsyncProcess(self, ev.started.exec_id, ev.started.pid)
+        raise Unavailable("background start returned no exec id", reason="STREAM_ENDED_EARLY")
+
+    async def process(self, exec_id: str) -> AsyncProcess:
+        """A handle to a background command started earlier (e.g. by another process)."""
+        return AsyncProcess(self, exec_id, 0)
+
+    async def processes(self) -> list[ExecInfo]:
+        c = self.client
+        resp = await c._rpc.unary(
+            c._rpc.exec.ListExecs, types_pb2.ListExecsRequest(sandbox_id=self.id), timeout=c.timeout
+        )
+        return [ExecInfo.from_pb(i) for i in resp.execs]
+
+    async def session(
+        self, *, shell: str = "", cwd: str = "", env: Mapping[str, str] | None = None
+    ) -> AsyncSession:
+        """Opens a persistent shell session (several may be open at once)."""
+        c = self.client
+        resp = await c._rpc.unary(
+            c._rpc.exec.CreateSession,
+            types_pb2.CreateSessionRequest(
+                sandbox_id=self.id, shell=shell, cwd=cwd, env=dict(env or {})
+            ),
+            timeout=c.timeout,
+        )
+        return AsyncSession(self, resp.session.session_id)
+
+    async def http(
+        self,
+        port: int,
+        path: str = "/",
+        *,
+        method: str = "GET",
+        headers: Mapping[str, str] | None = None,
+        body: bytes | str = b"",
+        timeout_s: float = 30.0,
+    ) -> HttpResponse:
+        """An HTTP request to a service listening on ``port`` inside the sandbox."""
+        c = self.client
+        req = types_pb2.HttpRequest(
+            sandbox_id=self.id,
+            port=port,
+            method=method,
+            path=path,
+            headers=[types_pb2.HttpHeader(name=k, value=v) for k, v in (headers or {}).items()],
+            body=body.encode() if isinstance(body, str) else body,
+            timeout_s=timeout_s,
+        )
+        return HttpResponse.from_pb(
+            await c._rpc.unary(c._rpc.exec.SendHttp, req, timeout=timeout_s + 30)
+        )
+
+    async def _lifecycle(self, method: str, request: Any, timeout: float) -> SandboxInfo:
+        rpc = self.client._rpc
+        resp = await rpc.unary(getattr(rpc.sandboxes, method), request, timeout=timeout)
+        self.info = SandboxInfo.from_pb(resp.sandbox)
+        return self.info
+
+    async def stop(self, *, grace_s: float = 2.0) -> SandboxInfo:
+        """Stops the sandbox (terminal state STOPPED); idempotent."""
+        return await self._lifecycle(
+            "StopSandbox",
+            apiserver_pb2.StopSandboxRequest(sandbox_id=self.id, grace_s=grace_s),
+            60 + grace_s,
+        )
+
+    async def pause(self) -> SandboxInfo:
+        return await self._lifecycle(
+            "PauseSandbox", apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id), 120
+        )
+
+    async def resume(self) -> SandboxInfo:
+        return await self._lifecycle(
+            "ResumeSandbox", apiserver_pb2.ResumeSandboxRequest(sandbox_id=self.id), 120
+        )
+
+    async def pack_diff(
+        self,
+        name: str,
+        *,
+        exclude: Iterable[str] = (),
+        default_excludes: bool = True,
+        timeout: float = 1800.0,
+    ) -> Environment:
+        """Checkpoints this sandbox's writable layer as environment ``name``: its layers plus
+        the diff. New sandboxes start from it (``create(image=name)``), and packing one of
+        those again chains diffs. Build residue is left out (``/tmp``, ``/var/tmp``, caches,
+        shell history, ...; ``exclude`` adds absolute path globs, ``default_excludes=False``
+        keeps everything). A running sandbox is frozen only while its changes are copied::
+
+            env = await sb.pack_diff("my-env:v2")
+        """
+        rpc = self.client._rpc
+        resp = await rpc.unary(
+            rpc.sandboxes.PackDiff,
+            apiserver_pb2.PackDiffRequest(
+                sandbox_id=self.id,
+                name=name,
+                exclude=list(exclude),
+                no_default_excludes=not default_excludes,
+            ),
+            timeout=timeout,
+        )
+        return Environment.from_pb(resp.environment)
+
+    async def update_network_policy(
+        self, policy: NetworkPolicy, *, timeout: float | None = None
+    ) -> SandboxInfo:
+        """Replaces the egress policy while the sandbox runs (e.g. per task stage); the next
+        connection sees it. A malformed rule raises :class:`InvalidArgument` naming it::
+
+            await sb.update_network_policy(NetworkPolicy(allow=["pypi.org:443"]))
+        """
+        rpc = self.client._rpc
+        resp = await rpc.unary(
+            rpc.sandboxes.UpdateNetworkPolicy,
+            apiserver_pb2.UpdateNetworkPolicyRequest(sandbox_id=self.id, policy=policy.to_pb()),
+            timeout=timeout or 30.0,
+        )
+        self.info = SandboxInfo.from_pb(resp.sandbox)
+        return self.info
+
+    async def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
+        """Files of the image's read-only layers this sandbox modified or deleted (from its
+        writable layer); new files are not listed. For checking an agent's trajectory."""
+        rpc = self.client._rpc
+        resp = await rpc.unary(
+            rpc.sandboxes.GetModifiedFiles,
+            apiserver_pb2.GetModifiedFilesRequest(sandbox_id=self.id),
+            timeout=timeout or 60.0,
+        )
+        return [ModifiedFile(f.path, f.deleted) for f in resp.files]
+
+    async def delete(self) -> None:
+        rpc = self.client._rpc
+        await rpc.unary(
+            rpc.sandboxes.DeleteSandbox,
+            apiserver_pb2.DeleteSandboxRequest(sandbox_id=self.id),
+            timeout=60,
+        )
