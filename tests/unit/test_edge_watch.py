@@ -16,7 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 import edge.servicer
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
-from edge.backends import NullBackend
+from edge.backends import Capability, NullBackend
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from edge.servicer import EdgeServicer
@@ -25,8 +25,20 @@ from libdsec.errors import Unavailable
 _serial = itertools.count(0xA00000)
 
 
+class PausableNull(NullBackend):
+    """The null backend with pause declared (a paused sandbox's watch events are the point)."""
+
+    capabilities = frozenset({Capability.PAUSE})
+
+    async def pause(self, rec):  # type: ignore[no-untyped-def]
+        return None
+
+    async def resume(self, rec):  # type: ignore[no-untyped-def]
+        return None
+
+
 def servicer(tmp_path: Path) -> EdgeServicer:
-    m = SandboxManager("e1", tmp_path, Capacity(64_000, 64_000, 1000), [NullBackend()])
+    m = SandboxManager("e1", tmp_path, Capacity(64_000, 64_000, 1000), [PausableNull()])
     return EdgeServicer(m, types_pb2.EdgeInfo(edge_id="e1"))
 
 
