@@ -22,7 +22,7 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, InvalidArgument, NotFound, SandboxNotFound
+from libdsec.errors import DSecError, InvalidArgument, NotFound, SandboxNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -191,18 +191,44 @@ class Gateway:
         return stub
 
     async def get(self, who: Caller, sandbox_id: str) -> types_pb2.Sandbox:
-        stub = await self.edge_for(who, sandbox_id)
         try:
-            resp = await downstream(
-                stub.GetSandbox(
-                    edge_pb2.GetSandboxRequest(sandbox_id=sandbox_id), timeout=DEFAULT_DEADLINE_S
-                ),
-                "edge",
-            )
-        except SandboxNotFound:
-            self.owners.drop(sandbox_id)
-            raise
+            stub = await self.edge_for(who, sandbox_id)
+            try:
+                resp = await downstream(
+                    stub.GetSandbox(
+                        edge_pb2.GetSandboxRequest(sandbox_id=sandbox_id),
+                        timeout=DEFAULT_DEADLINE_S,
+                    ),
+                    "edge",
+                )
+            except SandboxNotFound:
+                self.owners.drop(sandbox_id)
+                raise
+        except (NotFound, Unavailable) as err:
+            lost = await self.lost(who, sandbox_id, err)
+            if lost is None:
+                raise
+            return lost
         return resp.sandbox
+
+    async def lost(
+        self, who: Caller, sandbox_id: str, err: NotFound | Unavailable
+    ) -> types_pb2.Sandbox | None:
+        """For a sandbox its edge cannot answer for: as the watcher reports it if its edge was
+        declared lost (TERMINATED, EDGE_LOST), None if not. A sandbox the lost edge held that
+        the watcher never heard of is NOT_FOUND rather than UNAVAILABLE for ever."""
+        try:
+            resp = await self.edges.lost(sandbox_ids=[sandbox_id])
+        except DSecError as exc:  # the watcher is down: the edge's answer stands
+            log.warning("lost-sandbox lookup of %s failed: %s", sandbox_id, exc)
+            return None
+        for sb in resp.sandboxes:
+            if sb.id == sandbox_id and within(sb.project_id, who.project_id):
+                self.owners.put(sandbox_id, sb.project_id)
+                return sb
+        if isinstance(err, Unavailable) and edge_of(sandbox_id) in resp.lost_edge_ids:
+            raise not_found(sandbox_id) from err
+        return None
 
     async def fan_out(
         self, fn: Callable[[edge_pb2_grpc.EdgeServiceStub], Awaitable[Any]]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from apiserver.creation import Caller
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
@@ -22,7 +24,9 @@ from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
 from libdsec._status import code_number, from_rpc_error
-from libdsec.errors import InvalidArgument
+from libdsec.errors import DSecError, InvalidArgument
+
+log = logging.getLogger(__name__)
 
 #: Parallel edge calls of one StopSandboxes.
 STOP_CONCURRENCY = 64
@@ -97,12 +101,29 @@ class SandboxServicer:
         )
         answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
         sandboxes = [sb for a in answers for sb in a.sandboxes]
+        if not request.states or types_pb2.SANDBOX_STATE_TERMINATED in request.states:
+            sandboxes += await self._lost(who, request, {sb.id for sb in sandboxes})
         if not request.include_subprojects:
             sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
         sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
         page = sandboxes[offset : offset + page_size]
         nxt = str(offset + page_size) if offset + page_size < len(sandboxes) else ""
         return apiserver_pb2.ListSandboxesResponse(sandboxes=page, next_page_token=nxt)
+
+    async def _lost(
+        self, who: Caller, request: apiserver_pb2.ListSandboxesRequest, listed: set[str]
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes of edges declared lost (an edge that answers again wins)."""
+        try:
+            resp = await self.gw.edges.lost(
+                project_prefix=who.project_id,
+                task_id=request.task_id,
+                label_selector=dict(request.label_selector),
+            )
+        except DSecError as exc:  # the watcher is down: the edges' answers stand
+            log.warning("lost-sandbox listing failed: %s", exc)
+            return []
+        return [sb for sb in resp.sandboxes if sb.id not in listed]
 
     async def StopSandbox(
         self, request: apiserver_pb2.StopSandboxRequest, context: Any

@@ -22,10 +22,20 @@ from libdsec.errors import FailedPrecondition, InvalidArgument, Unavailable
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
 WATCH_QUEUE = 200_000
+#: Sandboxes per message of a WatchSandboxes replay (a message per sandbox costs ~10x more).
+REPLAY_BATCH = 512
 
 
-def _watched(rec: SandboxRecord, prefix: str, task_id: str, labels: dict[str, str]) -> bool:
-    """Whether a change of ``rec`` passes a WatchSandboxes filter (as ListSandboxes' filters)."""
+def _watched(
+    rec: SandboxRecord,
+    prefix: str,
+    task_id: str,
+    labels: dict[str, str],
+    states: set[str] | None,
+) -> bool:
+    """Whether ``rec`` passes a WatchSandboxes filter (as ListSandboxes' filters)."""
+    if states and rec.state not in states:
+        return False
     if prefix and rec.project_id != prefix and not rec.project_id.startswith(prefix + "/"):
         return False
     if task_id and rec.spec.task_id != task_id:
@@ -200,7 +210,8 @@ class EdgeServicer:
         interval = (request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000
         prefix, task_id = request.project_prefix, request.task_id
         labels = dict(request.label_selector)
-        q = self.manager.subscribe(WATCH_QUEUE)
+        states = _state_names(request.states)
+        q = None if request.replay_only else self.manager.subscribe(WATCH_QUEUE)
         try:
             # Subscribed before the replay is read, and both without yielding: no change
             # falls between them. Converted at once: the records go on changing.
@@ -210,14 +221,17 @@ class EdgeServicer:
                 since = request.changed_since.seconds + request.changed_since.nanos / 1e9
                 replay = [
                     sandbox_pb(r)
-                    for r in self.manager.list(
-                        project_prefix=prefix, task_id=task_id, labels=labels
-                    )
+                    for r in list(self.manager.records.values())
                     if max(r.created_at, r.started_at or 0.0, r.terminated_at or 0.0) >= since
+                    and _watched(r, prefix, task_id, labels, states)
                 ]
-            for sb in replay:
-                yield edge_pb2.WatchSandboxesResponse(changed=sb)
+            for i in range(0, len(replay), REPLAY_BATCH):
+                yield edge_pb2.WatchSandboxesResponse(
+                    replayed=edge_pb2.SandboxBatch(sandboxes=replay[i : i + REPLAY_BATCH])
+                )
             yield edge_pb2.WatchSandboxesResponse(keepalive=types_pb2.Keepalive(at=at))
+            if q is None:
+                return
             last = time.monotonic()
             while True:
                 if q.full():
@@ -239,10 +253,11 @@ class EdgeServicer:
                     rec = await asyncio.wait_for(q.get(), timeout=max(due, 0.0))
                 except TimeoutError:
                     continue
-                if _watched(rec, prefix, task_id, labels):
+                if _watched(rec, prefix, task_id, labels, states):
                     yield edge_pb2.WatchSandboxesResponse(changed=sandbox_pb(rec))
         finally:
-            self.manager.unsubscribe(q)
+            if q is not None:
+                self.manager.unsubscribe(q)
 
     # ------------------------------------------------ forwarding into the sandbox
 
