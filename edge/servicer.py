@@ -43,6 +43,34 @@ def _watched(
     return not labels or all(rec.spec.labels.get(k) == v for k, v in labels.items())
 
 
+_STATE = {n.removeprefix("SANDBOX_STATE_"): v for n, v in types_pb2.SandboxState.items()}
+_BACKEND = {n.removeprefix("BACKEND_"): v for n, v in types_pb2.Backend.items()}
+_REASON = {n.removeprefix("TERMINATION_REASON_"): v for n, v in types_pb2.TerminationReason.items()}
+
+
+def _summary_pb(rec: SandboxRecord, out: types_pb2.Sandbox) -> None:
+    """The summary a WatchSandboxes replay sends when asked (see ``summary`` in edge.proto)."""
+    out.id = rec.sandbox_id
+    out.project_id = rec.project_id
+    out.principal_id = rec.principal_id
+    out.edge_id = rec.edge_id
+    out.state = _STATE[rec.state]  # type: ignore[assignment]
+    out.created_at.FromNanoseconds(int(rec.created_at * 1e9))
+    if rec.started_at:
+        out.started_at.FromNanoseconds(int(rec.started_at * 1e9))
+    if rec.termination_reason:
+        out.termination.reason = _REASON[rec.termination_reason]  # type: ignore[assignment]
+        out.termination.message = rec.termination_message
+        out.termination.at.FromNanoseconds(int((rec.terminated_at or 0.0) * 1e9))
+    spec, s = rec.spec, out.spec
+    s.backend = _BACKEND[spec.backend]  # type: ignore[assignment]
+    s.image = spec.image
+    s.task_id = spec.task_id
+    s.labels.update(spec.labels)
+    s.resources.cpu_millis = spec.cpu_millis
+    s.resources.memory_mb = spec.memory_mb
+
+
 def _state_names(states: Any) -> set[str] | None:
     names = {types_pb2.SandboxState.Name(s).removeprefix("SANDBOX_STATE_") for s in states}
     return names or None
@@ -216,19 +244,25 @@ class EdgeServicer:
             # Subscribed before the replay is read, and both without yielding: no change
             # falls between them. Converted at once: the records go on changing.
             at = ts(time.time())
-            replay = []
+            batches: list[edge_pb2.WatchSandboxesResponse] = []
             if request.HasField("changed_since"):
                 since = request.changed_since.seconds + request.changed_since.nanos / 1e9
-                replay = [
-                    sandbox_pb(r)
-                    for r in list(self.manager.records.values())
+                changed = [
+                    r
+                    for r in self.manager.records.values()
                     if max(r.created_at, r.started_at or 0.0, r.terminated_at or 0.0) >= since
                     and _watched(r, prefix, task_id, labels, states)
                 ]
-            for i in range(0, len(replay), REPLAY_BATCH):
-                yield edge_pb2.WatchSandboxesResponse(
-                    replayed=edge_pb2.SandboxBatch(sandboxes=replay[i : i + REPLAY_BATCH])
-                )
+                for i, rec in enumerate(changed):
+                    if i % REPLAY_BATCH == 0:
+                        batches.append(edge_pb2.WatchSandboxesResponse())
+                    out = batches[-1].replayed.sandboxes.add()
+                    if request.summary:
+                        _summary_pb(rec, out)
+                    else:
+                        out.CopyFrom(sandbox_pb(rec))
+            for msg in batches:
+                yield msg
             yield edge_pb2.WatchSandboxesResponse(keepalive=types_pb2.Keepalive(at=at))
             if q is None:
                 return

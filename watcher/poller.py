@@ -4,8 +4,10 @@ lost, and stops what a lost edge still runs when it comes back.
 A poll is an ``EdgeService/WatchSandboxes`` with ``replay_only``: the sandboxes created,
 started or ended since the previous poll (by the edge's clock), in batches, then the keepalive
 whose ``at`` starts the next one; the first poll (and one after a gap) asks for every live
-sandbox. Per sandbox that is one conversion when it appears and one when it ends, off the
-create path (a stream following every change would cost the edge a message per change).
+sandbox; as summaries (``summary``: identity, owner, state, times, task, labels: what a lost
+sandbox is reported with). Per sandbox that is one summary when it appears and one when it
+ends, in batches, off the create path (a stream following every change would cost the edge a
+message per change).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class SandboxPoller:
             return
         stub = self.prober.stub(edge_id, entry.info.address)
         since = self.ledger.poll_since(edge_id)
-        request = edge_pb2.WatchSandboxesRequest(replay_only=True)
+        request = edge_pb2.WatchSandboxesRequest(replay_only=True, summary=True)
         if since is None:
             request.changed_since.FromSeconds(0)  # epoch: everything live
             request.states.extend(LIVE_STATES)

@@ -114,10 +114,12 @@ async def test_a_watch_that_falls_behind_ends_with_watch_overflow(
 
 async def test_a_poll_replays_in_batches_filtered_by_state_and_ends(tmp_path: Path) -> None:
     s = servicer(tmp_path)
-    ids = await make(s, 600, "root/a")
+    ids = await make(s, 600, "root/a", task_id="t", labels={"k": "v"}, env={"SECRET": "x"})
     await s.manager.stop(ids[0])
     req = edge_pb2.WatchSandboxesRequest(
-        replay_only=True, states=[types_pb2.SANDBOX_STATE_RUNNING, types_pb2.SANDBOX_STATE_PAUSED]
+        replay_only=True,
+        summary=True,
+        states=[types_pb2.SANDBOX_STATE_RUNNING, types_pb2.SANDBOX_STATE_PAUSED],
     )
     req.changed_since.CopyFrom(Timestamp())
     messages = [m async for m in s.WatchSandboxes(req, None)]  # it ends by itself
@@ -125,4 +127,9 @@ async def test_a_poll_replays_in_batches_filtered_by_state_and_ends(tmp_path: Pa
     assert messages[-1].HasField("keepalive")
     replayed = {sb.id for m in messages[:-1] for sb in m.replayed.sandboxes}
     assert replayed == set(ids[1:])  # the stopped one is not RUNNING or PAUSED
+    sb = messages[0].replayed.sandboxes[0]  # a summary: what the watcher keeps, no more
+    assert (sb.project_id, sb.principal_id, sb.edge_id) == ("root/a", "p", "e1")
+    assert sb.spec.task_id == "t" and dict(sb.spec.labels) == {"k": "v"} and not sb.spec.env
+    assert sb.state == types_pb2.SANDBOX_STATE_RUNNING and sb.HasField("started_at")
+    assert sb.spec.backend == types_pb2.BACKEND_CONTAINER and sb.spec.resources.cpu_millis
     assert not s.manager._subscribers  # a poll never subscribes

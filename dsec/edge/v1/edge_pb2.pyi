@@ -945,6 +945,7 @@ class WatchSandboxesRequest(_message.Message):
     CHANGED_SINCE_FIELD_NUMBER: _builtins.int
     STATES_FIELD_NUMBER: _builtins.int
     REPLAY_ONLY_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     keepalive_interval_ms: _builtins.int
     """A keepalive this often (when no change waits to be sent: every change before its `at`
     has been sent, busy or not); 0 = 5000.
@@ -958,6 +959,11 @@ class WatchSandboxesRequest(_message.Message):
     replay_only: _builtins.bool
     """End the stream after the replay and its keepalive instead of following changes (the
     watcher's poll of what each edge holds).
+    """
+    summary: _builtins.bool
+    """Replayed sandboxes carry only their id, owner, edge, state, termination, creation and start
+    times and the spec's backend, image, task, labels, cpu and memory (a third of the cost of a
+    full one: the watcher's poll).
     """
     @_builtins.property
     def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -983,10 +989,11 @@ class WatchSandboxesRequest(_message.Message):
         changed_since: _timestamp_pb2.Timestamp | None = ...,
         states: _abc.Iterable[_types_pb2.SandboxState.ValueType] | None = ...,
         replay_only: _builtins.bool = ...,
+        summary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "replay_only", b"replay_only", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "replay_only", b"replay_only", "states", b"states", "summary", b"summary", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,8 +91,9 @@ class WatcherServiceServicer:
 
     def ListLostSandboxes(self, request, context):
         """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
-        releases their quota, or forgotten): as each edge last reported them, TERMINATED with
-        reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+        releases their quota, or forgotten): as each edge last reported them (the summary its
+        polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+        TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,8 +44,9 @@ class WatcherServiceStub:
     GetEdgeHealth: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.GetEdgeHealthRequest, _watcher_pb2.GetEdgeHealthResponse]
     ListLostSandboxes: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.ListLostSandboxesRequest, _watcher_pb2.ListLostSandboxesResponse]
     """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
-    releases their quota, or forgotten): as each edge last reported them, TERMINATED with
-    reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+    releases their quota, or forgotten): as each edge last reported them (the summary its
+    polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+    TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
     """
 
 @_typing.type_check_only
@@ -58,8 +59,9 @@ class WatcherServiceAsyncStub(WatcherServiceStub):
     GetEdgeHealth: _aio.UnaryUnaryMultiCallable[_watcher_pb2.GetEdgeHealthRequest, _watcher_pb2.GetEdgeHealthResponse]  # type: ignore[assignment]
     ListLostSandboxes: _aio.UnaryUnaryMultiCallable[_watcher_pb2.ListLostSandboxesRequest, _watcher_pb2.ListLostSandboxesResponse]  # type: ignore[assignment]
     """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
-    releases their quota, or forgotten): as each edge last reported them, TERMINATED with
-    reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+    releases their quota, or forgotten): as each edge last reported them (the summary its
+    polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+    TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
     """
 
 class WatcherServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -99,8 +101,9 @@ class WatcherServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_watcher_pb2.ListLostSandboxesResponse, _abc.Awaitable[_watcher_pb2.ListLostSandboxesResponse]]:
         """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
-        releases their quota, or forgotten): as each edge last reported them, TERMINATED with
-        reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+        releases their quota, or forgotten): as each edge last reported them (the summary its
+        polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+        TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
         """
 
 def add_WatcherServiceServicer_to_server(servicer: WatcherServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
