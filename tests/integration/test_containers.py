@@ -21,6 +21,7 @@ import pytest
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Exited, Output, Sandbox, Started
 from libdsec.errors import (
+    BackendNotOffered,
     DSecError,
     ImageNotFound,
     InvalidArgument,
@@ -423,3 +424,15 @@ def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sand
     assert sb.run("cat /work/kept.txt").text == "state"  # resumed transparently
     assert sb.refresh().state == "RUNNING"
     assert proc.wait(timeout_s=0.1).running
+
+
+def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client) -> None:
+    """This cluster's one edge offers containers only (no FnCall pools): a microvm create is
+    FAILED_PRECONDITION BACKEND_NOT_OFFERED (a retry cannot help), alone and in a burst."""
+    with pytest.raises(BackendNotOffered) as info:
+        client.create(image="busybox", backend="microvm")
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert info.value.reason == "BACKEND_NOT_OFFERED" and "microvm" in str(info.value)
+    out = client.create_many(2, image="busybox", backend="microvm")
+    assert all(isinstance(o, BackendNotOffered) for o in out), out
+    assert not [s for s in client.list() if s.backend == "microvm"]

@@ -144,7 +144,9 @@ class Placement(_message.Message):
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     error_code: _builtins.int
-    """google.rpc.Code; RESOURCE_EXHAUSTED if none"""
+    """google.rpc.Code: RESOURCE_EXHAUSTED ("NO_ELIGIBLE_EDGE") if no edge fits now,
+    FAILED_PRECONDITION ("BACKEND_NOT_OFFERED") if no registered edge offers the backend.
+    """
     error_reason: _builtins.str
     """e.g. "NO_ELIGIBLE_EDGE" """
     error_message: _builtins.str
