@@ -433,6 +433,8 @@ def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client)
         client.create(image="busybox", backend="microvm")
     assert info.value.code.name == "FAILED_PRECONDITION"
     assert info.value.reason == "BACKEND_NOT_OFFERED" and "microvm" in str(info.value)
+    assert info.value.metadata["backend"] == "MICROVM"
     out = client.create_many(2, image="busybox", backend="microvm")
     assert all(isinstance(o, BackendNotOffered) for o in out), out
+    assert all(o.metadata["backend"] == "MICROVM" for o in out)  # type: ignore[union-attr]
     assert not [s for s in client.list() if s.backend == "microvm"]
