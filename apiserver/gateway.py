@@ -22,7 +22,14 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, InvalidArgument, NotFound, SandboxNotFound, Unavailable
+from libdsec.errors import (
+    DSecError,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +217,23 @@ class Gateway:
                 raise
             return lost
         return resp.sandbox
+
+    async def explain(self, who: Caller, sandbox_id: str, err: DSecError) -> DSecError:
+        """What a call gets when the sandbox's edge could not serve it (``err``): if the edge
+        was declared lost, SandboxTerminated (EDGE_LOST), like a sandbox that ended on a live
+        edge (or NOT_FOUND for one the watcher never heard of); otherwise ``err``."""
+        if not isinstance(err, SandboxNotFound | Unavailable):
+            return err
+        try:
+            sb = await self.lost(who, sandbox_id, err)
+        except SandboxNotFound as exc:
+            return exc
+        if sb is None:
+            return err
+        return SandboxTerminated(
+            f"sandbox {sandbox_id} has terminated (EDGE_LOST: {sb.termination.message})",
+            metadata={"termination_reason": "EDGE_LOST"},
+        )
 
     async def lost(
         self, who: Caller, sandbox_id: str, err: NotFound | Unavailable

@@ -24,7 +24,13 @@ from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
 from libdsec._status import code_number, from_rpc_error
-from libdsec.errors import DSecError, InvalidArgument
+from libdsec.errors import (
+    DSecError,
+    InvalidArgument,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +66,19 @@ class _Forwarder:
         *,
         timeout: float = DEFAULT_DEADLINE_S,
     ) -> Any:
-        stub = await self.gw.edge_for(who, sandbox_id)
-        return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
+        try:
+            stub = await self.gw.edge_for(who, sandbox_id)
+            return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, sandbox_id, err)
+            raise
+
+    async def _raise_explained(self, who: Caller, sandbox_id: str, err: DSecError) -> None:
+        """Raises why the edge could not answer if it is known (the sandbox ended with
+        EDGE_LOST: see Gateway.explain); returns if ``err`` stands."""
+        explained = await self.gw.explain(who, sandbox_id, err)
+        if explained is not err:
+            raise explained from err
 
     async def _call(
         self,
@@ -82,13 +99,19 @@ class _Forwarder:
 
     async def _stream(self, method: str, request: Any, context: Any) -> AsyncIterator[Any]:
         who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
+        try:
+            stub = await self.gw.edge_for(who, request.sandbox_id)
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, request.sandbox_id, err)
+            raise
         call = getattr(stub, method)(request)
         try:
             async for item in call:
                 yield item
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
+            failure = from_rpc_error(exc)
+            await self._raise_explained(who, request.sandbox_id, failure)
+            raise failure from exc
         finally:
             call.cancel()
 
@@ -99,7 +122,12 @@ class _Forwarder:
         first = await anext(requests, None)
         if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
             raise InvalidArgument(f"the first message must carry `{key}`")
-        stub = await self.gw.edge_for(who, getattr(first, key).sandbox_id)
+        sandbox_id = getattr(first, key).sandbox_id
+        try:
+            stub = await self.gw.edge_for(who, sandbox_id)
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, sandbox_id, err)
+            raise
 
         async def all_requests() -> AsyncIterator[Any]:
             yield first
@@ -191,13 +219,22 @@ class SandboxServicer(_Forwarder):
     async def StopSandbox(
         self, request: apiserver_pb2.StopSandboxRequest, context: Any
     ) -> apiserver_pb2.StopSandboxResponse:
-        resp = await self._call(
-            context,
-            request.sandbox_id,
-            "StopSandbox",
-            edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=request.grace_s),
-            timeout=DEFAULT_DEADLINE_S + request.grace_s,
-        )
+        try:
+            resp = await self._call(
+                context,
+                request.sandbox_id,
+                "StopSandbox",
+                edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=request.grace_s),
+                timeout=DEFAULT_DEADLINE_S + request.grace_s,
+            )
+        except SandboxTerminated as err:
+            if err.metadata.get("termination_reason") != "EDGE_LOST":
+                raise
+            # Ended already, as a stop of a terminated sandbox answers on a live edge.
+            who = await self.gw.caller(bearer_token(context))
+            return apiserver_pb2.StopSandboxResponse(
+                sandbox=await self.gw.get(who, request.sandbox_id)
+            )
         return apiserver_pb2.StopSandboxResponse(sandbox=resp.sandbox)
 
     async def StopSandboxes(

@@ -19,7 +19,7 @@ from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
-from libdsec.errors import SandboxNotFound, Unavailable
+from libdsec.errors import SandboxNotFound, SandboxTerminated, Unavailable
 from tests.conftest import print_log_tails, start_cluster
 from tests.helpers import wait_for
 from tests.integration.test_control_plane import project_with_token, usage
@@ -100,6 +100,15 @@ def test_a_killed_edge_s_sandboxes_end_with_edge_lost_in_every_view(lc: LocalClu
             assert info.edge_id == "lx" and info.task_id == "lost-task"
             assert "lx" in info.termination_message
             assert c.get(kept.id).info.state == "RUNNING"
+            # A call into one ends as for a sandbox that ended on a live edge; a stop answers
+            # it ended.
+            with pytest.raises(SandboxTerminated) as ended_info:
+                doomed[0].run("true")
+            assert ended_info.value.metadata["termination_reason"] == "EDGE_LOST"
+            with pytest.raises(SandboxTerminated):
+                doomed[0].files.read("/etc/hostname")
+            stopped = doomed[1].stop()
+            assert (stopped.state, stopped.termination_reason) == ("TERMINATED", "EDGE_LOST")
             # ListSandboxes: included so, filtered as the rest.
             listed = {s.id: s for s in c.list(task_id="lost-task")}
             assert set(listed) == {s.id for s in doomed} | {kept.id}
