@@ -1,7 +1,8 @@
 """`python -m aether`: the container's process, started by runc.
 
 The edge passes an already-listening Unix stream socket as fd 3
-(DSEC_AETHER_LISTEN_FD, or `--listen-fd N`). Run it as `python -S -m aether`
+(DSEC_AETHER_LISTEN_FD, or `--listen-fd N`); in a VM the channel is a character device instead
+(DSEC_AETHER_CHANNEL_DEVICE: the guest's virtio-serial port to the edge). Run it as `python -S -m aether`
 with PYTHONPATH at the toolkit: site-packages are neither needed nor wanted.
 """
 
@@ -33,11 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("prctl(PR_SET_DUMPABLE, 0) failed: /proc/%d/fd is reachable", os.getpid())
     if os.getpid() != 1 and not become_subreaper():
         log.warning("not pid 1 and not a subreaper: orphans escape aether")
-    try:
-        listener = _socket.socket(fileno=config.listen_fd)
-    except OSError as exc:
-        log.error("fd %d is not a listening socket: %s", config.listen_fd, exc)
-        return 2
+    listener = None
+    if not config.channel_device:
+        try:
+            listener = _socket.socket(fileno=config.listen_fd)
+        except OSError as exc:
+            log.error("fd %d is not a listening socket: %s", config.listen_fd, exc)
+            return 2
     # Imported after the prctl calls and before chronus is forked: chronus
     # shares every module page aether loaded, copy-on-write.
     from aether.server import Aether

@@ -1,7 +1,8 @@
 """aether's loop: init duties, the edge connection, the relay to chronus.
 
-Single-threaded, one epoll loop (`chronus.poller`): the listening socket, the edge
-connection, the chronus channel and the signal wake-up socket. Frames are
+Single-threaded, one epoll loop (`chronus.poller`): the listening socket (containers) or the
+channel character device (VMs: a virtio-serial port), the edge connection, the chronus channel
+and the signal wake-up socket. Frames are
 relayed without decoding their bodies (`wire.split_frame`); only stream ids
 are rewritten, because the edge's ids restart with each connection while
 chronus may still be winding down streams of the previous one.
@@ -50,10 +51,49 @@ F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE
 WARM_ENV = "DSEC_AETHER_WARM"
 
 
-class Conn:
-    """A non-blocking framed socket with an output buffer."""
+class DeviceStream:
+    """A character device used as the edge channel (a VM's virtio-serial port), with the
+    socket methods `Conn` uses. The host end may come and go: EOF or an error means the edge
+    is gone, and aether opens the device again (see Aether._open_device)."""
 
-    def __init__(self, sock: _socket.socket, name: str) -> None:
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        if os.isatty(self.fd):  # a pty stands in for virtio-serial in tests: bytes, no echo
+            import termios
+            import tty
+
+            tty.setraw(self.fd, termios.TCSANOW)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def setblocking(self, flag: bool) -> None:
+        os.set_blocking(self.fd, flag)
+
+    def settimeout(self, timeout: float) -> None:
+        os.set_blocking(self.fd, True)
+
+    def send(self, data: bytes | bytearray) -> int:
+        return os.write(self.fd, data)
+
+    def sendall(self, data: bytes | bytearray) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def recv(self, n: int) -> bytes:
+        return os.read(self.fd, n)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Conn:
+    """A non-blocking framed socket (or DeviceStream) with an output buffer."""
+
+    def __init__(self, sock: Any, name: str) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.name = name
@@ -92,15 +132,19 @@ class Conn:
 
 
 class Aether:
-    def __init__(self, config: AetherConfig, listener: _socket.socket) -> None:
+    def __init__(self, config: AetherConfig, listener: _socket.socket | None) -> None:
+        """`listener`: the listening socket the edge connects to (containers); None when the
+        channel is the character device `config.channel_device` (VMs: virtio-serial)."""
         self.config = config
         # A warm sandbox: started before anyone asked for it; chronus waits for the claim.
         self.warm = os.environ.pop(WARM_ENV, "") == "1"
         self.sel = poller.Poller()
-        listener.setblocking(False)
-        os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
         self.listener = listener
-        self.sel.register(listener, poller.EVENT_READ, "listen")
+        self._reopen_at = 0.0  # device channel: when to open the device again
+        if listener is not None:
+            listener.setblocking(False)
+            os.set_inheritable(listener.fileno(), False)  # commands never inherit the channel
+            self.sel.register(listener, poller.EVENT_READ, "listen")
         # chronus's private runtime directory (a detached tmpfs from the edge), kept for it.
         self.runtime_fd = _runtime_fd()
         self._sig_r, self._sig_w = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -130,7 +174,10 @@ class Aether:
         # The edge connects before we run: answer its Hello first, then import and fork
         # chronus (~10 ms here) while the edge reports the sandbox RUNNING to its caller.
         # Requests that arrive meanwhile wait in the chronus backlog.
-        self._accept()
+        if self.listener is not None:
+            self._accept()
+        else:
+            self._open_device()
         if self.warm:
             # A warm sandbox: chronus's modules now (shared with it by fork), chronus itself at
             # the claim, with the sandbox's environment.
@@ -162,7 +209,8 @@ class Aether:
         return 0
 
     def _timeout(self) -> float:
-        return 1.0 if self._restart_at == 0 else max(0.0, self._restart_at - time.monotonic())
+        due = [t for t in (self._restart_at, self._reopen_at) if t]
+        return 1.0 if not due else max(0.0, min(due) - time.monotonic())
 
     def _update_interest(self) -> None:
         edge, ch = self.edge, self.chronus
@@ -191,6 +239,9 @@ class Aether:
         if self._restart_at and now >= self._restart_at:
             self._restart_at = 0.0
             self._start_chronus()
+        if self._reopen_at and now >= self._reopen_at:
+            self._reopen_at = 0.0
+            self._open_device()
         edge = self.edge
         if edge is None:
             return
@@ -206,6 +257,7 @@ class Aether:
 
     # ----------------------------------------------------------------- edge
     def _accept(self) -> None:
+        assert self.listener is not None
         try:
             fd, _ = self.listener._accept()  # type: ignore[attr-defined]  # accept4(CLOEXEC)
         except (BlockingIOError, InterruptedError):
@@ -214,8 +266,29 @@ class Aether:
         if self.edge is not None:
             log.info("a new edge connection replaces the current one")
             self._drop_edge()
-        self.edge = Conn(sock, "edge")
+        self._greet(Conn(sock, "edge"))
+        log.info("edge connected")
+
+    def _open_device(self) -> None:
+        """Device channel: (re)open the port and greet whoever is at the other end. A host
+        that connects later asks for the Hello with a Ping of nonce 0 (see _on_edge_frame)."""
+        path = self.config.channel_device
+        try:
+            stream = DeviceStream(path)
+        except OSError as exc:
+            log.warning("cannot open the channel device %s: %s; retrying", path, exc.strerror)
+            self._reopen_at = time.monotonic() + 0.5
+            return
+        self._greet(Conn(stream, "edge"))
+        log.info("channel device %s open", path)
+
+    def _greet(self, conn: Conn) -> None:
+        self.edge = conn
         self._ping_sent = False
+        self._send_hello()
+
+    def _send_hello(self) -> None:
+        assert self.edge is not None
         hello = {
             "protocol_version": PROTOCOL_VERSION,
             "pid": os.getpid(),
@@ -223,7 +296,6 @@ class Aether:
         }
         self.edge.queue(wire.encode(wire.FRAME, {"hello": hello}))
         self.edge.flush()
-        log.info("edge connected")
 
     def _drop_edge(self) -> None:
         edge = self.edge
@@ -239,6 +311,8 @@ class Aether:
         self._to_chronus.clear()
         self._to_edge.clear()
         log.info("edge disconnected")
+        if self.listener is None and self._shutdown_grace is None:
+            self._reopen_at = time.monotonic() + 0.2  # the device: wait for the host again
 
     def _on_edge_frame(self, payload: bytes) -> None:
         self._ping_sent = False
@@ -260,6 +334,10 @@ class Aether:
                     del self._to_edge[cid]
         elif kind == F_PING:
             assert self.edge is not None
+            if not body and self.listener is None:
+                # Device channel: a Ping of nonce 0 is a host that just connected to the
+                # port asking for the Hello (a socket's accept tells aether that instead).
+                self._send_hello()
             self.edge.queue(wire.join_frame(0, F_PONG, body))  # Pong mirrors Ping's nonce
         elif kind == F_CLAIM:
             self._claim(wire.decode("dsec.aether.v1.Claim", body).get("env") or {})

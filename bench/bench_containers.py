@@ -11,8 +11,10 @@ measured in the same run on the same busybox image.
 5. create-to-first-command again with the B burst sandboxes still running, against section 1's
    idle-node figure of the same run.
 6. create-to-first-command on a second edge of the same machine that keeps W warm sandboxes
-   (edge/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
+   (edge/backends/container/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
 7. a burst of B on that edge (W of them warm at the start, the rest cold), against section 3.
+8. the cost of the writable-layer limit every sandbox has (mkfs.ext4 + loop mount + unmount of
+   the default 10 GiB sparse image), measured directly, against section 1.
 
 Sections 1-5 run on the cold edge (node_selector pool=cold) while the warm edge sits idle
 with its pool full; 6-7 on the warm edge.
@@ -100,7 +102,7 @@ def main() -> int:
         max_sandboxes=args.burst + 50,
         extra_env=env,
     )
-    # The same machine, with warm sandboxes of the image (edge/warm.py): sections 6 and 7.
+    # The same machine, with warm sandboxes of the image (edge/backends/container/warm.py): sections 6 and 7.
     warm_edge = EdgeSpec(
         edge_id="warm",
         runtime="container",
@@ -273,7 +275,40 @@ def main() -> int:
             ],
         )
         dsec.stop_all(task_id="wburst")
+
+    # 8. what the writable-layer limit every sandbox now has costs a create: its filesystem
+    #    made and mounted (mkfs.ext4 of a sparse image + loop mount) and unmounted, measured
+    #    directly, against section 1's whole create-to-first-command of the same run.
+    made = _disk_limit_ms(args.n)
+    d50, d99, _ = summary_ms(made)
+    table(
+        "the disk limit's share of a create (default 10 GiB image: mkfs.ext4 + loop mount + umount)",
+        ["what", "p50 ms", "p99 ms", "share of a cold create p50 (section 1)"],
+        [
+            ["dsec cold create + first command (section 1)", p50_idle, p99_idle, 1.0],
+            ["disk limit: make + mount + unmount", d50, d99, d50 / p50_idle],
+        ],
+    )
     return 0
+
+
+def _disk_limit_ms(n: int, size_mb: int = 10240) -> list[float]:
+    import tempfile
+
+    from edge.runtime import disk
+    from edge.runtime.mounts import umount_quiet
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-disk-") as tmp:
+        for i in range(n):
+            d = Path(tmp) / str(i)
+            d.mkdir()
+            t = time.perf_counter()
+            disk.create(d, size_mb)
+            umount_quiet(d / "disk")
+            out.append(time.perf_counter() - t)
+            (d / "disk.img").unlink()
+    return out
 
 
 COLD = {"pool": "cold"}

@@ -59,7 +59,7 @@ class ChronusConfig:
         if "'" in runtime_dir or '"' in runtime_dir or "\n" in runtime_dir:
             raise ValueError("DSEC_CHRONUS_RUNTIME_DIR must not contain quotes or newlines")
         env = {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_PREFIXES)}
-        # The sandbox's LD_* variables, kept from pid 1's loader by the edge (edge/container.py).
+        # The sandbox's LD_* variables, kept from pid 1's loader by the edge (edge/backends/container/backend.py).
         for k, v in environ.items():
             if k.startswith(_LD_PREFIX) and len(k) > len(_LD_PREFIX):
                 env["LD_" + k[len(_LD_PREFIX) :]] = v

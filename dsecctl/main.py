@@ -1,6 +1,6 @@
 """The ``dsec`` command: run a local cluster and operate it.
 
-    dsec up [--runtime container|null] [--edges N] [--apiservers N] [--iam-database URL]
+    dsec up [--edges N] [--apiservers N] [--iam-database URL]
                                                      start iam, watcher, placement, edges, apiservers
     dsec status                                      health of every service
     dsec down                                        stop them (by PID)
@@ -51,7 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # in the environment replaces this ("" for none).
     warm = {"DSEC_EDGE_WARM_POOL": os.environ.get("DSEC_EDGE_WARM_POOL", "busybox=4")}
     edges = [
-        EdgeSpec(edge_id=f"edge{i}", runtime=args.runtime, extra_env=dict(warm))
+        EdgeSpec(edge_id=f"edge{i}", runtime="container", extra_env=dict(warm))
         for i in range(args.edges)
     ]
     cluster = LocalCluster(
@@ -104,8 +104,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _pool_lines(address: str) -> list[str]:
-    """The edge's warm sandboxes (one line per image) and FnCall pools (one per environment),
-    from GetNodeStatus."""
+    """The edge's host controls (a line per state: enforced, disabled by the operator, absent),
+    warm sandboxes (one line per image) and FnCall pools (one per environment), from
+    GetNodeStatus."""
     import grpc
 
     from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
@@ -117,14 +118,22 @@ def _pool_lines(address: str) -> list[str]:
             )
     except grpc.RpcError:
         return []
-    return [
-        f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
-        for image, w in sorted(resp.warm.items())
-    ] + [
-        f"fncall {env}: {p.workers}/{p.size} up ({p.idle} idle, {p.starting} starting),"
-        f" {p.waiting} queued, {p.jobs} jobs, {p.recycled} recycled"
-        for env, p in sorted(resp.fncall.items())
-    ]
+    by_state: dict[str, list[str]] = {}
+    for c in resp.controls:
+        by_state.setdefault(c.state, []).append(c.name)
+    controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
+    return (
+        controls
+        + [
+            f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
+            for image, w in sorted(resp.warm.items())
+        ]
+        + [
+            f"fncall {env}: {p.workers}/{p.size} up ({p.idle} idle, {p.starting} starting),"
+            f" {p.waiting} queued, {p.jobs} jobs, {p.recycled} recycled"
+            for env, p in sorted(resp.fncall.items())
+        ]
+    )
 
 
 def _client() -> Any:
@@ -335,7 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local single-node cluster")
-    up.add_argument("--runtime", default="container", choices=["container", "null"])
     up.add_argument("--edges", type=int, default=1)
     up.add_argument(
         "--apiservers", type=int, default=1, help="API server instances (ports 7100, 7121, ...)"

@@ -318,7 +318,7 @@ class AetherConnection:
 
     async def claim(self, env: dict[str, str]) -> None:
         """Hands a warm sandbox to its owner: aether takes `env` as the sandbox's whole
-        environment and starts chronus with it (edge/warm.py)."""
+        environment and starts chronus with it (edge/backends/container/warm.py)."""
         await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env)))
 
     async def shutdown(self, grace_s: float) -> None:

@@ -12,6 +12,9 @@ from common.config import ConfigError, ServiceConfig
 from edge.fncall.environments import FnCallSettings, environments, parse_pools
 from edge.model import EDGE_ID
 
+#: The smallest writable-layer limit (an ext4 image smaller than this has no room to work).
+MIN_DISK_MB = 16
+
 
 def _total_memory_mb() -> int:
     try:
@@ -70,8 +73,21 @@ class EdgeConfig(ServiceConfig):
     dns_refresh_s: float = 60.0
     #: bpffs directory for the sandboxes' pinned eBPF maps and programs (one subdir per edge).
     bpf_pin_dir: Path = Path("/sys/fs/bpf/dsec")
-    #: Writable-layer quota when a sandbox asks for none (resources.disk_mb 0); 0 = no quota.
-    default_disk_mb: int = 0
+    #: Writable-layer limit of a sandbox that asks for none (resources.disk_mb 0). Every
+    #: sandbox has one: a sparse ext4 image of that size (it takes only what is written).
+    default_disk_mb: int = 10240
+    #: The most a create may ask for (resources.disk_mb); more is INVALID_ARGUMENT.
+    max_disk_mb: int = 204800
+    #: Free space kept on every filesystem the edge writes (state, writable layers, logs):
+    #: below it creates are refused (NODE_DISK_LOW) and the fastest writer is ended (DISK_QUOTA).
+    disk_reserve_mb: int = 1024
+    #: How often the free space of those filesystems is checked.
+    disk_check_interval_s: float = 0.25
+    #: Each sandbox's aether/chronus log is kept below this (the edge cuts it to its head).
+    sandbox_log_max_kb: int = 1024
+    #: Host controls the operator turns off explicitly (edge/controls.py: landlock, network,
+    #: memory_swap). Every other control the edge relies on must be there, or it refuses to start.
+    disabled_controls: tuple[str, ...] = ()
     #: cgroup of this edge's sandboxes (each sandbox is <parent>/<id>). It must belong to this
     #: edge alone: at start every child it does not know is removed as an orphan.
     cgroup_parent: str = "dsec"
@@ -100,7 +116,7 @@ class EdgeConfig(ServiceConfig):
     layer_collapse_below_mb: int = 0
     #: Warm container sandboxes kept started per image, image=count, e.g. "busybox=64"
     #: ("" = none): a create that one can serve claims it instead of starting a container
-    #: (edge/warm.py). Each costs an idle aether (~6 MB) and is not counted in admission.
+    #: (edge/backends/container/warm.py). Each costs an idle aether (~6 MB) and is not counted in admission.
     warm_pool: dict[str, str] = field(default_factory=dict)
     #: FnCall warm pools of a container edge, environment=containers, e.g.
     #: "python=4,cpp=2,bash=2" ("" = none: the edge does not offer FNCALL).
@@ -121,6 +137,8 @@ class EdgeConfig(ServiceConfig):
     fncall_spares: int = 4
     #: How long a job may wait for a free container before the edge refuses it.
     fncall_queue_timeout_s: float = 30.0
+    #: Writable-layer limit of a pool container (what jobs write outside their tmpfs dirs).
+    fncall_disk_mb: int = 256
 
     def validate(self) -> None:
         super().validate()
@@ -147,8 +165,15 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r} is too small")
         if not 1 <= len(self.net_bridge) <= 15:
             raise ConfigError(f"DSEC_EDGE_NET_BRIDGE={self.net_bridge!r}: 1..15 characters")
-        if self.default_disk_mb < 0 or 0 < self.default_disk_mb < 16:
-            raise ConfigError("DSEC_EDGE_DEFAULT_DISK_MB must be 0 (no quota) or >= 16")
+        if not MIN_DISK_MB <= self.default_disk_mb <= self.max_disk_mb:
+            raise ConfigError(
+                f"DSEC_EDGE_DEFAULT_DISK_MB={self.default_disk_mb}: every sandbox has a disk "
+                f"limit; expected {MIN_DISK_MB}..DSEC_EDGE_MAX_DISK_MB ({self.max_disk_mb})"
+            )
+        if self.disk_reserve_mb < 0 or self.disk_check_interval_s <= 0:
+            raise ConfigError("DSEC_EDGE_DISK_RESERVE_MB must be >= 0, the check interval > 0")
+        if self.sandbox_log_max_kb < 64:
+            raise ConfigError("DSEC_EDGE_SANDBOX_LOG_MAX_KB must be >= 64")
         if self.layer_verify not in ("full", "sampled"):
             raise ConfigError(
                 f"DSEC_EDGE_LAYER_VERIFY={self.layer_verify!r}: expected full or sampled"
@@ -171,6 +196,8 @@ class EdgeConfig(ServiceConfig):
             raise ValueError("fncall_cpu_millis must be >= 100 and fncall_max_memory_mb >= 64")
         if self.fncall_pids_max < 8 or self.fncall_jobs_per_container < 1:
             raise ValueError("fncall_pids_max must be >= 8 and fncall_jobs_per_container >= 1")
+        if self.fncall_disk_mb < MIN_DISK_MB:
+            raise ValueError(f"fncall_disk_mb={self.fncall_disk_mb} must be >= {MIN_DISK_MB}")
         if not 1 <= self.fncall_spares <= 32:
             raise ValueError(f"fncall_spares={self.fncall_spares} must be in 1..32")
         return FnCallSettings(
@@ -182,6 +209,7 @@ class EdgeConfig(ServiceConfig):
             pids_max=self.fncall_pids_max,
             spares=self.fncall_spares,
             queue_timeout_s=self.fncall_queue_timeout_s,
+            disk_mb=self.fncall_disk_mb,
         )
 
     def effective_cpu_millis(self) -> int:

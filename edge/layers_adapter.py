@@ -13,6 +13,7 @@ import asyncio
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
+from edge.backends.contract import PacksDiffs, require
 from edge.layers import Environment, Environments, LayerInfo, LayerKind
 from edge.manager import SandboxManager
 from libdsec.errors import FailedPrecondition, InvalidArgument
@@ -120,13 +121,7 @@ class LayersAdapter:
         if not req.sandbox_id or not req.name:
             raise InvalidArgument("sandbox_id and name are required")
         rec = self.manager.get_live(req.sandbox_id)
-        pack = getattr(self.manager.backend_of(rec), "pack_diff", None)
-        if pack is None:
-            raise FailedPrecondition(
-                f"sandbox {req.sandbox_id}'s backend cannot pack its writable layer",
-                reason="PACK_DIFF_UNSUPPORTED",
-            )
-        result = await pack(
+        result = await require(self.manager.backend_of(rec), PacksDiffs).pack_diff(
             rec,
             req.name,
             exclude=list(req.exclude),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import copy
 import logging
 import os
@@ -19,13 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.backends import SandboxBackend
+from edge.backends.contract import (
+    DiskUsage,
+    ModifiedFiles,
+    NetworkPolicies,
+    Pausable,
+    SandboxBackend,
+    check_declared,
+    offers,
+    require,
+)
+from edge.disk_guard import Allocations, DiskGuard
 from edge.model import EDGE_ID, LIVE_STATES, SANDBOX_ID, TERMINAL, SandboxRecord, SandboxSpec
 from libdsec.errors import (
     DSecError,
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
+    NodeDiskLow,
     SandboxNotFound,
     SandboxTerminated,
     Unavailable,
@@ -61,6 +73,8 @@ class SandboxManager:
         *,
         terminated_retention_s: float = 3600.0,
         reap_interval_s: float = 1.0,
+        disk_guard: DiskGuard | None = None,
+        disk_check_interval_s: float = 0.25,
     ) -> None:
         if not EDGE_ID.match(edge_id):
             raise ValueError(f"edge id {edge_id!r} must match [a-z0-9]{{1,16}}")
@@ -70,6 +84,7 @@ class SandboxManager:
         self.capacity = capacity
         self.backends: dict[str, SandboxBackend] = {}
         for b in backends:
+            check_declared(b)
             for kind in b.serves:
                 self.backends.setdefault(kind, b)
             b.set_exit_callback(self._on_backend_exit)
@@ -94,6 +109,11 @@ class SandboxManager:
             "task": {},
         }
         self.draining = False
+        #: Free-space reserve of the filesystems the edge writes (None: not watched).
+        self.disk_guard = disk_guard
+        self.disk_check_interval_s = disk_check_interval_s
+        self._disk_passes = 0
+        self._persist_failures = 0
 
     # ------------------------------------------------------------- queries
 
@@ -167,8 +187,18 @@ class SandboxManager:
             )
         if spec.cpu_millis <= 0 or spec.memory_mb <= 0:
             raise InvalidArgument("cpu_millis and memory_mb must be positive")
+        reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
+        if reserved:
+            # aether and chronus take their settings (Landlock on, the channel's fd, ...) from
+            # DSEC_* variables: a caller must not be able to turn a control off through them.
+            raise InvalidArgument(
+                f"env {', '.join(reserved)}: names beginning with DSEC_ are reserved",
+                reason="RESERVED_ENV",
+                metadata={"field": "env"},
+            )
 
     def _admit(self, spec: SandboxSpec) -> None:
+        self._check_disk()
         cap = self.capacity
         live = self._live
         short = []
@@ -185,6 +215,21 @@ class SandboxManager:
         if short:
             raise EdgeCapacity(
                 f"edge {self.edge_id} is full: " + "; ".join(short), metadata={"edge": self.edge_id}
+            )
+
+    def _check_disk(self) -> None:
+        fs = self.disk_guard.low() if self.disk_guard is not None else None
+        if fs is not None:
+            reserve_mb = self.disk_guard.reserve_bytes >> 20 if self.disk_guard else 0
+            raise NodeDiskLow(
+                f"edge {self.edge_id}: {fs.path} has {fs.free_mb} MiB free, below the "
+                f"reserve of {reserve_mb} MiB",
+                metadata={
+                    "edge": self.edge_id,
+                    "path": str(fs.path),
+                    "free_mb": str(fs.free_mb),
+                    "reserve_mb": str(reserve_mb),
+                },
             )
 
     def _allocate(self, spec: SandboxSpec, sign: int) -> None:
@@ -226,13 +271,12 @@ class SandboxManager:
                 await self._wait_ready(existing)
             return existing, True
         self._validate(sandbox_id, spec)
-        check = getattr(self.backends[spec.backend], "validate", None)
-        if check is not None:
-            await asyncio.to_thread(check, spec)  # e.g. an unknown image fails here, fast
-            if sandbox_id in self.records:  # a concurrent retry got in first
-                return await self.create(
-                    sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
-                )
+        # e.g. an unknown image fails here, fast
+        await asyncio.to_thread(self.backends[spec.backend].validate, spec)
+        if sandbox_id in self.records:  # a concurrent retry got in first
+            return await self.create(
+                sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
+            )
         self._admit(spec)
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
@@ -271,10 +315,10 @@ class SandboxManager:
             key = id(spec)
             if key not in validated:
                 validated[key] = None
-                check = getattr(self.backends.get(spec.backend), "validate", None)
-                if check is not None:
+                backend = self.backends.get(spec.backend)
+                if backend is not None:
                     try:
-                        await asyncio.to_thread(check, spec)
+                        await asyncio.to_thread(backend.validate, spec)
                     except DSecError as exc:
                         validated[key] = exc
         for sandbox_id, spec in items:
@@ -305,7 +349,7 @@ class SandboxManager:
         inline = []
         tasks = []
         for r in fresh:
-            if getattr(self.backend_of(r), "starts_inline", False):
+            if self.backend_of(r).starts_inline:
                 inline.append(r)
             else:
                 tasks.append(asyncio.create_task(self._start(r)))
@@ -382,20 +426,22 @@ class SandboxManager:
 
     async def pause(self, sandbox_id: str) -> SandboxRecord:
         rec = self.get_live(sandbox_id)
+        pausable = require(self.backend_of(rec), Pausable)
         await self._wait_ready(rec)
         if rec.state == "PAUSED":
             return rec
         if rec.state != "RUNNING":
             raise FailedPrecondition(f"sandbox {sandbox_id} is {rec.state}, not RUNNING")
-        await self.backend_of(rec).pause(rec)
+        await pausable.pause(rec)
         self._set_state(rec, "PAUSED")
         return rec
 
     async def resume(self, sandbox_id: str) -> SandboxRecord:
         rec = self.get_live(sandbox_id)
+        pausable = require(self.backend_of(rec), Pausable)
         if rec.state != "PAUSED":
             return rec
-        await self.backend_of(rec).resume(rec)
+        await pausable.resume(rec)
         rec.last_active_at = time.time()
         self._set_state(rec, "RUNNING")
         return rec
@@ -425,14 +471,7 @@ class SandboxManager:
                 f"sandbox {sandbox_id} is {rec.state}: its network policy cannot change now",
                 reason="SANDBOX_NOT_RUNNING",
             )
-        update = getattr(self.backend_of(rec), "update_network_policy", None)
-        if update is None:  # a runtime without networking (null): validate and record only
-            from edge.network.policy import parse
-
-            parse(policy)
-            rec.spec.network = policy
-        else:
-            await update(rec, policy)
+        await require(self.backend_of(rec), NetworkPolicies).update_network_policy(rec, policy)
         self._changed(rec)
         return rec
 
@@ -446,13 +485,7 @@ class SandboxManager:
         """(path, deleted) of every file of the read-only layers the sandbox changed."""
         rec = self.get_live(sandbox_id)
         await self._wait_ready(rec)
-        scan = getattr(self.backend_of(rec), "modified_files", None)
-        if scan is None:
-            raise FailedPrecondition(
-                f"sandbox {sandbox_id}'s runtime has no writable layer", reason="NOT_SUPPORTED"
-            )
-        result: builtins.list[tuple[str, bool]] = await scan(rec)
-        return result
+        return await require(self.backend_of(rec), ModifiedFiles).modified_files(rec)
 
     async def _terminate(self, rec: SandboxRecord, reason: str, message: str) -> None:
         if rec.state == TERMINAL:
@@ -512,6 +545,73 @@ class SandboxManager:
         while True:
             await asyncio.sleep(self.reap_interval_s)
             await self.reap_once()
+
+    # ------------------------------------------------------------ disk reserve
+
+    def _disk_allocations(self) -> Allocations:
+        """Per live sandbox, the bytes it holds on which filesystem (blocking)."""
+        out: Allocations = {}
+        for b in {id(b): b for b in self.backends.values()}.values():
+            if offers(b, DiskUsage):
+                out.update(require(b, DiskUsage).disk_allocations())
+        return out
+
+    async def disk_guard_once(self) -> str | None:
+        """One pass of the free-space reserve (see edge.disk_guard): returns the sandbox it
+        ended, if any."""
+        guard = self.disk_guard
+        if guard is None:
+            return None
+        filesystems = await asyncio.to_thread(guard.sample)
+        fs = guard.low()
+        self._disk_passes += 1
+        near = any(f.free_bytes < 2 * guard.reserve_bytes for f in filesystems)
+        if fs is None and not near and self._disk_passes % 8:
+            return None  # allocations are sampled every 8th pass while there is room
+        allocations = await asyncio.to_thread(self._disk_allocations)
+        if fs is None:
+            guard.remember(allocations)
+            return None
+        sid = guard.fastest_writer(fs, allocations)
+        if sid is None or sid not in self.records or not self.records[sid].live:
+            if self._disk_passes % 40 == 1:
+                log.warning(
+                    "%s has %d MiB free, below the reserve of %d MiB, and no sandbox is "
+                    "writing there: creates are refused until space is back",
+                    fs.path,
+                    fs.free_mb,
+                    guard.reserve_bytes >> 20,
+                )
+            return None
+        used_mb = allocations[sid][1] >> 20
+        log.warning(
+            "%s below its reserve (%d MiB free): ending %s, the fastest writer (%d MiB)",
+            fs.path,
+            fs.free_mb,
+            sid,
+            used_mb,
+            extra={"sandbox_id": sid, "reason": "DISK_QUOTA"},
+        )
+        await self.stop(
+            sid,
+            reason="DISK_QUOTA",
+            message=(
+                f"the node's disk ({fs.path}) fell below its free-space reserve "
+                f"({fs.free_mb} MiB free) while this sandbox was writing fastest "
+                f"({used_mb} MiB in its writable layer)"
+            ),
+            grace_s=0.0,
+        )
+        await asyncio.to_thread(guard.sample)  # its space is back: admission sees it at once
+        return sid
+
+    async def disk_guard_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.disk_check_interval_s)
+            try:
+                await self.disk_guard_once()
+            except Exception:
+                log.exception("disk guard pass failed")
 
     # ------------------------------------------------------------ recovery
 
@@ -577,13 +677,35 @@ class SandboxManager:
                 self._end_subscribers.discard(q)
 
     def _persist(self, rec: SandboxRecord) -> None:
+        """Write the record (tmp + rename). Never raises: on a full disk (or any write error)
+        the sandbox's life goes on — a teardown above all — with the record as it was; a
+        terminated sandbox whose record cannot be written loses its file instead, so that
+        recovery never re-adopts what was torn down (orphan cleanup removes any leftovers)."""
         path = self.records_dir / f"{rec.sandbox_id}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(rec.to_json())
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(rec.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if rec.state == TERMINAL:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            self._persist_failures += 1
+            if self._persist_failures in (1, 10, 100) or self._persist_failures % 1000 == 0:
+                log.error(
+                    "cannot write the record of %s (%s; %d failed writes so far): going on "
+                    "without it",
+                    rec.sandbox_id,
+                    exc.strerror or exc,
+                    self._persist_failures,
+                    extra={"sandbox_id": rec.sandbox_id},
+                )
 
     def _forget_file(self, sandbox_id: str) -> None:
-        (self.records_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (self.records_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
 
     def subscribe(
         self, maxsize: int = 10_000, *, terminal_only: bool = False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,8 +15,12 @@ from common.telemetry import setup_logging, setup_tracing
 from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descriptor)
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+from edge import controls
 from edge.backends import NullBackend, SandboxBackend
+from edge.backends.contract import DiskUsage, LayerStore, offers, require
 from edge.config import EdgeConfig
+from edge.controls import Control
+from edge.disk_guard import DiskGuard
 from edge.fncall.adapter import FnCallAdapter
 from edge.fncall.service import FnCallService
 from edge.layers_adapter import LayersAdapter
@@ -28,12 +31,39 @@ from edge.servicer import EdgeServicer
 log = logging.getLogger(__name__)
 
 
+def check_controls(cfg: EdgeConfig) -> list[Control]:
+    """The host controls the runtime relies on (edge/controls.py); raises ControlMissing.
+    The null runtime starts nothing, so it relies on none."""
+    if cfg.runtime == "null":
+        return []
+    from edge.runtime import apparmor
+
+    return controls.check(
+        disabled=cfg.disabled_controls,
+        bpf_pin_dir=cfg.bpf_pin_dir,
+        apparmor=apparmor.available(),
+    )
+
+
 def make_backends(cfg: EdgeConfig) -> list[SandboxBackend]:
     if cfg.runtime == "null":
         return [NullBackend()]
-    from edge.container import ContainerBackend  # needs runc; imported only when used
+    # needs runc; imported only when used
+    from edge.backends.container.backend import ContainerBackend
 
     return [ContainerBackend.from_config(cfg)]
+
+
+def make_disk_guard(cfg: EdgeConfig, backends: list[SandboxBackend]) -> DiskGuard:
+    """The free-space reserve over every filesystem the edge writes: its state (records,
+    writable layers, logs, layer metadata, FnCall pools) and the layer store it builds into."""
+    paths = [cfg.state_dir]
+    for b in backends:
+        if offers(b, DiskUsage):
+            paths += require(b, DiskUsage).disk_paths()
+        if offers(b, LayerStore):
+            paths.append(require(b, LayerStore).environments.settings.store_root)
+    return DiskGuard(paths, cfg.disk_reserve_mb << 20)
 
 
 def make_fncall(cfg: EdgeConfig) -> tuple[FnCallService | None, str]:
@@ -101,7 +131,13 @@ async def main() -> None:
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=64, thread_name_prefix="edge")
     )
+    try:
+        host_controls = check_controls(cfg)
+    except controls.ControlMissing as exc:
+        log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
+        raise SystemExit(2) from None
     backends = make_backends(cfg)
+    guard = make_disk_guard(cfg, backends)
     manager = SandboxManager(
         cfg.edge_id,
         cfg.state_dir,
@@ -111,6 +147,8 @@ async def main() -> None:
         backends,
         terminated_retention_s=cfg.terminated_retention_s,
         reap_interval_s=cfg.reap_interval_s,
+        disk_guard=guard,
+        disk_check_interval_s=cfg.disk_check_interval_s,
     )
     await manager.recover()
     server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
@@ -119,7 +157,7 @@ async def main() -> None:
     fncall, no_fncall = make_fncall(cfg)
     # The layer store comes with the container runtime (it composes the layered rootfs).
     environments = next(
-        (e for b in backends if (e := getattr(b, "environments", None)) is not None), None
+        (require(b, LayerStore).environments for b in backends if offers(b, LayerStore)), None
     )
     server.add(
         EdgeServicer(
@@ -127,25 +165,18 @@ async def main() -> None:
             info,
             fncall=FnCallAdapter(fncall, no_fncall),
             layers=LayersAdapter(environments, manager),
+            controls=host_controls,
         ),
         "dsec.edge.v1.EdgeService",
     )
     server.background(manager.reap_loop)
-    for b in backends:
-        maintain = getattr(b, "maintain_layers", None)
-        if maintain is not None:
-            server.background(functools.partial(maintain, cfg.layer_gc_interval_s))
+    server.background(manager.disk_guard_loop)
     if fncall is not None:
         server.background(fncall.run_pools)
         server.on_close(fncall.close)
     for b in backends:
-        warm = getattr(b, "warm_loop", None)  # started sandboxes waiting for their owner
-        if warm is not None:
-            server.background(warm)
-    for b in backends:
-        watch = getattr(b, "watch_loop", None)  # containment: counters, limits, kernel faults
-        if watch is not None:
-            server.background(watch)
+        for loop in b.background_loops():
+            server.background(loop)
     for b in backends:
         server.on_close(b.close)
     server.on_close(manager.close)

@@ -11,18 +11,20 @@ from typing import Any
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
+from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
+from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
 from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
 from libdsec._status import code_number
-from libdsec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from libdsec.errors import InvalidArgument, Unavailable
 
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
 WATCH_QUEUE = 200_000
-#: Sandboxes per message of a WatchSandboxes replay (a message per sandbox costs ~10x more).
+#: Sandboxes per message of a WatchSandboxes replay (a message per sandbox costs far more).
 REPLAY_BATCH = 512
 
 
@@ -84,8 +86,13 @@ class EdgeServicer:
         *,
         fncall: FnCallAdapter | None = None,
         layers: LayersAdapter | None = None,
+        controls: list[Control] | None = None,
     ) -> None:
         self.manager = manager
+        self.controls = [
+            edge_pb2.HostControl(name=c.name, state=c.state, detail=c.detail)
+            for c in controls or []
+        ]
         self.info = info
         self.fncall = fncall or FnCallAdapter(None)
         self.layers = layers or LayersAdapter(None, manager)
@@ -221,15 +228,15 @@ class EdgeServicer:
                 for image, (target, ready, claimed, missed) in self._warm_status().items()
             },
             fncall=self.fncall.pool_status(),
+            controls=self.controls,
         )
 
     def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """image -> (target, ready, claimed, missed) of the backends' warm pools."""
         out: dict[str, tuple[int, int, int, int]] = {}
         for b in self.manager.backends.values():
-            pool = getattr(b, "warm", None)
-            if pool is not None:
-                out.update(pool.status())
+            if offers(b, WarmClaims):
+                out.update(require(b, WarmClaims).warm_status())
         return out
 
     async def WatchSandboxes(
@@ -298,8 +305,10 @@ class EdgeServicer:
     async def _channel(self, sandbox_id: str) -> Any:
         if not sandbox_id:
             raise InvalidArgument("sandbox_id is required")
+        # The capability first: a sandbox whose backend runs no commands is not resumed for it.
+        executes = require(self.manager.backend_of(self.manager.get_live(sandbox_id)), Executes)
         rec = await self.manager.touch(sandbox_id)
-        return self.manager.backend_of(rec).channel(rec)
+        return executes.channel(rec)
 
     async def _exec_channel(self, request: types_pb2.ExecRequest) -> tuple[Any, Any]:
         """The channel for an exec, and the request to send on it. A trusted exec goes to the
@@ -313,14 +322,10 @@ class EdgeServicer:
             )
         if not request.sandbox_id:
             raise InvalidArgument("sandbox_id is required")
+        live = self.manager.get_live(request.sandbox_id)
+        trusted = require(self.manager.backend_of(live), TrustedExecution)
         rec = await self.manager.touch(request.sandbox_id)
-        trusted = getattr(self.manager.backend_of(rec), "trusted_channel", None)
-        if trusted is None:
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id}'s runtime has no trusted execution",
-                reason="TRUSTED_EXEC_UNSUPPORTED",
-            )
-        channel = await trusted(rec)
+        channel = await trusted.trusted_channel(rec)
         plain = types_pb2.ExecRequest()
         plain.CopyFrom(request)
         plain.trusted = False

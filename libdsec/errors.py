@@ -28,6 +28,7 @@ Tree::
     │   ├── QuotaExceeded
     │   ├── NoEligibleEdge
     │   └── EdgeCapacity
+    │       └── NodeDiskLow       the edge's disk is below its free-space reserve
     ├── Unavailable               UNAVAILABLE          transient: retry
     │   └── ChannelClosed
     ├── Unauthenticated           UNAUTHENTICATED      bad or missing token
@@ -35,6 +36,7 @@ Tree::
     ├── DeadlineExceeded          DEADLINE_EXCEEDED
     ├── Cancelled                 CANCELLED
     ├── Unimplemented             UNIMPLEMENTED        not in this version/backend
+    │   └── BackendCapabilityMissing   the sandbox's backend lacks the capability
     └── Internal                  INTERNAL             a dsec bug
 """
 
@@ -47,6 +49,7 @@ import grpc
 
 __all__ = [
     "AlreadyExists",
+    "BackendCapabilityMissing",
     "BackendNotOffered",
     "Cancelled",
     "ChannelClosed",
@@ -60,6 +63,7 @@ __all__ = [
     "LayerCorrupt",
     "LayerNotFound",
     "NoEligibleEdge",
+    "NodeDiskLow",
     "NotFound",
     "PathNotFound",
     "PermissionDenied",
@@ -190,6 +194,13 @@ class EdgeCapacity(ResourceExhausted):
     default_reason = "EDGE_CAPACITY"
 
 
+class NodeDiskLow(EdgeCapacity):
+    """The edge's disk is below its free-space reserve; placement tries another edge.
+    ``metadata``: ``edge``, ``path`` (the filesystem), ``free_mb``, ``reserve_mb``."""
+
+    default_reason = "NODE_DISK_LOW"
+
+
 class Unavailable(DSecError):
     """A transient failure (a service restarting, a node unreachable); safe to retry."""
 
@@ -226,6 +237,13 @@ class Cancelled(DSecError):
 class Unimplemented(DSecError):
     code = grpc.StatusCode.UNIMPLEMENTED
     default_reason = "UNIMPLEMENTED"
+
+
+class BackendCapabilityMissing(Unimplemented):
+    """The sandbox's backend does not offer the operation (e.g. pack_diff on a microVM);
+    ``metadata``: ``backend``, ``capability``."""
+
+    default_reason = "BACKEND_CAPABILITY"
 
 
 class Internal(DSecError):

@@ -66,6 +66,9 @@ class FnCallSettings:
     #: their sum, so files never starve the runner of memory after a job is killed.
     job_dir_mb: int = 128
     tmp_dir_mb: int = 64
+    #: Writable-layer limit of a pool container: what a job writes outside /job and /tmp
+    #: (/var/tmp, ...) lands on a size-limited filesystem, never on the node's disk unbounded.
+    disk_mb: int = 256
 
     @property
     def tmpfs_bytes(self) -> int:

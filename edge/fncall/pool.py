@@ -254,6 +254,7 @@ class Launcher:
             toolkit_dir=self.kit_dir,
             pass_fd=child.fileno(),
             log_path=self.logs / f"{sid}.log",
+            disk_mb=self.settings.disk_mb,
             # the job's files and scratch on tmpfs: creating a file on the overlay costs ~0.2 ms
             tmpfs=(
                 TmpfsMount("/job", self.settings.job_dir_mb, 0o700),

@@ -14,7 +14,7 @@
 The node bridge, its firewall and the resolver are set up when the first networked sandbox
 starts (sandboxes without network cost nothing), and removed by `close(teardown=True)`.
 
-A trusted-execution sibling (see edge.container) is attached with `owner=` its sandbox: it gets
+A trusted-execution sibling (see edge.backends.container.backend) is attached with `owner=` its sandbox: it gets
 its own address and link, and the same filter object (same maps: one policy, one counter).
 """
 

@@ -44,6 +44,15 @@ from typing import Any
 
 from edge.runtime.spec import LaunchSpec
 
+
+@lru_cache(maxsize=1)
+def _has_memsw() -> bool:
+    from edge.runtime import cgroups
+
+    memory = cgroups.hierarchies().get("memory")
+    return memory is not None and (memory / "memory.memsw.limit_in_bytes").exists()
+
+
 OCI_VERSION = "1.0.2-dev"
 CPU_PERIOD_US = 100_000
 NOFILE = 65_536
@@ -243,8 +252,11 @@ def make_config(
             # deny-all; runc adds its default allow list (null, zero, full, random, urandom,
             # tty, ptmx, pts) and creates those nodes.
             "devices": [{"allow": False, "access": "rwm"}],
-            # swap == limit: OCI's "swap" is memory+swap (memsw), so no swap escape.
-            "memory": {"limit": memory, "swap": memory, "disableOOMKiller": False},
+            # swap == limit: OCI's "swap" is memory+swap (memsw), so no swap escape. Without
+            # swap accounting (only where the operator turned memory_swap off) runc cannot
+            # set it: the memory limit alone.
+            "memory": {"limit": memory, "disableOOMKiller": False}
+            | ({"swap": memory} if _has_memsw() else {}),
             "cpu": {
                 "quota": cpu_quota_us(spec.cpu_millis),
                 "period": CPU_PERIOD_US,

@@ -168,12 +168,16 @@ def set_limits(
     memsw >= memory at every step. Raises OSError (EBUSY: usage above the new memory limit)."""
 
     def write(controller: str, name: str, value: int) -> None:
+        # Fail closed: a limit whose file is absent is an error, never skipped. The one
+        # exception is memory+swap, absent only where the operator turned memory_swap off
+        # (edge/controls.py refuses to start otherwise).
         d = controller_dir(controller, cgroup_path)
         if d is None:
-            return
+            raise FileNotFoundError(f"no cgroup v1 {controller} hierarchy for {cgroup_path}")
         f = d / name
-        if f.exists():
-            f.write_text(str(value))
+        if name.startswith("memory.memsw.") and not f.exists():
+            return
+        f.write_text(str(value))
 
     write("cpu", "cpu.cfs_quota_us", cpu_quota_us)
     write("cpu", "cpu.shares", cpu_shares)

@@ -426,6 +426,23 @@ def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sand
     assert proc.wait(timeout_s=0.1).running
 
 
+def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    # Field 41 of /proc/<pid>/stat is the scheduling policy: 0 SCHED_OTHER, 5 SCHED_IDLE.
+    policy = "cut -d' ' -f41 /proc/self/stat"
+    be = make_sandbox(image="bookworm", best_effort=True)
+    ls = make_sandbox(image="bookworm")
+    assert be.run(policy).text == "5\n"
+    assert ls.run(policy).text == "0\n"
+    # A command cannot switch itself back to SCHED_OTHER (no CAP_SYS_NICE, RLIMIT_NICE 0).
+    escape = be.run(
+        "python3 -c 'import os; os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))'"
+    )
+    assert escape.exit_code != 0 and b"PermissionError" in escape.stderr, escape
+    assert be.run(policy).text == "5\n"
+
+
 def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client) -> None:
     """This cluster's one edge offers containers only (no FnCall pools): a microvm create is
     FAILED_PRECONDITION BACKEND_NOT_OFFERED (a retry cannot help), alone and in a burst."""

@@ -19,6 +19,7 @@ import dsec.watcher.v1.watcher_pb2  # noqa: F401  (registers descriptors)
 from dsecctl.cluster import LocalCluster, health
 from libdsec import Client, Quota
 from libdsec.errors import (
+    BackendCapabilityMissing,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -194,9 +195,14 @@ def test_null_runtime_lifecycle_through_the_chain(cluster: LocalCluster) -> None
         again = c.get(sb.id)
         assert again.info.labels == {"suite": "foundation"}
         assert [s.id for s in c.list(labels={"suite": "foundation"})] == [sb.id]
-        with pytest.raises(FailedPrecondition) as info:
+        # The null runtime starts nothing and says so: no commands, no pause.
+        with pytest.raises(BackendCapabilityMissing) as missing:
             sb.run("true")
-        assert info.value.reason == "NULL_RUNTIME"
+        assert missing.value.metadata == {"backend": "null", "capability": "exec"}
+        with pytest.raises(BackendCapabilityMissing) as missing:
+            sb.pause()
+        assert missing.value.metadata["capability"] == "pause"
+        assert c.get(sb.id).info.state == "RUNNING"
         stopped = sb.stop()
         assert stopped.state == "TERMINATED" and stopped.termination_reason == "STOPPED"
         with pytest.raises(FailedPrecondition) as info:

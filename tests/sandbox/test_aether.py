@@ -7,6 +7,8 @@ the edge starts it under runc.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -387,3 +389,91 @@ def test_memory_and_latency(tmp_path: Path, mode: str) -> None:
         assert total.pss < 40 * mib
     finally:
         sb.stop()
+
+
+class _FdStream:
+    """The host end of a character-device channel, with the socket methods Edge uses."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def recv_into(self, view: memoryview, n: int) -> int:
+        import select
+
+        deadline = time.monotonic() + 20
+        while True:
+            ready, _, _ = select.select([self.fd], [], [], 1)
+            try:
+                data = os.read(self.fd, n) if ready else b""
+            except OSError as exc:  # EIO: nobody has the pty's other end open (yet)
+                if exc.errno != errno.EIO:
+                    raise
+                data = b""
+                time.sleep(0.05)
+            if data:
+                view[: len(data)] = data
+                return len(data)
+            assert time.monotonic() < deadline, "nothing from aether within 20 s"
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_a_character_device_as_the_channel(tmp_path: Path) -> None:
+    """In a VM the channel is a virtio-serial port (a character device), not a socket aether
+    accepts on: aether opens the device, greets whoever is at the other end, answers a host
+    that connects later (a Ping of nonce 0) with its Hello, and serves calls as over a socket.
+    A pty stands in for the port here (a real character device; aether makes it raw)."""
+    import pty
+    import tty
+
+    master, slave = pty.openpty()
+    tty.setraw(master)
+    device = os.ttyname(slave)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        DSEC_AETHER_CHANNEL_DEVICE=device,
+        DSEC_CHRONUS_RUNTIME_DIR=str(tmp_path / "run"),
+    )
+    env.pop("DSEC_AETHER_LISTEN_FD", None)
+    log = open(tmp_path / "aether.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-S", "-m", "aether"],
+        env=env,
+        cwd=tmp_path,
+        stderr=log,
+        start_new_session=True,  # no controlling terminal: the pty is only a channel
+    )
+    os.close(slave)
+    try:
+        edge = Edge.__new__(Edge)
+        edge.sock = _FdStream(master)  # type: ignore[assignment]
+        edge.pending, edge._next = [], 1
+        first = edge.recv()
+        assert first.HasField("hello") and first.hello.pid == proc.pid
+        # A host (re)connecting asks for the Hello again.
+        edge.send(A.Frame(ping=A.Ping(nonce=0)))
+        again, pong = edge.recv(), edge.recv()
+        assert again.HasField("hello") and pong.HasField("pong"), (again, pong)
+        r = edge.run("echo over the device; exit 3")
+        assert r.stdout == b"over the device\n" and r.exit.exit_code == 3
+        # Streams, as over a socket: two commands interleaved on their own stream ids.
+        a = edge.open(C.Request(exec=T.ExecRequest(command="echo a")))
+        b = edge.open(C.Request(exec=T.ExecRequest(command="echo b")))
+        assert edge.collect(b)[0][0].exec_result.stdout == b"b\n"
+        assert edge.collect(a)[0][0].exec_result.stdout == b"a\n"
+    finally:
+        tree = descendants({proc.pid}, proc_table())
+        proc.kill()
+        proc.wait()
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.close(master)
+        log.close()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.config import ConfigError
+from edge.backends.container.containment import _KernelLog
 from edge.config import EdgeConfig
-from edge.containment import _KernelLog
 from edge.runtime.apparmor import PROFILE_NAME, profile_text
 
 

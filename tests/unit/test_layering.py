@@ -19,7 +19,7 @@ DOMAIN_MODULES = [
     "watcher/ledger.py",
     "edge/manager.py",
     "edge/model.py",
-    "edge/backends.py",
+    "edge/backends/contract.py",
     *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "edge" / "runtime").glob("*.py"))],
 ]
 SERVER_PACKAGES = {

@@ -6,12 +6,14 @@ import asyncio
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
-from edge.backends import NullBackend
+from edge.backends import Capability, NullBackend
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from libdsec.errors import (
+    BackendCapabilityMissing,
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
@@ -98,14 +100,55 @@ async def test_ttl_and_idle_are_enforced_locally(tmp_path: Path) -> None:
     assert m.load().sandboxes == 0 and m.load().cpu_millis == 0
 
 
+class PausableNull(NullBackend):
+    """The null backend with the pause capability declared and its calls recorded."""
+
+    capabilities = frozenset({Capability.PAUSE})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    async def pause(self, rec):  # type: ignore[no-untyped-def]
+        self.calls.append(("pause", rec.sandbox_id))
+
+    async def resume(self, rec):  # type: ignore[no-untyped-def]
+        self.calls.append(("resume", rec.sandbox_id))
+
+
 async def test_pause_resume_and_transparent_resume(tmp_path: Path) -> None:
-    m = manager(tmp_path)
+    backend = PausableNull()
+    m = manager(tmp_path, backend)
     await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
     assert (await m.pause("sb-e1-aaaaaa01")).state == "PAUSED"
     assert (await m.touch("sb-e1-aaaaaa01")).state == "RUNNING"  # any request resumes
+    assert backend.calls == [("pause", "sb-e1-aaaaaa01"), ("resume", "sb-e1-aaaaaa01")]
     await m.stop("sb-e1-aaaaaa01")
     with pytest.raises(FailedPrecondition):
         await m.pause("sb-e1-aaaaaa01")
+
+
+async def test_a_capability_the_backend_lacks_is_unimplemented_naming_both(
+    tmp_path: Path,
+) -> None:
+    m = manager(tmp_path)  # the plain null backend declares no capability
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
+    for call in (m.pause, m.resume, m.modified_files):
+        with pytest.raises(BackendCapabilityMissing) as info:
+            await call("sb-e1-aaaaaa01")
+        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.reason == "BACKEND_CAPABILITY"
+        assert info.value.metadata["backend"] == "null"
+    assert info.value.metadata["capability"] == "modified_files"
+    assert m.get("sb-e1-aaaaaa01").state == "RUNNING"  # nothing changed
+
+
+def test_a_backend_declaring_what_it_does_not_implement_is_refused(tmp_path: Path) -> None:
+    class Liar(NullBackend):
+        capabilities = frozenset({Capability.PAUSE})  # but no pause()/resume()
+
+    with pytest.raises(TypeError, match="declares pause but does not implement Pausable"):
+        manager(tmp_path, Liar())
 
 
 async def test_events_are_published(tmp_path: Path) -> None:

@@ -784,6 +784,7 @@ class GetNodeStatusResponse(_message.Message):
     SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
     WARM_FIELD_NUMBER: _builtins.int
     FNCALL_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -809,6 +810,10 @@ class GetNodeStatusResponse(_message.Message):
     def fncall(self) -> _containers.MessageMap[_builtins.str, Global___FnCallPoolStatus]:
         """FnCall pools per environment (DSEC_EDGE_FNCALL_POOLS)"""
 
+    @_builtins.property
+    def controls(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostControl]:
+        """the host controls this edge enforces (checked at start)"""
+
     def __init__(
         self,
         *,
@@ -822,14 +827,49 @@ class GetNodeStatusResponse(_message.Message):
         sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         warm: _abc.Mapping[_builtins.str, Global___WarmPoolStatus] | None = ...,
         fncall: _abc.Mapping[_builtins.str, Global___FnCallPoolStatus] | None = ...,
+        controls: _abc.Iterable[Global___HostControl] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class HostControl(_message.Message):
+    """A control the edge relies on (edge/controls.py). A required one the host lacks stops the edge
+    at start unless the operator turned it off (DSEC_EDGE_DISABLED_CONTROLS).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """cgroup_cpu, cgroup_memory, cgroup_pids, cgroup_freezer, memory_swap,"""
+    state: _builtins.str
+    """landlock, seccomp, disk_limit, network, apparmor
+    "enforced", "disabled" (by the operator) or "absent" (optional, not on this host)
+    """
+    detail: _builtins.str
+    """e.g. "ABI 7", "cgroup v1 at /sys/fs/cgroup/memory" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        state: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "name", b"name", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostControl: _TypeAlias = HostControl  # noqa: Y015
 
 @_typing.final
 class FnCallPoolStatus(_message.Message):

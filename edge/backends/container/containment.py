@@ -1,6 +1,6 @@
 """Containment of untrusted agents in container sandboxes (the Untrusted agents issue).
 
-The container backend (`edge.container`) calls in here at a few points of a sandbox's life; this
+The container backend (`edge.backends.container.backend`) calls in here at a few points of a sandbox's life; this
 module owns what the edge adds to a runc sandbox so that an agent that is root inside it, and
 optimises its reward rather than its task, stays contained and gets reported:
 
@@ -16,10 +16,9 @@ optimises its reward rather than its task, stays contained and gets reported:
   forks failing for `pids_exhausted_after_s`), POLICY_VIOLATION (more blocked connects than the
   policy's max_blocked_connects), KERNEL_FAULT (a kernel oops in one of its processes, from
   /dev/kmsg);
-- trusted execution (`trusted_channel`): a sibling container made from the sandbox's read-only
-  layers only, plus its workspace, in which the evaluation step runs (a /bin/bash the agent
-  overwrote is not there); and the report of which lower-layer files the agent modified or
-  deleted (`modified_files`).
+- the report of which lower-layer files the agent modified or deleted (`modified_files`);
+  trusted execution, the evaluation step in a sibling made of the read-only layers, is
+  `edge.backends.container.trusted`.
 """
 
 from __future__ import annotations
@@ -36,24 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.aether_client import AetherConnection
+from edge.backends.container.trusted import init_pid
+from edge.config import MIN_DISK_MB
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network.denials import DenialCounter
 from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
-from edge.runtime import apparmor, cgroups, disk, integrity, mounts
+from edge.runtime import apparmor, cgroups, disk, integrity
 from edge.runtime.bundle import rewrite_in_place
 from edge.runtime.detached import detached_tmpfs
-from edge.runtime.spec import BindMount
 from libdsec.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
-    from edge.container import ContainerBackend
+    from edge.backends.container.backend import ContainerBackend
 
 log = logging.getLogger(__name__)
 
 RUNTIME_FD = 4  # chronus's runtime directory in the sandbox (after the channel at 3)
-TRUSTED_SUFFIX = "-t"
 _POLICY_CACHE_S = 30.0
 
 
@@ -87,20 +85,21 @@ class Containment:
         backend: ContainerBackend,
         network: NetworkManager | None,
         *,
-        default_disk_mb: int = 0,
+        default_disk_mb: int = 10240,
+        max_disk_mb: int = 204800,
+        log_max_bytes: int = 1 << 20,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
     ) -> None:
         self.backend = backend
         self.network = network
         self.default_disk_mb = default_disk_mb
+        self.max_disk_mb = max_disk_mb
+        self.log_max_bytes = log_max_bytes
         self.watch_interval_s = watch_interval_s
         self.pids_exhausted_after_s = pids_exhausted_after_s
         self.watched: dict[str, _Watch] = {}
         self._policy_cache: dict[str, tuple[float, Policy, dict[str, list[str]]]] = {}
-        self._trusted: dict[str, AetherConnection] = {}
-        self._trusted_workspace: dict[str, tuple[int, int]] = {}  # sid -> (st_dev, st_ino)
-        self._trusted_locks: dict[str, asyncio.Lock] = {}
         self.denials = DenialCounter()
         self._kmsg = _KernelLog()
         self.apparmor_profile = ""
@@ -144,10 +143,12 @@ class Containment:
 
     def validate(self, spec: SandboxSpec) -> None:
         """Before admission (blocking): network policy and disk quota."""
-        if spec.disk_mb and spec.disk_mb < 16:
+        if spec.disk_mb and not MIN_DISK_MB <= spec.disk_mb <= self.max_disk_mb:
             raise InvalidArgument(
-                f"resources.disk_mb={spec.disk_mb}: at least 16 (or 0 for the default)",
+                f"resources.disk_mb={spec.disk_mb}: expected {MIN_DISK_MB}..{self.max_disk_mb} "
+                f"(this edge's maximum), or 0 for its default ({self.default_disk_mb})",
                 reason="INVALID_RESOURCES",
+                metadata={"field": "resources.disk_mb", "max_disk_mb": str(self.max_disk_mb)},
             )
         self._policy(spec.network)
 
@@ -195,30 +196,18 @@ class Containment:
     async def destroyed(self, rec: SandboxRecord) -> None:
         sid = rec.sandbox_id
         self.watched.pop(sid, None)
-        await self._destroy_trusted(sid)
+        await self.backend.trusted.destroy(sid)
         if self.network is not None:
             await self.network.detach(sid)
         self.denials.forget(self._cgroup2(sid))
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         removed: list[str] = []
-        # Trusted siblings never outlive an edge restart (the runtime removed them as orphans:
-        # their ids are never kept); their workspace bind mounts go too.
-        trusted_root = self.backend.state_dir / "trusted"
-        if trusted_root.is_dir():
-            for d in trusted_root.iterdir():
-                if d.name.removesuffix(TRUSTED_SUFFIX) not in self._trusted:
-                    await asyncio.to_thread(_remove_staging, d)
-                    removed.append(f"trusted:{d.name}")
         if self.network is not None:
             removed += await self.network.cleanup_orphans(keep)
         return removed
 
     async def close(self) -> None:
-        for conn in list(self._trusted.values()):
-            with contextlib.suppress(Exception):
-                await conn.close()
-        self._trusted.clear()
         self.denials.close()
         self._kmsg.close()
         idle = not self.backend.runtime.list_ids()
@@ -261,7 +250,7 @@ class Containment:
 
     async def modified_files(self, rec: SandboxRecord) -> list[integrity.ModifiedFile]:
         sdir = self.backend.runtime.sandbox_dir(rec.sandbox_id)
-        pid = _init_pid(rec)
+        pid = init_pid(rec)
 
         def scan() -> list[integrity.ModifiedFile]:
             lowers = integrity.overlay_lowers(pid)
@@ -272,88 +261,6 @@ class Containment:
             return integrity.modified_files((sdir / "upper").resolve(), lowers)
 
         return await asyncio.to_thread(scan)
-
-    # ------------------------------------------------------------ trusted execution
-
-    def workspace(self, rec: SandboxRecord) -> str:
-        """The directory the trusted sibling shares with the sandbox (the agent's work)."""
-        w = rec.spec.workdir or str(rec.runtime.get("image_workdir") or "") or "/work"
-        return "/work" if w.rstrip("/") == "" else w.rstrip("/")
-
-    async def trusted_channel(self, rec: SandboxRecord) -> AetherConnection:
-        sid = rec.sandbox_id
-        lock = self._trusted_locks.setdefault(sid, asyncio.Lock())
-        async with lock:
-            conn = self._trusted.get(sid)
-            if conn is not None and not conn.closed.is_set():
-                # The sibling shares the workspace directory it was started with: if the agent
-                # replaced the directory since, start a sibling on the current one.
-                current = await asyncio.to_thread(
-                    _workspace_identity, _init_pid(rec), self.workspace(rec)
-                )
-                if current == self._trusted_workspace.get(sid):
-                    return conn
-            await self._destroy_trusted(sid)
-            conn, identity = await self._start_trusted(rec)
-            self._trusted[sid] = conn
-            self._trusted_workspace[sid] = identity
-            return conn
-
-    async def _start_trusted(self, rec: SandboxRecord) -> tuple[AetherConnection, tuple[int, int]]:
-        b = self.backend
-        sid = rec.sandbox_id
-        tid = sid + TRUSTED_SUFFIX
-        t0 = time.perf_counter()
-        image = await asyncio.to_thread(b.images.resolve, rec.spec.image, rec.spec.toolkits)
-        workspace = self.workspace(rec)
-        staging = b.state_dir / "trusted" / tid
-        src, identity = await asyncio.to_thread(
-            _stage_workspace, _init_pid(rec), workspace, staging
-        )
-        prep = await self.prepare(rec)
-        try:
-            proc = await b.launch(
-                tid, rec, image, prep, backlog=4, binds=(BindMount(src, workspace),)
-            )
-        except BaseException:
-            await asyncio.to_thread(_remove_staging, staging)
-            raise
-        try:
-            if self.network is not None and self.network.is_attached(sid):
-                await self.network.attach(tid, proc.pid, proc.cgroup_path, prep.policy, owner=sid)
-
-            async def closed(reason: str) -> None:
-                log.info("trusted sibling of %s: channel closed (%s)", sid, reason)
-
-            conn = AetherConnection(b._socket_address(tid), tid, on_close=closed)
-            await conn.connect(timeout_s=b.ready_timeout_s)
-        except BaseException:
-            await self._destroy_trusted(sid)
-            raise
-        log.info(
-            "trusted sibling of %s ready in %.1f ms (workspace %s)",
-            sid,
-            (time.perf_counter() - t0) * 1000,
-            workspace,
-            extra={"sandbox_id": sid},
-        )
-        return conn, identity
-
-    async def _destroy_trusted(self, sid: str) -> None:
-        b = self.backend
-        tid = sid + TRUSTED_SUFFIX
-        conn = self._trusted.pop(sid, None)
-        self._trusted_workspace.pop(sid, None)
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close()
-        if self.network is not None and self.network.is_attached(tid):
-            await self.network.detach(tid)
-        if tid in await asyncio.to_thread(b.runtime.list_ids):
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(b.runtime.destroy, tid)
-        b._socket_path(tid).unlink(missing_ok=True)
-        await asyncio.to_thread(_remove_staging, b.state_dir / "trusted" / tid)
 
     # ------------------------------------------------------------------ watchdog
 
@@ -381,19 +288,39 @@ class Containment:
     async def watch_once(self) -> None:
         faults = await asyncio.to_thread(self._kmsg.faulting_pids)
         for sid, w in list(self.watched.items()):
-            if w.rec.state != "RUNNING" or sid not in self.backend.connections:
+            if w.rec.state != "RUNNING" or sid not in self.backend.channels:
                 continue
             counters, verdict = await asyncio.to_thread(self._check, sid, w, faults)
+            await asyncio.to_thread(self._cap_log, sid)
             if any(w.rec.violations.get(k) != v for k, v in counters.items()):
                 # Merged here, on the loop: the servicer counts output truncations too.
                 w.rec.violations = {**w.rec.violations, **counters}
-            if verdict is not None and self.backend._on_exit is not None:
+            if verdict is not None:
                 reason, message = verdict
                 log.warning(
                     "sandbox %s contained: %s (%s)", sid, reason, message, extra={"sandbox_id": sid}
                 )
                 self.watched.pop(sid, None)
-                await self.backend._on_exit(sid, reason, message)
+                await self.backend.channels.report_exit(sid, reason, message)
+
+    def _cap_log(self, sid: str) -> None:
+        """Keep the sandbox's aether/chronus log below log_max_bytes: past it, cut it back to
+        its head (how the sandbox started) plus a marker; what follows is appended after it
+        (the writers' descriptor is O_APPEND). Blocking."""
+        path = self.backend.logs / f"{sid}.log"
+        try:
+            size = os.stat(path).st_size
+            if size <= self.log_max_bytes:
+                return
+            head = self.log_max_bytes // 4
+            with open(path, "r+b") as fh:
+                fh.truncate(head)
+                fh.seek(head)
+                fh.write(
+                    f"\n[dsec edge: log cut at {size} bytes; head kept, tail follows]\n".encode()
+                )
+        except OSError:
+            return
 
     def _check(
         self, sid: str, w: _Watch, faults: set[int]
@@ -476,104 +403,6 @@ def _remove_empty_cgroup_parent(parent: str) -> None:
     for root in set(cgroups.hierarchies().values()):
         with contextlib.suppress(OSError):
             (root / parent.strip("/")).rmdir()
-
-
-def _init_pid(rec: SandboxRecord) -> int:
-    pid = int(rec.runtime.get("pid") or 0)
-    if pid <= 0:
-        raise FailedPrecondition(
-            f"sandbox {rec.sandbox_id} has no running init", reason="NOT_RUNNING"
-        )
-    return pid
-
-
-def _open_workspace(pid: int, workspace: str) -> int:
-    """An O_PATH descriptor of the sandbox's `workspace`, resolved inside its root (as its init
-    `pid` sees it: the host keeps no mount of a started sandbox's rootfs) and refusing symlinks
-    anywhere on the way (the agent controls that tree; followed on the host, a symlink to / would
-    be the host's root). FailedPrecondition if that is not a directory."""
-    try:
-        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise FailedPrecondition(
-            f"the sandbox's init {pid} is gone: {exc.strerror}", reason="NOT_RUNNING"
-        ) from None
-    try:
-        return _openat2_beneath(root, workspace.lstrip("/"))
-    except OSError as exc:
-        raise FailedPrecondition(
-            f"the workspace {workspace} cannot be shared with trusted executions: "
-            f"{exc.strerror} (a symlink, or missing)",
-            reason="WORKSPACE_UNAVAILABLE",
-        ) from None
-    finally:
-        os.close(root)
-
-
-def _workspace_identity(pid: int, workspace: str) -> tuple[int, int]:
-    fd = _open_workspace(pid, workspace)
-    try:
-        st = os.fstat(fd)
-        return st.st_dev, st.st_ino
-    finally:
-        os.close(fd)
-
-
-def _stage_workspace(pid: int, workspace: str, staging: Path) -> tuple[Path, tuple[int, int]]:
-    """Bind the sandbox's `workspace` (see _open_workspace) to `staging/work`, for runc to bind
-    from; returns that path and the directory's identity. The directory is a mount of the
-    sandbox's own namespace, so the bind is a clone made there and attached here. Blocking."""
-    staging.mkdir(parents=True, exist_ok=True)
-    target = staging / "work"
-    target.mkdir(exist_ok=True)
-    fd = _open_workspace(pid, workspace)
-    try:
-        st = os.fstat(fd)
-        tree = mounts.clone_in_namespace_of(pid, fd)
-        try:
-            mounts.attach_detached(tree, target)
-        finally:
-            os.close(tree)
-    finally:
-        os.close(fd)
-    return target, (st.st_dev, st.st_ino)
-
-
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_BENEATH = 0x08
-_SYS_OPENAT2 = 437
-
-
-def _openat2_beneath(dirfd: int, rel: str) -> int:
-    import ctypes
-    import struct
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    how = struct.pack(
-        "=QQQ",
-        os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-        0,
-        _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | _RESOLVE_BENEATH,
-    )
-    buf = ctypes.create_string_buffer(how, len(how))
-    fd = int(
-        libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(rel or "."), buf, ctypes.c_size_t(len(how)))
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
-
-
-def _remove_staging(staging: Path) -> None:
-    for m in mounts.mounts_under(staging):
-        mounts.umount_quiet(m.mountpoint)
-    if not mounts.mounts_under(staging):
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 class _KernelLog:

@@ -36,9 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import ExitCallback
+from edge.backends.channels import ChannelKeeper
+from edge.backends.container.containment import Containment
+from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
+from edge.backends.container.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
+from edge.backends.container.warm import template as warm_template
+from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
 from edge.config import EdgeConfig
-from edge.containment import Containment
+from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ImageResolver, ResolvedImage
 from edge.layers import Environments, LayerRef, LayerSettings, PackResult
 from edge.layers.diff import mount_points
@@ -49,8 +54,6 @@ from edge.runtime import mounts
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
-from edge.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
-from edge.warm import template as warm_template
 from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
@@ -67,6 +70,20 @@ class ContainerBackend:
     name = "container"
     serves: tuple[str, ...] = ("CONTAINER",)
     persistent = True
+    starts_inline = False
+    capabilities: frozenset[Capability] = frozenset(
+        {
+            Capability.EXEC,
+            Capability.PAUSE,
+            Capability.PACK_DIFF,
+            Capability.TRUSTED_EXEC,
+            Capability.NETWORK_POLICY,
+            Capability.MODIFIED_FILES,
+            Capability.WARM_CLAIM,
+            Capability.DISK_USAGE,
+            Capability.LAYER_STORE,
+        }
+    )
 
     def __init__(
         self,
@@ -77,11 +94,15 @@ class ContainerBackend:
         ready_timeout_s: float = 30.0,
         layers: LayerSettings | None = None,
         network: NetworkManager | None = None,
-        default_disk_mb: int = 0,
+        default_disk_mb: int = 10240,
+        max_disk_mb: int = 204800,
+        log_max_bytes: int = 1 << 20,
+        layer_gc_interval_s: float = 300.0,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
+        landlock: bool = True,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -108,20 +129,41 @@ class ContainerBackend:
         self.images = ImageResolver(self.environments)
         self.toolkit_dir = self._mount_toolkit()
         self.ready_timeout_s = ready_timeout_s
-        self.connections: dict[str, AetherConnection] = {}
+        #: chronus must put every command in a Landlock domain (refusing to run without one)
+        #: unless the operator turned the control off (edge/controls.py).
+        self.landlock = landlock
+        self.layer_gc_interval_s = layer_gc_interval_s
+        # Channels to every sandbox's aether; a closed one is diagnosed by still_running /
+        # why_ended below.
+        self.channels = ChannelKeeper(self._socket_address, self, ready_timeout_s)
         self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
         self._warm_starting: set[asyncio.Future[WarmSandbox]] = set()
         self._warm_unclaimed: dict[str, WarmSandbox] = {}  # every warm sandbox not yet claimed
-        self._on_exit: ExitCallback | None = None
         # Network policy, private runtime dir, disk quota, watchdog, trusted execution.
         self.containment = Containment(
             self,
             network,
             default_disk_mb=default_disk_mb,
+            max_disk_mb=max_disk_mb,
+            log_max_bytes=log_max_bytes,
             watch_interval_s=watch_interval_s,
             pids_exhausted_after_s=pids_exhausted_after_s,
         )
-        # Started sandboxes waiting for their owner (edge/warm.py); None when none are kept.
+        # Evaluation steps out of the agent's reach (edge/backends/container/trusted.py).
+        self.trusted = TrustedSiblings(
+            SiblingLauncher(
+                resolve=lambda rec: self.images.resolve(rec.spec.image, rec.spec.toolkits),
+                prepare=self.containment.prepare,
+                launch=self.launch,
+                address_of=self._socket_address,
+                socket_path=self._socket_path,
+            ),
+            self.runtime,
+            network,
+            state_dir / "trusted",
+            ready_timeout_s,
+        )
+        # Started sandboxes waiting for their owner (edge/backends/container/warm.py); None when none are kept.
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
             self.warm = WarmPool(warm_pool, self._start_warm, self._discard_warm)
@@ -144,14 +186,20 @@ class ContainerBackend:
                 exclude=tuple(cfg.layer_exclude),
                 collapse_below_bytes=cfg.layer_collapse_below_mb << 20,
             ),
-            network=NetworkManager(
+            network=None
+            if "network" in cfg.disabled_controls
+            else NetworkManager(
                 bridge=cfg.net_bridge,
                 subnet=cfg.net_subnet,
                 upstream=cfg.dns_upstream,
                 pin_root=cfg.bpf_pin_dir / cfg.edge_id,
                 refresh_s=cfg.dns_refresh_s,
             ),
+            landlock="landlock" not in cfg.disabled_controls,
             default_disk_mb=cfg.default_disk_mb,
+            max_disk_mb=cfg.max_disk_mb,
+            log_max_bytes=cfg.sandbox_log_max_kb * 1024,
+            layer_gc_interval_s=cfg.layer_gc_interval_s,
             watch_interval_s=cfg.watch_interval_s,
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
             cgroup_parent=cfg.cgroup_parent,
@@ -172,7 +220,7 @@ class ContainerBackend:
         return target
 
     def set_exit_callback(self, callback: ExitCallback) -> None:
-        self._on_exit = callback
+        self.channels.on_exit = callback
 
     def _socket_path(self, sandbox_id: str) -> Path:
         return self.sockets / f"{sandbox_id}.sock"
@@ -202,6 +250,7 @@ class ContainerBackend:
             "DSEC_AETHER_LISTEN_FD": "3",
         }
         env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+        env["DSEC_CHRONUS_LANDLOCK"] = "on" if self.landlock else "off"
         # pid 1 is the toolkit's ld.so, which obeys LD_PRELOAD, LD_AUDIT, ...: aether must load
         # no library of the image's or the caller's. chronus gives them back to every command.
         for name in [k for k in env if k.startswith("LD_")]:
@@ -279,9 +328,11 @@ class ContainerBackend:
         t2 = time.perf_counter()
         rec.runtime = self._runtime_record(proc, image, self._socket_path(rec.sandbox_id))
         try:
+            # Before aether forks chronus (after its Hello): everything inherits the policy.
+            _apply_qos(rec, proc.pid)
             # Network and eBPF policy before aether is even connected: no agent code yet.
             await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
-            await self._connect(rec.sandbox_id)
+            await self.channels.connect(rec.sandbox_id)
         except BaseException:
             await self.destroy(rec)
             raise
@@ -301,7 +352,7 @@ class ContainerBackend:
     # ------------------------------------------------------------- warm sandboxes
 
     async def _start_warm(self, image_name: str) -> WarmSandbox:
-        """Start a sandbox nobody owns yet (see edge/warm.py), up to aether's Hello.
+        """Start a sandbox nobody owns yet (see edge/backends/container/warm.py), up to aether's Hello.
 
         The start runs on even if the pool's loop is cancelled (edge shutdown): runc would
         finish in its thread anyway, and `close` waits for it and removes what it made."""
@@ -319,8 +370,8 @@ class ContainerBackend:
         holder: list[WarmSandbox] = []
 
         async def closed(reason: str) -> None:
-            if self.connections.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
-                await self._channel_closed(conn.sandbox_id, reason)
+            if self.channels.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
+                await self.channels.lost(conn.sandbox_id, reason)
             elif holder and self.warm is not None and self.warm.forget(holder[0]):
                 log.warning("warm sandbox %s lost its channel (%s)", cid, reason)
                 await self._discard_warm(holder[0])
@@ -338,7 +389,7 @@ class ContainerBackend:
         return w
 
     async def _discard_warm(self, w: WarmSandbox) -> None:
-        if self.connections.get(w.conn.sandbox_id) is w.conn:
+        if self.channels.get(w.conn.sandbox_id) is w.conn:
             return  # claimed since: its sandbox's teardown owns it
         if self._warm_unclaimed.pop(w.cid, None) is None:
             return  # discarded already
@@ -380,10 +431,11 @@ class ContainerBackend:
         conn = w.conn
         conn.sandbox_id = sid
         conn.socket_path = self._socket_address(sid)  # for reconnects
-        self.connections[sid] = conn
+        self.channels.keep(sid, conn)
         self._warm_unclaimed.pop(w.cid, None)  # the sandbox's record owns it from here
         rec.runtime = self._runtime_record(proc, w.image, self._socket_path(sid))
         try:
+            _apply_qos(rec, proc.pid)  # before the claim: chronus is forked after it
             env = self.sandbox_env(rec, w.image)
             env.update(w.prep.env)
             await conn.claim(env)
@@ -436,65 +488,55 @@ class ContainerBackend:
             "image_workdir": image.workdir,
         }
 
-    async def _connect(self, sid: str, timeout_s: float | None = None) -> AetherConnection:
-        async def closed(reason: str) -> None:
-            await self._channel_closed(sid, reason)
+    # ------------------------------------------------------------ channel hooks
 
-        conn = AetherConnection(self._socket_address(sid), sid, on_close=closed)
-        await conn.connect(timeout_s=timeout_s or self.ready_timeout_s)
-        self.connections[sid] = conn
-        return conn
-
-    async def _channel_closed(self, sandbox_id: str, reason: str) -> None:
-        if self.connections.get(sandbox_id) is None:
-            return  # we closed it ourselves (stop/destroy)
-        self.connections.pop(sandbox_id, None)
+    async def still_running(self, sandbox_id: str) -> bool:
         # The edge is the init's parent (subreaper): a dead init is a zombie that
         # runc would still report as running until it is collected.
         exit_code = await asyncio.to_thread(self.runtime.reap, sandbox_id)
         state = await asyncio.to_thread(self.runtime.state, sandbox_id)
-        if exit_code is None and state.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED):
-            log.warning(
-                "channel to %s lost (%s) but the container runs; reconnecting", sandbox_id, reason
-            )
-            try:
-                await self._connect(sandbox_id, timeout_s=5.0)
-                return
-            except Unavailable as exc:
-                reason = f"reconnect failed: {exc.message}"
-        oom = await asyncio.to_thread(self.runtime.was_oom_killed, sandbox_id)
-        if self._on_exit is not None:
-            if oom:
-                await self._on_exit(
-                    sandbox_id, "OOM", "memory limit reached; the sandbox's init was killed"
-                )
-            else:
-                await self._on_exit(
-                    sandbox_id, "CHANNEL_CLOSED", f"aether channel closed: {reason}"
-                )
+        return exit_code is None and state.status in (SandboxStatus.RUNNING, SandboxStatus.PAUSED)
+
+    async def why_ended(self, sandbox_id: str, channel_reason: str) -> tuple[str, str]:
+        if await asyncio.to_thread(self.runtime.was_oom_killed, sandbox_id):
+            return "OOM", "memory limit reached; the sandbox's init was killed"
+        return "CHANNEL_CLOSED", f"aether channel closed: {channel_reason}"
+
+    # ------------------------------------------------------------ contract extras
+
+    def background_loops(self) -> list[BackgroundLoop]:
+        return [
+            lambda: self.maintain_layers(self.layer_gc_interval_s),  # leases, gc, verification
+            self.warm_loop,  # started sandboxes waiting for their owner
+            self.watch_loop,  # containment: counters, limits, kernel faults, log caps
+        ]
+
+    def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
+        return self.warm.status() if self.warm is not None else {}
+
+    def disk_paths(self) -> list[Path]:
+        return [self.runtime.rw_dir, self.logs, self.state_dir / "layer-cache"]
+
+    def disk_allocations(self) -> Allocations:
+        """Bytes each sandbox holds on disk: its writable layer's image and its log."""
+        rt = self.runtime
+        return sum_allocations(
+            list(self.containment.watched),
+            lambda sid: (rt.writable_dir(sid) / "disk.img", self.logs / f"{sid}.log"),
+        )
 
     # ------------------------------------------------------------ control
 
     def channel(self, rec: SandboxRecord) -> Any:
-        conn = self.connections.get(rec.sandbox_id)
-        if conn is None or conn.closed.is_set():
-            raise Unavailable(
-                f"no channel to sandbox {rec.sandbox_id} (reconnecting)", reason="CHANNEL_CLOSED"
-            )
-        return conn
+        return self.channels.channel(rec.sandbox_id)
 
     async def stop(self, rec: SandboxRecord, grace_s: float) -> None:
-        conn = self.connections.pop(rec.sandbox_id, None)
-        if conn is not None:
-            await conn.shutdown(grace_s)
-            await conn.close()
+        await self.channels.drop(rec.sandbox_id, shutdown_grace_s=grace_s)
         await asyncio.to_thread(self.runtime.stop, rec.sandbox_id, grace_s)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         await self.settled(rec.sandbox_id)
-        conn = self.connections.pop(rec.sandbox_id, None)
-        if conn is not None:
-            await conn.close()
+        await self.channels.drop(rec.sandbox_id)
         await self.containment.destroyed(rec)  # trusted sibling, network, counters
         await asyncio.to_thread(self.runtime.destroy, rec.sandbox_id)
         self._socket_path(rec.sandbox_id).unlink(missing_ok=True)
@@ -513,7 +555,7 @@ class ContainerBackend:
         elif state.status != SandboxStatus.RUNNING:
             return False
         try:
-            await self._connect(rec.sandbox_id)
+            await self.channels.connect(rec.sandbox_id)
         except Unavailable as exc:
             log.warning("cannot reconnect to %s: %s", rec.sandbox_id, exc)
             return False
@@ -533,7 +575,7 @@ class ContainerBackend:
     async def trusted_channel(self, rec: SandboxRecord) -> Any:
         """The channel of the sandbox's trusted sibling (read-only layers + its workspace),
         started on first use."""
-        return await self.containment.trusted_channel(rec)
+        return await self.trusted.channel(rec)
 
     async def watch_loop(self) -> None:
         self.containment.start_counters()
@@ -541,6 +583,7 @@ class ContainerBackend:
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         removed: list[str] = await asyncio.to_thread(self.runtime.cleanup_orphans, keep)
+        removed += await self.trusted.cleanup_orphans()
         removed += await self.containment.cleanup_orphans(keep)
         # Layer store leftovers of a crash: temporary mounts, scratch trees, own staging.
         removed += await asyncio.to_thread(self.environments.recover)
@@ -638,13 +681,11 @@ class ContainerBackend:
             await asyncio.gather(*self._warm_starting, return_exceptions=True)
             for w in list(self._warm_unclaimed.values()):
                 await self._discard_warm(w)
+        await self.trusted.close()
         await self.containment.close()
         # The edge is going away, not necessarily the sandboxes: drop connections;
         # containers (if any are left) keep running and are re-adopted later.
-        for sid in list(self.connections):
-            conn = self.connections.pop(sid)
-            with contextlib.suppress(Exception):
-                await conn.close()
+        await self.channels.close_all()
         if self.runtime.release():
             # Nothing runs: leave no mount behind.
             mounts.umount_quiet(self.toolkit_dir)
@@ -652,3 +693,12 @@ class ContainerBackend:
             with contextlib.suppress(OSError):
                 self.toolkit_dir.rmdir()
         self.environments.close()
+
+
+def _apply_qos(rec: SandboxRecord, pid: int) -> None:
+    """A best-effort sandbox runs under SCHED_IDLE: set on pid 1 while it is the sandbox's only
+    process, so chronus and every command inherit it. A command cannot switch back: leaving
+    SCHED_IDLE takes CAP_SYS_NICE (not in a sandbox's set) or an RLIMIT_NICE above 0 (sandboxes
+    inherit 0); tested. Latency-sensitive sandboxes keep SCHED_OTHER."""
+    if rec.spec.qos == "BEST_EFFORT":
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))

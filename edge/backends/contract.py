@@ -1,0 +1,185 @@
+"""The contract between the edge's sandbox manager and a runtime backend.
+
+A backend starts and stops the actual isolation (runc containers, QEMU microVMs, libvirt VMs,
+or nothing at all for the ``null`` backend). The manager owns records, admission, TTL/idle
+enforcement and events; a backend owns only its runtime's resources.
+
+Every backend implements :class:`SandboxBackend`. What only some backends can do is an
+optional *capability*: a small protocol below, declared by the backend in ``capabilities``
+and checked once when the manager is built (:func:`check_declared`). Callers reach a
+capability only through :func:`require`, which answers a missing one in one place:
+UNIMPLEMENTED, reason ``BACKEND_CAPABILITY``, naming the backend and the capability.
+
+A new runtime plugs in here: one package under ``edge/backends/`` implementing the contract,
+listed in ``edge.server.make_backends``, and passing the conformance suite in
+``tests/backends/``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+
+from edge.model import SandboxRecord, SandboxSpec
+from libdsec.errors import BackendCapabilityMissing
+
+#: Called by a backend when a sandbox ends on its own: (sandbox_id, reason, message).
+ExitCallback = Callable[[str, str, str], Awaitable[None]]
+#: A background loop the edge's server runs for the backend (supervised, cancelled at stop).
+BackgroundLoop = Callable[[], Coroutine[Any, Any, None]]
+
+
+class SandboxChannel(Protocol):
+    """A call into the sandbox (edge -> aether -> chronus): unary, server stream, client and
+    bidirectional streams (see edge.aether_client.AetherConnection)."""
+
+    async def call(self, request: Any, timeout_s: float | None = None) -> Any: ...
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    #: Config name, e.g. "container", "null".
+    name: str
+    #: dsec backends it serves, by enum name without prefix: "CONTAINER", "MICROVM", ...
+    serves: tuple[str, ...]
+    #: Whether records of its sandboxes are kept on disk for re-adoption.
+    persistent: bool
+    #: start() never waits: the manager starts a batch of these in one task.
+    starts_inline: bool
+    #: What it offers beyond this contract (see Capability).
+    capabilities: frozenset[Capability]
+
+    def set_exit_callback(self, callback: ExitCallback) -> None: ...
+
+    def validate(self, spec: SandboxSpec) -> None:
+        """Before admission, blocking (run in a thread): a spec this backend cannot start
+        (unknown image, bad network policy, a limit it cannot enforce) fails here, fast."""
+
+    async def start(self, rec: SandboxRecord) -> None: ...
+    async def stop(self, rec: SandboxRecord, grace_s: float) -> None: ...
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        """Remove everything of the sandbox. Must work on a full disk: it writes nothing."""
+
+    async def adopt(self, rec: SandboxRecord) -> bool:
+        """After an edge restart: take a recorded sandbox back (True) or report it lost."""
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]: ...
+    def background_loops(self) -> Sequence[BackgroundLoop]: ...
+    async def close(self) -> None: ...
+
+
+class Capability(enum.Enum):
+    """Optional capabilities, by the name callers see in BACKEND_CAPABILITY errors."""
+
+    EXEC = "exec"  # commands, files, HTTP through aether/chronus
+    PAUSE = "pause"
+    PACK_DIFF = "pack_diff"
+    TRUSTED_EXEC = "trusted_exec"
+    NETWORK_POLICY = "network_policy"
+    MODIFIED_FILES = "modified_files"
+    WARM_CLAIM = "warm_claim"
+    DISK_USAGE = "disk_usage"
+    LAYER_STORE = "layer_store"
+    # Later: SNAPSHOT (memory snapshot/restore), DISPLAY (screenshots, input).
+
+
+@runtime_checkable
+class Executes(Protocol):
+    def channel(self, rec: SandboxRecord) -> Any:
+        """The live channel to the sandbox's aether (UNAVAILABLE while reconnecting)."""
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    async def pause(self, rec: SandboxRecord) -> None: ...
+    async def resume(self, rec: SandboxRecord) -> None: ...
+
+
+@runtime_checkable
+class PacksDiffs(Protocol):
+    async def pack_diff(
+        self, rec: SandboxRecord, name: str, *, exclude: Sequence[str], default_excludes: bool
+    ) -> Any: ...
+
+
+@runtime_checkable
+class TrustedExecution(Protocol):
+    async def trusted_channel(self, rec: SandboxRecord) -> Any: ...
+
+
+@runtime_checkable
+class NetworkPolicies(Protocol):
+    async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ModifiedFiles(Protocol):
+    async def modified_files(self, rec: SandboxRecord) -> list[tuple[str, bool]]: ...
+
+
+@runtime_checkable
+class WarmClaims(Protocol):
+    def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per image: (target, ready, claimed, missed)."""
+
+
+@runtime_checkable
+class DiskUsage(Protocol):
+    def disk_paths(self) -> list[Path]:
+        """Directories the backend writes to on the node's disks (the reserve watches them)."""
+
+    def disk_allocations(self) -> dict[str, tuple[int, int]]:
+        """Per live sandbox: (st_dev of the filesystem its writable storage is on, bytes it
+        allocated there). Blocking (a stat per sandbox): run in a thread."""
+
+
+@runtime_checkable
+class LayerStore(Protocol):
+    #: edge.layers.Environments: the layer store this backend composes sandboxes from.
+    environments: Any
+
+
+PROTOCOLS: dict[Capability, type] = {
+    Capability.EXEC: Executes,
+    Capability.PAUSE: Pausable,
+    Capability.PACK_DIFF: PacksDiffs,
+    Capability.TRUSTED_EXEC: TrustedExecution,
+    Capability.NETWORK_POLICY: NetworkPolicies,
+    Capability.MODIFIED_FILES: ModifiedFiles,
+    Capability.WARM_CLAIM: WarmClaims,
+    Capability.DISK_USAGE: DiskUsage,
+    Capability.LAYER_STORE: LayerStore,
+}
+_CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
+
+T = TypeVar("T")
+
+
+def check_declared(backend: SandboxBackend) -> None:
+    """A backend implements the contract and every capability it declares (at edge start)."""
+    if not isinstance(backend, SandboxBackend):
+        raise TypeError(f"{type(backend).__name__} does not implement SandboxBackend")
+    for cap in backend.capabilities:
+        if not isinstance(backend, PROTOCOLS[cap]):
+            raise TypeError(
+                f"backend {backend.name} declares {cap.value} but does not implement "
+                f"{PROTOCOLS[cap].__name__}"
+            )
+
+
+def offers(backend: SandboxBackend, proto: type[Any]) -> bool:
+    return _CAPABILITY_OF[proto] in backend.capabilities
+
+
+def require(backend: SandboxBackend, proto: type[T]) -> T:
+    """`backend` as the capability `proto`, or BackendCapabilityMissing (UNIMPLEMENTED)."""
+    cap = _CAPABILITY_OF[proto]
+    if cap not in backend.capabilities:
+        raise BackendCapabilityMissing(
+            f"the {backend.name} backend does not offer {cap.value}",
+            metadata={"backend": backend.name, "capability": cap.value},
+        )
+    return cast(T, backend)

@@ -1,0 +1,121 @@
+"""Fail closed: the edge checks every host control it relies on at start, and either enforces
+it or refuses to start naming what is missing — unless the operator turned it off explicitly,
+which GetNodeStatus (and `dsec status`) then shows.
+
+The missing control here is real, not simulated: the eBPF pin directory is put on a filesystem
+that is not bpffs, so the network control cannot work on that edge.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+from dsecctl.cluster import EdgeSpec
+from edge import controls
+from libdsec import Client, NetworkPolicy
+from libdsec.errors import FailedPrecondition
+from tests.conftest import start_cluster
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+pytestmark = pytest.mark.skipif(
+    not (IMAGES / "busybox.erofs").exists(),
+    reason="base images missing: run scripts/setup.sh (make test does)",
+)
+
+
+def _edge(tmp: Path, **env: str) -> EdgeSpec:
+    return EdgeSpec(
+        edge_id="ctl0",
+        runtime="container",
+        extra_env={
+            "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+            "DSEC_EDGE_FNCALL_POOLS": "",
+            # a directory on the test's tmp filesystem: not bpffs
+            "DSEC_EDGE_BPF_PIN_DIR": str(tmp / "not-bpffs" / "dsec"),
+            **env,
+        },
+    )
+
+
+def test_this_host_enforces_every_required_control() -> None:
+    found = {
+        c.name: c
+        for c in controls.check(disabled=(), bpf_pin_dir=Path("/sys/fs/bpf/dsec"), apparmor=False)
+    }
+    required = {
+        "cgroup_cpu",
+        "cgroup_memory",
+        "cgroup_pids",
+        "cgroup_freezer",
+        "memory_swap",
+        "landlock",
+        "seccomp",
+        "disk_limit",
+        "network",
+    }
+    assert {n for n, c in found.items() if c.state == controls.ENFORCED} == required
+    assert found["landlock"].detail.startswith("ABI ")
+    assert found["apparmor"].state == controls.ABSENT
+
+
+def test_only_controls_with_a_defined_effect_can_be_turned_off() -> None:
+    with pytest.raises(
+        controls.ControlMissing, match="seccomp: only landlock, memory_swap, network"
+    ):
+        controls.check(disabled=("seccomp",), bpf_pin_dir=Path("/sys/fs/bpf/dsec"), apparmor=False)
+
+
+def test_an_edge_missing_a_control_refuses_to_start_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError) as info:
+        start_cluster(tmp_path / "home", edges=[_edge(tmp_path)])
+    text = str(info.value)
+    assert "edge-ctl0 exited with 2" in text
+    assert "refuses to run half-confined" in text and "network (needs bpffs at" in text
+    assert "DSEC_EDGE_DISABLED_CONTROLS=network" in text
+
+
+def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -> None:
+    c = start_cluster(
+        tmp_path / "home", edges=[_edge(tmp_path, DSEC_EDGE_DISABLED_CONTROLS="network")]
+    )
+    try:
+        edge = next(p for p in c.processes if p.name.startswith("edge"))
+        with grpc.insecure_channel(edge.address) as ch:
+            status = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+                edge_pb2.GetNodeStatusRequest(), timeout=10
+            )
+        states = {h.name: h.state for h in status.controls}
+        assert states["network"] == "disabled" and states["landlock"] == "enforced"
+        assert states["cgroup_memory"] == "enforced" and states["apparmor"] == "absent"
+        with Client(c.apiserver, token=c.token) as client:
+            with client.create(image="busybox", cpu=0.25, memory_mb=64) as sb:
+                assert sb.run("echo ok").text == "ok\n"
+            with pytest.raises(FailedPrecondition) as refused:
+                client.create(
+                    image="busybox",
+                    cpu=0.25,
+                    memory_mb=64,
+                    network=NetworkPolicy(allow=["10.1.2.3:80"]),
+                )
+            assert refused.value.reason == "NETWORK_UNAVAILABLE"
+        out = subprocess.run(
+            [sys.executable, "-m", "dsecctl", "status"],
+            env={**os.environ, "DSEC_HOME": str(c.home)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "controls disabled: network" in out.stdout, out.stdout
+        enforced = next(line for line in out.stdout.splitlines() if "controls enforced:" in line)
+        assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
+        assert "controls absent: apparmor" in out.stdout
+    finally:
+        c.stop()
