@@ -211,7 +211,7 @@ class CreationPipeline:
                 for it in group[len(indexes) :]:
                     # A retry that runs out of edges reports why the tried ones failed.
                     it.error = it.last_error or item_error(
-                        gp.error_code, gp.error_reason, gp.error_message
+                        gp.error_code, gp.error_reason, gp.error_message, gp.error_metadata
                     )
 
     # ------------------------------------------------------------------ IAM

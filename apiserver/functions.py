@@ -149,7 +149,7 @@ class FunctionRouter:
         )
         p = resp.placement
         if p.error_code:
-            err = status_for(p.error_code, p.error_reason, p.error_message)
+            err = status_for(p.error_code, p.error_reason, p.error_message, p.error_metadata)
             if isinstance(err, NoEligibleEdge) and selector:
                 # Nobody advertises it: let an edge say what is wrong with the job.
                 return await self._candidates(who, {}, exclude)

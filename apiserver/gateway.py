@@ -22,7 +22,14 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, InvalidArgument, NotFound, SandboxNotFound
+from libdsec.errors import (
+    DSecError,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,18 +198,61 @@ class Gateway:
         return stub
 
     async def get(self, who: Caller, sandbox_id: str) -> types_pb2.Sandbox:
-        stub = await self.edge_for(who, sandbox_id)
         try:
-            resp = await downstream(
-                stub.GetSandbox(
-                    edge_pb2.GetSandboxRequest(sandbox_id=sandbox_id), timeout=DEFAULT_DEADLINE_S
-                ),
-                "edge",
-            )
-        except SandboxNotFound:
-            self.owners.drop(sandbox_id)
-            raise
+            stub = await self.edge_for(who, sandbox_id)
+            try:
+                resp = await downstream(
+                    stub.GetSandbox(
+                        edge_pb2.GetSandboxRequest(sandbox_id=sandbox_id),
+                        timeout=DEFAULT_DEADLINE_S,
+                    ),
+                    "edge",
+                )
+            except SandboxNotFound:
+                self.owners.drop(sandbox_id)
+                raise
+        except (NotFound, Unavailable) as err:
+            lost = await self.lost(who, sandbox_id, err)
+            if lost is None:
+                raise
+            return lost
         return resp.sandbox
+
+    async def explain(self, who: Caller, sandbox_id: str, err: DSecError) -> DSecError:
+        """What a call gets when the sandbox's edge could not serve it (``err``): if the edge
+        was declared lost, SandboxTerminated (EDGE_LOST), like a sandbox that ended on a live
+        edge (or NOT_FOUND for one the watcher never heard of); otherwise ``err``."""
+        if not isinstance(err, SandboxNotFound | Unavailable):
+            return err
+        try:
+            sb = await self.lost(who, sandbox_id, err)
+        except SandboxNotFound as exc:
+            return exc
+        if sb is None:
+            return err
+        return SandboxTerminated(
+            f"sandbox {sandbox_id} has terminated (EDGE_LOST: {sb.termination.message})",
+            metadata={"termination_reason": "EDGE_LOST"},
+        )
+
+    async def lost(
+        self, who: Caller, sandbox_id: str, err: NotFound | Unavailable
+    ) -> types_pb2.Sandbox | None:
+        """For a sandbox its edge cannot answer for: as the watcher reports it if its edge was
+        declared lost (TERMINATED, EDGE_LOST), None if not. A sandbox the lost edge held that
+        the watcher never heard of is NOT_FOUND rather than UNAVAILABLE for ever."""
+        try:
+            resp = await self.edges.lost(sandbox_ids=[sandbox_id])
+        except DSecError as exc:  # the watcher is down: the edge's answer stands
+            log.warning("lost-sandbox lookup of %s failed: %s", sandbox_id, exc)
+            return None
+        for sb in resp.sandboxes:
+            if sb.id == sandbox_id and within(sb.project_id, who.project_id):
+                self.owners.put(sandbox_id, sb.project_id)
+                return sb
+        if isinstance(err, Unavailable) and edge_of(sandbox_id) in resp.lost_edge_ids:
+            raise not_found(sandbox_id) from err
+        return None
 
     async def fan_out(
         self, fn: Callable[[edge_pb2_grpc.EdgeServiceStub], Awaitable[Any]]

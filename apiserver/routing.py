@@ -104,6 +104,30 @@ class EdgeDirectory:
         self.addresses = {e.info.edge_id: e.info.address for e in resp.snapshot.edges}
         self._last_refresh = time.monotonic()
 
+    async def lost(
+        self,
+        *,
+        sandbox_ids: list[str] | None = None,
+        edge_id: str = "",
+        project_prefix: str = "",
+        task_id: str = "",
+        label_selector: dict[str, str] | None = None,
+    ) -> watcher_pb2.ListLostSandboxesResponse:
+        """Sandboxes of edges the watcher declared lost (TERMINATED, EDGE_LOST), filtered."""
+        return await downstream(
+            self._watcher.ListLostSandboxes(
+                watcher_pb2.ListLostSandboxesRequest(
+                    sandbox_ids=sandbox_ids or [],
+                    edge_id=edge_id,
+                    project_prefix=project_prefix,
+                    task_id=task_id,
+                    label_selector=label_selector or {},
+                ),
+                timeout=DEFAULT_DEADLINE_S,
+            ),
+            "watcher",
+        )
+
     async def _refresh_shared(self) -> None:
         # Concurrent misses share one snapshot fetch.
         if self._refreshing is None or self._refreshing.done():

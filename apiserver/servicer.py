@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from apiserver.creation import Caller
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
@@ -21,7 +23,17 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.types.v1 import types_pb2
-from libdsec.errors import InvalidArgument, code_number, from_rpc_error
+from libdsec.errors import (
+    DSecError,
+    InvalidArgument,
+    SandboxNotFound,
+    SandboxTerminated,
+    Unavailable,
+    code_number,
+    from_rpc_error,
+)
+
+log = logging.getLogger(__name__)
 
 #: Parallel edge calls of one StopSandboxes.
 STOP_CONCURRENCY = 64
@@ -38,10 +50,95 @@ def _exec_deadline(request: types_pb2.ExecRequest) -> float:
     return (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
 
 
-class SandboxServicer:
+class _Forwarder:
+    """Calls to the sandbox's owning edge: the caller's token, the owner check, the edge's stub
+    and its errors in our vocabulary, in one place. The execution and file calls forward the
+    same message unchanged; the sandbox calls map to the edge's own messages."""
+
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
+    async def _to_edge(
+        self,
+        who: Caller,
+        sandbox_id: str,
+        method: str,
+        request: Any,
+        *,
+        timeout: float = DEFAULT_DEADLINE_S,
+    ) -> Any:
+        try:
+            stub = await self.gw.edge_for(who, sandbox_id)
+            return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, sandbox_id, err)
+            raise
+
+    async def _raise_explained(self, who: Caller, sandbox_id: str, err: DSecError) -> None:
+        """Raises why the edge could not answer if it is known (the sandbox ended with
+        EDGE_LOST: see Gateway.explain); returns if ``err`` stands."""
+        explained = await self.gw.explain(who, sandbox_id, err)
+        if explained is not err:
+            raise explained from err
+
+    async def _call(
+        self,
+        context: Any,
+        sandbox_id: str,
+        method: str,
+        request: Any,
+        *,
+        timeout: float = DEFAULT_DEADLINE_S,
+    ) -> Any:
+        who = await self.gw.caller(bearer_token(context))
+        return await self._to_edge(who, sandbox_id, method, request, timeout=timeout)
+
+    async def _unary(
+        self, method: str, request: Any, context: Any, timeout: float = DEFAULT_DEADLINE_S
+    ) -> Any:
+        return await self._call(context, request.sandbox_id, method, request, timeout=timeout)
+
+    async def _stream(self, method: str, request: Any, context: Any) -> AsyncIterator[Any]:
+        who = await self.gw.caller(bearer_token(context))
+        try:
+            stub = await self.gw.edge_for(who, request.sandbox_id)
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, request.sandbox_id, err)
+            raise
+        call = getattr(stub, method)(request)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            failure = from_rpc_error(exc)
+            await self._raise_explained(who, request.sandbox_id, failure)
+            raise failure from exc
+        finally:
+            call.cancel()
+
+    async def _client_stream(
+        self, method: str, requests: AsyncIterator[Any], context: Any, key: str
+    ) -> Any:
+        who = await self.gw.caller(bearer_token(context))
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
+            raise InvalidArgument(f"the first message must carry `{key}`")
+        sandbox_id = getattr(first, key).sandbox_id
+        try:
+            stub = await self.gw.edge_for(who, sandbox_id)
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, sandbox_id, err)
+            raise
+
+        async def all_requests() -> AsyncIterator[Any]:
+            yield first
+            async for item in requests:
+                yield item
+
+        return stub, getattr(stub, method)(all_requests())
+
+
+class SandboxServicer(_Forwarder):
     async def CreateSandbox(
         self, request: apiserver_pb2.CreateSandboxRequest, context: Any
     ) -> apiserver_pb2.CreateSandboxResponse:
@@ -96,6 +193,8 @@ class SandboxServicer:
         )
         answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
         sandboxes = [sb for a in answers for sb in a.sandboxes]
+        if not request.states or types_pb2.SANDBOX_STATE_TERMINATED in request.states:
+            sandboxes += await self._lost(who, request, {sb.id for sb in sandboxes})
         if not request.include_subprojects:
             sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
         sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
@@ -103,18 +202,40 @@ class SandboxServicer:
         nxt = str(offset + page_size) if offset + page_size < len(sandboxes) else ""
         return apiserver_pb2.ListSandboxesResponse(sandboxes=page, next_page_token=nxt)
 
+    async def _lost(
+        self, who: Caller, request: apiserver_pb2.ListSandboxesRequest, listed: set[str]
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes of edges declared lost (an edge that answers again wins)."""
+        try:
+            resp = await self.gw.edges.lost(
+                project_prefix=who.project_id,
+                task_id=request.task_id,
+                label_selector=dict(request.label_selector),
+            )
+        except DSecError as exc:  # the watcher is down: the edges' answers stand
+            log.warning("lost-sandbox listing failed: %s", exc)
+            return []
+        return [sb for sb in resp.sandboxes if sb.id not in listed]
+
     async def StopSandbox(
         self, request: apiserver_pb2.StopSandboxRequest, context: Any
     ) -> apiserver_pb2.StopSandboxResponse:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.StopSandbox(
+        try:
+            resp = await self._call(
+                context,
+                request.sandbox_id,
+                "StopSandbox",
                 edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=request.grace_s),
                 timeout=DEFAULT_DEADLINE_S + request.grace_s,
-            ),
-            "edge",
-        )
+            )
+        except SandboxTerminated as err:
+            if err.metadata.get("termination_reason") != "EDGE_LOST":
+                raise
+            # Ended already, as a stop of a terminated sandbox answers on a live edge.
+            who = await self.gw.caller(bearer_token(context))
+            return apiserver_pb2.StopSandboxResponse(
+                sandbox=await self.gw.get(who, request.sandbox_id)
+            )
         return apiserver_pb2.StopSandboxResponse(sandbox=resp.sandbox)
 
     async def StopSandboxes(
@@ -136,13 +257,12 @@ class SandboxServicer:
 
         async def stop(sid: str) -> None:
             async with sem:
-                stub = await self.gw.edge_for(who, sid)
-                await downstream(
-                    stub.StopSandbox(
-                        edge_pb2.StopSandboxRequest(sandbox_id=sid, grace_s=request.grace_s),
-                        timeout=DEFAULT_DEADLINE_S + request.grace_s,
-                    ),
-                    "edge",
+                await self._to_edge(
+                    who,
+                    sid,
+                    "StopSandbox",
+                    edge_pb2.StopSandboxRequest(sandbox_id=sid, grace_s=request.grace_s),
+                    timeout=DEFAULT_DEADLINE_S + request.grace_s,
                 )
 
         await asyncio.gather(*(stop(sid) for sid in ids))
@@ -151,14 +271,11 @@ class SandboxServicer:
     async def DeleteSandbox(
         self, request: apiserver_pb2.DeleteSandboxRequest, context: Any
     ) -> apiserver_pb2.DeleteSandboxResponse:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        await downstream(
-            stub.DeleteSandbox(
-                edge_pb2.DeleteSandboxRequest(sandbox_id=request.sandbox_id),
-                timeout=DEFAULT_DEADLINE_S,
-            ),
-            "edge",
+        await self._call(
+            context,
+            request.sandbox_id,
+            "DeleteSandbox",
+            edge_pb2.DeleteSandboxRequest(sandbox_id=request.sandbox_id),
         )
         self.gw.owners.drop(request.sandbox_id)
         return apiserver_pb2.DeleteSandboxResponse()
@@ -166,28 +283,24 @@ class SandboxServicer:
     async def PauseSandbox(
         self, request: apiserver_pb2.PauseSandboxRequest, context: Any
     ) -> apiserver_pb2.PauseSandboxResponse:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.PauseSandbox(
-                edge_pb2.PauseSandboxRequest(sandbox_id=request.sandbox_id),
-                timeout=DEFAULT_DEADLINE_S * 6,
-            ),
-            "edge",
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "PauseSandbox",
+            edge_pb2.PauseSandboxRequest(sandbox_id=request.sandbox_id),
+            timeout=DEFAULT_DEADLINE_S * 6,
         )
         return apiserver_pb2.PauseSandboxResponse(sandbox=resp.sandbox)
 
     async def ResumeSandbox(
         self, request: apiserver_pb2.ResumeSandboxRequest, context: Any
     ) -> apiserver_pb2.ResumeSandboxResponse:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.ResumeSandbox(
-                edge_pb2.ResumeSandboxRequest(sandbox_id=request.sandbox_id),
-                timeout=DEFAULT_DEADLINE_S * 6,
-            ),
-            "edge",
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "ResumeSandbox",
+            edge_pb2.ResumeSandboxRequest(sandbox_id=request.sandbox_id),
+            timeout=DEFAULT_DEADLINE_S * 6,
         )
         return apiserver_pb2.ResumeSandboxResponse(sandbox=resp.sandbox)
 
@@ -195,19 +308,17 @@ class SandboxServicer:
         self, request: apiserver_pb2.PackDiffRequest, context: Any
     ) -> apiserver_pb2.PackDiffResponse:
         """On the owning edge: its writable layer is on that node's disk."""
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.PackDiff(
-                edge_pb2.PackDiffRequest(
-                    sandbox_id=request.sandbox_id,
-                    name=request.name,
-                    exclude=request.exclude,
-                    no_default_excludes=request.no_default_excludes,
-                ),
-                timeout=PACK_DIFF_DEADLINE_S,
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "PackDiff",
+            edge_pb2.PackDiffRequest(
+                sandbox_id=request.sandbox_id,
+                name=request.name,
+                exclude=request.exclude,
+                no_default_excludes=request.no_default_excludes,
             ),
-            "edge",
+            timeout=PACK_DIFF_DEADLINE_S,
         )
         return apiserver_pb2.PackDiffResponse(environment=resp.environment)
 
@@ -215,30 +326,25 @@ class SandboxServicer:
         self, request: apiserver_pb2.UpdateNetworkPolicyRequest, context: Any
     ) -> apiserver_pb2.UpdateNetworkPolicyResponse:
         """On the owning edge, which validates the policy (and resolves its names)."""
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.UpdateNetworkPolicy(
-                edge_pb2.UpdateNetworkPolicyRequest(
-                    sandbox_id=request.sandbox_id, policy=request.policy
-                ),
-                timeout=DEFAULT_DEADLINE_S,
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "UpdateNetworkPolicy",
+            edge_pb2.UpdateNetworkPolicyRequest(
+                sandbox_id=request.sandbox_id, policy=request.policy
             ),
-            "edge",
         )
         return apiserver_pb2.UpdateNetworkPolicyResponse(sandbox=resp.sandbox)
 
     async def GetModifiedFiles(
         self, request: apiserver_pb2.GetModifiedFilesRequest, context: Any
     ) -> apiserver_pb2.GetModifiedFilesResponse:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        resp = await downstream(
-            stub.GetModifiedFiles(
-                edge_pb2.GetModifiedFilesRequest(sandbox_id=request.sandbox_id),
-                timeout=DEFAULT_DEADLINE_S * 4,
-            ),
-            "edge",
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "GetModifiedFiles",
+            edge_pb2.GetModifiedFilesRequest(sandbox_id=request.sandbox_id),
+            timeout=DEFAULT_DEADLINE_S * 4,
         )
         return apiserver_pb2.GetModifiedFilesResponse(
             files=[apiserver_pb2.ModifiedFile(path=f.path, deleted=f.deleted) for f in resp.files]
@@ -252,48 +358,6 @@ class SandboxServicer:
         async with contextlib.aclosing(events):  # its edge streams end with the caller's
             async for item in events:
                 yield item
-
-
-class _Forwarder:
-    """Forwards sandbox calls to the owning edge unchanged (same messages)."""
-
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-
-    async def _unary(
-        self, method: str, request: Any, context: Any, timeout: float = DEFAULT_DEADLINE_S
-    ) -> Any:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
-
-    async def _stream(self, method: str, request: Any, context: Any) -> AsyncIterator[Any]:
-        who = await self.gw.caller(bearer_token(context))
-        stub = await self.gw.edge_for(who, request.sandbox_id)
-        call = getattr(stub, method)(request)
-        try:
-            async for item in call:
-                yield item
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
-        finally:
-            call.cancel()
-
-    async def _client_stream(
-        self, method: str, requests: AsyncIterator[Any], context: Any, key: str
-    ) -> Any:
-        who = await self.gw.caller(bearer_token(context))
-        first = await anext(requests, None)
-        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
-            raise InvalidArgument(f"the first message must carry `{key}`")
-        stub = await self.gw.edge_for(who, getattr(first, key).sandbox_id)
-
-        async def all_requests() -> AsyncIterator[Any]:
-            yield first
-            async for item in requests:
-                yield item
-
-        return stub, getattr(stub, method)(all_requests())
 
 
 class ExecServicer(_Forwarder):

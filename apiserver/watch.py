@@ -29,9 +29,11 @@ from common.convert import ts
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
-from libdsec.errors import InvalidArgument
+from libdsec.errors import DSecError, InvalidArgument
 
 log = logging.getLogger(__name__)
+
+EDGE_LOST = types_pb2.TERMINATION_REASON_EDGE_LOST
 
 KEEPALIVE_DEFAULT_MS = 5000
 KEEPALIVE_RANGE_MS = (100, 600_000)
@@ -146,10 +148,13 @@ class SandboxWatch:
         backoff = BACKOFF_S[0]
         #: changes delivered since this edge's last keepalive: a replay after a break skips them
         recent: dict[str, tuple[int, int]] = {}
+        #: sandboxes of this edge reported lost (EDGE_LOST) by this watch
+        lost: set[str] = set()
         while True:
             address = self.gw.edges.addresses.get(edge_id)
             if address is None:  # the watcher forgot the edge
                 self._ready(edge_id)
+                await self._lost(edge_id, lost)
                 return
             request = edge_pb2.WatchSandboxesRequest()
             request.CopyFrom(self.edge_request)
@@ -177,12 +182,15 @@ class SandboxWatch:
                         backoff = BACKOFF_S[0]
                         self._ready(edge_id)
                         continue
-                    sb = msg.changed
-                    key = (sb.state, sb.termination.reason)
-                    if replaying and recent.get(sb.id) == key:
-                        continue  # delivered before the break, after the last keepalive
-                    recent[sb.id] = key
-                    await self.out.put(sb)
+                    batch = msg.replayed.sandboxes if msg.HasField("replayed") else [msg.changed]
+                    for sb in batch:
+                        key = (sb.state, sb.termination.reason)
+                        if replaying and recent.get(sb.id) == key:
+                            continue  # delivered before the break, after the last keepalive
+                        if sb.id in lost and sb.termination.reason == EDGE_LOST:
+                            continue  # the edge came back and stopped it as it was reported
+                        recent[sb.id] = key
+                        await self.out.put(sb)
             except grpc.aio.AioRpcError as exc:
                 renewed = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if not renewed:
@@ -193,5 +201,26 @@ class SandboxWatch:
                 call.cancel()
             self._ready(edge_id)  # the first keepalive waits for no broken edge
             if not renewed:
+                await self._lost(edge_id, lost)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, BACKOFF_S[1])
+
+    async def _lost(self, edge_id: str, reported: set[str]) -> None:
+        """An edge that does not answer may have been declared lost: its sandboxes (the
+        watcher's last report of them) end with EDGE_LOST, once, if lost since the start."""
+        try:
+            resp = await self.gw.edges.lost(
+                edge_id=edge_id,
+                project_prefix=self.who.project_id,
+                task_id=self.edge_request.task_id,
+                label_selector=dict(self.edge_request.label_selector),
+            )
+        except DSecError as exc:  # the watcher is down: asked again at the next attempt
+            log.info("watch: lost sandboxes of edge %s unknown: %s", edge_id, exc)
+            return
+        start = self.started_at
+        for sb in resp.sandboxes:
+            at = sb.termination.at.seconds + sb.termination.at.nanos / 1e9
+            if sb.id not in reported and at >= start:
+                reported.add(sb.id)
+                await self.out.put(sb)

@@ -23,15 +23,53 @@ from libdsec.errors import InvalidArgument, Unavailable, code_number
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
 WATCH_QUEUE = 200_000
+#: Sandboxes per message of a WatchSandboxes replay (a message per sandbox costs far more).
+REPLAY_BATCH = 512
 
 
-def _watched(rec: SandboxRecord, prefix: str, task_id: str, labels: dict[str, str]) -> bool:
-    """Whether a change of ``rec`` passes a WatchSandboxes filter (as ListSandboxes' filters)."""
+def _watched(
+    rec: SandboxRecord,
+    prefix: str,
+    task_id: str,
+    labels: dict[str, str],
+    states: set[str] | None,
+) -> bool:
+    """Whether ``rec`` passes a WatchSandboxes filter (as ListSandboxes' filters)."""
+    if states and rec.state not in states:
+        return False
     if prefix and rec.project_id != prefix and not rec.project_id.startswith(prefix + "/"):
         return False
     if task_id and rec.spec.task_id != task_id:
         return False
     return not labels or all(rec.spec.labels.get(k) == v for k, v in labels.items())
+
+
+_STATE = {n.removeprefix("SANDBOX_STATE_"): v for n, v in types_pb2.SandboxState.items()}
+_BACKEND = {n.removeprefix("BACKEND_"): v for n, v in types_pb2.Backend.items()}
+_REASON = {n.removeprefix("TERMINATION_REASON_"): v for n, v in types_pb2.TerminationReason.items()}
+
+
+def _summary_pb(rec: SandboxRecord, out: types_pb2.Sandbox) -> None:
+    """The summary a WatchSandboxes replay sends when asked (see ``summary`` in edge.proto)."""
+    out.id = rec.sandbox_id
+    out.project_id = rec.project_id
+    out.principal_id = rec.principal_id
+    out.edge_id = rec.edge_id
+    out.state = _STATE[rec.state]  # type: ignore[assignment]
+    out.created_at.FromNanoseconds(int(rec.created_at * 1e9))
+    if rec.started_at:
+        out.started_at.FromNanoseconds(int(rec.started_at * 1e9))
+    if rec.termination_reason:
+        out.termination.reason = _REASON[rec.termination_reason]  # type: ignore[assignment]
+        out.termination.message = rec.termination_message
+        out.termination.at.FromNanoseconds(int((rec.terminated_at or 0.0) * 1e9))
+    spec, s = rec.spec, out.spec
+    s.backend = _BACKEND[spec.backend]  # type: ignore[assignment]
+    s.image = spec.image
+    s.task_id = spec.task_id
+    s.labels.update(spec.labels)
+    s.resources.cpu_millis = spec.cpu_millis
+    s.resources.memory_mb = spec.memory_mb
 
 
 def _state_names(states: Any) -> set[str] | None:
@@ -206,24 +244,34 @@ class EdgeServicer:
         interval = (request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000
         prefix, task_id = request.project_prefix, request.task_id
         labels = dict(request.label_selector)
-        q = self.manager.subscribe(WATCH_QUEUE)
+        states = _state_names(request.states)
+        q = None if request.replay_only else self.manager.subscribe(WATCH_QUEUE)
         try:
             # Subscribed before the replay is read, and both without yielding: no change
             # falls between them. Converted at once: the records go on changing.
             at = ts(time.time())
-            replay = []
+            batches: list[edge_pb2.WatchSandboxesResponse] = []
             if request.HasField("changed_since"):
                 since = request.changed_since.seconds + request.changed_since.nanos / 1e9
-                replay = [
-                    sandbox_pb(r)
-                    for r in self.manager.list(
-                        project_prefix=prefix, task_id=task_id, labels=labels
-                    )
+                changed = [
+                    r
+                    for r in self.manager.records.values()
                     if max(r.created_at, r.started_at or 0.0, r.terminated_at or 0.0) >= since
+                    and _watched(r, prefix, task_id, labels, states)
                 ]
-            for sb in replay:
-                yield edge_pb2.WatchSandboxesResponse(changed=sb)
+                for i, rec in enumerate(changed):
+                    if i % REPLAY_BATCH == 0:
+                        batches.append(edge_pb2.WatchSandboxesResponse())
+                    out = batches[-1].replayed.sandboxes.add()
+                    if request.summary:
+                        _summary_pb(rec, out)
+                    else:
+                        out.CopyFrom(sandbox_pb(rec))
+            for msg in batches:
+                yield msg
             yield edge_pb2.WatchSandboxesResponse(keepalive=types_pb2.Keepalive(at=at))
+            if q is None:
+                return
             last = time.monotonic()
             while True:
                 if q.full():
@@ -245,10 +293,11 @@ class EdgeServicer:
                     rec = await asyncio.wait_for(q.get(), timeout=max(due, 0.0))
                 except TimeoutError:
                     continue
-                if _watched(rec, prefix, task_id, labels):
+                if _watched(rec, prefix, task_id, labels, states):
                     yield edge_pb2.WatchSandboxesResponse(changed=sandbox_pb(rec))
         finally:
-            self.manager.unsubscribe(q)
+            if q is not None:
+                self.manager.unsubscribe(q)
 
     # ------------------------------------------------ forwarding into the sandbox
 

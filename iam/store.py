@@ -3,7 +3,7 @@
 The store is an interface (:class:`IamStore`) with two implementations:
 :class:`SqliteIamStore` here (the default, one machine) and
 ``iam.store_pg.PostgresIamStore`` (a cluster; several IAM processes may share
-it). :func:`open_store` picks one from ``DSEC_IAM_DATABASE``. Every method is
+it). ``iam.server.open_store`` picks one from ``DSEC_IAM_DATABASE``. Every method is
 one transaction, and quota is exact under concurrency: a reservation reads and
 updates the usage rows of its project and every ancestor while holding them
 (SQLite: the single writer lock; PostgreSQL: ``SELECT ... FOR UPDATE`` in a
@@ -725,14 +725,3 @@ def quota_error(rec: ProjectRecord, res: Reservation) -> QuotaExceeded | None:
                 metadata={"project": rec.project_id, "dimension": dim, "limit": str(lim)},
             )
     return None
-
-
-def open_store(database: str) -> IamStore:
-    """The store for ``DSEC_IAM_DATABASE``: ``sqlite:<path>`` or ``postgresql://...``."""
-    if database.startswith("sqlite:"):
-        return SqliteIamStore(database.removeprefix("sqlite:"))
-    if database.startswith(("postgresql://", "postgres://")):
-        from iam.store_pg import PostgresIamStore  # psycopg is needed only here
-
-        return PostgresIamStore(database)
-    raise ValueError(f"unsupported IAM database {database!r}")

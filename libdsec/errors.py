@@ -58,6 +58,7 @@ from dsec.types.v1 import types_pb2
 __all__ = [
     "AlreadyExists",
     "BackendCapabilityMissing",
+    "BackendNotOffered",
     "Cancelled",
     "ChannelClosed",
     "DSecError",
@@ -175,6 +176,13 @@ class LayerCorrupt(FailedPrecondition):
     ``metadata["layer"]`` names it, ``metadata["file"]`` the file that failed the check."""
 
     default_reason = "LAYER_CORRUPT"
+
+
+class BackendNotOffered(FailedPrecondition):
+    """No edge of the cluster offers the backend asked for (``metadata["backend"]``): a retry
+    cannot help, unlike NoEligibleEdge (edges offer it but have no room or health now)."""
+
+    default_reason = "BACKEND_NOT_OFFERED"
 
 
 class ResourceExhausted(DSecError):

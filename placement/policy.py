@@ -1,7 +1,8 @@
 """Power-of-k placement with a local overlay and cloud bursting.
 
 Filter: healthy edges that offer the backend, have the GPUs, and carry every
-node_selector label. Sample k at random; rank by load (the larger of cpu and
+node_selector label. A backend no registered edge offers (healthy or not) is refused as
+such (FAILED_PRECONDITION, BACKEND_NOT_OFFERED: retrying cannot help), not as capacity. Sample k at random; rank by load (the larger of cpu and
 memory allocation ratio, after overcommit). The load is the watcher's last
 snapshot plus this instance's own placements made since that edge was last
 probed, so a burst spreads out instead of piling onto the edge that looked
@@ -29,7 +30,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from libdsec.errors import NoEligibleEdge
+from libdsec.errors import BackendNotOffered, DSecError, NoEligibleEdge
 
 
 @dataclass
@@ -271,8 +272,24 @@ class Placer:
             return cloud
         return onprem
 
+    def not_offered(self, req: Request) -> BackendNotOffered | None:
+        """The error when no registered edge (healthy or not) offers the backend: retrying
+        cannot help, unlike edges that offer it but have no room or health right now. With no
+        edge registered at all the cluster may be starting: that stays NoEligibleEdge."""
+        if not self.edges or any(req.backend in e.backends for e in self.edges.values()):
+            return None
+        offered = sorted({b.lower() for e in self.edges.values() for b in e.backends})
+        return BackendNotOffered(
+            f"no edge of the cluster offers backend {req.backend.lower()}"
+            f" ({len(self.edges)} edges offer: {', '.join(offered) or 'nothing'})",
+            metadata={"backend": req.backend},
+        )
+
     def place(self, req: Request) -> list[Candidate]:
         """Ranked candidates (best first); records the first in the overlay."""
+        err = self.not_offered(req)
+        if err is not None:
+            raise err
         eligible, why = self._eligible(req)
         if not eligible:
             raise NoEligibleEdge(f"no eligible edge: {why}", metadata={"backend": req.backend})
@@ -292,7 +309,7 @@ class Placer:
 
     def place_group(
         self, req: Request, count: int, clump: int = 1
-    ) -> tuple[list[Candidate], list[int], NoEligibleEdge | None]:
+    ) -> tuple[list[Candidate], list[int], DSecError | None]:
         """Places ``count`` identical sandboxes, one power-of-k decision per
         ``clump`` of them (1 = per sandbox).
 
@@ -305,6 +322,9 @@ class Placer:
         the imbalance it adds is at most ``clump`` sandboxes per edge.
         """
         clump = max(1, clump)
+        not_offered = self.not_offered(req)
+        if not_offered is not None:
+            return [], [], not_offered
         eligible, why, snapshot_only = self._eligible_ex(req)
         if not eligible:
             return (
@@ -347,7 +367,7 @@ class Placer:
         k = self.k
         rand = self.rng.random
         sample = self.rng.sample
-        error: NoEligibleEdge | None = None
+        error: DSecError | None = None
         while len(chosen) < count:
             use_cloud = bool(cloud_pool) and (
                 not onprem_pool or (op_cap and op_used / op_cap >= self.burst_threshold)

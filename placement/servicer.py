@@ -92,7 +92,10 @@ class PlacementServicer:
             cands = self.placer.place(_request(item))
         except DSecError as err:
             return placement_pb2.Placement(
-                error_code=err.code.value[0], error_reason=err.reason, error_message=err.message
+                error_code=err.code.value[0],
+                error_reason=err.reason,
+                error_message=err.message,
+                error_metadata=err.metadata,
             )
         return placement_pb2.Placement(
             candidates=[
@@ -140,6 +143,7 @@ class PlacementServicer:
                 gp.error_code = err.code.value[0]
                 gp.error_reason = err.reason
                 gp.error_message = err.message
+                gp.error_metadata.update(err.metadata)
         return resp
 
     async def GetPlacementStatus(

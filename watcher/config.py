@@ -29,6 +29,10 @@ class WatcherConfig(ServiceConfig):
     #: An edge UNHEALTHY this long (or holding reservations while unknown to
     #: this watcher this long) is gone: every reservation on it is released.
     release_gone_after_s: float = 120.0
+    #: How often each edge is asked what it holds (what a lost edge's sandboxes were), and
+    #: how long the sandboxes of a lost edge are reported TERMINATED (EDGE_LOST).
+    sandbox_poll_interval_s: float = 2.0
+    lost_retention_s: float = 3600.0
 
     def validate(self) -> None:
         super().validate()
@@ -40,3 +44,5 @@ class WatcherConfig(ServiceConfig):
             raise ConfigError("reconcile interval must be > 0 and grace >= 0")
         if self.release_gone_after_s <= 0:
             raise ConfigError("DSEC_WATCHER_RELEASE_GONE_AFTER_S must be > 0")
+        if self.sandbox_poll_interval_s <= 0 or self.lost_retention_s < 0:
+            raise ConfigError("sandbox poll interval must be > 0 and lost retention >= 0")

@@ -10,6 +10,7 @@ import grpc
 
 from common.channels import open_channel
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+from watcher.ledger import SandboxLedger
 from watcher.reconciler import Reconciler
 from watcher.view import ClusterView
 
@@ -23,14 +24,17 @@ class Prober:
         interval_s: float,
         timeout_s: float,
         reconciler: Reconciler | None = None,
+        ledger: SandboxLedger | None = None,
     ) -> None:
         self.view = view
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.reconciler = reconciler
+        self.ledger = ledger
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
 
-    def _stub(self, edge_id: str, address: str) -> edge_pb2_grpc.EdgeServiceStub:
+    def stub(self, edge_id: str, address: str) -> edge_pb2_grpc.EdgeServiceStub:
+        """The edge's stub over this watcher's one channel to it."""
         cached = self._channels.get(edge_id)
         if cached is None or cached[0] != address:
             if cached is not None:
@@ -43,7 +47,7 @@ class Prober:
         entry = self.view.edges.get(edge_id)
         if entry is None:
             return
-        stub = self._stub(edge_id, entry.info.address)
+        stub = self.stub(edge_id, entry.info.address)
         with_ids = self.reconciler is not None and self.reconciler.wants_ids(edge_id)
         started_at = time.time()
         start = time.perf_counter()
@@ -66,6 +70,9 @@ class Prober:
         )
         if with_ids and self.reconciler is not None:
             self.reconciler.report(edge_id, list(resp.live_sandbox_ids), started_at)
+            if self.ledger is not None:
+                as_of = resp.as_of.seconds + resp.as_of.nanos / 1e9
+                self.ledger.retain(edge_id, resp.live_sandbox_ids, as_of)
 
     async def run(self) -> None:
         try:

@@ -7,6 +7,8 @@ from common.grpc_server import GrpcServer
 from common.telemetry import setup_logging, setup_tracing
 from dsec.watcher.v1 import watcher_pb2  # noqa: F401  (registers the service descriptor)
 from watcher.config import WatcherConfig
+from watcher.ledger import SandboxLedger
+from watcher.poller import SandboxPoller
 from watcher.prober import Prober
 from watcher.reconciler import Reconciler
 from watcher.servicer import WatcherServicer
@@ -18,8 +20,11 @@ async def main() -> None:
     setup_logging("watcher", cfg.log_level, cfg.log_format)
     setup_tracing("watcher", cfg.otlp_endpoint)
     view = ClusterView(cfg.unhealthy_after, cfg.forget_after_s)
+    ledger = SandboxLedger(cfg.sandbox_poll_interval_s, cfg.lost_retention_s)
     server = GrpcServer("watcher", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    server.add(WatcherServicer(view, cfg.reregister_interval_s), "dsec.watcher.v1.WatcherService")
+    server.add(
+        WatcherServicer(view, cfg.reregister_interval_s, ledger), "dsec.watcher.v1.WatcherService"
+    )
     reconciler = None
     if cfg.iam:
         reconciler = Reconciler(
@@ -30,5 +35,8 @@ async def main() -> None:
             gone_after_s=cfg.release_gone_after_s,
         )
         server.background(reconciler.run)
-    server.background(Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s, reconciler).run)
+    prober = Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s, reconciler, ledger)
+    server.background(prober.run)
+    poller = SandboxPoller(view, ledger, prober, gone_after_s=cfg.release_gone_after_s)
+    server.background(poller.run)
     await server.run()

@@ -12,10 +12,11 @@ from common.ids import EDGE_ID
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2
 from libdsec.errors import InvalidArgument, NotFound
+from watcher.ledger import Lost, SandboxLedger
 from watcher.view import ClusterView, EdgeEntry
 
 
-def edge_status_pb(e: EdgeEntry) -> watcher_pb2.EdgeStatus:
+def edge_status_pb(e: EdgeEntry, ledger: SandboxLedger | None = None) -> watcher_pb2.EdgeStatus:
     return watcher_pb2.EdgeStatus(
         info=e.info,
         health=watcher_pb2.EdgeHealth.Value("EDGE_HEALTH_" + e.health),  # type: ignore[arg-type]
@@ -27,15 +28,20 @@ def edge_status_pb(e: EdgeEntry) -> watcher_pb2.EdgeStatus:
         sandboxes_by_project=e.by_project,
         sandboxes_by_principal=e.by_principal,
         sandboxes_by_task=e.by_task,
+        sandboxes_reported=ledger.reported(e.edge_id) if ledger is not None else 0,
     )
 
 
-def snapshot_pb(view: ClusterView) -> watcher_pb2.ClusterSnapshot:
+def snapshot_pb(
+    view: ClusterView, ledger: SandboxLedger | None = None
+) -> watcher_pb2.ClusterSnapshot:
     by_project, by_principal, by_task = view.totals()
     now = time.time()
     return watcher_pb2.ClusterSnapshot(
         version=view.version,
-        edges=[edge_status_pb(e) for e in sorted(view.edges.values(), key=lambda e: e.edge_id)],
+        edges=[
+            edge_status_pb(e, ledger) for e in sorted(view.edges.values(), key=lambda e: e.edge_id)
+        ],
         sandboxes_by_project=by_project,
         sandboxes_by_principal=by_principal,
         sandboxes_by_task=by_task,
@@ -44,10 +50,28 @@ def snapshot_pb(view: ClusterView) -> watcher_pb2.ClusterSnapshot:
     )
 
 
+def lost_pb(lost: Lost) -> types_pb2.Sandbox:
+    """A lost sandbox as callers see it: as its edge last reported it, TERMINATED (EDGE_LOST)."""
+    out = types_pb2.Sandbox()
+    out.CopyFrom(lost.reported.sandbox)
+    out.state = types_pb2.SANDBOX_STATE_TERMINATED
+    out.termination.CopyFrom(
+        types_pb2.Termination(
+            reason=types_pb2.TERMINATION_REASON_EDGE_LOST,
+            message=f"edge {lost.edge_id} was lost (unreachable)",
+            at=ts(lost.lost_at),
+        )
+    )
+    return out
+
+
 class WatcherServicer:
-    def __init__(self, view: ClusterView, reregister_interval_s: int) -> None:
+    def __init__(
+        self, view: ClusterView, reregister_interval_s: int, ledger: SandboxLedger | None = None
+    ) -> None:
         self.view = view
         self.reregister_interval_s = reregister_interval_s
+        self.ledger = ledger or SandboxLedger(1.0, 0.0)
 
     async def RegisterEdge(
         self, request: watcher_pb2.RegisterEdgeRequest, context: Any
@@ -63,7 +87,7 @@ class WatcherServicer:
     async def GetClusterSnapshot(
         self, request: watcher_pb2.GetClusterSnapshotRequest, context: Any
     ) -> watcher_pb2.GetClusterSnapshotResponse:
-        return watcher_pb2.GetClusterSnapshotResponse(snapshot=snapshot_pb(self.view))
+        return watcher_pb2.GetClusterSnapshotResponse(snapshot=snapshot_pb(self.view, self.ledger))
 
     async def WatchCluster(
         self, request: watcher_pb2.WatchClusterRequest, context: Any
@@ -72,7 +96,7 @@ class WatcherServicer:
         q = self.view.subscribe()
         try:
             yield watcher_pb2.WatchClusterResponse(
-                snapshot=snapshot_pb(self.view), version=self.view.version
+                snapshot=snapshot_pb(self.view, self.ledger), version=self.view.version
             )
             while True:
                 try:
@@ -88,7 +112,8 @@ class WatcherServicer:
                     )
                 else:
                     yield watcher_pb2.WatchClusterResponse(
-                        edge_changed=edge_status_pb(payload), version=self.view.version
+                        edge_changed=edge_status_pb(payload, self.ledger),
+                        version=self.view.version,
                     )
         finally:
             self.view.unsubscribe(q)
@@ -99,4 +124,19 @@ class WatcherServicer:
         entry = self.view.edges.get(request.edge_id)
         if entry is None:
             raise NotFound(f"edge {request.edge_id} is not known", reason="EDGE_NOT_FOUND")
-        return watcher_pb2.GetEdgeHealthResponse(status=edge_status_pb(entry))
+        return watcher_pb2.GetEdgeHealthResponse(status=edge_status_pb(entry, self.ledger))
+
+    async def ListLostSandboxes(
+        self, request: watcher_pb2.ListLostSandboxesRequest, context: Any
+    ) -> watcher_pb2.ListLostSandboxesResponse:
+        found = self.ledger.find(
+            sandbox_ids=request.sandbox_ids,
+            edge_id=request.edge_id,
+            project_prefix=request.project_prefix,
+            task_id=request.task_id,
+            labels=dict(request.label_selector),
+        )
+        return watcher_pb2.ListLostSandboxesResponse(
+            sandboxes=[lost_pb(lost) for lost in found],
+            lost_edge_ids=sorted(self.ledger.lost_edges),
+        )

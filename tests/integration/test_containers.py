@@ -21,6 +21,7 @@ import pytest
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Exited, Output, Sandbox, Started
 from libdsec.errors import (
+    BackendNotOffered,
     DSecError,
     ImageNotFound,
     InvalidArgument,
@@ -440,3 +441,17 @@ def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
     )
     assert escape.exit_code != 0 and b"PermissionError" in escape.stderr, escape
     assert be.run(policy).text == "5\n"
+
+
+def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client) -> None:
+    """This cluster's one edge offers containers only (no FnCall pools): a microvm create is
+    FAILED_PRECONDITION BACKEND_NOT_OFFERED (a retry cannot help), alone and in a burst."""
+    with pytest.raises(BackendNotOffered) as info:
+        client.create(image="busybox", backend="microvm")
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert info.value.reason == "BACKEND_NOT_OFFERED" and "microvm" in str(info.value)
+    assert info.value.metadata["backend"] == "MICROVM"
+    out = client.create_many(2, image="busybox", backend="microvm")
+    assert all(isinstance(o, BackendNotOffered) for o in out), out
+    assert all(o.metadata["backend"] == "MICROVM" for o in out)  # type: ignore[union-attr]
+    assert not [s for s in client.list() if s.backend == "microvm"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from iam.server import open_store
 from iam.store import (
     KEY_TTL_S,
     IamStore,
@@ -23,7 +24,6 @@ from iam.store import (
     Reservation,
     SqliteIamStore,
     TokenRecord,
-    open_store,
 )
 from libdsec.errors import AlreadyExists, FailedPrecondition, NotFound, QuotaExceeded
 from tests.pgserver import PostgresServer

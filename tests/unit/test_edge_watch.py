@@ -38,7 +38,7 @@ class PausableNull(NullBackend):
 
 
 def servicer(tmp_path: Path) -> EdgeServicer:
-    m = SandboxManager("e1", tmp_path, Capacity(64_000, 64_000, 1000), [PausableNull()])
+    m = SandboxManager("e1", tmp_path, Capacity(1_000_000, 1_000_000, 1000), [PausableNull()])
     return EdgeServicer(m, types_pb2.EdgeInfo(edge_id="e1"))
 
 
@@ -50,15 +50,16 @@ async def make(s: EdgeServicer, n: int, project: str, **spec: object) -> list[st
 
 
 async def take(stream: AsyncIterator[edge_pb2.WatchSandboxesResponse], n: int) -> list[str]:
-    """The next n messages: "keepalive" or "<id> <STATE>"."""
-    out = []
-    for _ in range(n):
+    """The next n events: "keepalive" or "<id> <STATE>" (a replayed batch's sandboxes each)."""
+    out: list[str] = []
+    while len(out) < n:
         msg = await asyncio.wait_for(anext(stream), timeout=5)
         if msg.HasField("keepalive"):
             out.append("keepalive")
-        else:
-            state = types_pb2.SandboxState.Name(msg.changed.state).removeprefix("SANDBOX_STATE_")
-            out.append(f"{msg.changed.id} {state}")
+            continue
+        for sb in msg.replayed.sandboxes if msg.HasField("replayed") else [msg.changed]:
+            state = types_pb2.SandboxState.Name(sb.state).removeprefix("SANDBOX_STATE_")
+            out.append(f"{sb.id} {state}")
     return out
 
 
@@ -86,7 +87,6 @@ async def test_replay_of_what_changed_since_then_keepalive(tmp_path: Path) -> No
     since = time.time()
     [new, gone] = await make(s, 2, "root/a", task_id="x")
     await s.manager.stop(gone)
-    await s.manager.pause(old)  # a pause is no creation, start or end: not replayed
     req = edge_pb2.WatchSandboxesRequest(project_prefix="root/a")
     req.changed_since.FromNanoseconds(int(since * 1e9))
     stream = s.WatchSandboxes(req, None)
@@ -98,7 +98,7 @@ async def test_replay_of_what_changed_since_then_keepalive(tmp_path: Path) -> No
     req.changed_since.CopyFrom(Timestamp())
     stream = s.WatchSandboxes(req, None)
     got = await take(stream, 4)
-    assert sorted(got[:3]) == sorted([f"{old} PAUSED", f"{new} RUNNING", f"{gone} TERMINATED"])
+    assert sorted(got[:3]) == sorted([f"{old} RUNNING", f"{new} RUNNING", f"{gone} TERMINATED"])
     await stream.aclose()
 
 
@@ -121,3 +121,26 @@ async def test_a_watch_that_falls_behind_ends_with_watch_overflow(
         await take(stream, 9)
     assert info.value.reason == "WATCH_OVERFLOW"
     assert not s.manager._subscribers
+
+
+async def test_a_poll_replays_in_batches_filtered_by_state_and_ends(tmp_path: Path) -> None:
+    s = servicer(tmp_path)
+    ids = await make(s, 600, "root/a", task_id="t", labels={"k": "v"}, env={"SECRET": "x"})
+    await s.manager.stop(ids[0])
+    req = edge_pb2.WatchSandboxesRequest(
+        replay_only=True,
+        summary=True,
+        states=[types_pb2.SANDBOX_STATE_RUNNING, types_pb2.SANDBOX_STATE_PAUSED],
+    )
+    req.changed_since.CopyFrom(Timestamp())
+    messages = [m async for m in s.WatchSandboxes(req, None)]  # it ends by itself
+    assert [len(m.replayed.sandboxes) for m in messages[:-1]] == [512, 87]
+    assert messages[-1].HasField("keepalive")
+    replayed = {sb.id for m in messages[:-1] for sb in m.replayed.sandboxes}
+    assert replayed == set(ids[1:])  # the stopped one is not RUNNING or PAUSED
+    sb = messages[0].replayed.sandboxes[0]  # a summary: what the watcher keeps, no more
+    assert (sb.project_id, sb.principal_id, sb.edge_id) == ("root/a", "p", "e1")
+    assert sb.spec.task_id == "t" and dict(sb.spec.labels) == {"k": "v"} and not sb.spec.env
+    assert sb.state == types_pb2.SANDBOX_STATE_RUNNING and sb.HasField("started_at")
+    assert sb.spec.backend == types_pb2.BACKEND_CONTAINER and sb.spec.resources.cpu_millis
+    assert not s.manager._subscribers  # a poll never subscribes

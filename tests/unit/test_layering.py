@@ -16,6 +16,7 @@ DOMAIN_MODULES = [
     "iam/store_pg.py",
     "placement/policy.py",
     "watcher/view.py",
+    "watcher/ledger.py",
     "edge/manager.py",
     "edge/model.py",
     "edge/backends/contract.py",

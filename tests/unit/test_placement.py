@@ -3,9 +3,10 @@ from __future__ import annotations
 import random
 import time
 
+import grpc
 import pytest
 
-from libdsec.errors import NoEligibleEdge
+from libdsec.errors import BackendNotOffered, NoEligibleEdge
 from placement.policy import EdgeView, Placer, Request
 
 
@@ -83,6 +84,32 @@ def test_filters_name_why_nothing_fits() -> None:
         placer.place(Request("CONTAINER", 1000, 100, node_selector={"zone": "a"}))[0].edge_id
         == "e3"
     )
+
+
+def test_a_backend_no_edge_offers_is_not_offered_rather_than_exhausted() -> None:
+    """No registered edge offers it (healthy or not): FAILED_PRECONDITION, a retry cannot
+    help. Edges offer it but none is healthy or has room: RESOURCE_EXHAUSTED, as before."""
+    placer = Placer(rng=random.Random(0))
+    placer.update([edge(0), edge(1, backends=("CONTAINER", "FNCALL"), healthy=False)])
+    with pytest.raises(BackendNotOffered) as info:
+        placer.place(Request("MICROVM", 1000, 100))
+    _, chosen, group_err = placer.place_group(Request("MICROVM", 1000, 100), 3)
+    assert chosen == [] and isinstance(group_err, BackendNotOffered)
+    for err in (info.value, group_err):
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.reason == "BACKEND_NOT_OFFERED" and err.metadata == {"backend": "MICROVM"}
+        assert "offers backend microvm" in str(err) and "container, fncall" in str(err)
+    # Offered only by an unhealthy edge, or by edges that are full: exhausted, retry later.
+    with pytest.raises(NoEligibleEdge, match="unhealthy"):
+        placer.place(Request("FNCALL", 100, 100))
+    _, chosen, err = placer.place_group(Request("FNCALL", 100, 100), 2)
+    assert isinstance(err, NoEligibleEdge) and not chosen
+    with pytest.raises(NoEligibleEdge, match="not enough free capacity"):
+        placer.place(Request("CONTAINER", 10_000, 100))
+    assert placer.place_group(Request("CONTAINER", 100, 100), 2)[2] is None
+    # With no edge registered at all (a cluster starting), nothing is known yet: exhausted.
+    with pytest.raises(NoEligibleEdge, match="no edges are registered"):
+        Placer().place(Request("MICROVM", 100, 100))
 
 
 def test_candidates_exclude_edges_that_rejected() -> None:

@@ -158,7 +158,9 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseSandbox(self, request, context):
-        """Freezes the sandbox and pushes its memory out; files and processes are kept.
+        """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
+        memory stays resident: pause does not push memory out yet (memory reclaim comes with
+        preemption). Any call to a paused sandbox resumes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,10 @@ class SandboxServiceStub:
     DeleteSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteSandboxRequest, _apiserver_pb2.DeleteSandboxResponse]
     """Stops if needed and forgets the sandbox."""
     PauseSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PauseSandboxRequest, _apiserver_pb2.PauseSandboxResponse]
-    """Freezes the sandbox and pushes its memory out; files and processes are kept."""
+    """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
+    memory stays resident: pause does not push memory out yet (memory reclaim comes with
+    preemption). Any call to a paused sandbox resumes it.
+    """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]
     PackDiff: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]
     """Checkpoints the writable layer as a new environment layer."""
@@ -92,7 +95,10 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     DeleteSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteSandboxRequest, _apiserver_pb2.DeleteSandboxResponse]  # type: ignore[assignment]
     """Stops if needed and forgets the sandbox."""
     PauseSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PauseSandboxRequest, _apiserver_pb2.PauseSandboxResponse]  # type: ignore[assignment]
-    """Freezes the sandbox and pushes its memory out; files and processes are kept."""
+    """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
+    memory stays resident: pause does not push memory out yet (memory reclaim comes with
+    preemption). Any call to a paused sandbox resumes it.
+    """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
     PackDiff: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]  # type: ignore[assignment]
     """Checkpoints the writable layer as a new environment layer."""
@@ -170,7 +176,10 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _apiserver_pb2.PauseSandboxRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.PauseSandboxResponse, _abc.Awaitable[_apiserver_pb2.PauseSandboxResponse]]:
-        """Freezes the sandbox and pushes its memory out; files and processes are kept."""
+        """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
+        memory stays resident: pause does not push memory out yet (memory reclaim comes with
+        preemption). Any call to a paused sandbox resumes it.
+        """
 
     @_abc_1.abstractmethod
     def ResumeSandbox(

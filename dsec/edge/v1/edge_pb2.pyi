@@ -949,11 +949,11 @@ Global___WarmPoolStatus: _TypeAlias = WarmPoolStatus  # noqa: Y015
 
 @_typing.final
 class WatchSandboxesRequest(_message.Message):
-    """The stream starts with the replay (if asked for), then a keepalive whose `at` (this edge's
-    clock) is the moment it began following changes: every change after it is sent. A caller
-    whose stream broke asks again with the last keepalive's `at` as changed_since and misses no
-    creation, start or end (one near the break may come twice; a pause or resume in the gap is
-    not replayed).
+    """The stream starts with the replay (if asked for, in `replayed` batches), then a keepalive
+    whose `at` (this edge's clock) is the moment it began following changes: every change after
+    it is sent (`changed`). A caller whose stream broke asks again with the last keepalive's `at`
+    as changed_since and misses no creation, start or end (one near the break may come twice; a
+    pause or resume in the gap is not replayed).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -983,6 +983,9 @@ class WatchSandboxesRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     CHANGED_SINCE_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    REPLAY_ONLY_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     keepalive_interval_ms: _builtins.int
     """A keepalive this often (when no change waits to be sent: every change before its `at`
     has been sent, busy or not); 0 = 5000.
@@ -993,6 +996,15 @@ class WatchSandboxesRequest(_message.Message):
     """
     task_id: _builtins.str
     """"" = any"""
+    replay_only: _builtins.bool
+    """End the stream after the replay and its keepalive instead of following changes (the
+    watcher's poll of what each edge holds).
+    """
+    summary: _builtins.bool
+    """Replayed sandboxes carry only their id, owner, edge, state, termination, creation and start
+    times and the spec's backend, image, task, labels, cpu and memory (a third of the cost of a
+    full one: the watcher's poll).
+    """
     @_builtins.property
     def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """all must match"""
@@ -1003,6 +1015,10 @@ class WatchSandboxesRequest(_message.Message):
         is now (the gap of a broken stream; epoch = every sandbox the edge has). Unset = none.
         """
 
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[_types_pb2.SandboxState.ValueType]:
+        """Only sandboxes in these states (the replay: as they are now; changes: into them); empty = any."""
+
     def __init__(
         self,
         *,
@@ -1011,14 +1027,37 @@ class WatchSandboxesRequest(_message.Message):
         task_id: _builtins.str = ...,
         label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         changed_since: _timestamp_pb2.Timestamp | None = ...,
+        states: _abc.Iterable[_types_pb2.SandboxState.ValueType] | None = ...,
+        replay_only: _builtins.bool = ...,
+        summary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "replay_only", b"replay_only", "states", b"states", "summary", b"summary", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchSandboxesRequest: _TypeAlias = WatchSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class SandboxBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOXES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Sandbox]: ...
+    def __init__(
+        self,
+        *,
+        sandboxes: _abc.Iterable[_types_pb2.Sandbox] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandboxes", b"sandboxes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxBatch: _TypeAlias = SandboxBatch  # noqa: Y015
 
 @_typing.final
 class WatchSandboxesResponse(_message.Message):
@@ -1026,21 +1065,27 @@ class WatchSandboxesResponse(_message.Message):
 
     CHANGED_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def changed(self) -> _types_pb2.Sandbox: ...
     @_builtins.property
     def keepalive(self) -> _types_pb2.Keepalive: ...
+    @_builtins.property
+    def replayed(self) -> Global___SandboxBatch:
+        """the replay, up to 512 sandboxes a message"""
+
     def __init__(
         self,
         *,
         changed: _types_pb2.Sandbox | None = ...,
         keepalive: _types_pb2.Keepalive | None = ...,
+        replayed: Global___SandboxBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "event", b"event", "keepalive", b"keepalive"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "event", b"event", "keepalive", b"keepalive", "replayed", b"replayed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "event", b"event", "keepalive", b"keepalive"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "event", b"event", "keepalive", b"keepalive", "replayed", b"replayed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["changed", "keepalive"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["changed", "keepalive", "replayed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

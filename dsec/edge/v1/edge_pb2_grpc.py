@@ -298,7 +298,9 @@ class EdgeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseSandbox(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Freezes the sandbox's processes (cgroup freezer), keeping files and processes; memory
+        stays resident (not pushed out yet). A call into the sandbox resumes it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -54,6 +54,9 @@ class EdgeServiceStub:
     StopSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.StopSandboxRequest, _edge_pb2.StopSandboxResponse]
     DeleteSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.DeleteSandboxRequest, _edge_pb2.DeleteSandboxResponse]
     PauseSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.PauseSandboxRequest, _edge_pb2.PauseSandboxResponse]
+    """Freezes the sandbox's processes (cgroup freezer), keeping files and processes; memory
+    stays resident (not pushed out yet). A call into the sandbox resumes it.
+    """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]
     PackDiff: _grpc.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]
@@ -123,6 +126,9 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     StopSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.StopSandboxRequest, _edge_pb2.StopSandboxResponse]  # type: ignore[assignment]
     DeleteSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.DeleteSandboxRequest, _edge_pb2.DeleteSandboxResponse]  # type: ignore[assignment]
     PauseSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.PauseSandboxRequest, _edge_pb2.PauseSandboxResponse]  # type: ignore[assignment]
+    """Freezes the sandbox's processes (cgroup freezer), keeping files and processes; memory
+    stays resident (not pushed out yet). A call into the sandbox resumes it.
+    """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
     PackDiff: _aio.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]  # type: ignore[assignment]
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
@@ -230,7 +236,10 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _edge_pb2.PauseSandboxRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_edge_pb2.PauseSandboxResponse, _abc.Awaitable[_edge_pb2.PauseSandboxResponse]]: ...
+    ) -> _typing.Union[_edge_pb2.PauseSandboxResponse, _abc.Awaitable[_edge_pb2.PauseSandboxResponse]]:
+        """Freezes the sandbox's processes (cgroup freezer), keeping files and processes; memory
+        stays resident (not pushed out yet). A call into the sandbox resumes it.
+        """
 
     @_abc_1.abstractmethod
     def ResumeSandbox(

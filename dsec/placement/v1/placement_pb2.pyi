@@ -139,12 +139,35 @@ Global___Candidate: _TypeAlias = Candidate  # noqa: Y015
 class Placement(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CANDIDATES_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
     error_code: _builtins.int
-    """google.rpc.Code; RESOURCE_EXHAUSTED if none"""
+    """google.rpc.Code: RESOURCE_EXHAUSTED ("NO_ELIGIBLE_EDGE") if no edge fits now,
+    FAILED_PRECONDITION ("BACKEND_NOT_OFFERED") if no registered edge offers the backend.
+    """
     error_reason: _builtins.str
     """e.g. "NO_ELIGIBLE_EDGE" """
     error_message: _builtins.str
@@ -153,6 +176,10 @@ class Placement(_message.Message):
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
         """best first; at most max_attempts"""
 
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as in ErrorInfo, e.g. "backend" """
+
     def __init__(
         self,
         *,
@@ -160,10 +187,11 @@ class Placement(_message.Message):
         error_code: _builtins.int = ...,
         error_reason: _builtins.str = ...,
         error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -358,10 +386,31 @@ Global___PlaceSandboxGroupsRequest: _TypeAlias = PlaceSandboxGroupsRequest  # no
 class GroupPlacement(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ErrorMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EDGE_INDEXES_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_METADATA_FIELD_NUMBER: _builtins.int
     error_code: _builtins.int
     """google.rpc.Code, set when some were not placed"""
     error_reason: _builtins.str
@@ -373,6 +422,10 @@ class GroupPlacement(_message.Message):
         The group's other (count - len) sandboxes were not placed: see error_*.
         """
 
+    @_builtins.property
+    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as in ErrorInfo, e.g. "backend" """
+
     def __init__(
         self,
         *,
@@ -380,10 +433,11 @@ class GroupPlacement(_message.Message):
         error_code: _builtins.int = ...,
         error_reason: _builtins.str = ...,
         error_message: _builtins.str = ...,
+        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_indexes", b"edge_indexes", "error_code", b"error_code", "error_message", b"error_message", "error_reason", b"error_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_indexes", b"edge_indexes", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -72,9 +72,11 @@ class _SandboxStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SandboxS
     SANDBOX_STATE_RUNNING: _SandboxState.ValueType  # 3
     """agent ready, accepts commands"""
     SANDBOX_STATE_PAUSED: _SandboxState.ValueType  # 4
-    """frozen, memory pushed out; any request resumes it"""
+    """frozen (cgroup freezer), files and processes kept, memory"""
     SANDBOX_STATE_STOPPING: _SandboxState.ValueType  # 5
-    """teardown in progress"""
+    """still resident (not pushed out yet); any request resumes it
+    teardown in progress
+    """
     SANDBOX_STATE_TERMINATED: _SandboxState.ValueType  # 6
     """final; see Termination"""
 
@@ -88,9 +90,11 @@ SANDBOX_STATE_STARTING: SandboxState.ValueType  # 2
 SANDBOX_STATE_RUNNING: SandboxState.ValueType  # 3
 """agent ready, accepts commands"""
 SANDBOX_STATE_PAUSED: SandboxState.ValueType  # 4
-"""frozen, memory pushed out; any request resumes it"""
+"""frozen (cgroup freezer), files and processes kept, memory"""
 SANDBOX_STATE_STOPPING: SandboxState.ValueType  # 5
-"""teardown in progress"""
+"""still resident (not pushed out yet); any request resumes it
+teardown in progress
+"""
 SANDBOX_STATE_TERMINATED: SandboxState.ValueType  # 6
 """final; see Termination"""
 Global___SandboxState: _TypeAlias = SandboxState  # noqa: Y015

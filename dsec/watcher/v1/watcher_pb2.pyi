@@ -124,10 +124,15 @@ class EdgeStatus(_message.Message):
     SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
+    SANDBOXES_REPORTED_FIELD_NUMBER: _builtins.int
     health: Global___EdgeHealth.ValueType
     consecutive_failures: _builtins.int
     last_error: _builtins.str
     probe_latency_ms: _builtins.float
+    sandboxes_reported: _builtins.int
+    """Live sandboxes this watcher's last poll of the edge returned: what would be reported
+    TERMINATED (EDGE_LOST) if the edge were declared lost now.
+    """
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
     @_builtins.property
@@ -155,10 +160,11 @@ class EdgeStatus(_message.Message):
         sandboxes_by_project: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_reported: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "last_probe_at", b"last_probe_at", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "health", b"health", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "health", b"health", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "sandboxes_reported", b"sandboxes_reported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,3 +446,91 @@ class GetEdgeHealthResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetEdgeHealthResponse: _TypeAlias = GetEdgeHealthResponse  # noqa: Y015
+
+@_typing.final
+class ListLostSandboxesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SANDBOX_IDS_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    """"" = any"""
+    project_prefix: _builtins.str
+    """project id or ancestor; "" = all"""
+    task_id: _builtins.str
+    """"" = any"""
+    @_builtins.property
+    def sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """only these; empty = any"""
+
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
+        edge_id: _builtins.str = ...,
+        project_prefix: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "label_selector", b"label_selector", "project_prefix", b"project_prefix", "sandbox_ids", b"sandbox_ids", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLostSandboxesRequest: _TypeAlias = ListLostSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class ListLostSandboxesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOXES_FIELD_NUMBER: _builtins.int
+    LOST_EDGE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Sandbox]:
+        """TERMINATED (EDGE_LOST), oldest first"""
+
+    @_builtins.property
+    def lost_edge_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """edges declared lost and not back since"""
+
+    def __init__(
+        self,
+        *,
+        sandboxes: _abc.Iterable[_types_pb2.Sandbox] | None = ...,
+        lost_edge_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lost_edge_ids", b"lost_edge_ids", "sandboxes", b"sandboxes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLostSandboxesResponse: _TypeAlias = ListLostSandboxesResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class WatcherServiceStub:
                 request_serializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthRequest.SerializeToString,
                 response_deserializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthResponse.FromString,
                 _registered_method=True)
+        self.ListLostSandboxes = channel.unary_unary(
+                '/dsec.watcher.v1.WatcherService/ListLostSandboxes',
+                request_serializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesRequest.SerializeToString,
+                response_deserializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesResponse.FromString,
+                _registered_method=True)
 
 
 class WatcherServiceServicer:
@@ -84,6 +89,16 @@ class WatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLostSandboxes(self, request, context):
+        """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
+        releases their quota, or forgotten): as each edge last reported them (the summary its
+        polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+        TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +121,11 @@ def add_WatcherServiceServicer_to_server(servicer, server):
                     servicer.GetEdgeHealth,
                     request_deserializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthRequest.FromString,
                     response_serializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthResponse.SerializeToString,
+            ),
+            'ListLostSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLostSandboxes,
+                    request_deserializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesRequest.FromString,
+                    response_serializer=dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +236,33 @@ class WatcherService:
             '/dsec.watcher.v1.WatcherService/GetEdgeHealth',
             dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthRequest.SerializeToString,
             dsec_dot_watcher_dot_v1_dot_watcher__pb2.GetEdgeHealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLostSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.watcher.v1.WatcherService/ListLostSandboxes',
+            dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesRequest.SerializeToString,
+            dsec_dot_watcher_dot_v1_dot_watcher__pb2.ListLostSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,

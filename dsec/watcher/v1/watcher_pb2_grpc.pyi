@@ -42,6 +42,12 @@ class WatcherServiceStub:
     WatchCluster: _grpc.UnaryStreamMultiCallable[_watcher_pb2.WatchClusterRequest, _watcher_pb2.WatchClusterResponse]
     """The snapshot first, then every change, with keepalives."""
     GetEdgeHealth: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.GetEdgeHealthRequest, _watcher_pb2.GetEdgeHealthResponse]
+    ListLostSandboxes: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.ListLostSandboxesRequest, _watcher_pb2.ListLostSandboxesResponse]
+    """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
+    releases their quota, or forgotten): as each edge last reported them (the summary its
+    polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+    TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+    """
 
 @_typing.type_check_only
 class WatcherServiceAsyncStub(WatcherServiceStub):
@@ -51,6 +57,12 @@ class WatcherServiceAsyncStub(WatcherServiceStub):
     WatchCluster: _aio.UnaryStreamMultiCallable[_watcher_pb2.WatchClusterRequest, _watcher_pb2.WatchClusterResponse]  # type: ignore[assignment]
     """The snapshot first, then every change, with keepalives."""
     GetEdgeHealth: _aio.UnaryUnaryMultiCallable[_watcher_pb2.GetEdgeHealthRequest, _watcher_pb2.GetEdgeHealthResponse]  # type: ignore[assignment]
+    ListLostSandboxes: _aio.UnaryUnaryMultiCallable[_watcher_pb2.ListLostSandboxesRequest, _watcher_pb2.ListLostSandboxesResponse]  # type: ignore[assignment]
+    """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
+    releases their quota, or forgotten): as each edge last reported them (the summary its
+    polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+    TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+    """
 
 class WatcherServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -81,5 +93,17 @@ class WatcherServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _watcher_pb2.GetEdgeHealthRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_watcher_pb2.GetEdgeHealthResponse, _abc.Awaitable[_watcher_pb2.GetEdgeHealthResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLostSandboxes(
+        self,
+        request: _watcher_pb2.ListLostSandboxesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_watcher_pb2.ListLostSandboxesResponse, _abc.Awaitable[_watcher_pb2.ListLostSandboxesResponse]]:
+        """Sandboxes of edges declared lost (UNHEALTHY for release_gone_after_s, the rule that also
+        releases their quota, or forgotten): as each edge last reported them (the summary its
+        polls return: identity, owner, times, backend, image, task, labels, cpu and memory),
+        TERMINATED with reason EDGE_LOST. Kept for lost_retention_s; not durable (a restarted watcher knows none).
+        """
 
 def add_WatcherServiceServicer_to_server(servicer: WatcherServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
