@@ -23,7 +23,8 @@ Tree::
     ├── AlreadyExists             ALREADY_EXISTS
     ├── FailedPrecondition        FAILED_PRECONDITION  wrong lifecycle state
     │   ├── SandboxTerminated
-    │   └── LayerCorrupt
+    │   ├── LayerCorrupt
+    │   └── BackendNotOffered     no edge of the cluster offers the backend asked for
     ├── ResourceExhausted         RESOURCE_EXHAUSTED   quota/capacity: retry later
     │   ├── QuotaExceeded
     │   ├── NoEligibleEdge
