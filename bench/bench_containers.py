@@ -13,8 +13,8 @@ measured in the same run on the same busybox image.
 6. create-to-first-command on a second edge of the same machine that keeps W warm sandboxes
    (edge/backends/container/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
 7. a burst of B on that edge (W of them warm at the start, the rest cold), against section 3.
-8. the cost of the writable-layer limit every sandbox has (mkfs.ext4 + loop mount + unmount of
-   the default 10 GiB sparse image), measured directly, against section 1.
+8. the cost of the writable-layer limit every sandbox has (template copy + loop + mount + unmount of
+   the default 10 GiB sparse image, from a template formatted once), measured directly, against section 1.
 
 Sections 1-5 run on the cold edge (node_selector pool=cold) while the warm edge sits idle
 with its pool full; 6-7 on the warm edge.
@@ -277,12 +277,12 @@ def main() -> int:
         dsec.stop_all(task_id="wburst")
 
     # 8. what the writable-layer limit every sandbox now has costs a create: its filesystem
-    #    made and mounted (mkfs.ext4 of a sparse image + loop mount) and unmounted, measured
+    #    made and mounted (sparse copy of a formatted template, loop device, mount) and unmounted, measured
     #    directly, against section 1's whole create-to-first-command of the same run.
     made = _disk_limit_ms(args.n)
     d50, d99, _ = summary_ms(made)
     table(
-        "the disk limit's share of a create (default 10 GiB image: mkfs.ext4 + loop mount + umount)",
+        "the disk limit's share of a create (default 10 GiB image: template copy + loop device + mount + umount)",
         ["what", "p50 ms", "p99 ms", "share of a cold create p50 (section 1)"],
         [
             ["dsec cold create + first command (section 1)", p50_idle, p99_idle, 1.0],

@@ -61,6 +61,7 @@ class DiskGuard:
         self.reserve_bytes = reserve_bytes
         self._paths: dict[int, Path] = {}
         self.last: dict[int, Filesystem] = {}
+        self.sampled_at = 0.0  # time.monotonic() of the last sample
         self._previous = _Sample(0.0)
         for p in paths:
             self.watch(p)
@@ -85,6 +86,7 @@ class DiskGuard:
                 continue
             out[dev] = Filesystem(dev, path, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
         self.last = out
+        self.sampled_at = time.monotonic()
         return list(out.values())
 
     def low(self) -> Filesystem | None:

@@ -45,6 +45,9 @@ from libdsec.errors import (
 
 log = logging.getLogger(__name__)
 
+#: The oldest free-space sample admission decides on (see _fresh_disk_sample).
+DISK_SAMPLE_MAX_AGE_S = 0.02
+
 
 @dataclass(frozen=True)
 class Capacity:
@@ -217,6 +220,14 @@ class SandboxManager:
                 f"edge {self.edge_id} is full: " + "; ".join(short), metadata={"edge": self.edge_id}
             )
 
+    async def _fresh_disk_sample(self) -> None:
+        """Admission decides on free space at most DISK_SAMPLE_MAX_AGE_S old (the guard's loop
+        samples every 0.25 s: a disk filled in between would admit a create that then fails
+        to start with ENOSPC). One statvfs per watched filesystem, in a thread."""
+        guard = self.disk_guard
+        if guard is not None and time.monotonic() - guard.sampled_at > DISK_SAMPLE_MAX_AGE_S:
+            await asyncio.to_thread(guard.sample)
+
     def _check_disk(self) -> None:
         fs = self.disk_guard.low() if self.disk_guard is not None else None
         if fs is not None:
@@ -273,6 +284,7 @@ class SandboxManager:
         self._validate(sandbox_id, spec)
         # e.g. an unknown image fails here, fast
         await asyncio.to_thread(self.backends[spec.backend].validate, spec)
+        await self._fresh_disk_sample()
         if sandbox_id in self.records:  # a concurrent retry got in first
             return await self.create(
                 sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
@@ -321,6 +333,7 @@ class SandboxManager:
                         await asyncio.to_thread(backend.validate, spec)
                     except DSecError as exc:
                         validated[key] = exc
+        await self._fresh_disk_sample()
         for sandbox_id, spec in items:
             rec = self.records.get(sandbox_id)
             if rec is not None:

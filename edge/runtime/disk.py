@@ -9,11 +9,11 @@ Why a filesystem of its own rather than watching the upper directory grow:
 - the host's filesystem needs no project quotas (this machine kind's root is ext4 without them)
   and no per-sandbox setup beyond one sparse file.
 
-Cost: mkfs.ext4 + mount of a sparse image at creation (measured 5.4 ms p50 for 1 GiB: no journal,
-lazy inode tables), paid only by sandboxes that ask for a quota; writes go through a loop device
-(their pages are cached for the image file too). The image is sparse: a sandbox
-that writes little takes little. `mount -o loop` sets up the loop device with autoclear, so the
-last unmount (destroy, or orphan cleanup after a crash) also frees the loop device.
+Cost: a sparse copy of a template formatted once per size, a loop device and a mount at
+creation (`create`: 4.4 ms p50 for the default 10 GiB, against 15.5 ms for mkfs.ext4 + `mount -o
+loop` per sandbox); writes go through a loop device (their pages are cached for the image file
+too). The image is sparse: a sandbox that writes little takes little. The loop device is set up
+with autoclear, so the last unmount (destroy, or orphan cleanup after a crash) also frees it.
 
 Layout under the sandbox directory: `disk.img` (the image), `disk/` (its mount point) with
 `disk/upper` and `disk/work` (overlayfs needs both on one mount); `upper` is a symlink to
@@ -23,12 +23,19 @@ the usual place.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import struct
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge.runtime.errors import SandboxRuntimeError
+from edge.runtime.mounts import MS_NODEV, mount
+
+MS_NOATIME = 1 << 10
 
 _ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 #: One inode per 8 KiB: package trees are many small files.
@@ -50,40 +57,123 @@ class DiskUsage:
 
 
 def create(sandbox_dir: Path, size_mb: int) -> tuple[Path, Path]:
-    """Make and mount the quota filesystem; returns (upper, work) on it. Blocking."""
+    """Make and mount the quota filesystem; returns (upper, work) on it. Blocking.
+
+    The image is a sparse copy of a template formatted once per size (`_template`: mkfs.ext4
+    would cost a process and ~15 ms per create, the copy moves ~200 KB of metadata), attached to
+    a loop device with LOOP_CONFIGURE and mounted with mount(2) (no losetup/mount processes):
+    4.4 vs 15.5 ms p50 measured for the default 10 GiB. Every image shares the template's UUID,
+    which the kernel does not require to be unique."""
     image = sandbox_dir / "disk.img"
     mnt = sandbox_dir / "disk"
     mnt.mkdir()
-    with open(image, "wb") as fh:
-        fh.truncate(size_mb * 1024 * 1024)
-    _run(
-        [
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-O",
-            "^has_journal,^resize_inode",
-            "-E",
-            "lazy_itable_init=1,nodiscard",
-            "-m",
-            "0",
-            "-b",
-            "4096",
-            "-i",
-            str(BYTES_PER_INODE),
-            os.fspath(image),
-        ],
-        "mkfs.ext4",
-    )
-    _run(
-        ["mount", "-t", "ext4", "-o", "loop,nodev,noatime", os.fspath(image), os.fspath(mnt)],
-        "mount quota filesystem",
-    )
+    _sparse_copy(_template(sandbox_dir.parent / TEMPLATES, size_mb), image)
+    try:
+        loop_fd, device = _attach_loop(image)
+    except OSError as exc:
+        raise SandboxRuntimeError(f"loop device for {image}: {exc.strerror or exc}") from exc
+    try:
+        mount(device, mnt, "ext4", MS_NODEV | MS_NOATIME)
+    finally:
+        os.close(loop_fd)  # the mount holds the device now; autoclear frees it at the unmount
     upper, work = mnt / "upper", mnt / "work"
     upper.mkdir()
     work.mkdir()
     os.rmdir(mnt / "lost+found")
     return upper, work
+
+
+#: Formatted template images, one per size, beside the sandboxes' writable layers (the name
+#: never matches a sandbox id, so orphan cleanup leaves them alone).
+TEMPLATES = ".templates"
+_template_lock = threading.Lock()
+
+
+def _template(directory: Path, size_mb: int) -> Path:
+    path = directory / f"{size_mb}m.img"
+    if path.exists():
+        return path
+    with _template_lock:
+        if path.exists():
+            return path
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{size_mb}m.img.tmp"
+        with open(tmp, "wb") as fh:
+            fh.truncate(size_mb * 1024 * 1024)
+        _run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-O",
+                "^has_journal,^resize_inode",
+                "-E",
+                "lazy_itable_init=1,nodiscard",
+                "-m",
+                "0",
+                "-b",
+                "4096",
+                "-i",
+                str(BYTES_PER_INODE),
+                os.fspath(tmp),
+            ],
+            "mkfs.ext4",
+        )
+        os.replace(tmp, path)
+    return path
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """Copy only the data extents of `src` (SEEK_DATA/SEEK_HOLE + copy_file_range)."""
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        size = os.fstat(s.fileno()).st_size
+        d.truncate(size)
+        offset = 0
+        while offset < size:
+            try:
+                data = os.lseek(s.fileno(), offset, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data past offset
+                break
+            hole = os.lseek(s.fileno(), data, os.SEEK_HOLE)
+            at, left = data, hole - data
+            while left > 0:
+                n = os.copy_file_range(s.fileno(), d.fileno(), left, at, at)
+                if n <= 0:
+                    raise OSError(f"copy_file_range {src} -> {dst} made no progress")
+                at, left = at + n, left - n
+            offset = hole
+
+
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A
+_LO_FLAGS_AUTOCLEAR = 4
+_LO_FLAGS_OFFSET = 52  # of lo_flags in struct loop_info64
+
+
+def _attach_loop(image: Path) -> tuple[int, str]:
+    """A free loop device bound to `image` with autoclear: (its open fd, its path)."""
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for _ in range(64):  # another thread may take the free device first (EBUSY)
+            n = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
+            device = f"/dev/loop{n}"
+            loop_fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            file_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+            info = bytearray(232)  # struct loop_info64
+            struct.pack_into("=I", info, _LO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
+            config = struct.pack("=II", file_fd, 0) + bytes(info) + bytes(64)  # loop_config
+            try:
+                fcntl.ioctl(loop_fd, _LOOP_CONFIGURE, config)
+                return loop_fd, device
+            except OSError as exc:
+                os.close(loop_fd)
+                if exc.errno != errno.EBUSY:
+                    raise
+            finally:
+                os.close(file_fd)
+        raise OSError(errno.EBUSY, "no free loop device after 64 tries")
+    finally:
+        os.close(ctl)
 
 
 def usage(sandbox_dir: Path) -> DiskUsage | None:
