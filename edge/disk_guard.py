@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,6 @@ class Filesystem:
         return self.free_bytes >> 20
 
 
-@dataclass
-class _Sample:
-    at: float
-    allocations: Allocations = field(default_factory=dict)
-
-
 class DiskGuard:
     def __init__(self, paths: Iterable[Path], reserve_bytes: int) -> None:
         if reserve_bytes < 0:
@@ -62,7 +56,7 @@ class DiskGuard:
         self._paths: dict[int, Path] = {}
         self.last: dict[int, Filesystem] = {}
         self.sampled_at = 0.0  # time.monotonic() of the last sample
-        self._previous = _Sample(0.0)
+        self._previous: Allocations = {}  # the allocations of the previous sample
         for p in paths:
             self.watch(p)
 
@@ -70,10 +64,6 @@ class DiskGuard:
         """Add a directory the edge writes (its filesystem, once per st_dev)."""
         path.mkdir(parents=True, exist_ok=True)
         self._paths.setdefault(os.stat(path).st_dev, path)
-
-    @property
-    def paths(self) -> list[Path]:
-        return list(self._paths.values())
 
     def sample(self) -> list[Filesystem]:
         """statvfs of every watched filesystem (blocking, microseconds each)."""
@@ -100,7 +90,7 @@ class DiskGuard:
         previous sample, or None when none grew (then the space went elsewhere: ending a
         sandbox that is not writing would not stop the fill). Records `allocations` as the
         new previous sample."""
-        before = self._previous.allocations
+        before = self._previous
         self.remember(allocations)
         growth = {
             sid: used - (before[sid][1] if sid in before and before[sid][0] == dev else 0)
@@ -112,7 +102,7 @@ class DiskGuard:
 
     def remember(self, allocations: Allocations) -> None:
         """Record a sample of allocations (the baseline the next fastest_writer compares to)."""
-        self._previous = _Sample(time.monotonic(), dict(allocations))
+        self._previous = dict(allocations)
 
 
 def allocated_bytes(path: Path) -> tuple[int, int]:

@@ -229,9 +229,10 @@ class SandboxManager:
             await asyncio.to_thread(guard.sample)
 
     def _check_disk(self) -> None:
-        fs = self.disk_guard.low() if self.disk_guard is not None else None
-        if fs is not None:
-            reserve_mb = self.disk_guard.reserve_bytes >> 20 if self.disk_guard else 0
+        guard = self.disk_guard
+        fs = guard.low() if guard is not None else None
+        if guard is not None and fs is not None:
+            reserve_mb = guard.reserve_bytes >> 20
             raise NodeDiskLow(
                 f"edge {self.edge_id}: {fs.path} has {fs.free_mb} MiB free, below the "
                 f"reserve of {reserve_mb} MiB",
