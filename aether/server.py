@@ -47,8 +47,11 @@ F_REQUEST, F_RESPONSE, F_END, F_CANCEL, F_PING, F_PONG, F_SHUTDOWN, F_HALF_CLOSE
     10,
     11,
 )
+F_SYNC = 12
 #: Set in a warm sandbox's environment: chronus waits for the edge's Claim.
 WARM_ENV = "DSEC_AETHER_WARM"
+#: Set by a VM guest's init (edge/backends/microvm/init.sh): claims carry a GuestIdentity.
+GUEST_ENV = "DSEC_AETHER_GUEST"
 
 
 class DeviceStream:
@@ -138,6 +141,8 @@ class Aether:
         self.config = config
         # A warm sandbox: started before anyone asked for it; chronus waits for the claim.
         self.warm = os.environ.pop(WARM_ENV, "") == "1"
+        # In a VM guest (set by the guest's init): the claim carries the guest's identity.
+        self.guest = os.environ.pop(GUEST_ENV, "") == "1"
         self.sel = poller.Poller()
         self.listener = listener
         self._reopen_at = 0.0  # device channel: when to open the device again
@@ -174,6 +179,10 @@ class Aether:
         # The edge connects before we run: answer its Hello first, then import and fork
         # chronus (~10 ms here) while the edge reports the sandbox RUNNING to its caller.
         # Requests that arrive meanwhile wait in the chronus backlog.
+        if self.guest:
+            from aether import guest
+
+            guest.boot()
         if self.listener is not None:
             self._accept()
         else:
@@ -340,21 +349,35 @@ class Aether:
                 self._send_hello()
             self.edge.queue(wire.join_frame(0, F_PONG, body))  # Pong mirrors Ping's nonce
         elif kind == F_CLAIM:
-            self._claim(wire.decode("dsec.aether.v1.Claim", body).get("env") or {})
+            self._claim(wire.decode("dsec.aether.v1.Claim", body))
+        elif kind == F_SYNC and self.guest:
+            from aether import guest
+
+            try:
+                guest.sync(wire.decode("dsec.aether.v1.GuestSync", body))
+            except OSError as exc:
+                log.error("guest sync failed: %s", exc)
         elif kind == F_SHUTDOWN:
             grace = wire.decode("dsec.aether.v1.Shutdown", body).get("grace_s", 0.0)
             log.info("shutdown requested (grace %.1fs)", grace)
             self._shutdown_grace = max(0.0, grace)
 
-    def _claim(self, env: dict[str, str]) -> None:
+    def _claim(self, claim: dict[str, Any]) -> None:
         """A warm sandbox is handed to its owner: its environment replaces ours (chronus and
-        every command inherit it from here), then chronus starts. A second claim is refused."""
+        every command inherit it from here), then chronus starts. A second claim is refused.
+        In a VM guest the claim also carries the guest's identity (aether/guest.py), applied
+        first and answered with `Claimed`."""
         if not self.warm:
             log.warning("claim of a sandbox that is not warm: ignored")
             return
         self.warm = False
+        if self.guest and self.edge is not None:
+            from aether import guest
+
+            error = guest.apply_identity(claim.get("guest") or {})
+            self.edge.queue(wire.encode(wire.FRAME, {"claimed": {"error": error}}))
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(claim.get("env") or {})
         log.info("claimed: chronus starts with the sandbox's environment")
         self._start_chronus()
 
@@ -546,6 +569,10 @@ class Aether:
             time.sleep(0.02)
             self._reap_quietly()
         log.info("shutdown complete")
+        if self.guest:
+            from aether import guest
+
+            guest.power_off()  # pid 1 of a VM must not just exit (the kernel would panic)
 
     @staticmethod
     def _signal_all(sig: int) -> int:

@@ -50,8 +50,13 @@ class AetherConnection:
         ping_interval_s: float = 5.0,
         dead_after_s: float = 20.0,
         queue_frames: int = 64,
+        ask_hello: bool = False,
     ) -> None:
         self.socket_path = socket_path
+        # A device channel (a VM's virtio-serial port behind QEMU's socket): aether cannot see
+        # the host connect, so the edge asks for the Hello with Pings of nonce 0 until it comes.
+        self.ask_hello = ask_hello
+        self._claimed: asyncio.Future[str] | None = None
         self.sandbox_id = sandbox_id
         self.on_close = on_close
         self.ping_interval_s = ping_interval_s
@@ -80,9 +85,14 @@ class AetherConnection:
                 self._reader, self._writer = await asyncio.open_unix_connection(
                     self.socket_path, limit=MAX_FRAME + 16
                 )
-                frame = await asyncio.wait_for(
-                    self._read_frame(), timeout=max(0.1, deadline - time.monotonic())
-                )
+                asking = asyncio.create_task(self._ask_hello()) if self.ask_hello else None
+                try:
+                    frame = await asyncio.wait_for(
+                        self._read_frame(), timeout=max(0.1, deadline - time.monotonic())
+                    )
+                finally:
+                    if asking is not None:
+                        asking.cancel()
                 if frame.WhichOneof("body") != "hello":
                     raise Unavailable(
                         f"aether sent {frame.WhichOneof('body')} before hello",
@@ -110,6 +120,12 @@ class AetherConnection:
             f"aether of {self.sandbox_id} did not answer within {timeout_s} s: {last}",
             reason="AETHER_UNREACHABLE",
         )
+
+    async def _ask_hello(self) -> None:
+        ping = aether_pb2.Frame(ping=aether_pb2.Ping(nonce=0)).SerializeToString()
+        while self._writer is not None:
+            self._writer.write(_LEN.pack(len(ping)) + ping)
+            await asyncio.sleep(0.2)
 
     async def _read_frame(self) -> aether_pb2.Frame:
         assert self._reader is not None
@@ -150,6 +166,10 @@ class AetherConnection:
                     await self._send(aether_pb2.Frame(pong=aether_pb2.Pong(nonce=frame.ping.nonce)))
                     continue
                 if kind in ("pong", "hello"):
+                    continue  # a device channel may repeat its Hello (one per Ping of nonce 0)
+                if kind == "claimed":
+                    if self._claimed is not None and not self._claimed.done():
+                        self._claimed.set_result(frame.claimed.error)
                     continue
                 q = self._streams.get(frame.stream_id)
                 if q is None:
@@ -192,6 +212,8 @@ class AetherConnection:
         self.closed.set()
         for q in list(self._streams.values()):
             q.put_nowait(ChannelClosed(f"channel to sandbox {self.sandbox_id} closed: {reason}"))
+        if self._claimed is not None and not self._claimed.done():
+            self._claimed.set_exception(ChannelClosed(f"channel closed: {reason}"))
         if self._writer is not None:
             self._writer.close()
         if self.on_close is not None:
@@ -315,10 +337,35 @@ class AetherConnection:
                 await pump
             await self._finish(sid, cancel=not done)
 
-    async def claim(self, env: dict[str, str]) -> None:
+    async def claim(
+        self,
+        env: dict[str, str],
+        guest: aether_pb2.GuestIdentity | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
         """Hands a warm sandbox to its owner: aether takes `env` as the sandbox's whole
-        environment and starts chronus with it (edge/backends/container/warm.py)."""
-        await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env)))
+        environment and starts chronus with it (edge/backends/container/warm.py). With a VM
+        guest's identity, waits for aether's answer and raises Unavailable (GUEST_SETUP) on
+        what it could not apply."""
+        if guest is None:
+            await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env)))
+            return
+        self._claimed = asyncio.get_running_loop().create_future()
+        await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env, guest=guest)))
+        try:
+            async with asyncio.timeout(timeout_s):
+                error = await asyncio.shield(self._claimed)
+        except TimeoutError:
+            raise Unavailable(
+                f"the guest of {self.sandbox_id} did not answer its claim in {timeout_s} s",
+                reason="GUEST_SETUP",
+            ) from None
+        if error:
+            raise Unavailable(f"guest setup failed: {error}", reason="GUEST_SETUP")
+
+    async def sync_guest(self, sync: aether_pb2.GuestSync) -> None:
+        """A restored VM guest's clock and entropy (after a resume)."""
+        await self._send(aether_pb2.Frame(sync=sync))
 
     async def shutdown(self, grace_s: float) -> None:
         """Asks aether to end every process and exit."""

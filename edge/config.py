@@ -139,6 +139,27 @@ class EdgeConfig(ServiceConfig):
     fncall_queue_timeout_s: float = 30.0
     #: Writable-layer limit of a pool container (what jobs write outside their tmpfs dirs).
     fncall_disk_mb: int = 256
+    #: MicroVMs (QEMU microvm guests) beside containers on a container edge: "auto" (offered
+    #: when a guest boots at edge start; the edge says why not otherwise), "on" (the edge
+    #: refuses to start without), "off".
+    microvm: str = "auto"
+    #: The accelerator: "auto" (KVM if a probe guest boots under it, else TCG), "kvm", "tcg".
+    microvm_accel: str = "auto"
+    #: Node-wide: the guest initramfs, the accelerator probe's verdict and the templates
+    #: (shared by every edge of the node).
+    microvm_cache_dir: Path = Path("/var/lib/dsec/microvm")
+    #: Create microVMs by restoring a per-image template snapshot (off: every create boots).
+    microvm_templates: bool = True
+    #: Templates kept per node (least recently used ones are removed beyond this).
+    microvm_max_templates: int = 8
+    #: Guest RAM bounds (MB): below the minimum the guest's kernel and aether do not fit.
+    microvm_min_memory_mb: int = 128
+    microvm_max_memory_mb: int = 16384
+    #: vCPUs per guest at most (0 = the host's cores).
+    microvm_max_vcpus: int = 0
+    #: The QEMU process's own memory (device model, TCG code cache) on top of guest RAM, in its
+    #: memory cgroup limit.
+    microvm_overhead_mb: int = 192
 
     def validate(self) -> None:
         super().validate()
@@ -183,6 +204,14 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(f"DSEC_EDGE_LAYER_CHUNK_KB={kb}: expected a power of two >= 4")
         if self.layer_gc_interval_s <= 0 or self.layer_gc_grace_s < 0:
             raise ConfigError("DSEC_EDGE_LAYER_GC_INTERVAL_S must be > 0, the grace >= 0")
+        if self.microvm not in ("auto", "on", "off"):
+            raise ConfigError(f"DSEC_EDGE_MICROVM={self.microvm!r}: expected auto, on or off")
+        if self.microvm_accel not in ("auto", "kvm", "tcg"):
+            raise ConfigError(
+                f"DSEC_EDGE_MICROVM_ACCEL={self.microvm_accel!r}: expected auto, kvm or tcg"
+            )
+        if not 64 <= self.microvm_min_memory_mb <= self.microvm_max_memory_mb:
+            raise ConfigError("DSEC_EDGE_MICROVM_MIN_MEMORY_MB must be >= 64 and <= the maximum")
         try:
             self.fncall_settings()
         except ValueError as exc:

@@ -45,13 +45,17 @@ def check_controls(cfg: EdgeConfig) -> list[Control]:
     )
 
 
-def make_backends(cfg: EdgeConfig) -> list[SandboxBackend]:
+def make_backends(cfg: EdgeConfig) -> tuple[list[SandboxBackend], list[Control]]:
+    """The edge's runtimes, and what to report of those that depend on the host (microVMs)."""
     if cfg.runtime == "null":
-        return [NullBackend()]
+        return [NullBackend()], []
     # needs runc; imported only when used
     from edge.backends.container.backend import ContainerBackend
+    from edge.backends.microvm.backend import MicrovmBackend
 
-    return [ContainerBackend.from_config(cfg)]
+    container = ContainerBackend.from_config(cfg)
+    microvm, control = MicrovmBackend.from_config(cfg, container)
+    return [container, *([microvm] if microvm is not None else [])], [control]
 
 
 def make_disk_guard(cfg: EdgeConfig, backends: list[SandboxBackend]) -> DiskGuard:
@@ -136,7 +140,12 @@ async def main() -> None:
     except controls.ControlMissing as exc:
         log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
         raise SystemExit(2) from None
-    backends = make_backends(cfg)
+    try:
+        backends, backend_controls = make_backends(cfg)
+    except controls.ControlMissing as exc:
+        log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
+        raise SystemExit(2) from None
+    host_controls += backend_controls
     guard = make_disk_guard(cfg, backends)
     manager = SandboxManager(
         cfg.edge_id,

@@ -25,6 +25,7 @@ APT_PACKAGES=(
     python3-venv python3-dev python3.11 socat jq tini libseccomp2 git make gcc libc6-dev curl
     ca-certificates util-linux procps psmisc postgresql
     nftables iptables e2fsprogs # sandbox networking (NAT, firewall); disk quotas (mkfs.ext4)
+    qemu-system-x86 linux-image-cloud-amd64 # microVMs: QEMU microvm + the guest kernel
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

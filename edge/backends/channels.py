@@ -36,9 +36,16 @@ class ChannelHooks(Protocol):
 
 class ChannelKeeper:
     def __init__(
-        self, address_of: Callable[[str], str], hooks: ChannelHooks, ready_timeout_s: float
+        self,
+        address_of: Callable[[str], str],
+        hooks: ChannelHooks,
+        ready_timeout_s: float,
+        *,
+        ask_hello: bool = False,
     ) -> None:
         self.address_of = address_of
+        #: A device channel (VMs): aether cannot see the host connect; the edge asks for Hello.
+        self.ask_hello = ask_hello
         self.hooks = hooks
         self.ready_timeout_s = ready_timeout_s
         self.connections: dict[str, AetherConnection] = {}
@@ -69,12 +76,18 @@ class ChannelKeeper:
 
     async def connect(self, sandbox_id: str, timeout_s: float | None = None) -> AetherConnection:
         """Connect to the sandbox's aether and wait for its Hello; kept as its channel."""
-        conn = AetherConnection(
-            self.address_of(sandbox_id), sandbox_id, on_close=self.on_close_of(sandbox_id)
-        )
+        conn = self.new_connection(sandbox_id, on_close=self.on_close_of(sandbox_id))
         await conn.connect(timeout_s=timeout_s or self.ready_timeout_s)
         self.connections[sandbox_id] = conn
         return conn
+
+    def new_connection(
+        self, sandbox_id: str, on_close: Callable[[str], Awaitable[None]] | None = None
+    ) -> AetherConnection:
+        """A connection to the sandbox's aether that is not (yet) its kept channel."""
+        return AetherConnection(
+            self.address_of(sandbox_id), sandbox_id, on_close=on_close, ask_hello=self.ask_hello
+        )
 
     def keep(self, sandbox_id: str, conn: AetherConnection) -> None:
         """Make an already connected channel the sandbox's (a claimed warm sandbox)."""

@@ -67,7 +67,7 @@ def create(sandbox_dir: Path, size_mb: int) -> tuple[Path, Path]:
     image = sandbox_dir / "disk.img"
     mnt = sandbox_dir / "disk"
     mnt.mkdir()
-    _sparse_copy(_template(sandbox_dir.parent / TEMPLATES, size_mb), image)
+    sparse_copy(_template(sandbox_dir.parent / TEMPLATES, size_mb), image)
     try:
         loop_fd, device = _attach_loop(image)
     except OSError as exc:
@@ -123,7 +123,13 @@ def _template(directory: Path, size_mb: int) -> Path:
     return path
 
 
-def _sparse_copy(src: Path, dst: Path) -> None:
+def blank_image(dst: Path, size_mb: int, templates: Path) -> None:
+    """A sparse, empty ext4 image of `size_mb` at `dst`, not mounted (a VM's writable disk):
+    a copy of the size's template in `templates`."""
+    sparse_copy(_template(templates, size_mb), dst)
+
+
+def sparse_copy(src: Path, dst: Path) -> None:
     """Copy only the data extents of `src` (SEEK_DATA/SEEK_HOLE + copy_file_range)."""
     with open(src, "rb") as s, open(dst, "wb") as d:
         size = os.fstat(s.fileno()).st_size

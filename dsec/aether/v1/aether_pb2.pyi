@@ -45,6 +45,8 @@ class Frame(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _builtins.int
     HALF_CLOSE_FIELD_NUMBER: _builtins.int
     CLAIM_FIELD_NUMBER: _builtins.int
+    SYNC_FIELD_NUMBER: _builtins.int
+    CLAIMED_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     """chosen by the edge, odd numbers; 0 for control frames"""
     @_builtins.property
@@ -83,6 +85,14 @@ class Frame(_message.Message):
     def claim(self) -> Global___Claim:
         """edge -> aether: a warm sandbox becomes a sandbox"""
 
+    @_builtins.property
+    def sync(self) -> Global___GuestSync:
+        """edge -> a VM's aether: after every restore"""
+
+    @_builtins.property
+    def claimed(self) -> Global___Claimed:
+        """aether -> edge: a claim with a guest identity"""
+
     def __init__(
         self,
         *,
@@ -97,12 +107,14 @@ class Frame(_message.Message):
         shutdown: Global___Shutdown | None = ...,
         half_close: Global___HalfClose | None = ...,
         claim: Global___Claim | None = ...,
+        sync: Global___GuestSync | None = ...,
+        claimed: Global___Claimed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "claimed", b"claimed", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown", "stream_id", b"stream_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "claim", b"claim", "claimed", b"claimed", "end", b"end", "half_close", b"half_close", "hello", b"hello", "ping", b"ping", "pong", b"pong", "request", b"request", "response", b"response", "shutdown", b"shutdown", "stream_id", b"stream_id", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "request", "response", "end", "cancel", "ping", "pong", "shutdown", "half_close", "claim"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "request", "response", "end", "cancel", "ping", "pong", "shutdown", "half_close", "claim", "sync", "claimed"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -137,20 +149,171 @@ class Claim(_message.Message):
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     ENV_FIELD_NUMBER: _builtins.int
+    GUEST_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def guest(self) -> Global___GuestIdentity:
+        """VMs only: what the guest itself must become"""
+
     def __init__(
         self,
         *,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        guest: Global___GuestIdentity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guest", b"guest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "guest", b"guest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Claim: _TypeAlias = Claim  # noqa: Y015
+
+@_typing.final
+class GuestIdentity(_message.Message):
+    """A VM guest restored from its image's template snapshot is every clone's twin until it is
+    told who it is: aether applies this before chronus starts (aether/guest.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FilesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    HOSTNAME_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    PIDS_MAX_FIELD_NUMBER: _builtins.int
+    SYNC_FIELD_NUMBER: _builtins.int
+    hostname: _builtins.str
+    pids_max: _builtins.int
+    """0: no limit (a cgroup in the guest)"""
+    @_builtins.property
+    def files(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """absolute path -> content (/etc/hostname, /etc/hosts, ...)"""
+
+    @_builtins.property
+    def network(self) -> Global___GuestNetwork:
+        """unset: the guest's interface stays down"""
+
+    @_builtins.property
+    def sync(self) -> Global___GuestSync: ...
+    def __init__(
+        self,
+        *,
+        hostname: _builtins.str = ...,
+        files: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        network: Global___GuestNetwork | None = ...,
+        pids_max: _builtins.int = ...,
+        sync: Global___GuestSync | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "sync", b"sync"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "hostname", b"hostname", "network", b"network", "pids_max", b"pids_max", "sync", b"sync"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuestIdentity: _TypeAlias = GuestIdentity  # noqa: Y015
+
+@_typing.final
+class GuestNetwork(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAC_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PREFIX_LEN_FIELD_NUMBER: _builtins.int
+    GATEWAY_FIELD_NUMBER: _builtins.int
+    mac: _builtins.str
+    """aa:bb:cc:dd:ee:ff, set before the link comes up"""
+    address: _builtins.str
+    """IPv4"""
+    prefix_len: _builtins.int
+    gateway: _builtins.str
+    def __init__(
+        self,
+        *,
+        mac: _builtins.str = ...,
+        address: _builtins.str = ...,
+        prefix_len: _builtins.int = ...,
+        gateway: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "gateway", b"gateway", "mac", b"mac", "prefix_len", b"prefix_len"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuestNetwork: _TypeAlias = GuestNetwork  # noqa: Y015
+
+@_typing.final
+class Claimed(_message.Message):
+    """The answer to a claim that carried a GuestIdentity: what could not be applied (empty: all
+    of it was). The edge fails the create on an error: a limit or network not in place is not a
+    sandbox to hand out.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    error: _builtins.str
+    def __init__(
+        self,
+        *,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Claimed: _TypeAlias = Claimed  # noqa: Y015
+
+@_typing.final
+class GuestSync(_message.Message):
+    """A restored guest's clock is the snapshot's and its entropy pool is its twins': both are
+    corrected after every restore (create from a template, resume from pause).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLOCK_UNIX_NS_FIELD_NUMBER: _builtins.int
+    ENTROPY_FIELD_NUMBER: _builtins.int
+    clock_unix_ns: _builtins.int
+    """the host's CLOCK_REALTIME when sent"""
+    entropy: _builtins.bytes
+    """fresh random bytes credited to the guest's pool"""
+    def __init__(
+        self,
+        *,
+        clock_unix_ns: _builtins.int = ...,
+        entropy: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_unix_ns", b"clock_unix_ns", "entropy", b"entropy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuestSync: _TypeAlias = GuestSync  # noqa: Y015
 
 @_typing.final
 class Hello(_message.Message):

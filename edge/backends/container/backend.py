@@ -213,6 +213,8 @@ class ContainerBackend:
         pages in memory (the per-sandbox cost is only private memory).
         """
         built = build_toolkit(self.state_dir.parent / "toolkit")
+        #: The toolkit's EROFS image (a microVM attaches it as a disk).
+        self.toolkit_erofs = toolkit_image(built)
         target = self.state_dir / "toolkit-mnt" / built.name
         target.mkdir(parents=True, exist_ok=True)
         if not mounts.is_mountpoint(target):

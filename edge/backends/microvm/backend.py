@@ -1,0 +1,801 @@
+"""The microvm backend: one QEMU `microvm` guest per sandbox, its own kernel, aether as init.
+
+A sandbox's guest (see docs/ARCHITECTURE.md, "MicroVM sandboxes"):
+
+- boots Debian's cloud kernel with the edge's initramfs (guest.py); the image's EROFS layers
+  (the same files the container backend mounts, from the same layer store) are read-only
+  virtio-blk disks, composed in the guest with overlayfs over the sandbox's own writable ext4
+  disk (a sparse file of `disk_mb`); the toolkit disk gives aether and chronus their Python;
+- aether is the guest's pid 1 and talks to the edge over a virtio-serial port, the same framed
+  wire as a container's socket: every exec/file/HTTP call of the SDK works unchanged;
+- is created by restoring its shape's template (templates.py: one boot per image, vCPUs,
+  memory and disk size; RAM mapped copy-on-write from the template's file), then claimed: it
+  learns its hostname, environment, network, limits, the clock and fresh entropy;
+- pauses to disk: QEMU saves the guest (RAM and devices) to local disk and exits, so the host
+  gets its memory back; resume restores it in a new QEMU. Any call resumes it first (the
+  manager's touch);
+- runs as its own QEMU process in its own cgroups (cpu quota of the sandbox's cpu, memory of
+  guest RAM + QEMU's overhead, pids), outliving an edge restart: the edge takes it back from its
+  record (pid, sockets) and cleans up QEMU processes, disks and cgroups no record owns.
+
+How a guest ends is told by its console (console.py): a kernel panic is KERNEL_FAULT, running
+out of memory OOM, aether exiting CHANNEL_CLOSED, QEMU dying RUNTIME_ERROR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.aether.v1 import aether_pb2
+from edge.backends.channels import ChannelKeeper
+from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
+from edge.backends.microvm import qemu
+from edge.backends.microvm.accel import Verdict, probe, tsc_khz
+from edge.backends.microvm.console import Console
+from edge.backends.microvm.guest import GuestKit, build_guest
+from edge.backends.microvm.templates import Templates
+from edge.config import MIN_DISK_MB, EdgeConfig
+from edge.controls import ABSENT, DISABLED, ENFORCED, Control, ControlMissing
+from edge.disk_guard import Allocations
+from edge.images import ImageResolver, ResolvedImage
+from edge.model import SandboxRecord, SandboxSpec
+from edge.runtime import cgroups, mounts
+from edge.runtime.disk import blank_image, sparse_copy
+from edge.runtime.mounts import LayerImage
+from libdsec.errors import (
+    BackendCapabilityMissing,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
+
+if TYPE_CHECKING:
+    from edge.backends.container.backend import ContainerBackend
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: virtio-mmio transports of QEMU's microvm machine, and what the edge always attaches:
+#: the agent's serial port, the NIC, the writable disk and the toolkit.
+MMIO_SLOTS = 24
+FIXED_DEVICES = 4
+#: The QEMU cgroups' cpu period (us).
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What must match between a template and its clones."""
+
+    vcpus: int
+    memory_mb: int
+    disk_mb: int
+
+
+@dataclass
+class Vm:
+    """A running guest's host side."""
+
+    sandbox_id: str
+    rec: SandboxRecord | None  # None for a template's guest
+    pid: int
+    qmp: qemu.Qmp
+    console: Console
+    child: subprocess.Popen[bytes] | None  # None after an edge restart (not our child)
+    exit_status: int | None = None  # known for our children only
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def watch(self) -> None:
+        """Set `exited` when the process ends (a pidfd is readable then), child or not."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._ended()
+            return
+        loop = asyncio.get_running_loop()
+
+        def ready() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._ended()
+
+        loop.add_reader(fd, ready)
+
+    def _ended(self) -> None:
+        if self.child is not None:
+            self.exit_status = self.child.wait()
+        self.exited.set()
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.is_set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True once the process has ended, False if it still runs after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.exited.wait(), timeout_s)
+        return self.exited.is_set()
+
+
+class MicrovmBackend:
+    name = "microvm"
+    serves: tuple[str, ...] = ("MICROVM",)
+    persistent = True
+    starts_inline = False
+    capabilities: frozenset[Capability] = frozenset(
+        {Capability.EXEC, Capability.PAUSE, Capability.DISK_USAGE}
+    )
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        images: ImageResolver,
+        toolkit_image: Path,
+        kit: GuestKit,
+        accel: str,
+        cache_dir: Path,
+        templates: bool = True,
+        max_templates: int = 8,
+        default_disk_mb: int = 10240,
+        max_disk_mb: int = 204800,
+        min_memory_mb: int = 128,
+        max_memory_mb: int = 16384,
+        max_vcpus: int = 0,
+        overhead_mb: int = 192,
+        cgroup_parent: str = "dsec",
+        ready_timeout_s: float = 120.0,
+        qemu_binary: str = "qemu-system-x86_64",
+    ) -> None:
+        self.state_dir = state_dir
+        self.sockets = state_dir / "sockets"
+        self.disks = state_dir / "rw"
+        self.paused = state_dir / "paused"
+        self.logs = state_dir / "logs"
+        for d in (self.sockets, self.disks, self.paused, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        mounts.mount_volatile(self.sockets, "16m")
+        self._sockets_fd = os.open(self.sockets, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.images = images
+        self.toolkit_image = toolkit_image
+        self.kit = kit
+        self.accel = accel
+        self.use_templates = templates
+        self.templates = Templates(cache_dir / "templates", max_templates)
+        self.default_disk_mb = default_disk_mb
+        self.max_disk_mb = max_disk_mb
+        self.min_memory_mb = min_memory_mb
+        self.max_memory_mb = max_memory_mb
+        self.max_vcpus = max_vcpus or os.cpu_count() or 1
+        self.overhead_mb = overhead_mb
+        self.cgroup_parent = cgroup_parent
+        self.ready_timeout_s = ready_timeout_s
+        self.qemu_binary = qemu_binary
+        self.append = f"console=ttyS0 tsc_early_khz={tsc_khz()} quiet panic=-1"
+        #: In every QEMU's -name: whose it is (orphan cleanup kills only this edge's guests).
+        self.tag = hashlib.sha256(os.fsencode(state_dir.resolve())).hexdigest()[:10]
+        self.channels = ChannelKeeper(self._address_of_agent, self, ready_timeout_s, ask_hello=True)
+        self.vms: dict[str, Vm] = {}
+        self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/stop in turn
+
+    @classmethod
+    def from_config(
+        cls, cfg: EdgeConfig, container: ContainerBackend
+    ) -> tuple[MicrovmBackend | None, Control]:
+        """The backend when guests boot here (the accelerator probe), and the `microvm` entry
+        of the edge's controls saying which accelerator, or why microVMs are not offered.
+        Raises ControlMissing when DSEC_EDGE_MICROVM=on and no guest boots."""
+        if cfg.microvm == "off":
+            return None, Control("microvm", DISABLED, "DSEC_EDGE_MICROVM=off")
+        try:
+            kit = build_guest(cfg.microvm_cache_dir / "guest")
+            verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel)
+        except (FailedPrecondition, OSError) as exc:
+            kit, verdict = None, Verdict("", str(exc))
+        if kit is None or not verdict.accel:
+            why = f"microVMs not offered: no guest boots here ({verdict.why})"
+            if cfg.microvm == "on":
+                raise ControlMissing(why + "; DSEC_EDGE_MICROVM=on requires them")
+            log.warning("%s", why)
+            return None, Control("microvm", ABSENT, why)
+        backend = cls(
+            cfg.state_dir / "microvm",
+            images=container.images,
+            toolkit_image=container.toolkit_erofs,
+            kit=kit,
+            accel=verdict.accel,
+            cache_dir=cfg.microvm_cache_dir,
+            templates=cfg.microvm_templates,
+            max_templates=cfg.microvm_max_templates,
+            default_disk_mb=cfg.default_disk_mb,
+            max_disk_mb=cfg.max_disk_mb,
+            min_memory_mb=cfg.microvm_min_memory_mb,
+            max_memory_mb=cfg.microvm_max_memory_mb,
+            max_vcpus=cfg.microvm_max_vcpus,
+            overhead_mb=cfg.microvm_overhead_mb,
+            cgroup_parent=cfg.cgroup_parent,
+        )
+        log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
+        return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
+
+    # ------------------------------------------------------------- contract
+
+    def set_exit_callback(self, callback: ExitCallback) -> None:
+        self.channels.on_exit = callback
+
+    def channel(self, rec: SandboxRecord) -> Any:
+        return self.channels.channel(rec.sandbox_id)
+
+    def validate(self, spec: SandboxSpec) -> None:
+        """Shape bounds, a network policy (not offered yet), an image made of EROFS files."""
+        self.shape_of(spec)
+        if _networked(spec.network):
+            raise BackendCapabilityMissing(
+                "the microvm backend does not offer network_policy yet: guests have no network",
+                metadata={"backend": self.name, "capability": "network_policy"},
+            )
+        self._layer_disks(self.images.resolve(spec.image, spec.toolkits))
+
+    def shape_of(self, spec: SandboxSpec) -> Shape:
+        mem = spec.memory_mb
+        if not self.min_memory_mb <= mem <= self.max_memory_mb:
+            raise InvalidArgument(
+                f"resources.memory_mb={mem}: a microVM's guest RAM must be "
+                f"{self.min_memory_mb}..{self.max_memory_mb} MB on this edge",
+                reason="INVALID_RESOURCES",
+                metadata={"field": "resources.memory_mb"},
+            )
+        vcpus = max(1, math.ceil(spec.cpu_millis / 1000))
+        if vcpus > self.max_vcpus:
+            raise InvalidArgument(
+                f"resources.cpu_millis={spec.cpu_millis}: {vcpus} vCPUs, at most "
+                f"{self.max_vcpus} on this edge",
+                reason="INVALID_RESOURCES",
+                metadata={"field": "resources.cpu_millis"},
+            )
+        disk = spec.disk_mb or self.default_disk_mb
+        if not MIN_DISK_MB <= disk <= self.max_disk_mb:
+            raise InvalidArgument(
+                f"resources.disk_mb={spec.disk_mb}: expected {MIN_DISK_MB}..{self.max_disk_mb}",
+                reason="INVALID_RESOURCES",
+                metadata={"field": "resources.disk_mb"},
+            )
+        return Shape(vcpus, mem, disk)
+
+    def _layer_disks(self, image: ResolvedImage) -> list[qemu.Disk]:
+        """The image's layers as read-only disks (l<i>, top-most first; b<i>: a chunked
+        layer's data blob). A layer that is a directory cannot be a disk."""
+        disks = []
+        for i, layer in enumerate(image.lowers):
+            if not isinstance(layer, LayerImage):
+                raise InvalidArgument(
+                    f"image {image.name!r}: layer {i} is a directory ({layer}), not an EROFS "
+                    "image: a microVM attaches layers as disks",
+                    reason="IMAGE_NOT_BOOTABLE",
+                    metadata={"field": "image"},
+                )
+            disks.append(qemu.Disk(f"l{i}", layer.image, True))
+            if layer.blob is not None:
+                disks.append(qemu.Disk(f"b{i}", layer.blob, True))
+        if len(disks) + FIXED_DEVICES > MMIO_SLOTS:
+            raise InvalidArgument(
+                f"image {image.name!r} needs {len(disks)} disks; a microVM has room for "
+                f"{MMIO_SLOTS - FIXED_DEVICES} (collapse its layers)",
+                reason="IMAGE_NOT_BOOTABLE",
+                metadata={"field": "image"},
+            )
+        return disks
+
+    # ------------------------------------------------------------- create
+
+    async def start(self, rec: SandboxRecord) -> None:
+        t0 = time.perf_counter()
+        shape = self.shape_of(rec.spec)
+        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        layers = self._layer_disks(image)
+        sid = rec.sandbox_id
+        rw = self.disks / f"{sid}.img"
+        disks = [qemu.Disk("rw", rw, False), qemu.Disk("tk", self.toolkit_image, True), *layers]
+        rec.runtime = {
+            "shape": shape.__dict__,
+            "disks": [[d.serial, str(d.path), d.readonly] for d in disks],
+            "mac": _mac(sid),
+            "accel": self.accel,
+        }
+        try:
+            if self.use_templates:
+                tmpl = await self.templates.get(
+                    self._template_key(shape, layers),
+                    lambda d: self._build_template(d, shape, layers),
+                )
+                rec.runtime["template"] = tmpl.key
+                rw.unlink(missing_ok=True)  # a new inode: never one a QEMU still holds
+                await asyncio.to_thread(sparse_copy, tmpl.rw, rw)
+                t1 = time.perf_counter()
+                memory = qemu.Memory("file", tmpl.ram, share=False)
+                await self._launch(rec, memory, restore_from=tmpl.vmstate, ignore_shared=True)
+            else:
+                rw.unlink(missing_ok=True)
+                await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
+                t1 = time.perf_counter()
+                await self._launch(rec, qemu.Memory("ram"))
+            conn = await self.channels.connect(sid)
+            await conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
+        except BaseException:
+            await self.destroy(rec)
+            raise
+        log.info(
+            "microVM %s started in %.1f ms",
+            sid,
+            (time.perf_counter() - t0) * 1000,
+            extra={
+                "sandbox_id": sid,
+                "from_template": self.use_templates,
+                "disk_ms": round((t1 - t0) * 1000, 2),
+            },
+        )
+
+    def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            **image.env,
+            **rec.spec.env,
+        }
+        env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+        # The VM is the boundary: chronus needs no Landlock domain inside it.
+        env["DSEC_CHRONUS_LANDLOCK"] = "off"
+        return env
+
+    def _identity(self, rec: SandboxRecord) -> aether_pb2.GuestIdentity:
+        host = rec.sandbox_id[:63]
+        files = {
+            "/etc/hostname": host + "\n",
+            "/etc/hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{host}\n",
+        }
+        return aether_pb2.GuestIdentity(
+            hostname=host, files=files, pids_max=rec.spec.pids_max, sync=_sync()
+        )
+
+    def _template_key(self, shape: Shape, layers: list[qemu.Disk]) -> str:
+        h = hashlib.sha256(json.dumps([Templates.FORMAT, self.kit.digest, self.accel]).encode())
+        h.update(json.dumps(shape.__dict__).encode())
+        for d in [qemu.Disk("tk", self.toolkit_image, True), *layers]:
+            st = d.path.stat()
+            h.update(f"{d.serial}\0{d.path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        return h.hexdigest()[:20]
+
+    async def _build_template(self, d: Path, shape: Shape, layers: list[qemu.Disk]) -> None:
+        """Boot a guest to "aether ready" in `d` and save it with x-ignore-shared: `d/ram` is
+        its memory, `d/vmstate` its devices, `d/rw.img` its writable disk at that moment."""
+        tid = "tmpl-" + d.name[-12:]
+        rw = d / "rw.img"
+        await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
+        disks = [qemu.Disk("rw", rw, False), qemu.Disk("tk", self.toolkit_image, True), *layers]
+        proc = await self._spawn(
+            tid, shape, disks, qemu.Memory("file", d / "ram", share=True), _mac(tid)
+        )
+        q = qemu.Qmp(self._address(tid, "qmp"))
+        try:
+            await q.connect()
+            conn = self.channels.new_connection(tid)
+            await conn.connect(timeout_s=self.ready_timeout_s)
+            await conn.close()
+            await qemu.save(q, d / "vmstate", ignore_shared=True)
+            await q.execute("quit")
+        finally:
+            await q.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await asyncio.to_thread(proc.wait)
+            self._unlink_sockets(tid)
+
+    async def _spawn(
+        self,
+        vm_id: str,
+        shape: Shape,
+        disks: list[qemu.Disk],
+        memory: qemu.Memory,
+        mac: str,
+        *,
+        incoming: bool = False,
+    ) -> subprocess.Popen[bytes]:
+        """Start QEMU with the edge's listening sockets for its agent port, QMP and console."""
+        listeners = [self._listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
+        try:
+            machine = qemu.Machine(
+                vcpus=shape.vcpus,
+                memory_mb=shape.memory_mb,
+                kernel=self.kit.kernel,
+                initrd=self.kit.initrd,
+                append=self.append,
+                disks=disks,
+                memory=memory,
+                agent_fd=listeners[0].fileno(),
+                qmp_fd=listeners[1].fileno(),
+                console_fd=listeners[2].fileno(),
+                mac=mac,
+                accel=self.accel,
+                incoming=incoming,
+                extra=["-name", f"dsec:{self.tag}:{vm_id}"],
+            )
+            with open(self.logs / f"{vm_id}.qemu", "ab") as err:
+                return await asyncio.to_thread(
+                    subprocess.Popen,
+                    machine.argv(self.qemu_binary),
+                    pass_fds=machine.fds(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                )
+        finally:
+            for s in listeners:
+                s.close()
+
+    async def _launch(
+        self,
+        rec: SandboxRecord,
+        memory: qemu.Memory,
+        *,
+        restore_from: Path | None = None,
+        ignore_shared: bool = False,
+    ) -> None:
+        """QEMU for the sandbox of `rec` (its recorded shape, disks and MAC), in its cgroups,
+        running: booting, or restored from `restore_from`."""
+        sid = rec.sandbox_id
+        shape = Shape(**rec.runtime["shape"])
+        disks = [qemu.Disk(s, Path(p), ro) for s, p, ro in rec.runtime["disks"]]
+        proc = await self._spawn(
+            sid, shape, disks, memory, rec.runtime["mac"], incoming=restore_from is not None
+        )
+        rec.runtime["pid"] = proc.pid
+        try:
+            await asyncio.to_thread(self._confine, sid, proc.pid, rec.spec, shape)
+            qmp = qemu.Qmp(self._address(sid, "qmp"))
+            vm = Vm(sid, rec, proc.pid, qmp, self._console(sid), proc)
+            vm.watch()
+            self.vms[sid] = vm
+            await vm.qmp.connect()
+            if restore_from is not None:
+                await qemu.restore(vm.qmp, restore_from, ignore_shared=ignore_shared)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
+
+    def _console(self, vm_id: str) -> Console:
+        c = Console(self._address(vm_id, "console"))
+        c.start()
+        return c
+
+    def _confine(self, sid: str, pid: int, spec: SandboxSpec, shape: Shape) -> None:
+        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids."""
+        path = self._cgroup(sid)
+        for controller in ("cpu", "memory", "pids"):
+            d = cgroups.controller_dir(controller, path)
+            if d is None:
+                raise FileNotFoundError(f"no cgroup v1 {controller} hierarchy")
+            d.mkdir(parents=True, exist_ok=True)
+        memory = (shape.memory_mb + self.overhead_mb) << 20
+        cgroups.set_limits(
+            path,
+            cpu_quota_us=max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000),
+            cpu_shares=max(2, spec.cpu_millis * 1024 // 1000),
+            memory_bytes=memory,
+            pids_max=256 + 2 * shape.vcpus,  # QEMU's own threads (I/O workers, vCPUs)
+        )
+        for controller in ("cpu", "memory", "pids"):
+            d = cgroups.controller_dir(controller, path)
+            assert d is not None
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def _cgroup(self, sid: str) -> str:
+        return f"{self.cgroup_parent}/{sid}"
+
+    # ------------------------------------------------------------- sockets
+
+    def _name(self, vm_id: str, kind: str) -> str:
+        return f"{vm_id}.{kind}"
+
+    def _address(self, vm_id: str, kind: str) -> str:
+        return f"/proc/self/fd/{self._sockets_fd}/{self._name(vm_id, kind)}"
+
+    def _address_of_agent(self, vm_id: str) -> str:
+        return self._address(vm_id, "agent")
+
+    def _listen(self, vm_id: str, kind: str) -> socket.socket:
+        path = self.sockets / self._name(vm_id, kind)
+        path.unlink(missing_ok=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(self._address(vm_id, kind))
+        os.chmod(path, 0o600)
+        s.listen(4)
+        return s
+
+    def _unlink_sockets(self, vm_id: str) -> None:
+        for kind in ("agent", "qmp", "console"):
+            (self.sockets / self._name(vm_id, kind)).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- ending
+
+    async def still_running(self, sandbox_id: str) -> bool:
+        vm = self.vms.get(sandbox_id)
+        return vm is not None and vm.alive
+
+    async def why_ended(self, sandbox_id: str, channel_reason: str) -> tuple[str, str]:
+        vm = self.vms.get(sandbox_id)
+        if vm is None:
+            return "CHANNEL_CLOSED", channel_reason
+        await vm.wait(3.0)
+        await vm.console.drained()
+        told = vm.console.diagnose()
+        if told is not None:
+            return told
+        if vm.alive:
+            return "CHANNEL_CLOSED", f"the guest's agent channel closed: {channel_reason}"
+        status = vm.exit_status
+        if status is not None and status < 0:
+            how = f"was killed by {signal.Signals(-status).name}"
+        elif status is not None:
+            how = f"exited with status {status}"
+        else:
+            how = "exited"
+        return "RUNTIME_ERROR", f"QEMU (pid {vm.pid}) {how}{self._qemu_error(sandbox_id)}"
+
+    def _qemu_error(self, vm_id: str) -> str:
+        with contextlib.suppress(OSError):
+            text = (self.logs / f"{vm_id}.qemu").read_text(errors="replace").strip()
+            lines = [ln for ln in text.splitlines() if "warning: hub" not in ln]
+            if lines:
+                return ": " + lines[-1][-300:]
+        return ""
+
+    async def stop(self, rec: SandboxRecord, grace_s: float) -> None:
+        async with self._lock(rec.sandbox_id):
+            if rec.sandbox_id in self.channels:
+                await self.channels.drop(rec.sandbox_id, shutdown_grace_s=grace_s)
+            vm = self.vms.get(rec.sandbox_id)
+            if vm is not None:
+                await vm.wait(grace_s + 1.0)  # aether's shutdown powers the guest off
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        sid = rec.sandbox_id
+        await self.channels.drop(sid)
+        vm = self.vms.pop(sid, None)
+        if vm is not None:
+            await vm.qmp.close()
+            if vm.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(vm.pid, signal.SIGKILL)
+            await vm.wait(5.0)
+            await vm.console.close()
+            vm.console.write(self.logs / f"{sid}.console")
+        else:
+            self._kill_recorded(rec)
+        await asyncio.to_thread(self._remove_files, sid)
+        self._locks.pop(sid, None)
+
+    def _kill_recorded(self, rec: SandboxRecord) -> None:
+        pid = int(rec.runtime.get("pid") or 0)
+        if pid and _is_our_qemu(pid, rec.sandbox_id, self.tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _remove_files(self, sid: str) -> None:
+        """Disk, saved state, sockets and cgroups of a sandbox. Writes nothing."""
+        (self.disks / f"{sid}.img").unlink(missing_ok=True)
+        (self.paused / f"{sid}.vmstate").unlink(missing_ok=True)
+        self._unlink_sockets(sid)
+        cgroups.remove(self._cgroup(sid))
+
+    # ------------------------------------------------------------- pause
+
+    def _lock(self, sid: str) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    async def pause(self, rec: SandboxRecord) -> None:
+        """Save the guest to local disk and end its QEMU: the host gets all its memory back."""
+        sid = rec.sandbox_id
+        async with self._lock(sid):
+            vm = self.vms.get(sid)
+            if vm is None or rec.runtime.get("paused"):
+                return
+            t0 = time.perf_counter()
+            state = self.paused / f"{sid}.vmstate"
+            await self.channels.drop(sid)  # ours to close: not a lost channel
+            try:
+                await qemu.save(vm.qmp, state, ignore_shared=False)
+                await vm.qmp.execute("quit")
+            except BaseException:
+                state.unlink(missing_ok=True)
+                with contextlib.suppress(Exception):
+                    await vm.qmp.execute("cont")
+                    await self.channels.connect(sid)
+                raise
+            await vm.wait(10.0)
+            await vm.qmp.close()
+            await vm.console.close()
+            self.vms.pop(sid, None)
+            rec.runtime["paused"] = True
+            rec.runtime.pop("pid", None)
+            log.info(
+                "microVM %s paused to disk in %.1f ms (%d MB)",
+                sid,
+                (time.perf_counter() - t0) * 1000,
+                state.stat().st_size >> 20,
+                extra={"sandbox_id": sid},
+            )
+
+    async def resume(self, rec: SandboxRecord) -> None:
+        """Restore the guest from its saved state in a new QEMU."""
+        sid = rec.sandbox_id
+        async with self._lock(sid):
+            if not rec.runtime.get("paused"):
+                return
+            t0 = time.perf_counter()
+            state = self.paused / f"{sid}.vmstate"
+            try:
+                await self._launch(rec, qemu.Memory("ram"), restore_from=state)
+                conn = await self.channels.connect(sid)
+                await conn.sync_guest(_sync())
+            except BaseException:
+                vm = self.vms.pop(sid, None)
+                if vm is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(vm.pid, signal.SIGKILL)
+                    await vm.qmp.close()
+                    await vm.console.close()
+                raise
+            rec.runtime["paused"] = False
+            state.unlink(missing_ok=True)
+            log.info(
+                "microVM %s resumed in %.1f ms",
+                sid,
+                (time.perf_counter() - t0) * 1000,
+                extra={"sandbox_id": sid},
+            )
+
+    # ------------------------------------------------------------- restart
+
+    async def adopt(self, rec: SandboxRecord) -> bool:
+        sid = rec.sandbox_id
+        if rec.runtime.get("paused"):
+            return (self.paused / f"{sid}.vmstate").exists()
+        pid = int(rec.runtime.get("pid") or 0)
+        if not pid or not _is_our_qemu(pid, sid, self.tag):
+            return False
+        vm = Vm(sid, rec, pid, qemu.Qmp(self._address(sid, "qmp")), self._console(sid), None)
+        vm.watch()
+        self.vms[sid] = vm
+        try:
+            await vm.qmp.connect(timeout_s=5.0)
+            await self.channels.connect(sid, timeout_s=10.0)
+        except Unavailable as exc:
+            log.warning("cannot take microVM %s back: %s", sid, exc)
+            self.vms.pop(sid, None)
+            await vm.qmp.close()
+            await vm.console.close()
+            return False
+        return True
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        """QEMU processes, disks, saved states and sockets of sandboxes no record keeps."""
+        removed = []
+        for pid, vm_id in _our_qemus(self.tag):
+            if vm_id not in keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                removed.append(vm_id)
+        ids = {p.name.split(".")[0] for d in (self.disks, self.paused) for p in d.glob("*.*")}
+        ids |= {p.name.rsplit(".", 1)[0] for p in self.sockets.glob("*.*")}
+        for vm_id in sorted(ids - keep):
+            if vm_id.startswith("."):
+                continue
+            await asyncio.to_thread(self._remove_files, vm_id)
+            removed.append(vm_id)
+        return sorted(set(removed))
+
+    def background_loops(self) -> Sequence[BackgroundLoop]:
+        return [self.watch_loop]
+
+    async def watch_loop(self) -> None:
+        """Per running guest, every second: the console's OOM kills into its violations."""
+        while True:
+            await asyncio.sleep(1.0)
+            for vm in list(self.vms.values()):
+                rec = vm.rec
+                if rec is not None and vm.console.oom_kills:
+                    rec.violations = {**rec.violations, "oom_kills": vm.console.oom_kills}
+
+    async def close(self) -> None:
+        """The edge goes; the guests stay (taken back by the next edge)."""
+        await self.channels.close_all()
+        for vm in self.vms.values():
+            await vm.qmp.close()
+            await vm.console.close()
+        self.vms.clear()
+
+    # ------------------------------------------------------------- disk usage
+
+    def disk_paths(self) -> list[Path]:
+        return [self.disks, self.paused, self.templates.root]
+
+    def disk_allocations(self) -> Allocations:
+        out: Allocations = {}
+        for sid in list(self.vms):
+            with contextlib.suppress(OSError):
+                st = (self.disks / f"{sid}.img").stat()
+                out[sid] = (st.st_dev, st.st_blocks * 512)
+        return out
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _networked(policy: dict[str, Any]) -> bool:
+    return bool(policy) and (policy.get("mode", "NONE") not in ("", "NONE", 0))
+
+
+def _mac(vm_id: str) -> str:
+    """A locally administered unicast MAC, stable per sandbox."""
+    b = hashlib.sha256(vm_id.encode()).digest()[:5]
+    return "02:" + ":".join(f"{x:02x}" for x in b)
+
+
+def _sync() -> aether_pb2.GuestSync:
+    return aether_pb2.GuestSync(clock_unix_ns=time.time_ns(), entropy=secrets.token_bytes(64))
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _is_our_qemu(pid: int, vm_id: str, tag: str | None) -> bool:
+    """`pid` is alive and is the QEMU of `vm_id` (not a reused pid, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    name = _name_of(_cmdline(pid))
+    return name is not None and name[1] == vm_id and tag in (None, name[0])
+
+
+def _name_of(argv: list[str]) -> tuple[str, str] | None:
+    """(edge tag, vm id) from a QEMU command line of this backend's."""
+    if "-name" not in argv or not argv[0].endswith("qemu-system-x86_64"):
+        return None
+    parts = argv[argv.index("-name") + 1].split(":")
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "dsec" else None
+
+
+def _our_qemus(tag: str) -> list[tuple[int, str]]:
+    """(pid, vm id) of every QEMU of the edge with `tag` on the node."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            name = _name_of(_cmdline(int(d.name)))
+            if name is not None and name[0] == tag:
+                out.append((int(d.name), name[1]))
+    return out
