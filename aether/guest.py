@@ -116,6 +116,24 @@ def pids_limit_hits() -> int:
     return 0
 
 
+#: As for containers (edge/runtime/disk.py): a writable layer with less free is full.
+FULL_SLACK_BYTES = 1 << 20
+
+
+def disk_full() -> str:
+    """Why the writable disk (the overlay's upper, what statvfs of / reports) is full, or ""."""
+    try:
+        st = os.statvfs("/")
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free < FULL_SLACK_BYTES:
+        return f"free_bytes={free}"
+    if st.f_files and st.f_favail == 0:
+        return "free_inodes=0"
+    return ""
+
+
 def sync(values: dict[str, Any]) -> None:
     """The host's clock and fresh entropy (after a restore)."""
     ns = int(values.get("clock_unix_ns") or 0)

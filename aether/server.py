@@ -143,6 +143,9 @@ class Aether:
         self.warm = os.environ.pop(WARM_ENV, "") == "1"
         # In a VM guest (set by the guest's init): the claim carries the guest's identity.
         self.guest = os.environ.pop(GUEST_ENV, "") == "1"
+        self._counters_at = 0.0
+        self._pids_hits = 0
+        self._disk_full = ""
         self.sel = poller.Poller()
         self.listener = listener
         self._reopen_at = 0.0  # device channel: when to open the device again
@@ -251,6 +254,9 @@ class Aether:
         if self._reopen_at and now >= self._reopen_at:
             self._reopen_at = 0.0
             self._open_device()
+        if self.guest and now >= self._counters_at:
+            self._counters_at = now + 1.0
+            self._report_counters()
         edge = self.edge
         if edge is None:
             return
@@ -380,6 +386,20 @@ class Aether:
         os.environ.update(claim.get("env") or {})
         log.info("claimed: chronus starts with the sandbox's environment")
         self._start_chronus()
+
+    def _report_counters(self) -> None:
+        """A guest's pids-limit hits, on the console the edge reads (edge/backends/microvm/
+        console.py): the host cannot read the guest's cgroup."""
+        from aether import guest
+
+        hits = guest.pids_limit_hits()
+        if hits != self._pids_hits:
+            self._pids_hits = hits
+            log.warning("DSEC-COUNTER pids_limit_hits=%d", hits)
+        full = guest.disk_full()
+        if full and not self._disk_full:
+            log.warning("DSEC-DISK-FULL %s", full)
+        self._disk_full = full
 
     def _to_chronus_frame(self, cid: int, kind: int, body: Any) -> None:
         payload = wire.join_frame(cid, kind, body)

@@ -153,7 +153,7 @@ class EdgeConfig(ServiceConfig):
     #: Templates kept per node (least recently used ones are removed beyond this).
     microvm_max_templates: int = 8
     #: Guest RAM bounds (MB): below the minimum the guest's kernel and aether do not fit.
-    microvm_min_memory_mb: int = 128
+    microvm_min_memory_mb: int = 256
     microvm_max_memory_mb: int = 16384
     #: vCPUs per guest at most (0 = the host's cores).
     microvm_max_vcpus: int = 0

@@ -4,7 +4,8 @@ Every scenario in this directory runs against each backend in BACKENDS: the cont
 (runc) now; the microVM and VM backends join by adding an entry (the edge runtime, what image
 to use, the capabilities the backend declares). A new backend is done when it passes the suite.
 The clusters are module-scoped and shared by the scenarios (a VM guest boots under TCG here:
-boot once per module); each test's sandboxes are labelled with the test id and always stopped.
+boot once per module, and microVMs are restored from a template per shape); each test's
+sandboxes are labelled with the test id and always stopped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class BackendUnderTest:
     #: What the backend declares beyond the contract (edge.backends.contract.Capability values).
     capabilities: frozenset[str]
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: The smallest memory limit it takes (the memory-bomb scenario runs at it).
+    min_memory_mb: int = 64
+    #: How a sandbox ends when its runtime process is killed from the host.
+    runtime_death: str = "CHANNEL_CLOSED"
 
 
 BACKENDS = [
@@ -42,6 +47,17 @@ BACKENDS = [
         capabilities=frozenset(
             {"exec", "pause", "pack_diff", "trusted_exec", "network_policy", "modified_files"}
         ),
+    ),
+    # QEMU microvm guests on the same edge (guests boot under TCG here: the cluster is shared
+    # by the module, and the guests are restored from one template per shape).
+    BackendUnderTest(
+        name="microvm",
+        runtime="container",
+        image="busybox",
+        capabilities=frozenset({"exec", "pause"}),
+        extra_env={"DSEC_EDGE_MICROVM": "on"},
+        min_memory_mb=256,
+        runtime_death="RUNTIME_ERROR",
     ),
 ]
 

@@ -123,7 +123,10 @@ class Vm:
 
     @property
     def alive(self) -> bool:
-        return not self.exited.is_set()
+        """Not exited: the pidfd event may lag the sockets' EOF, so /proc decides too."""
+        if self.exited.is_set():
+            return False
+        return _is_our_qemu(self.pid, self.sandbox_id, None)
 
     async def wait(self, timeout_s: float) -> bool:
         """True once the process has ended, False if it still runs after `timeout_s`."""
@@ -154,7 +157,7 @@ class MicrovmBackend:
         max_templates: int = 8,
         default_disk_mb: int = 10240,
         max_disk_mb: int = 204800,
-        min_memory_mb: int = 128,
+        min_memory_mb: int = 256,
         max_memory_mb: int = 16384,
         max_vcpus: int = 0,
         overhead_mb: int = 192,
@@ -600,6 +603,8 @@ class MicrovmBackend:
 
     def _remove_files(self, sid: str) -> None:
         """Disk, saved state, sockets and cgroups of a sandbox. Writes nothing."""
+        if not sid or "/" in sid or sid.startswith("."):
+            raise ValueError(f"not a microVM id: {sid!r}")  # never the parent cgroup
         (self.disks / f"{sid}.img").unlink(missing_ok=True)
         (self.paused / f"{sid}.vmstate").unlink(missing_ok=True)
         self._unlink_sockets(sid)
@@ -703,11 +708,9 @@ class MicrovmBackend:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 removed.append(vm_id)
-        ids = {p.name.split(".")[0] for d in (self.disks, self.paused) for p in d.glob("*.*")}
-        ids |= {p.name.rsplit(".", 1)[0] for p in self.sockets.glob("*.*")}
+        files = [p.name for d in (self.disks, self.paused, self.sockets) for p in d.iterdir()]
+        ids = {n.rsplit(".", 1)[0] for n in files if not n.startswith(".") and "." in n}
         for vm_id in sorted(ids - keep):
-            if vm_id.startswith("."):
-                continue
             await asyncio.to_thread(self._remove_files, vm_id)
             removed.append(vm_id)
         return sorted(set(removed))
@@ -716,13 +719,22 @@ class MicrovmBackend:
         return [self.watch_loop]
 
     async def watch_loop(self) -> None:
-        """Per running guest, every second: the console's OOM kills into its violations."""
+        """Per running guest, every second: what its console counted into its violations."""
         while True:
             await asyncio.sleep(1.0)
             for vm in list(self.vms.values()):
+                counted = dict(vm.console.counters)
+                if vm.console.oom_kills:
+                    counted["oom_kills"] = vm.console.oom_kills
                 rec = vm.rec
-                if rec is not None and vm.console.oom_kills:
-                    rec.violations = {**rec.violations, "oom_kills": vm.console.oom_kills}
+                if rec is None:
+                    continue
+                if any(rec.violations.get(k) != v for k, v in counted.items()):
+                    rec.violations = {**rec.violations, **counted}
+                if vm.console.disk_full and rec.state == "RUNNING":
+                    size = rec.runtime["shape"]["disk_mb"]
+                    msg = f"the writable disk ({size} MB) is full ({vm.console.disk_full})"
+                    await self.channels.report_exit(vm.sandbox_id, "DISK_QUOTA", msg)
 
     async def close(self) -> None:
         """The edge goes; the guests stay (taken back by the next edge)."""

@@ -9,7 +9,9 @@ no disk and no unbounded memory. What the edge needs from it:
   guest's init (OOM), init's own refusal to start ("DSEC-INIT: FATAL ...", RUNTIME_ERROR), or
   aether exiting (pid 1 gone: CHANNEL_CLOSED);
 - how many processes the guest kernel OOM-killed (`oom_kills`), as the memory cgroup tells a
-  container's.
+  container's, and what aether reports of the guest's own counters (its pids cgroup's limit
+  hits: `counters`). Root in the guest can write the console too: it can only misreport its
+  own sandbox.
 
 At the end the record is written to the sandbox's console log (at most head + tail bytes).
 """
@@ -25,6 +27,9 @@ OOM_KILL = re.compile(rb"Out of memory: Killed process|Memory cgroup out of memo
 PANIC = re.compile(rb"Kernel panic - not syncing: ([^\r\n]*)")
 INIT_FATAL = re.compile(rb"DSEC-INIT: FATAL ([^\r\n]*)")
 KILLED_INIT = b"Attempted to kill init"
+#: Counters the guest's aether reports (what only the guest can read, e.g. its pids cgroup).
+COUNTER = re.compile(rb"DSEC-COUNTER (\w+)=(\d+)")
+DISK_FULL = re.compile(rb"DSEC-DISK-FULL ([^\r\n]*)")
 
 
 class Console:
@@ -36,6 +41,8 @@ class Console:
         self.tail = bytearray()
         self.dropped = 0
         self.oom_kills = 0
+        self.counters: dict[str, int] = {}
+        self.disk_full = ""  # what aether said when the writable disk filled up
         self._line = bytearray()  # the line being received (scanned when complete)
         self._task: asyncio.Task[None] | None = None
 
@@ -56,6 +63,7 @@ class Console:
             writer.close()
 
     def feed(self, data: bytes) -> None:
+        self._scan(data)
         room = self.head_bytes - len(self.head)
         if room > 0:
             self.head += data[:room]
@@ -66,7 +74,6 @@ class Console:
             if over > 0:
                 del self.tail[:over]
                 self.dropped += over
-        self._scan(data)
 
     def _scan(self, data: bytes) -> None:
         self._line += data
@@ -75,6 +82,10 @@ class Console:
         for line in lines:
             if OOM_KILL.search(line):
                 self.oom_kills += 1
+            elif m := COUNTER.search(line):
+                self.counters[m.group(1).decode()] = int(m.group(2))
+            elif m := DISK_FULL.search(line):
+                self.disk_full = m.group(1).decode(errors="replace").strip() or "full"
 
     async def drained(self, timeout_s: float = 2.0) -> None:
         """Wait until QEMU closed the console (after it exited) or `timeout_s`."""

@@ -21,6 +21,12 @@ fatal() { echo "DSEC-INIT: FATAL $*" > /dev/ttyS0; sleep 0.2; exit 1; }
 # The edge's accelerator probe (edge/backends/microvm/accel.py): the kernel booted, that is all.
 if grep -q dsec.probe /proc/cmdline; then echo DSEC-PROBE-OK > /dev/ttyS0; poweroff -f; fi
 
+# A guest out of memory must OOM-kill, not thrash: with no swap, the kernel would evict the
+# page cache of the very programs running (aether, the shell) and crawl for minutes. MGLRU's
+# min_ttl_ms keeps the last second's working set and calls the OOM killer instead.
+echo y > /sys/kernel/mm/lru_gen/enabled 2>/dev/null
+echo 1000 > /sys/kernel/mm/lru_gen/min_ttl_ms 2>/dev/null
+
 for m in $(cat /modules.order); do
   insmod "/mod/$m.ko" 2>/dev/null || [ -d "/sys/module/$m" ] || fatal "insmod $m failed"
 done
