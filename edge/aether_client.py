@@ -125,7 +125,7 @@ class AetherConnection:
         ping = aether_pb2.Frame(ping=aether_pb2.Ping(nonce=0)).SerializeToString()
         while self._writer is not None:
             self._writer.write(_LEN.pack(len(ping)) + ping)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
 
     async def _read_frame(self) -> aether_pb2.Frame:
         assert self._reader is not None

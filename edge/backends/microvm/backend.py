@@ -337,7 +337,9 @@ class MicrovmBackend:
                 await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
                 t1 = time.perf_counter()
                 await self._launch(rec, qemu.Memory("ram"))
+            t2 = time.perf_counter()
             conn = await self.channels.connect(sid)
+            t3 = time.perf_counter()
             await conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
         except BaseException:
             await self.destroy(rec)
@@ -350,6 +352,9 @@ class MicrovmBackend:
                 "sandbox_id": sid,
                 "from_template": self.use_templates,
                 "disk_ms": round((t1 - t0) * 1000, 2),
+                "qemu_ms": round((t2 - t1) * 1000, 2),
+                "hello_ms": round((t3 - t2) * 1000, 2),
+                "claim_ms": round((time.perf_counter() - t3) * 1000, 2),
             },
         )
 
