@@ -72,9 +72,11 @@ class _SandboxStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SandboxS
     SANDBOX_STATE_RUNNING: _SandboxState.ValueType  # 3
     """agent ready, accepts commands"""
     SANDBOX_STATE_PAUSED: _SandboxState.ValueType  # 4
-    """frozen (cgroup freezer), files and processes kept, memory"""
+    """files and processes kept, nothing runs; any request resumes"""
     SANDBOX_STATE_STOPPING: _SandboxState.ValueType  # 5
-    """still resident (not pushed out yet); any request resumes it
+    """it. Container: frozen (cgroup freezer), memory still
+    resident. MicroVM: saved to local disk, QEMU ended (no
+    host memory held)
     teardown in progress
     """
     SANDBOX_STATE_TERMINATED: _SandboxState.ValueType  # 6
@@ -90,9 +92,11 @@ SANDBOX_STATE_STARTING: SandboxState.ValueType  # 2
 SANDBOX_STATE_RUNNING: SandboxState.ValueType  # 3
 """agent ready, accepts commands"""
 SANDBOX_STATE_PAUSED: SandboxState.ValueType  # 4
-"""frozen (cgroup freezer), files and processes kept, memory"""
+"""files and processes kept, nothing runs; any request resumes"""
 SANDBOX_STATE_STOPPING: SandboxState.ValueType  # 5
-"""still resident (not pushed out yet); any request resumes it
+"""it. Container: frozen (cgroup freezer), memory still
+resident. MicroVM: saved to local disk, QEMU ended (no
+host memory held)
 teardown in progress
 """
 SANDBOX_STATE_TERMINATED: SandboxState.ValueType  # 6
