@@ -150,6 +150,9 @@ class EdgeConfig(ServiceConfig):
     microvm_cache_dir: Path = Path("/var/lib/dsec/microvm")
     #: Create microVMs by restoring a per-image template snapshot (off: every create boots).
     microvm_templates: bool = True
+    #: Warm microVMs kept restored per image, image=count (e.g. "busybox=4"): a create of the
+    #: default shape claims one instead of restoring (~0.1 s instead of ~0.5 s under TCG).
+    microvm_warm_pool: dict[str, str] = field(default_factory=dict)
     #: Templates kept per node (least recently used ones are removed beyond this).
     microvm_max_templates: int = 8
     #: Guest RAM bounds (MB): below the minimum the guest's kernel and aether do not fit.
@@ -167,7 +170,7 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(f"DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}}")
         if self.runtime not in ("container", "null"):
             raise ConfigError(f"DSEC_EDGE_RUNTIME={self.runtime!r}: expected container or null")
-        for image, count in self.warm_pool.items():
+        for image, count in {**self.warm_pool, **self.microvm_warm_pool}.items():
             if not count.isdigit():
                 raise ConfigError(
                     f"DSEC_EDGE_WARM_POOL: {image}={count!r}: the count must be a whole number"

@@ -44,7 +44,6 @@ from edge.model import SandboxRecord, SandboxSpec
 
 if TYPE_CHECKING:
     from edge.aether_client import AetherConnection
-    from edge.runtime.spec import SandboxProcess
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class WarmSandbox:
     cid: str  # its runtime id until claimed
     image_name: str
     image: Any  # ResolvedImage: the layers it was started on
-    proc: SandboxProcess
+    proc: Any  # the runtime's handle: SandboxProcess (runc), microvm.backend.Vm
     conn: AetherConnection
     prep: Any  # containment.Prepared (descriptors already handed over and closed)
     started_at: float

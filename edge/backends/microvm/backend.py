@@ -36,13 +36,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.aether.v1 import aether_pb2
 from edge.backends.channels import ChannelKeeper
+from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id
+from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
 from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
@@ -97,6 +99,7 @@ class Vm:
     qmp: qemu.Qmp
     console: Console
     child: subprocess.Popen[bytes] | None  # None after an edge restart (not our child)
+    qemu_name: str = ""  # the id in QEMU's -name: the sandbox's, or the warm guest's it was
     exit_status: int | None = None  # known for our children only
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -126,7 +129,7 @@ class Vm:
         """Not exited: the pidfd event may lag the sockets' EOF, so /proc decides too."""
         if self.exited.is_set():
             return False
-        return _is_our_qemu(self.pid, self.sandbox_id, None)
+        return _is_our_qemu(self.pid, self.qemu_name or self.sandbox_id, None)
 
     async def wait(self, timeout_s: float) -> bool:
         """True once the process has ended, False if it still runs after `timeout_s`."""
@@ -164,6 +167,7 @@ class MicrovmBackend:
         cgroup_parent: str = "dsec",
         ready_timeout_s: float = 120.0,
         qemu_binary: str = "qemu-system-x86_64",
+        warm_pool: dict[str, int] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -195,6 +199,14 @@ class MicrovmBackend:
         self.channels = ChannelKeeper(self._address_of_agent, self, ready_timeout_s, ask_hello=True)
         self.vms: dict[str, Vm] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/stop in turn
+        self._adopted: set[str] = set()  # QEMU names and disk ids taken back after a restart
+        #: Restored guests waiting for their owner (DSEC_EDGE_MICROVM_WARM_POOL).
+        self.warm: WarmPool | None = None
+        if warm_pool and any(n > 0 for n in warm_pool.values()):
+            self.warm = MicrovmWarmPool(
+                warm_pool, self._start_warm, self._discard_warm, self.shape_of
+            )
+            self.capabilities = self.capabilities | {Capability.WARM_CLAIM}
 
     @classmethod
     def from_config(
@@ -232,6 +244,7 @@ class MicrovmBackend:
             max_vcpus=cfg.microvm_max_vcpus,
             overhead_mb=cfg.microvm_overhead_mb,
             cgroup_parent=cfg.cgroup_parent,
+            warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
         return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
@@ -310,6 +323,42 @@ class MicrovmBackend:
         t0 = time.perf_counter()
         shape = self.shape_of(rec.spec)
         image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        w = self.warm.take(rec) if self.warm is not None else None
+        if w is not None:
+            if w.image.lowers == image.lowers and await self._claim_warm(rec, w, image, t0):
+                return
+            await self._discard_warm(w)
+        with self.warm.cold_start() if self.warm is not None else contextlib.nullcontext():
+            times = await self._boot(rec, shape, image)
+            conn = await self.channels.connect(rec.sandbox_id)
+            t3 = time.perf_counter()
+            try:
+                await conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
+            except BaseException:
+                await self.destroy(rec)
+                raise
+        times["hello_ms"] = (t3 - t0) * 1000 - sum(times.values())
+        times["claim_ms"] = (time.perf_counter() - t3) * 1000
+        self._log_start(rec, t0, times)
+
+    def _log_start(self, rec: SandboxRecord, t0: float, times: dict[str, float]) -> None:
+        log.info(
+            "microVM %s started in %.1f ms",
+            rec.sandbox_id,
+            (time.perf_counter() - t0) * 1000,
+            extra={
+                "sandbox_id": rec.sandbox_id,
+                "from": rec.runtime.get("from", ""),
+                **{k: round(v, 2) for k, v in times.items()},
+            },
+        )
+
+    async def _boot(
+        self, rec: SandboxRecord, shape: Shape, image: ResolvedImage
+    ) -> dict[str, float]:
+        """The guest of `rec` running (restored from its shape's template, or booting), up to
+        QEMU running; the caller connects. Everything is removed on failure. Returns timings."""
+        t0 = time.perf_counter()
         layers = self._layer_disks(image)
         sid = rec.sandbox_id
         rw = self.disks / f"{sid}.img"
@@ -319,44 +368,136 @@ class MicrovmBackend:
             "disks": [[d.serial, str(d.path), d.readonly] for d in disks],
             "mac": _mac(sid),
             "accel": self.accel,
+            # The disk keeps the name it was made under (a claimed warm guest's): QEMU reopens
+            # a drive by its file name when a save inactivates it.
+            "disk_id": sid,
         }
         try:
+            rw.unlink(missing_ok=True)  # a new inode: never one a QEMU still holds
             if self.use_templates:
                 tmpl = await self.templates.get(
                     self._template_key(shape, layers),
                     lambda d: self._build_template(d, shape, layers),
                 )
-                rec.runtime["template"] = tmpl.key
-                rw.unlink(missing_ok=True)  # a new inode: never one a QEMU still holds
+                rec.runtime["from"] = "template " + tmpl.key
                 await asyncio.to_thread(sparse_copy, tmpl.rw, rw)
                 t1 = time.perf_counter()
                 memory = qemu.Memory("file", tmpl.ram, share=False)
                 await self._launch(rec, memory, restore_from=tmpl.vmstate, ignore_shared=True)
             else:
-                rw.unlink(missing_ok=True)
+                rec.runtime["from"] = "boot"
                 await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
                 t1 = time.perf_counter()
                 await self._launch(rec, qemu.Memory("ram"))
-            t2 = time.perf_counter()
-            conn = await self.channels.connect(sid)
-            t3 = time.perf_counter()
-            await conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
         except BaseException:
             await self.destroy(rec)
             raise
-        log.info(
-            "microVM %s started in %.1f ms",
-            sid,
-            (time.perf_counter() - t0) * 1000,
-            extra={
-                "sandbox_id": sid,
-                "from_template": self.use_templates,
-                "disk_ms": round((t1 - t0) * 1000, 2),
-                "qemu_ms": round((t2 - t1) * 1000, 2),
-                "hello_ms": round((t3 - t2) * 1000, 2),
-                "claim_ms": round((time.perf_counter() - t3) * 1000, 2),
-            },
-        )
+        return {"disk_ms": (t1 - t0) * 1000, "qemu_ms": (time.perf_counter() - t1) * 1000}
+
+    # ------------------------------------------------------------- warm microVMs
+
+    async def _start_warm(self, image_name: str) -> WarmSandbox:
+        """A restored guest nobody owns yet, up to aether's Hello (claimed at a create)."""
+        wid = new_warm_id()
+        tmpl = warm_template(wid, image_name)
+        tmpl.spec.backend = "MICROVM"
+        shape = self.shape_of(tmpl.spec)
+        image = await asyncio.to_thread(self.images.resolve, image_name, [])
+        await self._boot(tmpl, shape, image)
+        holder: list[WarmSandbox] = []
+
+        async def closed(reason: str) -> None:
+            if self.channels.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
+                await self.channels.lost(conn.sandbox_id, reason)
+            elif holder and self.warm is not None and self.warm.forget(holder[0]):
+                log.warning("warm microVM %s lost its channel (%s)", wid, reason)
+                await self._discard_warm(holder[0])
+
+        conn = self.channels.new_connection(wid, on_close=closed)
+        try:
+            await conn.connect(timeout_s=self.ready_timeout_s)
+        except BaseException:
+            await self.destroy(tmpl)
+            raise
+        w = WarmSandbox(wid, image_name, image, self.vms[wid], conn, tmpl, time.monotonic())
+        holder.append(w)
+        return w
+
+    async def _discard_warm(self, w: WarmSandbox) -> None:
+        if self.channels.get(w.conn.sandbox_id) is w.conn:
+            return  # claimed since: its sandbox's teardown owns it
+        with contextlib.suppress(Exception):
+            await w.conn.close()
+        await self.destroy(w.prep)
+
+    async def _claim_warm(
+        self, rec: SandboxRecord, w: WarmSandbox, image: ResolvedImage, t0: float
+    ) -> bool:
+        """Make warm guest `w` the sandbox of `rec`: its host-side names become the sandbox's
+        (sockets, disk, cgroups, log; QEMU keeps its -name, recorded), then the claim."""
+        sid, wid = rec.sandbox_id, w.cid
+        vm: Vm = w.proc
+        try:
+            await asyncio.to_thread(self._rename, wid, sid)
+        except OSError as exc:
+            log.warning("claiming warm microVM %s failed: %s", wid, exc)
+            return False
+        runtime = dict(w.prep.runtime)
+        runtime["qemu_name"] = wid
+        runtime["from"] = "warm " + runtime.get("from", "")
+        rec.runtime = runtime
+        self.vms.pop(wid, None)
+        vm.sandbox_id, vm.rec, vm.qemu_name = sid, rec, wid
+        vm.qmp.address = self._address(sid, "qmp")
+        self.vms[sid] = vm
+        w.conn.sandbox_id = sid
+        self.channels.keep(sid, w.conn)
+        t1 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._set_cpu, sid, rec.spec)
+            await w.conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
+        except BaseException:
+            await self.destroy(rec)
+            raise
+        self._log_start(rec, t0, {"claim_ms": (time.perf_counter() - t1) * 1000})
+        return True
+
+    def _rename(self, old: str, new: str) -> None:
+        """Every host-side name of guest `old` becomes `new`'s, or none does (rolled back)."""
+        pairs = [
+            *((self.sockets / self._name(old, k), self.sockets / self._name(new, k))
+              for k in ("agent", "qmp", "console")),
+        ]  # fmt: skip
+        done: list[tuple[Path, Path]] = []
+        try:
+            for a, b in pairs:
+                if b.exists():
+                    raise FileExistsError(f"{b} exists")
+                os.rename(a, b)
+                done.append((a, b))
+            cgroups.rename(self._cgroup(old), self._cgroup(new))  # v1 only: no cgroup2 dir
+            os.replace(self.logs / f"{old}.qemu", self.logs / f"{new}.qemu")
+        except OSError:
+            for a, b in reversed(done):
+                with contextlib.suppress(OSError):
+                    os.rename(b, a)
+            with contextlib.suppress(OSError):
+                cgroups.rename(self._cgroup(new), self._cgroup(old))
+            raise
+
+    def _set_cpu(self, sid: str, spec: SandboxSpec) -> None:
+        """A claimed warm guest's cpu quota: the request's (its shape, vCPUs, is the pool's)."""
+        d = cgroups.controller_dir("cpu", self._cgroup(sid))
+        if d is None:
+            raise FileNotFoundError("no cgroup v1 cpu hierarchy")
+        (d / "cpu.cfs_quota_us").write_text(str(_cpu_quota_us(spec)))
+        (d / "cpu.shares").write_text(str(max(2, spec.cpu_millis * 1024 // 1000)))
+
+    def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per image (as "<image>@microvm"): (target, ready, claimed, missed)."""
+        if self.warm is None:
+            return {}
+        return {f"{k}@microvm": v for k, v in self.warm.status().items()}
 
     def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
         env = {
@@ -474,6 +615,7 @@ class MicrovmBackend:
             sid, shape, disks, memory, rec.runtime["mac"], incoming=restore_from is not None
         )
         rec.runtime["pid"] = proc.pid
+        rec.runtime["qemu_name"] = sid
         try:
             await asyncio.to_thread(self._confine, sid, proc.pid, rec.spec, shape)
             qmp = qemu.Qmp(self._address(sid, "qmp"))
@@ -504,7 +646,7 @@ class MicrovmBackend:
         memory = (shape.memory_mb + self.overhead_mb) << 20
         cgroups.set_limits(
             path,
-            cpu_quota_us=max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000),
+            cpu_quota_us=_cpu_quota_us(spec),
             cpu_shares=max(2, spec.cpu_millis * 1024 // 1000),
             memory_bytes=memory,
             pids_max=256 + 2 * shape.vcpus,  # QEMU's own threads (I/O workers, vCPUs)
@@ -597,20 +739,21 @@ class MicrovmBackend:
             vm.console.write(self.logs / f"{sid}.console")
         else:
             self._kill_recorded(rec)
-        await asyncio.to_thread(self._remove_files, sid)
+        await asyncio.to_thread(self._remove_files, sid, _disk_id(rec))
         self._locks.pop(sid, None)
 
     def _kill_recorded(self, rec: SandboxRecord) -> None:
         pid = int(rec.runtime.get("pid") or 0)
-        if pid and _is_our_qemu(pid, rec.sandbox_id, self.tag):
+        if pid and _is_our_qemu(pid, rec.runtime.get("qemu_name", rec.sandbox_id), self.tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _remove_files(self, sid: str) -> None:
+    def _remove_files(self, sid: str, disk_id: str) -> None:
         """Disk, saved state, sockets and cgroups of a sandbox. Writes nothing."""
-        if not sid or "/" in sid or sid.startswith("."):
-            raise ValueError(f"not a microVM id: {sid!r}")  # never the parent cgroup
-        (self.disks / f"{sid}.img").unlink(missing_ok=True)
+        for name in (sid, disk_id):
+            if not name or "/" in name or name.startswith("."):
+                raise ValueError(f"not a microVM id: {name!r}")  # never the parent cgroup
+        (self.disks / f"{disk_id}.img").unlink(missing_ok=True)
         (self.paused / f"{sid}.vmstate").unlink(missing_ok=True)
         self._unlink_sockets(sid)
         cgroups.remove(self._cgroup(sid))
@@ -686,12 +829,15 @@ class MicrovmBackend:
 
     async def adopt(self, rec: SandboxRecord) -> bool:
         sid = rec.sandbox_id
+        self._adopted.add(_disk_id(rec))
         if rec.runtime.get("paused"):
             return (self.paused / f"{sid}.vmstate").exists()
         pid = int(rec.runtime.get("pid") or 0)
-        if not pid or not _is_our_qemu(pid, sid, self.tag):
+        name = str(rec.runtime.get("qemu_name", sid))
+        if not pid or not _is_our_qemu(pid, name, self.tag):
             return False
-        vm = Vm(sid, rec, pid, qemu.Qmp(self._address(sid, "qmp")), self._console(sid), None)
+        vm = Vm(sid, rec, pid, qemu.Qmp(self._address(sid, "qmp")), self._console(sid), None, name)
+        self._adopted.add(name)
         vm.watch()
         self.vms[sid] = vm
         try:
@@ -709,19 +855,19 @@ class MicrovmBackend:
         """QEMU processes, disks, saved states and sockets of sandboxes no record keeps."""
         removed = []
         for pid, vm_id in _our_qemus(self.tag):
-            if vm_id not in keep:
+            if vm_id not in keep and vm_id not in self._adopted:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 removed.append(vm_id)
         files = [p.name for d in (self.disks, self.paused, self.sockets) for p in d.iterdir()]
         ids = {n.rsplit(".", 1)[0] for n in files if not n.startswith(".") and "." in n}
-        for vm_id in sorted(ids - keep):
-            await asyncio.to_thread(self._remove_files, vm_id)
+        for vm_id in sorted(ids - keep - self._adopted):
+            await asyncio.to_thread(self._remove_files, vm_id, vm_id)
             removed.append(vm_id)
         return sorted(set(removed))
 
     def background_loops(self) -> Sequence[BackgroundLoop]:
-        return [self.watch_loop]
+        return [self.watch_loop] + ([self.warm.run] if self.warm is not None else [])
 
     async def watch_loop(self) -> None:
         """Per running guest, every second: what its console counted into its violations."""
@@ -742,7 +888,9 @@ class MicrovmBackend:
                     await self.channels.report_exit(vm.sandbox_id, "DISK_QUOTA", msg)
 
     async def close(self) -> None:
-        """The edge goes; the guests stay (taken back by the next edge)."""
+        """The edge goes; the guests stay (taken back by the next edge). Warm ones go."""
+        if self.warm is not None:
+            await self.warm.close()
         await self.channels.close_all()
         for vm in self.vms.values():
             await vm.qmp.close()
@@ -756,14 +904,42 @@ class MicrovmBackend:
 
     def disk_allocations(self) -> Allocations:
         out: Allocations = {}
-        for sid in list(self.vms):
+        for sid, vm in list(self.vms.items()):
             with contextlib.suppress(OSError):
-                st = (self.disks / f"{sid}.img").stat()
+                disk_id = _disk_id(vm.rec) if vm.rec is not None else sid
+                st = (self.disks / f"{disk_id}.img").stat()
                 out[sid] = (st.st_dev, st.st_blocks * 512)
         return out
 
 
+class MicrovmWarmPool(WarmPool):
+    """Warm microVMs serve creates of the pool's shape only (the guest's vCPUs, RAM and disk
+    cannot change under it): the default shape, what a create that asks for nothing gets."""
+
+    def __init__(
+        self,
+        targets: dict[str, int],
+        start: Callable[[str], Awaitable[WarmSandbox]],
+        discard: Callable[[WarmSandbox], Awaitable[None]],
+        shape_of: Callable[[SandboxSpec], Shape],
+    ) -> None:
+        super().__init__(targets, start, discard)
+        self.shape_of = shape_of
+
+    def eligible(self, rec: SandboxRecord) -> bool:
+        pool = SandboxSpec(backend="MICROVM", image=rec.spec.image)
+        return super().eligible(rec) and self.shape_of(rec.spec) == self.shape_of(pool)
+
+
 # ----------------------------------------------------------------- helpers
+
+
+def _disk_id(rec: SandboxRecord) -> str:
+    return str(rec.runtime.get("disk_id") or rec.sandbox_id)
+
+
+def _cpu_quota_us(spec: SandboxSpec) -> int:
+    return max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000)
 
 
 def _networked(policy: dict[str, Any]) -> bool:
