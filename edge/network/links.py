@@ -59,7 +59,14 @@ def _ipr() -> Any:
 
 @contextlib.contextmanager
 def netns_of(pid: int) -> Iterator[Any]:
-    """A netlink socket in the network namespace of `pid`.
+    """A netlink socket in the network namespace of `pid` (see `netns_at`)."""
+    with netns_at(Path(f"/proc/{pid}/ns/net")) as ipr:
+        yield ipr
+
+
+@contextlib.contextmanager
+def netns_at(path: Path) -> Iterator[Any]:
+    """A netlink socket in the network namespace file `path`.
 
     The socket is made with this thread briefly inside that namespace (setns is per thread), then
     the thread returns to its own: the socket stays bound to the sandbox's namespace. Not
@@ -68,11 +75,11 @@ def netns_of(pid: int) -> Iterator[Any]:
     default route then failed with EEXIST).
     """
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if _libc.setns(target, _CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
-            raise NetworkSetupError(f"setns into the network of pid {pid}: {os.strerror(err)}")
+            raise NetworkSetupError(f"setns into the network namespace {path}: {os.strerror(err)}")
         try:
             ipr = _ipr()
         finally:
@@ -216,28 +223,11 @@ table ip {self.table}_nat {{
     def attach(self, sandbox_id: str, pid: int, address: ipaddress.IPv4Address) -> str:
         """Give the namespace of `pid` an eth0 with `address` on the bridge; returns the host
         end's name. Blocking."""
-        host = veth_name(sandbox_id)
-        with contextlib.closing(_ipr()) as ip:
-            br = ip.link_lookup(ifname=self.bridge)
-            if not br:
-                raise NetworkSetupError(f"bridge {self.bridge} is missing")
-            for idx in ip.link_lookup(ifname=host):  # a leftover of an earlier attempt
-                ip.link("del", index=idx)
-            nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                ip.link(
-                    "add",
-                    ifname=host,
-                    kind="veth",
-                    peer={"ifname": "eth0", "net_ns_fd": nsfd},
-                )
-            finally:
-                os.close(nsfd)
-            idx = ip.link_lookup(ifname=host)[0]
-            _sysctl(f"net/ipv6/conf/{host}/disable_ipv6", "1")
-            ip.link("set", index=idx, master=br[0])
-            ip.brport("set", index=idx, isolated=1)
-            ip.link("set", index=idx, state="up")
+        nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            host = self.add_port(sandbox_id, nsfd, "eth0")
+        finally:
+            os.close(nsfd)
         with netns_of(pid) as ns:
             lo = ns.link_lookup(ifname="lo")[0]
             ns.link("set", index=lo, state="up")
@@ -245,6 +235,24 @@ table ip {self.table}_nat {{
             ns.addr("add", index=eth, address=str(address), prefixlen=self.subnet.prefixlen)
             ns.link("set", index=eth, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=str(self.gateway))
+        return host
+
+    def add_port(self, sandbox_id: str, netns_fd: int, peer: str) -> str:
+        """A veth pair: `peer` in the network namespace `netns_fd`, the host end (returned) an
+        isolated port of the bridge with IPv6 off. Blocking."""
+        host = veth_name(sandbox_id)
+        with contextlib.closing(_ipr()) as ip:
+            br = ip.link_lookup(ifname=self.bridge)
+            if not br:
+                raise NetworkSetupError(f"bridge {self.bridge} is missing")
+            for idx in ip.link_lookup(ifname=host):  # a leftover of an earlier attempt
+                ip.link("del", index=idx)
+            ip.link("add", ifname=host, kind="veth", peer={"ifname": peer, "net_ns_fd": netns_fd})
+            idx = ip.link_lookup(ifname=host)[0]
+            _sysctl(f"net/ipv6/conf/{host}/disable_ipv6", "1")
+            ip.link("set", index=idx, master=br[0])
+            ip.brport("set", index=idx, isolated=1)
+            ip.link("set", index=idx, state="up")
         return host
 
     def detach(self, sandbox_id: str) -> bool:

@@ -168,7 +168,10 @@ def _v4_lookup(a: Assembler, trie4: tuple[int, int], ctl: int) -> None:
     a.jump(_JA, "scan")
 
 
-def _scan_and_verdict(a: Assembler, stats: int) -> None:
+def _scan(a: Assembler) -> None:
+    """First match over the rule list at r0 for port r8 and protocol r9: jumps to "allow" or
+    "deny"; the end of the list (or of the entry) falls through to what follows, which must be
+    the caller's "deny"."""
     a.label("scan")
     for i in range(RULES_PER_ENTRY):
         base = i * RULE_SIZE
@@ -186,11 +189,21 @@ def _scan_and_verdict(a: Assembler, stats: int) -> None:
         a.jump(_JEQ_K, "allow", dst=1, imm=ACTION_ALLOW)
         a.jump(_JA, "deny")
         a.label(nxt)
-    a.label("deny")
+
+
+def _count(a: Assembler, stats: int, done: str) -> None:
+    """stats[0] += 1 (atomic), then on to `done` (also when the lookup fails)."""
     a.emit(_ST_W, _FP, off=-32, imm=0)
-    _lookup(a, stats, -32, "ret0")
+    _lookup(a, stats, -32, done)
     a.emit(_ALU64_MOV_K, 1, imm=1)
     a.emit(_STX_ATOMIC_DW, 0, 1, off=0, imm=0)  # lock *(u64 *)(r0) += 1
+
+
+def _scan_and_verdict(a: Assembler, stats: int) -> None:
+    """connect()/sendmsg(): 1 lets it through, 0 refuses it (EPERM), counted."""
+    _scan(a)
+    a.label("deny")
+    _count(a, stats, "ret0")
     a.label("ret0")
     a.emit(_ALU64_MOV_K, 0, imm=0)
     a.emit(_EXIT)
