@@ -14,6 +14,9 @@
   sandbox's eBPF policy refuses the subnet.
 - Sandboxes reach the host only for DNS on the bridge address (input chain); nothing from
   outside can open a connection into a sandbox. IPv6 is off on the bridge and its ports.
+- A VM guest's link (`edge.network.guest`) is one more such port: its veth's inner end is in
+  a namespace the edge keeps for the guest's tap, its host end carries the guest's tc filter
+  (`add_port(..., ingress=)`), attached before the port is up.
 - NAT (masquerade) for traffic leaving the bridge. On a host where Docker made the forward
   policy DROP, the edge adds two rules to DOCKER-USER (Docker's place for them) so that the
   bridge's traffic is forwarded; they are removed with the bridge.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import ipaddress
 import logging
@@ -40,6 +44,8 @@ _ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 VETH_PREFIX = "dv"
+_TC_INGRESS = 0xFFFFFFF2  # clsact's ingress hook
+_ETH_P_ALL = 0x0003
 
 
 class NetworkSetupError(RuntimeError):
@@ -92,6 +98,32 @@ def netns_at(path: Path) -> Iterator[Any]:
         yield ipr
     finally:
         ipr.close()
+
+
+def _attach_ingress(ip: Any, index: int, program: int) -> None:
+    """A clsact qdisc on interface `index` and `program` as its one ingress filter (direct
+    action, every ethertype; replaced in place if there). Classic tc rather than tcx: attaching
+    with tcx waits for an RCU grace period (measured: 5.4 ms median, this takes 1.4)."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        ip.tc("add", "clsact", index=index)
+    except NetlinkError as exc:
+        if exc.code != errno.EEXIST:
+            raise
+    ip.tc(
+        "replace-filter",
+        "bpf",
+        index=index,
+        parent=_TC_INGRESS,
+        prio=1,
+        handle=1,
+        protocol=_ETH_P_ALL,
+        fd=program,
+        name="dsec_guest",
+        classid=1,
+        direct_action=True,
+    )
 
 
 def _sysctl(path: str, value: str) -> None:
@@ -237,9 +269,12 @@ table ip {self.table}_nat {{
             ns.route("add", dst="0.0.0.0/0", gateway=str(self.gateway))
         return host
 
-    def add_port(self, sandbox_id: str, netns_fd: int, peer: str) -> str:
+    def add_port(
+        self, sandbox_id: str, netns_fd: int, peer: str, ingress: int | None = None
+    ) -> str:
         """A veth pair: `peer` in the network namespace `netns_fd`, the host end (returned) an
-        isolated port of the bridge with IPv6 off. Blocking."""
+        isolated port of the bridge with IPv6 off. `ingress`: a tc program (a guest's filter)
+        attached to the host end's ingress before that end is on the bridge and up. Blocking."""
         host = veth_name(sandbox_id)
         with contextlib.closing(_ipr()) as ip:
             br = ip.link_lookup(ifname=self.bridge)
@@ -250,10 +285,21 @@ table ip {self.table}_nat {{
             ip.link("add", ifname=host, kind="veth", peer={"ifname": peer, "net_ns_fd": netns_fd})
             idx = ip.link_lookup(ifname=host)[0]
             _sysctl(f"net/ipv6/conf/{host}/disable_ipv6", "1")
+            if ingress is not None:
+                _attach_ingress(ip, idx, ingress)
             ip.link("set", index=idx, master=br[0])
             ip.brport("set", index=idx, isolated=1)
             ip.link("set", index=idx, state="up")
         return host
+
+    def attach_ingress(self, sandbox_id: str, program: int) -> bool:
+        """(Re)attach a tc program to the ingress of the sandbox's host end; False if that end
+        is gone. Blocking."""
+        with contextlib.closing(_ipr()) as ip:
+            found = ip.link_lookup(ifname=veth_name(sandbox_id))
+            if found:
+                _attach_ingress(ip, found[0], program)
+        return bool(found)
 
     def detach(self, sandbox_id: str) -> bool:
         """Remove the sandbox's veth pair (if any). Blocking."""
