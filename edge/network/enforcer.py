@@ -8,6 +8,14 @@ Per sandbox (pinned under `<pin root>/<sandbox id>/`, so a restarted edge finds 
     stats          ARRAY[1] u64: connects and datagrams refused
     c4 c6 s4 s6    connect4/6 and sendmsg4/6 programs, attached to the sandbox's cgroup2 dir
 
+or, for a VM guest (`SandboxFilter.create(..., guest=...)`), instead of the four programs:
+
+    tc             the guest's SCHED_CLS program, on the ingress of its link's host end
+    flows          LRU hash of the denied flows already counted in stats (see programs.py)
+
+Both kinds read the same tries, ctl and stats, so everything below -- replacement, learned
+addresses, the blocked counter -- is one code path for containers and guests.
+
 Replacing a policy brings the standby side to it -- writing only the entries that differ from
 what that side holds, so a task switching between two stages writes nothing at all -- and flips
 ctl[0] (one 4-byte update: atomic; the next connect sees the whole new policy). Addresses the
@@ -21,14 +29,17 @@ import logging
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge.network import bpf
 from edge.network.policy import Prefix, Tables
 from edge.network.programs import (
+    FLOW_KEY_SIZE,
     V4_KEY_SIZE,
     V6_KEY_SIZE,
     VALUE_SIZE,
+    guest_program,
     ipv4_program,
     ipv6_program,
     lpm_key,
@@ -48,6 +59,17 @@ _PROGRAMS = (
     ("s6", bpf.ATTACH_CGROUP_UDP6_SENDMSG),
 )
 _KEY_SIZE = {4: V4_KEY_SIZE, 6: V6_KEY_SIZE}
+_GUEST_PROGRAM = "tc"
+#: Denied flows remembered as counted; the least recently counted are forgotten first.
+FLOWS_REMEMBERED = 1024
+
+
+@dataclass(frozen=True)
+class GuestIdentity:
+    """What a guest's program enforces besides the policy: the only source it may send from."""
+
+    mac: bytes  # 6 bytes
+    address: bytes  # IPv4, network order
 
 
 def _trie_name(version: int, side: int) -> str:
@@ -69,7 +91,9 @@ class SandboxFilter:
         }
 
     @classmethod
-    def create(cls, pin_dir: Path) -> SandboxFilter:
+    def create(cls, pin_dir: Path, guest: GuestIdentity | None = None) -> SandboxFilter:
+        """New maps and programs, pinned in `pin_dir`: the cgroup programs, or with `guest`
+        the tc program of that guest."""
         fds: dict[str, int] = {}
         try:
             for version in (4, 6):
@@ -84,17 +108,10 @@ class SandboxFilter:
                     )
             fds["ctl"] = bpf.create_map(bpf.MAP_ARRAY, 4, 4, 1, name="dsec_ctl")
             fds["stats"] = bpf.create_map(bpf.MAP_ARRAY, 4, 8, 1, name="dsec_stats")
-            t4 = (fds["trie4a"], fds["trie4b"])
-            t6 = (fds["trie6a"], fds["trie6b"])
-            four = ipv4_program(t4, fds["ctl"], fds["stats"])
-            six = ipv6_program(t4, t6, fds["ctl"], fds["stats"])
-            for name, attach in _PROGRAMS:
-                fds[name] = bpf.load_program(
-                    bpf.PROG_CGROUP_SOCK_ADDR,
-                    four if name.endswith("4") else six,
-                    expected_attach_type=attach,
-                    name=f"dsec_{name}",
-                )
+            if guest is None:
+                _load_cgroup_programs(fds)
+            else:
+                _load_guest_program(fds, guest)
             pin_dir.mkdir(parents=True, exist_ok=True)
             for name, fd in fds.items():
                 (pin_dir / name).unlink(missing_ok=True)
@@ -113,9 +130,13 @@ class SandboxFilter:
     def open(cls, pin_dir: Path) -> SandboxFilter | None:
         """Reopen a pinned filter (after an edge restart); None if it is not all there."""
         names = [_trie_name(v, s) for v in (4, 6) for s in (0, 1)]
+        if (pin_dir / _GUEST_PROGRAM).exists():
+            programs = ["flows", _GUEST_PROGRAM]
+        else:
+            programs = [n for n, _ in _PROGRAMS]
         fds: dict[str, int] = {}
         try:
-            for name in (*names, "ctl", "stats", *(n for n, _ in _PROGRAMS)):
+            for name in (*names, "ctl", "stats", *programs):
                 fds[name] = bpf.get_pinned(pin_dir / name)
         except OSError:
             for fd in fds.values():
@@ -142,6 +163,11 @@ class SandboxFilter:
                 raise
         finally:
             os.close(fd)
+
+    @property
+    def guest_program(self) -> int:
+        """The descriptor of a guest's tc program (for `NodeNetwork.add_port`)."""
+        return self.fds[_GUEST_PROGRAM]
 
     # -------------------------------------------------------------------- policies
 
@@ -207,3 +233,35 @@ class SandboxFilter:
         """Close and unpin: the kernel frees what no cgroup still holds."""
         self.close()
         shutil.rmtree(self.pin_dir, ignore_errors=True)
+
+
+def _load_cgroup_programs(fds: dict[str, int]) -> None:
+    t4 = (fds["trie4a"], fds["trie4b"])
+    t6 = (fds["trie6a"], fds["trie6b"])
+    four = ipv4_program(t4, fds["ctl"], fds["stats"])
+    six = ipv6_program(t4, t6, fds["ctl"], fds["stats"])
+    for name, attach in _PROGRAMS:
+        fds[name] = bpf.load_program(
+            bpf.PROG_CGROUP_SOCK_ADDR,
+            four if name.endswith("4") else six,
+            expected_attach_type=attach,
+            name=f"dsec_{name}",
+        )
+
+
+def _load_guest_program(fds: dict[str, int], guest: GuestIdentity) -> None:
+    fds["flows"] = bpf.create_map(
+        bpf.MAP_LRU_HASH, FLOW_KEY_SIZE, 8, FLOWS_REMEMBERED, name="dsec_flows"
+    )
+    fds[_GUEST_PROGRAM] = bpf.load_program(
+        bpf.PROG_SCHED_CLS,
+        guest_program(
+            (fds["trie4a"], fds["trie4b"]),
+            fds["ctl"],
+            fds["stats"],
+            fds["flows"],
+            guest.mac,
+            guest.address,
+        ),
+        name="dsec_guest",
+    )

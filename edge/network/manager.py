@@ -16,6 +16,12 @@ starts (sandboxes without network cost nothing), and removed by `close(teardown=
 
 A trusted-execution sibling (see edge.backends.container.backend) is attached with `owner=` its sandbox: it gets
 its own address and link, and the same filter object (same maps: one policy, one counter).
+
+A VM guest (`attach_guest`, `adopt_guest`, `detach_guest`; the link in `edge.network.guest`) is a
+sandbox like the others here -- an owner with its policy, tries, counter and resolver client
+address -- whose filter is one tc program on its link instead of cgroup hooks, so `replace`,
+`blocked`, `dns_refusals_of`, the resolver's learning and `refresh_loop` serve both kinds. One
+NetworkManager per edge serves every backend (one bridge, one resolver on its address).
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge.network import bpf, dns
-from edge.network.enforcer import SandboxFilter
+from edge.network import bpf, dns, guest
+from edge.network.enforcer import GuestIdentity, SandboxFilter
 from edge.network.links import NodeNetwork, veth_name
 from edge.network.policy import Platform, Policy, check_compilable, compile_tables, parse
 from edge.network.programs import RULES_PER_ENTRY
@@ -59,7 +65,7 @@ class _Attachment:
     sandbox_id: str
     owner: str
     address: ipaddress.IPv4Address
-    cgroup_dir: Path
+    cgroup_dir: Path | None  # None for a guest
 
 
 class NetworkManager:
@@ -258,6 +264,91 @@ class NetworkManager:
         self.owners[owner_id].members.add(sandbox_id)
         return True
 
+    # ---------------------------------------------------------------- VM guests
+
+    async def attach_guest(
+        self,
+        sandbox_id: str,
+        netns_dir: Path,
+        policy: Policy,
+        resolved: Mapping[str, list[str]] | None = None,
+    ) -> dict[str, Any]:
+        """Network a VM guest: its namespace and tap under `netns_dir` (made if missing), an
+        address, its filter, and the link onto the node bridge, in that order. Returns what to
+        keep in its record (`adopt_guest` takes it) and to configure the guest with: address,
+        prefix_len, gateway, dns, mac (the only source MAC its frames may have), netns, tap."""
+        await self._ensure_node()
+        state = _Owner(policy)
+        self._remember(state, resolved or {})
+        self.owners[sandbox_id] = state
+        addr = self._allocate()
+        self._register(sandbox_id, addr)
+        mac = guest.guest_mac(sandbox_id)
+        try:
+            netns = await asyncio.to_thread(guest.create_netns, netns_dir, sandbox_id)
+            identity = GuestIdentity(bytes.fromhex(mac.replace(":", "")), addr.packed)
+            state.filter = await asyncio.to_thread(
+                SandboxFilter.create, self.pin_root / sandbox_id, identity
+            )
+            await asyncio.to_thread(state.filter.load, self._tables(state))
+            await asyncio.to_thread(
+                guest.connect, self.node, sandbox_id, netns, state.filter.guest_program
+            )
+        except BaseException:
+            await self.detach_guest(sandbox_id, netns_dir)
+            raise
+        return {
+            "address": str(addr),
+            "prefix_len": self.node.subnet.prefixlen,
+            "gateway": self.gateway,
+            "dns": self.gateway,
+            "mac": mac,
+            "netns": str(netns),
+            "tap": guest.TAP,
+            "veth": veth_name(sandbox_id),
+            "owner": sandbox_id,
+        }
+
+    def _register(self, sandbox_id: str, address: ipaddress.IPv4Address) -> None:
+        """A guest is its own owner (no siblings)."""
+        self._by_address[str(address)] = sandbox_id
+        self.attachments[sandbox_id] = _Attachment(sandbox_id, sandbox_id, address, None)
+        self.owners[sandbox_id].members.add(sandbox_id)
+
+    async def adopt_guest(self, sandbox_id: str, info: Mapping[str, Any], policy: Policy) -> bool:
+        """After an edge restart: take back a running guest's network from its record, its
+        namespace and its pins (the filter kept enforcing meanwhile). False if a piece is gone."""
+        address = str(info.get("address", ""))
+        netns = Path(str(info.get("netns", "")))
+        if not address or not await asyncio.to_thread(guest.is_netns, netns):
+            return False
+        await self._ensure_node()
+        flt = await asyncio.to_thread(SandboxFilter.open, self.pin_root / sandbox_id)
+        if flt is None:
+            log.warning(
+                "the eBPF pins of guest %s are gone; its policy cannot be managed", sandbox_id
+            )
+            return False
+        state = _Owner(policy, flt)
+        self.owners[sandbox_id] = state
+        self._register(sandbox_id, ipaddress.IPv4Address(address))
+        with contextlib.suppress(Exception):
+            self._remember(state, await asyncio.to_thread(self.resolve_domains, policy))
+        await asyncio.to_thread(flt.load, self._tables(state))
+        await asyncio.to_thread(self._relink, sandbox_id, netns, flt)
+        return True
+
+    def _relink(self, sandbox_id: str, netns: Path, flt: SandboxFilter) -> None:
+        """The filter on the guest's link, the link made again if it went (blocking)."""
+        if not self.node.attach_ingress(sandbox_id, flt.guest_program):
+            guest.connect(self.node, sandbox_id, netns, flt.guest_program)
+
+    async def detach_guest(self, sandbox_id: str, netns_dir: Path) -> None:
+        """Remove everything of a guest's network: address, link, filter and pins, namespace
+        (also for a guest that never had a policy, or was not adopted)."""
+        await self.detach(sandbox_id)
+        await asyncio.to_thread(guest.remove_netns, guest.netns_path(netns_dir, sandbox_id))
+
     async def replace(self, sandbox_id: str, raw: Mapping[str, Any]) -> Policy:
         """Replace the policy of a networked sandbox (and its sibling): parse, resolve names,
         compile and load in one trip to a worker thread. A bad policy raises InvalidArgument
@@ -413,8 +504,15 @@ class NetworkManager:
 
     # ------------------------------------------------------------------ cleanup
 
-    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+    async def cleanup_orphans(self, keep: set[str], *, netns_dir: Path | None = None) -> list[str]:
+        """Pins and bridge ports of sandboxes not in `keep`, and with `netns_dir` the guests'
+        namespaces there too."""
         removed = []
+        if netns_dir is not None:
+            gone = await asyncio.to_thread(
+                guest.remove_orphans, netns_dir, keep | set(self.attachments)
+            )
+            removed += [f"netns:{sid}" for sid in gone]
         if self.pin_root.is_dir():
             for d in self.pin_root.iterdir():
                 if d.name not in keep and d.name not in self.owners:

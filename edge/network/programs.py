@@ -24,6 +24,32 @@ contains it, ordered platform allows, platform denies, user denies, user allows,
 Registers: r6 ctx, r7 IPv4 address, r8 port (host order), r9 protocol; r1-r5 scratch (clobbered
 by helper calls). Stack: fp-8..-1 IPv4 key, fp-20..-1 IPv6 key, fp-32 stats key, fp-36 ctl key,
 fp-56..-41 the IPv6 address while the side is looked up.
+
+A VM guest's traffic never passes a cgroup hook, so for guests one `BPF_PROG_TYPE_SCHED_CLS`
+program (`guest_program`, on the ingress of the host end of the guest's link: see
+`edge.network.guest`) reads the same tries, ctl and stats per frame the guest sends:
+
+    source MAC != the guest's, a VLAN tag, or an ethertype other than ARP/IPv4   drop
+    ARP: only Ethernet/IPv4 with sender MAC and address the guest's own           pass / drop
+    IPv4: options, or a source other than the guest's address                    drop
+          a later fragment (offset != 0)                                         pass (below)
+          destination 0/8 or 127/8 (never on a wire: aimed at the host)          deny
+          anything else: the policy lookup above (port 0 for other protocols)    pass / deny
+
+Denied frames are dropped; a denied *new flow* -- a TCP SYN without ACK, a UDP datagram, an
+ICMP echo request, any packet of another protocol -- is counted in stats[0] once per flow
+(destination, ports or echo id, protocol) while the flow is in a small LRU map, so the guest's
+SYN retransmits count as one blocked connect, as a refused connect() does for a container.
+Spoofed and malformed frames are dropped uncounted (a freshly cloned guest sends with its
+template's MAC until it is told its own). The filter is stateless: every frame of an allowed
+flow is checked, so a policy change also stops established flows it no longer allows.
+
+Later fragments carry no ports and pass: Linux reassembles them only with their first fragment,
+which was checked with its ports (the host's conntrack defragments everything forwarded or
+delivered to it), and fragment offsets are multiples of 8 bytes, so none can overwrite the
+ports (bytes 0-3 of the L4 header) the filter checked.
+
+All multi-byte fields are compared as the little-endian words the loads produce (x86_64).
 """
 
 from __future__ import annotations
@@ -168,7 +194,10 @@ def _v4_lookup(a: Assembler, trie4: tuple[int, int], ctl: int) -> None:
     a.jump(_JA, "scan")
 
 
-def _scan_and_verdict(a: Assembler, stats: int) -> None:
+def _scan(a: Assembler) -> None:
+    """First match over the rule list at r0 for port r8 and protocol r9: jumps to "allow" or
+    "deny"; the end of the list (or of the entry) falls through to what follows, which must be
+    the caller's "deny"."""
     a.label("scan")
     for i in range(RULES_PER_ENTRY):
         base = i * RULE_SIZE
@@ -186,11 +215,21 @@ def _scan_and_verdict(a: Assembler, stats: int) -> None:
         a.jump(_JEQ_K, "allow", dst=1, imm=ACTION_ALLOW)
         a.jump(_JA, "deny")
         a.label(nxt)
-    a.label("deny")
+
+
+def _count(a: Assembler, stats: int, done: str) -> None:
+    """stats[0] += 1 (atomic), then on to `done` (also when the lookup fails)."""
     a.emit(_ST_W, _FP, off=-32, imm=0)
-    _lookup(a, stats, -32, "ret0")
+    _lookup(a, stats, -32, done)
     a.emit(_ALU64_MOV_K, 1, imm=1)
     a.emit(_STX_ATOMIC_DW, 0, 1, off=0, imm=0)  # lock *(u64 *)(r0) += 1
+
+
+def _scan_and_verdict(a: Assembler, stats: int) -> None:
+    """connect()/sendmsg(): 1 lets it through, 0 refuses it (EPERM), counted."""
+    _scan(a)
+    a.label("deny")
+    _count(a, stats, "ret0")
     a.label("ret0")
     a.emit(_ALU64_MOV_K, 0, imm=0)
     a.emit(_EXIT)
@@ -240,6 +279,163 @@ def ipv6_program(
         a.emit(_STX_W, _FP, 2, off=-16 + 4 * k)
     _lookup_side(a, trie6, -20, "v6")
     _scan_and_verdict(a, stats)
+    return a.assemble()
+
+
+# ------------------------------------------------------------------------- the guest's
+
+TC_PASS = 0  # TC_ACT_OK / TCX_PASS
+TC_DROP = 2  # TC_ACT_SHOT / TCX_DROP
+FLOW_KEY_SIZE = 12  # destination (4), L4 bytes 0-3 (ports; echo id and 0), protocol (4)
+_ICMP, _TCP, _UDP = 1, 6, 17  # IP protocol numbers
+
+_SKB_VLAN_PRESENT = 20  # struct __sk_buff
+_FN_MAP_UPDATE = 2
+_FN_SKB_LOAD_BYTES = 26
+_BPF_NOEXIST = 1
+_JMP32_JEQ_K = 0x16
+_JMP32_JNE_K = 0x56
+_ALU64_AND_K = 0x57
+_STX_H = 0x6B
+_ST_DW = 0x7A
+
+# Stack of the guest program (besides the IPv4 key, stats and ctl keys above). Byte 0 of the
+# frame lands at fp-102 so that the words compared (MAC, addresses) are 4-aligned, as the
+# verifier requires of stack reads: frame fp-102..-69 (Ethernet + IPv4 header), L4 header
+# fp-112..-105, TCP flags fp-120, flow key fp-48..-37, flow value fp-56, counts flag fp-60.
+_FRAME = -102
+_FRAME_BYTES = 34
+_L4 = -112
+_TCP_FLAGS = -120
+_FLOW = -48
+_FLOW_VALUE = -56
+_COUNTS = -60
+
+
+def _imm(value: bytes) -> int:
+    """`value` as the 32-bit immediate equal to a little-endian load of those bytes."""
+    return struct.unpack("<i", value.ljust(4, b"\0"))[0]
+
+
+def _load_bytes(a: Assembler, offset: int, stack_off: int, size: int) -> None:
+    """bpf_skb_load_bytes(skb, offset, fp+stack_off, size), or drop (a short frame)."""
+    a.emit(_ALU64_MOV_X, 1, 6)
+    a.emit(_ALU64_MOV_K, 2, imm=offset)
+    a.emit(_ALU64_MOV_X, 3, _FP)
+    a.emit(_ALU64_ADD_K, 3, imm=stack_off)
+    a.emit(_ALU64_MOV_K, 4, imm=size)
+    a.emit(_CALL, imm=_FN_SKB_LOAD_BYTES)
+    a.jump(_JNE_K, "drop", dst=0, imm=0)
+
+
+def _expect(a: Assembler, frame_off: int, value: bytes) -> None:
+    """Drop unless the frame's bytes at `frame_off` are `value` (1, 2 or 4 bytes)."""
+    load = {1: _LDX_B, 2: _LDX_H, 4: _LDX_W}[len(value)]
+    a.emit(load, 1, _FP, off=_FRAME + frame_off)
+    a.jump(_JMP32_JNE_K, "drop", dst=1, imm=_imm(value))
+
+
+def _guest_arp(a: Assembler, mac: bytes, address: bytes) -> None:
+    """Ethernet/IPv4 ARP whose sender is the guest itself, else drop."""
+    a.label("arp")
+    _expect(a, 14, b"\x00\x01\x08\x00")  # hardware type Ethernet, protocol IPv4
+    _expect(a, 18, b"\x06\x04")  # address lengths
+    _expect(a, 22, mac[:4])  # sender hardware address
+    _expect(a, 26, mac[4:])
+    _expect(a, 28, address[:2])  # sender protocol address (2-aligned only)
+    _expect(a, 30, address[2:])
+    a.jump(_JA, "allow")
+
+
+def _guest_flow(a: Assembler) -> None:
+    """r8 = the destination port, the flow key's L4 part, and whether the frame starts a flow
+    (fp-60; preset to 1) for TCP, UDP and ICMP; then on to "policy"."""
+    a.jump(_JEQ_K, "ports", dst=9, imm=_TCP)
+    a.jump(_JEQ_K, "ports", dst=9, imm=_UDP)
+    a.jump(_JNE_K, "policy", dst=9, imm=_ICMP)
+    _load_bytes(a, 34, _L4, 8)
+    a.emit(_LDX_B, 1, _FP, off=_L4)
+    a.jump(_JEQ_K, "echo", dst=1, imm=8)
+    a.emit(_ST_W, _FP, off=_COUNTS, imm=0)  # an ICMP error or reply starts nothing
+    a.jump(_JA, "policy")
+    a.label("echo")
+    a.emit(_LDX_H, 1, _FP, off=_L4 + 4)
+    a.emit(_STX_H, _FP, 1, off=_FLOW + 4)
+    a.jump(_JA, "policy")
+    a.label("ports")
+    _load_bytes(a, 34, _L4, 8)
+    a.emit(_LDX_W, 1, _FP, off=_L4)
+    a.emit(_STX_W, _FP, 1, off=_FLOW + 4)
+    a.emit(_LDX_H, 8, _FP, off=_L4 + 2)
+    a.emit(_ALU_END_BE, 8, imm=16)
+    a.jump(_JNE_K, "policy", dst=9, imm=_TCP)
+    _load_bytes(a, 34 + 13, _TCP_FLAGS, 1)
+    a.emit(_LDX_B, 1, _FP, off=_TCP_FLAGS)
+    a.emit(_ALU64_AND_K, 1, imm=0x12)  # SYN | ACK
+    a.jump(_JEQ_K, "policy", dst=1, imm=0x02)
+    a.emit(_ST_W, _FP, off=_COUNTS, imm=0)
+
+
+def _guest_deny(a: Assembler, flows: int, stats: int) -> None:
+    """Drop; count it if it starts a flow not counted yet (flows: LRU, insert-if-absent)."""
+    a.label("deny")
+    a.emit(_LDX_W, 1, _FP, off=_COUNTS)
+    a.jump(_JEQ_K, "drop", dst=1, imm=0)
+    a.emit(_ST_DW, _FP, off=_FLOW_VALUE, imm=0)
+    a.ld_map(1, flows)
+    a.emit(_ALU64_MOV_X, 2, _FP)
+    a.emit(_ALU64_ADD_K, 2, imm=_FLOW)
+    a.emit(_ALU64_MOV_X, 3, _FP)
+    a.emit(_ALU64_ADD_K, 3, imm=_FLOW_VALUE)
+    a.emit(_ALU64_MOV_K, 4, imm=_BPF_NOEXIST)
+    a.emit(_CALL, imm=_FN_MAP_UPDATE)
+    a.jump(_JNE_K, "drop", dst=0, imm=0)  # -EEXIST: this flow was counted already
+    _count(a, stats, "drop")
+    a.label("drop")
+    a.emit(_ALU64_MOV_K, 0, imm=TC_DROP)
+    a.emit(_EXIT)
+    a.label("allow")
+    a.emit(_ALU64_MOV_K, 0, imm=TC_PASS)
+    a.emit(_EXIT)
+
+
+def guest_program(
+    trie4: tuple[int, int], ctl: int, stats: int, flows: int, mac: bytes, address: bytes
+) -> list[Insn]:
+    """The tc program of a guest whose NIC has `mac` (6 bytes) and `address` (4, network
+    order); `flows` is the LRU map of counted flows (FLOW_KEY_SIZE-byte keys, u64 values)."""
+    a = Assembler()
+    a.emit(_ALU64_MOV_X, 6, 1)
+    a.emit(_LDX_W, 1, 6, off=_SKB_VLAN_PRESENT)  # a tag the receive path took off the frame
+    a.jump(_JNE_K, "drop", dst=1, imm=0)
+    _load_bytes(a, 0, _FRAME, _FRAME_BYTES)
+    _expect(a, 6, mac[:4])  # source MAC
+    _expect(a, 10, mac[4:])
+    a.emit(_LDX_H, 1, _FP, off=_FRAME + 12)  # ethertype
+    a.jump(_JMP32_JEQ_K, "arp", dst=1, imm=_imm(b"\x08\x06"))
+    a.jump(_JMP32_JNE_K, "drop", dst=1, imm=_imm(b"\x08\x00"))
+    _expect(a, 14, b"\x45")  # IPv4, header without options
+    _expect(a, 26, address)  # source address
+    a.emit(_LDX_H, 1, _FP, off=_FRAME + 20)
+    a.emit(_ALU64_AND_K, 1, imm=_imm(b"\x1f\xff"))  # fragment offset
+    a.jump(_JNE_K, "allow", dst=1, imm=0)
+    a.emit(_LDX_B, 9, _FP, off=_FRAME + 23)
+    a.emit(_LDX_W, 7, _FP, off=_FRAME + 30)
+    a.emit(_STX_W, _FP, 7, off=_FLOW)
+    a.emit(_ST_W, _FP, off=_FLOW + 4, imm=0)
+    a.emit(_STX_W, _FP, 9, off=_FLOW + 8)
+    a.emit(_ST_W, _FP, off=_COUNTS, imm=1)
+    a.emit(_ALU64_MOV_K, 8, imm=0)
+    a.emit(_ALU64_MOV_X, 1, 7)
+    a.emit(_ALU64_AND_K, 1, imm=0xFF)  # the destination's first octet
+    a.jump(_JEQ_K, "deny", dst=1, imm=0)
+    a.jump(_JEQ_K, "deny", dst=1, imm=127)
+    _guest_flow(a)
+    a.label("policy")
+    _v4_lookup(a, trie4, ctl)
+    _scan(a)
+    _guest_deny(a, flows, stats)
+    _guest_arp(a, mac, address)
     return a.assemble()
 
 

@@ -67,6 +67,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class NetLab:
     index: int
     names: dict[str, str] = field(default_factory=dict)  # name -> address in the namespace
+    tag: str = ""  # tells apart two labs of one test process
     netns: str = ""
     host_if: str = ""
     proc: subprocess.Popen[str] | None = None
@@ -84,8 +85,8 @@ class NetLab:
         return f"{self.prefix}.2"
 
     def start(self) -> NetLab:
-        self.netns = f"dsect{os.getpid()}"
-        self.host_if = f"dsl{os.getpid()}"[:15]
+        self.netns = f"dsect{os.getpid()}{self.tag}"
+        self.host_if = f"dsl{os.getpid()}{self.tag}"[:14]
         peer = f"{self.host_if}p"[:15]
         try:
             _run("ip", "netns", "add", self.netns)
