@@ -84,6 +84,8 @@ def _default_route(gateway: str) -> None:
     s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
     try:
         fcntl.ioctl(s, SIOCADDRT, rt)
+    except FileExistsError:
+        pass  # configured again (a restored guest told its network twice)
     finally:
         s.close()
 
@@ -135,7 +137,11 @@ def disk_full() -> str:
 
 
 def sync(values: dict[str, Any]) -> None:
-    """The host's clock and fresh entropy (after a restore)."""
+    """The host's clock and fresh entropy (after a restore); a network it was given."""
+    if values.get("network"):
+        configure_network(values["network"])
+        if values.get("resolv_conf"):
+            _write("/etc/resolv.conf", values["resolv_conf"])
     ns = int(values.get("clock_unix_ns") or 0)
     if ns:
         time.clock_settime_ns(time.CLOCK_REALTIME, ns)

@@ -364,7 +364,7 @@ class Aether:
 
             try:
                 guest.sync(wire.decode("dsec.aether.v1.GuestSync", body))
-            except OSError as exc:
+            except (OSError, ValueError, KeyError) as exc:
                 log.error("guest sync failed: %s", exc)
         elif kind == F_SHUTDOWN:
             grace = wire.decode("dsec.aether.v1.Shutdown", body).get("grace_s", 0.0)

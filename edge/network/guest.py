@@ -189,6 +189,23 @@ def remove_netns(path: Path) -> bool:
     return True
 
 
+def move_netns(netns_dir: Path, old: str, new: str) -> Path:
+    """The namespace of `old` under the name of `new` (a claimed warm guest: a bind mount
+    cannot be renamed, so it is mounted again at the new name and the old one removed)."""
+    src, dst = netns_path(netns_dir, old), netns_path(netns_dir, new)
+    dst.touch()
+    try:
+        _check(
+            _libc.mount(os.fsencode(src), os.fsencode(dst), None, _MS_BIND, None),
+            f"bind-mount {src} on {dst}",
+        )
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+    remove_netns(src)
+    return dst
+
+
 def remove_orphans(netns_dir: Path, keep: set[str]) -> list[str]:
     """Remove the namespaces under `netns_dir` of sandboxes not in `keep`; returns their ids."""
     if not netns_dir.is_dir():

@@ -85,6 +85,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
                         # network, no quota), the rest start cold: every control must hold
                         # on both.
                         "DSEC_EDGE_WARM_POOL": "busybox=3",
+                        # MicroVM guests beside them (test_microvm_network.py).
+                        "DSEC_EDGE_MICROVM": "on",
                     },
                 )
             ],

@@ -297,19 +297,29 @@ class GuestSync(_message.Message):
 
     CLOCK_UNIX_NS_FIELD_NUMBER: _builtins.int
     ENTROPY_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    RESOLV_CONF_FIELD_NUMBER: _builtins.int
     clock_unix_ns: _builtins.int
     """the host's CLOCK_REALTIME when sent"""
     entropy: _builtins.bytes
     """fresh random bytes credited to the guest's pool"""
+    resolv_conf: _builtins.str
+    """with it: /etc/resolv.conf"""
+    @_builtins.property
+    def network(self) -> Global___GuestNetwork:
+        """a network the guest did not have (a policy update from NONE)"""
+
     def __init__(
         self,
         *,
         clock_unix_ns: _builtins.int = ...,
         entropy: _builtins.bytes = ...,
+        network: Global___GuestNetwork | None = ...,
+        resolv_conf: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_unix_ns", b"clock_unix_ns", "entropy", b"entropy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_unix_ns", b"clock_unix_ns", "entropy", b"entropy", "network", b"network", "resolv_conf", b"resolv_conf"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

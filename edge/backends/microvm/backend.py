@@ -36,7 +36,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,11 +56,14 @@ from edge.controls import ABSENT, DISABLED, ENFORCED, Control, ControlMissing
 from edge.disk_guard import Allocations
 from edge.images import ImageResolver, ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
+from edge.network import guest as guest_net
+from edge.network.manager import NetworkManager
+from edge.network.policy import Policy
+from edge.network.policy import parse as parse_policy
 from edge.runtime import cgroups, mounts
 from edge.runtime.disk import blank_image, sparse_copy
 from edge.runtime.mounts import LayerImage
 from libdsec.errors import (
-    BackendCapabilityMissing,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
@@ -144,7 +147,7 @@ class MicrovmBackend:
     persistent = True
     starts_inline = False
     capabilities: frozenset[Capability] = frozenset(
-        {Capability.EXEC, Capability.PAUSE, Capability.DISK_USAGE}
+        {Capability.EXEC, Capability.PAUSE, Capability.DISK_USAGE, Capability.NETWORK_POLICY}
     )
 
     def __init__(
@@ -168,13 +171,18 @@ class MicrovmBackend:
         ready_timeout_s: float = 120.0,
         qemu_binary: str = "qemu-system-x86_64",
         warm_pool: dict[str, int] | None = None,
+        network: NetworkManager | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
         self.disks = state_dir / "rw"
         self.paused = state_dir / "paused"
         self.logs = state_dir / "logs"
-        for d in (self.sockets, self.disks, self.paused, self.logs):
+        #: Every guest's network namespace (its tap; a veth onto the node bridge when networked).
+        self.netns_dir = state_dir / "netns"
+        #: The edge's one NetworkManager, shared with containers (one resolver, one bridge).
+        self.network = network
+        for d in (self.sockets, self.disks, self.paused, self.logs, self.netns_dir):
             d.mkdir(parents=True, exist_ok=True)
         mounts.mount_volatile(self.sockets, "16m")
         self._sockets_fd = os.open(self.sockets, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -245,6 +253,7 @@ class MicrovmBackend:
             overhead_mb=cfg.microvm_overhead_mb,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
+            network=container.containment.network,
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
         return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
@@ -260,12 +269,20 @@ class MicrovmBackend:
     def validate(self, spec: SandboxSpec) -> None:
         """Shape bounds, a network policy (not offered yet), an image made of EROFS files."""
         self.shape_of(spec)
-        if _networked(spec.network):
-            raise BackendCapabilityMissing(
-                "the microvm backend does not offer network_policy yet: guests have no network",
-                metadata={"backend": self.name, "capability": "network_policy"},
-            )
+        self._policy(spec.network)
         self._layer_disks(self.images.resolve(spec.image, spec.toolkits))
+
+    def _policy(self, raw: Mapping[str, Any] | None) -> tuple[Policy, dict[str, list[str]]]:
+        """Parse a network policy and resolve its names (blocking); INVALID_ARGUMENT naming
+        the rule, NETWORK_UNAVAILABLE on an edge without networking."""
+        if self.network is None:
+            policy = parse_policy(raw)
+            if policy.networked:
+                raise FailedPrecondition(
+                    "this edge has no sandbox networking", reason="NETWORK_UNAVAILABLE"
+                )
+            return policy, {}
+        return self.network.check(raw)
 
     def shape_of(self, spec: SandboxSpec) -> Shape:
         mem = spec.memory_mb
@@ -389,10 +406,65 @@ class MicrovmBackend:
                 await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
                 t1 = time.perf_counter()
                 await self._launch(rec, qemu.Memory("ram"))
+            if self.network is not None and rec.sandbox_id.startswith("sb-"):
+                await self._attach_network(rec)
         except BaseException:
             await self.destroy(rec)
             raise
         return {"disk_ms": (t1 - t0) * 1000, "qemu_ms": (time.perf_counter() - t1) * 1000}
+
+    async def _attach_network(self, rec: SandboxRecord) -> None:
+        """A networked policy: the guest's address, filter and link (its namespace and tap
+        exist since its QEMU started). The guest configures itself from the claim."""
+        assert self.network is not None
+        policy, resolved = await asyncio.to_thread(self._policy, rec.spec.network)
+        if policy.networked:
+            rec.runtime["net"] = await self.network.attach_guest(
+                rec.sandbox_id, self.netns_dir, policy, resolved
+            )
+
+    def _guest_network(self, rec: SandboxRecord) -> aether_pb2.GuestNetwork | None:
+        net = rec.runtime.get("net")
+        if not net:
+            return None
+        return aether_pb2.GuestNetwork(
+            mac=net["mac"],
+            address=net["address"],
+            prefix_len=int(net["prefix_len"]),
+            gateway=net["gateway"],
+        )
+
+    async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
+        """Replace a running guest's policy (the next connection sees it); a guest without a
+        network gets one: its link, filter and the guest's own configuration (a GuestSync)."""
+        sid = rec.sandbox_id
+        net = self.network
+        if net is None:
+            self._policy(policy)  # NETWORK_UNAVAILABLE for a networked one
+        elif net.is_attached(sid):
+            await net.replace(sid, policy)  # refuses a bad policy before touching the old one
+        else:
+            parsed, resolved = await asyncio.to_thread(net.check, policy)
+            if parsed.networked:
+                async with self._lock(sid):
+                    was_paused = bool(rec.runtime.get("paused"))
+                    rec.runtime["net"] = await net.attach_guest(
+                        sid, self.netns_dir, parsed, resolved
+                    )
+                    if was_paused:
+                        rec.runtime["net_pending"] = True  # the guest learns it at resume
+                    else:
+                        await self.channels.channel(sid).sync_guest(self._sync(rec, True))
+        rec.spec.network = dict(policy)
+
+    def _sync(self, rec: SandboxRecord, network_changed: bool) -> aether_pb2.GuestSync:
+        """Clock, entropy, and the network config when the guest does not have it yet."""
+        sync = _sync()
+        network = self._guest_network(rec) if network_changed else None
+        if network is not None:
+            sync.network.CopyFrom(network)
+            sync.resolv_conf = f"nameserver {rec.runtime['net']['dns']}\n"
+        return sync
 
     # ------------------------------------------------------------- warm microVMs
 
@@ -476,6 +548,8 @@ class MicrovmBackend:
                 os.rename(a, b)
                 done.append((a, b))
             cgroups.rename(self._cgroup(old), self._cgroup(new))  # v1 only: no cgroup2 dir
+            if self.network is not None:
+                guest_net.move_netns(self.netns_dir, old, new)
             os.replace(self.logs / f"{old}.qemu", self.logs / f"{new}.qemu")
         except OSError:
             for a, b in reversed(done):
@@ -518,8 +592,11 @@ class MicrovmBackend:
             "/etc/hostname": host + "\n",
             "/etc/hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{host}\n",
         }
+        network = self._guest_network(rec)
+        if network is not None:
+            files["/etc/resolv.conf"] = f"nameserver {rec.runtime['net']['dns']}\n"
         return aether_pb2.GuestIdentity(
-            hostname=host, files=files, pids_max=rec.spec.pids_max, sync=_sync()
+            hostname=host, files=files, pids_max=rec.spec.pids_max, sync=_sync(), network=network
         )
 
     def _template_key(self, shape: Shape, layers: list[qemu.Disk]) -> str:
@@ -564,8 +641,10 @@ class MicrovmBackend:
         mac: str,
         *,
         incoming: bool = False,
+        tap_fd: int | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start QEMU with the edge's listening sockets for its agent port, QMP and console."""
+        """Start QEMU with the edge's listening sockets for its agent port, QMP and console
+        (and the guest's tap: the edge's copies are closed once QEMU has them)."""
         listeners = [self._listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
         try:
             machine = qemu.Machine(
@@ -582,6 +661,7 @@ class MicrovmBackend:
                 mac=mac,
                 accel=self.accel,
                 incoming=incoming,
+                tap_fd=tap_fd,
                 extra=["-name", f"dsec:{self.tag}:{vm_id}"],
             )
             with open(self.logs / f"{vm_id}.qemu", "ab") as err:
@@ -597,6 +677,8 @@ class MicrovmBackend:
         finally:
             for s in listeners:
                 s.close()
+            if tap_fd is not None:
+                os.close(tap_fd)
 
     async def _launch(
         self,
@@ -611,8 +693,18 @@ class MicrovmBackend:
         sid = rec.sandbox_id
         shape = Shape(**rec.runtime["shape"])
         disks = [qemu.Disk(s, Path(p), ro) for s, p, ro in rec.runtime["disks"]]
+        tap = None
+        if self.network is not None:  # every guest has its namespace and tap, networked or not
+            netns = await asyncio.to_thread(guest_net.create_netns, self.netns_dir, sid)
+            tap = await asyncio.to_thread(guest_net.open_tap, netns)
         proc = await self._spawn(
-            sid, shape, disks, memory, rec.runtime["mac"], incoming=restore_from is not None
+            sid,
+            shape,
+            disks,
+            memory,
+            rec.runtime["mac"],
+            incoming=restore_from is not None,
+            tap_fd=tap,
         )
         rec.runtime["pid"] = proc.pid
         rec.runtime["qemu_name"] = sid
@@ -739,6 +831,8 @@ class MicrovmBackend:
             vm.console.write(self.logs / f"{sid}.console")
         else:
             self._kill_recorded(rec)
+        if self.network is not None:
+            await self.network.detach_guest(sid, self.netns_dir)
         await asyncio.to_thread(self._remove_files, sid, _disk_id(rec))
         self._locks.pop(sid, None)
 
@@ -807,7 +901,7 @@ class MicrovmBackend:
             try:
                 await self._launch(rec, qemu.Memory("ram"), restore_from=state)
                 conn = await self.channels.connect(sid)
-                await conn.sync_guest(_sync())
+                await conn.sync_guest(self._sync(rec, bool(rec.runtime.pop("net_pending", 0))))
             except BaseException:
                 vm = self.vms.pop(sid, None)
                 if vm is not None:
@@ -830,6 +924,8 @@ class MicrovmBackend:
     async def adopt(self, rec: SandboxRecord) -> bool:
         sid = rec.sandbox_id
         self._adopted.add(_disk_id(rec))
+        if not await self._adopt_network(rec):
+            return False
         if rec.runtime.get("paused"):
             return (self.paused / f"{sid}.vmstate").exists()
         pid = int(rec.runtime.get("pid") or 0)
@@ -851,6 +947,16 @@ class MicrovmBackend:
             return False
         return True
 
+    async def _adopt_network(self, rec: SandboxRecord) -> bool:
+        info = rec.runtime.get("net")
+        if not info:
+            return True
+        if self.network is None:
+            log.warning("microVM %s had a network; this edge has none", rec.sandbox_id)
+            return False
+        policy, _ = await asyncio.to_thread(self._policy, rec.spec.network)
+        return await self.network.adopt_guest(rec.sandbox_id, info, policy)
+
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """QEMU processes, disks, saved states and sockets of sandboxes no record keeps."""
         removed = []
@@ -864,6 +970,8 @@ class MicrovmBackend:
         for vm_id in sorted(ids - keep - self._adopted):
             await asyncio.to_thread(self._remove_files, vm_id, vm_id)
             removed.append(vm_id)
+        if self.network is not None:
+            removed += await self.network.cleanup_orphans(keep, netns_dir=self.netns_dir)
         return sorted(set(removed))
 
     def background_loops(self) -> Sequence[BackgroundLoop]:
@@ -877,15 +985,36 @@ class MicrovmBackend:
                 counted = dict(vm.console.counters)
                 if vm.console.oom_kills:
                     counted["oom_kills"] = vm.console.oom_kills
+                counted.update(self._network_counters(vm.sandbox_id))
                 rec = vm.rec
                 if rec is None:
                     continue
                 if any(rec.violations.get(k) != v for k, v in counted.items()):
                     rec.violations = {**rec.violations, **counted}
-                if vm.console.disk_full and rec.state == "RUNNING":
+                max_blocked = int((rec.spec.network or {}).get("max_blocked_connects", 0) or 0)
+                blocked = counted.get("blocked_connects", 0)
+                if max_blocked and blocked > max_blocked and rec.state == "RUNNING":
+                    msg = (
+                        f"{blocked} connections blocked by the network policy "
+                        f"(max_blocked_connects {max_blocked})"
+                    )
+                    await self.channels.report_exit(vm.sandbox_id, "POLICY_VIOLATION", msg)
+                elif vm.console.disk_full and rec.state == "RUNNING":
                     size = rec.runtime["shape"]["disk_mb"]
                     msg = f"the writable disk ({size} MB) is full ({vm.console.disk_full})"
                     await self.channels.report_exit(vm.sandbox_id, "DISK_QUOTA", msg)
+
+    def _network_counters(self, sid: str) -> dict[str, int]:
+        """What the host-side filter and the resolver counted of a guest (as for containers)."""
+        out: dict[str, int] = {}
+        if self.network is not None:
+            blocked = self.network.blocked(sid)
+            if blocked:
+                out["blocked_connects"] = blocked
+            refused = self.network.dns_refusals_of(sid)
+            if refused:
+                out["dns_refusals"] = refused
+        return out
 
     async def close(self) -> None:
         """The edge goes; the guests stay (taken back by the next edge). Warm ones go."""
@@ -940,10 +1069,6 @@ def _disk_id(rec: SandboxRecord) -> str:
 
 def _cpu_quota_us(spec: SandboxSpec) -> int:
     return max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000)
-
-
-def _networked(policy: dict[str, Any]) -> bool:
-    return bool(policy) and (policy.get("mode", "NONE") not in ("", "NONE", 0))
 
 
 def _mac(vm_id: str) -> str:

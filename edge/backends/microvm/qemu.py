@@ -125,9 +125,9 @@ class Machine:
                 f"virtio-blk-device,drive={d.serial},serial={d.serial}",
             ]
         if self.tap_fd is not None:
-            netdev = f"tap,id=net0,fd={self.tap_fd},vnet_hdr=off"
+            netdev = f"tap,id=net0,fd={self.tap_fd}"  # QEMU finds the tap's virtio header
         else:
-            netdev = "hubport,id=net0,hubid=0"  # a NIC to nowhere: the guest's link stays down
+            netdev = "hubport,id=net0,hubid=0"  # a NIC to nowhere (templates)
         args += ["-netdev", netdev, "-device", f"virtio-net-device,netdev=net0,mac={self.mac}"]
         if self.pidfile is not None:
             args += ["-pidfile", str(self.pidfile)]
