@@ -1,0 +1,105 @@
+"""The microVM backend's host-side pieces that need no guest: the console's reading of a
+guest's last words, the initramfs archive, the module order, and the QEMU command line that a
+snapshot must find unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edge.backends.microvm import guest, qemu
+from edge.backends.microvm.console import Console
+
+PANIC_TAIL = b"""[    4.38] Kernel panic - not syncing: sysrq triggered crash\r
+[    4.38] CPU: 0 PID: 131 Comm: sh Not tainted 6.1.0-57-cloud-amd64\r
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "reason", "says"),
+    [
+        (PANIC_TAIL, "KERNEL_FAULT", "sysrq triggered crash"),
+        (b"[ 4.3] Kernel panic - not syncing: System is deadlocked on memory\n", "OOM", "memory"),
+        (
+            b"[ 9.1] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100\n",
+            "CHANNEL_CLOSED",
+            "aether",
+        ),
+        (b"DSEC-INIT: FATAL mount the overlay\n", "RUNTIME_ERROR", "mount the overlay"),
+    ],
+)
+def test_the_console_tells_how_a_guest_ended(text: bytes, reason: str, says: str) -> None:
+    c = Console("unused")
+    c.feed(b"[    0.26] PCI: Fatal: No config space access function found\n" + text)
+    told = c.diagnose()
+    assert told is not None and told[0] == reason and says in told[1]
+
+
+def test_a_console_with_nothing_to_tell_leaves_the_verdict_to_the_caller() -> None:
+    c = Console("unused")
+    c.feed(b"INFO aether[1]: claimed\n")
+    assert c.diagnose() is None
+
+
+def test_counters_are_read_across_chunks_and_the_record_stays_bounded() -> None:
+    c = Console("unused", head_bytes=1024, tail_bytes=4096)
+    line = b"[ 4.7] Out of memory: Killed process 142 (tail) total-vm:33792kB\n"
+    c.feed(line[:20])
+    c.feed(line[20:] + b"aether[1]: DSEC-COUNTER pids_limit_hits=7\n")
+    for _ in range(1000):  # a guest writing its console without end
+        c.feed(b"x" * 1000 + b"\n")
+    c.feed(b"aether[1]: DSEC-DISK-FULL free_bytes=4096\n" + line)
+    assert c.oom_kills == 2 and c.counters == {"pids_limit_hits": 7}
+    assert c.disk_full == "free_bytes=4096"
+    assert len(c.head) == 1024 and len(c.tail) == 4096
+    assert b"not kept" in c.text() and c.text().endswith(line)
+
+
+def test_the_initramfs_is_a_newc_archive_with_init_busybox_and_modules(tmp_path: Path) -> None:
+    kit = guest.build_guest(tmp_path)
+    listing = subprocess.run(
+        f"zcat {kit.initrd} | cpio -t --quiet", shell=True, capture_output=True, check=True
+    ).stdout.decode()
+    names = set(listing.split())
+    assert {"init", "bin/busybox", "modules.order", "mod/virtio_mmio.ko", "mod/erofs.ko"} <= names
+    assert guest.build_guest(tmp_path) == kit  # content-addressed: built once
+
+
+def test_modules_load_after_their_dependencies() -> None:
+    _, release = guest.find_kernel()
+    order = [p.name.split(".ko")[0] for p in guest.module_order(release)]
+    assert order.index("virtio") < order.index("virtio_mmio") < order.index("virtio_blk")
+    assert order.index("failover") < order.index("net_failover") < order.index("virtio_net")
+
+
+def _machine(memory: qemu.Memory, *, incoming: bool, tap: int | None) -> list[str]:
+    return qemu.Machine(
+        vcpus=1,
+        memory_mb=256,
+        kernel=Path("/boot/k"),
+        initrd=Path("/i"),
+        append="console=ttyS0",
+        disks=[qemu.Disk("rw", Path("/rw.img"), False), qemu.Disk("l0", Path("/l0"), True)],
+        memory=memory,
+        agent_fd=3,
+        qmp_fd=4,
+        console_fd=5,
+        mac="02:00:00:00:00:01",
+        tap_fd=tap,
+        incoming=incoming,
+    ).argv()
+
+
+def test_a_clone_has_its_template_s_devices_in_the_same_order() -> None:
+    template = _machine(qemu.Memory("file", Path("/t/ram"), share=True), incoming=False, tap=None)
+    clone = _machine(qemu.Memory("file", Path("/t/ram"), share=False), incoming=True, tap=7)
+
+    def devices(argv: list[str]) -> list[str]:
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
+
+    assert devices(template) == devices(clone)
+    assert "share=on" in " ".join(template) and "share=off" in " ".join(clone)
+    assert clone[-2:] == ["-incoming", "defer"]
+    assert "tap,id=net0,fd=7" in clone and "hubport,id=net0,hubid=0" in template
