@@ -125,8 +125,11 @@ def _pool_lines(address: str) -> list[str]:
     for c in resp.controls:
         by_state.setdefault(c.state, []).append(c.name)
     controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
+    # The microVM backend's line says which accelerator runs guests, or why there are none.
+    microvm = [f"microvm: {c.detail}" for c in resp.controls if c.name == "microvm"]
     return (
         controls
+        + microvm
         + [
             f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
             for image, w in sorted(resp.warm.items())

@@ -145,6 +145,8 @@ class EdgeConfig(ServiceConfig):
     microvm: str = "auto"
     #: The accelerator: "auto" (KVM if a probe guest boots under it, else TCG), "kvm", "tcg".
     microvm_accel: str = "auto"
+    #: The QEMU binary (e.g. a newer build of one's own).
+    microvm_qemu: str = "qemu-system-x86_64"
     #: Node-wide: the guest initramfs, the accelerator probe's verdict and the templates
     #: (shared by every edge of the node).
     microvm_cache_dir: Path = Path("/var/lib/dsec/microvm")

@@ -48,7 +48,13 @@ def _boot_id() -> str:
 
 def probe(kit: GuestKit, cache_dir: Path, wanted: str, qemu: str = "qemu-system-x86_64") -> Verdict:
     """The accelerator to use (`wanted`: auto, kvm or tcg). Blocking: seconds on a first run."""
-    key = {"boot": _boot_id(), "qemu": _qemu_id(qemu), "kit": kit.digest, "wanted": wanted}
+    key = {
+        "boot": _boot_id(),
+        "qemu": qemu,
+        "version": _qemu_id(qemu),
+        "kit": kit.digest,
+        "wanted": wanted,
+    }
     cached = cache_dir / "accel.json"
     try:
         saved = json.loads(cached.read_text())

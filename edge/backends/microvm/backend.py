@@ -227,7 +227,7 @@ class MicrovmBackend:
             return None, Control("microvm", DISABLED, "DSEC_EDGE_MICROVM=off")
         try:
             kit = build_guest(cfg.microvm_cache_dir / "guest")
-            verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel)
+            verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel, cfg.microvm_qemu)
         except (FailedPrecondition, OSError) as exc:
             kit, verdict = None, Verdict("", str(exc))
         if kit is None or not verdict.accel:
@@ -254,6 +254,7 @@ class MicrovmBackend:
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
             network=container.containment.network,
+            qemu_binary=cfg.microvm_qemu,
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
         return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
@@ -1102,7 +1103,7 @@ def _is_our_qemu(pid: int, vm_id: str, tag: str | None) -> bool:
 
 def _name_of(argv: list[str]) -> tuple[str, str] | None:
     """(edge tag, vm id) from a QEMU command line of this backend's."""
-    if "-name" not in argv or not argv[0].endswith("qemu-system-x86_64"):
+    if "-name" not in argv:
         return None
     parts = argv[argv.index("-name") + 1].split(":")
     return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "dsec" else None
