@@ -444,14 +444,14 @@ def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
 
 
 def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client) -> None:
-    """This cluster's one edge offers containers only (no FnCall pools): a microvm create is
+    """No edge offers full VMs (containers and microVMs only here): a vm create is
     FAILED_PRECONDITION BACKEND_NOT_OFFERED (a retry cannot help), alone and in a burst."""
     with pytest.raises(BackendNotOffered) as info:
-        client.create(image="busybox", backend="microvm")
+        client.create(image="busybox", backend="vm")
     assert info.value.code.name == "FAILED_PRECONDITION"
-    assert info.value.reason == "BACKEND_NOT_OFFERED" and "microvm" in str(info.value)
-    assert info.value.metadata["backend"] == "MICROVM"
-    out = client.create_many(2, image="busybox", backend="microvm")
+    assert info.value.reason == "BACKEND_NOT_OFFERED" and "vm" in str(info.value)
+    assert info.value.metadata["backend"] == "VM"
+    out = client.create_many(2, image="busybox", backend="vm")
     assert all(isinstance(o, BackendNotOffered) for o in out), out
-    assert all(o.metadata["backend"] == "MICROVM" for o in out)  # type: ignore[union-attr]
-    assert not [s for s in client.list() if s.backend == "microvm"]
+    assert all(o.metadata["backend"] == "VM" for o in out)  # type: ignore[union-attr]
+    assert not [s for s in client.list() if s.backend == "vm"]

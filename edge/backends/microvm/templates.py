@@ -51,7 +51,7 @@ class Template:
 
 
 class Templates:
-    FORMAT = "dsec-microvm-template/1"
+    FORMAT = "dsec-microvm-template/2"
 
     def __init__(self, root: Path, max_templates: int = 8) -> None:
         self.root = root
