@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 from libdsec import Client, Quota, Sandbox
-from libdsec.errors import DSecError, FailedPrecondition
+from libdsec.errors import BackendNotOffered, DSecError, FailedPrecondition
 
 
 def say(msg: str) -> None:
@@ -243,6 +243,8 @@ def _sandbox_tour(steps: Steps, agent: Client, sb: Sandbox) -> None:
             say(f"a new sandbox from it sees /work/answer.txt = {seen!r}")
     else:
         steps.skip("start a sandbox from the packed environment")
+    with steps.step("a microVM: its own kernel, paused to disk"):
+        _demo_microvm(agent)
     with steps.step("list by task id"):
         listed = [s.id for s in agent.list(task_id="demo-task")]
         expect(sb.id in listed, f"{sb.id} not among {listed}")
@@ -254,6 +256,24 @@ def _sandbox_tour(steps: Steps, agent: Client, sb: Sandbox) -> None:
             f"{info.state} ({info.termination_reason})",
         )
         say(f"stopped: {info.state} ({info.termination_reason})")
+
+
+def _demo_microvm(agent: Client) -> None:
+    t0 = time.monotonic()
+    try:
+        vm = agent.create(backend="microvm", image="busybox", memory_mb=256, ttl_s=300)
+    except BackendNotOffered as exc:  # a host whose QEMU boots no guest (see `dsec status`)
+        say(f"no edge offers microVMs here: {exc.message}")
+        return
+    with vm:
+        kernel = vm.run("uname -r").text.strip()
+        say(f"microVM {vm.id} up in {time.monotonic() - t0:.1f} s, guest kernel {kernel}")
+        vm.files.write("/work/kept.txt", "through a pause")
+        vm.pause()
+        state = vm.refresh().state
+        kept = vm.files.read("/work/kept.txt").decode()
+        expect(state == "PAUSED" and kept == "through a pause", f"{state}, {kept!r}")
+        say(f"paused ({state}: saved to disk, its QEMU ended); a read resumed it: {kept!r}")
 
 
 def _delete_project(dsec: Client, project_id: str, wait_s: float = 15.0) -> None:
