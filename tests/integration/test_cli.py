@@ -95,7 +95,8 @@ def test_the_demo_passes_every_step_on_a_working_cluster(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAILED" not in r.stdout
     assert "==> demo done: all" in r.stdout
-    for shown in ("run -> exit 0", "timed_out=True", "verdict OK", "stopped: TERMINATED (STOPPED)"):
+    shown_all = ("run -> exit 0", "timed_out=True", "verdict OK", "stopped: TERMINATED (STOPPED)")
+    for shown in (*shown_all, "guest kernel 6.", "a read resumed it"):
         assert shown in r.stdout, r.stdout
 
 
