@@ -350,16 +350,16 @@ class AetherConnection:
         if guest is None:
             await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env)))
             return
-        self._claimed = asyncio.get_running_loop().create_future()
+        claimed = self._claimed = asyncio.get_running_loop().create_future()
         await self._send(aether_pb2.Frame(claim=aether_pb2.Claim(env=env, guest=guest)))
-        try:
-            async with asyncio.timeout(timeout_s):
-                error = await asyncio.shield(self._claimed)
-        except TimeoutError:
+        done, _ = await asyncio.wait({claimed}, timeout=timeout_s)
+        if not done:
+            claimed.cancel()
             raise Unavailable(
                 f"the guest of {self.sandbox_id} did not answer its claim in {timeout_s} s",
                 reason="GUEST_SETUP",
-            ) from None
+            )
+        error = claimed.result()  # ChannelClosed if the channel closed meanwhile
         if error:
             raise Unavailable(f"guest setup failed: {error}", reason="GUEST_SETUP")
 

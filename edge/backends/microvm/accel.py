@@ -77,7 +77,7 @@ def probe(kit: GuestKit, cache_dir: Path, wanted: str, qemu: str = "qemu-system-
     else:
         verdict = Verdict("", "; ".join(notes))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # two edges may probe at once
     tmp.write_text(json.dumps({"key": key, **verdict.__dict__}))
     os.replace(tmp, cached)
     return verdict

@@ -208,6 +208,10 @@ class MicrovmBackend:
         self.vms: dict[str, Vm] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/stop in turn
         self._adopted: set[str] = set()  # QEMU names and disk ids taken back after a restart
+        # Guests starting at once, at most: a guest's start is CPU-bound (TCG translates its
+        # kernel and aether afresh in every QEMU), so 32 at once on 2 cores all crawled (a
+        # Hello after 26 s) where taking turns finishes each in well under a second.
+        self._starting = asyncio.Semaphore(max(2, os.cpu_count() or 1))
         #: Restored guests waiting for their owner (DSEC_EDGE_MICROVM_WARM_POOL).
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
@@ -347,17 +351,30 @@ class MicrovmBackend:
                 return
             await self._discard_warm(w)
         with self.warm.cold_start() if self.warm is not None else contextlib.nullcontext():
-            times = await self._boot(rec, shape, image)
+            async with self._starting:  # a burst takes turns: see __init__
+                times = await self._start_guest(rec, shape, image)
+        self._log_start(rec, t0, times)
+
+    async def _start_guest(
+        self, rec: SandboxRecord, shape: Shape, image: ResolvedImage
+    ) -> dict[str, float]:
+        """Boot or restore the guest, wait for its Hello, claim it; removed on failure."""
+        t0 = time.perf_counter()
+        times = await self._boot(rec, shape, image)
+        try:
             conn = await self.channels.connect(rec.sandbox_id)
             t3 = time.perf_counter()
-            try:
-                await conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
-            except BaseException:
-                await self.destroy(rec)
-                raise
+            await conn.claim(
+                self.sandbox_env(rec, image),
+                guest=self._identity(rec),
+                timeout_s=self.ready_timeout_s,
+            )
+        except BaseException:
+            await self.destroy(rec)
+            raise
         times["hello_ms"] = (t3 - t0) * 1000 - sum(times.values())
         times["claim_ms"] = (time.perf_counter() - t3) * 1000
-        self._log_start(rec, t0, times)
+        return times
 
     def _log_start(self, rec: SandboxRecord, t0: float, times: dict[str, float]) -> None:
         log.info(
@@ -528,7 +545,11 @@ class MicrovmBackend:
         t1 = time.perf_counter()
         try:
             await asyncio.to_thread(self._set_cpu, sid, rec.spec)
-            await w.conn.claim(self.sandbox_env(rec, image), guest=self._identity(rec))
+            await w.conn.claim(
+                self.sandbox_env(rec, image),
+                guest=self._identity(rec),
+                timeout_s=self.ready_timeout_s,
+            )
         except BaseException:
             await self.destroy(rec)
             raise
@@ -884,6 +905,10 @@ class MicrovmBackend:
             await vm.qmp.close()
             await vm.console.close()
             self.vms.pop(sid, None)
+            # QEMU's `cat` wrote the state through the page cache, charged to the sandbox's
+            # memory cgroup: written back and dropped, the memory is really the host's again
+            # (measured: 22-47% of the cgroup's charge stayed otherwise).
+            await asyncio.to_thread(_write_back, state)
             rec.runtime["paused"] = True
             rec.runtime.pop("pid", None)
             log.info(
@@ -1065,6 +1090,16 @@ class MicrovmWarmPool(WarmPool):
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _write_back(path: Path) -> None:
+    """Write a file's dirty pages to disk and drop its pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _disk_id(rec: SandboxRecord) -> str:
