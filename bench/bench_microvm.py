@@ -65,6 +65,7 @@ from libdsec.errors import DSecError
 IMAGE = "busybox"
 TMPL = {"pool": "tmpl"}
 COLD = {"pool": "cold"}
+WARM = {"pool": "warm"}  # an edge keeping restored guests of the bench's shape ready to claim
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 QEMU = "qemu-system-x86_64"
 #: Section 4 creates its idle guests this many at a time.
@@ -167,7 +168,7 @@ def microvm_cluster(max_sandboxes: int, keep_logs: Path | None = None) -> Iterat
         home = Path(tmp)
         cache = home / "microvm-cache"
         prewarm_cache(cache)
-        parents = {e: f"dsec-bench-{os.getpid()}-{e}" for e in ("tmpl", "cold")}
+        parents = {e: f"dsec-bench-{os.getpid()}-{e}" for e in ("tmpl", "cold", "warm")}
 
         def env(edge: str) -> dict[str, str]:
             return {
@@ -193,6 +194,16 @@ def microvm_cluster(max_sandboxes: int, keep_logs: Path | None = None) -> Iterat
                 labels=COLD,
                 max_sandboxes=max_sandboxes,
                 extra_env={**env("cold"), "DSEC_EDGE_MICROVM_TEMPLATES": "false"},
+            ),
+            EdgeSpec(
+                edge_id="warm",
+                labels=WARM,
+                max_sandboxes=max_sandboxes,
+                extra_env={
+                    **env("warm"),
+                    "DSEC_EDGE_MICROVM_WARM_POOL": f"{IMAGE}=2",
+                    "DSEC_EDGE_MICROVM_WARM_MEMORY_MB": "256",
+                },
             ),
         ]
         c = LocalCluster(home, transport="unix", edges=edges, log_level="WARNING")
@@ -407,7 +418,12 @@ def edge_log(b: Bench, edge: str, msg: str) -> list[dict[str, Any]]:
 
 def section_create(b: Bench, n: int, targets: Targets) -> None:
     # Warm-up: the template of the shape is built (one boot), both edges mount the image.
-    for backend, sel in (("microvm", TMPL), ("microvm", COLD), ("container", TMPL)):
+    for backend, sel in (
+        ("microvm", TMPL),
+        ("microvm", COLD),
+        ("microvm", WARM),
+        ("container", TMPL),
+    ):
         sb = b.create(backend, sel)
         assert sb.run("true").exit_code == 0
         b.stop(sb)
@@ -415,6 +431,7 @@ def section_create(b: Bench, n: int, targets: Targets) -> None:
     systems: dict[str, tuple[str, dict[str, str]]] = {
         "microVM from template": ("microvm", TMPL),
         "microVM cold boot": ("microvm", COLD),
+        "microVM claimed warm": ("microvm", WARM),
         "container": ("container", TMPL),
     }
     lat: dict[str, list[float]] = {k: [] for k in systems}
@@ -442,6 +459,7 @@ def section_create(b: Bench, n: int, targets: Targets) -> None:
     s50, s99, _ = summary_ms(lat["microVM from template"])
     c50, c99, _ = summary_ms(lat["microVM cold boot"])
     k50, k99, _ = summary_ms(lat["container"])
+    w50, w99, _ = summary_ms(lat["microVM claimed warm"])
     table(
         f'create -> first command (run("true") returned), {n} sandboxes each, interleaved, '
         "busybox, 256 MB, 1 vCPU (ms)",
@@ -462,6 +480,14 @@ def section_create(b: Bench, n: int, targets: Targets) -> None:
                 f"cold/snapshot {c50 / s50:.2f}",
                 f"cold/snapshot >= {TARGET_COLD_OVER_SNAPSHOT:.0f}",
                 "yes" if c50 / s50 >= TARGET_COLD_OVER_SNAPSHOT else "NO",
+            ],
+            [
+                "microVM claimed warm (pool of 2)",
+                w50,
+                w99,
+                f"warm/snapshot {w50 / s50:.2f}",
+                f"p50 <= {TARGET_CREATE_P50_MS:.0f}",
+                "yes" if w50 <= TARGET_CREATE_P50_MS else "NO",
             ],
             ["container (runc + aether)", k50, k99, f"snapshot/container {s50 / k50:.2f}", "", ""],
         ],
@@ -496,7 +522,11 @@ def section_create(b: Bench, n: int, targets: Targets) -> None:
 
     # Where the time goes, from the edges' own start log of the same sandboxes.
     rows = []
-    for name, edge in (("microVM from template", "tmpl"), ("microVM cold boot", "cold")):
+    for name, edge in (
+        ("microVM from template", "tmpl"),
+        ("microVM cold boot", "cold"),
+        ("microVM claimed warm", "warm"),
+    ):
         mine = set(ids[name])
         lines = [e for e in edge_log(b, edge, "started in") if e.get("sandbox_id") in mine]
         if not lines:

@@ -155,6 +155,9 @@ class EdgeConfig(ServiceConfig):
     #: Warm microVMs kept restored per image, image=count (e.g. "busybox=4"): a create of the
     #: default shape claims one instead of restoring (~0.1 s instead of ~0.5 s under TCG).
     microvm_warm_pool: dict[str, str] = field(default_factory=dict)
+    #: The warm guests' RAM (their shape: 1 vCPU, this, the default disk); 512 is what a create
+    #: that asks for nothing gets.
+    microvm_warm_memory_mb: int = 512
     #: Templates kept per node (least recently used ones are removed beyond this).
     microvm_max_templates: int = 8
     #: Guest RAM bounds (MB): below the minimum the guest's kernel and aether do not fit.

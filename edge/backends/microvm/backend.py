@@ -171,6 +171,7 @@ class MicrovmBackend:
         ready_timeout_s: float = 120.0,
         qemu_binary: str = "qemu-system-x86_64",
         warm_pool: dict[str, int] | None = None,
+        warm_memory_mb: int = 512,
         network: NetworkManager | None = None,
     ) -> None:
         self.state_dir = state_dir
@@ -216,7 +217,7 @@ class MicrovmBackend:
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
             self.warm = MicrovmWarmPool(
-                warm_pool, self._start_warm, self._discard_warm, self.shape_of
+                warm_pool, self._start_warm, self._discard_warm, self.shape_of, warm_memory_mb
             )
             self.capabilities = self.capabilities | {Capability.WARM_CLAIM}
 
@@ -257,6 +258,7 @@ class MicrovmBackend:
             overhead_mb=cfg.microvm_overhead_mb,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
+            warm_memory_mb=cfg.microvm_warm_memory_mb,
             network=container.containment.network,
             qemu_binary=cfg.microvm_qemu,
         )
@@ -490,7 +492,8 @@ class MicrovmBackend:
         """A restored guest nobody owns yet, up to aether's Hello (claimed at a create)."""
         wid = new_warm_id()
         tmpl = warm_template(wid, image_name)
-        tmpl.spec.backend = "MICROVM"
+        assert isinstance(self.warm, MicrovmWarmPool)
+        tmpl.spec = self.warm.spec(image_name)
         shape = self.shape_of(tmpl.spec)
         image = await asyncio.to_thread(self.images.resolve, image_name, [])
         await self._boot(tmpl, shape, image)
@@ -1072,7 +1075,7 @@ class MicrovmBackend:
 
 class MicrovmWarmPool(WarmPool):
     """Warm microVMs serve creates of the pool's shape only (the guest's vCPUs, RAM and disk
-    cannot change under it): the default shape, what a create that asks for nothing gets."""
+    cannot change under it): 1 vCPU, `memory_mb` of RAM, the default disk."""
 
     def __init__(
         self,
@@ -1080,13 +1083,19 @@ class MicrovmWarmPool(WarmPool):
         start: Callable[[str], Awaitable[WarmSandbox]],
         discard: Callable[[WarmSandbox], Awaitable[None]],
         shape_of: Callable[[SandboxSpec], Shape],
+        memory_mb: int,
     ) -> None:
         super().__init__(targets, start, discard)
         self.shape_of = shape_of
+        self.memory_mb = memory_mb
+
+    def spec(self, image: str) -> SandboxSpec:
+        """What a warm guest of `image` is started as."""
+        return SandboxSpec(backend="MICROVM", image=image, memory_mb=self.memory_mb)
 
     def eligible(self, rec: SandboxRecord) -> bool:
-        pool = SandboxSpec(backend="MICROVM", image=rec.spec.image)
-        return super().eligible(rec) and self.shape_of(rec.spec) == self.shape_of(pool)
+        pool = self.shape_of(self.spec(rec.spec.image))
+        return super().eligible(rec) and self.shape_of(rec.spec) == pool
 
 
 # ----------------------------------------------------------------- helpers
