@@ -39,7 +39,13 @@ from edge.aether_client import AetherConnection
 from edge.backends.channels import ChannelKeeper
 from edge.backends.container.containment import Containment
 from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
-from edge.backends.container.warm import WARM_ENV, WarmPool, WarmSandbox, new_warm_id
+from edge.backends.container.warm import (
+    WARM_ENV,
+    WarmPool,
+    WarmSandbox,
+    new_warm_id,
+    on_warm_close,
+)
 from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
 from edge.config import EdgeConfig
@@ -370,14 +376,9 @@ class ContainerBackend:
         prep = await self.containment.prepare(tmpl)
         proc = await self.launch(cid, tmpl, image, prep, backlog=16, warm=True)
         holder: list[WarmSandbox] = []
-
-        async def closed(reason: str) -> None:
-            if self.channels.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
-                await self.channels.lost(conn.sandbox_id, reason)
-            elif holder and self.warm is not None and self.warm.forget(holder[0]):
-                log.warning("warm sandbox %s lost its channel (%s)", cid, reason)
-                await self._discard_warm(holder[0])
-
+        closed = on_warm_close(
+            self.channels, lambda: self.warm, self._discard_warm, holder, "sandbox"
+        )
         conn = AetherConnection(self._socket_address(cid), cid, on_close=closed)
         try:
             await conn.connect(timeout_s=self.ready_timeout_s)

@@ -44,6 +44,7 @@ from edge.model import SandboxRecord, SandboxSpec
 
 if TYPE_CHECKING:
     from edge.aether_client import AetherConnection
+    from edge.backends.channels import ChannelKeeper
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,30 @@ class WarmPool:
         for q in self.ready.values():
             while q:
                 await self._discard(q.popleft())
+
+
+def on_warm_close(
+    channels: ChannelKeeper,
+    pool: Callable[[], WarmPool | None],
+    discard: Callable[[WarmSandbox], Awaitable[None]],
+    holder: list[WarmSandbox],
+    kind: str,
+) -> Callable[[str], Awaitable[None]]:
+    """The on_close of a warm sandbox's channel (`holder` gets the sandbox once it is up):
+    claimed since, it is a sandbox like others (the keeper decides); still waiting, it is
+    discarded."""
+
+    async def closed(reason: str) -> None:
+        if not holder:
+            return  # not up yet: its start fails and cleans up
+        w = holder[0]
+        if channels.get(w.conn.sandbox_id) is w.conn:
+            await channels.lost(w.conn.sandbox_id, reason)
+        elif (p := pool()) is not None and p.forget(w):
+            log.warning("warm %s %s lost its channel (%s)", kind, w.cid, reason)
+            await discard(w)
+
+    return closed
 
 
 def new_warm_id() -> str:

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.aether.v1 import aether_pb2
+from edge.aether_client import AetherConnection
 from edge.backends.channels import ChannelKeeper
-from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id
+from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
 from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
 from edge.backends.microvm import qemu
@@ -366,11 +367,7 @@ class MicrovmBackend:
         try:
             conn = await self.channels.connect(rec.sandbox_id)
             t3 = time.perf_counter()
-            await conn.claim(
-                self.sandbox_env(rec, image),
-                guest=self._identity(rec),
-                timeout_s=self.ready_timeout_s,
-            )
+            await self._claim(conn, rec, image)
         except BaseException:
             await self.destroy(rec)
             raise
@@ -498,14 +495,9 @@ class MicrovmBackend:
         image = await asyncio.to_thread(self.images.resolve, image_name, [])
         await self._boot(tmpl, shape, image)
         holder: list[WarmSandbox] = []
-
-        async def closed(reason: str) -> None:
-            if self.channels.get(conn.sandbox_id) is conn:  # claimed: a sandbox like others
-                await self.channels.lost(conn.sandbox_id, reason)
-            elif holder and self.warm is not None and self.warm.forget(holder[0]):
-                log.warning("warm microVM %s lost its channel (%s)", wid, reason)
-                await self._discard_warm(holder[0])
-
+        closed = on_warm_close(
+            self.channels, lambda: self.warm, self._discard_warm, holder, "microVM"
+        )
         conn = self.channels.new_connection(wid, on_close=closed)
         try:
             await conn.connect(timeout_s=self.ready_timeout_s)
@@ -548,11 +540,7 @@ class MicrovmBackend:
         t1 = time.perf_counter()
         try:
             await asyncio.to_thread(self._set_cpu, sid, rec.spec)
-            await w.conn.claim(
-                self.sandbox_env(rec, image),
-                guest=self._identity(rec),
-                timeout_s=self.ready_timeout_s,
-            )
+            await self._claim(w.conn, rec, image)
         except BaseException:
             await self.destroy(rec)
             raise
@@ -597,6 +585,14 @@ class MicrovmBackend:
         if self.warm is None:
             return {}
         return {f"{k}@microvm": v for k, v in self.warm.status().items()}
+
+    async def _claim(
+        self, conn: AetherConnection, rec: SandboxRecord, image: ResolvedImage
+    ) -> None:
+        """The guest becomes the sandbox of `rec`: its environment and identity, applied."""
+        await conn.claim(
+            self.sandbox_env(rec, image), guest=self._identity(rec), timeout_s=self.ready_timeout_s
+        )
 
     def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
         env = {
