@@ -141,6 +141,25 @@ class Bench:
                 out[key] = int(value)
         return out
 
+    def wait_warm_refilled(self, timeout_s: float = 60.0) -> None:
+        """Until the warm edge's pool is full again: its refill (a restore) must not run
+        during the next system's create."""
+        import grpc
+
+        from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+
+        edge = next(p for p in self.cluster.processes if p.name == "edge-warm")
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(edge.address) as ch:
+            stub = edge_pb2_grpc.EdgeServiceStub(ch)
+            while time.monotonic() < deadline:
+                status = stub.GetNodeStatus(edge_pb2.GetNodeStatusRequest(), timeout=5)
+                w = status.warm.get(f"{IMAGE}@microvm")
+                if w is not None and w.ready >= w.target:
+                    return
+                time.sleep(0.1)
+        raise RuntimeError(f"the warm pool did not refill within {timeout_s} s")
+
     def stop(self, sb: Sandbox) -> None:
         """Stop and wait until its host side is gone (nothing of it overlaps the next figure)."""
         with contextlib.suppress(DSecError):
@@ -455,6 +474,8 @@ def section_create(b: Bench, n: int, targets: Targets) -> None:
                 assert b.qemu_pid(sb)  # it is a guest
             ids[name].append(sb.id)
             b.stop(sb)
+            if sel is WARM:
+                b.wait_warm_refilled()
 
     s50, s99, _ = summary_ms(lat["microVM from template"])
     c50, c99, _ = summary_ms(lat["microVM cold boot"])
