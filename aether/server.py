@@ -320,17 +320,20 @@ class Aether:
         self.edge = None
         self._unregister(edge)
         edge.sock.close()
-        # Streams of a vanished caller are abandoned; background commands and
-        # sessions are not streams and live on.
-        for cid in list(self._to_edge):
-            self._to_chronus_frame(cid, F_CANCEL, b"")
-        self._to_chronus.clear()
-        self._to_edge.clear()
+        self._abandon_streams()
         log.info("edge disconnected")
         if self.listener is None and self._shutdown_grace is None:
             # The device: wait for the host again. Soon: after a VM's restore this is the
             # create's critical path; while no host is there each retry costs a read() only.
             self._reopen_at = time.monotonic() + DEVICE_RETRY_S
+
+    def _abandon_streams(self) -> None:
+        """Streams of a vanished caller are abandoned; background commands and sessions are
+        not streams and live on."""
+        for cid in list(self._to_edge):
+            self._to_chronus_frame(cid, F_CANCEL, b"")
+        self._to_chronus.clear()
+        self._to_edge.clear()
 
     def _on_edge_frame(self, payload: bytes) -> None:
         self._ping_sent = False
@@ -355,6 +358,12 @@ class Aether:
             if not body and self.listener is None:
                 # Device channel: a Ping of nonce 0 is a host that just connected to the
                 # port asking for the Hello (a socket's accept tells aether that instead).
+                # The previous host may have left unseen (a guest saved by a pause before
+                # aether read the port's hangup): its streams end here, or the new host's
+                # stream ids (from 1 again) would reach them. The new host sends nothing
+                # but these Pings before the Hello, so no stream of its own is lost; what
+                # was already queued for the previous one it skips (it precedes the Hello).
+                self._abandon_streams()
                 self._send_hello()
             self.edge.queue(wire.join_frame(0, F_PONG, body))  # Pong mirrors Ping's nonce
         elif kind == F_CLAIM:

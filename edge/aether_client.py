@@ -88,7 +88,7 @@ class AetherConnection:
                 asking = asyncio.create_task(self._ask_hello()) if self.ask_hello else None
                 try:
                     frame = await asyncio.wait_for(
-                        self._read_frame(), timeout=max(0.1, deadline - time.monotonic())
+                        self._read_hello(), timeout=max(0.1, deadline - time.monotonic())
                     )
                 finally:
                     if asking is not None:
@@ -120,6 +120,17 @@ class AetherConnection:
             f"aether of {self.sandbox_id} did not answer within {timeout_s} s: {last}",
             reason="AETHER_UNREACHABLE",
         )
+
+    async def _read_hello(self) -> aether_pb2.Frame:
+        """The first frame: aether's Hello. A device channel has no connection boundary: what
+        the guest wrote to its port for the previous host (e.g. a stream's end, saved with a
+        guest paused right after the call) reaches this host first; it is not ours to read."""
+        while True:
+            frame = await self._read_frame()
+            kind = frame.WhichOneof("body")
+            if kind == "hello" or not self.ask_hello:
+                return frame
+            log.debug("%s: dropped a %s frame of a previous connection", self.sandbox_id, kind)
 
     async def _ask_hello(self) -> None:
         ping = aether_pb2.Frame(ping=aether_pb2.Ping(nonce=0)).SerializeToString()

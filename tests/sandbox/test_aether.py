@@ -468,6 +468,25 @@ def test_a_character_device_as_the_channel(tmp_path: Path) -> None:
         b = edge.open(C.Request(exec=T.ExecRequest(command="echo b")))
         assert edge.collect(b)[0][0].exec_result.stdout == b"b\n"
         assert edge.collect(a)[0][0].exec_result.stdout == b"a\n"
+        # A host that left unseen (a guest saved by a pause before aether read the port's
+        # hangup) leaves its stream open. The next host asks for the Hello and numbers its
+        # streams from 1 again: the old stream ends (its command killed), not answers it.
+        edge._next = 1
+        left = edge.open(C.Request(exec_stream=T.ExecRequest(command="echo $$; sleep 60")))
+        assert edge.next_on(left).response.exec_event.HasField("started")
+        pid = int(edge.next_on(left).response.exec_event.stdout.data)
+        edge.send(A.Frame(ping=A.Ping(nonce=0)))
+        while not edge.recv().HasField("hello"):
+            pass  # what was queued for the previous host (the edge skips it too)
+        edge.pending, edge._next = [], 1
+        mine = edge.open(C.Request(exec=T.ExecRequest(command="echo mine")))
+        deadline = time.monotonic() + 10
+        answers = []
+        while not (f := edge.next_on(mine)).HasField("end"):
+            answers.append(f.response)
+            assert time.monotonic() < deadline, answers[-3:]  # the old stream's, not ours
+        assert [a.exec_result.stdout for a in answers] == [b"mine\n"], answers
+        assert wait_for(lambda: not alive(pid))
     finally:
         tree = descendants({proc.pid}, proc_table())
         proc.kill()

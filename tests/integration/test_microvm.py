@@ -1,0 +1,461 @@
+"""MicroVM sandboxes beyond the conformance suite: what only a guest with its own kernel has.
+
+Pause to disk and back many times (also right after a call and in the middle of one), template
+clones that each become their own sandbox, a guest kernel's panic and its running out of memory,
+the shape bounds of an edge, a paused guest across an edge crash, what an operator sees, and the
+cold-boot path (templates off).
+
+Not here: a running guest taken back by a restarted edge (the conformance suite has it); an
+image whose layer is a directory (the public path cannot make one: flat `<name>.rootfs` images
+are imported into the layer store as EROFS layers, and only the FnCall pools, containers, read
+flat directories as they are); aether exiting.
+
+One module-scoped cluster (guests boot under TCG here): two container edges with
+DSEC_EDGE_MICROVM=on, "mvt" (templates, where every test's sandboxes go unless it asks for the
+other) and "mvc" (DSEC_EDGE_MICROVM_TEMPLATES=false), told apart by a `pool` label and the
+creates' node_selector. Each test's sandboxes are labelled with its id and always stopped; a
+failed test prints the services' log tails and its guests' serial consoles.
+
+Host-side knowledge (where a guest's QEMU, disk and saved state live) is confined to the
+helpers below `_host`; every outcome is asserted through the public SDK or the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+from dsecctl.cluster import EdgeSpec, LocalCluster
+from libdsec import Client, Sandbox
+from libdsec.errors import DSecError, InvalidArgument
+from tests.conftest import print_log_tails, start_cluster
+from tests.helpers import wait_for
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+pytestmark = pytest.mark.skipif(
+    not (IMAGES / "busybox.erofs").exists(),
+    reason="base images missing: run scripts/setup.sh (make test does)",
+)
+
+TEMPLATED, COLD = "mvt", "mvc"
+MAX_MEMORY_MB, MAX_VCPUS = 2048, 2
+
+Make = Callable[..., Sandbox]
+
+
+@dataclass
+class Lab:
+    cluster: LocalCluster
+    client: Client
+
+    def edge_process(self, edge_id: str) -> str:
+        return f"edge-{edge_id}"
+
+    def state_dir(self, edge_id: str) -> Path:
+        """The edge's microvm backend directory (rw/, paused/, logs/, sockets/)."""
+        return self.cluster.home / "edges" / edge_id / "microvm"
+
+    def cgroup_parent(self, edge_id: str) -> str:
+        spec = next(e for e in self.cluster.edges if e.edge_id == edge_id)
+        return spec.extra_env["DSEC_EDGE_CGROUP_PARENT"]
+
+
+def _edge(edge_id: str, pool: str, **env: str) -> EdgeSpec:
+    return EdgeSpec(
+        edge_id=edge_id,
+        runtime="container",
+        labels={"pool": pool},
+        extra_env={
+            "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+            "DSEC_EDGE_FNCALL_POOLS": "",
+            "DSEC_EDGE_MICROVM": "on",
+            "DSEC_EDGE_MICROVM_MAX_MEMORY_MB": str(MAX_MEMORY_MB),
+            "DSEC_EDGE_MICROVM_MAX_VCPUS": str(MAX_VCPUS),
+            **env,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    home = tmp_path_factory.mktemp("microvm")
+    cluster = start_cluster(
+        home,
+        edges=[
+            _edge(TEMPLATED, "templates"),
+            _edge(COLD, "cold", DSEC_EDGE_MICROVM_TEMPLATES="false"),
+        ],
+    )
+    try:
+        with Client(cluster.apiserver, token=cluster.token) as client:
+            yield Lab(cluster, client)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def make(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Make]:
+    """Factory: a busybox microVM (half a core, 256 MB) on the templated edge unless
+    `node_selector` says otherwise, labelled with the test id, always stopped. On failure: the
+    services' log tails and the console of every guest the test made."""
+    made: list[Sandbox] = []
+    label = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+
+    def make_one(**kw: Any) -> Sandbox:
+        kw.setdefault("image", "busybox")
+        kw.setdefault("backend", "microvm")
+        kw.setdefault("cpu", 0.5)
+        kw.setdefault("memory_mb", 256)
+        kw.setdefault("node_selector", {"pool": "templates"})
+        kw["labels"] = {**kw.get("labels", {}), "test": label}
+        sb = lab.client.create(**kw)
+        made.append(sb)
+        return sb
+
+    try:
+        yield make_one
+    finally:
+        for sb in made:
+            try:
+                sb.stop(grace_s=0.5)
+            except DSecError:
+                pass  # already gone (or its edge is)
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print_log_tails(lab.cluster, request.node.nodeid)
+        for sb in made:
+            for edge_id in (TEMPLATED, COLD):
+                console = lab.state_dir(edge_id) / "logs" / f"{sb.id}.console"
+                if console.exists():
+                    print(f"----- console of {sb.id} ({console})")
+                    print(console.read_bytes()[-6000:].decode(errors="replace"))
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _ended(sb: Sandbox, timeout_s: float = 30.0) -> tuple[str | None, str]:
+    info = wait_for(lambda: (i := sb.refresh()).state == "TERMINATED" and i, timeout_s=timeout_s)
+    return info.termination_reason, info.termination_message
+
+
+def _http_or_none(sb: Sandbox, port: int):  # type: ignore[no-untyped-def]
+    try:
+        return sb.http(port, "/index.html")
+    except DSecError:
+        return None
+
+
+def _bounded(call: Callable[[], object], timeout_s: float) -> tuple[object, BaseException | None]:
+    """`call()` in a thread: (its result, its exception). Fails the test if it is still running
+    after `timeout_s` (a call into a dead guest must end, not hang)."""
+    out: list[object] = []
+    failure: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"the call did not end within {timeout_s} s"
+    return (out[0] if out else None), (failure[0] if failure else None)
+
+
+# ------------------------------------------------------------------ _host: the host's view
+
+
+def _cgroup_procs(lab: Lab, sb: Sandbox) -> list[int]:
+    """The processes of the sandbox's pids cgroup (its QEMU first); none if it has no cgroup."""
+    procs = Path("/sys/fs/cgroup/pids") / lab.cgroup_parent(sb.info.edge_id) / sb.id
+    try:
+        return [int(p) for p in (procs / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _qemus_of(sandbox_id: str) -> list[int]:
+    """Live QEMU processes of a sandbox on this host (its -name is dsec:<edge tag>:<id>)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[0].endswith("qemu-system-x86_64") and "-name" in argv:
+            if argv[argv.index("-name") + 1].endswith(f":{sandbox_id}"):
+                found.append(int(d.name))
+    return found
+
+
+def _start_log(lab: Lab, edge_id: str, sandbox_id: str) -> dict[str, Any]:
+    """The edge's "microVM <id> started" log record (its fields say how it started)."""
+    log = lab.cluster.process(lab.edge_process(edge_id)).log_path
+    for line in log.read_text(errors="replace").splitlines():
+        if sandbox_id in line and "started in" in line:
+            record: dict[str, Any] = json.loads(line)
+            return record
+    raise AssertionError(f"no start record of {sandbox_id} in {log}")
+
+
+# ------------------------------------------------------------------ pause / resume
+
+
+def test_pause_resume_keeps_files_processes_and_servers_over_20_cycles(
+    make: Make, lab: Lab, tmp_path: Path
+) -> None:
+    sb = make()
+    blob = os.urandom(5 << 20)
+    md5 = hashlib.md5(blob).hexdigest()
+    (tmp_path / "big.bin").write_bytes(blob)
+    sb.files.write("/work/a.txt", "alpha")
+    sb.files.upload(str(tmp_path / "big.bin"), "/work/big.bin")
+    sleeper = sb.start("sleep 3600")
+    sb.files.write("/www/index.html", "served from inside")
+    sb.start("busybox httpd -f -p 8080 -h /www")
+    assert wait_for(lambda: _http_or_none(sb, 8080), timeout_s=10).body == b"served from inside"
+
+    # What resumes the paused guest: the caller, or (transparently) the next call into it.
+    resumers: list[tuple[str, Callable[[], object], object]] = [
+        ("resume", lambda: sb.resume().state, "RUNNING"),
+        ("run", lambda: sb.run("cat /work/a.txt").text, "alpha"),
+        ("file read", lambda: sb.files.read("/work/a.txt"), b"alpha"),
+        ("http", lambda: sb.http(8080, "/index.html").body, b"served from inside"),
+    ]
+    for cycle in range(20):
+        qemu = _cgroup_procs(lab, sb)[:1]
+        assert qemu and _qemus_of(sb.id) == qemu, f"cycle {cycle}: {qemu} {_qemus_of(sb.id)}"
+        assert sb.pause().state == "PAUSED"
+        assert sb.refresh().state == "PAUSED"
+        # Paused to disk: the QEMU process is gone, nothing is left in its cgroup.
+        assert _cgroup_procs(lab, sb) == [] and _qemus_of(sb.id) == [], f"cycle {cycle}"
+        how, resume, expected = resumers[cycle % len(resumers)]
+        assert resume() == expected, f"cycle {cycle}, resumed by {how}"
+        assert sb.refresh().state == "RUNNING"
+        assert _cgroup_procs(lab, sb)[:1] != qemu, "a resumed guest runs in a new QEMU"
+        assert sb.files.read("/work/a.txt") == b"alpha", f"cycle {cycle}"
+        assert sb.run("md5sum /work/big.bin").text.split()[0] == md5, f"cycle {cycle}"
+        assert sb.process(sleeper.exec_id).wait(timeout_s=0.1).running, f"cycle {cycle}"
+        assert sb.http(8080, "/index.html").body == b"served from inside", f"cycle {cycle}"
+        assert sb.run("echo ok").text == "ok\n", f"cycle {cycle}"
+
+
+def test_a_pause_right_after_a_call_resumes(make: Make) -> None:
+    # The call's stream may still be ending in the guest when its state is saved: the resume
+    # must not take that for the new connection's (it once refused it, on every retry).
+    sb = make()
+    sb.files.write("/work/kept.txt", "kept")
+    for cycle in range(5):
+        sleeper = sb.start("sleep 3600")
+        assert sb.pause().state == "PAUSED"
+        assert sb.files.read("/work/kept.txt") == b"kept", f"cycle {cycle}"
+        assert sb.process(sleeper.exec_id).wait(timeout_s=0.1).running, f"cycle {cycle}"
+
+
+def test_a_pause_during_a_stream_ends_it_and_the_guest_resumes_clean(make: Make) -> None:
+    sb = make()
+    for cycle in range(10):
+        _pause_during_a_stream(sb, f"inflight-{cycle}")
+
+
+def _pause_during_a_stream(sb: Sandbox, marker: str) -> None:
+    events: list[object] = []
+    failure: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            for event in sb.stream(f"while :; do echo {marker}; done"):
+                events.append(event)
+        except BaseException as exc:  # the pause cuts it: it must end with an error
+            failure.append(exc)
+
+    stream = threading.Thread(target=follow, daemon=True)
+    stream.start()
+    wait_for(lambda: len(events) > 3, timeout_s=10)
+    assert sb.pause().state == "PAUSED"
+    stream.join(20)
+    assert not stream.is_alive(), f"{marker}: the stream outlived the pause"
+    assert failure and isinstance(failure[0], DSecError), (marker, failure, events[-1:])
+    # The next call resumes the guest and is answered (not taken for the cut stream's) ...
+    assert _bounded(lambda: sb.run("echo ok").text, 20) == ("ok\n", None), marker
+    # ... and the command of the cut stream is gone, as when its caller goes away.
+    count = f"ps -o args | grep -c '[{marker[0]}]{marker[1:]}'"
+    assert wait_for(lambda: _bounded(lambda: sb.run(count).text, 20) == ("0\n", None)), marker
+
+
+def test_stopping_a_paused_microvm_leaves_nothing_behind(make: Make, lab: Lab) -> None:
+    sb = make()
+    sb.files.write("/work/x.txt", "x")
+    sb.pause()
+    state = lab.state_dir(TEMPLATED)
+    saved = state / "paused" / f"{sb.id}.vmstate"
+    disk = state / "rw" / f"{sb.id}.img"
+    assert saved.exists() and disk.exists()  # what the stop must remove
+    stopped = sb.stop()
+    assert stopped.state == "TERMINATED" and stopped.termination_reason == "STOPPED"
+    assert _qemus_of(sb.id) == []
+    assert not disk.exists() and not saved.exists()
+    assert not (Path("/sys/fs/cgroup/pids") / lab.cgroup_parent(TEMPLATED) / sb.id).exists()
+
+
+# ------------------------------------------------------------------ template clones
+
+
+def test_template_clones_are_independent_each_with_its_own_identity(make: Make, lab: Lab) -> None:
+    clones = [make(env={"A": str(i)}, workdir="/tmp") for i in range(3)]
+    for i, sb in enumerate(clones):
+        assert _start_log(lab, TEMPLATED, sb.id)["from_template"] is True
+        r = sb.run("hostname; cat /etc/hostname; echo $A; pwd; date +%s")
+        hostname, etc_hostname, env_a, cwd, clock = r.text.split("\n")[:5]
+        assert (hostname, etc_hostname) == (sb.id, sb.id)
+        assert (env_a, cwd) == (str(i), "/tmp")
+        assert abs(int(clock) - time.time()) < 5, f"guest clock {clock}, host {time.time()}"
+    # The clones were restored from one snapshot: only a reseeded CRNG tells them apart here.
+    randoms = {sb.run("head -c 32 /dev/urandom | od -An -tx1").text for sb in clones}
+    assert len(randoms) == 3, randoms
+    clones[0].files.write("/work/mine.txt", "first")
+    assert clones[0].files.read("/work/mine.txt") == b"first"
+    assert not clones[1].files.exists("/work/mine.txt")
+    assert not clones[2].files.exists("/work/mine.txt")
+
+
+def test_cold_boot_without_templates(make: Make, lab: Lab) -> None:
+    sb = make(node_selector={"pool": "cold"})
+    assert sb.info.edge_id == COLD
+    assert sb.run("echo booted; hostname").text == f"booted\n{sb.id}\n"
+    assert _start_log(lab, COLD, sb.id)["from_template"] is False
+
+
+# ------------------------------------------------------------------ how a guest ends
+
+
+def test_a_guest_kernel_panic_ends_the_sandbox_with_kernel_fault(make: Make) -> None:
+    sb = make()
+    neighbour = make()
+    _, failure = _bounded(lambda: sb.run("echo c > /proc/sysrq-trigger", timeout_s=30), 40)
+    assert failure is None or isinstance(failure, DSecError), failure
+    reason, message = _ended(sb)
+    assert reason == "KERNEL_FAULT", message
+    assert "panic" in message and "sysrq triggered crash" in message, message
+    assert neighbour.run("echo fine").text == "fine\n"
+
+
+def test_a_guest_with_nothing_left_to_kill_ends_oom(make: Make) -> None:
+    sb = make(memory_mb=256)
+    # The hog makes itself unkillable (root in its own guest may): the OOM killer takes what
+    # else there is, aether's helper, and then the kernel panics with nothing left to kill.
+    hog = "echo -1000 > /proc/self/oom_score_adj; exec tail /dev/zero"
+    _, failure = _bounded(lambda: sb.run(hog, timeout_s=60), 90)
+    assert failure is None or isinstance(failure, DSecError), failure
+    reason, message = _ended(sb, timeout_s=60)
+    assert reason == "OOM", message
+    assert "memory" in message, message
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"memory_mb": 64}, "resources.memory_mb"),  # below the guest minimum (256)
+        ({"memory_mb": 2 * MAX_MEMORY_MB}, "resources.memory_mb"),
+        ({"cpu": MAX_VCPUS + 1}, "resources.cpu_millis"),  # cpu is in cores: 3 vCPUs
+    ],
+    ids=["memory-below-guest-minimum", "memory-above-edge-maximum", "more-vcpus-than-allowed"],
+)
+def test_a_shape_the_edge_cannot_boot_is_invalid_naming_the_field(
+    make: Make, options: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        make(**options)
+    assert info.value.metadata["field"] == field, info.value
+
+
+# ------------------------------------------------------------------ operators
+
+
+def test_node_status_and_dsec_status_show_the_microvm_accelerator(lab: Lab) -> None:
+    edge = lab.cluster.process(lab.edge_process(TEMPLATED))
+    with grpc.insecure_channel(edge.address) as ch:
+        status = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+            edge_pb2.GetNodeStatusRequest(), timeout=10
+        )
+    microvm = next(c for c in status.controls if c.name == "microvm")
+    assert microvm.state == "enforced", microvm
+    assert microvm.detail.startswith(("tcg", "kvm")), microvm
+    out = subprocess.run(
+        [sys.executable, "-m", "dsecctl", "status"],
+        env={**os.environ, "DSEC_HOME": str(lab.cluster.home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    enforced = [line for line in out.stdout.splitlines() if "controls enforced:" in line]
+    assert len(enforced) == 2 and all("microvm" in line for line in enforced), out.stdout
+
+
+# ------------------------------------------------------------------ edge restart (last: the
+# templated edge is killed)
+
+
+def test_a_paused_microvm_survives_an_edge_crash_and_resumes_with_its_files(
+    make: Make, lab: Lab
+) -> None:
+    sb = make()
+    sb.files.write("/work/kept.txt", "before the crash")
+    sleeper = sb.start("sleep 3600")
+    assert sb.pause().state == "PAUSED"
+    edge = lab.edge_process(TEMPLATED)
+    lab.cluster.kill(edge, signal.SIGKILL)  # a crash: nothing is cleaned up on the way out
+    lab.cluster.restart(edge)
+    assert wait_for(lambda: _state_or_none(sb) == "PAUSED", timeout_s=30)
+    assert wait_for(lambda: _read_or_none(sb, "/work/kept.txt"), timeout_s=30) == (
+        b"before the crash"
+    )
+    assert sb.refresh().state == "RUNNING"
+    assert sb.process(sleeper.exec_id).wait(timeout_s=0.1).running
+    assert sb.run("echo ok").text == "ok\n"
+    # ... and the restarted edge takes creates again once the watcher has seen it healthy.
+    wait_for(lambda: _created(make), timeout_s=30)
+
+
+def _state_or_none(sb: Sandbox) -> str | None:
+    try:
+        return sb.refresh().state
+    except DSecError:
+        return None
+
+
+def _read_or_none(sb: Sandbox, path: str) -> bytes | None:
+    try:
+        return sb.files.read(path)
+    except DSecError:
+        return None
+
+
+def _created(make: Make) -> bool:
+    try:
+        return make().run("true").exit_code == 0
+    except DSecError:
+        return False
