@@ -930,13 +930,20 @@ class MicrovmBackend:
                 await self._launch(rec, qemu.Memory("ram"), restore_from=state)
                 conn = await self.channels.connect(sid)
                 await conn.sync_guest(self._sync(rec, bool(rec.runtime.pop("net_pending", 0))))
-            except BaseException:
+            except BaseException as exc:
+                await self.channels.drop(sid)
                 vm = self.vms.pop(sid, None)
                 if vm is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(vm.pid, signal.SIGKILL)
                     await vm.qmp.close()
                     await vm.console.close()
+                    vm.console.write(self.logs / f"{sid}.console")
+                if isinstance(exc, Exception):
+                    # The saved state is the same on every retry: a sandbox that cannot be
+                    # resumed ends, with why, rather than staying PAUSED for ever.
+                    why = f"resume failed: {getattr(exc, 'message', None) or exc}"
+                    await self.channels.report_exit(sid, "RUNTIME_ERROR", why)
                 raise
             rec.runtime["paused"] = False
             state.unlink(missing_ok=True)
