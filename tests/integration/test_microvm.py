@@ -323,7 +323,7 @@ def test_stopping_a_paused_microvm_leaves_nothing_behind(make: Make, lab: Lab) -
 def test_template_clones_are_independent_each_with_its_own_identity(make: Make, lab: Lab) -> None:
     clones = [make(env={"A": str(i)}, workdir="/tmp") for i in range(3)]
     for i, sb in enumerate(clones):
-        assert _start_log(lab, TEMPLATED, sb.id)["from_template"] is True
+        assert _start_log(lab, TEMPLATED, sb.id)["from"].startswith("template ")
         r = sb.run("hostname; cat /etc/hostname; echo $A; pwd; date +%s")
         hostname, etc_hostname, env_a, cwd, clock = r.text.split("\n")[:5]
         assert (hostname, etc_hostname) == (sb.id, sb.id)
@@ -342,7 +342,7 @@ def test_cold_boot_without_templates(make: Make, lab: Lab) -> None:
     sb = make(node_selector={"pool": "cold"})
     assert sb.info.edge_id == COLD
     assert sb.run("echo booted; hostname").text == f"booted\n{sb.id}\n"
-    assert _start_log(lab, COLD, sb.id)["from_template"] is False
+    assert _start_log(lab, COLD, sb.id)["from"] == "boot"
 
 
 # ------------------------------------------------------------------ how a guest ends
