@@ -50,6 +50,17 @@ class Template:
         return self.dir / "rw.img"
 
 
+def _read_ahead(path: Path) -> None:
+    """A template's RAM file into the page cache, charged to the edge: a clone's first write
+    to a page would otherwise read it in charged to that clone's memory cgroup (and leave it
+    there after the clone's pause: measured, 11% of a paused 256 MB clone's charge)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
 class Templates:
     FORMAT = "dsec-microvm-template/2"
 
@@ -59,12 +70,16 @@ class Templates:
         root.mkdir(parents=True, exist_ok=True)
         self._building: dict[str, asyncio.Future[Template]] = {}
         self.built = 0  # by this edge (tests and the bench read it)
+        self._read_ahead: set[str] = set()
 
     def ready(self, key: str) -> Template | None:
         t = Template(key, self.root / key)
         if (t.dir / "ready").exists():
             with contextlib.suppress(OSError):
                 os.utime(t.dir / "ready")  # recently used
+                if key not in self._read_ahead:
+                    self._read_ahead.add(key)
+                    _read_ahead(t.ram)
             return t
         return None
 
