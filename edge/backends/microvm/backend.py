@@ -236,6 +236,10 @@ class MicrovmBackend:
             verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel, cfg.microvm_qemu)
         except (FailedPrecondition, OSError) as exc:
             kit, verdict = None, Verdict("", str(exc))
+        network = container.containment.network
+        if network is not None and not os.path.exists("/dev/net/tun"):
+            # every guest's NIC is a tap (the network path needs one even without a policy)
+            verdict = Verdict("", "/dev/net/tun is missing (the guests' taps)")
         if kit is None or not verdict.accel:
             why = f"microVMs not offered: no guest boots here ({verdict.why})"
             if cfg.microvm == "on":
@@ -260,7 +264,7 @@ class MicrovmBackend:
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
             warm_memory_mb=cfg.microvm_warm_memory_mb,
-            network=container.containment.network,
+            network=network,
             qemu_binary=cfg.microvm_qemu,
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
