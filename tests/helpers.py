@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,6 +13,19 @@ from typing import Any
 
 from libdsec import Client, Sandbox
 from libdsec.errors import DSecError
+
+
+def dsec_status(home: Any) -> str:
+    """`dsec status` of the local cluster at `home` (it must succeed): its output."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dsecctl", "status"],
+        env={**os.environ, "DSEC_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1) -> Any:

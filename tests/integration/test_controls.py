@@ -9,8 +9,6 @@ that is not bpffs, so the network control cannot work on that edge.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,6 +20,7 @@ from edge import controls
 from libdsec import Client, NetworkPolicy
 from libdsec.errors import FailedPrecondition
 from tests.conftest import start_cluster
+from tests.helpers import dsec_status
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -105,17 +104,10 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -
                     network=NetworkPolicy(allow=["10.1.2.3:80"]),
                 )
             assert refused.value.reason == "NETWORK_UNAVAILABLE"
-        out = subprocess.run(
-            [sys.executable, "-m", "dsecctl", "status"],
-            env={**os.environ, "DSEC_HOME": str(c.home)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "controls disabled: network" in out.stdout, out.stdout
-        enforced = next(line for line in out.stdout.splitlines() if "controls enforced:" in line)
+        status = dsec_status(c.home)
+        assert "controls disabled: network" in status, status
+        enforced = next(line for line in status.splitlines() if "controls enforced:" in line)
         assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
-        assert "controls absent: apparmor" in out.stdout
+        assert "controls absent: apparmor" in status
     finally:
         c.stop()

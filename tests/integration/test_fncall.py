@@ -27,6 +27,7 @@ from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import AsyncClient, Client, FunctionJob
 from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
 from tests.conftest import print_log_tails, start_cluster
+from tests.helpers import dsec_status
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -666,23 +667,16 @@ def test_node_status_and_dsec_status_show_each_pool(
     while _pools(fncall_cluster)["bash"].idle != 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _pools(fncall_cluster)["bash"].idle == 1
-    out = subprocess.run(
-        [sys.executable, "-m", "dsecctl", "status"],
-        env={**os.environ, "DSEC_HOME": str(fncall_cluster.home)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    status = dsec_status(fncall_cluster.home)
     m = re.search(
-        r"fncall python: (\d)/2 up \((\d) idle, (\d) starting\), 0 queued, (\d+) jobs", out.stdout
+        r"fncall python: (\d)/2 up \((\d) idle, (\d) starting\), 0 queued, (\d+) jobs", status
     )
-    assert m is not None, out.stdout
+    assert m is not None, status
     assert int(m.group(4)) >= after["python"].jobs
     assert re.search(
         r"fncall bash: 1/1 up \(1 idle, 0 starting\), 0 queued, \d+ jobs, [1-9]\d* recycled",
-        out.stdout,
-    ), out.stdout
+        status,
+    ), status
 
 
 # ------------------------------------------------------------------ batches

@@ -5,8 +5,6 @@ DSEC_EDGE_MICROVM=on refuses to start. The failing QEMU is real: a binary that i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from dsecctl.cluster import EdgeSpec
 from libdsec import Client
 from libdsec.errors import BackendNotOffered
 from tests.conftest import start_cluster
+from tests.helpers import dsec_status
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -42,17 +41,10 @@ def test_an_edge_that_boots_no_guest_does_not_offer_microvms_and_says_why(
 ) -> None:
     c = start_cluster(tmp_path / "home", edges=[_edge(tmp_path, "auto")])
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "dsecctl", "status"],
-            env={**os.environ, "DSEC_HOME": str(c.home)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        line = next(x for x in out.stdout.splitlines() if "microvm:" in x)
+        status = dsec_status(c.home)
+        line = next(x for x in status.splitlines() if "microvm:" in x)
         assert "no guest boots here" in line and "tcg: QEMU exited 1" in line, line
-        assert "controls absent:" in out.stdout and "microvm" in out.stdout
+        assert "controls absent:" in status and "microvm" in status
         with Client(c.apiserver, token=c.token) as client:
             with client.create(image="busybox", cpu=0.25, memory_mb=64) as sb:
                 assert sb.run("echo containers-still").text == "containers-still\n"
