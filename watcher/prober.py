@@ -57,7 +57,9 @@ class Prober:
                 timeout=self.timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            self.view.probe_failed(edge_id, f"{exc.code().name}: {exc.details()}")
+            self.view.probe_failed(
+                edge_id, f"{exc.code().name}: {exc.details()}", started_at=started_at
+            )
             return
         self.view.probe_ok(
             edge_id,

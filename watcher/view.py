@@ -84,9 +84,13 @@ class ClusterView:
         # overlay entries a probe has accounted for only when it hears of it.
         self._publish("changed", entry)
 
-    def probe_failed(self, edge_id: str, error: str) -> None:
+    def probe_failed(self, edge_id: str, error: str, started_at: float | None = None) -> None:
+        """A failed probe; one that started before the edge's latest registration was of the
+        process before it (a restarted edge: it would mark the new one UNHEALTHY)."""
         entry = self.edges.get(edge_id)
         if entry is None:
+            return
+        if started_at is not None and started_at < entry.registered_at:
             return
         now = time.time()
         entry.last_probe_at = now

@@ -37,6 +37,18 @@ def test_an_edge_unhealthy_for_long_is_gone() -> None:
     assert view.gone(after_s=60, now=time.time() + 61) == ["e1"]
 
 
+def test_a_probe_of_an_edge_s_previous_process_does_not_count_against_the_new_one() -> None:
+    view = ClusterView(unhealthy_after=1, forget_after_s=300)
+    view.register("e1", object())
+    before = time.time()
+    time.sleep(0.01)
+    view.register("e1", object())  # the edge restarted while a probe of the old one ran
+    view.probe_failed("e1", "UNAVAILABLE", started_at=before)
+    assert view.edges["e1"].health == "HEALTHY"
+    view.probe_failed("e1", "UNAVAILABLE", started_at=time.time())
+    assert view.edges["e1"].health == "UNHEALTHY"
+
+
 def test_placement_judges_its_view() -> None:
     f = SnapshotFollower(Placer(), "unused")
     assert f.view_state(max_age_s=60) == "STALE"  # never heard from the watcher
