@@ -279,7 +279,7 @@ class MicrovmBackend:
         return self.channels.channel(rec.sandbox_id)
 
     def validate(self, spec: SandboxSpec) -> None:
-        """Shape bounds, a network policy (not offered yet), an image made of EROFS files."""
+        """Shape bounds, the network policy (names resolve), an image made of EROFS files."""
         self.shape_of(spec)
         self._policy(spec.network)
         self._layer_disks(self.images.resolve(spec.image, spec.toolkits))
