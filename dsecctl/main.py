@@ -130,6 +130,7 @@ def _pool_lines(address: str) -> list[str]:
     return (
         controls
         + microvm
+        + _pause_line(resp.pause)
         + [
             f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
             for image, w in sorted(resp.warm.items())
@@ -140,6 +141,17 @@ def _pool_lines(address: str) -> list[str]:
             for env, p in sorted(resp.fncall.items())
         ]
     )
+
+
+def _pause_line(p: Any) -> list[str]:
+    """What paused sandboxes gave back (edge_pb2.PauseStatus), and where container pauses put
+    memory."""
+    if p.swap_size_bytes:
+        used, size = p.swap_used_bytes >> 20, p.swap_size_bytes >> 20
+        where = f"swap area {used}/{size} MiB used ({p.swap_path})"
+    else:
+        where = f"freeze only ({p.frozen_only})" if p.frozen_only else "no container pause"
+    return [f"pause: {p.paused} paused, {p.released_mb} MiB given back; {where}"]
 
 
 def _client() -> Any:

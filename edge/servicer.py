@@ -11,6 +11,7 @@ from typing import Any
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
+from edge.backends.container.pausing import PauseReclaim
 from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
 from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
@@ -86,8 +87,10 @@ class EdgeServicer:
         fncall: FnCallAdapter | None = None,
         layers: LayersAdapter | None = None,
         controls: list[Control] | None = None,
+        pause_reclaim: PauseReclaim | None = None,
     ) -> None:
         self.manager = manager
+        self.pause_reclaim = pause_reclaim
         self.controls = [
             edge_pb2.HostControl(name=c.name, state=c.state, detail=c.detail)
             for c in controls or []
@@ -149,7 +152,9 @@ class EdgeServicer:
     async def GetSandbox(
         self, request: edge_pb2.GetSandboxRequest, context: Any
     ) -> edge_pb2.GetSandboxResponse:
-        return edge_pb2.GetSandboxResponse(sandbox=sandbox_pb(self.manager.get(request.sandbox_id)))
+        rec = self.manager.get(request.sandbox_id)
+        await self.manager.measure_memory(rec)
+        return edge_pb2.GetSandboxResponse(sandbox=sandbox_pb(rec))
 
     async def ListSandboxes(
         self, request: edge_pb2.ListSandboxesRequest, context: Any
@@ -228,7 +233,18 @@ class EdgeServicer:
             },
             fncall=self.fncall.pool_status(),
             controls=self.controls,
+            pause=await self._pause_status(),
         )
+
+    async def _pause_status(self) -> edge_pb2.PauseStatus:
+        paused, released_mb = self.manager.paused_status()
+        out = edge_pb2.PauseStatus(paused=paused, released_mb=released_mb)
+        r = self.pause_reclaim
+        if r is not None:
+            out.swap_size_bytes, out.swap_used_bytes = await asyncio.to_thread(r.status)
+            out.swap_path = str(r.swap.path) if r.swap is not None else ""
+            out.frozen_only = r.why_not
+        return out
 
     def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """image -> (target, ready, claimed, missed) of the backends' warm pools."""

@@ -193,6 +193,35 @@ class ModifiedFile:
 
 
 @dataclass(frozen=True)
+class MemoryInfo:
+    """A sandbox's memory as its edge measured it (``get`` measures; ``list`` and ``watch``
+    carry the last measurement). A pause gives memory back: a container's pages go to the
+    edge's swap area, a microVM's guest is saved to local disk."""
+
+    resident_bytes: int  # in the node's RAM now
+    swapped_bytes: int  # given back: in swap, or saved on local disk
+    measured_at: datetime | None
+    #: From the last pause, while PAUSED: what it freed, how long it took, how much of
+    #: memory_mb stopped counting toward the node's admission, why it only froze ("" if not).
+    freed_bytes: int
+    pause_s: float
+    released_mb: int
+    frozen_only: str
+
+    @classmethod
+    def from_pb(cls, m: types_pb2.SandboxMemory) -> MemoryInfo:
+        return cls(
+            resident_bytes=m.resident_bytes,
+            swapped_bytes=m.swapped_bytes,
+            measured_at=_dt(m.measured_at),
+            freed_bytes=m.freed_bytes,
+            pause_s=m.pause_s,
+            released_mb=m.released_mb,
+            frozen_only=m.frozen_only,
+        )
+
+
+@dataclass(frozen=True)
 class SandboxInfo:
     id: str
     project_id: str
@@ -207,6 +236,7 @@ class SandboxInfo:
     termination_reason: str | None  # STOPPED, TTL, IDLE, OOM, CHANNEL_CLOSED, RUNTIME_ERROR, ...
     termination_message: str
     violations: dict[str, int]
+    memory: MemoryInfo | None  # None: not measured (terminated, or a backend that cannot)
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -234,6 +264,7 @@ class SandboxInfo:
                 "pids_limit_hits": s.violations.pids_limit_hits,
                 "dns_refusals": s.violations.dns_refusals,
             },
+            memory=MemoryInfo.from_pb(s.memory) if s.HasField("memory") else None,
         )
 
     @property

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from edge.backends import Capability, NullBackend
+from edge.backends.contract import MemoryUsage, PauseOutcome
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from libdsec.errors import (
@@ -17,6 +18,7 @@ from libdsec.errors import (
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
+    NodeMemoryFull,
     SandboxNotFound,
     SandboxTerminated,
 )
@@ -105,15 +107,21 @@ class PausableNull(NullBackend):
 
     capabilities = frozenset({Capability.PAUSE})
 
-    def __init__(self) -> None:
+    def __init__(self, resident_after_mb: int = 0, frozen_only: str = "") -> None:
         super().__init__()
         self.calls: list[tuple[str, str]] = []
+        self.after = MemoryUsage(resident_after_mb << 20, 400 << 20)
+        self.frozen_only = frozen_only
 
     async def pause(self, rec):  # type: ignore[no-untyped-def]
         self.calls.append(("pause", rec.sandbox_id))
+        return PauseOutcome(MemoryUsage(500 << 20, 0), self.after, 0.01, self.frozen_only)
 
     async def resume(self, rec):  # type: ignore[no-untyped-def]
         self.calls.append(("resume", rec.sandbox_id))
+
+    async def memory_usage(self, rec):  # type: ignore[no-untyped-def]
+        return self.after
 
 
 async def test_pause_resume_and_transparent_resume(tmp_path: Path) -> None:
@@ -232,3 +240,58 @@ async def test_live_counts_follow_creates_and_ends(tmp_path: Path) -> None:
     await m.stop("sb-e1-aaaa0003")
     assert m.live_counts() == ({"root/x": 1}, {"tok1": 1}, {"t1": 1})
     assert m.load().sandboxes == 1
+
+
+async def test_a_paged_out_sandbox_makes_room_and_a_resume_that_does_not_fit_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Memory a pause gave back stops counting toward admission; a resume needs it back."""
+    m = manager(tmp_path, PausableNull(resident_after_mb=12), mem=1100, cpu=10000)
+    spec = SandboxSpec(memory_mb=512)
+    for sid in ("sb-e1-aaaaaa01", "sb-e1-aaaaaa02"):
+        await m.create(sid, spec, "root", "p", wait_ready=True)
+    with pytest.raises(EdgeCapacity):
+        await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=True)
+    rec = await m.pause("sb-e1-aaaaaa01")
+    assert rec.released_mb == 500 and m.load().memory_mb == 512 + 12
+    assert m.paused_status() == (1, 500)
+    await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=False)  # fits now
+    with pytest.raises(NodeMemoryFull) as info:
+        await m.resume("sb-e1-aaaaaa01")
+    assert info.value.code.name == "RESOURCE_EXHAUSTED" and info.value.metadata["need_mb"] == "500"
+    with pytest.raises(NodeMemoryFull):
+        await m.touch("sb-e1-aaaaaa01")  # a call to it resumes first: refused the same way
+    assert m.get("sb-e1-aaaaaa01").state == "PAUSED"
+    await m.stop("sb-e1-aaaaaa03")
+    assert (await m.resume("sb-e1-aaaaaa01")).state == "RUNNING"
+    assert m.load().memory_mb == 1024 and m.get("sb-e1-aaaaaa01").released_mb == 0
+    # A paused sandbox that is stopped gives everything back.
+    await m.pause("sb-e1-aaaaaa02")
+    await m.stop("sb-e1-aaaaaa02")
+    assert m.load().memory_mb == 512 and m.paused_status() == (0, 0)
+
+
+async def test_a_freeze_only_pause_keeps_counting_and_says_why(tmp_path: Path) -> None:
+    m = manager(tmp_path, PausableNull(resident_after_mb=500, frozen_only="no swap area"))
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(memory_mb=512), "root", "p", wait_ready=True)
+    rec = await m.pause("sb-e1-aaaaaa01")
+    assert rec.released_mb == 0 and rec.memory["frozen_only"] == "no swap area"
+    assert m.load().memory_mb == 512
+
+
+async def test_pause_of_a_sandbox_that_is_not_running_names_its_state(tmp_path: Path) -> None:
+    m = manager(tmp_path, PausableNull())
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
+    await m.stop("sb-e1-aaaaaa01")
+    with pytest.raises(FailedPrecondition) as info:
+        await m.pause("sb-e1-aaaaaa01")
+    assert "TERMINATED" in str(info.value) or "terminated" in str(info.value)
+
+
+async def test_concurrent_calls_to_a_paused_sandbox_resume_it_once(tmp_path: Path) -> None:
+    backend = PausableNull()
+    m = manager(tmp_path, backend)
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
+    await m.pause("sb-e1-aaaaaa01")
+    await asyncio.gather(*(m.touch("sb-e1-aaaaaa01") for _ in range(8)))
+    assert backend.calls.count(("resume", "sb-e1-aaaaaa01")) == 1

@@ -785,6 +785,7 @@ class GetNodeStatusResponse(_message.Message):
     WARM_FIELD_NUMBER: _builtins.int
     FNCALL_FIELD_NUMBER: _builtins.int
     CONTROLS_FIELD_NUMBER: _builtins.int
+    PAUSE_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -814,6 +815,10 @@ class GetNodeStatusResponse(_message.Message):
     def controls(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostControl]:
         """the host controls this edge enforces (checked at start)"""
 
+    @_builtins.property
+    def pause(self) -> Global___PauseStatus:
+        """what paused sandboxes gave back to the node"""
+
     def __init__(
         self,
         *,
@@ -828,14 +833,55 @@ class GetNodeStatusResponse(_message.Message):
         warm: _abc.Mapping[_builtins.str, Global___WarmPoolStatus] | None = ...,
         fncall: _abc.Mapping[_builtins.str, Global___FnCallPoolStatus] | None = ...,
         controls: _abc.Iterable[Global___HostControl] | None = ...,
+        pause: Global___PauseStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load", "pause", b"pause"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class PauseStatus(_message.Message):
+    """Pause that gives memory back (edge/backends/container/pausing.py, the microVM backend)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSED_FIELD_NUMBER: _builtins.int
+    RELEASED_MB_FIELD_NUMBER: _builtins.int
+    SWAP_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SWAP_USED_BYTES_FIELD_NUMBER: _builtins.int
+    SWAP_PATH_FIELD_NUMBER: _builtins.int
+    FROZEN_ONLY_FIELD_NUMBER: _builtins.int
+    paused: _builtins.int
+    """sandboxes PAUSED now"""
+    released_mb: _builtins.int
+    """of their memory_mb, not counted toward admission now"""
+    swap_size_bytes: _builtins.int
+    """the edge's swap area for paused containers (0: none)"""
+    swap_used_bytes: _builtins.int
+    swap_path: _builtins.str
+    frozen_only: _builtins.str
+    """"" or why a container pause only freezes on this edge"""
+    def __init__(
+        self,
+        *,
+        paused: _builtins.int = ...,
+        released_mb: _builtins.int = ...,
+        swap_size_bytes: _builtins.int = ...,
+        swap_used_bytes: _builtins.int = ...,
+        swap_path: _builtins.str = ...,
+        frozen_only: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frozen_only", b"frozen_only", "paused", b"paused", "released_mb", b"released_mb", "swap_path", b"swap_path", "swap_size_bytes", b"swap_size_bytes", "swap_used_bytes", b"swap_used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseStatus: _TypeAlias = PauseStatus  # noqa: Y015
 
 @_typing.final
 class HostControl(_message.Message):
