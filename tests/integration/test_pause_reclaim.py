@@ -132,7 +132,10 @@ def test_pause_pages_the_memory_out_and_resume_brings_every_page_back(
     assert m.released_mb >= 512 - (m.resident_bytes // MiB) - 1, m
     st = node_status(pause_cluster)
     assert st.pause.paused == 1 and st.pause.released_mb == m.released_mb
-    assert st.pause.swap_used_bytes >= 190 * MiB and 1023 * MiB < st.pause.swap_size_bytes <= 1024 * MiB
+    assert (
+        st.pause.swap_used_bytes >= 190 * MiB
+        and 1023 * MiB < st.pause.swap_size_bytes <= 1024 * MiB
+    )
     assert st.load.memory_mb_allocated == load0 - m.released_mb  # admission knows
     assert any(c.name == "pause_reclaim" and c.state == "enforced" for c in st.controls)
 
