@@ -271,3 +271,38 @@ def _http_ok(sb: Sandbox) -> bool:
         return sb.http(8000, "/index.html", timeout_s=2).status == 200
     except Exception:
         return False
+
+
+def test_without_room_for_a_swap_area_the_edge_says_so_and_pause_only_freezes(
+    tmp_path: Path,
+) -> None:
+    """A swap area larger than the disk's free space minus the reserve is refused at start:
+    the edge reports why and pauses by freezing only, saying so on each paused sandbox."""
+    free_mb = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize >> 20
+    c = start_cluster(
+        tmp_path,
+        edges=[
+            EdgeSpec(
+                edge_id="nosw",
+                runtime="container",
+                extra_env={
+                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+                    "DSEC_EDGE_FNCALL_POOLS": "",
+                    "DSEC_EDGE_PAUSE_SWAP_MB": str(free_mb + 1024),
+                },
+            )
+        ],
+    )
+    try:
+        assert "freeze only (no room for a" in dsec_status(c.home)
+        assert not (tmp_path / "edges" / "nosw" / "swap" / "pause.swap").exists()
+        with Client(c.apiserver, token=c.token) as client:
+            with client.create(image="busybox", cpu=0.1, memory_mb=128) as sb:
+                sb.files.write("/work/kept", "kept")
+                sb.pause()
+                m = sb.refresh().memory
+                assert m is not None and m.frozen_only.startswith("no room for a"), m
+                assert m.released_mb == 0 and m.swapped_bytes == 0
+                assert sb.files.read("/work/kept") == b"kept"  # resumed, nothing lost
+    finally:
+        c.stop()
