@@ -136,7 +136,11 @@ def docker_set(size: int, repeat: int) -> dict[str, float]:
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     try:
-        wait(lambda: subprocess.run(["docker", "exec", cid, "test", "-e", "/tmp/ready"]).returncode == 0)
+        wait(
+            lambda: (
+                subprocess.run(["docker", "exec", cid, "test", "-e", "/tmp/ready"]).returncode == 0
+            )
+        )
         rows: dict[str, list[float]] = {}
         for _ in range(repeat):
             time.sleep(0.5)
