@@ -16,6 +16,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -26,6 +27,31 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _SandboxAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SandboxActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SandboxAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SANDBOX_ACTION_UNSPECIFIED: _SandboxAction.ValueType  # 0
+    SANDBOX_ACTION_PAUSE: _SandboxAction.ValueType  # 1
+    """as PauseSandbox: a PAUSED one stays PAUSED"""
+    SANDBOX_ACTION_RESUME: _SandboxAction.ValueType  # 2
+    """as ResumeSandbox: a RUNNING one stays RUNNING"""
+    SANDBOX_ACTION_STOP: _SandboxAction.ValueType  # 3
+    """as StopSandbox: a TERMINATED one is answered as it is"""
+
+class SandboxAction(_SandboxAction, metaclass=_SandboxActionEnumTypeWrapper): ...
+
+SANDBOX_ACTION_UNSPECIFIED: SandboxAction.ValueType  # 0
+SANDBOX_ACTION_PAUSE: SandboxAction.ValueType  # 1
+"""as PauseSandbox: a PAUSED one stays PAUSED"""
+SANDBOX_ACTION_RESUME: SandboxAction.ValueType  # 2
+"""as ResumeSandbox: a RUNNING one stays RUNNING"""
+SANDBOX_ACTION_STOP: SandboxAction.ValueType  # 3
+"""as StopSandbox: a TERMINATED one is answered as it is"""
+Global___SandboxAction: _TypeAlias = SandboxAction  # noqa: Y015
 
 @_typing.final
 class CreateSandboxRequest(_message.Message):
@@ -494,6 +520,140 @@ class ResumeSandboxResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeSandboxResponse: _TypeAlias = ResumeSandboxResponse  # noqa: Y015
+
+@_typing.final
+class ActOnSandboxesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    SKIP_TERMINATED_FIELD_NUMBER: _builtins.int
+    action: Global___SandboxAction.ValueType
+    project_prefix: _builtins.str
+    """Selector, as in ListSandboxes; at least one of task_id / label_selector (an empty
+    selector is INVALID_ARGUMENT: nothing acts on every sandbox of an edge).
+    project id or ancestor; "" = all
+    """
+    task_id: _builtins.str
+    reason: _types_pb2.TerminationReason.ValueType
+    """STOP: why the sandboxes end (UNSPECIFIED = STOPPED; PREEMPTED for a preempted job) and
+    the termination message ("" = the reason's default).
+    """
+    message: _builtins.str
+    grace_s: _builtins.float
+    """STOP: SIGTERM, then SIGKILL after this; 0 = 2"""
+    skip_terminated: _builtins.bool
+    """leave out sandboxes that had ended already"""
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match"""
+
+    def __init__(
+        self,
+        *,
+        action: Global___SandboxAction.ValueType = ...,
+        project_prefix: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reason: _types_pb2.TerminationReason.ValueType = ...,
+        message: _builtins.str = ...,
+        grace_s: _builtins.float = ...,
+        skip_terminated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "grace_s", b"grace_s", "label_selector", b"label_selector", "message", b"message", "project_prefix", b"project_prefix", "reason", b"reason", "skip_terminated", b"skip_terminated", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActOnSandboxesRequest: _TypeAlias = ActOnSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class SandboxActionResult(_message.Message):
+    """The outcome for one sandbox: the sandbox as the action left it, or the error it got."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    error_code: _builtins.int
+    """google.rpc.Code; 0 = OK"""
+    error_message: _builtins.str
+    @_builtins.property
+    def sandbox(self) -> _types_pb2.Sandbox:
+        """set when error_code is 0"""
+
+    @_builtins.property
+    def error_info(self) -> _types_pb2.ErrorInfo:
+        """stable reason and metadata (e.g. "state")"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        sandbox: _types_pb2.Sandbox | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+        error_info: _types_pb2.ErrorInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info", "sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxActionResult: _TypeAlias = SandboxActionResult  # noqa: Y015
+
+@_typing.final
+class ActOnSandboxesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxActionResult]:
+        """in creation order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___SandboxActionResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActOnSandboxesResponse: _TypeAlias = ActOnSandboxesResponse  # noqa: Y015
 
 @_typing.final
 class PackDiffRequest(_message.Message):
