@@ -39,6 +39,7 @@ from libdsec.errors import (
     DSecError,
     EdgeCapacity,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NodeDiskLow,
     NodeMemoryFull,
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 #: The oldest free-space sample admission decides on (see _fresh_disk_sample).
 DISK_SAMPLE_MAX_AGE_S = 0.02
+
+#: What act_on does to each sandbox of a task-level operation.
+ACTIONS = ("PAUSE", "RESUME", "STOP")
+#: Sandboxes one act_on works on at a time (each pause or stop is its own runtime call).
+ACT_CONCURRENCY = 8
 
 
 @dataclass(frozen=True)
@@ -818,6 +824,66 @@ class SandboxManager:
         )
         return len(live)
 
+    # ------------------------------------------------------- task-level operations
+
+    async def act_on(
+        self,
+        action: str,
+        *,
+        project_prefix: str = "",
+        task_id: str = "",
+        labels: dict[str, str] | None = None,
+        reason: str = "STOPPED",
+        message: str = "",
+        grace_s: float = 2.0,
+        skip_terminated: bool = False,
+        concurrency: int = ACT_CONCURRENCY,
+    ) -> builtins.list[tuple[str, SandboxRecord | None, DSecError | None]]:
+        """Pauses, resumes or stops (``action``: PAUSE, RESUME, STOP) every sandbox matching
+        the selector, this edge's share of a task-level operation, through :meth:`pause`,
+        :meth:`resume` and :meth:`stop` (``reason``, ``message``, ``grace_s``), at most
+        ``concurrency`` at a time. Per sandbox, in creation order: (id, a snapshot of the
+        record as the action left it, None), or (id, None, its error, with the sandbox's
+        ``state`` in the metadata): one sandbox failing stops none of the others. The
+        sandboxes are those matching when the call starts (terminated ones too, unless
+        ``skip_terminated``); an empty selector (no task id, no labels) is refused."""
+        if action not in ACTIONS:
+            raise InvalidArgument(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
+        if not task_id and not labels:
+            raise InvalidArgument("give a task_id and/or labels (refusing to act on every sandbox)")
+        recs = self.list(
+            project_prefix=project_prefix,
+            task_id=task_id,
+            labels=labels,
+            include_terminated=not skip_terminated,
+        )
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def act(rec: SandboxRecord) -> tuple[str, SandboxRecord | None, DSecError | None]:
+            sid = rec.sandbox_id
+            async with sem:
+                try:
+                    if action == "PAUSE":
+                        done = await self.pause(sid)
+                    elif action == "RESUME":
+                        done = await self.resume(sid)
+                    else:
+                        done = await self.stop(sid, reason=reason, message=message, grace_s=grace_s)
+                except DSecError as exc:
+                    exc.metadata.setdefault("state", rec.state)
+                    return sid, None, exc
+                except Exception:
+                    # One sandbox's bug must not fail its task-mates' results.
+                    log.exception("%s of %s failed", action.lower(), sid, extra={"sandbox_id": sid})
+                    return (
+                        sid,
+                        None,
+                        Internal(f"{action.lower()} of {sid} failed (see the edge log)"),
+                    )
+                return sid, copy.copy(done), None
+
+        return list(await asyncio.gather(*(act(r) for r in recs)))
+
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
@@ -836,4 +902,5 @@ def _default_message(reason: str) -> str:
         "STOPPED": "stopped by request",
         "TTL": "maximum lifetime reached",
         "IDLE": "idle timeout reached",
+        "PREEMPTED": "preempted: its job was preempted",
     }.get(reason, reason.lower())
