@@ -595,7 +595,7 @@ class PauseTaskResponse(_message.Message):
     EDGE_ERRORS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSandboxResult]:
-        """in creation order"""
+        """Edge by edge (by edge id), each edge's in creation order; then those of lost edges."""
 
     @_builtins.property
     def edge_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskEdgeError]: ...
