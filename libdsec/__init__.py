@@ -43,6 +43,9 @@ from libdsec.types import (
     Quota,
     SandboxInfo,
     Started,
+    TaskEdgeError,
+    TaskResult,
+    TaskSandboxResult,
     TokenInfo,
 )
 
@@ -81,6 +84,9 @@ __all__ = [
     "SandboxOptions",
     "Session",
     "Started",
+    "TaskEdgeError",
+    "TaskResult",
+    "TaskSandboxResult",
     "TokenInfo",
     "Watch",
 ]

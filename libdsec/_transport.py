@@ -101,6 +101,11 @@ SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
         "StopSandbox",
         "PauseSandbox",
         "ResumeSandbox",
+        # Task operations: a retry pauses what is not yet paused, resumes what is still paused,
+        # and answers a stopped sandbox as it ended.
+        "PauseTask",
+        "ResumeTask",
+        "StopTask",
     ),
     "dsec.apiserver.v1.ExecService": ("WaitExec", "ListExecs", "ListSessions"),
     "dsec.apiserver.v1.FileService": ("ReadFile", "ListDir", "StatPath"),
