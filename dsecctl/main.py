@@ -14,6 +14,8 @@
     dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID|--task T
     dsec sandbox watch [--task T] [--label k=v]... [--json]   one line per change, until Ctrl-C
     dsec sandbox pack ID NAME [--exclude GLOB]... [--no-default-excludes]
+    dsec task pause|resume|stop TASK_ID [--label k=v]... [--preempted] [--grace-s S] [--json]
+                                                     every sandbox of a task: one line each
     dsec env list [PREFIX] | dsec env show NAME | dsec env layers | dsec env rm NAME
     dsec env import SOURCE [--name N] [--kind K] [--base B]   docker:REF, dir:/path, tar:/path
     dsec env compose NAME --base B [--workspace W] [--toolkit T]...
@@ -339,6 +341,72 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     return 0
 
 
+_TASK_DONE = {"pause": "paused", "resume": "resumed", "stop": "stopped"}
+
+
+def cmd_task(args: argparse.Namespace) -> int:
+    """A task-level operation: one line per sandbox (id and state, or the error's reason and
+    message), one per edge that did not answer; exit 1 if anything failed."""
+    labels = _labels(args.label)
+    with _client() as c:
+        if args.action == "pause":
+            r = c.pause_task(args.task_id, labels=labels)
+        elif args.action == "resume":
+            r = c.resume_task(args.task_id, labels=labels)
+        else:
+            r = c.stop_task(
+                args.task_id, preempted=args.preempted, grace_s=args.grace_s, labels=labels
+            )
+    for item in r.results:
+        info, err = item.info, item.error
+        if args.json:
+            line = json.dumps(
+                {
+                    "id": item.sandbox_id,
+                    "edge_id": item.edge_id,
+                    "state": info.state if info else None,
+                    "reason": info.termination_reason if info else None,
+                    "labels": info.labels if info else None,
+                    "error": _error_json(err),
+                }
+            )
+        elif err is not None:
+            line = f"{item.sandbox_id}  error {err.reason}: {err.message}"
+        else:
+            assert info is not None
+            reason = f" ({info.termination_reason})" if info.termination_reason else ""
+            line = f"{item.sandbox_id}  {info.state}{reason}"
+        print(line)
+    for edge in r.edge_errors:
+        if args.json:
+            print(
+                json.dumps({"id": None, "edge_id": edge.edge_id, "error": _error_json(edge.error)})
+            )
+        else:
+            print(f"edge {edge.edge_id}  error {edge.error.reason}: {edge.error.message}")
+    done = len(r.results) - len(r.failed)
+    summary = (
+        f"{_TASK_DONE[args.action]} {done} of {len(r.results)} sandboxes of task {args.task_id}"
+    )
+    if r.failed:
+        summary += f"; {len(r.failed)} failed"
+    if r.edge_errors:
+        summary += f"; {len(r.edge_errors)} edges did not answer"
+    print(summary, file=sys.stderr)
+    return 0 if r.ok else 1
+
+
+def _error_json(err: DSecError | None) -> dict[str, Any] | None:
+    if err is None:
+        return None
+    return {
+        "code": err.code.name,
+        "reason": err.reason,
+        "message": err.message,
+        "metadata": err.metadata,
+    }
+
+
 def _size(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -488,6 +556,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--exclude", action="append", default=[])
     sp.add_argument("--no-default-excludes", action="store_true")
     sb.set_defaults(fn=cmd_sandbox)
+
+    task = sub.add_parser(
+        "task", help="pause, resume or stop every sandbox of a task (a preempted job's)"
+    )
+    tasksub = task.add_subparsers(dest="action", required=True)
+    for action, what in (
+        ("pause", "pause every sandbox of the task (files and processes are kept)"),
+        ("resume", "resume every paused sandbox of the task"),
+        ("stop", "stop every sandbox of the task"),
+    ):
+        ta = tasksub.add_parser(action, help=what)
+        ta.add_argument("task_id")
+        ta.add_argument(
+            "--label",
+            action="append",
+            default=[],
+            type=_label,
+            metavar="KEY=VALUE",
+            help="only sandboxes with this label (repeatable: all must match)",
+        )
+        ta.add_argument("--json", action="store_true", help="one JSON object per line")
+        if action == "stop":
+            ta.add_argument(
+                "--preempted",
+                action="store_true",
+                help="end them with termination reason PREEMPTED (their job was preempted)",
+            )
+            ta.add_argument(
+                "--grace-s", type=float, default=2.0, help="SIGTERM, then SIGKILL after this"
+            )
+    task.set_defaults(fn=cmd_task)
 
     add_fncall_parser(sub)
 
