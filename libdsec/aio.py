@@ -388,7 +388,9 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> TaskResult:
         """Resumes every paused sandbox of the task (a RUNNING one stays RUNNING, an ended one
-        fails with :class:`~libdsec.errors.SandboxTerminated`); see :meth:`pause_task`::
+        fails with :class:`~libdsec.errors.SandboxTerminated`, one whose memory does not fit
+        its node again with :class:`~libdsec.errors.NodeMemoryFull` and stays PAUSED); see
+        :meth:`pause_task`::
 
             r = await dsec.resume_task("job-42")
             episodes = {info.labels["episode"]: info.id for info in r.sandboxes}

@@ -202,7 +202,9 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResumeTask(self, request, context):
-        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION.
+        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+        memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+        PAUSED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,7 +75,10 @@ class SandboxServiceStub:
     FAILED_PRECONDITION naming its state (metadata "state").
     """
     ResumeTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeTaskRequest, _apiserver_pb2.ResumeTaskResponse]
-    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION."""
+    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+    memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+    PAUSED.
+    """
     StopTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.StopTaskRequest, _apiserver_pb2.StopTaskResponse]
     """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
     preempted; one that had ended already is answered as it is.
@@ -127,7 +130,10 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     FAILED_PRECONDITION naming its state (metadata "state").
     """
     ResumeTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeTaskRequest, _apiserver_pb2.ResumeTaskResponse]  # type: ignore[assignment]
-    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION."""
+    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+    memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+    PAUSED.
+    """
     StopTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.StopTaskRequest, _apiserver_pb2.StopTaskResponse]  # type: ignore[assignment]
     """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
     preempted; one that had ended already is answered as it is.
@@ -242,7 +248,10 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _apiserver_pb2.ResumeTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.ResumeTaskResponse, _abc.Awaitable[_apiserver_pb2.ResumeTaskResponse]]:
-        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION."""
+        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+        memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+        PAUSED.
+        """
 
     @_abc_1.abstractmethod
     def StopTask(
