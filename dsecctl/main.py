@@ -153,7 +153,10 @@ def _pause_line(p: Any) -> list[str]:
         where = f"swap area {used}/{size} MiB used ({p.swap_path})"
     else:
         where = f"freeze only ({p.frozen_only})" if p.frozen_only else "no container pause"
-    return [f"pause: {p.paused} paused, {p.released_mb} MiB given back; {where}"]
+    return [
+        f"pause: {p.paused} paused, {p.released_mb} MiB given back "
+        f"({p.swapped_bytes >> 20} MiB swapped); {where}"
+    ]
 
 
 def _client() -> Any:

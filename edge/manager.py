@@ -533,10 +533,12 @@ class SandboxManager:
         if usage is not None:
             rec.memory = {**rec.memory, **_memory_fields(usage)}
 
-    def paused_status(self) -> tuple[int, int]:
-        """(paused sandboxes, MiB their pauses gave back to the node)."""
+    def paused_status(self) -> tuple[int, int, int]:
+        """(paused sandboxes, MiB their pauses gave back to the node's admission, bytes of them
+        in swap or saved on disk as last measured)."""
         paused = [r for r in self.records.values() if r.state == "PAUSED"]
-        return len(paused), sum(r.released_mb for r in paused)
+        swapped = sum(int(r.memory.get("swapped_bytes", 0)) for r in paused)
+        return len(paused), sum(r.released_mb for r in paused), swapped
 
     async def touch(self, sandbox_id: str) -> SandboxRecord:
         """Marks activity (idle timer) before a call into the sandbox; resumes a paused one."""

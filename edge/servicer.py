@@ -275,8 +275,8 @@ class EdgeServicer:
         )
 
     async def _pause_status(self) -> edge_pb2.PauseStatus:
-        paused, released_mb = self.manager.paused_status()
-        out = edge_pb2.PauseStatus(paused=paused, released_mb=released_mb)
+        paused, released_mb, swapped = self.manager.paused_status()
+        out = edge_pb2.PauseStatus(paused=paused, released_mb=released_mb, swapped_bytes=swapped)
         r = self.pause_reclaim
         if r is not None:
             out.swap_size_bytes, out.swap_used_bytes = await asyncio.to_thread(r.status)

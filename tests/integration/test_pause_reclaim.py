@@ -84,10 +84,14 @@ def client(pause_cluster: LocalCluster) -> Iterator[Client]:
 
 @pytest.fixture
 def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
+    pause_cluster: LocalCluster, client: Client, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
     with sandbox_factory(client, request.node.nodeid, memory_mb=512, grace_s=0.2) as make:
         yield make
+    # The node is small (tests fill it): the next test starts once placement's view of the
+    # edge (the watcher probes every 0.5 s) has this test's sandboxes gone.
+    wait_for(lambda: node_status(pause_cluster).load.sandboxes == 0, 15)
+    time.sleep(1.2)
 
 
 def node_status(cluster: LocalCluster) -> edge_pb2.GetNodeStatusResponse:
@@ -132,10 +136,10 @@ def test_pause_pages_the_memory_out_and_resume_brings_every_page_back(
     assert m.released_mb >= 512 - (m.resident_bytes // MiB) - 1, m
     st = node_status(pause_cluster)
     assert st.pause.paused == 1 and st.pause.released_mb == m.released_mb
-    assert (
-        st.pause.swap_used_bytes >= 190 * MiB
-        and 1023 * MiB < st.pause.swap_size_bytes <= 1024 * MiB
-    )
+    assert st.pause.swapped_bytes == m.swapped_bytes
+    # (swap_used_bytes is the area's use by anyone: another edge of this machine's area may
+    # hold these pages, the kernel picks the highest-priority one.)
+    assert 1023 * MiB < st.pause.swap_size_bytes <= 1024 * MiB
     assert st.load.memory_mb_allocated == load0 - m.released_mb  # admission knows
     assert any(c.name == "pause_reclaim" and c.state == "enforced" for c in st.controls)
 
@@ -227,12 +231,15 @@ def test_a_paused_sandbox_stops_normally_and_its_swap_is_freed(
 ) -> None:
     sb = make_sandbox(image="bookworm")
     holding(sb)
-    used0 = node_status(pause_cluster).pause.swap_used_bytes
+    swap0 = _host_swap_used()
     sb.pause()
-    assert node_status(pause_cluster).pause.swap_used_bytes - used0 >= 190 * MiB
+    assert node_status(pause_cluster).pause.swapped_bytes >= 190 * MiB
     end = sb.stop(grace_s=1)
     assert end.state == "TERMINATED" and end.termination_reason == "STOPPED"
-    assert node_status(pause_cluster).pause.swap_used_bytes - used0 < 16 * MiB
+    st = node_status(pause_cluster).pause
+    assert st.paused == 0 and st.swapped_bytes == 0
+    # The host's swap (all areas) has its pages back (others on this machine may swap too).
+    assert _host_swap_used() - swap0 < 64 * MiB
     with pytest.raises(FailedPrecondition):
         sb.pause()  # not running any more: a precondition, naming its state
 
@@ -250,6 +257,11 @@ def test_a_paused_sandbox_survives_an_edge_crash_paged_out(
     m = sb.refresh().memory
     assert m is not None and m.swapped_bytes >= 190 * MiB, m  # re-adopted, still paged out
     assert digest_now(sb) == sha
+
+
+def _host_swap_used() -> int:
+    rows = Path("/proc/swaps").read_text().splitlines()[1:]
+    return sum(int(r.split()[3]) for r in rows) * 1024
 
 
 def _create(make_sandbox: Callable[..., Sandbox]) -> Sandbox | None:

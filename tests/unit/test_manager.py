@@ -254,7 +254,7 @@ async def test_a_paged_out_sandbox_makes_room_and_a_resume_that_does_not_fit_is_
         await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=True)
     rec = await m.pause("sb-e1-aaaaaa01")
     assert rec.released_mb == 500 and m.load().memory_mb == 512 + 12
-    assert m.paused_status() == (1, 500)
+    assert m.paused_status() == (1, 500, 400 << 20)
     await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=False)  # fits now
     with pytest.raises(NodeMemoryFull) as info:
         await m.resume("sb-e1-aaaaaa01")
@@ -268,7 +268,7 @@ async def test_a_paged_out_sandbox_makes_room_and_a_resume_that_does_not_fit_is_
     # A paused sandbox that is stopped gives everything back.
     await m.pause("sb-e1-aaaaaa02")
     await m.stop("sb-e1-aaaaaa02")
-    assert m.load().memory_mb == 512 and m.paused_status() == (0, 0)
+    assert m.load().memory_mb == 512 and m.paused_status() == (0, 0, 0)
 
 
 async def test_a_freeze_only_pause_keeps_counting_and_says_why(tmp_path: Path) -> None:

@@ -1015,6 +1015,7 @@ class PauseStatus(_message.Message):
     SWAP_USED_BYTES_FIELD_NUMBER: _builtins.int
     SWAP_PATH_FIELD_NUMBER: _builtins.int
     FROZEN_ONLY_FIELD_NUMBER: _builtins.int
+    SWAPPED_BYTES_FIELD_NUMBER: _builtins.int
     paused: _builtins.int
     """sandboxes PAUSED now"""
     released_mb: _builtins.int
@@ -1022,9 +1023,15 @@ class PauseStatus(_message.Message):
     swap_size_bytes: _builtins.int
     """the edge's swap area for paused containers (0: none)"""
     swap_used_bytes: _builtins.int
+    """Used, by anyone: the kernel puts swapped pages in the host's highest-priority area, which on
+    a host with several edges (or swap of its own) may be another one. What this edge's
+    sandboxes hold is swapped_bytes.
+    """
     swap_path: _builtins.str
     frozen_only: _builtins.str
     """"" or why a container pause only freezes on this edge"""
+    swapped_bytes: _builtins.int
+    """of the paused sandboxes, in swap or saved on disk (last measured)"""
     def __init__(
         self,
         *,
@@ -1034,10 +1041,11 @@ class PauseStatus(_message.Message):
         swap_used_bytes: _builtins.int = ...,
         swap_path: _builtins.str = ...,
         frozen_only: _builtins.str = ...,
+        swapped_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frozen_only", b"frozen_only", "paused", b"paused", "released_mb", b"released_mb", "swap_path", b"swap_path", "swap_size_bytes", b"swap_size_bytes", "swap_used_bytes", b"swap_used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frozen_only", b"frozen_only", "paused", b"paused", "released_mb", b"released_mb", "swap_path", b"swap_path", "swap_size_bytes", b"swap_size_bytes", "swap_used_bytes", b"swap_used_bytes", "swapped_bytes", b"swapped_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
