@@ -21,6 +21,7 @@ usage: python bench/bench_pause.py [--sets 64,256,1024] [--repeat 3] [--task 200
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,9 @@ DOCKER_IMAGE = "dsec/bookworm:latest"
 # digest) and writes {d}/done: "the whole working set is back".
 HOLD = """
 import hashlib, os, sys, time
-data = bytearray(os.urandom({size} << 20))
+data = bytearray({size} << 20)
+for i in range(0, len(data), 1 << 20):  # filled in place: no second copy at the peak
+    data[i : i + (1 << 20)] = os.urandom(1 << 20)
 open("{d}/ready", "w").write("1")
 while True:
     if os.path.exists("{d}/ask"):
@@ -73,8 +76,10 @@ def dsec_set(dsec: Client, size: int, repeat: int) -> dict[str, float]:
     sb = dsec.create(image="bookworm", cpu=1, memory_mb=size + 256, ttl_s=3600)
     try:
         sb.files.write("/work/hold.py", HOLD.format(size=size, d="/work"))
-        sb.start("python3 /work/hold.py")
-        wait(lambda: sb.files.exists("/work/ready"))
+        holder = sb.start("python3 /work/hold.py")
+        wait(lambda: sb.files.exists("/work/ready") or not holder.wait(timeout_s=0.01).running)
+        if not sb.files.exists("/work/ready"):
+            raise RuntimeError(f"the holder of {size} MiB ended: {holder.wait(timeout_s=0.01)}")
         rows: dict[str, list[float]] = {}
         for _ in range(repeat):
             time.sleep(0.5)
@@ -212,7 +217,7 @@ def task_preemption(c: LocalCluster, dsec: Client, n: int) -> list[list[object]]
             ["sandboxes", len(sbs), f"created in {create_s:.1f} s"],
             ["pause_task wall (s)", round(pause_s, 2), f"{sum(r.ok for r in paused)} paused"],
             ["memory given back (MiB, edge)", st.released_mb, f"{st.paused} paused"],
-            ["swap used (MiB)", st.swap_used_bytes >> 20, ""],
+            ["swapped (MiB, its sandboxes)", st.swapped_bytes >> 20, ""],
             ["host MemAvailable gain (MiB)", round((avail1 - avail0) / MiB), ""],
             ["resume_task wall (s)", round(resume_s, 2), f"{sum(r.ok for r in resumed)} resumed"],
             ["a command in each, after (s)", round(first_s, 2), f"{ok} answered"],
@@ -226,6 +231,8 @@ def _ms(v: float) -> object:
 
 
 def main() -> int:
+    # SIGTERM (timeout, kill) ends the run through the finally blocks: no cluster left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser()
     ap.add_argument("--sets", default="64,256,1024")
     ap.add_argument("--repeat", type=int, default=3)
