@@ -240,6 +240,17 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="only sandboxes with this label (repeatable: all must match)",
+    )
+
+
 def _label(item: str) -> tuple[str, str]:
     """A ``--label`` argument: ``KEY=VALUE`` (the value may be empty, the key not)."""
     key, eq, value = item.partition("=")
@@ -537,14 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--task", default="")
     sw = ssub.add_parser("watch", help="one line per change (time id state reason) until Ctrl-C")
     sw.add_argument("--task", default="", help="only this task's sandboxes")
-    sw.add_argument(
-        "--label",
-        action="append",
-        default=[],
-        type=_label,
-        metavar="KEY=VALUE",
-        help="only sandboxes with this label (repeatable: all must match)",
-    )
+    _label_option(sw)
     sw.add_argument("--json", action="store_true", help="one JSON object per line")
     se = ssub.add_parser("exec")
     se.add_argument("sandbox_id")
@@ -571,14 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         ta = tasksub.add_parser(action, help=what)
         ta.add_argument("task_id")
-        ta.add_argument(
-            "--label",
-            action="append",
-            default=[],
-            type=_label,
-            metavar="KEY=VALUE",
-            help="only sandboxes with this label (repeatable: all must match)",
-        )
+        _label_option(ta)
         ta.add_argument("--json", action="store_true", help="one JSON object per line")
         if action == "stop":
             ta.add_argument(
