@@ -105,6 +105,31 @@ def freezer_state(cgroup_path: str) -> str | None:
         return None
 
 
+def freeze(cgroup_path: str, timeout_s: float = 5.0) -> bool:
+    """Freeze the v1 freezer and wait until every task is frozen (what `runc pause` does, without
+    its Go process: ~10 ms of CPU per call). A freeze stuck in FREEZING (a task in an
+    uninterruptible wait) is thawed and tried again, as runc does. Returns whether it froze."""
+    d = controller_dir("freezer", cgroup_path)
+    if d is None:
+        return False
+    f = d / "freezer.state"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            f.write_text("FROZEN")
+            attempt_end = min(deadline, time.monotonic() + 0.5)
+            delay = 0.0005
+            while time.monotonic() < attempt_end:
+                if f.read_text().strip() == "FROZEN":
+                    return True
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+            f.write_text("THAWED")
+    except OSError:
+        return False
+    return False
+
+
 def thaw(cgroup_path: str) -> None:
     """Thaw the v1 freezer: frozen tasks do not act on SIGKILL until thawed."""
     d = controller_dir("freezer", cgroup_path)
