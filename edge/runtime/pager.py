@@ -14,9 +14,11 @@ pause of a frozen sandbox (:func:`page_out`):
    process's mappings did not cover — with v1 `memory.force_empty`, which reclaims from a
    cgroup that still has tasks (cgroup v2 `memory.reclaim` where the host has it).
 
-Resume (:func:`prefetch`) asks for the paged-out ranges back with `MADV_WILLNEED` (swap-in
-read-ahead, asynchronous) and the cgroup goes back to swappiness 0; the caller thaws at once,
-so the first command does not wait for every page.
+Resume (:func:`prefetch_plan`, :func:`prefetch`) puts the cgroup back to swappiness 0 and asks
+for the paged-out ranges back with `MADV_WILLNEED` (swap-in read-ahead, asynchronous): first
+those of the small processes (aether, chronus, shells: what the next command touches), then
+the caller thaws, then the large rest in the background, so the first command waits neither
+for every page nor for faults one page at a time.
 
 This module touches only what it is given (a cgroup's directories, its processes, the swap
 file); it never changes a host-wide setting (`vm.swappiness`, DAMON, zswap).
@@ -258,16 +260,41 @@ def reclaim_rest(memory_dir: Path) -> None:
             log.warning("reclaim of %s: %s", memory_dir, exc)
 
 
-def prefetch(memory_dir: Path) -> int:
-    """Ask for every process's paged-out memory back (MADV_WILLNEED starts swap-in read-ahead
-    and returns) and stop the cgroup swapping again; returns bytes advised. Pages not read back
-    by then fault in from swap on first touch."""
-    advised = 0
-    if sample(memory_dir).swapped_bytes:
-        for pid in pids_of(memory_dir):
-            advised += _madvise(pid, private_ranges(pid), MADV_WILLNEED)
+#: At resume, processes with less than this in swap are read back before the thaw (aether,
+#: chronus, shells: what the first command needs); the rest after it, in the background.
+PREFETCH_FIRST_BYTES = 32 << 20
+
+
+def prefetch_plan(memory_dir: Path) -> tuple[list[int], list[int]]:
+    """The cgroup's processes with pages in swap: (small ones first, the large rest), and the
+    cgroup stops swapping again (swappiness 0)."""
     _set_swappiness(memory_dir, 0)
-    return advised
+    small: list[int] = []
+    large: list[int] = []
+    if not sample(memory_dir).swapped_bytes:
+        return small, large
+    for pid in pids_of(memory_dir):
+        swapped = _status_kb(pid, "VmSwap") << 10
+        if swapped:
+            (small if swapped < PREFETCH_FIRST_BYTES else large).append(pid)
+    return small, large
+
+
+def prefetch(pids: list[int]) -> int:
+    """Ask for the processes' paged-out memory back: MADV_WILLNEED starts swap-in read-ahead of
+    every private mapping and returns (pages not back yet fault in from swap on first touch);
+    returns bytes advised."""
+    return sum(_madvise(pid, private_ranges(pid), MADV_WILLNEED) for pid in pids)
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _set_swappiness(memory_dir: Path, value: int) -> None:

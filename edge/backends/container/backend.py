@@ -573,10 +573,12 @@ class ContainerBackend:
             raise
 
     async def resume(self, rec: SandboxRecord) -> None:
-        """Start reading the paged-out memory back, then thaw (the first command does not
-        wait for every page: what is not back yet faults in from swap)."""
-        await self.reclaim.prefetch(self._memory_dir(rec.sandbox_id))
-        await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
+        """Read back what the next command needs, thaw, read the rest in the background
+        (edge/backends/container/pausing.py)."""
+        sid = rec.sandbox_id
+        await self.reclaim.resume(
+            self._memory_dir(sid), lambda: asyncio.to_thread(self.runtime.resume, sid)
+        )
 
     async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
         d = self._memory_dir(rec.sandbox_id)

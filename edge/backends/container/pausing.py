@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from edge.backends.contract import MemoryUsage, PauseOutcome
@@ -30,6 +31,8 @@ class PauseReclaim:
         self.swap = swap
         self.why_not = why_not
         self._slots = asyncio.Semaphore(concurrency or max(2, os.cpu_count() or 1))
+        #: Read-ahead still running after a resume, per memory cgroup (a pause waits for it).
+        self._prefetching: dict[Path, asyncio.Task[None]] = {}
 
     @classmethod
     def make(cls, path: Path, size_mb: int, reserve_mb: int) -> PauseReclaim:
@@ -62,14 +65,39 @@ class PauseReclaim:
         if self.swap is None:
             now = usage(memory_dir)
             return PauseOutcome(now, now, 0.0, self.why_not)
+        prefetch = self._prefetching.get(memory_dir)
+        if prefetch is not None:
+            await asyncio.shield(prefetch)
         async with self._slots:
             r = await asyncio.to_thread(pager.page_out, memory_dir)
         return PauseOutcome(_usage(r.before), _usage(r.after), r.seconds)
 
-    async def prefetch(self, memory_dir: Path | None) -> None:
-        """Before the thaw: start reading the paged-out memory back."""
-        if memory_dir is not None and self.swap is not None:
-            await asyncio.to_thread(pager.prefetch, memory_dir)
+    async def resume(self, memory_dir: Path | None, thaw: Callable[[], Awaitable[None]]) -> None:
+        """Read the small processes' memory back (what the first command touches), thaw, and
+        read the large rest in the background (a page touched first faults in at once)."""
+        if memory_dir is None or self.swap is None:
+            await thaw()
+            return
+        small, large = await asyncio.to_thread(pager.prefetch_plan, memory_dir)
+        if small:
+            await asyncio.to_thread(pager.prefetch, small)
+        await thaw()
+        if not large:
+            return
+        task = asyncio.get_running_loop().create_task(self._prefetch(large))
+        self._prefetching[memory_dir] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._prefetching.get(memory_dir) is t:
+                del self._prefetching[memory_dir]
+
+        task.add_done_callback(done)
+
+    async def _prefetch(self, pids: list[int]) -> None:
+        try:
+            await asyncio.to_thread(pager.prefetch, pids)
+        except Exception as exc:  # the sandbox runs on: its pages fault in instead
+            log.warning("read-ahead of processes %s failed: %s", pids[:8], exc)
 
     def status(self) -> tuple[int, int]:
         """(size, used) bytes of the swap area; (0, 0) without one."""
