@@ -173,16 +173,19 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseSandbox(self, request, context):
-        """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
-        memory stays resident: pause does not push memory out yet (memory reclaim comes with
-        preemption). Any call to a paused sandbox resumes it.
+        """Freezes the sandbox and gives its memory back to the node (a container's pages to the
+        edge's swap area, a microVM saved to local disk); files, processes and their memory are
+        kept, and what was given back stops counting toward the node's admission (Sandbox.memory
+        says how much). Not RUNNING: FAILED_PRECONDITION. Any call to a paused sandbox resumes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ResumeSandbox(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
+        sandbox stays PAUSED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

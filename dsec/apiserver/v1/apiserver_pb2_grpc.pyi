@@ -59,11 +59,15 @@ class SandboxServiceStub:
     DeleteSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteSandboxRequest, _apiserver_pb2.DeleteSandboxResponse]
     """Stops if needed and forgets the sandbox."""
     PauseSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PauseSandboxRequest, _apiserver_pb2.PauseSandboxResponse]
-    """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
-    memory stays resident: pause does not push memory out yet (memory reclaim comes with
-    preemption). Any call to a paused sandbox resumes it.
+    """Freezes the sandbox and gives its memory back to the node (a container's pages to the
+    edge's swap area, a microVM saved to local disk); files, processes and their memory are
+    kept, and what was given back stops counting toward the node's admission (Sandbox.memory
+    says how much). Not RUNNING: FAILED_PRECONDITION. Any call to a paused sandbox resumes it.
     """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]
+    """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
+    sandbox stays PAUSED.
+    """
     PauseTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]
     """Task-level operations, what a trainer's preemption handler calls: each acts on every
     sandbox of the task (the caller's project and subprojects), narrowed by the labels if
@@ -114,11 +118,15 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     DeleteSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.DeleteSandboxRequest, _apiserver_pb2.DeleteSandboxResponse]  # type: ignore[assignment]
     """Stops if needed and forgets the sandbox."""
     PauseSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PauseSandboxRequest, _apiserver_pb2.PauseSandboxResponse]  # type: ignore[assignment]
-    """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
-    memory stays resident: pause does not push memory out yet (memory reclaim comes with
-    preemption). Any call to a paused sandbox resumes it.
+    """Freezes the sandbox and gives its memory back to the node (a container's pages to the
+    edge's swap area, a microVM saved to local disk); files, processes and their memory are
+    kept, and what was given back stops counting toward the node's admission (Sandbox.memory
+    says how much). Not RUNNING: FAILED_PRECONDITION. Any call to a paused sandbox resumes it.
     """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
+    """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
+    sandbox stays PAUSED.
+    """
     PauseTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]  # type: ignore[assignment]
     """Task-level operations, what a trainer's preemption handler calls: each acts on every
     sandbox of the task (the caller's project and subprojects), narrowed by the labels if
@@ -214,9 +222,10 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _apiserver_pb2.PauseSandboxRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.PauseSandboxResponse, _abc.Awaitable[_apiserver_pb2.PauseSandboxResponse]]:
-        """Freezes the sandbox's processes (cgroup freezer); files and processes are kept. Its
-        memory stays resident: pause does not push memory out yet (memory reclaim comes with
-        preemption). Any call to a paused sandbox resumes it.
+        """Freezes the sandbox and gives its memory back to the node (a container's pages to the
+        edge's swap area, a microVM saved to local disk); files, processes and their memory are
+        kept, and what was given back stops counting toward the node's admission (Sandbox.memory
+        says how much). Not RUNNING: FAILED_PRECONDITION. Any call to a paused sandbox resumes it.
         """
 
     @_abc_1.abstractmethod
@@ -224,7 +233,10 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _apiserver_pb2.ResumeSandboxRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_apiserver_pb2.ResumeSandboxResponse, _abc.Awaitable[_apiserver_pb2.ResumeSandboxResponse]]: ...
+    ) -> _typing.Union[_apiserver_pb2.ResumeSandboxResponse, _abc.Awaitable[_apiserver_pb2.ResumeSandboxResponse]]:
+        """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
+        sandbox stays PAUSED.
+        """
 
     @_abc_1.abstractmethod
     def PauseTask(

@@ -133,7 +133,7 @@ class _TerminationReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Ter
     TERMINATION_REASON_EDGE_LOST: _TerminationReason.ValueType  # 11
     """the owning edge disappeared"""
     TERMINATION_REASON_PREEMPTED: _TerminationReason.ValueType  # 12
-    """reclaimed by the platform"""
+    """stopped because its job was preempted (StopTask)"""
 
 class TerminationReason(_TerminationReason, metaclass=_TerminationReasonEnumTypeWrapper):
     """Why a sandbox ended. An RL framework treats every reason except STOPPED as a
@@ -164,7 +164,7 @@ TERMINATION_REASON_RUNTIME_ERROR: TerminationReason.ValueType  # 10
 TERMINATION_REASON_EDGE_LOST: TerminationReason.ValueType  # 11
 """the owning edge disappeared"""
 TERMINATION_REASON_PREEMPTED: TerminationReason.ValueType  # 12
-"""reclaimed by the platform"""
+"""stopped because its job was preempted (StopTask)"""
 Global___TerminationReason: _TypeAlias = TerminationReason  # noqa: Y015
 
 class _QosClass:
