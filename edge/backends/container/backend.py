@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
+from edge.backends import qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.container.containment import Containment
 from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
@@ -702,6 +703,10 @@ def _apply_qos(rec: SandboxRecord, pid: int) -> None:
     """A best-effort sandbox runs under SCHED_IDLE: set on pid 1 while it is the sandbox's only
     process, so chronus and every command inherit it. A command cannot switch back: leaving
     SCHED_IDLE takes CAP_SYS_NICE (not in a sandbox's set) or an RLIMIT_NICE above 0 (sandboxes
-    inherit 0); tested. Latency-sensitive sandboxes keep SCHED_OTHER."""
+    inherit 0); tested. Latency-sensitive sandboxes keep SCHED_OTHER and, where the kernel has
+    core scheduling, get a cookie of their own the same way (edge/backends/qos.py; that path
+    cannot run on this machine kind's kernel and is untested here)."""
     if rec.spec.qos == "BEST_EFFORT":
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        qos.set_idle(pid)
+    elif qos.core_scheduling().available:
+        qos.new_core_cookie(pid)

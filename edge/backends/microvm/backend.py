@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
+from edge.backends import qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
 from edge.backends.container.warm import template as warm_template
@@ -544,6 +545,8 @@ class MicrovmBackend:
         t1 = time.perf_counter()
         try:
             await asyncio.to_thread(self._set_cpu, sid, rec.spec)
+            if rec.spec.qos == "BEST_EFFORT":  # a running QEMU: each of its threads
+                await asyncio.to_thread(qos.set_idle_all_threads, vm.pid)
             await self._claim(w.conn, rec, image)
         except BaseException:
             await self.destroy(rec)
@@ -670,9 +673,11 @@ class MicrovmBackend:
         *,
         incoming: bool = False,
         tap_fd: int | None = None,
+        best_effort: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start QEMU with the edge's listening sockets for its agent port, QMP and console
-        (and the guest's tap: the edge's copies are closed once QEMU has them)."""
+        (and the guest's tap: the edge's copies are closed once QEMU has them). A best-effort
+        guest's QEMU is SCHED_IDLE from before its exec: every thread it starts inherits it."""
         listeners = [self._listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
         try:
             machine = qemu.Machine(
@@ -701,6 +706,7 @@ class MicrovmBackend:
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     start_new_session=True,
+                    preexec_fn=_sched_idle if best_effort else None,
                 )
         finally:
             for s in listeners:
@@ -733,6 +739,7 @@ class MicrovmBackend:
             rec.runtime["mac"],
             incoming=restore_from is not None,
             tap_fd=tap,
+            best_effort=rec.spec.qos == "BEST_EFFORT",
         )
         rec.runtime["pid"] = proc.pid
         rec.runtime["qemu_name"] = sid
@@ -1116,6 +1123,11 @@ def _write_back(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _sched_idle() -> None:
+    """In QEMU's process between fork and exec (see _spawn)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _disk_id(rec: SandboxRecord) -> str:
