@@ -22,6 +22,7 @@ import errno
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 PR_SCHED_CORE = 62
 PR_SCHED_CORE_GET, PR_SCHED_CORE_CREATE = 0, 1
@@ -92,3 +93,11 @@ def set_idle_all_threads(pid: int) -> None:
             except ProcessLookupError:
                 pass  # that thread ended
         done |= todo
+
+
+def set_cgroup_idle(cpu_dir: Path | None, idle: bool) -> None:
+    """A cpu cgroup (v1 directory) idle or not (`cpu.idle`, Linux >= 5.15): an idle group
+    weighs what a SCHED_IDLE task does against its siblings and yields to them at wakeup. Its
+    `cpu.shares` cannot be written while it is idle (EINVAL). Nothing on a kernel without it."""
+    if cpu_dir is not None and (cpu_dir / "cpu.idle").exists():
+        (cpu_dir / "cpu.idle").write_text("1" if idle else "0")

@@ -451,7 +451,7 @@ def _policies(sb: Sandbox) -> dict[tuple[int, int, str], int]:
 
 
 def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
-    make_sandbox: Callable[..., Sandbox],
+    make_sandbox: Callable[..., Sandbox], container_cluster: LocalCluster
 ) -> None:
     # Field 41 of /proc/<pid>/stat is the scheduling policy: 0 SCHED_OTHER, 5 SCHED_IDLE.
     policy = "cut -d' ' -f41 /proc/self/stat"
@@ -477,6 +477,11 @@ def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
         chronus = [t for p, t, c in seen if p != 1 and c == "ld-linux-x86-64"]
         assert len(chronus) >= 2, seen  # chronus: its main thread and a call's
         assert comms.count("sleep") == 2 and "bash" in comms, seen  # background, session
+    # The sandbox's cpu cgroup is idle too: a group competes with its siblings by its weight,
+    # whatever its tasks' policy (edge/backends/qos.py).
+    parent = container_cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
+    for sb, idle in ((be, "1"), (ls, "0")):
+        assert (Path("/sys/fs/cgroup/cpu") / parent / sb.id / "cpu.idle").read_text() == idle + "\n"
     # A command cannot switch itself back to SCHED_OTHER (no CAP_SYS_NICE, RLIMIT_NICE 0).
     escape = be.run(
         "python3 -c 'import os; os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))'"

@@ -586,6 +586,7 @@ class MicrovmBackend:
             raise FileNotFoundError("no cgroup v1 cpu hierarchy")
         (d / "cpu.cfs_quota_us").write_text(str(_cpu_quota_us(spec)))
         (d / "cpu.shares").write_text(str(max(2, spec.cpu_millis * 1024 // 1000)))
+        qos.set_cgroup_idle(d, spec.qos == "BEST_EFFORT")
 
     def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """Per image (as "<image>@microvm"): (target, ready, claimed, missed)."""
@@ -763,7 +764,8 @@ class MicrovmBackend:
         return c
 
     def _confine(self, sid: str, pid: int, spec: SandboxSpec, shape: Shape) -> None:
-        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids."""
+        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids; a best-effort
+        guest's cpu cgroup is idle (see edge/backends/qos.py)."""
         path = self._cgroup(sid)
         for controller in ("cpu", "memory", "pids"):
             d = cgroups.controller_dir(controller, path)
@@ -771,6 +773,8 @@ class MicrovmBackend:
                 raise FileNotFoundError(f"no cgroup v1 {controller} hierarchy")
             d.mkdir(parents=True, exist_ok=True)
         memory = (shape.memory_mb + self.overhead_mb) << 20
+        # A resume's cgroup is the paused guest's: an idle one refuses cpu.shares (qos.py).
+        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), False)
         cgroups.set_limits(
             path,
             cpu_quota_us=_cpu_quota_us(spec),
@@ -778,6 +782,7 @@ class MicrovmBackend:
             memory_bytes=memory,
             pids_max=256 + 2 * shape.vcpus,  # QEMU's own threads (I/O workers, vCPUs)
         )
+        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), spec.qos == "BEST_EFFORT")
         for controller in ("cpu", "memory", "pids"):
             d = cgroups.controller_dir(controller, path)
             assert d is not None
