@@ -254,21 +254,32 @@ class Gateway:
             raise not_found(sandbox_id) from err
         return None
 
+    async def fan_out_each(
+        self, fn: Callable[[edge_pb2_grpc.EdgeServiceStub], Awaitable[Any]]
+    ) -> dict[str, Any]:
+        """Calls every known edge at once: edge id -> its answer, or the :class:`DSecError`
+        its call failed with (an edge that fails is one entry, not the whole call's end)."""
+        await self.edges.refresh()
+        edges = sorted(self.edges.addresses.items())
+        results = await asyncio.gather(
+            *(downstream(fn(self.edges.stub_for_address(a)), "edge") for _, a in edges),
+            return_exceptions=True,
+        )
+        out: dict[str, Any] = {}
+        for (edge_id, _), r in zip(edges, results, strict=True):
+            if isinstance(r, BaseException) and not isinstance(r, DSecError):
+                raise r
+            out[edge_id] = r
+        return out
+
     async def fan_out(
         self, fn: Callable[[edge_pb2_grpc.EdgeServiceStub], Awaitable[Any]]
     ) -> list[Any]:
         """Calls every known edge; an unreachable edge is skipped (and logged), not fatal."""
-        await self.edges.refresh()
-        stubs = [self.edges.stub_for_address(a) for a in self.edges.addresses.values()]
-        results = await asyncio.gather(
-            *(downstream(fn(s), "edge") for s in stubs), return_exceptions=True
-        )
         out = []
-        for r in results:
-            if isinstance(r, BaseException):
-                if not isinstance(r, DSecError):
-                    raise r
-                log.warning("edge unreachable during fan-out: %s", r)
+        for edge_id, r in (await self.fan_out_each(fn)).items():
+            if isinstance(r, DSecError):
+                log.warning("edge %s unreachable during fan-out: %s", edge_id, r)
                 continue
             out.append(r)
         return out

@@ -265,6 +265,7 @@ class LocalCluster:
                     p.proc.wait(timeout=5)
         if all(e.on_shutdown == "stop" for e in self.edges):
             self.release_mounts()
+        self.release_swaps()
         state = self.home / "cluster.json"
         if state.exists():
             state.unlink()
@@ -283,6 +284,21 @@ class LocalCluster:
             if subprocess.run(["umount", target], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", target], capture_output=True)
         return targets
+
+    def release_swaps(self) -> list[str]:
+        """Turns off and removes the swap areas of the cluster's edges that an edge killed
+        before its shutdown left active (an edge removes its own when it stops)."""
+        home = str(self.home.resolve()) + "/"
+        left = []
+        with open("/proc/swaps") as fh:
+            for line in fh.read().splitlines()[1:]:
+                path = line.split()[0].replace("\\040", " ")
+                if path.startswith(home):
+                    left.append(path)
+        for path in left:
+            subprocess.run(["swapoff", path], capture_output=True)
+            Path(path).unlink(missing_ok=True)
+        return left
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.process(name)

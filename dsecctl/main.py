@@ -14,6 +14,8 @@
     dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID|--task T
     dsec sandbox watch [--task T] [--label k=v]... [--json]   one line per change, until Ctrl-C
     dsec sandbox pack ID NAME [--exclude GLOB]... [--no-default-excludes]
+    dsec task pause|resume|stop TASK_ID [--label k=v]... [--preempted] [--grace-s S] [--json]
+                                                     every sandbox of a task: one line each
     dsec env list [PREFIX] | dsec env show NAME | dsec env layers | dsec env rm NAME
     dsec env import SOURCE [--name N] [--kind K] [--base B]   docker:REF, dir:/path, tar:/path
     dsec env compose NAME --base B [--workspace W] [--toolkit T]...
@@ -133,6 +135,7 @@ def _pool_lines(address: str) -> list[str]:
     return (
         controls
         + microvm
+        + _pause_line(resp.pause)
         + [
             f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"
             for image, w in sorted(resp.warm.items())
@@ -143,6 +146,20 @@ def _pool_lines(address: str) -> list[str]:
             for env, p in sorted(resp.fncall.items())
         ]
     )
+
+
+def _pause_line(p: Any) -> list[str]:
+    """What paused sandboxes gave back (edge_pb2.PauseStatus), and where container pauses put
+    memory."""
+    if p.swap_size_bytes:
+        used, size = p.swap_used_bytes >> 20, p.swap_size_bytes >> 20
+        where = f"swap area {used}/{size} MiB used ({p.swap_path})"
+    else:
+        where = f"freeze only ({p.frozen_only})" if p.frozen_only else "no container pause"
+    return [
+        f"pause: {p.paused} paused, {p.released_mb} MiB given back "
+        f"({p.swapped_bytes >> 20} MiB swapped); {where}"
+    ]
 
 
 def _client() -> Any:
@@ -224,6 +241,17 @@ def cmd_token(args: argparse.Namespace) -> int:
             c.revoke_token(args.token_id)
             print(f"revoked {args.token_id}")
     return 0
+
+
+def _label_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="only sandboxes with this label (repeatable: all must match)",
+    )
 
 
 def _label(item: str) -> tuple[str, str]:
@@ -328,6 +356,72 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
             )
             _print_env(env)
     return 0
+
+
+_TASK_DONE = {"pause": "paused", "resume": "resumed", "stop": "stopped"}
+
+
+def cmd_task(args: argparse.Namespace) -> int:
+    """A task-level operation: one line per sandbox (id and state, or the error's reason and
+    message), one per edge that did not answer; exit 1 if anything failed."""
+    labels = _labels(args.label)
+    with _client() as c:
+        if args.action == "pause":
+            r = c.pause_task(args.task_id, labels=labels)
+        elif args.action == "resume":
+            r = c.resume_task(args.task_id, labels=labels)
+        else:
+            r = c.stop_task(
+                args.task_id, preempted=args.preempted, grace_s=args.grace_s, labels=labels
+            )
+    for item in r.results:
+        info, err = item.info, item.error
+        if args.json:
+            line = json.dumps(
+                {
+                    "id": item.sandbox_id,
+                    "edge_id": item.edge_id,
+                    "state": info.state if info else None,
+                    "reason": info.termination_reason if info else None,
+                    "labels": info.labels if info else None,
+                    "error": _error_json(err),
+                }
+            )
+        elif err is not None:
+            line = f"{item.sandbox_id}  error {err.reason}: {err.message}"
+        else:
+            assert info is not None
+            reason = f" ({info.termination_reason})" if info.termination_reason else ""
+            line = f"{item.sandbox_id}  {info.state}{reason}"
+        print(line)
+    for edge in r.edge_errors:
+        if args.json:
+            print(
+                json.dumps({"id": None, "edge_id": edge.edge_id, "error": _error_json(edge.error)})
+            )
+        else:
+            print(f"edge {edge.edge_id}  error {edge.error.reason}: {edge.error.message}")
+    done = len(r.results) - len(r.failed)
+    summary = (
+        f"{_TASK_DONE[args.action]} {done} of {len(r.results)} sandboxes of task {args.task_id}"
+    )
+    if r.failed:
+        summary += f"; {len(r.failed)} failed"
+    if r.edge_errors:
+        summary += f"; {len(r.edge_errors)} edges did not answer"
+    print(summary, file=sys.stderr)
+    return 0 if r.ok else 1
+
+
+def _error_json(err: DSecError | None) -> dict[str, Any] | None:
+    if err is None:
+        return None
+    return {
+        "code": err.code.name,
+        "reason": err.reason,
+        "message": err.message,
+        "metadata": err.metadata,
+    }
 
 
 def _size(n: int) -> str:
@@ -457,14 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--task", default="")
     sw = ssub.add_parser("watch", help="one line per change (time id state reason) until Ctrl-C")
     sw.add_argument("--task", default="", help="only this task's sandboxes")
-    sw.add_argument(
-        "--label",
-        action="append",
-        default=[],
-        type=_label,
-        metavar="KEY=VALUE",
-        help="only sandboxes with this label (repeatable: all must match)",
-    )
+    _label_option(sw)
     sw.add_argument("--json", action="store_true", help="one JSON object per line")
     se = ssub.add_parser("exec")
     se.add_argument("sandbox_id")
@@ -479,6 +566,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--exclude", action="append", default=[])
     sp.add_argument("--no-default-excludes", action="store_true")
     sb.set_defaults(fn=cmd_sandbox)
+
+    task = sub.add_parser(
+        "task", help="pause, resume or stop every sandbox of a task (a preempted job's)"
+    )
+    tasksub = task.add_subparsers(dest="action", required=True)
+    for action, what in (
+        ("pause", "pause every sandbox of the task (files and processes are kept)"),
+        ("resume", "resume every paused sandbox of the task"),
+        ("stop", "stop every sandbox of the task"),
+    ):
+        ta = tasksub.add_parser(action, help=what)
+        ta.add_argument("task_id")
+        _label_option(ta)
+        ta.add_argument("--json", action="store_true", help="one JSON object per line")
+        if action == "stop":
+            ta.add_argument(
+                "--preempted",
+                action="store_true",
+                help="end them with termination reason PREEMPTED (their job was preempted)",
+            )
+            ta.add_argument(
+                "--grace-s", type=float, default=2.0, help="SIGTERM, then SIGKILL after this"
+            )
+    task.set_defaults(fn=cmd_task)
 
     add_fncall_parser(sub)
 

@@ -88,6 +88,11 @@ class EdgeConfig(ServiceConfig):
     #: Free space kept on every filesystem the edge writes (state, writable layers, logs):
     #: below it creates are refused (NODE_DISK_LOW) and the fastest writer is ended (DISK_QUOTA).
     disk_reserve_mb: int = 1024
+    #: Size of the swap area a pause pushes a container's memory into (a swap file the edge
+    #: makes in <state_dir>/swap, only if that leaves the disk reserve free; 0 = none: pause
+    #: only freezes, and says so). Its pages hold paused sandboxes only: a running sandbox
+    #: never swaps (memsw limit = memory limit, memory.swappiness 0).
+    pause_swap_mb: int = 8192
     #: How often the free space of those filesystems is checked.
     disk_check_interval_s: float = 0.25
     #: Each sandbox's aether/chronus log is kept below this (the edge cuts it to its head).
@@ -206,6 +211,8 @@ class EdgeConfig(ServiceConfig):
                 f"DSEC_EDGE_DEFAULT_DISK_MB={self.default_disk_mb}: every sandbox has a disk "
                 f"limit; expected {MIN_DISK_MB}..DSEC_EDGE_MAX_DISK_MB ({self.max_disk_mb})"
             )
+        if self.pause_swap_mb < 0:
+            raise ConfigError("pause_swap_mb must be >= 0 (0 = no swap area: pause freezes only)")
         if self.disk_reserve_mb < 0 or self.disk_check_interval_s <= 0:
             raise ConfigError("DSEC_EDGE_DISK_RESERVE_MB must be >= 0, the check interval > 0")
         if self.sandbox_log_max_kb < 64:

@@ -125,6 +125,19 @@ def sandbox_pb(rec: SandboxRecord) -> types_pb2.Sandbox:
         expires_at=ts(rec.expires_at) if rec.spec.ttl_s else None,
         violations=types_pb2.ViolationCounters(**rec.violations),
     )
+    if rec.memory and rec.live:
+        m = rec.memory
+        out.memory.CopyFrom(
+            types_pb2.SandboxMemory(
+                resident_bytes=m.get("resident_bytes", 0),
+                swapped_bytes=m.get("swapped_bytes", 0),
+                measured_at=ts(m.get("at")),
+                freed_bytes=m.get("freed_bytes", 0),
+                pause_s=m.get("pause_s", 0.0),
+                released_mb=rec.released_mb,
+                frozen_only=m.get("frozen_only", ""),
+            )
+        )
     if rec.termination_reason:
         out.termination.CopyFrom(
             types_pb2.Termination(

@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -22,9 +23,11 @@ from typing import Any
 
 from edge.backends.contract import (
     DiskUsage,
+    MemoryUsage,
     ModifiedFiles,
     NetworkPolicies,
     Pausable,
+    PauseOutcome,
     SandboxBackend,
     check_declared,
     offers,
@@ -36,8 +39,10 @@ from libdsec.errors import (
     DSecError,
     EdgeCapacity,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NodeDiskLow,
+    NodeMemoryFull,
     SandboxNotFound,
     SandboxTerminated,
     Unavailable,
@@ -47,6 +52,11 @@ log = logging.getLogger(__name__)
 
 #: The oldest free-space sample admission decides on (see _fresh_disk_sample).
 DISK_SAMPLE_MAX_AGE_S = 0.02
+
+#: What act_on does to each sandbox of a task-level operation.
+ACTIONS = ("PAUSE", "RESUME", "STOP")
+#: Sandboxes one act_on works on at a time (each pause or stop is its own runtime call).
+ACT_CONCURRENCY = 8
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,9 @@ class SandboxManager:
         self.disk_check_interval_s = disk_check_interval_s
         self._disk_passes = 0
         self._persist_failures = 0
+        #: One pause or resume at a time per sandbox (a burst of calls to a paused sandbox
+        #: resumes it once).
+        self._transitions: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------- queries
 
@@ -244,15 +257,14 @@ class SandboxManager:
                 },
             )
 
-    def _allocate(self, spec: SandboxSpec, sign: int) -> None:
+    def _account(self, rec: SandboxRecord, sign: int) -> None:
+        """A sandbox starts (+1) or stops (-1) holding capacity: allocation and counts. A
+        paused sandbox holds the memory its pause did not give back (released_mb)."""
+        spec = rec.spec
         self._live += sign
         self._alloc_cpu += sign * spec.cpu_millis
-        self._alloc_mem += sign * spec.memory_mb
+        self._alloc_mem += sign * (spec.memory_mb - rec.released_mb)
         self._alloc_gpu += sign * spec.gpu_count
-
-    def _account(self, rec: SandboxRecord, sign: int) -> None:
-        """A sandbox starts (+1) or stops (-1) holding capacity: allocation and counts."""
-        self._allocate(rec.spec, sign)
         c = self._counts
         for kind, key in (
             ("backend", rec.spec.backend),
@@ -438,27 +450,95 @@ class SandboxManager:
         self.records.pop(sandbox_id, None)
         self._forget_file(sandbox_id)
 
+    def _transition(self, sandbox_id: str) -> asyncio.Lock:
+        return self._transitions.setdefault(sandbox_id, asyncio.Lock())
+
     async def pause(self, sandbox_id: str) -> SandboxRecord:
+        """Stops everything in the sandbox, keeps its state and gives its memory back where
+        the backend can: what it gave back stops counting toward the node's admission."""
         rec = self.get_live(sandbox_id)
         pausable = require(self.backend_of(rec), Pausable)
         await self._wait_ready(rec)
-        if rec.state == "PAUSED":
-            return rec
-        if rec.state != "RUNNING":
-            raise FailedPrecondition(f"sandbox {sandbox_id} is {rec.state}, not RUNNING")
-        await pausable.pause(rec)
-        self._set_state(rec, "PAUSED")
+        async with self._transition(sandbox_id):
+            if rec.state == "PAUSED":
+                return rec
+            if rec.state != "RUNNING":
+                self.get_live(sandbox_id)  # ended meanwhile: SandboxTerminated with the reason
+                raise FailedPrecondition(
+                    f"sandbox {sandbox_id} is {rec.state}, not RUNNING: it cannot be paused",
+                    reason="SANDBOX_NOT_RUNNING",
+                    metadata={"state": rec.state},
+                )
+            outcome = await pausable.pause(rec)
+            if rec.state != "RUNNING":  # it ended while pausing (stop, TTL, runtime death)
+                return rec
+            self._paused(rec, outcome)
+            self._set_state(rec, "PAUSED")
         return rec
 
+    def _paused(self, rec: SandboxRecord, outcome: PauseOutcome) -> None:
+        held_mb = math.ceil(outcome.after.resident_bytes / (1 << 20))
+        released = 0 if outcome.frozen_only else max(0, rec.spec.memory_mb - held_mb)
+        self._alloc_mem -= released
+        rec.released_mb = released
+        rec.memory = {
+            **_memory_fields(outcome.after),
+            "freed_bytes": outcome.freed_bytes,
+            "pause_s": round(outcome.seconds, 4),
+            "frozen_only": outcome.frozen_only,
+        }
+
     async def resume(self, sandbox_id: str) -> SandboxRecord:
+        """Thaws a paused sandbox. The memory its pause gave back must fit the node's
+        admission again: if it does not, NodeMemoryFull and the sandbox stays PAUSED."""
         rec = self.get_live(sandbox_id)
         pausable = require(self.backend_of(rec), Pausable)
-        if rec.state != "PAUSED":
-            return rec
-        await pausable.resume(rec)
-        rec.last_active_at = time.time()
-        self._set_state(rec, "RUNNING")
+        async with self._transition(sandbox_id):
+            if rec.state != "PAUSED":
+                return rec
+            need = rec.released_mb
+            free = self.capacity.memory_mb - self._alloc_mem
+            if need > free:
+                raise NodeMemoryFull(
+                    f"sandbox {sandbox_id} cannot resume on edge {self.edge_id} now: it needs "
+                    f"{need} MiB of memory back and the node's admission has {max(free, 0)} "
+                    f"MiB free; it stays PAUSED (nothing is lost)",
+                    metadata={
+                        "edge": self.edge_id,
+                        "need_mb": str(need),
+                        "free_mb": str(max(free, 0)),
+                    },
+                )
+            # Taken before the backend call, so concurrent resumes of others see it.
+            self._alloc_mem += need
+            rec.released_mb = 0
+            try:
+                await pausable.resume(rec)
+            except BaseException:
+                if rec.state == "PAUSED":  # still ours to account (not ended meanwhile)
+                    self._alloc_mem -= need
+                    rec.released_mb = need
+                raise
+            rec.memory = {}
+            rec.last_active_at = time.time()
+            self._set_state(rec, "RUNNING")
         return rec
+
+    async def measure_memory(self, rec: SandboxRecord) -> None:
+        """Refresh rec.memory from the backend (GetSandbox): resident and swapped now."""
+        backend = self.backend_of(rec)
+        if rec.state not in ("RUNNING", "PAUSED") or not offers(backend, Pausable):
+            return
+        usage = await require(backend, Pausable).memory_usage(rec)
+        if usage is not None:
+            rec.memory = {**rec.memory, **_memory_fields(usage)}
+
+    def paused_status(self) -> tuple[int, int, int]:
+        """(paused sandboxes, MiB their pauses gave back to the node's admission, bytes of them
+        in swap or saved on disk as last measured)."""
+        paused = [r for r in self.records.values() if r.state == "PAUSED"]
+        swapped = sum(int(r.memory.get("swapped_bytes", 0)) for r in paused)
+        return len(paused), sum(r.released_mb for r in paused), swapped
 
     async def touch(self, sandbox_id: str) -> SandboxRecord:
         """Marks activity (idle timer) before a call into the sandbox; resumes a paused one."""
@@ -514,6 +594,8 @@ class SandboxManager:
         rec.termination_message = message
         rec.terminated_at = time.time()
         self._account(rec, -1)
+        rec.released_mb = 0
+        self._transitions.pop(rec.sandbox_id, None)
         self._set_state(rec, TERMINAL)
         log.info(
             "sandbox %s terminated: %s %s",
@@ -744,9 +826,77 @@ class SandboxManager:
         )
         return len(live)
 
+    # ------------------------------------------------------- task-level operations
+
+    async def act_on(
+        self,
+        action: str,
+        *,
+        project_prefix: str = "",
+        task_id: str = "",
+        labels: dict[str, str] | None = None,
+        reason: str = "STOPPED",
+        message: str = "",
+        grace_s: float = 2.0,
+        skip_terminated: bool = False,
+        concurrency: int = ACT_CONCURRENCY,
+    ) -> builtins.list[tuple[str, SandboxRecord | None, DSecError | None]]:
+        """Pauses, resumes or stops (``action``: PAUSE, RESUME, STOP) every sandbox matching
+        the selector, this edge's share of a task-level operation, through :meth:`pause`,
+        :meth:`resume` and :meth:`stop` (``reason``, ``message``, ``grace_s``), at most
+        ``concurrency`` at a time. Per sandbox, in creation order: (id, a snapshot of the
+        record as the action left it, None), or (id, None, its error, with the sandbox's
+        ``state`` in the metadata): one sandbox failing stops none of the others. The
+        sandboxes are those matching when the call starts (terminated ones too, unless
+        ``skip_terminated``); an empty selector (no task id, no labels) is refused."""
+        if action not in ACTIONS:
+            raise InvalidArgument(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
+        if not task_id and not labels:
+            raise InvalidArgument("give a task_id and/or labels (refusing to act on every sandbox)")
+        recs = self.list(
+            project_prefix=project_prefix,
+            task_id=task_id,
+            labels=labels,
+            include_terminated=not skip_terminated,
+        )
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def act(rec: SandboxRecord) -> tuple[str, SandboxRecord | None, DSecError | None]:
+            sid = rec.sandbox_id
+            async with sem:
+                try:
+                    if action == "PAUSE":
+                        done = await self.pause(sid)
+                    elif action == "RESUME":
+                        done = await self.resume(sid)
+                    else:
+                        done = await self.stop(sid, reason=reason, message=message, grace_s=grace_s)
+                except DSecError as exc:
+                    exc.metadata.setdefault("state", rec.state)
+                    return sid, None, exc
+                except Exception:
+                    # One sandbox's bug must not fail its task-mates' results.
+                    log.exception("%s of %s failed", action.lower(), sid, extra={"sandbox_id": sid})
+                    return (
+                        sid,
+                        None,
+                        Internal(f"{action.lower()} of {sid} failed (see the edge log)"),
+                    )
+                return sid, copy.copy(done), None
+
+        return list(await asyncio.gather(*(act(r) for r in recs)))
+
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+
+
+def _memory_fields(usage: MemoryUsage) -> dict[str, Any]:
+    return {
+        "resident_bytes": usage.resident_bytes,
+        "swapped_bytes": usage.swapped_bytes,
+        "at": time.time(),
+    }
 
 
 def _default_message(reason: str) -> str:
@@ -754,4 +904,5 @@ def _default_message(reason: str) -> str:
         "STOPPED": "stopped by request",
         "TTL": "maximum lifetime reached",
         "IDLE": "idle timeout reached",
+        "PREEMPTED": "preempted: its job was preempted",
     }.get(reason, reason.lower())

@@ -64,6 +64,12 @@ class SandboxRecord:
     last_active_at: float = field(default_factory=time.time)
     runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned facts (pid, paths)
     violations: dict[str, int] = field(default_factory=dict)
+    #: Memory as last measured (resident_bytes, swapped_bytes, at; after a pause also
+    #: freed_bytes, pause_s and frozen_only), see edge.backends.contract.PauseOutcome.
+    memory: dict[str, Any] = field(default_factory=dict)
+    #: MiB of spec.memory_mb a pause gave back to the node: not counted toward its memory
+    #: admission while the sandbox stays paused (a resume must find room for them again).
+    released_mb: int = 0
 
     @property
     def expires_at(self) -> float:

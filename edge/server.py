@@ -17,6 +17,7 @@ from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from edge import controls
 from edge.backends import NullBackend, SandboxBackend
+from edge.backends.container.pausing import PauseReclaim
 from edge.backends.contract import DiskUsage, LayerStore, offers, require
 from edge.config import EdgeConfig
 from edge.controls import Control
@@ -55,7 +56,8 @@ def make_backends(cfg: EdgeConfig) -> tuple[list[SandboxBackend], list[Control]]
 
     container = ContainerBackend.from_config(cfg)
     microvm, control = MicrovmBackend.from_config(cfg, container)
-    return [container, *([microvm] if microvm is not None else [])], [control]
+    backends: list[SandboxBackend] = [container, *([microvm] if microvm is not None else [])]
+    return backends, [container.reclaim.control(), control]
 
 
 def make_disk_guard(cfg: EdgeConfig, backends: list[SandboxBackend]) -> DiskGuard:
@@ -175,6 +177,10 @@ async def main() -> None:
             fncall=FnCallAdapter(fncall, no_fncall),
             layers=LayersAdapter(environments, manager),
             controls=host_controls,
+            pause_reclaim=next(
+                (r for b in backends if isinstance(r := getattr(b, "reclaim", None), PauseReclaim)),
+                None,
+            ),
         ),
         "dsec.edge.v1.EdgeService",
     )

@@ -11,6 +11,7 @@ from typing import Any
 from common.convert import ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
+from edge.backends.container.pausing import PauseReclaim
 from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
 from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
@@ -72,6 +73,20 @@ def _summary_pb(rec: SandboxRecord, out: types_pb2.Sandbox) -> None:
     s.resources.memory_mb = spec.memory_mb
 
 
+_ACTION = {
+    edge_pb2.SANDBOX_ACTION_PAUSE: "PAUSE",
+    edge_pb2.SANDBOX_ACTION_RESUME: "RESUME",
+    edge_pb2.SANDBOX_ACTION_STOP: "STOP",
+}
+
+
+def _reason_name(reason: types_pb2.TerminationReason.ValueType) -> str:
+    """A stop's termination reason by name (UNSPECIFIED = STOPPED)."""
+    if not reason:
+        return "STOPPED"
+    return types_pb2.TerminationReason.Name(reason).removeprefix("TERMINATION_REASON_")
+
+
 def _state_names(states: Any) -> set[str] | None:
     names = {types_pb2.SandboxState.Name(s).removeprefix("SANDBOX_STATE_") for s in states}
     return names or None
@@ -86,8 +101,10 @@ class EdgeServicer:
         fncall: FnCallAdapter | None = None,
         layers: LayersAdapter | None = None,
         controls: list[Control] | None = None,
+        pause_reclaim: PauseReclaim | None = None,
     ) -> None:
         self.manager = manager
+        self.pause_reclaim = pause_reclaim
         self.controls = [
             edge_pb2.HostControl(name=c.name, state=c.state, detail=c.detail)
             for c in controls or []
@@ -149,7 +166,9 @@ class EdgeServicer:
     async def GetSandbox(
         self, request: edge_pb2.GetSandboxRequest, context: Any
     ) -> edge_pb2.GetSandboxResponse:
-        return edge_pb2.GetSandboxResponse(sandbox=sandbox_pb(self.manager.get(request.sandbox_id)))
+        rec = self.manager.get(request.sandbox_id)
+        await self.manager.measure_memory(rec)
+        return edge_pb2.GetSandboxResponse(sandbox=sandbox_pb(rec))
 
     async def ListSandboxes(
         self, request: edge_pb2.ListSandboxesRequest, context: Any
@@ -166,13 +185,8 @@ class EdgeServicer:
     async def StopSandbox(
         self, request: edge_pb2.StopSandboxRequest, context: Any
     ) -> edge_pb2.StopSandboxResponse:
-        reason = "STOPPED"
-        if request.reason:
-            reason = types_pb2.TerminationReason.Name(request.reason).removeprefix(
-                "TERMINATION_REASON_"
-            )
         rec = await self.manager.stop(
-            request.sandbox_id, reason=reason, grace_s=request.grace_s or 2.0
+            request.sandbox_id, reason=_reason_name(request.reason), grace_s=request.grace_s or 2.0
         )
         return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
 
@@ -195,6 +209,35 @@ class EdgeServicer:
         return edge_pb2.ResumeSandboxResponse(
             sandbox=sandbox_pb(await self.manager.resume(request.sandbox_id))
         )
+
+    async def ActOnSandboxes(
+        self, request: edge_pb2.ActOnSandboxesRequest, context: Any
+    ) -> edge_pb2.ActOnSandboxesResponse:
+        action = _ACTION.get(request.action)
+        if action is None:
+            raise InvalidArgument("action must be PAUSE, RESUME or STOP")
+        results = await self.manager.act_on(
+            action,
+            project_prefix=request.project_prefix,
+            task_id=request.task_id,
+            labels=dict(request.label_selector),
+            reason=_reason_name(request.reason),
+            message=request.message,
+            grace_s=request.grace_s or 2.0,
+            skip_terminated=request.skip_terminated,
+        )
+        out = edge_pb2.ActOnSandboxesResponse()
+        for sid, rec, err in results:
+            r = out.results.add(sandbox_id=sid)
+            if err is not None:
+                r.error_code = code_number(err.code)
+                r.error_message = err.message
+                r.error_info.reason = err.reason
+                r.error_info.metadata.update(err.metadata)
+            else:
+                assert rec is not None
+                r.sandbox.CopyFrom(sandbox_pb(rec))
+        return out
 
     async def GetNodeStatus(
         self, request: edge_pb2.GetNodeStatusRequest, context: Any
@@ -228,7 +271,18 @@ class EdgeServicer:
             },
             fncall=self.fncall.pool_status(),
             controls=self.controls,
+            pause=await self._pause_status(),
         )
+
+    async def _pause_status(self) -> edge_pb2.PauseStatus:
+        paused, released_mb, swapped = self.manager.paused_status()
+        out = edge_pb2.PauseStatus(paused=paused, released_mb=released_mb, swapped_bytes=swapped)
+        r = self.pause_reclaim
+        if r is not None:
+            out.swap_size_bytes, out.swap_used_bytes = await asyncio.to_thread(r.status)
+            out.swap_path = str(r.swap.path) if r.swap is not None else ""
+            out.frozen_only = r.why_not
+        return out
 
     def _warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """image -> (target, ready, claimed, missed) of the backends' warm pools."""

@@ -33,6 +33,7 @@ from libdsec.types import (
     FunctionResult,
     HttpResponse,
     Layer,
+    MemoryInfo,
     ModifiedFile,
     NetworkPolicy,
     NewToken,
@@ -42,6 +43,9 @@ from libdsec.types import (
     Quota,
     SandboxInfo,
     Started,
+    TaskEdgeError,
+    TaskResult,
+    TaskSandboxResult,
     TokenInfo,
 )
 
@@ -66,6 +70,7 @@ __all__ = [
     "FunctionResult",
     "HttpResponse",
     "Layer",
+    "MemoryInfo",
     "ModifiedFile",
     "NetworkPolicy",
     "NewToken",
@@ -79,6 +84,9 @@ __all__ = [
     "SandboxOptions",
     "Session",
     "Started",
+    "TaskEdgeError",
+    "TaskResult",
+    "TaskSandboxResult",
     "TokenInfo",
     "Watch",
 ]

@@ -357,11 +357,18 @@ class AsyncSandbox:
         )
 
     async def pause(self) -> SandboxInfo:
+        """Stops everything in the sandbox and gives its memory back to the node, keeping files,
+        processes and their memory contents: a container's pages go to the edge's swap area, a
+        microVM is saved to local disk. ``refresh().memory`` says how much was freed. Any later
+        call (exec, files, HTTP, sessions) resumes it first; the TTL keeps counting while paused,
+        the idle timeout does not. Not RUNNING: ``FailedPrecondition``."""
         return await self._lifecycle(
             "PauseSandbox", apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id), 120
         )
 
     async def resume(self) -> SandboxInfo:
+        """Thaws a paused sandbox (memory is read back as it runs). If the memory its pause gave
+        back does not fit on its node now: ``NodeMemoryFull`` and it stays PAUSED."""
         return await self._lifecycle(
             "ResumeSandbox", apiserver_pb2.ResumeSandboxRequest(sandbox_id=self.id), 120
         )

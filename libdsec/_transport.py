@@ -37,6 +37,13 @@ def channel_options(service_config: str | None = None) -> list[tuple[str, str | 
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),
+        # Reconnect soon after a peer comes back (a restarted service): gRPC's default backoff
+        # grows to 120 s, and calls on a channel in backoff fail at once with UNAVAILABLE
+        # (seen: a restarted edge probed as down for seconds after it was serving, and marked
+        # UNHEALTHY by the watcher).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     if service_config is not None:
         options.append(("grpc.service_config", service_config))
@@ -94,6 +101,11 @@ SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
         "StopSandbox",
         "PauseSandbox",
         "ResumeSandbox",
+        # Task operations: a retry pauses what is not yet paused, resumes what is still paused,
+        # and answers a stopped sandbox as it ended.
+        "PauseTask",
+        "ResumeTask",
+        "StopTask",
     ),
     "dsec.apiserver.v1.ExecService": ("WaitExec", "ListExecs", "ListSessions"),
     "dsec.apiserver.v1.FileService": ("ReadFile", "ListDir", "StatPath"),

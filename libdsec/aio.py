@@ -58,8 +58,13 @@ from libdsec.types import (
     Project,
     Quota,
     SandboxInfo,
+    TaskResult,
     TokenInfo,
 )
+
+#: The default deadline of a task-level operation: the API server gives each edge 600 s for
+#: its share (thousands of sandboxes, a few at a time), and answers per edge before this.
+TASK_TIMEOUT_S = 660.0
 
 
 class AsyncClient:
@@ -337,13 +342,97 @@ class AsyncClient:
         labels: Mapping[str, str] | None = None,
         timeout: float | None = 120.0,
     ) -> builtins.list[str]:
-        """Stops every sandbox of a task and/or with labels, across all edges; returns their ids."""
+        """Stops every live sandbox of a task and/or with labels, across all edges; returns their
+        ids. :meth:`stop_task` does the same with a result per sandbox (and PREEMPTED)."""
         resp = await self._rpc.unary(
             self._rpc.sandboxes.StopSandboxes,
             apiserver_pb2.StopSandboxesRequest(task_id=task_id, label_selector=dict(labels or {})),
             timeout=timeout,
         )
         return list(resp.sandbox_ids)
+
+    # ------------------------------------------------- task-level operations
+
+    async def pause_task(
+        self,
+        task_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Pauses every sandbox of the task (this project's and its subprojects', on every
+        edge, in one call), narrowed by ``labels`` if given: what a trainer calls when its job
+        is preempted. Files and processes are kept; any later call into a sandbox resumes it
+        (or :meth:`resume_task` resumes them all). One result per sandbox, never an exception
+        for one sandbox: a PAUSED one stays PAUSED, one that is not running fails with
+        FAILED_PRECONDITION naming its state (``metadata["state"]``)::
+
+            r = await dsec.pause_task("job-42")
+            print(len(r), "sandboxes,", len(r.failed), "failed")   # r.ok: all of them paused
+
+        A task without sandboxes gives an empty result; ``task_id=""`` without ``labels``
+        raises :class:`~libdsec.errors.InvalidArgument` (nothing acts on everything).
+        """
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.PauseTask,
+            apiserver_pb2.PauseTaskRequest(task_id=task_id, label_selector=dict(labels or {})),
+            timeout=TASK_TIMEOUT_S if timeout is None else timeout,
+        )
+        return TaskResult.from_pb(resp)
+
+    async def resume_task(
+        self,
+        task_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Resumes every paused sandbox of the task (a RUNNING one stays RUNNING, an ended one
+        fails with :class:`~libdsec.errors.SandboxTerminated`, one whose memory does not fit
+        its node again with :class:`~libdsec.errors.NodeMemoryFull` and stays PAUSED); see
+        :meth:`pause_task`::
+
+            r = await dsec.resume_task("job-42")
+            episodes = {info.labels["episode"]: info.id for info in r.sandboxes}
+        """
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.ResumeTask,
+            apiserver_pb2.ResumeTaskRequest(task_id=task_id, label_selector=dict(labels or {})),
+            timeout=TASK_TIMEOUT_S if timeout is None else timeout,
+        )
+        return TaskResult.from_pb(resp)
+
+    async def stop_task(
+        self,
+        task_id: str,
+        *,
+        preempted: bool = False,
+        grace_s: float = 2.0,
+        message: str = "",
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Stops every sandbox of the task (see :meth:`pause_task` for the selection and the
+        results): each ends with termination reason STOPPED, or PREEMPTED with
+        ``preempted=True`` (its job was preempted: what :meth:`get` and :meth:`watch` then
+        report, with ``message`` or a default one); SIGTERM, then SIGKILL after ``grace_s``.
+        A sandbox that had ended already is answered as it is (its first reason stands)::
+
+            r = await dsec.stop_task("job-42", preempted=True)
+            print([(i.id, i.termination_reason) for i in r.sandboxes])  # [("sb-...", "PREEMPTED")]
+        """
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.StopTask,
+            apiserver_pb2.StopTaskRequest(
+                task_id=task_id,
+                label_selector=dict(labels or {}),
+                preempted=preempted,
+                grace_s=grace_s,
+                message=message,
+            ),
+            timeout=(TASK_TIMEOUT_S + grace_s) if timeout is None else timeout,
+        )
+        return TaskResult.from_pb(resp)
 
     def watch(
         self,

@@ -29,7 +29,8 @@ Tree::
     │   ├── QuotaExceeded
     │   ├── NoEligibleEdge
     │   └── EdgeCapacity
-    │       └── NodeDiskLow       the edge's disk is below its free-space reserve
+    │       ├── NodeDiskLow       the edge's disk is below its free-space reserve
+    │       └── NodeMemoryFull    a paused sandbox's memory does not fit its node to resume
     ├── Unavailable               UNAVAILABLE          transient: retry
     │   └── ChannelClosed
     ├── Unauthenticated           UNAUTHENTICATED      bad or missing token
@@ -73,6 +74,7 @@ __all__ = [
     "LayerNotFound",
     "NoEligibleEdge",
     "NodeDiskLow",
+    "NodeMemoryFull",
     "NotFound",
     "PathNotFound",
     "PermissionDenied",
@@ -212,6 +214,14 @@ class NodeDiskLow(EdgeCapacity):
     ``metadata``: ``edge``, ``path`` (the filesystem), ``free_mb``, ``reserve_mb``."""
 
     default_reason = "NODE_DISK_LOW"
+
+
+class NodeMemoryFull(EdgeCapacity):
+    """A paused sandbox whose memory was given back does not fit on its node to resume now
+    (the node's memory admission is full): it stays PAUSED with everything kept; retry once
+    other sandboxes end or pause. ``metadata``: ``edge``, ``need_mb``, ``free_mb``."""
+
+    default_reason = "NODE_MEMORY_FULL"
 
 
 class Unavailable(DSecError):

@@ -53,6 +53,7 @@ from libdsec.types import (
     Project,
     Quota,
     SandboxInfo,
+    TaskResult,
     TokenInfo,
 )
 
@@ -184,6 +185,55 @@ class Client:
 
     def stop_all(self, **kw: Any) -> builtins.list[str]:
         return self._loop.run(self._async.stop_all(**kw))
+
+    def pause_task(
+        self,
+        task_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Pauses every sandbox of the task, on every edge, in one call; one result per
+        sandbox (see :meth:`AsyncClient.pause_task`)::
+
+            r = dsec.pause_task("job-42")            # the trainer's preemption handler
+            for f in r.failed:
+                print(f.sandbox_id, f.error.reason, f.error.metadata.get("state"))
+        """
+        return self._loop.run(self._async.pause_task(task_id, labels=labels, timeout=timeout))
+
+    def resume_task(
+        self,
+        task_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Resumes every paused sandbox of the task (see :meth:`AsyncClient.resume_task`)."""
+        return self._loop.run(self._async.resume_task(task_id, labels=labels, timeout=timeout))
+
+    def stop_task(
+        self,
+        task_id: str,
+        *,
+        preempted: bool = False,
+        grace_s: float = 2.0,
+        message: str = "",
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> TaskResult:
+        """Stops every sandbox of the task, with reason PREEMPTED if ``preempted`` (see
+        :meth:`AsyncClient.stop_task`): ``dsec.stop_task("job-42", preempted=True)``."""
+        return self._loop.run(
+            self._async.stop_task(
+                task_id,
+                preempted=preempted,
+                grace_s=grace_s,
+                message=message,
+                labels=labels,
+                timeout=timeout,
+            )
+        )
 
     def watch(
         self,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
+from libdsec.errors import DSecError, status_for
 
 
 def _dt(ts: Any) -> datetime | None:
@@ -193,6 +195,35 @@ class ModifiedFile:
 
 
 @dataclass(frozen=True)
+class MemoryInfo:
+    """A sandbox's memory as its edge measured it (``get`` measures; ``list`` and ``watch``
+    carry the last measurement). A pause gives memory back: a container's pages go to the
+    edge's swap area, a microVM's guest is saved to local disk."""
+
+    resident_bytes: int  # in the node's RAM now
+    swapped_bytes: int  # given back: in swap, or saved on local disk
+    measured_at: datetime | None
+    #: From the last pause, while PAUSED: what it freed, how long it took, how much of
+    #: memory_mb stopped counting toward the node's admission, why it only froze ("" if not).
+    freed_bytes: int
+    pause_s: float
+    released_mb: int
+    frozen_only: str
+
+    @classmethod
+    def from_pb(cls, m: types_pb2.SandboxMemory) -> MemoryInfo:
+        return cls(
+            resident_bytes=m.resident_bytes,
+            swapped_bytes=m.swapped_bytes,
+            measured_at=_dt(m.measured_at),
+            freed_bytes=m.freed_bytes,
+            pause_s=m.pause_s,
+            released_mb=m.released_mb,
+            frozen_only=m.frozen_only,
+        )
+
+
+@dataclass(frozen=True)
 class SandboxInfo:
     id: str
     project_id: str
@@ -204,9 +235,12 @@ class SandboxInfo:
     task_id: str
     created_at: datetime | None
     expires_at: datetime | None
-    termination_reason: str | None  # STOPPED, TTL, IDLE, OOM, CHANNEL_CLOSED, RUNTIME_ERROR, ...
+    termination_reason: (
+        str | None
+    )  # STOPPED, PREEMPTED, TTL, IDLE, OOM, CHANNEL_CLOSED, EDGE_LOST, ...
     termination_message: str
     violations: dict[str, int]
+    memory: MemoryInfo | None  # None: not measured (terminated, or a backend that cannot)
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -234,11 +268,102 @@ class SandboxInfo:
                 "pids_limit_hits": s.violations.pids_limit_hits,
                 "dns_refusals": s.violations.dns_refusals,
             },
+            memory=MemoryInfo.from_pb(s.memory) if s.HasField("memory") else None,
         )
 
     @property
     def terminated(self) -> bool:
         return self.state == "TERMINATED"
+
+
+def _error(pb: Any) -> DSecError:
+    """The error a per-item result carries (error_code, error_message, error_info)."""
+    info = pb.error_info
+    return status_for(pb.error_code, info.reason, pb.error_message, dict(info.metadata))
+
+
+@dataclass(frozen=True)
+class TaskSandboxResult:
+    """One sandbox's outcome of a task-level operation (:meth:`AsyncClient.pause_task`,
+    ``resume_task``, ``stop_task``): the sandbox as the operation left it (``info``), or the
+    error it got (``error``: e.g. :class:`~libdsec.errors.SandboxTerminated` for a pause of an
+    ended sandbox, ``metadata["state"]`` naming its state)."""
+
+    sandbox_id: str
+    edge_id: str
+    info: SandboxInfo | None
+    error: DSecError | None
+
+    @classmethod
+    def from_pb(cls, r: Any) -> TaskSandboxResult:
+        if r.error_code:
+            return cls(r.sandbox_id, r.edge_id, None, _error(r))
+        return cls(r.sandbox_id, r.edge_id, SandboxInfo.from_pb(r.sandbox), None)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def state(self) -> str | None:
+        """PAUSED, RUNNING, TERMINATED, ... as the operation left it; None on an error."""
+        return self.info.state if self.info is not None else None
+
+
+@dataclass(frozen=True)
+class TaskEdgeError:
+    """An edge that did not answer a task-level operation: its sandboxes of the task are not
+    in the results (they may or may not have been acted on; ask again)."""
+
+    edge_id: str
+    error: DSecError
+
+    @classmethod
+    def from_pb(cls, e: Any) -> TaskEdgeError:
+        return cls(e.edge_id, _error(e))
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """What a task-level operation did: one :class:`TaskSandboxResult` per sandbox of the task
+    (iterate over it), one :class:`TaskEdgeError` per edge that did not answer. A task with
+    no sandboxes gives an empty result, not an error::
+
+        r = await dsec.pause_task("job-42")
+        if not r.ok:
+            for f in r.failed:
+                print(f.sandbox_id, f.error.reason, f.error.metadata.get("state"))
+    """
+
+    results: list[TaskSandboxResult]
+    edge_errors: list[TaskEdgeError] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, resp: Any) -> TaskResult:
+        return cls(
+            [TaskSandboxResult.from_pb(r) for r in resp.results],
+            [TaskEdgeError.from_pb(e) for e in resp.edge_errors],
+        )
+
+    @property
+    def ok(self) -> bool:
+        """Every sandbox succeeded and every edge answered."""
+        return not self.edge_errors and all(r.ok for r in self.results)
+
+    @property
+    def failed(self) -> list[TaskSandboxResult]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def sandboxes(self) -> list[SandboxInfo]:
+        """The sandboxes the operation succeeded on, as it left them."""
+        return [r.info for r in self.results if r.info is not None]
+
+    def __iter__(self) -> Iterator[TaskSandboxResult]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
 
 
 @dataclass(frozen=True)

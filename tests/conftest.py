@@ -40,6 +40,8 @@ def start_cluster(home: Path, **kw: object) -> LocalCluster:
             e.extra_env.setdefault(
                 "DSEC_EDGE_CGROUP_PARENT", f"dsec-test-{os.getpid()}-{e.edge_id}"
             )
+            # A swap area for paused sandboxes per test edge: small (tests page out MBs).
+            e.extra_env.setdefault("DSEC_EDGE_PAUSE_SWAP_MB", "1024")
     c = LocalCluster(
         home,
         transport="unix",

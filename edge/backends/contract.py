@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -92,10 +93,44 @@ class Executes(Protocol):
         """The live channel to the sandbox's aether (UNAVAILABLE while reconnecting)."""
 
 
+@dataclass(frozen=True)
+class MemoryUsage:
+    """A sandbox's memory as its backend measured it."""
+
+    #: In the node's RAM, charged to the sandbox (anonymous, page cache, kernel; a microVM's
+    #: QEMU process).
+    resident_bytes: int
+    #: Given back and kept elsewhere: pages in the edge's swap area (a paused container), the
+    #: guest's memory saved to local disk (a paused microVM).
+    swapped_bytes: int
+
+
+@dataclass(frozen=True)
+class PauseOutcome:
+    """What a pause gave back to the node."""
+
+    before: MemoryUsage
+    after: MemoryUsage
+    seconds: float
+    #: "" when the memory was reclaimed; otherwise why the sandbox was only frozen (no swap
+    #: area, ...): its memory stays resident and keeps counting toward admission.
+    frozen_only: str = ""
+
+    @property
+    def freed_bytes(self) -> int:
+        return max(0, self.before.resident_bytes - self.after.resident_bytes)
+
+
 @runtime_checkable
 class Pausable(Protocol):
-    async def pause(self, rec: SandboxRecord) -> None: ...
+    async def pause(self, rec: SandboxRecord) -> PauseOutcome:
+        """Stop everything in the sandbox, keep its state, and give its memory back to the
+        node where the backend can (the outcome says how much, or why not)."""
+
     async def resume(self, rec: SandboxRecord) -> None: ...
+
+    async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
+        """Measured now; None when the backend cannot tell (the sandbox is gone)."""
 
 
 @runtime_checkable

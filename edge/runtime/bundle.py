@@ -254,8 +254,10 @@ def make_config(
             "devices": [{"allow": False, "access": "rwm"}],
             # swap == limit: OCI's "swap" is memory+swap (memsw), so no swap escape. Without
             # swap accounting (only where the operator turned memory_swap off) runc cannot
-            # set it: the memory limit alone.
-            "memory": {"limit": memory, "disableOOMKiller": False}
+            # set it: the memory limit alone. Swappiness 0: the kernel's reclaim does not push
+            # a running sandbox's anonymous memory to swap either; only a pause pages it out
+            # (edge/runtime/pager.py).
+            "memory": {"limit": memory, "disableOOMKiller": False, "swappiness": 0}
             | ({"swap": memory} if _has_memsw() else {}),
             "cpu": {
                 "quota": cpu_quota_us(spec.cpu_millis),

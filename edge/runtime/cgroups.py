@@ -185,6 +185,10 @@ def set_limits(
     order = ["memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
     for name in order if memory_bytes > current else reversed(order):
         write("memory", name, memory_bytes)
+    # A running sandbox never swaps (only a pause pages it out: edge/runtime/pager.py).
+    mem = controller_dir("memory", cgroup_path)
+    if mem is not None and (mem / "memory.swappiness").exists():
+        (mem / "memory.swappiness").write_text("0")
     write("pids", "pids.max", pids_max)
 
 

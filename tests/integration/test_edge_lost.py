@@ -119,6 +119,15 @@ def test_a_killed_edge_s_sandboxes_end_with_edge_lost_in_every_view(lc: LocalClu
             )
             assert {s.id for s in c.list(states=["RUNNING"])} == {kept.id}
             assert c.list(task_id="another-task") == []
+            # A task operation answers them from the watcher, ended as for a live edge.
+            paused = {r.sandbox_id: r for r in c.pause_task("lost-task")}
+            assert set(paused) == {s.id for s in doomed} | {kept.id}
+            for s in doomed:
+                err = paused[s.id].error
+                assert isinstance(err, SandboxTerminated)
+                assert err.metadata["termination_reason"] == "EDGE_LOST"
+            assert paused[kept.id].error.reason == "BACKEND_CAPABILITY"  # type: ignore[union-attr]
+            assert other.pause_task("lost-task").results == []
             # WatchSandboxes: one terminated event with EDGE_LOST for each.
             wait_for(lambda: all("TERMINATED" in w.states(s.id) for s in doomed), 15)
             for s in doomed:
@@ -141,6 +150,11 @@ def test_a_killed_edge_s_sandboxes_end_with_edge_lost_in_every_view(lc: LocalClu
             lc.restart("edge-lx")
             wait_for(lambda: reported(lc, "lx") == 0 and lc_healthy(lc, "lx"), 15)
             assert all(lost_reason(c, s.id) == "EDGE_LOST" for s in doomed)
+            stopped_task = {r.sandbox_id: r.info for r in c.stop_task("lost-task")}
+            assert {sid: i.termination_reason for sid, i in stopped_task.items() if i} == {
+                **{s.id: "EDGE_LOST" for s in doomed},
+                kept.id: "STOPPED",
+            }
         finally:
             kept.stop()
 

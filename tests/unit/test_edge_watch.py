@@ -17,6 +17,7 @@ import edge.servicer
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.backends import Capability, NullBackend
+from edge.backends.contract import MemoryUsage, PauseOutcome
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from edge.servicer import EdgeServicer
@@ -31,9 +32,13 @@ class PausableNull(NullBackend):
     capabilities = frozenset({Capability.PAUSE})
 
     async def pause(self, rec):  # type: ignore[no-untyped-def]
-        return None
+        none = MemoryUsage(0, 0)
+        return PauseOutcome(none, none, 0.0)
 
     async def resume(self, rec):  # type: ignore[no-untyped-def]
+        return None
+
+    async def memory_usage(self, rec):  # type: ignore[no-untyped-def]
         return None
 
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from edge.backends import Capability, NullBackend
+from edge.backends.contract import MemoryUsage, PauseOutcome
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from libdsec.errors import (
@@ -17,6 +18,7 @@ from libdsec.errors import (
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
+    NodeMemoryFull,
     SandboxNotFound,
     SandboxTerminated,
 )
@@ -105,15 +107,21 @@ class PausableNull(NullBackend):
 
     capabilities = frozenset({Capability.PAUSE})
 
-    def __init__(self) -> None:
+    def __init__(self, resident_after_mb: int = 0, frozen_only: str = "") -> None:
         super().__init__()
         self.calls: list[tuple[str, str]] = []
+        self.after = MemoryUsage(resident_after_mb << 20, 400 << 20)
+        self.frozen_only = frozen_only
 
     async def pause(self, rec):  # type: ignore[no-untyped-def]
         self.calls.append(("pause", rec.sandbox_id))
+        return PauseOutcome(MemoryUsage(500 << 20, 0), self.after, 0.01, self.frozen_only)
 
     async def resume(self, rec):  # type: ignore[no-untyped-def]
         self.calls.append(("resume", rec.sandbox_id))
+
+    async def memory_usage(self, rec):  # type: ignore[no-untyped-def]
+        return self.after
 
 
 async def test_pause_resume_and_transparent_resume(tmp_path: Path) -> None:
@@ -232,3 +240,154 @@ async def test_live_counts_follow_creates_and_ends(tmp_path: Path) -> None:
     await m.stop("sb-e1-aaaa0003")
     assert m.live_counts() == ({"root/x": 1}, {"tok1": 1}, {"t1": 1})
     assert m.load().sandboxes == 1
+
+
+async def test_a_paged_out_sandbox_makes_room_and_a_resume_that_does_not_fit_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Memory a pause gave back stops counting toward admission; a resume needs it back."""
+    m = manager(tmp_path, PausableNull(resident_after_mb=12), mem=1100, cpu=10000)
+    spec = SandboxSpec(memory_mb=512)
+    for sid in ("sb-e1-aaaaaa01", "sb-e1-aaaaaa02"):
+        await m.create(sid, spec, "root", "p", wait_ready=True)
+    with pytest.raises(EdgeCapacity):
+        await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=True)
+    rec = await m.pause("sb-e1-aaaaaa01")
+    assert rec.released_mb == 500 and m.load().memory_mb == 512 + 12
+    assert m.paused_status() == (1, 500, 400 << 20)
+    await m.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=False)  # fits now
+    with pytest.raises(NodeMemoryFull) as info:
+        await m.resume("sb-e1-aaaaaa01")
+    assert info.value.code.name == "RESOURCE_EXHAUSTED" and info.value.metadata["need_mb"] == "500"
+    with pytest.raises(NodeMemoryFull):
+        await m.touch("sb-e1-aaaaaa01")  # a call to it resumes first: refused the same way
+    assert m.get("sb-e1-aaaaaa01").state == "PAUSED"
+    await m.stop("sb-e1-aaaaaa03")
+    assert (await m.resume("sb-e1-aaaaaa01")).state == "RUNNING"
+    assert m.load().memory_mb == 1024 and m.get("sb-e1-aaaaaa01").released_mb == 0
+    # A paused sandbox that is stopped gives everything back.
+    await m.pause("sb-e1-aaaaaa02")
+    await m.stop("sb-e1-aaaaaa02")
+    assert m.load().memory_mb == 512 and m.paused_status() == (0, 0, 0)
+
+
+async def test_a_freeze_only_pause_keeps_counting_and_says_why(tmp_path: Path) -> None:
+    m = manager(tmp_path, PausableNull(resident_after_mb=500, frozen_only="no swap area"))
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(memory_mb=512), "root", "p", wait_ready=True)
+    rec = await m.pause("sb-e1-aaaaaa01")
+    assert rec.released_mb == 0 and rec.memory["frozen_only"] == "no swap area"
+    assert m.load().memory_mb == 512
+
+
+async def test_pause_of_a_sandbox_that_is_not_running_names_its_state(tmp_path: Path) -> None:
+    m = manager(tmp_path, PausableNull())
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
+    await m.stop("sb-e1-aaaaaa01")
+    with pytest.raises(FailedPrecondition) as info:
+        await m.pause("sb-e1-aaaaaa01")
+    assert "TERMINATED" in str(info.value) or "terminated" in str(info.value)
+
+
+async def test_concurrent_calls_to_a_paused_sandbox_resume_it_once(tmp_path: Path) -> None:
+    backend = PausableNull()
+    m = manager(tmp_path, backend)
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
+    await m.pause("sb-e1-aaaaaa01")
+    await asyncio.gather(*(m.touch("sb-e1-aaaaaa01") for _ in range(8)))
+    assert backend.calls.count(("resume", "sb-e1-aaaaaa01")) == 1
+
+
+# ------------------------------------------------------- task-level operations
+
+
+async def _task(m: SandboxManager, n: int, task_id: str = "t1", **labels: str) -> list[str]:
+    ids = [f"sb-e1-{task_id}{i:04d}" for i in range(n)]
+    for i, sid in enumerate(ids):
+        spec = SandboxSpec(task_id=task_id, labels={"episode": str(i), **labels})
+        await m.create(sid, spec, "root/a", "p", wait_ready=True)
+    return ids
+
+
+async def test_act_on_pauses_resumes_and_stops_every_sandbox_of_a_task(tmp_path: Path) -> None:
+    backend = PausableNull()
+    m = manager(tmp_path, backend, cpu=100_000, mem=100_000, n=100)
+    ids = await _task(m, 3)
+    other = await _task(m, 1, task_id="t2")
+    paused = await m.act_on("PAUSE", task_id="t1")
+    assert [(sid, rec.state if rec else None, err) for sid, rec, err in paused] == [
+        (sid, "PAUSED", None) for sid in ids
+    ]
+    assert m.get(other[0]).state == "RUNNING"  # another task's sandbox is left alone
+    again = await m.act_on("PAUSE", task_id="t1")  # already paused: just says so
+    assert [rec.state for _, rec, _ in again if rec] == ["PAUSED"] * 3
+    assert len(backend.calls) == 3
+    resumed = await m.act_on("RESUME", task_id="t1", labels={"episode": "1"})
+    assert [(sid, rec.state if rec else None) for sid, rec, _ in resumed] == [(ids[1], "RUNNING")]
+    stopped = await m.act_on("STOP", task_id="t1", reason="PREEMPTED")
+    for _, rec, err in stopped:
+        assert err is None and rec is not None
+        assert (rec.state, rec.termination_reason) == ("TERMINATED", "PREEMPTED")
+        assert rec.termination_message == "preempted: its job was preempted"
+    assert m.load().sandboxes == 1  # the capacity came back
+
+
+async def test_act_on_reports_each_sandbox_s_error_and_goes_on(tmp_path: Path) -> None:
+    m = manager(tmp_path, PausableNull(), cpu=100_000, mem=100_000, n=100)
+    ids = await _task(m, 3)
+    await m.stop(ids[0])
+    results = await m.act_on("PAUSE", task_id="t1")
+    assert [sid for sid, _, _ in results] == ids  # terminated ones too, in creation order
+    _, rec, err = results[0]
+    assert rec is None and isinstance(err, SandboxTerminated)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.metadata["state"] == "TERMINATED"
+    assert err.metadata["termination_reason"] == "STOPPED"
+    assert [rec.state for _, rec, _ in results[1:] if rec] == ["PAUSED", "PAUSED"]
+    live = await m.act_on("STOP", task_id="t1", skip_terminated=True)
+    assert [sid for sid, _, _ in live] == ids[1:]
+    # Stopping an ended sandbox answers it as it is: the first stop's reason stands.
+    ended = await m.act_on("STOP", task_id="t1", reason="PREEMPTED")
+    assert [rec.termination_reason for _, rec, _ in ended if rec] == ["STOPPED"] * 3
+
+
+async def test_act_on_without_the_capability_fails_per_sandbox(tmp_path: Path) -> None:
+    m = manager(tmp_path)  # the null backend cannot pause
+    await _task(m, 2)
+    for _, rec, err in await m.act_on("PAUSE", task_id="t1"):
+        assert rec is None and isinstance(err, BackendCapabilityMissing)
+        assert err.metadata["state"] == "RUNNING"
+
+
+async def test_act_on_refuses_an_empty_selector_and_unknown_actions(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    await _task(m, 1)
+    with pytest.raises(InvalidArgument, match="refusing to act on every sandbox"):
+        await m.act_on("STOP")
+    with pytest.raises(InvalidArgument, match="unknown action"):
+        await m.act_on("DELETE", task_id="t1")
+    assert await m.act_on("STOP", task_id="no-such-task") == []
+
+
+async def test_act_on_selects_within_the_project_prefix(tmp_path: Path) -> None:
+    m = manager(tmp_path, cpu=100_000, mem=100_000, n=100)
+    await _task(m, 2)  # project root/a
+    assert await m.act_on("STOP", project_prefix="root/b", task_id="t1") == []
+    assert len(await m.act_on("STOP", project_prefix="root", task_id="t1")) == 2
+
+
+async def test_act_on_runs_at_most_concurrency_at_a_time(tmp_path: Path) -> None:
+    class SlowPause(PausableNull):
+        running = peak = 0
+
+        async def pause(self, rec):  # type: ignore[no-untyped-def]
+            SlowPause.running += 1
+            SlowPause.peak = max(SlowPause.peak, SlowPause.running)
+            await asyncio.sleep(0.01)
+            SlowPause.running -= 1
+            return await super().pause(rec)
+
+    m = manager(tmp_path, SlowPause(), cpu=100_000, mem=100_000, n=100)
+    await _task(m, 20)
+    results = await m.act_on("PAUSE", task_id="t1", concurrency=4)
+    assert len(results) == 20 and all(err is None for _, _, err in results)
+    assert SlowPause.peak == 4

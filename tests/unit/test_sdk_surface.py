@@ -25,6 +25,9 @@ PUBLIC = {
         "SandboxInfo",
         "NetworkPolicy",
         "Quota",
+        "TaskResult",
+        "TaskSandboxResult",
+        "TaskEdgeError",
     ],
     "libdsec.aio": [
         "AsyncClient",
@@ -80,3 +83,17 @@ def test_watch_takes_the_same_keywords_in_both_clients() -> None:
         (p.name, p.kind, p.default) for p in aio.values()
     ]
     assert list(sync)[1:4] == ["task_id", "labels", "timeout"]
+
+
+@pytest.mark.parametrize("method", ["pause_task", "resume_task", "stop_task"])
+def test_task_operations_take_the_same_arguments_in_both_clients(method: str) -> None:
+    import inspect
+
+    from libdsec import AsyncClient, Client
+
+    sync = inspect.signature(getattr(Client, method)).parameters
+    aio = inspect.signature(getattr(AsyncClient, method)).parameters
+    assert [(p.name, p.kind, p.default) for p in sync.values()] == [
+        (p.name, p.kind, p.default) for p in aio.values()
+    ]
+    assert list(sync)[1] == "task_id"

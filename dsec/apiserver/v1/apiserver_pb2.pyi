@@ -466,6 +466,300 @@ class DeleteSandboxResponse(_message.Message):
 Global___DeleteSandboxResponse: _TypeAlias = DeleteSandboxResponse  # noqa: Y015
 
 @_typing.final
+class TaskSandboxResult(_message.Message):
+    """One sandbox's outcome of a task-level operation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    edge_id: _builtins.str
+    error_code: _builtins.int
+    """google.rpc.Code; 0 = OK"""
+    error_message: _builtins.str
+    @_builtins.property
+    def sandbox(self) -> _types_pb2.Sandbox:
+        """as the operation left it; set when error_code is 0"""
+
+    @_builtins.property
+    def error_info(self) -> _types_pb2.ErrorInfo:
+        """stable reason and metadata, as in "dsec-error-bin" """
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        edge_id: _builtins.str = ...,
+        sandbox: _types_pb2.Sandbox | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+        error_info: _types_pb2.ErrorInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info", "sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskSandboxResult: _TypeAlias = TaskSandboxResult  # noqa: Y015
+
+@_typing.final
+class TaskEdgeError(_message.Message):
+    """An edge that did not answer a task-level operation: its sandboxes of the task (if any) are
+    not in the results, and may or may not have been acted on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    error_code: _builtins.int
+    """google.rpc.Code"""
+    error_message: _builtins.str
+    @_builtins.property
+    def error_info(self) -> _types_pb2.ErrorInfo: ...
+    def __init__(
+        self,
+        *,
+        edge_id: _builtins.str = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+        error_info: _types_pb2.ErrorInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskEdgeError: _TypeAlias = TaskEdgeError  # noqa: Y015
+
+@_typing.final
+class PauseTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match; with task_id "" = any task"""
+
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseTaskRequest: _TypeAlias = PauseTaskRequest  # noqa: Y015
+
+@_typing.final
+class PauseTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    EDGE_ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSandboxResult]:
+        """Edge by edge (by edge id), each edge's in creation order; then those of lost edges."""
+
+    @_builtins.property
+    def edge_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskEdgeError]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___TaskSandboxResult] | None = ...,
+        edge_errors: _abc.Iterable[Global___TaskEdgeError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_errors", b"edge_errors", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseTaskResponse: _TypeAlias = PauseTaskResponse  # noqa: Y015
+
+@_typing.final
+class ResumeTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeTaskRequest: _TypeAlias = ResumeTaskRequest  # noqa: Y015
+
+@_typing.final
+class ResumeTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    EDGE_ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSandboxResult]: ...
+    @_builtins.property
+    def edge_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskEdgeError]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___TaskSandboxResult] | None = ...,
+        edge_errors: _abc.Iterable[Global___TaskEdgeError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_errors", b"edge_errors", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeTaskResponse: _TypeAlias = ResumeTaskResponse  # noqa: Y015
+
+@_typing.final
+class StopTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    preempted: _builtins.bool
+    """termination reason PREEMPTED instead of STOPPED"""
+    grace_s: _builtins.float
+    """SIGTERM, then SIGKILL after this; 0 = 2"""
+    message: _builtins.str
+    """the termination message; "" = the reason's default"""
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        preempted: _builtins.bool = ...,
+        grace_s: _builtins.float = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "label_selector", b"label_selector", "message", b"message", "preempted", b"preempted", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopTaskRequest: _TypeAlias = StopTaskRequest  # noqa: Y015
+
+@_typing.final
+class StopTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    EDGE_ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSandboxResult]: ...
+    @_builtins.property
+    def edge_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskEdgeError]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___TaskSandboxResult] | None = ...,
+        edge_errors: _abc.Iterable[Global___TaskEdgeError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_errors", b"edge_errors", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopTaskResponse: _TypeAlias = StopTaskResponse  # noqa: Y015
+
+@_typing.final
 class PauseSandboxRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

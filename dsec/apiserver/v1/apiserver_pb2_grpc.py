@@ -83,6 +83,21 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.FromString,
                 _registered_method=True)
+        self.PauseTask = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/PauseTask',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskResponse.FromString,
+                _registered_method=True)
+        self.ResumeTask = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/ResumeTask',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskResponse.FromString,
+                _registered_method=True)
+        self.StopTask = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/StopTask',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskResponse.FromString,
+                _registered_method=True)
         self.PackDiff = channel.unary_unary(
                 '/dsec.apiserver.v1.SandboxService/PackDiff',
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffRequest.SerializeToString,
@@ -172,6 +187,37 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseTask(self, request, context):
+        """Task-level operations, what a trainer's preemption handler calls: each acts on every
+        sandbox of the task (the caller's project and subprojects), narrowed by the labels if
+        given, on every edge in parallel (one call per edge), and answers one result per
+        sandbox (the sandbox as the operation left it, or its error) plus one per edge that
+        did not answer. A task without sandboxes is an empty answer, not an error; an empty
+        task_id with no labels is INVALID_ARGUMENT (nothing acts on everything).
+        Pause: a PAUSED sandbox stays PAUSED; one that is not running (ended, stopping) gets
+        FAILED_PRECONDITION naming its state (metadata "state").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeTask(self, request, context):
+        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+        memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+        PAUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopTask(self, request, context):
+        """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
+        preempted; one that had ended already is answered as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PackDiff(self, request, context):
         """Checkpoints the writable layer as a new environment layer.
         """
@@ -250,6 +296,21 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.ResumeSandbox,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.SerializeToString,
+            ),
+            'PauseTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseTask,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskResponse.SerializeToString,
+            ),
+            'ResumeTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeTask,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskResponse.SerializeToString,
+            ),
+            'StopTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTask,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskResponse.SerializeToString,
             ),
             'PackDiff': grpc.unary_unary_rpc_method_handler(
                     servicer.PackDiff,
@@ -517,6 +578,87 @@ class SandboxService:
             '/dsec.apiserver.v1.SandboxService/ResumeSandbox',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/PauseTask',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/ResumeTask',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/StopTask',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.StopTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

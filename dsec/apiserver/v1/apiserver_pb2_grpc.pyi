@@ -64,6 +64,25 @@ class SandboxServiceStub:
     preemption). Any call to a paused sandbox resumes it.
     """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]
+    PauseTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]
+    """Task-level operations, what a trainer's preemption handler calls: each acts on every
+    sandbox of the task (the caller's project and subprojects), narrowed by the labels if
+    given, on every edge in parallel (one call per edge), and answers one result per
+    sandbox (the sandbox as the operation left it, or its error) plus one per edge that
+    did not answer. A task without sandboxes is an empty answer, not an error; an empty
+    task_id with no labels is INVALID_ARGUMENT (nothing acts on everything).
+    Pause: a PAUSED sandbox stays PAUSED; one that is not running (ended, stopping) gets
+    FAILED_PRECONDITION naming its state (metadata "state").
+    """
+    ResumeTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeTaskRequest, _apiserver_pb2.ResumeTaskResponse]
+    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+    memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+    PAUSED.
+    """
+    StopTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.StopTaskRequest, _apiserver_pb2.StopTaskResponse]
+    """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
+    preempted; one that had ended already is answered as it is.
+    """
     PackDiff: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]
     """Checkpoints the writable layer as a new environment layer."""
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.UpdateNetworkPolicyRequest, _apiserver_pb2.UpdateNetworkPolicyResponse]
@@ -100,6 +119,25 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     preemption). Any call to a paused sandbox resumes it.
     """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
+    PauseTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]  # type: ignore[assignment]
+    """Task-level operations, what a trainer's preemption handler calls: each acts on every
+    sandbox of the task (the caller's project and subprojects), narrowed by the labels if
+    given, on every edge in parallel (one call per edge), and answers one result per
+    sandbox (the sandbox as the operation left it, or its error) plus one per edge that
+    did not answer. A task without sandboxes is an empty answer, not an error; an empty
+    task_id with no labels is INVALID_ARGUMENT (nothing acts on everything).
+    Pause: a PAUSED sandbox stays PAUSED; one that is not running (ended, stopping) gets
+    FAILED_PRECONDITION naming its state (metadata "state").
+    """
+    ResumeTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeTaskRequest, _apiserver_pb2.ResumeTaskResponse]  # type: ignore[assignment]
+    """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+    memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+    PAUSED.
+    """
+    StopTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.StopTaskRequest, _apiserver_pb2.StopTaskResponse]  # type: ignore[assignment]
+    """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
+    preempted; one that had ended already is answered as it is.
+    """
     PackDiff: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]  # type: ignore[assignment]
     """Checkpoints the writable layer as a new environment layer."""
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.UpdateNetworkPolicyRequest, _apiserver_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
@@ -187,6 +225,43 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _apiserver_pb2.ResumeSandboxRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.ResumeSandboxResponse, _abc.Awaitable[_apiserver_pb2.ResumeSandboxResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PauseTask(
+        self,
+        request: _apiserver_pb2.PauseTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.PauseTaskResponse, _abc.Awaitable[_apiserver_pb2.PauseTaskResponse]]:
+        """Task-level operations, what a trainer's preemption handler calls: each acts on every
+        sandbox of the task (the caller's project and subprojects), narrowed by the labels if
+        given, on every edge in parallel (one call per edge), and answers one result per
+        sandbox (the sandbox as the operation left it, or its error) plus one per edge that
+        did not answer. A task without sandboxes is an empty answer, not an error; an empty
+        task_id with no labels is INVALID_ARGUMENT (nothing acts on everything).
+        Pause: a PAUSED sandbox stays PAUSED; one that is not running (ended, stopping) gets
+        FAILED_PRECONDITION naming its state (metadata "state").
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeTask(
+        self,
+        request: _apiserver_pb2.ResumeTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.ResumeTaskResponse, _abc.Awaitable[_apiserver_pb2.ResumeTaskResponse]]:
+        """Resume: a RUNNING sandbox stays RUNNING; an ended one gets FAILED_PRECONDITION; one whose
+        memory does not fit its node again gets RESOURCE_EXHAUSTED (NODE_MEMORY_FULL) and stays
+        PAUSED.
+        """
+
+    @_abc_1.abstractmethod
+    def StopTask(
+        self,
+        request: _apiserver_pb2.StopTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.StopTaskResponse, _abc.Awaitable[_apiserver_pb2.StopTaskResponse]]:
+        """Stop: each sandbox ends STOPPED, or PREEMPTED when the caller says its job was
+        preempted; one that had ended already is answered as it is.
+        """
 
     @_abc_1.abstractmethod
     def PackDiff(

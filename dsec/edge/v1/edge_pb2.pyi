@@ -16,6 +16,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -26,6 +27,31 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _SandboxAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SandboxActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SandboxAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SANDBOX_ACTION_UNSPECIFIED: _SandboxAction.ValueType  # 0
+    SANDBOX_ACTION_PAUSE: _SandboxAction.ValueType  # 1
+    """as PauseSandbox: a PAUSED one stays PAUSED"""
+    SANDBOX_ACTION_RESUME: _SandboxAction.ValueType  # 2
+    """as ResumeSandbox: a RUNNING one stays RUNNING"""
+    SANDBOX_ACTION_STOP: _SandboxAction.ValueType  # 3
+    """as StopSandbox: a TERMINATED one is answered as it is"""
+
+class SandboxAction(_SandboxAction, metaclass=_SandboxActionEnumTypeWrapper): ...
+
+SANDBOX_ACTION_UNSPECIFIED: SandboxAction.ValueType  # 0
+SANDBOX_ACTION_PAUSE: SandboxAction.ValueType  # 1
+"""as PauseSandbox: a PAUSED one stays PAUSED"""
+SANDBOX_ACTION_RESUME: SandboxAction.ValueType  # 2
+"""as ResumeSandbox: a RUNNING one stays RUNNING"""
+SANDBOX_ACTION_STOP: SandboxAction.ValueType  # 3
+"""as StopSandbox: a TERMINATED one is answered as it is"""
+Global___SandboxAction: _TypeAlias = SandboxAction  # noqa: Y015
 
 @_typing.final
 class CreateSandboxRequest(_message.Message):
@@ -496,6 +522,140 @@ class ResumeSandboxResponse(_message.Message):
 Global___ResumeSandboxResponse: _TypeAlias = ResumeSandboxResponse  # noqa: Y015
 
 @_typing.final
+class ActOnSandboxesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    SKIP_TERMINATED_FIELD_NUMBER: _builtins.int
+    action: Global___SandboxAction.ValueType
+    project_prefix: _builtins.str
+    """Selector, as in ListSandboxes; at least one of task_id / label_selector (an empty
+    selector is INVALID_ARGUMENT: nothing acts on every sandbox of an edge).
+    project id or ancestor; "" = all
+    """
+    task_id: _builtins.str
+    reason: _types_pb2.TerminationReason.ValueType
+    """STOP: why the sandboxes end (UNSPECIFIED = STOPPED; PREEMPTED for a preempted job) and
+    the termination message ("" = the reason's default).
+    """
+    message: _builtins.str
+    grace_s: _builtins.float
+    """STOP: SIGTERM, then SIGKILL after this; 0 = 2"""
+    skip_terminated: _builtins.bool
+    """leave out sandboxes that had ended already"""
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """all must match"""
+
+    def __init__(
+        self,
+        *,
+        action: Global___SandboxAction.ValueType = ...,
+        project_prefix: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reason: _types_pb2.TerminationReason.ValueType = ...,
+        message: _builtins.str = ...,
+        grace_s: _builtins.float = ...,
+        skip_terminated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "grace_s", b"grace_s", "label_selector", b"label_selector", "message", b"message", "project_prefix", b"project_prefix", "reason", b"reason", "skip_terminated", b"skip_terminated", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActOnSandboxesRequest: _TypeAlias = ActOnSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class SandboxActionResult(_message.Message):
+    """The outcome for one sandbox: the sandbox as the action left it, or the error it got."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    error_code: _builtins.int
+    """google.rpc.Code; 0 = OK"""
+    error_message: _builtins.str
+    @_builtins.property
+    def sandbox(self) -> _types_pb2.Sandbox:
+        """set when error_code is 0"""
+
+    @_builtins.property
+    def error_info(self) -> _types_pb2.ErrorInfo:
+        """stable reason and metadata (e.g. "state")"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        sandbox: _types_pb2.Sandbox | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+        error_info: _types_pb2.ErrorInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info", "sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxActionResult: _TypeAlias = SandboxActionResult  # noqa: Y015
+
+@_typing.final
+class ActOnSandboxesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxActionResult]:
+        """in creation order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___SandboxActionResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActOnSandboxesResponse: _TypeAlias = ActOnSandboxesResponse  # noqa: Y015
+
+@_typing.final
 class PackDiffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -785,6 +945,7 @@ class GetNodeStatusResponse(_message.Message):
     WARM_FIELD_NUMBER: _builtins.int
     FNCALL_FIELD_NUMBER: _builtins.int
     CONTROLS_FIELD_NUMBER: _builtins.int
+    PAUSE_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
@@ -814,6 +975,10 @@ class GetNodeStatusResponse(_message.Message):
     def controls(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostControl]:
         """the host controls this edge enforces (checked at start)"""
 
+    @_builtins.property
+    def pause(self) -> Global___PauseStatus:
+        """what paused sandboxes gave back to the node"""
+
     def __init__(
         self,
         *,
@@ -828,14 +993,63 @@ class GetNodeStatusResponse(_message.Message):
         warm: _abc.Mapping[_builtins.str, Global___WarmPoolStatus] | None = ...,
         fncall: _abc.Mapping[_builtins.str, Global___FnCallPoolStatus] | None = ...,
         controls: _abc.Iterable[Global___HostControl] | None = ...,
+        pause: Global___PauseStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load", "pause", b"pause"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class PauseStatus(_message.Message):
+    """Pause that gives memory back (edge/backends/container/pausing.py, the microVM backend)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSED_FIELD_NUMBER: _builtins.int
+    RELEASED_MB_FIELD_NUMBER: _builtins.int
+    SWAP_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SWAP_USED_BYTES_FIELD_NUMBER: _builtins.int
+    SWAP_PATH_FIELD_NUMBER: _builtins.int
+    FROZEN_ONLY_FIELD_NUMBER: _builtins.int
+    SWAPPED_BYTES_FIELD_NUMBER: _builtins.int
+    paused: _builtins.int
+    """sandboxes PAUSED now"""
+    released_mb: _builtins.int
+    """of their memory_mb, not counted toward admission now"""
+    swap_size_bytes: _builtins.int
+    """the edge's swap area for paused containers (0: none)"""
+    swap_used_bytes: _builtins.int
+    """Used, by anyone: the kernel puts swapped pages in the host's highest-priority area, which on
+    a host with several edges (or swap of its own) may be another one. What this edge's
+    sandboxes hold is swapped_bytes.
+    """
+    swap_path: _builtins.str
+    frozen_only: _builtins.str
+    """"" or why a container pause only freezes on this edge"""
+    swapped_bytes: _builtins.int
+    """of the paused sandboxes, in swap or saved on disk (last measured)"""
+    def __init__(
+        self,
+        *,
+        paused: _builtins.int = ...,
+        released_mb: _builtins.int = ...,
+        swap_size_bytes: _builtins.int = ...,
+        swap_used_bytes: _builtins.int = ...,
+        swap_path: _builtins.str = ...,
+        frozen_only: _builtins.str = ...,
+        swapped_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frozen_only", b"frozen_only", "paused", b"paused", "released_mb", b"released_mb", "swap_path", b"swap_path", "swap_size_bytes", b"swap_size_bytes", "swap_used_bytes", b"swap_used_bytes", "swapped_bytes", b"swapped_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseStatus: _TypeAlias = PauseStatus  # noqa: Y015
 
 @_typing.final
 class HostControl(_message.Message):

@@ -75,6 +75,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.FromString,
                 _registered_method=True)
+        self.ActOnSandboxes = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ActOnSandboxes',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesResponse.FromString,
+                _registered_method=True)
         self.PackDiff = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/PackDiff',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffRequest.SerializeToString,
@@ -307,6 +312,15 @@ class EdgeServiceServicer:
 
     def ResumeSandbox(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ActOnSandboxes(self, request, context):
+        """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
+        share of a task-level operation), a few at a time; one result per matching sandbox,
+        terminated ones included. Never fails for one sandbox: its error is in its result.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -574,6 +588,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.ResumeSandbox,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.SerializeToString,
+            ),
+            'ActOnSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ActOnSandboxes,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesResponse.SerializeToString,
             ),
             'PackDiff': grpc.unary_unary_rpc_method_handler(
                     servicer.PackDiff,
@@ -967,6 +986,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/ResumeSandbox',
             dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ActOnSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ActOnSandboxes',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,

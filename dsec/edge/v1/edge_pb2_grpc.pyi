@@ -58,6 +58,11 @@ class EdgeServiceStub:
     stays resident (not pushed out yet). A call into the sandbox resumes it.
     """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]
+    ActOnSandboxes: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ActOnSandboxesRequest, _edge_pb2.ActOnSandboxesResponse]
+    """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
+    share of a task-level operation), a few at a time; one result per matching sandbox,
+    terminated ones included. Never fails for one sandbox: its error is in its result.
+    """
     PackDiff: _grpc.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]
@@ -130,6 +135,11 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     stays resident (not pushed out yet). A call into the sandbox resumes it.
     """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
+    ActOnSandboxes: _aio.UnaryUnaryMultiCallable[_edge_pb2.ActOnSandboxesRequest, _edge_pb2.ActOnSandboxesResponse]  # type: ignore[assignment]
+    """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
+    share of a task-level operation), a few at a time; one result per matching sandbox,
+    terminated ones included. Never fails for one sandbox: its error is in its result.
+    """
     PackDiff: _aio.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]  # type: ignore[assignment]
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
@@ -247,6 +257,17 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.ResumeSandboxRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.ResumeSandboxResponse, _abc.Awaitable[_edge_pb2.ResumeSandboxResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ActOnSandboxes(
+        self,
+        request: _edge_pb2.ActOnSandboxesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.ActOnSandboxesResponse, _abc.Awaitable[_edge_pb2.ActOnSandboxesResponse]]:
+        """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
+        share of a task-level operation), a few at a time; one result per matching sandbox,
+        terminated ones included. Never fails for one sandbox: its error is in its result.
+        """
 
     @_abc_1.abstractmethod
     def PackDiff(

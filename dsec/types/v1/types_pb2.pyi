@@ -655,6 +655,7 @@ class Sandbox(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     VIOLATIONS_FIELD_NUMBER: _builtins.int
     PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"sb-<edge_id>-<random>": the owning edge is encoded"""
     project_id: _builtins.str
@@ -680,6 +681,10 @@ class Sandbox(_message.Message):
 
     @_builtins.property
     def violations(self) -> Global___ViolationCounters: ...
+    @_builtins.property
+    def memory(self) -> Global___SandboxMemory:
+        """measured by GetSandbox; List and Watch carry the last measurement"""
+
     def __init__(
         self,
         *,
@@ -695,14 +700,68 @@ class Sandbox(_message.Message):
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         violations: Global___ViolationCounters | None = ...,
         principal_id: _builtins.str = ...,
+        memory: Global___SandboxMemory | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "memory", b"memory", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "id", b"id", "last_active_at", b"last_active_at", "principal_id", b"principal_id", "project_id", b"project_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
+
+@_typing.final
+class SandboxMemory(_message.Message):
+    """A sandbox's memory as its edge measured it. A pause gives memory back to the node: a
+    container's pages go to the edge's swap area (swapped), a microVM's guest is saved to local
+    disk (swapped = the saved state) and its QEMU ends (resident 0).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESIDENT_BYTES_FIELD_NUMBER: _builtins.int
+    SWAPPED_BYTES_FIELD_NUMBER: _builtins.int
+    MEASURED_AT_FIELD_NUMBER: _builtins.int
+    FREED_BYTES_FIELD_NUMBER: _builtins.int
+    PAUSE_S_FIELD_NUMBER: _builtins.int
+    RELEASED_MB_FIELD_NUMBER: _builtins.int
+    FROZEN_ONLY_FIELD_NUMBER: _builtins.int
+    resident_bytes: _builtins.int
+    """in the node's RAM, charged to the sandbox"""
+    swapped_bytes: _builtins.int
+    """given back, kept in swap or on local disk"""
+    freed_bytes: _builtins.int
+    """Set while PAUSED, from the pause:
+    resident before the pause minus after
+    """
+    pause_s: _builtins.float
+    """how long the pause took (freeze + page-out)"""
+    released_mb: _builtins.int
+    """of resources.memory_mb, not counted toward the node's"""
+    frozen_only: _builtins.str
+    """memory admission while paused (a resume needs it back)
+    "" or why the pause only froze (no swap area, ...)
+    """
+    @_builtins.property
+    def measured_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        resident_bytes: _builtins.int = ...,
+        swapped_bytes: _builtins.int = ...,
+        measured_at: _timestamp_pb2.Timestamp | None = ...,
+        freed_bytes: _builtins.int = ...,
+        pause_s: _builtins.float = ...,
+        released_mb: _builtins.int = ...,
+        frozen_only: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["measured_at", b"measured_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes", "frozen_only", b"frozen_only", "measured_at", b"measured_at", "pause_s", b"pause_s", "released_mb", b"released_mb", "resident_bytes", b"resident_bytes", "swapped_bytes", b"swapped_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxMemory: _TypeAlias = SandboxMemory  # noqa: Y015
 
 @_typing.final
 class PtySize(_message.Message):

@@ -38,7 +38,9 @@ from typing import Any
 from edge.aether_client import AetherConnection
 from edge.backends import qos
 from edge.backends.channels import ChannelKeeper
+from edge.backends.container import pausing
 from edge.backends.container.containment import Containment
+from edge.backends.container.pausing import PauseReclaim
 from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
 from edge.backends.container.warm import (
     WARM_ENV,
@@ -48,7 +50,13 @@ from edge.backends.container.warm import (
     on_warm_close,
 )
 from edge.backends.container.warm import template as warm_template
-from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
+from edge.backends.contract import (
+    BackgroundLoop,
+    Capability,
+    ExitCallback,
+    MemoryUsage,
+    PauseOutcome,
+)
 from edge.config import EdgeConfig
 from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ImageResolver, ResolvedImage
@@ -110,8 +118,11 @@ class ContainerBackend:
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
         landlock: bool = True,
+        pause_reclaim: PauseReclaim | None = None,
     ) -> None:
         self.state_dir = state_dir
+        #: Where a pause pushes a sandbox's memory (edge/backends/container/pausing.py).
+        self.reclaim = pause_reclaim or PauseReclaim(None, "no swap area configured")
         self.sockets = state_dir / "sockets"
         self.logs = state_dir / "logs"
         for d in (self.sockets, self.logs):
@@ -211,6 +222,9 @@ class ContainerBackend:
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.warm_pool.items()},
+            pause_reclaim=PauseReclaim.make(
+                cfg.state_dir / "swap" / "pause.swap", cfg.pause_swap_mb, cfg.disk_reserve_mb
+            ),
         )
 
     def _mount_toolkit(self) -> Path:
@@ -547,11 +561,31 @@ class ContainerBackend:
         await asyncio.to_thread(self.runtime.destroy, rec.sandbox_id)
         self._socket_path(rec.sandbox_id).unlink(missing_ok=True)
 
-    async def pause(self, rec: SandboxRecord) -> None:
+    def _memory_dir(self, sandbox_id: str) -> Path | None:
+        return cgroups.controller_dir("memory", self.runtime.cgroup_path(sandbox_id))
+
+    async def pause(self, rec: SandboxRecord) -> PauseOutcome:
+        """Freeze (cgroup freezer), then push the frozen sandbox's memory out to the edge's
+        swap area (edge/runtime/pager.py)."""
         await asyncio.to_thread(self.runtime.pause, rec.sandbox_id)
+        try:
+            return await self.reclaim.page_out(self._memory_dir(rec.sandbox_id))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
+            raise
 
     async def resume(self, rec: SandboxRecord) -> None:
+        """Start reading the paged-out memory back, then thaw (the first command does not
+        wait for every page: what is not back yet faults in from swap)."""
+        await self.reclaim.prefetch(self._memory_dir(rec.sandbox_id))
         await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
+
+    async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
+        d = self._memory_dir(rec.sandbox_id)
+        if d is None or not d.is_dir():
+            return None
+        return await asyncio.to_thread(pausing.usage, d)
 
     async def adopt(self, rec: SandboxRecord) -> bool:
         """After an edge restart: is the container alive? Then reconnect to its aether."""
@@ -566,7 +600,8 @@ class ContainerBackend:
             log.warning("cannot reconnect to %s: %s", rec.sandbox_id, exc)
             return False
         if state.status == SandboxStatus.PAUSED:
-            await asyncio.to_thread(self.runtime.pause, rec.sandbox_id)
+            # Thawed for aether's Hello: page out again what that brought back.
+            await self.pause(rec)
         await self.containment.adopt(rec)
         return True
 
@@ -693,7 +728,9 @@ class ContainerBackend:
         # containers (if any are left) keep running and are re-adopted later.
         await self.channels.close_all()
         if self.runtime.release():
-            # Nothing runs: leave no mount behind.
+            # Nothing runs: leave no mount (and no swap area) behind. With sandboxes left
+            # running, paused ones may have pages in it: it stays for the next edge.
+            await asyncio.to_thread(self.reclaim.release)
             mounts.umount_quiet(self.toolkit_dir)
             mounts.umount_quiet(self.sockets)
             with contextlib.suppress(OSError):

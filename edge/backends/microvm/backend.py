@@ -45,9 +45,16 @@ from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
 from edge.backends import qos
 from edge.backends.channels import ChannelKeeper
+from edge.backends.container import pausing
 from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
 from edge.backends.container.warm import template as warm_template
-from edge.backends.contract import BackgroundLoop, Capability, ExitCallback
+from edge.backends.contract import (
+    BackgroundLoop,
+    Capability,
+    ExitCallback,
+    MemoryUsage,
+    PauseOutcome,
+)
 from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
 from edge.backends.microvm.console import Console
@@ -897,13 +904,14 @@ class MicrovmBackend:
     def _lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
 
-    async def pause(self, rec: SandboxRecord) -> None:
+    async def pause(self, rec: SandboxRecord) -> PauseOutcome:
         """Save the guest to local disk and end its QEMU: the host gets all its memory back."""
         sid = rec.sandbox_id
         async with self._lock(sid):
             vm = self.vms.get(sid)
+            before = await self.memory_usage(rec) or MemoryUsage(0, 0)
             if vm is None or rec.runtime.get("paused"):
-                return
+                return PauseOutcome(before, before, 0.0)
             t0 = time.perf_counter()
             state = self.paused / f"{sid}.vmstate"
             await self.channels.drop(sid)  # ours to close: not a lost channel
@@ -933,6 +941,21 @@ class MicrovmBackend:
                 state.stat().st_size >> 20,
                 extra={"sandbox_id": sid},
             )
+            after = await self.memory_usage(rec) or MemoryUsage(0, 0)
+            return PauseOutcome(before, after, time.perf_counter() - t0)
+
+    async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
+        """Running: the QEMU cgroup's charge (guest RAM it touched, QEMU itself). Paused: no
+        process; the guest's memory is the saved state on local disk."""
+        sid = rec.sandbox_id
+        if rec.runtime.get("paused"):
+            state = self.paused / f"{sid}.vmstate"
+            saved = state.stat().st_size if state.exists() else 0
+            return MemoryUsage(0, saved)
+        d = cgroups.controller_dir("memory", self._cgroup(sid))
+        if d is None or not d.is_dir():
+            return None
+        return await asyncio.to_thread(pausing.usage, d)
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Restore the guest from its saved state in a new QEMU."""
