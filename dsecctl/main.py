@@ -127,8 +127,11 @@ def _pool_lines(address: str) -> list[str]:
     for c in resp.controls:
         by_state.setdefault(c.state, []).append(c.name)
     controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
-    # The microVM backend's line says which accelerator runs guests, or why there are none.
-    microvm = [f"microvm: {c.detail}" for c in resp.controls if c.name == "microvm"]
+    # The microVM backend's line says which accelerator runs guests, or why there are none;
+    # core scheduling's, whether latency-sensitive sandboxes get cookies, or why not.
+    microvm = [
+        f"{c.name}: {c.detail}" for c in resp.controls if c.name in ("microvm", "core_scheduling")
+    ]
     return (
         controls
         + microvm

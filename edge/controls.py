@@ -10,7 +10,9 @@ controls whose absence has a defined, documented effect can be turned off:
 - ``network``: no sandbox networking (a networked policy is refused, NETWORK_UNAVAILABLE);
 - ``memory_swap``: the memory limit holds, but a sandbox may also use swap up to it.
 
-Optional by design (used where the host has it, shown as "absent" otherwise): ``apparmor``.
+Optional by design (used where the host has it, shown as "absent" otherwise, with the reason):
+``apparmor``; ``core_scheduling`` (a PR_SCHED_CORE cookie per latency-sensitive sandbox,
+edge/backends/qos.py; not built into this machine kind's kernel).
 The cgroup v1 controllers (cpu, memory, pids, freezer), seccomp and the writable-layer limit
 (ext4 images on loop devices) cannot be turned off. A host with cgroup v2 only (no v1
 hierarchies) is refused: this edge enforces its limits through cgroup v1.
@@ -26,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.backends import qos
 from edge.runtime import cgroups
 
 log = logging.getLogger(__name__)
@@ -145,6 +148,8 @@ def check(*, disabled: Iterable[str], bpf_pin_dir: Path, apparmor: bool) -> list
         if apparmor
         else Control("apparmor", ABSENT, "the host has no AppArmor (Landlock holds the file rules)")
     )
+    core = qos.core_scheduling()
+    controls.append(Control("core_scheduling", ENFORCED if core.available else ABSENT, core.detail))
     if missing:
         turnable = [m.split(" ")[0] for m in missing if m.split(" ")[0] in DISABLEABLE]
         hint = (

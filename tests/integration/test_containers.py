@@ -426,8 +426,32 @@ def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sand
     assert proc.wait(timeout_s=0.1).running
 
 
+#: Every thread of every process in the sandbox's pid namespace: "pid tid comm policy" lines
+#: (policy is field 41 of /proc/<pid>/task/<tid>/stat: 0 SCHED_OTHER, 5 SCHED_IDLE; comm may
+#: hold spaces, so the fields are counted after its closing parenthesis).
+_POLICIES = r"""
+import os
+for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")].replace(" ", "_")
+            print(pid, tid, comm, stat[stat.rindex(")") + 2 :].split()[38])
+    except FileNotFoundError:
+        pass  # ended meanwhile
+"""
+
+
+def _policies(sb: Sandbox) -> dict[tuple[int, int, str], int]:
+    sb.files.write("/tmp/policies.py", _POLICIES)
+    out = sb.run("python3 /tmp/policies.py")
+    assert out.exit_code == 0, out
+    rows = [line.split() for line in out.text.splitlines()]
+    return {(int(p), int(t), c): int(policy) for p, t, c, policy in rows}
+
+
 def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
-    make_sandbox: Callable[..., Sandbox],
+    make_sandbox: Callable[..., Sandbox], container_cluster: LocalCluster
 ) -> None:
     # Field 41 of /proc/<pid>/stat is the scheduling policy: 0 SCHED_OTHER, 5 SCHED_IDLE.
     policy = "cut -d' ' -f41 /proc/self/stat"
@@ -435,12 +459,47 @@ def test_best_effort_sandboxes_run_under_sched_idle_and_cannot_leave_it(
     ls = make_sandbox(image="bookworm")
     assert be.run(policy).text == "5\n"
     assert ls.run(policy).text == "0\n"
+    # Every kind of process a sandbox has: init (aether, pid 1), chronus and its threads, a
+    # background command, a session's shell and what it leaves running, a PTY command.
+    for sb in (be, ls):
+        sb.start("sleep 301")
+        session = sb.session()
+        assert session.run("(sleep 302 >/dev/null 2>&1 &); echo ok").text == "ok\n"
+        assert sb.run("cut -d' ' -f41 /proc/self/stat", pty=True).text.strip() == (
+            "5" if sb is be else "0"
+        )
+    for sb, expected in ((be, 5), (ls, 0)):
+        seen = _policies(sb)
+        wrong = {k: v for k, v in seen.items() if v != expected}
+        assert not wrong, f"{sb.id}: not policy {expected}: {wrong}"
+        comms = [c for _, _, c in seen]
+        assert (1, 1, "ld-linux-x86-64") in seen  # aether (pid 1, started by its loader)
+        chronus = [t for p, t, c in seen if p != 1 and c == "ld-linux-x86-64"]
+        assert len(chronus) >= 2, seen  # chronus: its main thread and a call's
+        assert comms.count("sleep") == 2 and "bash" in comms, seen  # background, session
+    # The sandbox's cpu cgroup is idle too: a group competes with its siblings by its weight,
+    # whatever its tasks' policy (edge/backends/qos.py).
+    parent = container_cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
+    for sb, idle in ((be, "1"), (ls, "0")):
+        assert (Path("/sys/fs/cgroup/cpu") / parent / sb.id / "cpu.idle").read_text() == idle + "\n"
     # A command cannot switch itself back to SCHED_OTHER (no CAP_SYS_NICE, RLIMIT_NICE 0).
     escape = be.run(
         "python3 -c 'import os; os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))'"
     )
     assert escape.exit_code != 0 and b"PermissionError" in escape.stderr, escape
     assert be.run(policy).text == "5\n"
+
+
+def test_a_two_core_node_holds_32_sandboxes_of_one_core_and_512_mb_at_its_defaults(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """Issue 17: the edge's default overcommit (cpu 16x, memory 1.5x: edge/config.py) admits
+    32 sandboxes of cpu=1, memory_mb=512 on this 2-core, 24 GiB machine kind; this module's
+    edge sets no capacity or overcommit of its own."""
+    boxes = [make_sandbox(cpu=1, memory_mb=512) for _ in range(32)]
+    assert all(sb.info.state == "RUNNING" for sb in boxes)
+    for i, sb in enumerate(boxes):
+        assert sb.run(f"echo {i}").text == f"{i}\n"
 
 
 def test_a_backend_no_edge_offers_is_a_precondition_not_capacity(client: Client) -> None:

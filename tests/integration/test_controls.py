@@ -62,6 +62,9 @@ def test_this_host_enforces_every_required_control() -> None:
     assert {n for n, c in found.items() if c.state == controls.ENFORCED} == required
     assert found["landlock"].detail.startswith("ABI ")
     assert found["apparmor"].state == controls.ABSENT
+    # Optional too, and not built into this kernel: reported with the reason, the edge runs.
+    assert found["core_scheduling"].state == controls.ABSENT
+    assert "CONFIG_SCHED_CORE" in found["core_scheduling"].detail
 
 
 def test_only_controls_with_a_defined_effect_can_be_turned_off() -> None:
@@ -108,6 +111,7 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -
         assert "controls disabled: network" in status, status
         enforced = next(line for line in status.splitlines() if "controls enforced:" in line)
         assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
-        assert "controls absent: apparmor" in status
+        assert "controls absent: apparmor, core_scheduling" in status
+        assert "core_scheduling: this kernel has no core scheduling" in status
     finally:
         c.stop()

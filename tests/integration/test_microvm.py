@@ -315,6 +315,36 @@ def test_stopping_a_paused_microvm_leaves_nothing_behind(make: Make, lab: Lab) -
     assert not (Path("/sys/fs/cgroup/pids") / lab.cgroup_parent(TEMPLATED) / sb.id).exists()
 
 
+def _thread_policies(pid: int) -> dict[int, int]:
+    """Every thread of process `pid`: its scheduling policy (field 41 of its stat: 0
+    SCHED_OTHER, 5 SCHED_IDLE; counted after comm's closing parenthesis)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        out[int(task.name)] = int(stat[stat.rindex(")") + 2 :].split()[38])
+    return out
+
+
+def test_a_best_effort_microvm_runs_every_qemu_thread_under_sched_idle(
+    make: Make, lab: Lab
+) -> None:
+    be, ls = make(best_effort=True), make()
+    cpu = Path("/sys/fs/cgroup/cpu") / lab.cgroup_parent(TEMPLATED)
+    for sb, policy in ((be, 5), (ls, 0)):
+        [pid] = _qemus_of(sb.id)
+        threads = _thread_policies(pid)
+        assert len(threads) > 1 and set(threads.values()) == {policy}, (sb.id, threads)
+        # and its cpu cgroup is idle (a group competes by its weight, whatever its tasks')
+        assert (cpu / sb.id / "cpu.idle").read_text() == ("1\n" if policy else "0\n")
+    # A resume is a new QEMU (restored from the saved state) in the same cgroup: best-effort
+    # again (and its limits rewritten: an idle group refuses cpu.shares until made normal).
+    be.pause()
+    assert be.run("echo resumed").text == "resumed\n"
+    [pid] = _qemus_of(be.id)
+    assert set(_thread_policies(pid).values()) == {5}
+    assert (cpu / be.id / "cpu.idle").read_text() == "1\n"
+
+
 # ------------------------------------------------------------------ template clones
 
 

@@ -132,6 +132,25 @@ def test_a_create_claims_a_warm_sandbox_with_its_own_settings(
     assert sorted(set(cgroups.children(parent))) == refilled  # no strays
 
 
+def test_a_best_effort_create_claims_a_warm_sandbox_and_runs_under_sched_idle(
+    warm_cluster: LocalCluster, client: Client
+) -> None:
+    _full(warm_cluster)
+    with client.create(image="busybox", cpu=0.5, memory_mb=64, best_effort=True) as sb:
+        assert _started_warm(warm_cluster, sb.id)
+        # Field 41 of stat: 5 = SCHED_IDLE, for aether (pid 1, started before the claim),
+        # chronus (forked at the claim) and a command; and the sandbox's cpu cgroup is idle.
+        r = sb.run(
+            "for p in 1 $PPID self; do cut -d' ' -f41 /proc/$p/stat; done;"
+            " cat /sys/fs/cgroup/cpu/cpu.idle"
+        )
+        assert r.stdout.split() == [b"5", b"5", b"5", b"1"], r
+    with client.create(image="busybox", cpu=0.5, memory_mb=64) as ls:
+        assert _started_warm(warm_cluster, ls.id)
+        r = ls.run("cut -d' ' -f41 /proc/1/stat /proc/self/stat; cat /sys/fs/cgroup/cpu/cpu.idle")
+        assert r.stdout.split() == [b"0", b"0", b"0"], r
+
+
 def test_creates_the_pool_cannot_serve_start_cold(
     warm_cluster: LocalCluster, client: Client
 ) -> None:

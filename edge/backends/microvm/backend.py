@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
+from edge.backends import qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.container import pausing
 from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
@@ -551,6 +552,8 @@ class MicrovmBackend:
         t1 = time.perf_counter()
         try:
             await asyncio.to_thread(self._set_cpu, sid, rec.spec)
+            if rec.spec.qos == "BEST_EFFORT":  # a running QEMU: each of its threads
+                await asyncio.to_thread(qos.set_idle_all_threads, vm.pid)
             await self._claim(w.conn, rec, image)
         except BaseException:
             await self.destroy(rec)
@@ -590,6 +593,7 @@ class MicrovmBackend:
             raise FileNotFoundError("no cgroup v1 cpu hierarchy")
         (d / "cpu.cfs_quota_us").write_text(str(_cpu_quota_us(spec)))
         (d / "cpu.shares").write_text(str(max(2, spec.cpu_millis * 1024 // 1000)))
+        qos.set_cgroup_idle(d, spec.qos == "BEST_EFFORT")
 
     def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """Per image (as "<image>@microvm"): (target, ready, claimed, missed)."""
@@ -677,9 +681,11 @@ class MicrovmBackend:
         *,
         incoming: bool = False,
         tap_fd: int | None = None,
+        best_effort: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start QEMU with the edge's listening sockets for its agent port, QMP and console
-        (and the guest's tap: the edge's copies are closed once QEMU has them)."""
+        (and the guest's tap: the edge's copies are closed once QEMU has them). A best-effort
+        guest's QEMU is SCHED_IDLE from before its exec: every thread it starts inherits it."""
         listeners = [self._listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
         try:
             machine = qemu.Machine(
@@ -708,6 +714,7 @@ class MicrovmBackend:
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     start_new_session=True,
+                    preexec_fn=_sched_idle if best_effort else None,
                 )
         finally:
             for s in listeners:
@@ -740,6 +747,7 @@ class MicrovmBackend:
             rec.runtime["mac"],
             incoming=restore_from is not None,
             tap_fd=tap,
+            best_effort=rec.spec.qos == "BEST_EFFORT",
         )
         rec.runtime["pid"] = proc.pid
         rec.runtime["qemu_name"] = sid
@@ -763,7 +771,8 @@ class MicrovmBackend:
         return c
 
     def _confine(self, sid: str, pid: int, spec: SandboxSpec, shape: Shape) -> None:
-        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids."""
+        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids; a best-effort
+        guest's cpu cgroup is idle (see edge/backends/qos.py)."""
         path = self._cgroup(sid)
         for controller in ("cpu", "memory", "pids"):
             d = cgroups.controller_dir(controller, path)
@@ -771,6 +780,8 @@ class MicrovmBackend:
                 raise FileNotFoundError(f"no cgroup v1 {controller} hierarchy")
             d.mkdir(parents=True, exist_ok=True)
         memory = (shape.memory_mb + self.overhead_mb) << 20
+        # A resume's cgroup is the paused guest's: an idle one refuses cpu.shares (qos.py).
+        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), False)
         cgroups.set_limits(
             path,
             cpu_quota_us=_cpu_quota_us(spec),
@@ -778,6 +789,7 @@ class MicrovmBackend:
             memory_bytes=memory,
             pids_max=256 + 2 * shape.vcpus,  # QEMU's own threads (I/O workers, vCPUs)
         )
+        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), spec.qos == "BEST_EFFORT")
         for controller in ("cpu", "memory", "pids"):
             d = cgroups.controller_dir(controller, path)
             assert d is not None
@@ -1139,6 +1151,11 @@ def _write_back(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _sched_idle() -> None:
+    """In QEMU's process between fork and exec (see _spawn)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _disk_id(rec: SandboxRecord) -> str:
