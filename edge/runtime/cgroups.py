@@ -72,10 +72,13 @@ def children(parent: str) -> set[str]:
 
 def read_int(controller: str, cgroup_path: str, name: str) -> int | None:
     d = controller_dir(controller, cgroup_path)
-    if d is None:
-        return None
+    return None if d is None else int_file(d / name)
+
+
+def int_file(path: Path) -> int | None:
+    """The first number of a cgroup file (None if unreadable)."""
     try:
-        return int((d / name).read_text().split()[0])
+        return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -83,11 +86,13 @@ def read_int(controller: str, cgroup_path: str, name: str) -> int | None:
 def read_keyed(controller: str, cgroup_path: str, name: str) -> dict[str, int]:
     """A "key value" per line file such as memory.oom_control or memory.stat."""
     d = controller_dir(controller, cgroup_path)
+    return {} if d is None else keyed_file(d / name)
+
+
+def keyed_file(path: Path) -> dict[str, int]:
     out: dict[str, int] = {}
-    if d is None:
-        return out
     try:
-        text = (d / name).read_text()
+        text = path.read_text()
     except OSError:
         return out
     for line in text.splitlines():

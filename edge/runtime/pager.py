@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.runtime import cgroups
+
 log = logging.getLogger(__name__)
 
 SYS_PIDFD_OPEN = 434
@@ -152,7 +154,7 @@ class MemorySample:
 def sample(memory_dir: Path) -> MemorySample:
     v1 = (memory_dir / "memory.usage_in_bytes", memory_dir / "memory.stat")
     if v1[0].exists():
-        return MemorySample(_int(v1[0]), _keyed(v1[1]).get("total_swap", 0))
+        return MemorySample(_int(v1[0]), cgroups.keyed_file(v1[1]).get("total_swap", 0))
     return MemorySample(
         _int(memory_dir / "memory.current"), _int(memory_dir / "memory.swap.current")
     )
@@ -227,11 +229,8 @@ def _madvise(pid: int, ranges: list[tuple[int, int]], advice: int) -> int:
 
 def pids_of(memory_dir: Path) -> list[int]:
     """Processes (thread-group leaders) of the cgroup and its children."""
-    pids: list[int] = []
-    for d in [memory_dir, *(p for p in memory_dir.rglob("*") if p.is_dir())]:
-        with contextlib.suppress(OSError, ValueError):
-            pids.extend(int(x) for x in (d / "cgroup.procs").read_text().split())
-    return pids
+    dirs = [memory_dir, *(p for p in memory_dir.rglob("*") if p.is_dir())]
+    return [pid for d in dirs for pid in cgroups.procs(d)]
 
 
 def page_out(memory_dir: Path) -> PageOut:
@@ -308,17 +307,4 @@ def _set_swappiness(memory_dir: Path, value: int) -> None:
 
 
 def _int(path: Path) -> int:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _keyed(path: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                out[k] = int(v)
-    return out
+    return cgroups.int_file(path) or 0

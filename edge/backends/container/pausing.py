@@ -70,6 +70,14 @@ class PauseReclaim:
             await asyncio.shield(prefetch)
         async with self._slots:
             r = await asyncio.to_thread(pager.page_out, memory_dir)
+        log.debug(
+            "paged out %s: %d processes, %d MiB advised, %d MiB freed in %.0f ms",
+            memory_dir.name,
+            r.processes,
+            r.advised_bytes >> 20,
+            r.freed_bytes >> 20,
+            r.seconds * 1000,
+        )
         return PauseOutcome(_usage(r.before), _usage(r.after), r.seconds)
 
     async def resume(self, memory_dir: Path | None, thaw: Callable[[], Awaitable[None]]) -> None:
