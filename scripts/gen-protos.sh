@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Regenerates the Python code of every contract under protos/ into dsec/
-# (messages, gRPC stubs, mypy stubs). The output is committed; the test
-# tests/unit/test_protos_fresh.py fails when it is stale.
+# Regenerates the Python code of every contract under protos/: the dsec contracts into
+# dsec/ (messages, gRPC stubs, mypy stubs), and E2B's envd contracts (protos/e2b, served by
+# the compatibility front end) into compat/e2b/envd/gen/ (protobuf-py messages and
+# connectrpc services, the generators the e2b SDK's own code comes from). The output is
+# committed; the test tests/unit/test_protos_fresh.py fails when it is stale.
 #   usage: scripts/gen-protos.sh [OUTPUT_DIR]   (default: the repo root)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,3 +26,14 @@ printf '"""Generated protobuf and gRPC code of the dsec contracts (scripts/gen-p
 # they get a compact table of the same contracts.
 "$py" "$repo/scripts/gen_wire_schema.py" "$out/.dsec-descriptors.pb" "$out/dsec/wire_schema.py"
 rm -f "$out/.dsec-descriptors.pb"
+
+# E2B's envd contracts: protoc-gen-py / protoc-gen-connectrpc (PyPI, pinned in pyproject.toml
+# at the versions protobuf-py / connectrpc run), no gRPC.
+gen="$out/compat/e2b/envd/gen"
+rm -rf "$gen"
+mkdir -p "$gen"
+cd "$repo/protos/e2b"
+mapfile -t envd < <(find . -name '*.proto' | sed 's|^\./||' | sort)
+"$py" -m grpc_tools.protoc -I. --py_out="$gen" --connectrpc_out="$gen" "${envd[@]}"
+find "$gen" -type d -exec sh -c 'for d; do [ -f "$d/__init__.py" ] || : > "$d/__init__.py"; done' _ {} +
+printf '"""Generated code of E2B'"'"'s envd contracts (protos/e2b, scripts/gen-protos.sh). Do not edit."""\n' > "$gen/__init__.py"

@@ -19,10 +19,14 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
     )
-    fresh = sorted(p.relative_to(tmp_path) for p in (tmp_path / "dsec").rglob("*") if p.is_file())
+    generated = ("dsec", "compat/e2b/envd/gen")
+    fresh = sorted(
+        p.relative_to(tmp_path) for d in generated for p in (tmp_path / d).rglob("*") if p.is_file()
+    )
     committed = sorted(
         p.relative_to(ROOT)
-        for p in (ROOT / "dsec").rglob("*")
+        for d in generated
+        for p in (ROOT / d).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     )
     assert fresh == committed, "run scripts/gen-protos.sh"
