@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-SERVICES = ("iam", "watcher", "placement", "edge", "apiserver")
+SERVICES = ("iam", "watcher", "placement", "edge", "apiserver", "compat")
 
 
 def free_port() -> int:
@@ -40,6 +40,8 @@ class ServiceProcess:
     log_path: Path
     pid: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    #: "grpc" (gRPC health) or "http" (GET /health: the compatibility front end)
+    protocol: str = "grpc"
 
 
 @dataclass
@@ -73,6 +75,7 @@ class LocalCluster:
         log_level: str = "INFO",
         extra_env: dict[str, str] | None = None,
         iam_database: str = "",
+        compat: bool = True,
     ) -> None:
         self.home = home
         self.transport = transport
@@ -83,6 +86,8 @@ class LocalCluster:
         self.extra_env = extra_env or {}
         #: DSEC_IAM_DATABASE ("" = SQLite under the cluster's home).
         self.iam_database = iam_database
+        #: Start the E2B-compatible front end (``python -m compat``, HTTP on loopback).
+        self.compat = compat
         self.processes: list[ServiceProcess] = []
         self.token_file = home / "token"
 
@@ -166,6 +171,13 @@ class LocalCluster:
                     },
                 )
             )
+        if self.compat:
+            # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
+            addr = f"127.0.0.1:{7130 if self.fixed_ports else free_port()}"
+            apiserver = next(p for p in plan if p.name == "apiserver").address
+            compat = svc("compat", "compat", "COMPAT", addr, {"APISERVER": apiserver})
+            compat.protocol = "http"
+            plan.append(compat)
         return plan
 
     # ------------------------------------------------------------ start/stop
@@ -209,7 +221,7 @@ class LocalCluster:
                     raise RuntimeError(
                         f"{p.name} exited with {p.proc.returncode}:\n{self.log_tail(p)}"
                     )
-                if health(p.address, timeout_s=1.0) == "SERVING":
+                if service_health(p, timeout_s=1.0) == "SERVING":
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
@@ -326,14 +338,29 @@ class LocalCluster:
         return self.process("apiserver").address
 
     @property
+    def compat_url(self) -> str:
+        """Base URL of the E2B-compatible API (E2B_API_URL and E2B_SANDBOX_URL)."""
+        return "http://" + self.process("compat").address
+
+    @property
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
     def write_state(self) -> None:
         state = {
             "apiserver": self.apiserver,
+            **(
+                {"e2b_api_url": self.compat_url}
+                if any(p.name == "compat" for p in self.processes)
+                else {}
+            ),
             "services": {
-                p.name: {"address": p.address, "pid": p.pid, "log": str(p.log_path)}
+                p.name: {
+                    "address": p.address,
+                    "pid": p.pid,
+                    "log": str(p.log_path),
+                    "protocol": p.protocol,
+                }
                 for p in self.processes
             },
         }
@@ -350,7 +377,15 @@ class LocalCluster:
         for name, s in state["services"].items():
             module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
             c.processes.append(
-                ServiceProcess(name, module, s["address"], {}, Path(s["log"]), s["pid"])
+                ServiceProcess(
+                    name,
+                    module,
+                    s["address"],
+                    {},
+                    Path(s["log"]),
+                    s["pid"],
+                    protocol=s.get("protocol", "grpc"),
+                )
             )
         return c
 
@@ -362,7 +397,7 @@ class LocalCluster:
 
     def status(self) -> dict[str, str]:
         return {
-            p.name: (health(p.address, timeout_s=1.0) if _alive(p) else "DOWN")
+            p.name: (service_health(p, timeout_s=1.0) if _alive(p) else "DOWN")
             for p in self.processes
         }
 
@@ -382,6 +417,25 @@ def _alive(p: ServiceProcess) -> bool:
     except OSError:
         return False
     return b"-m" in cmdline and p.module.encode() in cmdline
+
+
+def service_health(p: ServiceProcess, timeout_s: float = 2.0) -> str:
+    """A service's health by its protocol: gRPC health, or GET /health for HTTP ones."""
+    if p.protocol == "http":
+        return http_health(p.address, timeout_s)
+    return health(p.address, timeout_s=timeout_s)
+
+
+def http_health(address: str, timeout_s: float = 2.0) -> str:
+    """ "SERVING" when ``GET http://address/health`` answers 200, else "UNREACHABLE"."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as resp:
+            return "SERVING" if resp.status == 200 else f"HTTP {resp.status}"
+    except (OSError, urllib.error.URLError):
+        return "UNREACHABLE"
 
 
 def health(address: str, timeout_s: float = 2.0, service: str = "") -> str:

@@ -75,6 +75,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  {name:<12} {state:<10} {p.address:<22} pid {p.pid}  log {p.log_path}")
     print(f"\nAPI server: {cluster.apiserver}\nadmin token: {cluster.token_file} (0600)\n")
     print("connect:  python -c 'from libdsec import Client; print(Client().whoami())'")
+    if cluster.compat:
+        print(
+            f"e2b SDK:  export E2B_API_URL={cluster.compat_url} E2B_SANDBOX_URL={cluster.compat_url}"
+            " E2B_API_KEY=$(dsec token create me)"
+        )
     print(
         f'grpcurl:  grpcurl -plaintext -H "authorization: Bearer $(cat {cluster.token_file})" '
         f"{cluster.apiserver} list"
@@ -100,7 +105,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     bad = 0
     for name, state in cluster.status().items():
         p = cluster.process(name)
-        print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}")
+        address = f"http://{p.address}" if p.protocol == "http" else p.address
+        print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}")
         bad += state != "SERVING"
         if name.startswith("edge-") and state == "SERVING":
             for line in _pool_lines(p.address):

@@ -1,0 +1,169 @@
+"""The E2B front end as one ASGI application: control API, envd and port traffic.
+
+    request ──route()──► control  (compat.e2b.control: REST, X-API-Key)
+                   ├───► envd     /process.Process/*, /filesystem.Filesystem/* (Connect,
+                   │              connectrpc), /files, /health (REST); X-Access-Token
+                   └───► port     HTTP into a sandbox port (compat.e2b.ports)
+
+Every request acts with the caller's dsec token through a leased libdsec client
+(``compat.clients``). A Connect message that does not decode is ``invalid_argument`` and
+the service goes on serving; an exception of ours is logged and answered 500/``internal``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
+from connectrpc.errors import ConnectError
+
+from compat.clients import ClientPool
+from compat.config import CompatConfig
+from compat.e2b import mapping
+from compat.e2b.control import ControlApi
+from compat.e2b.envd.call import CALL, DEFAULT_KEEPALIVE_S, EnvdCall
+from compat.e2b.envd.files import FilesRest
+from compat.e2b.envd.filesystem import FilesystemService
+from compat.e2b.envd.gen.filesystem.filesystem_connect import FilesystemASGIApplication
+from compat.e2b.envd.gen.process.process_connect import ProcessASGIApplication
+from compat.e2b.envd.process import ProcessService
+from compat.e2b.errors import gone_message, http_status
+from compat.e2b.http import (
+    ClientDisconnected,
+    Message,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    send_empty,
+    send_error,
+    send_json,
+)
+from compat.e2b.ports import PortProxy
+from compat.e2b.routing import Route, access_token, envd_user, route
+from libdsec.errors import DSecError, NotFound
+
+log = logging.getLogger(__name__)
+
+PROCESS_PREFIX = "/process.Process/"
+FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
+
+
+class _StrictCodec:
+    """connectrpc's codec, but a message that does not decode is ``invalid_argument``
+    (connectrpc would call it ``unknown``)."""
+
+    def __init__(self, inner: Codec) -> None:
+        self._inner = inner
+
+    def name(self) -> str:
+        return str(self._inner.name())
+
+    def encode(self, message: Any) -> bytes:
+        return bytes(self._inner.encode(message))
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as exc:
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"malformed {message_class.__name__}: {exc}"
+            ) from None
+
+
+def codecs() -> Iterable[Codec]:
+    return [_StrictCodec(proto_json_codec()), _StrictCodec(proto_binary_codec())]
+
+
+class E2bApp:
+    def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.control = ControlApi(config, pool)
+        self.files = FilesRest()
+        self.ports = PortProxy(config, pool)
+        self.process = ProcessASGIApplication(
+            ProcessService(config.max_output_bytes), codecs=codecs()
+        )
+        self.filesystem = FilesystemASGIApplication(FilesystemService(), codecs=codecs())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        request = Request(scope, receive)
+        r = route(request)
+        try:
+            if r.kind == "control":
+                await self.control.handle(request, tracked)
+            elif r.kind == "port":
+                await self.ports.handle(r, request, tracked)
+            else:
+                await self.envd(r, request, tracked)
+        except ClientDisconnected:
+            return
+        except Exception:
+            log.exception("e2b: %s %s failed", request.method, request.path)
+            if not started:
+                await send_error(tracked, 500, "internal error in dsec's E2B front end")
+
+    async def envd(self, r: Route, request: Request, send: Send) -> None:
+        path = request.path
+        is_rpc = path.startswith((PROCESS_PREFIX, FILESYSTEM_PREFIX))
+        try:
+            interval = float(request.header("keepalive-ping-interval") or DEFAULT_KEEPALIVE_S)
+        except ValueError:
+            interval = DEFAULT_KEEPALIVE_S
+        try:
+            async with self.pool.lease(access_token(request)) as client:
+                call = EnvdCall(
+                    client, r.sandbox_id, envd_user(request), self.config, max(interval, 1.0)
+                )
+                token = CALL.set(call)
+                try:
+                    if path.startswith(PROCESS_PREFIX):
+                        await self.process(request.scope, request.receive, send)
+                    elif path.startswith(FILESYSTEM_PREFIX):
+                        await self.filesystem(request.scope, request.receive, send)
+                    elif path.rstrip("/") == "/health":
+                        await self.health(call, send)
+                    else:
+                        await self.files.handle(call, request, send)
+                finally:
+                    CALL.reset(token)
+        except DSecError as exc:  # the lease: a missing or bad token
+            status = http_status(exc)
+            message = f"invalid access token (the API key, a dsec token): {exc.message}"
+            if is_rpc:
+                code = "unauthenticated" if status == 401 else "unavailable"
+                await send_json(send, status, {"code": code, "message": message})
+            else:
+                await send_error(send, status, message)
+
+    async def health(self, call: EnvdCall, send: Send) -> None:
+        """envd's 204, or what E2B's proxy says for a sandbox that is not running (502)."""
+        try:
+            info = (await call.client.get(call.sandbox_id)).info
+        except NotFound:
+            await send_error(send, 502, gone_message(call.sandbox_id))
+            return
+        if info.state in ("RUNNING", "STARTING", "PENDING"):
+            await send_empty(send, 204)
+        else:
+            await send_error(send, 502, gone_message(call.sandbox_id))
+
+
+__all__ = ["E2bApp", "mapping"]

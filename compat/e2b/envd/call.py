@@ -1,0 +1,89 @@
+"""What an envd request is about: whose client, which sandbox, which user.
+
+The router (``compat.e2b.app``) authenticates the request, leases the caller's client and
+sets :data:`CALL` before handing the request to a Connect service or a REST handler, so the
+service methods (which connectrpc calls with the message and headers only) know the rest.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TypeVar
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+
+from compat.config import CompatConfig
+from compat.e2b import dsec
+from compat.e2b.errors import connect_error
+from libdsec import AsyncClient, AsyncSandbox
+from libdsec.errors import DSecError
+
+T = TypeVar("T")
+
+#: envd's default keepalive interval when the SDK sends no Keepalive-Ping-Interval.
+DEFAULT_KEEPALIVE_S = 90.0
+
+
+@dataclass(frozen=True)
+class EnvdCall:
+    client: AsyncClient
+    sandbox_id: str
+    #: the user the SDK named (Authorization: Basic), "" = the default user
+    user: str
+    config: CompatConfig
+    #: seconds between keepalive events on an idle stream (Keepalive-Ping-Interval)
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
+
+    @property
+    def sandbox(self) -> AsyncSandbox:
+        return dsec.sandbox(self.client, self.sandbox_id)
+
+    @property
+    def effective_user(self) -> str:
+        return self.user or self.config.default_user
+
+    @property
+    def run_as(self) -> str:
+        """The user to pass to dsec: "" when it is the default one (no switch)."""
+        return "" if self.effective_user == self.config.default_user else self.effective_user
+
+    @property
+    def home(self) -> str:
+        user = self.effective_user
+        return "/root" if user == "root" else f"/home/{user}"
+
+    def resolve(self, path: str) -> str:
+        """envd's rule: a relative path (or ``~``) is relative to the user's home."""
+        if path.startswith("~"):
+            path = self.home + path[1:]
+        if not path.startswith("/"):
+            path = posixpath.join(self.home, path)
+        return posixpath.normpath(path)
+
+    def error(self, exc: DSecError) -> ConnectError:
+        return connect_error(exc, self.sandbox_id)
+
+
+CALL: ContextVar[EnvdCall] = ContextVar("compat_e2b_envd_call")
+
+
+def current() -> EnvdCall:
+    return CALL.get()
+
+
+def invalid(message: str) -> ConnectError:
+    return ConnectError(Code.INVALID_ARGUMENT, message)
+
+
+async def mapped(fn: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
+    """A server stream whose dsec errors leave as Connect errors."""
+    call = current()
+    try:
+        async for item in fn():
+            yield item
+    except DSecError as exc:
+        raise call.error(exc) from None

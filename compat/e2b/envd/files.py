@@ -1,0 +1,273 @@
+"""envd's REST endpoints: ``GET /files`` (download), ``POST /files`` (upload), ``/health``.
+
+Both directions stream through libdsec and never hold a whole file: a download sends each
+chunk of ``sb.files.iter_download`` as it arrives; an upload (``application/octet-stream``,
+or ``multipart/form-data`` with one or more files, as ``write_files`` sends) feeds the
+request body through a small bounded pipe into ``sb.files.upload``, which writes the file
+atomically when it is complete. HTTP/1.1 flow control pushes back on a fast client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from compat.e2b.envd.call import EnvdCall
+from compat.e2b.errors import gone_message, http_status, sandbox_gone
+from compat.e2b.http import HttpError, Request, Send, send_empty, send_error, send_json
+from libdsec.errors import DSecError, FailedPrecondition, NotFound
+
+#: Chunks queued between the HTTP body and the upload (each up to ~64 KiB from the server).
+PIPE_CHUNKS = 16
+
+
+class BodyPipe:
+    """Request bytes from the event loop to libdsec's upload, which reads file objects in a
+    worker thread (``read(n)``); bounded, so a fast client waits for the sandbox."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(PIPE_CHUNKS)
+        self._buf = bytearray()
+        self._eof = False
+        self._aborted = False
+
+    def offer(self, data: bytes | None) -> bool:
+        """Queues without waiting if there is room (the common case)."""
+        if self._queue.full():
+            return False
+        self._queue.put_nowait(data)
+        return True
+
+    async def put(self, data: bytes) -> None:
+        await self._queue.put(data)
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+
+    def abort(self) -> None:
+        """Unblocks a reader waiting for more (the upload then fails and leaves nothing)."""
+        self._aborted = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(None)
+
+    def read(self, n: int = -1) -> bytes:  # in a worker thread
+        while not self._eof and (n < 0 or len(self._buf) < n):
+            item = asyncio.run_coroutine_threadsafe(self._queue.get(), self._loop).result()
+            if self._aborted:
+                raise OSError("upload aborted")
+            if item is None:
+                self._eof = True
+            else:
+                self._buf += item
+        size = len(self._buf) if n < 0 else min(n, len(self._buf))
+        out = bytes(self._buf[:size])
+        del self._buf[:size]
+        return out
+
+
+def _user_call(call: EnvdCall, request: Request) -> EnvdCall:
+    user = request.query("username")
+    return replace(call, user=user) if user else call
+
+
+def _written(path: str) -> dict[str, str]:
+    return {"path": path, "name": posixpath.basename(path), "type": "file"}
+
+
+async def _send_dsec_error(send: Send, call: EnvdCall, path: str, exc: DSecError) -> None:
+    if sandbox_gone(exc):
+        await send_error(send, 502, gone_message(call.sandbox_id))
+    elif isinstance(exc, NotFound):
+        await send_error(send, 404, f"path '{path}' does not exist")
+    elif isinstance(exc, FailedPrecondition) and exc.reason == "IS_A_DIRECTORY":
+        await send_error(send, 400, f"path '{path}' is a directory")
+    elif exc.reason in ("NO_SPACE", "DISK_QUOTA_EXCEEDED"):
+        await send_error(send, 507, "not enough disk space available")
+    else:
+        await send_error(send, http_status(exc), exc.message)
+
+
+class FilesRest:
+    async def handle(self, call: EnvdCall, request: Request, send: Send) -> None:
+        path = request.path.rstrip("/") or "/"
+        if path == "/health":
+            await send_empty(send, 204)
+        elif path == "/files" and request.method == "GET":
+            await self.download(_user_call(call, request), request, send)
+        elif path == "/files" and request.method == "POST":
+            await self.upload(_user_call(call, request), request, send)
+        elif path in ("/files/compose", "/metrics", "/envs"):
+            await send_error(send, 501, f"{path} is not supported by dsec")
+        else:
+            await send_error(send, 404, f"{request.method} {path}: no such route")
+
+    async def download(self, call: EnvdCall, request: Request, send: Send) -> None:
+        raw = request.query("path")
+        if not raw:
+            await send_error(send, 400, "path is required")
+            return
+        path = call.resolve(raw)
+        chunks = call.sandbox.files.iter_download(path)
+        try:
+            try:  # the first chunk (or the error) before the status line is sent
+                first: bytes | None = await anext(chunks)
+            except StopAsyncIteration:
+                first = None
+            except DSecError as exc:
+                await _send_dsec_error(send, call, path, exc)
+                return
+            name = posixpath.basename(path).replace('"', "")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/octet-stream"),
+                        (b"content-disposition", f'attachment; filename="{name}"'.encode()),
+                    ],
+                }
+            )
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    async def upload(self, call: EnvdCall, request: Request, send: Send) -> None:
+        ctype, params = parse_options_header(request.header("content-type"))
+        try:
+            if ctype == b"multipart/form-data":
+                boundary = params.get(b"boundary")
+                if not boundary:
+                    raise HttpError(400, "multipart/form-data without a boundary")
+                written = await self._multipart(call, request, boundary)
+            else:
+                raw = request.query("path")
+                if not raw:
+                    raise HttpError(400, "path is required for an application/octet-stream upload")
+                path = call.resolve(raw)
+                await self._upload_one(call, path, request.stream())
+                written = [_written(path)]
+        except HttpError as exc:
+            await send_error(send, exc.status, exc.message)
+            return
+        except _UploadFailed as exc:
+            await _send_dsec_error(send, call, exc.path, exc.error)
+            return
+        await send_json(send, 200, written)
+
+    async def _upload_one(self, call: EnvdCall, path: str, body: AsyncIterator[bytes]) -> None:
+        pipe = BodyPipe(asyncio.get_running_loop())
+        task = asyncio.create_task(call.sandbox.files.upload(pipe, path))  # type: ignore[arg-type]
+        try:
+            async for chunk in body:
+                if task.done():
+                    break
+                await _put(pipe, chunk, task)
+            if not task.done():
+                await _put(pipe, None, task)
+            await task
+        except DSecError as exc:
+            raise _UploadFailed(path, exc) from None
+        finally:
+            if not task.done():
+                pipe.abort()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+
+    async def _multipart(
+        self, call: EnvdCall, request: Request, boundary: bytes
+    ) -> list[dict[str, str]]:
+        """Each file part streamed into its own upload, in order (``write_files``)."""
+        events: list[tuple[str, Any]] = []
+        header: dict[str, bytearray] = {"field": bytearray(), "value": bytearray()}
+        headers: dict[str, str] = {}
+
+        def on_header_end() -> None:
+            headers[header["field"].decode("latin-1").lower()] = header["value"].decode()
+            header["field"].clear()
+            header["value"].clear()
+
+        parser = MultipartParser(
+            boundary,
+            {
+                "on_part_begin": lambda: headers.clear(),
+                "on_header_field": lambda d, s, e: header["field"].extend(d[s:e]),
+                "on_header_value": lambda d, s, e: header["value"].extend(d[s:e]),
+                "on_header_end": on_header_end,
+                "on_headers_finished": lambda: events.append(("part", dict(headers))),
+                "on_part_data": lambda d, s, e: events.append(("data", bytes(d[s:e]))),
+                "on_part_end": lambda: events.append(("end", None)),
+            },
+        )
+        query_path = request.query("path")
+        written: list[dict[str, str]] = []
+        pipe: BodyPipe | None = None
+        task: asyncio.Task[Any] | None = None
+        path = ""
+        try:
+            async for chunk in request.stream():
+                parser.write(chunk)
+                for kind, value in events:
+                    if kind == "part":
+                        _, disposition = parse_options_header(value.get("content-disposition", ""))
+                        filename = disposition.get(b"filename", b"").decode()
+                        raw = filename or query_path or ""
+                        if not raw:
+                            raise HttpError(400, "a file part without a filename (its path)")
+                        if query_path and not written and filename in ("", "blob", "file"):
+                            raw = query_path
+                        path = call.resolve(raw)
+                        pipe = BodyPipe(asyncio.get_running_loop())
+                        task = asyncio.create_task(call.sandbox.files.upload(pipe, path))  # type: ignore[arg-type]
+                    elif kind == "data" and pipe is not None and task is not None:
+                        await _put(pipe, value, task)
+                    elif kind == "end" and pipe is not None and task is not None:
+                        await _put(pipe, None, task)
+                        try:
+                            await task
+                        except DSecError as exc:
+                            raise _UploadFailed(path, exc) from None
+                        written.append(_written(path))
+                        pipe, task = None, None
+                events.clear()
+            parser.finalize()
+        finally:
+            if pipe is not None and task is not None and not task.done():
+                pipe.abort()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+        if not written:
+            raise HttpError(400, "no file in the multipart body")
+        return written
+
+
+class _UploadFailed(Exception):
+    def __init__(self, path: str, error: DSecError) -> None:
+        super().__init__(path)
+        self.path = path
+        self.error = error
+
+
+async def _put(pipe: BodyPipe, data: bytes | None, task: asyncio.Task[Any]) -> None:
+    """Into the pipe unless the upload has already failed (then its error is raised)."""
+    if not task.done() and pipe.offer(data):
+        return
+    put = asyncio.ensure_future(pipe.put(data) if data is not None else pipe.close())
+    done, _ = await asyncio.wait({put, task}, return_when=asyncio.FIRST_COMPLETED)
+    if put not in done:
+        put.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await put
+        task.result()  # raises the upload's error
+        raise HttpError(400, "the upload ended before the request body")

@@ -1,0 +1,235 @@
+"""envd's ``filesystem.Filesystem`` service on libdsec's file operations and watchers.
+
+Paths follow envd's rule (relative = under the user's home, see ``EnvdCall.resolve``); each
+call is one or a few libdsec calls. ``ListDir`` with a depth walks the tree with one listing
+per directory; ``WatchDir`` and the polled watchers (``CreateWatcher`` /
+``GetWatcherEvents`` / ``RemoveWatcher``) are dsec's watchers inside the sandbox.
+dsec has no owners, groups or extended attributes in its file info: ``owner``/``group`` are
+empty and ``metadata`` is always empty (the SDK refuses file metadata by envd version).
+"""
+
+from __future__ import annotations
+
+import inspect
+import posixpath
+import stat as stat_bits
+from collections.abc import AsyncIterator
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from compat.e2b.envd.call import EnvdCall, current, invalid, mapped
+from compat.e2b.envd.gen.filesystem import filesystem_pb as pb
+from compat.e2b.envd.gen.filesystem.filesystem_connect import Filesystem
+from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
+from libdsec import FileInfo
+from libdsec.errors import AlreadyExists, DSecError, NotFound, Unimplemented
+
+_TYPES = {
+    "REGULAR": pb.FileType.FILE,
+    "DIRECTORY": pb.FileType.DIRECTORY,
+    "SYMLINK": pb.FileType.SYMLINK,
+}
+_EVENTS = {
+    "create": pb.EventType.CREATE,
+    "write": pb.EventType.WRITE,
+    "remove": pb.EventType.REMOVE,
+    "rename": pb.EventType.RENAME,
+    "chmod": pb.EventType.CHMOD,
+}
+
+
+def permissions(info: FileInfo) -> str:
+    """Go's ``FileMode.String()`` form, as envd reports it ("drwxr-xr-x")."""
+    kind = {"DIRECTORY": "d", "SYMLINK": "L"}.get(info.type, "-")
+    return kind + stat_bits.filemode(info.mode & 0o777)[1:]
+
+
+def entry(info: FileInfo) -> pb.EntryInfo:
+    out = pb.EntryInfo(
+        name=posixpath.basename(info.path) or info.path,
+        type=_TYPES.get(info.type, pb.FileType.UNSPECIFIED),
+        path=info.path,
+        size=info.size,
+        mode=info.mode,
+        permissions=permissions(info),
+    )
+    if info.modified_at is not None:
+        ts = info.modified_at.timestamp()
+        out.modified_time = Timestamp(seconds=int(ts), nanos=int((ts % 1) * 1e9))
+    if info.type == "SYMLINK":
+        out.symlink_target = info.symlink_target
+    return out
+
+
+def fs_event(ev: Any) -> pb.FilesystemEvent:
+    return pb.FilesystemEvent(
+        name=ev.name, type=_EVENTS.get(str(ev.type).lower(), pb.EventType.UNSPECIFIED)
+    )
+
+
+async def _directory(call: EnvdCall, path: str) -> str:
+    """``path`` resolved, checked to be a directory (envd's answers for a missing one or a
+    file)."""
+    resolved = call.resolve(path)
+    try:
+        info = await call.sandbox.files.stat(resolved)
+    except NotFound:
+        raise ConnectError(Code.NOT_FOUND, f"directory not found: {resolved}") from None
+    if not info.is_dir:
+        raise invalid(f"path is not a directory: {resolved}")
+    return resolved
+
+
+def _files_method(call: EnvdCall, name: str) -> Any:
+    fn = getattr(call.sandbox.files, name, None)
+    if fn is None:
+        raise Unimplemented("this dsec has no directory watchers yet")
+    return fn
+
+
+class FilesystemService(Filesystem):
+    async def stat(
+        self, request: pb.StatRequest, ctx: RequestContext[pb.StatRequest, pb.StatResponse]
+    ) -> pb.StatResponse:
+        call = current()
+        try:
+            info = await call.sandbox.files.stat(call.resolve(request.path), follow_symlinks=False)
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.StatResponse(entry=entry(info))
+
+    async def make_dir(
+        self, request: pb.MakeDirRequest, ctx: RequestContext[pb.MakeDirRequest, pb.MakeDirResponse]
+    ) -> pb.MakeDirResponse:
+        call = current()
+        path = call.resolve(request.path)
+        files = call.sandbox.files
+        try:
+            try:
+                info = await files.mkdir(path, parents=False)
+            except NotFound:  # a parent is missing: envd makes them all
+                info = await files.mkdir(path, parents=True)
+        except AlreadyExists:
+            existing = await files.stat(path)
+            if existing.is_dir:
+                raise ConnectError(
+                    Code.ALREADY_EXISTS, f"directory already exists: {path}"
+                ) from None
+            raise invalid(f"path already exists but it is not a directory: {path}") from None
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.MakeDirResponse(entry=entry(info))
+
+    async def move(
+        self, request: pb.MoveRequest, ctx: RequestContext[pb.MoveRequest, pb.MoveResponse]
+    ) -> pb.MoveResponse:
+        call = current()
+        src, dst = call.resolve(request.source), call.resolve(request.destination)
+        files = call.sandbox.files
+        try:
+            parent = posixpath.dirname(dst)
+            try:
+                await files.mkdir(parent, parents=True)  # envd makes the destination's parents
+            except AlreadyExists:
+                pass
+            info = await files.move(src, dst, overwrite=True)  # rename(2) replaces, as in envd
+        except NotFound:
+            raise ConnectError(Code.NOT_FOUND, f"source file not found: {src}") from None
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.MoveResponse(entry=entry(info))
+
+    async def list_dir(
+        self, request: pb.ListDirRequest, ctx: RequestContext[pb.ListDirRequest, pb.ListDirResponse]
+    ) -> pb.ListDirResponse:
+        call = current()
+        depth = request.depth or 1
+        out: list[pb.EntryInfo] = []
+
+        async def walk(path: str, level: int) -> None:
+            for info in await call.sandbox.files.list(path):
+                out.append(entry(info))
+                if info.type == "DIRECTORY" and level < depth:
+                    await walk(info.path, level + 1)
+
+        try:
+            await walk(await _directory(call, request.path), 1)
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.ListDirResponse(entries=out)
+
+    async def remove(
+        self, request: pb.RemoveRequest, ctx: RequestContext[pb.RemoveRequest, pb.RemoveResponse]
+    ) -> pb.RemoveResponse:
+        call = current()
+        try:
+            await call.sandbox.files.remove(call.resolve(request.path), recursive=True)
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.RemoveResponse()
+
+    def watch_dir(
+        self,
+        request: pb.WatchDirRequest,
+        ctx: RequestContext[pb.WatchDirRequest, pb.WatchDirResponse],
+    ) -> AsyncIterator[pb.WatchDirResponse]:
+        async def run() -> AsyncIterator[pb.WatchDirResponse]:
+            call = current()
+            path = await _directory(call, request.path)
+            watch = _files_method(call, "watch")(path, recursive=request.recursive)
+            if inspect.isawaitable(watch):  # established when it returns
+                watch = await watch
+            arm: Any = Oneof("start", pb.WatchDirResponse.StartEvent())
+            yield pb.WatchDirResponse(event=arm)
+            async for ev in with_keepalives(aiter(watch), call.keepalive_s):
+                if ev is KEEPALIVE:
+                    arm = Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
+                else:
+                    arm = Oneof("filesystem", fs_event(ev))
+                yield pb.WatchDirResponse(event=arm)
+
+        return mapped(run)
+
+    async def create_watcher(
+        self,
+        request: pb.CreateWatcherRequest,
+        ctx: RequestContext[pb.CreateWatcherRequest, pb.CreateWatcherResponse],
+    ) -> pb.CreateWatcherResponse:
+        call = current()
+        try:
+            path = await _directory(call, request.path)
+            watcher_id = await _files_method(call, "create_watcher")(
+                path, recursive=request.recursive
+            )
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    async def get_watcher_events(
+        self,
+        request: pb.GetWatcherEventsRequest,
+        ctx: RequestContext[pb.GetWatcherEventsRequest, pb.GetWatcherEventsResponse],
+    ) -> pb.GetWatcherEventsResponse:
+        call = current()
+        try:
+            events = await _files_method(call, "watcher_events")(request.watcher_id)
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.GetWatcherEventsResponse(events=[fs_event(e) for e in events])
+
+    async def remove_watcher(
+        self,
+        request: pb.RemoveWatcherRequest,
+        ctx: RequestContext[pb.RemoveWatcherRequest, pb.RemoveWatcherResponse],
+    ) -> pb.RemoveWatcherResponse:
+        call = current()
+        try:
+            await _files_method(call, "remove_watcher")(request.watcher_id)
+        except DSecError as exc:
+            raise call.error(exc) from None
+        return pb.RemoveWatcherResponse()

@@ -1,0 +1,287 @@
+"""E2B's sandbox model on dsec's, both ways; no I/O here.
+
+- template id/alias -> a dsec environment or image (configurable aliases; anything else is
+  tried as an image name as it is, so an unknown one is dsec's ImageNotFound -> 404);
+- metadata -> sandbox labels (keys under ``e2b.`` are ours: the template and the resources
+  asked for, so GET and list can answer statelessly; they never show up as metadata);
+- timeout -> TTL, envVars -> env, network -> a dsec NetworkPolicy;
+- SandboxInfo -> E2B's Sandbox / SandboxDetail / ListedSandbox JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl
+
+from compat.config import CompatConfig
+from compat.e2b.http import HttpError
+from libdsec import NetworkPolicy, SandboxInfo
+
+#: The envd version dsec reports: the SDK turns features on by version
+#: (e2b/envd/versions.py). 0.6.1 = stdin (0.3.0), default user (0.4.0), close stdin
+#: (0.5.2), octet-stream uploads (0.5.7), recursive watch (0.1.4); not file metadata
+#: (0.6.2, xattrs), entry info in watch events (0.6.3), network-mount watches (0.6.4):
+#: dsec does not do those, and the SDK then says so itself (TemplateException).
+ENVD_VERSION = "0.6.1"
+
+LABEL_TEMPLATE = "e2b.template"
+LABEL_CPU = "e2b.cpu"
+LABEL_MEMORY = "e2b.memory_mb"
+RESERVED_PREFIX = "e2b."
+
+#: dsec's label limits (the API server checks them too; here to name the metadata key).
+MAX_KEY = 63
+MAX_VALUE = 255
+
+
+def image_for(template: str, config: CompatConfig) -> str:
+    if not template:
+        raise HttpError(400, "templateID is required")
+    return config.templates.get(template, template)
+
+
+def labels_for(metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise HttpError(400, "metadata must be an object of strings")
+    out: dict[str, str] = {}
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise HttpError(400, f"metadata {k!r}: values must be strings")
+        if k.startswith(RESERVED_PREFIX):
+            raise HttpError(400, f"metadata {k!r}: keys starting with 'e2b.' are reserved")
+        if not k or len(k) > MAX_KEY:
+            raise HttpError(400, f"metadata {k!r}: dsec keeps keys of 1..{MAX_KEY} characters")
+        if len(v) > MAX_VALUE:
+            raise HttpError(
+                400, f"metadata {k!r}: dsec keeps values of at most {MAX_VALUE} characters"
+            )
+        out[k] = v
+    return out
+
+
+def metadata_of(info: SandboxInfo) -> dict[str, str]:
+    return {k: v for k, v in info.labels.items() if not k.startswith(RESERVED_PREFIX)}
+
+
+def env_for(env_vars: Any) -> dict[str, str]:
+    if env_vars is None:
+        return {}
+    if not isinstance(env_vars, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+    ):
+        raise HttpError(400, "envVars must be an object of strings")
+    return dict(env_vars)
+
+
+def timeout_for(body: Mapping[str, Any], config: CompatConfig) -> int:
+    timeout = body.get("timeout")
+    if timeout is None:
+        return config.default_timeout_s
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
+        raise HttpError(400, "timeout must be a non-negative integer (seconds)")
+    # dsec has no "no TTL"; E2B's 0 is not documented as one either: take the default.
+    return timeout or config.default_timeout_s
+
+
+def network_for(body: Mapping[str, Any], config: CompatConfig) -> NetworkPolicy | None:
+    """E2B's egress settings as a dsec policy; None = dsec's default (no network)."""
+    internet = body.get("allow_internet_access")
+    network = body.get("network") or {}
+    if not isinstance(network, dict):
+        raise HttpError(400, "network must be an object")
+    if network.get("allowPublicTraffic") is True:
+        raise HttpError(
+            400,
+            "network.allowPublicTraffic=true is not supported: dsec serves sandbox ports only "
+            "with the traffic access token (e2b-traffic-access-token); leave it unset or false",
+        )
+    for key in ("egressProxy", "rules", "maskRequestHost"):
+        if network.get(key):
+            raise HttpError(400, f"network.{key} is not supported by dsec")
+    allow = list(network.get("allowOut") or [])
+    deny = list(network.get("denyOut") or [])
+    if internet is False:
+        return NetworkPolicy(allow=allow, deny=deny) if allow else NetworkPolicy()
+    if allow and internet is None:
+        return NetworkPolicy(allow=allow, deny=deny)
+    if internet is True or deny or config.default_network == "open":
+        # E2B: allowOut entries take precedence over denyOut; dsec: deny wins. With the
+        # internet open an allow entry adds nothing, so only the denials are kept.
+        return NetworkPolicy(open=True, deny=[d for d in deny if d not in allow])
+    return None
+
+
+def state_of(info: SandboxInfo) -> str:
+    return "paused" if info.state == "PAUSED" else "running"
+
+
+def _time(dt: datetime | None) -> str:
+    """RFC 3339 in UTC with microseconds (fixed width: also the list's sort key)."""
+    return (dt or datetime.fromtimestamp(0, UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _int_label(info: SandboxInfo, key: str) -> int:
+    try:
+        return int(float(info.labels.get(key, "0")))
+    except ValueError:
+        return 0
+
+
+def template_of(info: SandboxInfo) -> str:
+    return info.labels.get(LABEL_TEMPLATE) or info.image
+
+
+def sandbox_json(info: SandboxInfo, key: str, config: CompatConfig) -> dict[str, Any]:
+    """E2B's ``Sandbox`` (what create and connect return)."""
+    template = template_of(info)
+    return {
+        "templateID": template,
+        "alias": template,
+        "sandboxID": info.id,
+        "clientID": info.edge_id or "dsec",
+        "envdVersion": ENVD_VERSION,
+        # The caller's own key: envd and port traffic authenticate with it (see routing).
+        "envdAccessToken": key,
+        "trafficAccessToken": key,
+        "domain": config.domain or None,
+    }
+
+
+def listed_json(info: SandboxInfo) -> dict[str, Any]:
+    """E2B's ``ListedSandbox``."""
+    template = template_of(info)
+    return {
+        "templateID": template,
+        "alias": template,
+        "sandboxID": info.id,
+        "clientID": info.edge_id or "dsec",
+        "startedAt": _time(info.created_at),
+        "endAt": _time(info.expires_at),
+        # Known for sandboxes made through this front end (labels); 0 = not known.
+        "cpuCount": _int_label(info, LABEL_CPU),
+        "memoryMB": _int_label(info, LABEL_MEMORY),
+        "diskSizeMB": 0,
+        "metadata": metadata_of(info),
+        "state": state_of(info),
+        "envdVersion": ENVD_VERSION,
+    }
+
+
+def detail_json(info: SandboxInfo, key: str, config: CompatConfig) -> dict[str, Any]:
+    """E2B's ``SandboxDetail`` (GET /sandboxes/{id})."""
+    return {
+        **listed_json(info),
+        "envdAccessToken": key,
+        "domain": config.domain or None,
+    }
+
+
+# ---------------------------------------------------------------------------- list
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    metadata: dict[str, str]
+    states: tuple[str, ...]  # dsec states: RUNNING, PAUSED
+    template: str
+    started_after: datetime | None
+    descending: bool
+    limit: int
+    cursor: tuple[str, str] | None  # (startedAt iso, sandbox id) of the last item sent
+
+
+def parse_metadata_query(text: str | None) -> dict[str, str]:
+    """``metadata=user%3Dabc%26app%3Dprod`` (the SDK URL-encodes keys and values twice)."""
+    if not text:
+        return {}
+    return dict(parse_qsl(text, keep_blank_values=True))
+
+
+def parse_list_query(
+    *,
+    metadata: str | None,
+    states: Sequence[str],
+    template: str | None,
+    started_after: str | None,
+    order: str | None,
+    limit: str | None,
+    next_token: str | None,
+) -> ListQuery:
+    wanted: list[str] = []
+    for part in ",".join(states).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part not in ("running", "paused"):
+            raise HttpError(400, f"state {part!r}: expected running or paused")
+        wanted.append(part.upper())
+    after = None
+    if started_after:
+        try:
+            after = datetime.fromisoformat(started_after.replace("Z", "+00:00"))
+        except ValueError:
+            raise HttpError(400, f"startedAfter {started_after!r} is not a date-time") from None
+        if after.tzinfo is None:
+            after = after.replace(tzinfo=UTC)
+    if order not in (None, "", "asc", "desc"):
+        raise HttpError(400, f"order {order!r}: expected asc or desc")
+    try:
+        n = int(limit) if limit else 100
+    except ValueError:
+        raise HttpError(400, f"limit {limit!r} is not an integer") from None
+    if not 1 <= n <= 100:
+        raise HttpError(400, "limit must be in 1..100")
+    cursor = None
+    if next_token:
+        try:
+            started, _, sid = base64.urlsafe_b64decode(next_token.encode()).decode().partition("|")
+        except (binascii.Error, UnicodeDecodeError):
+            raise HttpError(400, "nextToken is not one this API returned") from None
+        if not sid:
+            raise HttpError(400, "nextToken is not one this API returned")
+        cursor = (started, sid)
+    return ListQuery(
+        metadata=parse_metadata_query(metadata),
+        states=tuple(wanted) or ("RUNNING", "PAUSED"),
+        template=template or "",
+        started_after=after,
+        descending=order != "asc",
+        limit=n,
+        cursor=cursor,
+    )
+
+
+def page(infos: Sequence[SandboxInfo], q: ListQuery) -> tuple[list[SandboxInfo], str, int]:
+    """One page in start-time order, the token of the next ("" if none), and how many
+    matching sandboxes are running. Stateless: the token is the last item's sort key."""
+    chosen = [
+        i
+        for i in infos
+        if i.state in q.states
+        and (not q.template or template_of(i) == q.template)
+        and (q.started_after is None or (i.created_at and i.created_at >= q.started_after))
+    ]
+    running = sum(1 for i in chosen if i.state == "RUNNING")
+    chosen.sort(key=lambda i: (_time(i.created_at), i.id), reverse=q.descending)
+    if q.cursor is not None:
+        c = q.cursor
+        chosen = [
+            i
+            for i in chosen
+            if (
+                (_time(i.created_at), i.id) < c if q.descending else (_time(i.created_at), i.id) > c
+            )
+        ]
+    out = chosen[: q.limit]
+    token = ""
+    if len(chosen) > q.limit:
+        last = out[-1]
+        token = base64.urlsafe_b64encode(f"{_time(last.created_at)}|{last.id}".encode()).decode()
+    return out, token, running

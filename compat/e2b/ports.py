@@ -1,0 +1,70 @@
+"""HTTP into a port of a sandbox: ``{port}-{sandboxID}.{domain}`` (or the routing headers
+with a port other than envd's), forwarded with libdsec's ``sb.http`` (SendHttp).
+
+E2B can make sandbox URLs public; dsec always asks for the traffic access token (the
+caller's key, returned as ``trafficAccessToken``), in ``e2b-traffic-access-token`` or
+``X-Access-Token``. Bodies are buffered (``DSEC_COMPAT_MAX_PORT_BODY_BYTES``); WebSockets
+and streamed responses are not forwarded.
+"""
+
+from __future__ import annotations
+
+from compat.clients import ClientPool
+from compat.config import CompatConfig
+from compat.e2b import dsec
+from compat.e2b.errors import gone_message, http_status, sandbox_gone
+from compat.e2b.http import Request, Send, send_bytes, send_error
+from compat.e2b.routing import Route, traffic_token
+from libdsec.errors import DSecError, Unavailable
+
+#: Not forwarded either way: hop-by-hop, routing and our own credentials.
+_DROP = {
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+    "content-length",
+    "x-access-token",
+    "e2b-traffic-access-token",
+    "e2b-sandbox-id",
+    "e2b-sandbox-port",
+}
+
+
+class PortProxy:
+    def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
+        self.config = config
+        self.pool = pool
+
+    async def handle(self, route: Route, request: Request, send: Send) -> None:
+        if not 1 <= route.port <= 65535:
+            await send_error(send, 400, f"port {route.port} is not a port")
+            return
+        body = await request.body(self.config.max_port_body_bytes)
+        path = request.path + (f"?{request.raw_query}" if request.raw_query else "")
+        headers = {k: v for k, v in request.headers if k.lower() not in _DROP}
+        try:
+            async with self.pool.lease(traffic_token(request)) as client:
+                resp = await dsec.sandbox(client, route.sandbox_id).http(
+                    route.port, path, method=request.method, headers=headers, body=body
+                )
+        except DSecError as exc:
+            if sandbox_gone(exc):
+                await send_error(send, 502, gone_message(route.sandbox_id))
+            elif isinstance(exc, Unavailable):
+                await send_error(
+                    send,
+                    502,
+                    f"The sandbox is running but port {route.port} is not open: {exc.message}",
+                )
+            elif http_status(exc) == 401:
+                await send_error(send, 401, "a traffic access token (the API key) is required")
+            else:
+                await send_error(send, http_status(exc), exc.message)
+            return
+        out = [(k, v) for k, v in resp.headers if k.lower() not in _DROP]
+        await send_bytes(send, resp.status, resp.body, headers=out)

@@ -1,0 +1,78 @@
+"""Which part of the E2B API a request is for, and whose key it carries.
+
+One listener serves everything, so ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` may be the same
+address. A request is for a sandbox when it names one: the ``E2b-Sandbox-Id`` and
+``E2b-Sandbox-Port`` headers (what the SDK sends when ``E2B_SANDBOX_URL`` is set), or a
+Host of the form ``{port}-{sandboxID}.{domain}`` (E2B's sandbox URLs). Port 49983 is envd
+(the Connect services and ``/files``, ``/health``); any other port is HTTP into that port
+inside the sandbox. Everything else is the control API.
+
+Keys: the control API takes ``X-API-Key`` (or ``Authorization: Bearer``); envd takes
+``X-Access-Token``; port traffic ``e2b-traffic-access-token`` (or ``X-Access-Token``). In
+dsec each of them is the caller's dsec token (create returns it as ``envdAccessToken`` and
+``trafficAccessToken``). envd's ``Authorization: Basic <user>:`` names the user to act as.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+from compat.e2b.http import Request
+
+ENVD_PORT = 49983
+_HOST = re.compile(r"^(\d{1,5})-([a-z0-9-]+)\.")
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # "control", "envd" or "port"
+    sandbox_id: str = ""
+    port: int = 0
+
+
+def route(request: Request) -> Route:
+    sandbox_id = request.header("e2b-sandbox-id")
+    if sandbox_id:
+        port_text = request.header("e2b-sandbox-port") or str(ENVD_PORT)
+        port = int(port_text) if port_text.isdigit() else -1
+        return Route("envd" if port == ENVD_PORT else "port", sandbox_id, port)
+    m = _HOST.match(request.header("host").lower())
+    if m:
+        port = int(m.group(1))
+        return Route("envd" if port == ENVD_PORT else "port", m.group(2), port)
+    return Route("control")
+
+
+def api_key(request: Request) -> str:
+    key = request.header("x-api-key")
+    if key:
+        return key.strip()
+    auth = request.header("authorization")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return ""
+
+
+def access_token(request: Request) -> str:
+    return request.header("x-access-token").strip()
+
+
+def traffic_token(request: Request) -> str:
+    return (
+        request.header("e2b-traffic-access-token").strip() or request.header("x-access-token")
+    ).strip()
+
+
+def envd_user(request: Request) -> str:
+    """The user of ``Authorization: Basic base64("<user>:")``; "" when none is named."""
+    auth = request.header("authorization")
+    if auth[:6].lower() != "basic ":
+        return ""
+    try:
+        decoded = base64.b64decode(auth[6:].strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+    return decoded.split(":", 1)[0]
