@@ -96,8 +96,8 @@ def _config_of(info: ExecInfo) -> pb.ProcessConfig:
         except (ValueError, KeyError, TypeError):
             pass
     argv = list(getattr(info, "argv", None) or [])
-    if not argv:
-        argv = ["/bin/sh", "-c", info.command] if info.command else [""]
+    if not argv:  # only the command line is known (joined with spaces): split it back
+        argv = info.command.split(" ") if info.command else [""]
     cfg = pb.ProcessConfig(cmd=argv[0], args=argv[1:], envs=dict(getattr(info, "env", None) or {}))
     if getattr(info, "cwd", ""):
         cfg.cwd = info.cwd  # type: ignore[attr-defined]
