@@ -95,6 +95,19 @@ else
     fi
 fi
 
+# An older e2b SDK in a venv of its own (its connectrpc/protobuf-py pins differ from the
+# current one's): the newest 2.x that still creates through POST /sandboxes, which
+# tests/integration/test_e2b_wire.py drives as a subprocess.
+E2B_OLD=2.50.0
+VENV_E2B_OLD=$REPO/.venv-e2b-old
+if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_E2B_OLD/bin/python" -c "import e2b, importlib.metadata as m; assert m.version('e2b') == '$E2B_OLD'" 2>/dev/null; then
+    log "creating $VENV_E2B_OLD with e2b==$E2B_OLD"
+    rm -rf "$VENV_E2B_OLD"
+    "$PYTHON" -m venv "$VENV_E2B_OLD"
+    "$VENV_E2B_OLD/bin/python" -m pip install -q --disable-pip-version-check "e2b==$E2B_OLD"
+    venv_state+=", e2b $E2B_OLD venv"
+fi
+
 # --------------------------------------------------------------------------- dockerd
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
 dockerd_pid() {
