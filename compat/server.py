@@ -36,7 +36,7 @@ async def main() -> None:
             lifespan="off",
             log_config=None,
             access_log=False,
-            http="h11",
+            http="httptools",
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
             timeout_graceful_shutdown=int(config.shutdown_grace_s) or None,
