@@ -1,0 +1,182 @@
+"""The E2B front end's pure parts: routing, the model mapping, stateless list pages, keepalives."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from compat.config import CompatConfig
+from compat.e2b import mapping
+from compat.e2b.envd.process import end_event
+from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
+from compat.e2b.http import HttpError, Request
+from compat.e2b.routing import access_token, api_key, envd_user, route
+from libdsec import ExitStatus, SandboxInfo
+
+CONFIG = CompatConfig()
+
+
+def request(headers: dict[str, str], path: str = "/", query: str = "") -> Request:
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "query_string": query.encode(),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return Request(scope, receive)
+
+
+def info(sid: str, created: datetime, state: str = "RUNNING", **labels: str) -> SandboxInfo:
+    return SandboxInfo(
+        id=sid,
+        project_id="root",
+        state=state,
+        backend="container",
+        image="bookworm",
+        edge_id="e0",
+        labels=dict(labels),
+        task_id="",
+        created_at=created,
+        expires_at=created + timedelta(seconds=300),
+        termination_reason=None,
+        termination_message="",
+        violations={},
+        memory=None,
+    )
+
+
+def test_routing_by_headers_and_by_host() -> None:
+    assert route(request({})).kind == "control"
+    r = route(request({"E2b-Sandbox-Id": "sb-e0-abcdef12", "E2b-Sandbox-Port": "49983"}))
+    assert (r.kind, r.sandbox_id) == ("envd", "sb-e0-abcdef12")
+    assert (
+        route(request({"E2b-Sandbox-Id": "sb-e0-abcdef12", "E2b-Sandbox-Port": "8000"})).port
+        == 8000
+    )
+    r = route(request({"Host": "8000-sb-e0-abcdef12.sandboxes.example"}))
+    assert (r.kind, r.sandbox_id, r.port) == ("port", "sb-e0-abcdef12", 8000)
+    assert route(request({"Host": "49983-sb-e0-abcdef12.x"})).kind == "envd"
+    assert route(request({"Host": "127.0.0.1:7130"})).kind == "control"
+
+
+def test_keys_and_the_envd_user() -> None:
+    assert api_key(request({"X-API-Key": " k1 "})) == "k1"
+    assert api_key(request({"Authorization": "Bearer k2"})) == "k2"
+    assert api_key(request({})) == ""
+    assert access_token(request({"X-Access-Token": "k3"})) == "k3"
+    basic = base64.b64encode(b"user:").decode()
+    assert envd_user(request({"Authorization": f"Basic {basic}"})) == "user"
+    assert envd_user(request({"Authorization": "Basic !!"})) == ""
+
+
+def test_metadata_becomes_labels_and_bad_keys_are_named() -> None:
+    assert mapping.labels_for({"a": "1"}) == {"a": "1"}
+    for bad, word in (
+        ({"k" * 64: "v"}, "k" * 64),
+        ({"e2b.template": "x"}, "reserved"),
+        ({"a": 1}, "strings"),
+    ):
+        with pytest.raises(HttpError) as exc:
+            mapping.labels_for(bad)
+        assert exc.value.status == 400 and word in exc.value.message
+    listed = mapping.listed_json(
+        info("sb-e0-1", datetime.now(UTC), **{"a": "1", "e2b.template": "base"})
+    )
+    assert listed["metadata"] == {"a": "1"} and listed["templateID"] == "base"
+
+
+def test_templates_timeouts_and_network() -> None:
+    assert mapping.image_for("base", CONFIG) == "bookworm"
+    assert mapping.image_for("docker/python:3.11", CONFIG) == "docker/python:3.11"
+    assert (
+        mapping.timeout_for({}, CONFIG) == 300
+        and mapping.timeout_for({"timeout": 60}, CONFIG) == 60
+    )
+    assert mapping.network_for({}, CONFIG) is None  # dsec's default: no network
+    assert mapping.network_for({"allow_internet_access": True}, CONFIG).open  # type: ignore[union-attr]
+    policy = mapping.network_for({"network": {"allowOut": ["pypi.org"]}}, CONFIG)
+    assert policy is not None and policy.allow == ["pypi.org"] and not policy.open
+    with pytest.raises(HttpError) as exc:
+        mapping.network_for({"network": {"allowPublicTraffic": True}}, CONFIG)
+    assert exc.value.status == 400 and "traffic access token" in exc.value.message
+
+
+def test_list_pages_are_stateless_and_cover_everything_once() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    infos = [info(f"sb-e0-{i:08d}", t0 + timedelta(seconds=i % 3)) for i in range(7)]
+    infos.append(info("sb-e0-paused00", t0, state="PAUSED"))
+    for order in ("desc", "asc"):
+        token, seen = None, []
+        while True:
+            q = mapping.parse_list_query(
+                metadata=None,
+                states=["running"],
+                template=None,
+                started_after=None,
+                order=order,
+                limit="3",
+                next_token=token,
+            )
+            items, token, running = mapping.page(infos, q)
+            assert running == 7 and len(items) <= 3
+            seen += [i.id for i in items]
+            if not token:
+                break
+        assert sorted(seen) == sorted(i.id for i in infos if i.state == "RUNNING")
+        assert len(seen) == len(set(seen))
+    with pytest.raises(HttpError):
+        mapping.parse_list_query(
+            metadata=None,
+            states=["stopped"],
+            template=None,
+            started_after=None,
+            order=None,
+            limit=None,
+            next_token=None,
+        )
+    assert mapping.parse_metadata_query(
+        "user%3Dabc%26app%3Dprod".replace("%3D", "=").replace("%26", "&")
+    ) == {
+        "user": "abc",
+        "app": "prod",
+    }
+
+
+def test_end_events_read_like_envd() -> None:
+    done = end_event(ExitStatus(3, 0, False, 0.1, False, False, ""))
+    assert done.event is not None and done.event.value.status == "exit status 3"
+    killed = end_event(ExitStatus(-1, 9, False, 0.1, False, False, "")).event
+    assert killed is not None and (killed.value.exit_code, killed.value.exited) == (-1, False)
+    assert killed.value.status == "signal: killed"
+
+
+async def test_keepalives_flow_while_the_source_is_quiet_and_it_is_not_cancelled() -> None:
+    gate = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def source() -> AsyncIterator[int]:
+        try:
+            yield 1
+            await gate.wait()
+            yield 2
+        finally:
+            closed.set()
+
+    got: list[object] = []
+    async for item in with_keepalives(source(), 0.05):
+        got.append(item)
+        if got.count(KEEPALIVE) == 3:
+            gate.set()
+        if item == 2:
+            break
+    assert got[0] == 1 and got[-1] == 2 and got.count(KEEPALIVE) >= 3
+    await asyncio.wait_for(closed.wait(), 1)  # the source is closed with the iteration
