@@ -44,7 +44,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bTarget]:
         yield t
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def container_cluster(target: E2bTarget):  # type: ignore[no-untyped-def]
     """(So a failing test prints the services' log tails: see tests/conftest.py.)"""
     return target.cluster
