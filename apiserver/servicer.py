@@ -429,6 +429,11 @@ class ExecServicer(_Forwarder):
     ) -> types_pb2.SignalExecResponse:
         return await self._unary("SignalExec", request, context)  # type: ignore[no-any-return]
 
+    async def ControlExec(
+        self, request: types_pb2.ControlExecRequest, context: Any
+    ) -> types_pb2.ControlExecResponse:
+        return await self._unary("ControlExec", request, context)  # type: ignore[no-any-return]
+
     async def ListExecs(
         self, request: types_pb2.ListExecsRequest, context: Any
     ) -> types_pb2.ListExecsResponse:

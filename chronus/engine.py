@@ -141,6 +141,7 @@ class Engine:
             "wait_exec": self._wait_exec,
             "signal_exec": self._signal_exec,
             "list_execs": self._list_execs,
+            "control_exec": self._control_exec,
             "create_session": self._create_session,
             "close_session": self._close_session,
             "list_sessions": self._list_sessions,
@@ -282,12 +283,15 @@ class Engine:
         self.execs.forget(ex)
 
     def _run_streaming(self, stream: Stream, ex: Exec, keepalive_ms: int) -> None:
+        """Started, output, exit. An abandoned foreground command is killed; a background one
+        (ExecRequest.follow) keeps running and stays registered for AttachExec."""
         sub = ex.subscribe()
         try:
             stream.send("exec_event", self._started(ex))
             self._pump(stream, sub, self._keepalive_s(keepalive_ms))
         except Cancelled:
-            ex.kill()  # an abandoned foreground command is not left running
+            if not ex.background:
+                ex.kill()
             raise
         finally:
             ex.unsubscribe(sub)
@@ -295,7 +299,7 @@ class Engine:
 
     def _exec_stream(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.start(req, mode="stream")
-        if ex.background:
+        if ex.background and not req.get("follow"):
             stream.send("exec_event", self._started(ex))
             return
         self._run_streaming(stream, ex, req.get("keepalive_interval_ms", 0))
@@ -350,6 +354,10 @@ class Engine:
 
     def _list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send("list_execs", {"execs": self.execs.list_infos()})
+
+    def _control_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        self.execs.get(req.get("exec_id", "")).control(req)
+        stream.send("control_exec", {})
 
     # ------------------------------------------------------------ sessions
     def _create_session(self, stream: Stream, req: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from chronus.config import ChronusConfig
 from chronus.errors import (
     FAILED_PRECONDITION,
     NOT_FOUND,
+    RESOURCE_EXHAUSTED,
     UNIMPLEMENTED,
     ChronusError,
     invalid,
@@ -50,6 +51,10 @@ STDOUT, STDERR = 0, 1
 STREAM_NAMES = ("stdout", "stderr")
 EXEC_STATUS_RUNNING, EXEC_STATUS_EXITED = 1, 2
 READ_CHUNK = 65536
+MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE_BYTES = 16, 63, 1024
+_LABEL_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._/-")
+# ControlExec input not yet taken by the command: past this, the caller must wait.
+MAX_PENDING_STDIN_BYTES = 8 * 1024 * 1024
 
 if TYPE_CHECKING:
     # ("stdout"|"stderr", offset, data) | ("exit", status) | ("cancel",)
@@ -133,6 +138,13 @@ class Exec:
         self.exec_id = rt.new_id("ex")
         argv = req.get("argv")
         self.command: str = req.get("command") or " ".join(argv or ())
+        self.argv: list[str] = (
+            ["/bin/sh", "-c", req["command"]] if req.get("command") else list(argv or ())
+        )
+        self.cwd: str = req.get("cwd", "")  # the effective one once launched
+        self.env: dict[str, str] = dict(req.get("env", {}))
+        self.labels: dict[str, str] = dict(req.get("labels", {}))
+        self.user: str = req.get("user", "")
         self.session_id: str = req.get("session_id", "")
         self.background = background
         self.timeout_s = timeout_s
@@ -163,6 +175,12 @@ class Exec:
             "pid": self.pid,
             "started_at": timestamp(self.started_at),
             "session_id": self.session_id,
+            "labels": self.labels,
+            "argv": self.argv,
+            "cwd": self.cwd,
+            "env": self.env,
+            "pty": self.is_pty,
+            "user": self.user,
         }
         if self.exit is not None:
             info["exit"] = self.exit
@@ -207,6 +225,46 @@ class Exec:
     def close_stdin(self) -> None:
         with self.rt.lock:
             self._stdin_close = True
+        self.rt.reactor.call_soon(self._pump_stdin)
+
+    def control(self, action: dict[str, Any]) -> None:
+        """One ControlExec action (stdin, close_stdin or resize), or a typed error. Input is
+        queued under the lock before the call answers, so successive calls arrive in order."""
+        with self.rt.lock:
+            if self.exit is not None:
+                raise ChronusError(
+                    FAILED_PRECONDITION, "EXEC_EXITED", f"execution {self.exec_id} has exited"
+                )
+            if "resize" in action:
+                fd = self._pty_fd()
+                if fd < 0:
+                    raise ChronusError(
+                        FAILED_PRECONDITION,
+                        "NOT_A_PTY",
+                        f"execution {self.exec_id} does not run under a pseudo-terminal",
+                    )
+                size = action["resize"]
+                set_winsize(fd, size.get("rows", 0), size.get("cols", 0))
+                return
+            if "stdin" not in action and not action.get("close_stdin"):
+                raise invalid("ControlExec needs one of stdin, close_stdin (true) and resize")
+            if self.stdin_fd < 0 or self._stdin_close:
+                raise ChronusError(
+                    FAILED_PRECONDITION,
+                    "STDIN_CLOSED",
+                    f"execution {self.exec_id} has no open stdin (start it with stdin_open or pty)",
+                )
+            if "stdin" in action:
+                data = action["stdin"]
+                if sum(map(len, self._stdin_pending)) + len(data) > MAX_PENDING_STDIN_BYTES:
+                    raise ChronusError(
+                        RESOURCE_EXHAUSTED,
+                        "STDIN_BACKLOG",
+                        f"execution {self.exec_id} has not read the input sent so far",
+                    )
+                self._stdin_pending.append(data)
+            else:
+                self._stdin_close = True
         self.rt.reactor.call_soon(self._pump_stdin)
 
     def resize(self, rows: int, cols: int) -> None:
@@ -557,6 +615,20 @@ class ExecManager:
                 "TRUSTED_EXEC_UNSUPPORTED",
                 "trusted execution must be arranged by the edge (read-only layers)",
             )
+        labels = req.get("labels", {})
+        if len(labels) > MAX_LABELS:
+            raise invalid(f"at most {MAX_LABELS} labels, got {len(labels)}", "INVALID_LABEL")
+        for key, value in labels.items():
+            if not 0 < len(key) <= MAX_LABEL_KEY or not _LABEL_KEY_CHARS.issuperset(key):
+                raise invalid(
+                    f"label key {key!r}: 1-{MAX_LABEL_KEY} characters of [a-zA-Z0-9._/-]",
+                    "INVALID_LABEL",
+                )
+            if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
+                raise invalid(
+                    f"label {key!r}: the value exceeds {MAX_LABEL_VALUE_BYTES} bytes",
+                    "INVALID_LABEL",
+                )
         for key in req.get("env", {}):
             if not key or "=" in key or "\0" in key:
                 raise invalid(f"invalid environment variable name {key!r}")
@@ -580,15 +652,16 @@ class ExecManager:
         session_id = req.get("session_id", "")
         if session_id:
             ex = self.sessions.start_exec(req, cap=cap, background=background, timeout_s=timeout_s)
+            ex.cwd = ex.cwd or ex.session.info()["cwd"]
             self._register(ex)
             return ex
         cwd = req.get("cwd") or cfg.workdir
         env = dict(cfg.env)
         env.update(req.get("env", {}))
-        run_argv = ["/bin/sh", "-c", command] if command else list(argv)
         pex = ProcessExec(self.rt, req, cap=cap, background=background, timeout_s=timeout_s)
+        pex.cwd = cwd
         self._register(pex)
-        pex.launch(run_argv, env, cwd, req)
+        pex.launch(list(pex.argv), env, cwd, req)
         return pex
 
     def _register(self, ex: Exec) -> None:

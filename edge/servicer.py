@@ -446,6 +446,11 @@ class EdgeServicer:
     ) -> types_pb2.SignalExecResponse:
         return await self._unary("signal_exec", request)  # type: ignore[no-any-return]
 
+    async def ControlExec(
+        self, request: types_pb2.ControlExecRequest, context: Any
+    ) -> types_pb2.ControlExecResponse:
+        return await self._unary("control_exec", request)  # type: ignore[no-any-return]
+
     async def ListExecs(
         self, request: types_pb2.ListExecsRequest, context: Any
     ) -> types_pb2.ListExecsResponse:

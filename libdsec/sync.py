@@ -390,6 +390,16 @@ class Process:
     def attach(self, **kw: Any) -> Iterator[ExecEvent]:
         return self._c._loop.iterate(self._p.attach(**kw))
 
+    def send_stdin(self, data: bytes | str) -> None:
+        """See :meth:`AsyncProcess.send_stdin`."""
+        self._c._loop.run(self._p.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        self._c._loop.run(self._p.close_stdin())
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._c._loop.run(self._p.resize(rows, cols))
+
 
 class Session:
     """A persistent shell session (see :meth:`Sandbox.session`)."""

@@ -822,6 +822,11 @@ class ExecServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
                 _registered_method=True)
+        self.ControlExec = channel.unary_unary(
+                '/dsec.apiserver.v1.ExecService/ControlExec',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
+                _registered_method=True)
         self.ListExecs = channel.unary_unary(
                 '/dsec.apiserver.v1.ExecService/ListExecs',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
@@ -863,7 +868,8 @@ class ExecServiceServicer:
 
     def ExecStream(self, request, context):
         """Streams output as produced, with keepalives, ending with the exit status.
-        With `background` set, returns only the `started` event.
+        With `background` set, returns only the `started` event (with `follow`, the whole stream;
+        the command outlives the stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -891,6 +897,13 @@ class ExecServiceServicer:
 
     def SignalExec(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlExec(self, request, context):
+        """Stdin, end of stdin or a terminal resize for a running command, by exec_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -959,6 +972,11 @@ def add_ExecServiceServicer_to_server(servicer, server):
                     servicer.SignalExec,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.SerializeToString,
+            ),
+            'ControlExec': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlExec,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.SerializeToString,
             ),
             'ListExecs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListExecs,
@@ -1150,6 +1168,33 @@ class ExecService:
             '/dsec.apiserver.v1.ExecService/SignalExec',
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlExec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.ExecService/ControlExec',
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
             options,
             channel_credentials,
             insecure,

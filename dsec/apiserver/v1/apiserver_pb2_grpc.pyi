@@ -324,7 +324,8 @@ class ExecServiceStub:
     """Runs a command to completion (or its timeout) and returns its output."""
     ExecStream: _grpc.UnaryStreamMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecEvent]
     """Streams output as produced, with keepalives, ending with the exit status.
-    With `background` set, returns only the `started` event.
+    With `background` set, returns only the `started` event (with `follow`, the whole stream;
+    the command outlives the stream).
     """
     ExecInteractive: _grpc.StreamStreamMultiCallable[_types_pb2.ExecInput, _types_pb2.ExecEvent]
     """Interactive: stdin, resize and signals in; output out."""
@@ -332,6 +333,8 @@ class ExecServiceStub:
     """Reattaches to a background (or still running) command from given offsets."""
     WaitExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]
     SignalExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]
+    ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
+    """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
@@ -349,7 +352,8 @@ class ExecServiceAsyncStub(ExecServiceStub):
     """Runs a command to completion (or its timeout) and returns its output."""
     ExecStream: _aio.UnaryStreamMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecEvent]  # type: ignore[assignment]
     """Streams output as produced, with keepalives, ending with the exit status.
-    With `background` set, returns only the `started` event.
+    With `background` set, returns only the `started` event (with `follow`, the whole stream;
+    the command outlives the stream).
     """
     ExecInteractive: _aio.StreamStreamMultiCallable[_types_pb2.ExecInput, _types_pb2.ExecEvent]  # type: ignore[assignment]
     """Interactive: stdin, resize and signals in; output out."""
@@ -357,6 +361,8 @@ class ExecServiceAsyncStub(ExecServiceStub):
     """Reattaches to a background (or still running) command from given offsets."""
     WaitExec: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]  # type: ignore[assignment]
     SignalExec: _aio.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]  # type: ignore[assignment]
+    ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
+    """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
@@ -383,7 +389,8 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.ExecEvent], _abc.AsyncIterator[_types_pb2.ExecEvent]]:
         """Streams output as produced, with keepalives, ending with the exit status.
-        With `background` set, returns only the `started` event.
+        With `background` set, returns only the `started` event (with `follow`, the whole stream;
+        the command outlives the stream).
         """
 
     @_abc_1.abstractmethod
@@ -415,6 +422,14 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.SignalExecRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.SignalExecResponse, _abc.Awaitable[_types_pb2.SignalExecResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ControlExec(
+        self,
+        request: _types_pb2.ControlExecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ControlExecResponse, _abc.Awaitable[_types_pb2.ControlExecResponse]]:
+        """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
 
     @_abc_1.abstractmethod
     def ListExecs(

@@ -135,6 +135,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
                 _registered_method=True)
+        self.ControlExec = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ControlExec',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
+                _registered_method=True)
         self.ListExecs = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/ListExecs',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
@@ -395,6 +400,12 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ControlExec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListExecs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -648,6 +659,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.SignalExec,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.SerializeToString,
+            ),
+            'ControlExec': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlExec,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.SerializeToString,
             ),
             'ListExecs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListExecs,
@@ -1310,6 +1326,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/SignalExec',
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlExec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ControlExec',
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,6 +79,7 @@ class EdgeServiceStub:
     AttachExec: _grpc.UnaryStreamMultiCallable[_types_pb2.AttachExecRequest, _types_pb2.ExecEvent]
     WaitExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]
     SignalExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]
+    ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]
@@ -156,6 +157,7 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     AttachExec: _aio.UnaryStreamMultiCallable[_types_pb2.AttachExecRequest, _types_pb2.ExecEvent]  # type: ignore[assignment]
     WaitExec: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]  # type: ignore[assignment]
     SignalExec: _aio.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]  # type: ignore[assignment]
+    ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]  # type: ignore[assignment]
@@ -350,6 +352,13 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.SignalExecRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.SignalExecResponse, _abc.Awaitable[_types_pb2.SignalExecResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ControlExec(
+        self,
+        request: _types_pb2.ControlExecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ControlExecResponse, _abc.Awaitable[_types_pb2.ControlExecResponse]]: ...
 
     @_abc_1.abstractmethod
     def ListExecs(

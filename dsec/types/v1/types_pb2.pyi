@@ -815,6 +815,26 @@ class ExecRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     ARGV_FIELD_NUMBER: _builtins.int
@@ -830,6 +850,9 @@ class ExecRequest(_message.Message):
     BACKGROUND_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     TRUSTED_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     command: _builtins.str
     cwd: _builtins.str
@@ -852,6 +875,14 @@ class ExecRequest(_message.Message):
     """streaming: keepalive when idle this long; 0 = 5000"""
     trusted: _builtins.bool
     """run from the read-only layers only (evaluation step)"""
+    follow: _builtins.bool
+    """With background: stream started, output and exit like a foreground stream; the stream's
+    end (client gone) leaves the command running and reattachable (AttachExec).
+    """
+    user: _builtins.str
+    """Run as this user of the sandbox's /etc/passwd (name or numeric uid); "" = as chronus.
+    HOME, USER, LOGNAME from passwd (env wins); cwd defaults to the home directory.
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -860,6 +891,12 @@ class ExecRequest(_message.Message):
 
     @_builtins.property
     def pty_size(self) -> Global___PtySize: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Caller's tags, returned in ExecInfo: at most 16; keys 1-63 chars of [a-zA-Z0-9._/-],
+        values at most 1024 bytes.
+        """
+
     def __init__(
         self,
         *,
@@ -878,10 +915,13 @@ class ExecRequest(_message.Message):
         background: _builtins.bool = ...,
         keepalive_interval_ms: _builtins.int = ...,
         trusted: _builtins.bool = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        follow: _builtins.bool = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pty_size", b"pty_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "keepalive_interval_ms", b"keepalive_interval_ms", "max_output_bytes", b"max_output_bytes", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "follow", b"follow", "keepalive_interval_ms", b"keepalive_interval_ms", "labels", b"labels", "max_output_bytes", b"max_output_bytes", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1123,6 +1163,46 @@ Global___ExecInput: _TypeAlias = ExecInput  # noqa: Y015
 class ExecInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXEC_ID_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -1130,17 +1210,40 @@ class ExecInfo(_message.Message):
     EXIT_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ARGV_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    PTY_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     exec_id: _builtins.str
     command: _builtins.str
     status: Global___ExecStatus.ValueType
     pid: _builtins.int
     session_id: _builtins.str
+    cwd: _builtins.str
+    """the effective working directory"""
+    pty: _builtins.bool
+    user: _builtins.str
+    """as requested ("" = chronus's own user)"""
     @_builtins.property
     def exit(self) -> Global___ExitStatus:
         """set once EXITED"""
 
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as given in ExecRequest.labels"""
+
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what ran: a command string is ["/bin/sh", "-c", command]"""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """only what the request added"""
+
     def __init__(
         self,
         *,
@@ -1151,10 +1254,16 @@ class ExecInfo(_message.Message):
         exit: Global___ExitStatus | None = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         session_id: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+        cwd: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        pty: _builtins.bool = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "exec_id", b"exec_id", "exit", b"exit", "pid", b"pid", "session_id", b"session_id", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "command", b"command", "cwd", b"cwd", "env", b"env", "exec_id", b"exec_id", "exit", b"exit", "labels", b"labels", "pid", b"pid", "pty", b"pty", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1285,6 +1394,63 @@ class SignalExecResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SignalExecResponse: _TypeAlias = SignalExecResponse  # noqa: Y015
+
+@_typing.final
+class ControlExecRequest(_message.Message):
+    """Input to a running command by id (one message per call, delivered in call order): for a
+    command started with stdin_open (a pipe) or pty (the terminal's master side).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    EXEC_ID_FIELD_NUMBER: _builtins.int
+    STDIN_FIELD_NUMBER: _builtins.int
+    CLOSE_STDIN_FIELD_NUMBER: _builtins.int
+    RESIZE_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    exec_id: _builtins.str
+    stdin: _builtins.bytes
+    """written to its stdin"""
+    close_stdin: _builtins.bool
+    """end of input (a PTY gets the EOF character, ^D)"""
+    @_builtins.property
+    def resize(self) -> Global___PtySize:
+        """PTY only: TIOCSWINSZ, the command gets SIGWINCH"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        exec_id: _builtins.str = ...,
+        stdin: _builtins.bytes = ...,
+        close_stdin: _builtins.bool = ...,
+        resize: Global___PtySize | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "close_stdin", b"close_stdin", "resize", b"resize", "stdin", b"stdin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "close_stdin", b"close_stdin", "exec_id", b"exec_id", "resize", b"resize", "sandbox_id", b"sandbox_id", "stdin", b"stdin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["stdin", "close_stdin", "resize"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___ControlExecRequest: _TypeAlias = ControlExecRequest  # noqa: Y015
+
+@_typing.final
+class ControlExecResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlExecResponse: _TypeAlias = ControlExecResponse  # noqa: Y015
 
 @_typing.final
 class ListExecsRequest(_message.Message):
