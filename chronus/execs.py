@@ -39,11 +39,14 @@ from chronus.proc import (
 )
 from chronus.reactor import Drain, Reactor, Timer
 from chronus.threads import RLock
+from chronus.users import resolve_user
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
+
+    from chronus.proc import Credentials
 
 log = get_logger("chronus.execs")
 
@@ -432,8 +435,15 @@ class ProcessExec(Exec):
         self._exit_status: int | None = None
         self._pidfd = -1
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str, req: dict[str, Any]) -> None:
-        """Spawn (calling thread), then hand the I/O to the reactor."""
+    def launch(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        req: dict[str, Any],
+        creds: Credentials | None = None,
+    ) -> None:
+        """Spawn (calling thread), then hand the I/O to the reactor; as `creds` if given."""
         stdin_data: bytes = req.get("stdin", b"")
         keep_stdin = bool(req.get("stdin_open"))
         child_fds: list[int] = []
@@ -444,6 +454,11 @@ class ProcessExec(Exec):
                 size = req.get("pty_size") or {}
                 set_winsize(master, size.get("rows", 24), size.get("cols", 80))
                 env.setdefault("TERM", "xterm")
+                if creds is not None:
+                    try:  # the terminal is the user's, as login(1) leaves it
+                        os.fchown(slave, creds[0], -1)
+                    except OSError:
+                        pass
                 self.stdin_fd = master  # closed by the SpawnError handler below if spawn fails
                 self.pid = spawn(
                     argv,
@@ -452,6 +467,7 @@ class ProcessExec(Exec):
                     ctty=slave,
                     ruleset_fd=self.rt.sandboxing.for_exec(),
                     syscall_filter=self.rt.sandboxing.filter,
+                    creds=creds,
                 )
                 self.stdin_fd = master
                 out_fds = [(master, STDOUT)]
@@ -477,6 +493,7 @@ class ProcessExec(Exec):
                         stderr=err_w,
                         ruleset_fd=self.rt.sandboxing.for_exec(),
                         syscall_filter=self.rt.sandboxing.filter,
+                        creds=creds,
                     )
                 except BaseException:
                     for fd, _ in out_fds:
@@ -632,7 +649,10 @@ class ExecManager:
         for key in req.get("env", {}):
             if not key or "=" in key or "\0" in key:
                 raise invalid(f"invalid environment variable name {key!r}")
-        for part in (command or "", *argv, req.get("cwd") or "", *req.get("env", {}).values()):
+        user = req.get("user", "")
+        for part in (
+            command or "", *argv, req.get("cwd") or "", user, *req.get("env", {}).values()
+        ):  # fmt: skip
             if "\0" in part:  # exec cannot carry it: refuse rather than cut the string
                 raise invalid("a NUL byte in the command, argv, cwd or an environment value")
         timeout_s = float(req.get("timeout_s", 0.0))
@@ -650,18 +670,32 @@ class ExecManager:
             req = dict(req, stdin_open=True)  # an interactive stream feeds stdin
         background = mode == "background"
         session_id = req.get("session_id", "")
+        if session_id and user:
+            raise invalid(
+                "user is not supported in a session (its shell runs as it was created)",
+                "USER_IN_SESSION",
+            )
         if session_id:
             ex = self.sessions.start_exec(req, cap=cap, background=background, timeout_s=timeout_s)
             ex.cwd = ex.cwd or ex.session.info()["cwd"]
             self._register(ex)
             return ex
-        cwd = req.get("cwd") or cfg.workdir
+        cwd = req.get("cwd", "")
         env = dict(cfg.env)
+        creds: Credentials | None = None
+        if user:
+            account = resolve_user(user)
+            env.update(account.env())
+            creds = (account.uid, account.gid, account.groups)
+            # A home that does not exist (nobody's /nonexistent) falls back, like su(1) does.
+            if not cwd and os.path.isdir(account.home):
+                cwd = account.home
+        cwd = cwd or cfg.workdir
         env.update(req.get("env", {}))
         pex = ProcessExec(self.rt, req, cap=cap, background=background, timeout_s=timeout_s)
         pex.cwd = cwd
         self._register(pex)
-        pex.launch(list(pex.argv), env, cwd, req)
+        pex.launch(list(pex.argv), env, cwd, req, creds)
         return pex
 
     def _register(self, ex: Exec) -> None:

@@ -144,3 +144,28 @@ def test_background_stream_leaves_the_command_running(sb: Sandbox) -> None:
     # run to the end, a followed background stream ends with the exit like a foreground one
     last = list(sb.stream("echo done; exit 3", background=True))[-1]
     assert isinstance(last, Exited) and last.status.exit_code == 3
+
+
+def test_run_as_a_user(sb: Sandbox) -> None:
+    setup = sb.run(
+        "echo 'alice:x:1000:1000::/home/alice:/bin/sh' >> /etc/passwd && "
+        "printf 'alice:x:1000:\\ndev:x:2000:bob,alice\\n' >> /etc/group && "
+        "mkdir -p /home/alice && chown 1000:1000 /home/alice && "
+        "mkdir /root-only && chmod 700 /root-only"
+    )
+    assert setup.ok, setup.stderr
+    r = sb.run('id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"; pwd', user="alice")
+    assert r.text.splitlines() == ["1000", "1000", "1000 2000", "/home/alice alice alice",
+                                   "/home/alice"]  # fmt: skip
+    assert sb.run("id -u", user="1000").text == "1000\n"
+    denied = sb.run("ls /root-only", user="alice")  # root's DAC_OVERRIDE is gone
+    assert denied.exit_code != 0 and "Permission denied" in denied.stderr.decode()
+    proc = sb.start("sleep 30", user="alice", labels={"who": "alice"})
+    try:
+        (info,) = [i for i in sb.processes() if i.exec_id == proc.exec_id]
+        assert (info.user, info.cwd, info.labels) == ("alice", "/home/alice", {"who": "alice"})
+    finally:
+        proc.kill()
+    with pytest.raises(InvalidArgument) as exc:
+        sb.run("true", user="mallory")
+    assert exc.value.reason == "USER_NOT_FOUND"

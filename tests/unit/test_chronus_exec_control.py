@@ -4,6 +4,7 @@ ExecInfo, background streams that follow (ExecRequest.follow) and input by exec 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,6 @@ from tests.unit.test_chronus import (
     CallError,
     ChronusClient,
     eventually,
-    gone,
     start_chronus,
     stop_chronus,
 )
@@ -35,6 +35,16 @@ def chronus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChronusC
 @pytest.fixture
 def client(chronus: tuple[ChronusClient, Path]) -> ChronusClient:
     return chronus[0]
+
+
+def gone(pid: int) -> bool:
+    """Exited (absent, or a zombie nobody reaped yet); reading a process mid-exit can fail with
+    ESRCH."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
 
 
 def info_of(client: ChronusClient, exec_id: str) -> dict[str, Any]:
@@ -271,3 +281,47 @@ def test_a_pty_closes_its_input_with_eof(client: ChronusClient) -> None:
         if "stdout" in r["exec_event"]
     )
     assert b"abc" in out and b"done:0" in out
+
+
+# ------------------------------------------------------------------------ user
+
+
+def test_run_as_a_user_of_etc_passwd(chronus: tuple[ChronusClient, Path]) -> None:
+    client, work = chronus  # not in a sandbox: the host's /etc/passwd (root, nobody)
+    probe = 'id -u; id -g; echo "$HOME $USER $LOGNAME"; pwd'
+    for spec in ("nobody", "65534"):
+        r = client.run(probe, user=spec, cwd="/")
+        lines = r["stdout"].decode().splitlines()
+        assert lines == ["65534", "65534", "/nonexistent nobody nobody", "/"], r
+    # nobody's home (/nonexistent) does not exist: the cwd falls back to the workdir, which
+    # (0700, root's) nobody may not enter: the chdir ran as the user
+    r = client.run("true", user="nobody")
+    assert r["exit"]["exit_code"] == 126
+    assert r["exit"]["error"] == f"chdir {work}: Permission denied"
+    r = client.run('echo "$HOME"; pwd', user="root")
+    assert r["stdout"].decode().split() == ["/root", "/root"]  # cwd defaults to the home
+    r = client.run('echo "$HOME"; pwd', user="nobody", env={"HOME": "/tmp"}, cwd="/")
+    assert r["stdout"].decode().split() == ["/tmp", "/"]  # the request wins
+    # under a PTY and in the background too; ExecInfo says as whom
+    started = start_background(client, command="id -u; sleep 30", user="nobody", pty=True, cwd="/")
+    try:
+        info = info_of(client, started["exec_id"])
+        assert info["user"] == "nobody" and info["pty"] is True
+        assert eventually(lambda: os.stat(f"/proc/{started['pid']}").st_uid == 65534)
+    finally:
+        client.one({"signal_exec": {"exec_id": started["exec_id"], "signal": 9}})
+
+
+def test_unknown_user_and_user_in_a_session_are_invalid(client: ChronusClient) -> None:
+    for spec in ("no-such-user", "4242424"):
+        with pytest.raises(CallError) as exc:
+            client.run("true", user=spec)
+        assert (exc.value.code, exc.value.reason) == (INVALID_ARGUMENT, "USER_NOT_FOUND")
+        assert repr(spec) in str(exc.value)
+    session_id = client.one({"create_session": {}})["session"]["session_id"]
+    try:
+        with pytest.raises(CallError) as exc:
+            client.run("true", user="nobody", session_id=session_id)
+        assert (exc.value.code, exc.value.reason) == (INVALID_ARGUMENT, "USER_IN_SESSION")
+    finally:
+        client.one({"close_session": {"session_id": session_id}})
