@@ -482,6 +482,12 @@ class ProcessExec(Exec):
                 else:
                     in_r = os.open(os.devnull, os.O_RDONLY)
                     child_fds.append(in_r)
+                if creds is not None:
+                    # A pipe is its creator's, mode 0600: a command run as a user could not
+                    # reopen /dev/stdout (/proc/self/fd/1) without owning its ends.
+                    _chown_quietly(
+                        [out_w, err_w] + ([in_r] if stdin_data or keep_stdin else []), creds[0]
+                    )
                 out_fds = [(out_r, STDOUT), (err_r, STDERR)]
                 try:
                     self.pid = spawn(
@@ -606,6 +612,14 @@ class ProcessExec(Exec):
                 kill_session(self.pid, self.pid)
 
 
+def _chown_quietly(fds: list[int], uid: int) -> None:
+    for fd in fds:
+        try:
+            os.fchown(fd, uid, -1)
+        except OSError:
+            pass
+
+
 def shell_quote(s: str) -> str:
     return "'" + s.replace("'", "'\\''") + "'"
 
@@ -710,10 +724,16 @@ class ExecManager:
             del self.execs[old.exec_id]
 
     def forget(self, ex: Exec) -> None:
-        """A foreground exec whose caller has its result: nobody can ask again."""
+        """A foreground exec whose caller has its result (or went away): nobody can ask
+        again. One still running (its stream was cancelled, the kill not yet reaped) goes
+        when it exits, so abandoned streams do not grow the table."""
         with self.rt.lock:
-            if ex.exit is not None and not ex.background:
+            if ex.background:
+                return
+            if ex.exit is not None:
                 self.execs.pop(ex.exec_id, None)
+            else:
+                ex.done_callbacks.append(lambda: self.execs.pop(ex.exec_id, None))
 
     def get(self, exec_id: str) -> Exec:
         with self.rt.lock:

@@ -6,9 +6,16 @@ load the modules the image's /etc/nsswitch.conf names into chronus itself.
 
 from __future__ import annotations
 
+import os
+import stat
+
 from chronus.errors import invalid
 
 MAX_GROUPS = 64  # supplementary groups handed to setgroups (NGROUPS_MAX is 65536)
+#: The agent controls these files: a FIFO would hang the call, /dev/zero would grow chronus
+#: without end. Only a regular file outside the kernel's trees is read, and at most this much.
+MAX_ACCOUNT_FILE_BYTES = 4 << 20
+_KERNEL_TREES = ("/proc/", "/sys/", "/dev/")
 
 
 class User:
@@ -25,12 +32,30 @@ class User:
         return {"HOME": self.home or "/", "USER": self.name, "LOGNAME": self.name}
 
 
-def _lines(path: str) -> list[list[str]]:
+def _read_account_file(path: str) -> str:
+    """`path`'s text if it is a regular file of sane size, else "" (as if it were absent)."""
+    real = os.path.realpath(path)
+    if real.startswith(_KERNEL_TREES):
+        return ""
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return [line.rstrip("\n").split(":") for line in fh if not line.startswith("#")]
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return []
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ACCOUNT_FILE_BYTES:
+            return ""
+        data = os.read(fd, MAX_ACCOUNT_FILE_BYTES + 1)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    return data[:MAX_ACCOUNT_FILE_BYTES].decode("utf-8", errors="replace")
+
+
+def _lines(path: str) -> list[list[str]]:
+    text = _read_account_file(path)
+    return [line.split(":") for line in text.splitlines() if not line.startswith("#")]
 
 
 def resolve_user(spec: str, etc: str = "/etc") -> User:

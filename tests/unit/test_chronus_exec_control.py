@@ -325,3 +325,45 @@ def test_unknown_user_and_user_in_a_session_are_invalid(client: ChronusClient) -
         assert (exc.value.code, exc.value.reason) == (INVALID_ARGUMENT, "USER_IN_SESSION")
     finally:
         client.one({"close_session": {"session_id": session_id}})
+
+
+def test_a_user_can_reopen_its_own_stdout_and_stderr(client: ChronusClient) -> None:
+    # pipes are their creator's (root), mode 0600: chronus hands their ends to the user
+    r = client.run("echo out > /dev/stdout; echo err > /dev/stderr", user="nobody", cwd="/")
+    assert r["exit"].get("exit_code", 0) == 0, r
+    assert (r.get("stdout"), r.get("stderr")) == (b"out\n", b"err\n")
+
+
+def test_account_files_that_are_not_regular_files_are_not_read(tmp_path: Path) -> None:
+    from chronus.errors import ChronusError
+    from chronus.users import resolve_user
+
+    (tmp_path / "group").write_text("")
+    os.mkfifo(tmp_path / "passwd")  # opened without O_NONBLOCK this would hang
+    with pytest.raises(ChronusError) as exc:
+        resolve_user("root", etc=str(tmp_path))
+    assert exc.value.reason == "USER_NOT_FOUND"
+    os.remove(tmp_path / "passwd")
+    os.symlink("/dev/zero", tmp_path / "passwd")  # read to its end this would never end
+    with pytest.raises(ChronusError) as exc:
+        resolve_user("root", etc=str(tmp_path))
+    assert exc.value.reason == "USER_NOT_FOUND"
+    os.remove(tmp_path / "passwd")
+    (tmp_path / "passwd").write_text("alice:x:1234:1234::/home/alice:/bin/sh\n")
+    assert resolve_user("alice", etc=str(tmp_path)).uid == 1234
+
+
+def test_cancelled_foreground_streams_leave_no_exec_behind(client: ChronusClient) -> None:
+    before = {i["exec_id"] for i in client.one({"list_execs": {}})["execs"]}
+    for _ in range(3):
+        sid = client.open({"exec_stream": {"command": "echo up; sleep 30"}})
+        stdout_until(client, sid, b"up\n")
+        client.send(sid, {"cancel": {}})  # the foreground command is killed
+        frame = client.next(sid)
+        while "end" not in frame:
+            frame = client.next(sid)
+
+    def left() -> set[str]:
+        return {i["exec_id"] for i in client.one({"list_execs": {}})["execs"]} - before
+
+    assert eventually(lambda: not left()), left()
