@@ -512,6 +512,27 @@ class FileServicer(_Forwarder):
         async for item in self._stream("DownloadFile", request, context):
             yield item
 
+    async def CreateWatcher(
+        self, request: types_pb2.CreateWatcherRequest, context: Any
+    ) -> types_pb2.CreateWatcherResponse:
+        return await self._unary("CreateWatcher", request, context)  # type: ignore[no-any-return]
+
+    async def GetWatcherEvents(
+        self, request: types_pb2.GetWatcherEventsRequest, context: Any
+    ) -> types_pb2.GetWatcherEventsResponse:
+        return await self._unary("GetWatcherEvents", request, context)  # type: ignore[no-any-return]
+
+    async def RemoveWatcher(
+        self, request: types_pb2.RemoveWatcherRequest, context: Any
+    ) -> types_pb2.RemoveWatcherResponse:
+        return await self._unary("RemoveWatcher", request, context)  # type: ignore[no-any-return]
+
+    async def WatchDir(
+        self, request: types_pb2.WatchDirRequest, context: Any
+    ) -> AsyncIterator[types_pb2.WatchDirResponse]:
+        async for item in self._stream("WatchDir", request, context):
+            yield item
+
 
 class ProjectServicer:
     """Project/token management, forwarded to IAM with the caller's own token."""

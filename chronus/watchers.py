@@ -11,7 +11,8 @@ Event types follow Go's fsnotify (what E2B's envd reports): CREATE for IN_CREATE
 IN_MOVED_TO, WRITE for IN_MODIFY, REMOVE for IN_DELETE, RENAME for IN_MOVED_FROM, CHMOD for
 IN_ATTRIB. A directory created in a recursive watcher's tree is watched at once; what was
 created in it before that is reported as CREATE from a scan (so `mkdir -p a/b && touch
-a/b/f` is seen whole), which may rarely report an entry twice.
+a/b/f` is seen whole), which may rarely report an entry twice. The temporary files of
+chronus's own atomic writes are not reported (a WriteFile shows as its target's CREATE).
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ def _event_type(mask: int) -> int:
     if mask & IN_ATTRIB:
         return CHMOD
     return 0
+
+
+def _own_temp(name: str) -> bool:
+    """Whether `name` is the temporary file of one of chronus's atomic writes
+    (chronus.files: `.<base>.dsec-<8 hex>.tmp`): its rename into place is reported as the
+    file's CREATE, the temporary itself never."""
+    return name.startswith(".") and name.endswith(".tmp") and ".dsec-" in name
 
 
 class Watcher:
@@ -308,7 +316,7 @@ class Watchers:
                             del self._wds[wd]
                 continue
             kind = _event_type(mask)
-            if not kind or not name:
+            if not kind or not name or _own_temp(name):
                 continue
             full_rel = f"{rel}/{name}" if rel else name
             w.push(full_rel, kind)
