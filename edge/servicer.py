@@ -196,6 +196,12 @@ class EdgeServicer:
         await self.manager.delete(request.sandbox_id)
         return edge_pb2.DeleteSandboxResponse()
 
+    async def SetSandboxTimeout(
+        self, request: edge_pb2.SetSandboxTimeoutRequest, context: Any
+    ) -> edge_pb2.SetSandboxTimeoutResponse:
+        rec = await self.manager.set_timeout(request.sandbox_id, request.timeout_s)
+        return edge_pb2.SetSandboxTimeoutResponse(sandbox=sandbox_pb(rec))
+
     async def PauseSandbox(
         self, request: edge_pb2.PauseSandboxRequest, context: Any
     ) -> edge_pb2.PauseSandboxResponse:

@@ -583,6 +583,10 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         return self._c._loop.run(self._s.resume())
 
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        """See :meth:`AsyncSandbox.set_timeout`: ``sb.set_timeout(3600)``."""
+        return self._c._loop.run(self._s.set_timeout(seconds))
+
     def pack_diff(self, name: str, **kw: Any) -> Environment:
         """See :meth:`AsyncSandbox.pack_diff`: ``env = sb.pack_diff("my-env:v2")``."""
         return self._c._loop.run(self._s.pack_diff(name, **kw))
