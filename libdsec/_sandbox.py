@@ -443,6 +443,20 @@ class AsyncSandbox:
             "PauseSandbox", apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id), 120
         )
 
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        """Changes the sandbox's lifetime: it ends (termination reason ``TTL``) ``seconds``
+        from now, sooner or later than its ``ttl_s`` said; ``info.expires_at`` is the new
+        end. ``0 < seconds <=`` the maximum ``ttl_s`` a create accepts, else
+        ``InvalidArgument``; an ended sandbox: ``SandboxTerminated``::
+
+            await sb.set_timeout(3600)   # one more hour from now
+        """
+        return await self._lifecycle(
+            "SetSandboxTimeout",
+            apiserver_pb2.SetSandboxTimeoutRequest(sandbox_id=self.id, timeout_s=seconds),
+            60,
+        )
+
     async def resume(self) -> SandboxInfo:
         """Thaws a paused sandbox (memory is read back as it runs). If the memory its pause gave
         back does not fit on its node now: ``NodeMemoryFull`` and it stays PAUSED."""

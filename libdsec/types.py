@@ -530,6 +530,19 @@ class FileInfo:
 
 
 @dataclass(frozen=True)
+class FileEvent:
+    """A change in a watched directory: ``name`` is the path relative to it (``"a/b.txt"``),
+    ``type`` one of ``"create"``, ``"write"``, ``"remove"``, ``"rename"``, ``"chmod"``."""
+
+    name: str
+    type: str
+
+    @classmethod
+    def from_pb(cls, e: types_pb2.FileEvent) -> FileEvent:
+        return cls(e.name, _enum(types_pb2.FileEventType, e.type, "FILE_EVENT_TYPE_").lower())
+
+
+@dataclass(frozen=True)
 class HttpResponse:
     status: int
     headers: list[tuple[str, str]]

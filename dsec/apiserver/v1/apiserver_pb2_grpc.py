@@ -83,6 +83,11 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.FromString,
                 _registered_method=True)
+        self.SetSandboxTimeout = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/SetSandboxTimeout',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.FromString,
+                _registered_method=True)
         self.PauseTask = channel.unary_unary(
                 '/dsec.apiserver.v1.SandboxService/PauseTask',
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskRequest.SerializeToString,
@@ -185,6 +190,16 @@ class SandboxServiceServicer:
     def ResumeSandbox(self, request, context):
         """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
         sandbox stays PAUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSandboxTimeout(self, request, context):
+        """Changes a live sandbox's lifetime: it ends timeout_s seconds from now (expires_at), with
+        termination reason TTL, whatever its ttl_s said. 0 < timeout_s <= the maximum ttl_s a
+        create accepts, else INVALID_ARGUMENT INVALID_TTL; an ended sandbox: FAILED_PRECONDITION
+        SANDBOX_TERMINATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,6 +314,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.ResumeSandbox,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.SerializeToString,
+            ),
+            'SetSandboxTimeout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSandboxTimeout,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.SerializeToString,
             ),
             'PauseTask': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseTask,
@@ -581,6 +601,33 @@ class SandboxService:
             '/dsec.apiserver.v1.SandboxService/ResumeSandbox',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSandboxTimeout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/SetSandboxTimeout',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1402,6 +1449,26 @@ class FileServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
                 _registered_method=True)
+        self.CreateWatcher = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/CreateWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+                _registered_method=True)
+        self.GetWatcherEvents = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/GetWatcherEvents',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+                _registered_method=True)
+        self.RemoveWatcher = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/RemoveWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+                _registered_method=True)
+        self.WatchDir = channel.unary_stream(
+                '/dsec.apiserver.v1.FileService/WatchDir',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
+                _registered_method=True)
 
 
 class FileServiceServicer:
@@ -1469,6 +1536,32 @@ class FileServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateWatcher(self, request, context):
+        """Directory watchers held inside the sandbox (inotify), polled: events since the last poll.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWatcherEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchDir(self, request, context):
+        """The same events streamed: `started` first, keepalives when idle (see WatchDirResponse).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FileServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1521,6 +1614,26 @@ def add_FileServiceServicer_to_server(servicer, server):
                     servicer.DownloadFile,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.SerializeToString,
+            ),
+            'CreateWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.SerializeToString,
+            ),
+            'GetWatcherEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWatcherEvents,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.SerializeToString,
+            ),
+            'RemoveWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.SerializeToString,
+            ),
+            'WatchDir': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDir,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1795,6 +1908,114 @@ class FileService:
             '/dsec.apiserver.v1.FileService/DownloadFile',
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/CreateWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWatcherEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/GetWatcherEvents',
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/RemoveWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/WatchDir',
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
             options,
             channel_credentials,
             insecure,

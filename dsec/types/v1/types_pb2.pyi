@@ -273,6 +273,46 @@ FILE_TYPE_SYMLINK: FileType.ValueType  # 3
 FILE_TYPE_OTHER: FileType.ValueType  # 4
 Global___FileType: _TypeAlias = FileType  # noqa: Y015
 
+class _FileEventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FileEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FileEventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILE_EVENT_TYPE_UNSPECIFIED: _FileEventType.ValueType  # 0
+    FILE_EVENT_TYPE_CREATE: _FileEventType.ValueType  # 1
+    """created, or moved into the watched tree"""
+    FILE_EVENT_TYPE_WRITE: _FileEventType.ValueType  # 2
+    """content modified"""
+    FILE_EVENT_TYPE_REMOVE: _FileEventType.ValueType  # 3
+    """deleted"""
+    FILE_EVENT_TYPE_RENAME: _FileEventType.ValueType  # 4
+    """moved away (its new name, if watched, comes as CREATE)"""
+    FILE_EVENT_TYPE_CHMOD: _FileEventType.ValueType  # 5
+    """metadata changed (mode, owner, times)"""
+
+class FileEventType(_FileEventType, metaclass=_FileEventTypeEnumTypeWrapper):
+    """----------------------------------------------------------- directory watches
+
+    A watcher is held by chronus inside the sandbox (inotify) until removed or the sandbox
+    ends: GetWatcherEvents returns what happened since the previous call. WatchDir streams the
+    same events instead. At most 64 watchers per sandbox (RESOURCE_EXHAUSTED TOO_MANY_WATCHERS),
+    4096 events buffered per watcher (older ones kept; `overflowed` says some were dropped).
+    """
+
+FILE_EVENT_TYPE_UNSPECIFIED: FileEventType.ValueType  # 0
+FILE_EVENT_TYPE_CREATE: FileEventType.ValueType  # 1
+"""created, or moved into the watched tree"""
+FILE_EVENT_TYPE_WRITE: FileEventType.ValueType  # 2
+"""content modified"""
+FILE_EVENT_TYPE_REMOVE: FileEventType.ValueType  # 3
+"""deleted"""
+FILE_EVENT_TYPE_RENAME: FileEventType.ValueType  # 4
+"""moved away (its new name, if watched, comes as CREATE)"""
+FILE_EVENT_TYPE_CHMOD: FileEventType.ValueType  # 5
+"""metadata changed (mode, owner, times)"""
+Global___FileEventType: _TypeAlias = FileEventType  # noqa: Y015
+
 class _LayerKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -2245,6 +2285,270 @@ class DownloadFileResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadFileResponse: _TypeAlias = DownloadFileResponse  # noqa: Y015
+
+@_typing.final
+class FileEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """path relative to the watched directory ("a/b.txt")"""
+    type: Global___FileEventType.ValueType
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        type: Global___FileEventType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileEvent: _TypeAlias = FileEvent  # noqa: Y015
+
+@_typing.final
+class CreateWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    path: _builtins.str
+    """an existing directory (NOT_FOUND PATH_NOT_FOUND, INVALID_ARGUMENT NOT_A_DIRECTORY)"""
+    recursive: _builtins.bool
+    """subdirectories too, including ones created later"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateWatcherRequest: _TypeAlias = CreateWatcherRequest  # noqa: Y015
+
+@_typing.final
+class CreateWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateWatcherResponse: _TypeAlias = CreateWatcherResponse  # noqa: Y015
+
+@_typing.final
+class GetWatcherEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    watcher_id: _builtins.str
+    """unknown: NOT_FOUND WATCHER_NOT_FOUND"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWatcherEventsRequest: _TypeAlias = GetWatcherEventsRequest  # noqa: Y015
+
+@_typing.final
+class GetWatcherEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    OVERFLOWED_FIELD_NUMBER: _builtins.int
+    overflowed: _builtins.bool
+    """events were dropped since the previous call"""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEvent]:
+        """since the previous call, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___FileEvent] | None = ...,
+        overflowed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "overflowed", b"overflowed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWatcherEventsResponse: _TypeAlias = GetWatcherEventsResponse  # noqa: Y015
+
+@_typing.final
+class RemoveWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    watcher_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWatcherRequest: _TypeAlias = RemoveWatcherRequest  # noqa: Y015
+
+@_typing.final
+class RemoveWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWatcherResponse: _TypeAlias = RemoveWatcherResponse  # noqa: Y015
+
+@_typing.final
+class WatchDirRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    path: _builtins.str
+    recursive: _builtins.bool
+    keepalive_interval_ms: _builtins.int
+    """0 = chronus's default (5 s)"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+        keepalive_interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_ms", b"keepalive_interval_ms", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirRequest: _TypeAlias = WatchDirRequest  # noqa: Y015
+
+@_typing.final
+class WatchDirStarted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the watched directory, resolved"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirStarted: _TypeAlias = WatchDirStarted  # noqa: Y015
+
+@_typing.final
+class WatchDirOverflow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.int
+    """events lost because the stream's reader fell behind"""
+    def __init__(
+        self,
+        *,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirOverflow: _TypeAlias = WatchDirOverflow  # noqa: Y015
+
+@_typing.final
+class WatchDirResponse(_message.Message):
+    """First `started` (the watch is established: every later change is reported), then events
+    as they happen, keepalives when idle. The stream ends with an error only: the sandbox's end
+    (FAILED_PRECONDITION SANDBOX_TERMINATED), or NOT_FOUND PATH_NOT_FOUND once the watched
+    directory itself is removed. Cancelling it removes the watch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    OVERFLOW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def started(self) -> Global___WatchDirStarted: ...
+    @_builtins.property
+    def event(self) -> Global___FileEvent: ...
+    @_builtins.property
+    def keepalive(self) -> Global___Keepalive: ...
+    @_builtins.property
+    def overflow(self) -> Global___WatchDirOverflow: ...
+    def __init__(
+        self,
+        *,
+        started: Global___WatchDirStarted | None = ...,
+        event: Global___FileEvent | None = ...,
+        keepalive: Global___Keepalive | None = ...,
+        overflow: Global___WatchDirOverflow | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "overflow", b"overflow", "started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "overflow", b"overflow", "started", b"started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["started", "event", "keepalive", "overflow"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___WatchDirResponse: _TypeAlias = WatchDirResponse  # noqa: Y015
 
 @_typing.final
 class HttpHeader(_message.Message):
