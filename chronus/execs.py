@@ -733,7 +733,10 @@ class ExecManager:
             if ex.exit is not None:
                 self.execs.pop(ex.exec_id, None)
             else:
-                ex.done_callbacks.append(lambda: self.execs.pop(ex.exec_id, None))
+                ex.done_callbacks.append(lambda: self._drop(ex.exec_id))
+
+    def _drop(self, exec_id: str) -> None:
+        self.execs.pop(exec_id, None)  # called by Exec.finish, under the lock
 
     def get(self, exec_id: str) -> Exec:
         with self.rt.lock:
