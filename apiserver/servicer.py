@@ -322,6 +322,27 @@ class SandboxServicer(_Forwarder):
         )
         return apiserver_pb2.PauseSandboxResponse(sandbox=resp.sandbox)
 
+    async def SetSandboxTimeout(
+        self, request: apiserver_pb2.SetSandboxTimeoutRequest, context: Any
+    ) -> apiserver_pb2.SetSandboxTimeoutResponse:
+        max_ttl_s = self.gw.cfg.max_ttl_s
+        if not 0 < request.timeout_s <= max_ttl_s:  # NaN fails both
+            raise InvalidArgument(
+                f"timeout_s={request.timeout_s} must be in (0, {max_ttl_s}] seconds "
+                "(the maximum ttl_s)",
+                reason="INVALID_TTL",
+                metadata={"field": "timeout_s"},
+            )
+        resp = await self._call(
+            context,
+            request.sandbox_id,
+            "SetSandboxTimeout",
+            edge_pb2.SetSandboxTimeoutRequest(
+                sandbox_id=request.sandbox_id, timeout_s=request.timeout_s
+            ),
+        )
+        return apiserver_pb2.SetSandboxTimeoutResponse(sandbox=resp.sandbox)
+
     async def ResumeSandbox(
         self, request: apiserver_pb2.ResumeSandboxRequest, context: Any
     ) -> apiserver_pb2.ResumeSandboxResponse:
@@ -429,6 +450,11 @@ class ExecServicer(_Forwarder):
     ) -> types_pb2.SignalExecResponse:
         return await self._unary("SignalExec", request, context)  # type: ignore[no-any-return]
 
+    async def ControlExec(
+        self, request: types_pb2.ControlExecRequest, context: Any
+    ) -> types_pb2.ControlExecResponse:
+        return await self._unary("ControlExec", request, context)  # type: ignore[no-any-return]
+
     async def ListExecs(
         self, request: types_pb2.ListExecsRequest, context: Any
     ) -> types_pb2.ListExecsResponse:
@@ -510,6 +536,27 @@ class FileServicer(_Forwarder):
         self, request: types_pb2.DownloadFileRequest, context: Any
     ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
         async for item in self._stream("DownloadFile", request, context):
+            yield item
+
+    async def CreateWatcher(
+        self, request: types_pb2.CreateWatcherRequest, context: Any
+    ) -> types_pb2.CreateWatcherResponse:
+        return await self._unary("CreateWatcher", request, context)  # type: ignore[no-any-return]
+
+    async def GetWatcherEvents(
+        self, request: types_pb2.GetWatcherEventsRequest, context: Any
+    ) -> types_pb2.GetWatcherEventsResponse:
+        return await self._unary("GetWatcherEvents", request, context)  # type: ignore[no-any-return]
+
+    async def RemoveWatcher(
+        self, request: types_pb2.RemoveWatcherRequest, context: Any
+    ) -> types_pb2.RemoveWatcherResponse:
+        return await self._unary("RemoveWatcher", request, context)  # type: ignore[no-any-return]
+
+    async def WatchDir(
+        self, request: types_pb2.WatchDirRequest, context: Any
+    ) -> AsyncIterator[types_pb2.WatchDirResponse]:
+        async for item in self._stream("WatchDir", request, context):
             yield item
 
 

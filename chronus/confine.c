@@ -1,12 +1,13 @@
 /* dsec-confine: the trampoline every sandbox command is started through (chronus/proc.py).
  *
- *   dsec-confine ERRFD RULESETFD FILTERFD CWD NENV ENV... PROGRAM [ARG...]
+ *   dsec-confine ERRFD RULESETFD FILTERFD CWD CRED NENV ENV... PROGRAM [ARG...]
  *
  * chronus starts it with posix_spawn (vfork: no copy of chronus's page tables, no copy-on-write
  * faults in chronus afterwards) and an EMPTY environment: the command's NENV variables come as
  * arguments, so nothing the caller chose (GLIBC_TUNABLES, ...) is parsed by this still
  * unconfined process's libc start-up. It then does what a forked child of chronus did: with a
  * ruleset or filter, no_new_privs; enter a new Landlock domain made from RULESETFD (-1: none);
+ * with CRED "UID:GID:G1,G2,..." (- : none), setgroups, setresgid and setresuid (ExecRequest.user);
  * chdir(CWD) (after the domain: a path through /proc/<pid>/... of a process outside it must not
  * resolve); install the seccomp program read from FILTERFD (-1: none); close those descriptors;
  * exec PROGRAM with the given environment and os.execvpe's search (the PATH of that environment;
@@ -28,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -53,15 +55,16 @@ static void fail(const char *step, int err, const char *detail) {
 
 int main(int argc, char **argv) {
     if (argc >= 2) errfd = atoi(argv[1]);
-    if (argc < 7) fail("setup", EINVAL, "usage: dsec-confine ERRFD RULESETFD FILTERFD CWD NENV ENV... PROGRAM...");
+    if (argc < 8) fail("setup", EINVAL, "usage: dsec-confine ERRFD RULESETFD FILTERFD CWD CRED NENV ENV... PROGRAM...");
     int ruleset = atoi(argv[2]), filter = atoi(argv[3]);
     const char *cwd = argv[4];
-    long nenv = strtol(argv[5], NULL, 10);
-    if (nenv < 0 || nenv > argc - 7) fail("setup", EINVAL, "NENV");
+    const char *cred = argv[5];
+    long nenv = strtol(argv[6], NULL, 10);
+    if (nenv < 0 || nenv > argc - 8) fail("setup", EINVAL, "NENV");
     char **envp = calloc((size_t)nenv + 1, sizeof *envp);
     if (envp == NULL) fail("setup", ENOMEM, "environment");
-    for (long i = 0; i < nenv; i++) envp[i] = argv[6 + i];
-    char **args = argv + 6 + nenv;
+    for (long i = 0; i < nenv; i++) envp[i] = argv[7 + i];
+    char **args = argv + 7 + nenv;
     char *prog_copy = args[0];
 
     if (ruleset >= 0 || filter >= 0) {
@@ -70,6 +73,23 @@ int main(int argc, char **argv) {
     if (ruleset >= 0) {
         if (syscall(SYS_landlock_restrict_self, ruleset, 0) != 0) fail("landlock", errno, "restrict");
         close(ruleset);
+    }
+    if (strcmp(cred, "-") != 0) {
+        char *end;
+        unsigned long uid = strtoul(cred, &end, 10);
+        if (*end != ':') fail("user", EINVAL, cred);
+        unsigned long gid = strtoul(end + 1, &end, 10);
+        if (*end != ':') fail("user", EINVAL, cred);
+        static gid_t groups[64];
+        size_t ngroups = 0;
+        for (char *p = end + 1; *p != '\0' && ngroups < 64;) {
+            groups[ngroups++] = (gid_t)strtoul(p, &end, 10);
+            if (*end != ',' && *end != '\0') fail("user", EINVAL, cred);
+            p = *end == ',' ? end + 1 : end;
+        }
+        if (setgroups(ngroups, groups) != 0) fail("user", errno, "setgroups");
+        if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) != 0) fail("user", errno, "setgid");
+        if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) != 0) fail("user", errno, "setuid");
     }
     if (chdir(cwd) != 0) fail("chdir", errno, cwd);
     if (filter >= 0) {

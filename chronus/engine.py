@@ -24,6 +24,7 @@ from chronus.files import Files
 from chronus.proc import grow_fd_table, rss_bytes
 from chronus.sessions import SessionManager
 from chronus.threads import Condition, Event, Lock, start_thread
+from chronus.watchers import Watchers
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class Engine:
         self.sessions = SessionManager(self.rt)
         self.execs = ExecManager(self.rt, self.sessions)
         self.files = Files(config.workdir)
+        self.watchers = Watchers(self.files.resolve, self.rt.reactor)
         self._sock: _socket.socket | None = None
         self._send_lock = Lock()
         self._streams: dict[int, Stream] = {}
@@ -141,6 +143,7 @@ class Engine:
             "wait_exec": self._wait_exec,
             "signal_exec": self._signal_exec,
             "list_execs": self._list_execs,
+            "control_exec": self._control_exec,
             "create_session": self._create_session,
             "close_session": self._close_session,
             "list_sessions": self._list_sessions,
@@ -154,6 +157,10 @@ class Engine:
             "chmod_path": self._unary("chmod_path", self.files.chmod_path),
             "upload_file": self._upload_file,
             "download_file": self._download_file,
+            "create_watcher": self._create_watcher,
+            "watcher_events": self._watcher_events,
+            "remove_watcher": self._remove_watcher,
+            "watch_dir": self._watch_dir,
             "http": self._http,
             "status": self._status,
         }
@@ -282,12 +289,15 @@ class Engine:
         self.execs.forget(ex)
 
     def _run_streaming(self, stream: Stream, ex: Exec, keepalive_ms: int) -> None:
+        """Started, output, exit. An abandoned foreground command is killed; a background one
+        (ExecRequest.follow) keeps running and stays registered for AttachExec."""
         sub = ex.subscribe()
         try:
             stream.send("exec_event", self._started(ex))
             self._pump(stream, sub, self._keepalive_s(keepalive_ms))
         except Cancelled:
-            ex.kill()  # an abandoned foreground command is not left running
+            if not ex.background:
+                ex.kill()
             raise
         finally:
             ex.unsubscribe(sub)
@@ -295,7 +305,7 @@ class Engine:
 
     def _exec_stream(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.start(req, mode="stream")
-        if ex.background:
+        if ex.background and not req.get("follow"):
             stream.send("exec_event", self._started(ex))
             return
         self._run_streaming(stream, ex, req.get("keepalive_interval_ms", 0))
@@ -351,6 +361,10 @@ class Engine:
     def _list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send("list_execs", {"execs": self.execs.list_infos()})
 
+    def _control_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+        self.execs.get(req.get("exec_id", "")).control(req)
+        stream.send("control_exec", {})
+
     # ------------------------------------------------------------ sessions
     def _create_session(self, stream: Stream, req: dict[str, Any]) -> None:
         session = self.sessions.create(req)
@@ -391,6 +405,70 @@ class Engine:
     def _download_file(self, stream: Stream, req: dict[str, Any]) -> None:
         for part in self.files.download(req):
             stream.send("download_chunk", part)
+
+    # ------------------------------------------------------------ watchers
+    def _create_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
+        w = self.watchers.create(req)
+        stream.send("create_watcher", {"watcher_id": w.watcher_id})
+
+    def _watcher_events(self, stream: Stream, req: dict[str, Any]) -> None:
+        events, overflowed = self.watchers.get(req.get("watcher_id", "")).drain()
+        stream.send(
+            "watcher_events",
+            {
+                "events": [{"name": name, "type": kind} for name, kind in events],
+                "overflowed": overflowed,
+            },
+        )
+
+    def _remove_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
+        self.watchers.remove(req.get("watcher_id", ""))
+        stream.send("remove_watcher", {})
+
+    def _watch_dir(self, stream: Stream, req: dict[str, Any]) -> None:
+        """`started`, then each event as it comes, keepalives when idle; ends (with an
+        error) only once the watched directory is gone. Cancelling removes the watcher."""
+        w = self.watchers.create(req)
+        keepalive_s = self._keepalive_s(req.get("keepalive_interval_ms", 0))
+
+        def wake() -> None:
+            with w.cond:
+                w.cond.notify_all()
+
+        try:
+            stream.on_cancel(wake)
+            stream.send("watch_event", {"started": {"path": w.root}})
+            reported_dropped = 0
+            while True:
+                with w.cond:
+                    if not (w.events or w.overflowed or w.gone or stream.cancelled):
+                        w.cond.wait(keepalive_s)
+                    events = list(w.events)
+                    w.events.clear()
+                    overflowed, w.overflowed = w.overflowed, False
+                    dropped, gone = w.dropped, w.gone
+                if stream.cancelled:
+                    raise Cancelled()
+                for name, kind in events:
+                    stream.send("watch_event", {"event": {"name": name, "type": kind}})
+                if overflowed:
+                    stream.send(
+                        "watch_event", {"overflow": {"dropped": dropped - reported_dropped}}
+                    )
+                    reported_dropped = dropped
+                if gone:
+                    raise ChronusError(
+                        errors.NOT_FOUND,
+                        "PATH_NOT_FOUND",
+                        f"{w.root}: the watched directory was removed",
+                    )
+                if not events and not overflowed:
+                    stream.send("watch_event", {"keepalive": {"at": timestamp()}})
+        finally:
+            try:
+                self.watchers.remove(w.watcher_id)
+            except ChronusError:
+                pass  # already removed
 
     # ---------------------------------------------------------------- misc
     def _http(self, stream: Stream, req: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from chronus.config import ChronusConfig
 from chronus.errors import (
     FAILED_PRECONDITION,
     NOT_FOUND,
+    RESOURCE_EXHAUSTED,
     UNIMPLEMENTED,
     ChronusError,
     invalid,
@@ -38,11 +39,14 @@ from chronus.proc import (
 )
 from chronus.reactor import Drain, Reactor, Timer
 from chronus.threads import RLock
+from chronus.users import resolve_user
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
+
+    from chronus.proc import Credentials
 
 log = get_logger("chronus.execs")
 
@@ -50,6 +54,10 @@ STDOUT, STDERR = 0, 1
 STREAM_NAMES = ("stdout", "stderr")
 EXEC_STATUS_RUNNING, EXEC_STATUS_EXITED = 1, 2
 READ_CHUNK = 65536
+MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE_BYTES = 16, 63, 1024
+_LABEL_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._/-")
+# ControlExec input not yet taken by the command: past this, the caller must wait.
+MAX_PENDING_STDIN_BYTES = 8 * 1024 * 1024
 
 if TYPE_CHECKING:
     # ("stdout"|"stderr", offset, data) | ("exit", status) | ("cancel",)
@@ -133,6 +141,13 @@ class Exec:
         self.exec_id = rt.new_id("ex")
         argv = req.get("argv")
         self.command: str = req.get("command") or " ".join(argv or ())
+        self.argv: list[str] = (
+            ["/bin/sh", "-c", req["command"]] if req.get("command") else list(argv or ())
+        )
+        self.cwd: str = req.get("cwd", "")  # the effective one once launched
+        self.env: dict[str, str] = dict(req.get("env", {}))
+        self.labels: dict[str, str] = dict(req.get("labels", {}))
+        self.user: str = req.get("user", "")
         self.session_id: str = req.get("session_id", "")
         self.background = background
         self.timeout_s = timeout_s
@@ -163,6 +178,12 @@ class Exec:
             "pid": self.pid,
             "started_at": timestamp(self.started_at),
             "session_id": self.session_id,
+            "labels": self.labels,
+            "argv": self.argv,
+            "cwd": self.cwd,
+            "env": self.env,
+            "pty": self.is_pty,
+            "user": self.user,
         }
         if self.exit is not None:
             info["exit"] = self.exit
@@ -207,6 +228,46 @@ class Exec:
     def close_stdin(self) -> None:
         with self.rt.lock:
             self._stdin_close = True
+        self.rt.reactor.call_soon(self._pump_stdin)
+
+    def control(self, action: dict[str, Any]) -> None:
+        """One ControlExec action (stdin, close_stdin or resize), or a typed error. Input is
+        queued under the lock before the call answers, so successive calls arrive in order."""
+        with self.rt.lock:
+            if self.exit is not None:
+                raise ChronusError(
+                    FAILED_PRECONDITION, "EXEC_EXITED", f"execution {self.exec_id} has exited"
+                )
+            if "resize" in action:
+                fd = self._pty_fd()
+                if fd < 0:
+                    raise ChronusError(
+                        FAILED_PRECONDITION,
+                        "NOT_A_PTY",
+                        f"execution {self.exec_id} does not run under a pseudo-terminal",
+                    )
+                size = action["resize"]
+                set_winsize(fd, size.get("rows", 0), size.get("cols", 0))
+                return
+            if "stdin" not in action and not action.get("close_stdin"):
+                raise invalid("ControlExec needs one of stdin, close_stdin (true) and resize")
+            if self.stdin_fd < 0 or self._stdin_close:
+                raise ChronusError(
+                    FAILED_PRECONDITION,
+                    "STDIN_CLOSED",
+                    f"execution {self.exec_id} has no open stdin (start it with stdin_open or pty)",
+                )
+            if "stdin" in action:
+                data = action["stdin"]
+                if sum(map(len, self._stdin_pending)) + len(data) > MAX_PENDING_STDIN_BYTES:
+                    raise ChronusError(
+                        RESOURCE_EXHAUSTED,
+                        "STDIN_BACKLOG",
+                        f"execution {self.exec_id} has not read the input sent so far",
+                    )
+                self._stdin_pending.append(data)
+            else:
+                self._stdin_close = True
         self.rt.reactor.call_soon(self._pump_stdin)
 
     def resize(self, rows: int, cols: int) -> None:
@@ -374,8 +435,15 @@ class ProcessExec(Exec):
         self._exit_status: int | None = None
         self._pidfd = -1
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str, req: dict[str, Any]) -> None:
-        """Spawn (calling thread), then hand the I/O to the reactor."""
+    def launch(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        req: dict[str, Any],
+        creds: Credentials | None = None,
+    ) -> None:
+        """Spawn (calling thread), then hand the I/O to the reactor; as `creds` if given."""
         stdin_data: bytes = req.get("stdin", b"")
         keep_stdin = bool(req.get("stdin_open"))
         child_fds: list[int] = []
@@ -386,6 +454,11 @@ class ProcessExec(Exec):
                 size = req.get("pty_size") or {}
                 set_winsize(master, size.get("rows", 24), size.get("cols", 80))
                 env.setdefault("TERM", "xterm")
+                if creds is not None:
+                    try:  # the terminal is the user's, as login(1) leaves it
+                        os.fchown(slave, creds[0], -1)
+                    except OSError:
+                        pass
                 self.stdin_fd = master  # closed by the SpawnError handler below if spawn fails
                 self.pid = spawn(
                     argv,
@@ -394,6 +467,7 @@ class ProcessExec(Exec):
                     ctty=slave,
                     ruleset_fd=self.rt.sandboxing.for_exec(),
                     syscall_filter=self.rt.sandboxing.filter,
+                    creds=creds,
                 )
                 self.stdin_fd = master
                 out_fds = [(master, STDOUT)]
@@ -408,6 +482,12 @@ class ProcessExec(Exec):
                 else:
                     in_r = os.open(os.devnull, os.O_RDONLY)
                     child_fds.append(in_r)
+                if creds is not None:
+                    # A pipe is its creator's, mode 0600: a command run as a user could not
+                    # reopen /dev/stdout (/proc/self/fd/1) without owning its ends.
+                    _chown_quietly(
+                        [out_w, err_w] + ([in_r] if stdin_data or keep_stdin else []), creds[0]
+                    )
                 out_fds = [(out_r, STDOUT), (err_r, STDERR)]
                 try:
                     self.pid = spawn(
@@ -419,6 +499,7 @@ class ProcessExec(Exec):
                         stderr=err_w,
                         ruleset_fd=self.rt.sandboxing.for_exec(),
                         syscall_filter=self.rt.sandboxing.filter,
+                        creds=creds,
                     )
                 except BaseException:
                     for fd, _ in out_fds:
@@ -531,6 +612,14 @@ class ProcessExec(Exec):
                 kill_session(self.pid, self.pid)
 
 
+def _chown_quietly(fds: list[int], uid: int) -> None:
+    for fd in fds:
+        try:
+            os.fchown(fd, uid, -1)
+        except OSError:
+            pass
+
+
 def shell_quote(s: str) -> str:
     return "'" + s.replace("'", "'\\''") + "'"
 
@@ -557,10 +646,27 @@ class ExecManager:
                 "TRUSTED_EXEC_UNSUPPORTED",
                 "trusted execution must be arranged by the edge (read-only layers)",
             )
+        labels = req.get("labels", {})
+        if len(labels) > MAX_LABELS:
+            raise invalid(f"at most {MAX_LABELS} labels, got {len(labels)}", "INVALID_LABEL")
+        for key, value in labels.items():
+            if not 0 < len(key) <= MAX_LABEL_KEY or not _LABEL_KEY_CHARS.issuperset(key):
+                raise invalid(
+                    f"label key {key!r}: 1-{MAX_LABEL_KEY} characters of [a-zA-Z0-9._/-]",
+                    "INVALID_LABEL",
+                )
+            if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
+                raise invalid(
+                    f"label {key!r}: the value exceeds {MAX_LABEL_VALUE_BYTES} bytes",
+                    "INVALID_LABEL",
+                )
         for key in req.get("env", {}):
             if not key or "=" in key or "\0" in key:
                 raise invalid(f"invalid environment variable name {key!r}")
-        for part in (command or "", *argv, req.get("cwd") or "", *req.get("env", {}).values()):
+        user = req.get("user", "")
+        for part in (
+            command or "", *argv, req.get("cwd") or "", user, *req.get("env", {}).values()
+        ):  # fmt: skip
             if "\0" in part:  # exec cannot carry it: refuse rather than cut the string
                 raise invalid("a NUL byte in the command, argv, cwd or an environment value")
         timeout_s = float(req.get("timeout_s", 0.0))
@@ -578,17 +684,32 @@ class ExecManager:
             req = dict(req, stdin_open=True)  # an interactive stream feeds stdin
         background = mode == "background"
         session_id = req.get("session_id", "")
+        if session_id and user:
+            raise invalid(
+                "user is not supported in a session (its shell runs as it was created)",
+                "USER_IN_SESSION",
+            )
         if session_id:
             ex = self.sessions.start_exec(req, cap=cap, background=background, timeout_s=timeout_s)
+            ex.cwd = ex.cwd or ex.session.info()["cwd"]
             self._register(ex)
             return ex
-        cwd = req.get("cwd") or cfg.workdir
+        cwd = req.get("cwd", "")
         env = dict(cfg.env)
+        creds: Credentials | None = None
+        if user:
+            account = resolve_user(user)
+            env.update(account.env())
+            creds = (account.uid, account.gid, account.groups)
+            # A home that does not exist (nobody's /nonexistent) falls back, like su(1) does.
+            if not cwd and os.path.isdir(account.home):
+                cwd = account.home
+        cwd = cwd or cfg.workdir
         env.update(req.get("env", {}))
-        run_argv = ["/bin/sh", "-c", command] if command else list(argv)
         pex = ProcessExec(self.rt, req, cap=cap, background=background, timeout_s=timeout_s)
+        pex.cwd = cwd
         self._register(pex)
-        pex.launch(run_argv, env, cwd, req)
+        pex.launch(list(pex.argv), env, cwd, req, creds)
         return pex
 
     def _register(self, ex: Exec) -> None:
@@ -603,10 +724,19 @@ class ExecManager:
             del self.execs[old.exec_id]
 
     def forget(self, ex: Exec) -> None:
-        """A foreground exec whose caller has its result: nobody can ask again."""
+        """A foreground exec whose caller has its result (or went away): nobody can ask
+        again. One still running (its stream was cancelled, the kill not yet reaped) goes
+        when it exits, so abandoned streams do not grow the table."""
         with self.rt.lock:
-            if ex.exit is not None and not ex.background:
+            if ex.background:
+                return
+            if ex.exit is not None:
                 self.execs.pop(ex.exec_id, None)
+            else:
+                ex.done_callbacks.append(lambda: self._drop(ex.exec_id))
+
+    def _drop(self, exec_id: str) -> None:
+        self.execs.pop(exec_id, None)  # called by Exec.finish, under the lock
 
     def get(self, exec_id: str) -> Exec:
         with self.rt.lock:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
     from chronus import seccomp
 
+    Credentials = tuple[int, int, list[int]]  # uid, gid, supplementary gids
+
 # Python ignores these at start-up; ignored dispositions survive exec, so the
 # child must restore them or `yes | head` never ends.
 _RESET_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ)
@@ -48,6 +50,7 @@ def spawn(
     extra_fds: dict[int, int] | None = None,
     ruleset_fd: int = -1,
     syscall_filter: seccomp.Filter | None = None,
+    creds: Credentials | None = None,
 ) -> int:
     """Fork and exec `argv` in a new session; return its pid.
 
@@ -58,6 +61,8 @@ def spawn(
     With `ruleset_fd`, the child enters a Landlock domain made from it just
     before exec (`chronus.landlock`); with `syscall_filter`, it also installs that
     seccomp filter (`chronus.seccomp`). If either fails, the command does not run.
+    With `creds` (uid, gid, supplementary gids), the child sets its groups, gid and uid after
+    entering the domain and before chdir and exec (a failure is step "user").
 
     In a toolkit (where `dsec-confine` sits next to the interpreter) the command
     is started with posix_spawn, i.e. vfork, through that static trampoline, which
@@ -73,7 +78,7 @@ def spawn(
     if confine is not None:
         return _spawn_confined(
             confine, argv, env, cwd, stdin, stdout, stderr, ctty, extra_fds, ruleset_fd,
-            syscall_filter,
+            syscall_filter, creds,
         )  # fmt: skip
     enforce: Callable[[int], None] | None = None
     if ruleset_fd >= 0:
@@ -99,6 +104,11 @@ def spawn(
             if enforce is not None:
                 step, detail = "landlock", "restrict"
                 enforce(ruleset_fd)
+            if creds is not None:
+                step, detail = "user", str(creds[0])
+                os.setgroups(creds[2])
+                os.setresgid(creds[1], creds[1], creds[1])
+                os.setresuid(creds[0], creds[0], creds[0])
             # After the domain: a cwd through /proc/<pid>/... of a process outside it must
             # not resolve (ptrace scoping), as it would for an unconfined process.
             step, detail = "chdir", cwd
@@ -160,8 +170,9 @@ def _spawn_confined(
     extra_fds: dict[int, int] | None,
     ruleset_fd: int,
     syscall_filter: seccomp.Filter | None,
+    creds: Credentials | None,
 ) -> int:
-    """posix_spawn of `dsec-confine ERR RULESET FILTER CWD NENV ENV... argv...` with an empty
+    """posix_spawn of `dsec-confine ERR RULESET FILTER CWD CRED NENV ENV... argv...` with an empty
     environment (see chronus/confine.c); every failure is a SpawnError, no descriptor leaks."""
     if any(t >= _ERR_FD for t in extra_fds or {}):
         raise SpawnError("setup", errno.EINVAL, f"extra fds must be below {_ERR_FD}")
@@ -197,10 +208,13 @@ def _spawn_confined(
             actions.append((os.POSIX_SPAWN_DUP2, high(syscall_filter.memfd()), _FILTER_FD))
             filt = str(_FILTER_FD)
         variables = [f"{k}={v}" for k, v in env.items()]
+        cred = "-"
+        if creds is not None:
+            cred = f"{creds[0]}:{creds[1]}:{','.join(map(str, creds[2]))}"
         step = "exec"
         pid = os.posix_spawn(
             confine,
-            [confine, str(_ERR_FD), rules, filt, cwd, str(len(variables)), *variables, *argv],
+            [confine, str(_ERR_FD), rules, filt, cwd, cred, str(len(variables)), *variables, *argv],
             {},  # nothing of the caller's reaches the unconfined trampoline's libc start-up
             file_actions=actions,
             setsid=True,

@@ -122,7 +122,7 @@ def sandbox_pb(rec: SandboxRecord) -> types_pb2.Sandbox:
         created_at=ts(rec.created_at),
         started_at=ts(rec.started_at),
         last_active_at=ts(rec.last_active_at),
-        expires_at=ts(rec.expires_at) if rec.spec.ttl_s else None,
+        expires_at=ts(rec.expires_at) if rec.expires else None,
         violations=types_pb2.ViolationCounters(**rec.violations),
     )
     if rec.memory and rec.live:
@@ -180,4 +180,4 @@ def sandbox_pb_fast(
     _set_ts(out.created_at, rec.created_at)
     _set_ts(out.started_at, rec.started_at)
     _set_ts(out.last_active_at, rec.last_active_at)
-    _set_ts(out.expires_at, rec.expires_at if rec.spec.ttl_s else None)
+    _set_ts(out.expires_at, rec.expires_at if rec.expires else None)

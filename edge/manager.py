@@ -553,6 +553,26 @@ class SandboxManager:
         rec.last_active_at = time.time()
         return rec
 
+    async def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRecord:
+        """The sandbox ends (TTL) ``timeout_s`` seconds from now, whatever its ttl_s said; the
+        new deadline is on the record (persisted: it survives an edge restart)."""
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise InvalidArgument(
+                f"timeout_s={timeout_s} must be a positive number of seconds",
+                reason="INVALID_TTL",
+                metadata={"field": "timeout_s"},
+            )
+        rec = self.get_live(sandbox_id)  # ended: SandboxTerminated (FAILED_PRECONDITION)
+        if rec.state == "STOPPING":
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id} is STOPPING: its lifetime cannot change",
+                reason="SANDBOX_NOT_RUNNING",
+                metadata={"state": rec.state},
+            )
+        rec.deadline_at = time.time() + timeout_s
+        self._changed(rec)
+        return rec
+
     # ----------------------------------------------------------- containment
 
     async def update_network_policy(self, sandbox_id: str, policy: dict[str, Any]) -> SandboxRecord:

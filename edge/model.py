@@ -70,10 +70,18 @@ class SandboxRecord:
     #: MiB of spec.memory_mb a pause gave back to the node: not counted toward its memory
     #: admission while the sandbox stays paused (a resume must find room for them again).
     released_mb: int = 0
+    #: When the sandbox ends (TTL), if SetSandboxTimeout moved it; else created_at + ttl_s.
+    deadline_at: float | None = None
 
     @property
     def expires_at(self) -> float:
+        if self.deadline_at is not None:
+            return self.deadline_at
         return self.created_at + self.spec.ttl_s if self.spec.ttl_s else float("inf")
+
+    @property
+    def expires(self) -> bool:
+        return self.deadline_at is not None or bool(self.spec.ttl_s)
 
     @property
     def live(self) -> bool:

@@ -196,6 +196,12 @@ class EdgeServicer:
         await self.manager.delete(request.sandbox_id)
         return edge_pb2.DeleteSandboxResponse()
 
+    async def SetSandboxTimeout(
+        self, request: edge_pb2.SetSandboxTimeoutRequest, context: Any
+    ) -> edge_pb2.SetSandboxTimeoutResponse:
+        rec = await self.manager.set_timeout(request.sandbox_id, request.timeout_s)
+        return edge_pb2.SetSandboxTimeoutResponse(sandbox=sandbox_pb(rec))
+
     async def PauseSandbox(
         self, request: edge_pb2.PauseSandboxRequest, context: Any
     ) -> edge_pb2.PauseSandboxResponse:
@@ -446,6 +452,11 @@ class EdgeServicer:
     ) -> types_pb2.SignalExecResponse:
         return await self._unary("signal_exec", request)  # type: ignore[no-any-return]
 
+    async def ControlExec(
+        self, request: types_pb2.ControlExecRequest, context: Any
+    ) -> types_pb2.ControlExecResponse:
+        return await self._unary("control_exec", request)  # type: ignore[no-any-return]
+
     async def ListExecs(
         self, request: types_pb2.ListExecsRequest, context: Any
     ) -> types_pb2.ListExecsResponse:
@@ -531,6 +542,49 @@ class EdgeServicer:
     ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
         async for item in self._stream("download_file", request):
             yield item
+
+    async def CreateWatcher(
+        self, request: types_pb2.CreateWatcherRequest, context: Any
+    ) -> types_pb2.CreateWatcherResponse:
+        return await self._unary("create_watcher", request)  # type: ignore[no-any-return]
+
+    async def GetWatcherEvents(
+        self, request: types_pb2.GetWatcherEventsRequest, context: Any
+    ) -> types_pb2.GetWatcherEventsResponse:
+        return await self._unary("watcher_events", request)  # type: ignore[no-any-return]
+
+    async def RemoveWatcher(
+        self, request: types_pb2.RemoveWatcherRequest, context: Any
+    ) -> types_pb2.RemoveWatcherResponse:
+        return await self._unary("remove_watcher", request)  # type: ignore[no-any-return]
+
+    async def WatchDir(
+        self, request: types_pb2.WatchDirRequest, context: Any
+    ) -> AsyncIterator[types_pb2.WatchDirResponse]:
+        """chronus's stream as is; when the channel goes (the sandbox ending: TTL, stop, OOM),
+        the stream ends with the sandbox's termination (SANDBOX_TERMINATED and its reason)."""
+        try:
+            async for item in self._stream("watch_dir", request):
+                yield item
+        except Unavailable as exc:
+            await self._raise_if_ended(request.sandbox_id)
+            raise exc
+        await self._raise_if_ended(request.sandbox_id)
+        raise Unavailable("the watch ended without a reason", reason="STREAM_ENDED_EARLY")
+
+    async def _raise_if_ended(self, sandbox_id: str, wait_s: float = 10.0) -> None:
+        """Raises SandboxTerminated once the sandbox is recorded as ended (its channel closes
+        before its teardown completes); returns if it is still RUNNING after a moment (the
+        channel dropped, the sandbox lives) or not ended after ``wait_s``."""
+        start = time.monotonic()
+        while True:
+            rec = self.manager.get(sandbox_id)
+            if not rec.live:
+                self.manager.get_live(sandbox_id)  # SandboxTerminated with the reason
+            waited = time.monotonic() - start
+            if waited >= wait_s or (rec.state == "RUNNING" and waited >= 2.0):
+                return
+            await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------- fncall
 

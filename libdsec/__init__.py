@@ -13,6 +13,7 @@ bound to one gRPC status code and a stable ``reason``.
 
 from libdsec.aio import (
     AsyncClient,
+    AsyncDirWatch,
     AsyncFiles,
     AsyncProcess,
     AsyncSandbox,
@@ -21,13 +22,14 @@ from libdsec.aio import (
 )
 from libdsec.errors import DSecError
 from libdsec.options import CreateOptions, SandboxOptions
-from libdsec.sync import Client, Files, Process, Sandbox, Session, Watch
+from libdsec.sync import Client, DirWatch, Files, Process, Sandbox, Session, Watch
 from libdsec.types import (
     Environment,
     ExecInfo,
     ExecResult,
     Exited,
     ExitStatus,
+    FileEvent,
     FileInfo,
     FunctionJob,
     FunctionResult,
@@ -51,6 +53,7 @@ from libdsec.types import (
 
 __all__ = [
     "AsyncClient",
+    "AsyncDirWatch",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSandbox",
@@ -59,11 +62,13 @@ __all__ = [
     "Client",
     "CreateOptions",
     "DSecError",
+    "DirWatch",
     "Environment",
     "ExecInfo",
     "ExecResult",
     "ExitStatus",
     "Exited",
+    "FileEvent",
     "FileInfo",
     "Files",
     "FunctionJob",

@@ -3,19 +3,27 @@
 await sb.files.write("/work/a.txt", "hello")
 assert await sb.files.read("/work/a.txt") == b"hello"
 await sb.files.upload("dataset.tar", "/work/dataset.tar")   # streamed, one chunk in memory
+
+async with await sb.files.watch("/work", recursive=True) as changes:   # established here
+    async for ev in changes:                                           # FileEvent
+        print(ev.type, ev.name)
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import grpc
+
 from dsec.types.v1 import types_pb2
-from libdsec.errors import NotFound
-from libdsec.types import FileInfo
+from libdsec._transport import STREAM_IDLE_TIMEOUT_S, STREAM_KEEPALIVE_INTERVAL_S, stalled
+from libdsec.errors import NotFound, Unavailable, from_rpc_error
+from libdsec.types import FileEvent, FileInfo
 
 if TYPE_CHECKING:
     from libdsec._sandbox import AsyncSandbox
@@ -218,3 +226,166 @@ class AsyncFiles:
             destination.write(chunk)
             total += len(chunk)
         return total
+
+    # ------------------------------------------------------------ watchers
+
+    async def create_watcher(
+        self, path: str, recursive: bool = False, *, timeout: float | None = None
+    ) -> str:
+        """Starts watching the directory ``path`` (and, ``recursive``, its subdirectories,
+        including ones created later) inside the sandbox; returns the watcher's id for
+        :meth:`watcher_events`. The watcher lives until :meth:`remove_watcher` or the
+        sandbox's end; a sandbox holds at most 64 (``ResourceExhausted``
+        ``TOO_MANY_WATCHERS``). A missing path: ``PathNotFound``; not a directory:
+        ``InvalidArgument`` ``NOT_A_DIRECTORY``."""
+        resp = await self._call(
+            "CreateWatcher",
+            types_pb2.CreateWatcherRequest(
+                sandbox_id=self.sandbox.id, path=path, recursive=recursive
+            ),
+            timeout,
+        )
+        return str(resp.watcher_id)
+
+    async def watcher_events(
+        self, watcher_id: str, *, timeout: float | None = None
+    ) -> builtins.list[FileEvent]:
+        """What happened since the previous call, oldest first (at most 4096 events are
+        held between calls; the oldest are kept). An unknown id: ``NotFound``
+        ``WATCHER_NOT_FOUND``::
+
+            wid = await sb.files.create_watcher("/work")
+            await sb.files.write("/work/a.txt", "x")
+            events = await sb.files.watcher_events(wid)   # [FileEvent("a.txt", "create"), ...]
+        """
+        resp = await self._call(
+            "GetWatcherEvents",
+            types_pb2.GetWatcherEventsRequest(sandbox_id=self.sandbox.id, watcher_id=watcher_id),
+            timeout,
+        )
+        return [FileEvent.from_pb(e) for e in resp.events]
+
+    async def remove_watcher(self, watcher_id: str, *, timeout: float | None = None) -> None:
+        """Stops a watcher and forgets its events. An unknown id: ``NotFound``."""
+        await self._call(
+            "RemoveWatcher",
+            types_pb2.RemoveWatcherRequest(sandbox_id=self.sandbox.id, watcher_id=watcher_id),
+            timeout,
+        )
+
+    async def watch(self, path: str, recursive: bool = False) -> AsyncDirWatch:
+        """Streams changes of the directory ``path``: returns once the watch is established
+        (every later change is reported), an async iterator of :class:`FileEvent`, closed
+        with ``aclose()`` or by leaving its ``async with``. When the sandbox ends the
+        iteration raises ``SandboxTerminated`` (``metadata["termination_reason"]``), when
+        the directory itself is removed ``PathNotFound``; a stream silent past its
+        keepalives raises ``DeadlineExceeded`` ``STREAM_STALLED``::
+
+            async with await sb.files.watch("/work", recursive=True) as changes:
+                async for ev in changes:
+                    print(ev.type, ev.name)
+        """
+        w = AsyncDirWatch(
+            self.sandbox.client._rpc,
+            types_pb2.WatchDirRequest(
+                sandbox_id=self.sandbox.id,
+                path=path,
+                recursive=recursive,
+                keepalive_interval_ms=round(STREAM_KEEPALIVE_INTERVAL_S * 1000),
+            ),
+        )
+        try:
+            await w.start()
+        except BaseException:
+            await w.aclose()
+            raise
+        return w
+
+
+class AsyncDirWatch:
+    """A directory watch (see :meth:`AsyncFiles.watch`): an async iterator of
+    :class:`FileEvent` and an async context manager. ``dropped`` counts events the server
+    could not deliver because this reader fell behind."""
+
+    def __init__(
+        self, rpc: Any, request: types_pb2.WatchDirRequest, *, idle_timeout_s: float = 0.0
+    ) -> None:
+        self._rpc = rpc
+        self._request = request
+        self.idle_timeout_s = idle_timeout_s or STREAM_IDLE_TIMEOUT_S
+        self._call: Any = None
+        self._closed = False
+        #: The watched directory as the sandbox resolved it (once started).
+        self.path = ""
+        self.dropped = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def start(self) -> None:
+        """Opens the stream and waits until the sandbox says the watch is established."""
+        self._call = self._rpc.files.WatchDir(self._request, metadata=self._rpc.metadata)
+        msg = await self._read()
+        if msg is None or msg.WhichOneof("kind") != "started":
+            raise Unavailable("the watch ended before it started", reason="STREAM_ENDED_EARLY")
+        self.path = msg.started.path
+
+    async def _read(self) -> Any:
+        """The next message, or None once closed."""
+        if self._closed:
+            return None
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                msg = await self._call.read()
+        except TimeoutError:
+            self._finish()
+            raise stalled(self.idle_timeout_s) from None
+        except grpc.aio.AioRpcError as exc:
+            if self._closed:
+                return None
+            self._finish()
+            raise from_rpc_error(exc) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and (task is None or task.cancelling() == 0):
+                return None  # cancelled by a close, not this task
+            raise
+        if self._closed:
+            return None
+        if msg is grpc.aio.EOF:
+            self._finish()
+            raise Unavailable("the watch ended without a reason", reason="STREAM_ENDED_EARLY")
+        return msg
+
+    def __aiter__(self) -> AsyncDirWatch:
+        return self
+
+    async def __anext__(self) -> FileEvent:
+        while True:
+            msg = await self._read()
+            if msg is None:
+                raise StopAsyncIteration
+            kind = msg.WhichOneof("kind")
+            if kind == "event":
+                return FileEvent.from_pb(msg.event)
+            if kind == "overflow":
+                self.dropped += msg.overflow.dropped
+            # keepalive: the stream is alive; nothing to yield
+
+    def _finish(self) -> None:
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()  # the sandbox removes its watch
+
+    async def aclose(self) -> None:
+        """Ends the watch (idempotent); an iteration in another task ends without an error."""
+        self._finish()
+
+    close = aclose
+
+    async def __aenter__(self) -> AsyncDirWatch:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

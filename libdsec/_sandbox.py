@@ -50,6 +50,10 @@ def _exec_request(
     background: bool = False,
     stdin_open: bool = False,
     trusted: bool = False,
+    labels: Mapping[str, str] | None = None,
+    user: str = "",
+    follow: bool = False,
+    pty_size: tuple[int, int] | None = None,
 ) -> types_pb2.ExecRequest:
     req = types_pb2.ExecRequest(
         sandbox_id=sandbox_id,
@@ -63,7 +67,12 @@ def _exec_request(
         session_id=session_id,
         background=background,
         trusted=trusted,
+        labels=dict(labels or {}),
+        user=user,
+        follow=follow,
     )
+    if pty_size is not None:
+        req.pty_size.rows, req.pty_size.cols = pty_size
     if isinstance(cmd, str):
         req.command = cmd
     else:
@@ -72,7 +81,7 @@ def _exec_request(
 
 
 class AsyncProcess:
-    """A background command: reattach, wait, signal at any later time."""
+    """A background command: reattach, wait, signal, send input at any later time."""
 
     def __init__(self, sandbox: AsyncSandbox, exec_id: str, pid: int) -> None:
         self.sandbox = sandbox
@@ -102,6 +111,35 @@ class AsyncProcess:
             timeout=c.timeout,
         )
         return bool(resp.delivered)
+
+    async def _control(self, **action: Any) -> None:
+        c = self.sandbox.client
+        await c._rpc.unary(
+            c._rpc.exec.ControlExec,
+            types_pb2.ControlExecRequest(
+                sandbox_id=self.sandbox.id, exec_id=self.exec_id, **action
+            ),
+            timeout=c.timeout,
+        )
+
+    async def send_stdin(self, data: bytes | str) -> None:
+        """Writes ``data`` (a str is UTF-8) to the command's stdin; calls arrive in order. The
+        command must have been started with ``stdin_open=True`` or ``pty``. Closed stdin:
+        :class:`FailedPrecondition` ``STDIN_CLOSED``; exited: ``EXEC_EXITED``::
+
+            proc = await sb.start("cat", stdin_open=True)
+            await proc.send_stdin("hello\n")
+            await proc.close_stdin()
+        """
+        await self._control(stdin=data.encode() if isinstance(data, str) else data)
+
+    async def close_stdin(self) -> None:
+        """Ends the command's input (EOF; on a PTY the EOF character ^D)."""
+        await self._control(close_stdin=True)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Resizes the command's terminal (it gets SIGWINCH). Not a PTY: ``NOT_A_PTY``."""
+        await self._control(resize=types_pb2.PtySize(rows=rows, cols=cols))
 
     async def attach(
         self, *, stdout_offset: int = 0, stderr_offset: int = 0
@@ -188,6 +226,8 @@ class AsyncSandbox:
         max_output_bytes: int | None = None,
         session: str = "",
         trusted: bool = False,
+        user: str = "",
+        labels: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Runs a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
 
@@ -202,6 +242,11 @@ class AsyncSandbox:
         ``/bin/bash`` or test runner the agent replaced is not used::
 
             r = await sb.run("cd /work && python3 -m pytest -q", trusted=True)
+
+        ``user`` runs it as that user of the sandbox's ``/etc/passwd`` (name or uid; HOME,
+        USER and LOGNAME from there, cwd its home unless given); unknown:
+        :class:`InvalidArgument` ``USER_NOT_FOUND``. ``labels`` tag the command
+        (:attr:`ExecInfo.labels`).
         """
         c = self.client
         req = _exec_request(
@@ -215,6 +260,8 @@ class AsyncSandbox:
             max_output_bytes=max_output_bytes,
             session_id=session,
             trusted=trusted,
+            user=user,
+            labels=labels,
         )
         deadline = (timeout_s or 600.0) + 60.0
         return ExecResult.from_pb(await c._rpc.unary(c._rpc.exec.Exec, req, timeout=deadline))
@@ -231,11 +278,21 @@ class AsyncSandbox:
         max_output_bytes: int | None = None,
         session: str = "",
         trusted: bool = False,
+        user: str = "",
+        labels: Mapping[str, str] | None = None,
+        background: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         """Yields :class:`Started`, then :class:`Output` events as produced, then one :class:`Exited`.
 
         Keepalives flow underneath; if the stream stalls or the sandbox dies
-        an error is raised (never a hang).
+        an error is raised (never a hang). Leaving the loop early kills the command, unless
+        ``background=True``: then it keeps running, and ``sb.process(started.exec_id)``
+        reattaches, waits, signals or sends input later::
+
+            async for ev in sb.stream("python3 -m http.server 8000", background=True):
+                if isinstance(ev, Started):
+                    server = await sb.process(ev.exec_id)
+                    break                               # the server stays up
         """
         c = self.client
         req = _exec_request(
@@ -249,6 +306,10 @@ class AsyncSandbox:
             max_output_bytes=max_output_bytes,
             session_id=session,
             trusted=trusted,
+            user=user,
+            labels=labels,
+            background=background,
+            follow=background,
         )
         req.keepalive_interval_ms = round(STREAM_KEEPALIVE_INTERVAL_S * 1000)
         exited = False
@@ -272,8 +333,20 @@ class AsyncSandbox:
         timeout_s: float | None = None,
         max_output_bytes: int | None = None,
         session: str = "",
+        labels: Mapping[str, str] | None = None,
+        user: str = "",
+        stdin_open: bool = False,
+        pty: bool | tuple[int, int] = False,
     ) -> AsyncProcess:
-        """Starts a background command; returns at once with a handle to wait on, kill or reattach."""
+        """Starts a background command; returns at once with a handle to wait on, kill, reattach
+        or send input to. ``stdin_open=True`` keeps its stdin (a pipe) open for
+        :meth:`AsyncProcess.send_stdin`; ``pty`` runs it under a terminal (``(rows, cols)``, or
+        True for 24x80) whose input stays open, with :meth:`AsyncProcess.resize`::
+
+            shell = await sb.start("bash -i", pty=(40, 120), labels={"role": "terminal"})
+            await shell.send_stdin("ls\n")
+            await shell.resize(50, 160)
+        """
         c = self.client
         req = _exec_request(
             self.id,
@@ -282,10 +355,14 @@ class AsyncSandbox:
             cwd=cwd,
             env=env,
             stdin=stdin,
-            pty=False,
+            pty=bool(pty),
+            pty_size=pty if isinstance(pty, tuple) else None,
             max_output_bytes=max_output_bytes,
             session_id=session,
             background=True,
+            stdin_open=stdin_open or bool(pty),
+            labels=labels,
+            user=user,
         )
         async for ev in c._rpc.stream(c._rpc.exec.ExecStream, req):
             if ev.WhichOneof("event") == "started":
@@ -364,6 +441,20 @@ class AsyncSandbox:
         the idle timeout does not. Not RUNNING: ``FailedPrecondition``."""
         return await self._lifecycle(
             "PauseSandbox", apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id), 120
+        )
+
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        """Changes the sandbox's lifetime: it ends (termination reason ``TTL``) ``seconds``
+        from now, sooner or later than its ``ttl_s`` said; ``info.expires_at`` is the new
+        end. ``0 < seconds <=`` the maximum ``ttl_s`` a create accepts, else
+        ``InvalidArgument``; an ended sandbox: ``SandboxTerminated``::
+
+            await sb.set_timeout(3600)   # one more hour from now
+        """
+        return await self._lifecycle(
+            "SetSandboxTimeout",
+            apiserver_pb2.SetSandboxTimeoutRequest(sandbox_id=self.id, timeout_s=seconds),
+            60,
         )
 
     async def resume(self) -> SandboxInfo:

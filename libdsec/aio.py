@@ -29,7 +29,7 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
-from libdsec._files import CHUNK, AsyncFiles
+from libdsec._files import CHUNK, AsyncDirWatch, AsyncFiles
 from libdsec._sandbox import AsyncProcess, AsyncSandbox, AsyncSession
 from libdsec._tagged import TaggedStream
 from libdsec._transport import (
@@ -651,6 +651,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "STREAM_IDLE_TIMEOUT_S",
     "AsyncClient",
+    "AsyncDirWatch",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSandbox",

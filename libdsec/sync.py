@@ -25,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, TypeVar, Unpack
 
+from libdsec._files import AsyncDirWatch
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
 from libdsec.aio import (
     AsyncClient,
@@ -41,6 +42,7 @@ from libdsec.types import (
     ExecEvent,
     ExecInfo,
     ExecResult,
+    FileEvent,
     FileInfo,
     FunctionJob,
     FunctionResult,
@@ -390,6 +392,16 @@ class Process:
     def attach(self, **kw: Any) -> Iterator[ExecEvent]:
         return self._c._loop.iterate(self._p.attach(**kw))
 
+    def send_stdin(self, data: bytes | str) -> None:
+        """See :meth:`AsyncProcess.send_stdin`."""
+        self._c._loop.run(self._p.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        self._c._loop.run(self._p.close_stdin())
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._c._loop.run(self._p.resize(rows, cols))
+
 
 class Session:
     """A persistent shell session (see :meth:`Sandbox.session`)."""
@@ -461,6 +473,67 @@ class Files:
     def iter_download(self, path: str, **kw: Any) -> Iterator[bytes]:
         return self._c._loop.iterate(self._f.iter_download(path, **kw))
 
+    def create_watcher(self, path: str, recursive: bool = False, **kw: Any) -> str:
+        """See :meth:`AsyncFiles.create_watcher`."""
+        return self._c._loop.run(self._f.create_watcher(path, recursive, **kw))
+
+    def watcher_events(self, watcher_id: str, **kw: Any) -> builtins.list[FileEvent]:
+        """See :meth:`AsyncFiles.watcher_events`."""
+        return self._c._loop.run(self._f.watcher_events(watcher_id, **kw))
+
+    def remove_watcher(self, watcher_id: str, **kw: Any) -> None:
+        """See :meth:`AsyncFiles.remove_watcher`."""
+        self._c._loop.run(self._f.remove_watcher(watcher_id, **kw))
+
+    def watch(self, path: str, recursive: bool = False) -> DirWatch:
+        """Changes of the directory ``path`` as they happen (see :meth:`AsyncFiles.watch`):
+        established when this returns; an iterator of :class:`FileEvent`, a context manager,
+        ended with ``close()``::
+
+            with sb.files.watch("/work") as changes:
+                for ev in changes:
+                    print(ev.type, ev.name)
+        """
+        return DirWatch(self._c, self._c._loop.run(self._f.watch(path, recursive)))
+
+
+class DirWatch:
+    """A directory watch (see :meth:`Files.watch`): an iterator of :class:`FileEvent`."""
+
+    def __init__(self, client: Client, watch: AsyncDirWatch) -> None:
+        self._c = client
+        self._w = watch
+
+    @property
+    def dropped(self) -> int:
+        return self._w.dropped
+
+    def __iter__(self) -> DirWatch:
+        return self
+
+    def __next__(self) -> FileEvent:
+        if self._w.closed:
+            raise StopIteration
+        try:
+            return self._c._loop.run(self._w.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+        except concurrent.futures.CancelledError:
+            if self._w.closed:
+                raise StopIteration from None
+            raise
+
+    def close(self) -> None:
+        """Ends the watch (idempotent)."""
+        if not self._w.closed and self._c._loop.loop.is_running():
+            self._c._loop.run(self._w.aclose())
+
+    def __enter__(self) -> DirWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Sandbox:
     """A sandbox (see :class:`AsyncSandbox` for every method's contract)."""
@@ -520,6 +593,10 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         return self._c._loop.run(self._s.resume())
 
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        """See :meth:`AsyncSandbox.set_timeout`: ``sb.set_timeout(3600)``."""
+        return self._c._loop.run(self._s.set_timeout(seconds))
+
     def pack_diff(self, name: str, **kw: Any) -> Environment:
         """See :meth:`AsyncSandbox.pack_diff`: ``env = sb.pack_diff("my-env:v2")``."""
         return self._c._loop.run(self._s.pack_diff(name, **kw))
@@ -536,4 +613,4 @@ class Sandbox:
         self._c._loop.run(self._s.delete())
 
 
-__all__ = ["Client", "Files", "Process", "Sandbox", "Session", "Watch"]
+__all__ = ["Client", "DirWatch", "Files", "Process", "Sandbox", "Session", "Watch"]

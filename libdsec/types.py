@@ -467,12 +467,23 @@ def event_from_pb(ev: types_pb2.ExecEvent) -> ExecEvent | None:
 
 @dataclass(frozen=True)
 class ExecInfo:
+    """A command of :meth:`AsyncSandbox.processes` or :meth:`AsyncProcess.wait`. ``argv`` is
+    what ran (a command string is ``["/bin/sh", "-c", command]``), ``cwd`` the effective
+    working directory, ``env`` only what the request added, ``user`` as requested ("" =
+    the sandbox's default user)."""
+
     exec_id: str
     command: str
     running: bool
     pid: int
     exit: ExitStatus | None
     session_id: str
+    labels: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+    cwd: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    pty: bool = False
+    user: str = ""
 
     @classmethod
     def from_pb(cls, i: types_pb2.ExecInfo) -> ExecInfo:
@@ -484,6 +495,12 @@ class ExecInfo:
             i.pid,
             None if running else ExitStatus.from_pb(i.exit),
             i.session_id,
+            dict(i.labels),
+            list(i.argv),
+            i.cwd,
+            dict(i.env),
+            i.pty,
+            i.user,
         )
 
 
@@ -510,6 +527,19 @@ class FileInfo:
     @property
     def is_dir(self) -> bool:
         return self.type == "DIRECTORY"
+
+
+@dataclass(frozen=True)
+class FileEvent:
+    """A change in a watched directory: ``name`` is the path relative to it (``"a/b.txt"``),
+    ``type`` one of ``"create"``, ``"write"``, ``"remove"``, ``"rename"``, ``"chmod"``."""
+
+    name: str
+    type: str
+
+    @classmethod
+    def from_pb(cls, e: types_pb2.FileEvent) -> FileEvent:
+        return cls(e.name, _enum(types_pb2.FileEventType, e.type, "FILE_EVENT_TYPE_").lower())
 
 
 @dataclass(frozen=True)

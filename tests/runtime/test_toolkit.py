@@ -112,7 +112,7 @@ def test_confine_trampoline_is_static_and_reports_failures(
         not in subprocess.run(["file", "-b", str(confine)], capture_output=True).stdout
     )
     # its environment comes as arguments (NENV, then the variables): the process gets none
-    args = ["-1", "-1", "-1", str(tmp_path), "2", "PATH=/usr/bin:/bin", "A=1"]
+    args = ["-1", "-1", "-1", str(tmp_path), "-", "2", "PATH=/usr/bin:/bin", "A=1"]
     ok = subprocess.run(
         [str(confine), *args, "sh", "-c", 'pwd; echo "$A"'],
         capture_output=True,
@@ -121,9 +121,36 @@ def test_confine_trampoline_is_static_and_reports_failures(
     assert ok.returncode == 0 and ok.stdout.decode().split() == [str(tmp_path), "1"]
     r, w = os.pipe()
     bad = subprocess.run(
-        [str(confine), str(w), "-1", "-1", "/nonexistent-dir", "0", "true"], pass_fds=[w]
+        [str(confine), str(w), "-1", "-1", "/nonexistent-dir", "-", "0", "true"], pass_fds=[w]
     )
     os.close(w)
     assert bad.returncode == 127
     assert os.read(r, 4096).split(b"\0") == [b"chdir", b"2", b"/nonexistent-dir"]
+    os.close(r)
+    # CRED (ExecRequest.user): groups, gid and uid set before chdir and exec
+    as_user = subprocess.run(
+        [
+            str(confine),
+            "-1",
+            "-1",
+            "-1",
+            "/",
+            "65534:65533:65533,65532",
+            "1",
+            "PATH=/usr/bin:/bin",
+            "sh",
+            "-c",
+            "id -u; id -g; id -G",
+        ],
+        capture_output=True,
+    )
+    assert as_user.returncode == 0, as_user.stderr
+    assert as_user.stdout.decode().split() == ["65534", "65533", "65533", "65532"]
+    r, w = os.pipe()
+    malformed = subprocess.run(
+        [str(confine), str(w), "-1", "-1", "/", "65534", "0", "true"], pass_fds=[w]
+    )
+    os.close(w)
+    assert malformed.returncode == 127
+    assert os.read(r, 4096).split(b"\0") == [b"user", b"22", b"65534"]
     os.close(r)

@@ -102,6 +102,29 @@ async def test_ttl_and_idle_are_enforced_locally(tmp_path: Path) -> None:
     assert m.load().sandboxes == 0 and m.load().cpu_millis == 0
 
 
+async def test_set_timeout_moves_the_deadline_both_ways_and_is_persisted(tmp_path: Path) -> None:
+    m = manager(tmp_path, PersistentNull())
+    await m.create("sb-e1-aaaaaa01", SandboxSpec(ttl_s=3600), "root", "p", wait_ready=True)
+    await m.create("sb-e1-aaaaaa02", SandboxSpec(ttl_s=5), "root", "p", wait_ready=True)
+    now = time.time()
+    assert (await m.set_timeout("sb-e1-aaaaaa01", 2)).expires_at == pytest.approx(now + 2, abs=1)
+    await m.set_timeout("sb-e1-aaaaaa02", 100)
+    # The record on disk carries the new deadline: a restarted edge enforces it.
+    m2 = manager(tmp_path, PersistentNull(alive={"sb-e1-aaaaaa01", "sb-e1-aaaaaa02"}))
+    await m2.recover()
+    assert m2.get("sb-e1-aaaaaa01").expires_at == m.get("sb-e1-aaaaaa01").expires_at
+    assert await m2.reap_once(now + 10) == ["sb-e1-aaaaaa01"]  # shortened; the other extended
+    assert m2.get("sb-e1-aaaaaa01").termination_reason == "TTL"
+    for bad in (0.0, -3.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument) as exc:
+            await m2.set_timeout("sb-e1-aaaaaa02", bad)
+        assert exc.value.metadata["field"] == "timeout_s"
+    with pytest.raises(SandboxTerminated):
+        await m2.set_timeout("sb-e1-aaaaaa01", 10)
+    with pytest.raises(SandboxNotFound):
+        await m2.set_timeout("sb-e1-nothere1", 10)
+
+
 class PausableNull(NullBackend):
     """The null backend with the pause capability declared and its calls recorded."""
 

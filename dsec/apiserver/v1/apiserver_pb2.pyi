@@ -799,6 +799,49 @@ class PauseSandboxResponse(_message.Message):
 Global___PauseSandboxResponse: _TypeAlias = PauseSandboxResponse  # noqa: Y015
 
 @_typing.final
+class SetSandboxTimeoutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    timeout_s: _builtins.float
+    """seconds from now; > 0 and <= the maximum ttl_s"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSandboxTimeoutRequest: _TypeAlias = SetSandboxTimeoutRequest  # noqa: Y015
+
+@_typing.final
+class SetSandboxTimeoutResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sandbox(self) -> _types_pb2.Sandbox: ...
+    def __init__(
+        self,
+        *,
+        sandbox: _types_pb2.Sandbox | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSandboxTimeoutResponse: _TypeAlias = SetSandboxTimeoutResponse  # noqa: Y015
+
+@_typing.final
 class ResumeSandboxRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -83,6 +83,11 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.FromString,
                 _registered_method=True)
+        self.SetSandboxTimeout = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/SetSandboxTimeout',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.FromString,
+                _registered_method=True)
         self.PauseTask = channel.unary_unary(
                 '/dsec.apiserver.v1.SandboxService/PauseTask',
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PauseTaskRequest.SerializeToString,
@@ -185,6 +190,16 @@ class SandboxServiceServicer:
     def ResumeSandbox(self, request, context):
         """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
         sandbox stays PAUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSandboxTimeout(self, request, context):
+        """Changes a live sandbox's lifetime: it ends timeout_s seconds from now (expires_at), with
+        termination reason TTL, whatever its ttl_s said. 0 < timeout_s <= the maximum ttl_s a
+        create accepts, else INVALID_ARGUMENT INVALID_TTL; an ended sandbox: FAILED_PRECONDITION
+        SANDBOX_TERMINATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,6 +314,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.ResumeSandbox,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ResumeSandboxResponse.SerializeToString,
+            ),
+            'SetSandboxTimeout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSandboxTimeout,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.SerializeToString,
             ),
             'PauseTask': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseTask,
@@ -592,6 +612,33 @@ class SandboxService:
             _registered_method=True)
 
     @staticmethod
+    def SetSandboxTimeout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/SetSandboxTimeout',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.SetSandboxTimeoutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def PauseTask(request,
             target,
             options=(),
@@ -822,6 +869,11 @@ class ExecServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
                 _registered_method=True)
+        self.ControlExec = channel.unary_unary(
+                '/dsec.apiserver.v1.ExecService/ControlExec',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
+                _registered_method=True)
         self.ListExecs = channel.unary_unary(
                 '/dsec.apiserver.v1.ExecService/ListExecs',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
@@ -863,7 +915,8 @@ class ExecServiceServicer:
 
     def ExecStream(self, request, context):
         """Streams output as produced, with keepalives, ending with the exit status.
-        With `background` set, returns only the `started` event.
+        With `background` set, returns only the `started` event (with `follow`, the whole stream;
+        the command outlives the stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -891,6 +944,13 @@ class ExecServiceServicer:
 
     def SignalExec(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlExec(self, request, context):
+        """Stdin, end of stdin or a terminal resize for a running command, by exec_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -959,6 +1019,11 @@ def add_ExecServiceServicer_to_server(servicer, server):
                     servicer.SignalExec,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.SerializeToString,
+            ),
+            'ControlExec': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlExec,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.SerializeToString,
             ),
             'ListExecs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListExecs,
@@ -1150,6 +1215,33 @@ class ExecService:
             '/dsec.apiserver.v1.ExecService/SignalExec',
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlExec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.ExecService/ControlExec',
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1357,6 +1449,26 @@ class FileServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
                 _registered_method=True)
+        self.CreateWatcher = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/CreateWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+                _registered_method=True)
+        self.GetWatcherEvents = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/GetWatcherEvents',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+                _registered_method=True)
+        self.RemoveWatcher = channel.unary_unary(
+                '/dsec.apiserver.v1.FileService/RemoveWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+                _registered_method=True)
+        self.WatchDir = channel.unary_stream(
+                '/dsec.apiserver.v1.FileService/WatchDir',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
+                _registered_method=True)
 
 
 class FileServiceServicer:
@@ -1424,6 +1536,32 @@ class FileServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateWatcher(self, request, context):
+        """Directory watchers held inside the sandbox (inotify), polled: events since the last poll.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWatcherEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchDir(self, request, context):
+        """The same events streamed: `started` first, keepalives when idle (see WatchDirResponse).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FileServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1476,6 +1614,26 @@ def add_FileServiceServicer_to_server(servicer, server):
                     servicer.DownloadFile,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.SerializeToString,
+            ),
+            'CreateWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.SerializeToString,
+            ),
+            'GetWatcherEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWatcherEvents,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.SerializeToString,
+            ),
+            'RemoveWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.SerializeToString,
+            ),
+            'WatchDir': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDir,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1750,6 +1908,114 @@ class FileService:
             '/dsec.apiserver.v1.FileService/DownloadFile',
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/CreateWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWatcherEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/GetWatcherEvents',
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/RemoveWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.apiserver.v1.FileService/WatchDir',
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
             options,
             channel_credentials,
             insecure,

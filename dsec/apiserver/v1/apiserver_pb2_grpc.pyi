@@ -68,6 +68,12 @@ class SandboxServiceStub:
     """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
     sandbox stays PAUSED.
     """
+    SetSandboxTimeout: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.SetSandboxTimeoutRequest, _apiserver_pb2.SetSandboxTimeoutResponse]
+    """Changes a live sandbox's lifetime: it ends timeout_s seconds from now (expires_at), with
+    termination reason TTL, whatever its ttl_s said. 0 < timeout_s <= the maximum ttl_s a
+    create accepts, else INVALID_ARGUMENT INVALID_TTL; an ended sandbox: FAILED_PRECONDITION
+    SANDBOX_TERMINATED.
+    """
     PauseTask: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]
     """Task-level operations, what a trainer's preemption handler calls: each acts on every
     sandbox of the task (the caller's project and subprojects), narrowed by the labels if
@@ -126,6 +132,12 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ResumeSandboxRequest, _apiserver_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
     """A resume whose memory no longer fits the node: RESOURCE_EXHAUSTED NODE_MEMORY_FULL, and the
     sandbox stays PAUSED.
+    """
+    SetSandboxTimeout: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.SetSandboxTimeoutRequest, _apiserver_pb2.SetSandboxTimeoutResponse]  # type: ignore[assignment]
+    """Changes a live sandbox's lifetime: it ends timeout_s seconds from now (expires_at), with
+    termination reason TTL, whatever its ttl_s said. 0 < timeout_s <= the maximum ttl_s a
+    create accepts, else INVALID_ARGUMENT INVALID_TTL; an ended sandbox: FAILED_PRECONDITION
+    SANDBOX_TERMINATED.
     """
     PauseTask: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PauseTaskRequest, _apiserver_pb2.PauseTaskResponse]  # type: ignore[assignment]
     """Task-level operations, what a trainer's preemption handler calls: each acts on every
@@ -239,6 +251,18 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def SetSandboxTimeout(
+        self,
+        request: _apiserver_pb2.SetSandboxTimeoutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.SetSandboxTimeoutResponse, _abc.Awaitable[_apiserver_pb2.SetSandboxTimeoutResponse]]:
+        """Changes a live sandbox's lifetime: it ends timeout_s seconds from now (expires_at), with
+        termination reason TTL, whatever its ttl_s said. 0 < timeout_s <= the maximum ttl_s a
+        create accepts, else INVALID_ARGUMENT INVALID_TTL; an ended sandbox: FAILED_PRECONDITION
+        SANDBOX_TERMINATED.
+        """
+
+    @_abc_1.abstractmethod
     def PauseTask(
         self,
         request: _apiserver_pb2.PauseTaskRequest,
@@ -324,7 +348,8 @@ class ExecServiceStub:
     """Runs a command to completion (or its timeout) and returns its output."""
     ExecStream: _grpc.UnaryStreamMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecEvent]
     """Streams output as produced, with keepalives, ending with the exit status.
-    With `background` set, returns only the `started` event.
+    With `background` set, returns only the `started` event (with `follow`, the whole stream;
+    the command outlives the stream).
     """
     ExecInteractive: _grpc.StreamStreamMultiCallable[_types_pb2.ExecInput, _types_pb2.ExecEvent]
     """Interactive: stdin, resize and signals in; output out."""
@@ -332,6 +357,8 @@ class ExecServiceStub:
     """Reattaches to a background (or still running) command from given offsets."""
     WaitExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]
     SignalExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]
+    ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
+    """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
@@ -349,7 +376,8 @@ class ExecServiceAsyncStub(ExecServiceStub):
     """Runs a command to completion (or its timeout) and returns its output."""
     ExecStream: _aio.UnaryStreamMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecEvent]  # type: ignore[assignment]
     """Streams output as produced, with keepalives, ending with the exit status.
-    With `background` set, returns only the `started` event.
+    With `background` set, returns only the `started` event (with `follow`, the whole stream;
+    the command outlives the stream).
     """
     ExecInteractive: _aio.StreamStreamMultiCallable[_types_pb2.ExecInput, _types_pb2.ExecEvent]  # type: ignore[assignment]
     """Interactive: stdin, resize and signals in; output out."""
@@ -357,6 +385,8 @@ class ExecServiceAsyncStub(ExecServiceStub):
     """Reattaches to a background (or still running) command from given offsets."""
     WaitExec: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]  # type: ignore[assignment]
     SignalExec: _aio.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]  # type: ignore[assignment]
+    ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
+    """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
@@ -383,7 +413,8 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.ExecEvent], _abc.AsyncIterator[_types_pb2.ExecEvent]]:
         """Streams output as produced, with keepalives, ending with the exit status.
-        With `background` set, returns only the `started` event.
+        With `background` set, returns only the `started` event (with `follow`, the whole stream;
+        the command outlives the stream).
         """
 
     @_abc_1.abstractmethod
@@ -415,6 +446,14 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.SignalExecRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.SignalExecResponse, _abc.Awaitable[_types_pb2.SignalExecResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ControlExec(
+        self,
+        request: _types_pb2.ControlExecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ControlExecResponse, _abc.Awaitable[_types_pb2.ControlExecResponse]]:
+        """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
 
     @_abc_1.abstractmethod
     def ListExecs(
@@ -472,6 +511,12 @@ class FileServiceStub:
     ChmodPath: _grpc.UnaryUnaryMultiCallable[_types_pb2.ChmodPathRequest, _types_pb2.ChmodPathResponse]
     UploadFile: _grpc.StreamUnaryMultiCallable[_types_pb2.UploadFileRequest, _types_pb2.UploadFileResponse]
     DownloadFile: _grpc.UnaryStreamMultiCallable[_types_pb2.DownloadFileRequest, _types_pb2.DownloadFileResponse]
+    CreateWatcher: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateWatcherRequest, _types_pb2.CreateWatcherResponse]
+    """Directory watchers held inside the sandbox (inotify), polled: events since the last poll."""
+    GetWatcherEvents: _grpc.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]
+    RemoveWatcher: _grpc.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]
+    WatchDir: _grpc.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]
+    """The same events streamed: `started` first, keepalives when idle (see WatchDirResponse)."""
 
 @_typing.type_check_only
 class FileServiceAsyncStub(FileServiceStub):
@@ -488,6 +533,12 @@ class FileServiceAsyncStub(FileServiceStub):
     ChmodPath: _aio.UnaryUnaryMultiCallable[_types_pb2.ChmodPathRequest, _types_pb2.ChmodPathResponse]  # type: ignore[assignment]
     UploadFile: _aio.StreamUnaryMultiCallable[_types_pb2.UploadFileRequest, _types_pb2.UploadFileResponse]  # type: ignore[assignment]
     DownloadFile: _aio.UnaryStreamMultiCallable[_types_pb2.DownloadFileRequest, _types_pb2.DownloadFileResponse]  # type: ignore[assignment]
+    CreateWatcher: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateWatcherRequest, _types_pb2.CreateWatcherResponse]  # type: ignore[assignment]
+    """Directory watchers held inside the sandbox (inotify), polled: events since the last poll."""
+    GetWatcherEvents: _aio.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]  # type: ignore[assignment]
+    RemoveWatcher: _aio.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]  # type: ignore[assignment]
+    WatchDir: _aio.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]  # type: ignore[assignment]
+    """The same events streamed: `started` first, keepalives when idle (see WatchDirResponse)."""
 
 class FileServiceServicer(metaclass=_abc_1.ABCMeta):
     """------------------------------------------------------------------ files"""
@@ -561,6 +612,36 @@ class FileServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.DownloadFileRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.DownloadFileResponse], _abc.AsyncIterator[_types_pb2.DownloadFileResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateWatcher(
+        self,
+        request: _types_pb2.CreateWatcherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.CreateWatcherResponse, _abc.Awaitable[_types_pb2.CreateWatcherResponse]]:
+        """Directory watchers held inside the sandbox (inotify), polled: events since the last poll."""
+
+    @_abc_1.abstractmethod
+    def GetWatcherEvents(
+        self,
+        request: _types_pb2.GetWatcherEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.GetWatcherEventsResponse, _abc.Awaitable[_types_pb2.GetWatcherEventsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveWatcher(
+        self,
+        request: _types_pb2.RemoveWatcherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.RemoveWatcherResponse, _abc.Awaitable[_types_pb2.RemoveWatcherResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchDir(
+        self,
+        request: _types_pb2.WatchDirRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_types_pb2.WatchDirResponse], _abc.AsyncIterator[_types_pb2.WatchDirResponse]]:
+        """The same events streamed: `started` first, keepalives when idle (see WatchDirResponse)."""
 
 def add_FileServiceServicer_to_server(servicer: FileServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

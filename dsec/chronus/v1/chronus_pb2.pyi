@@ -51,6 +51,11 @@ class Request(_message.Message):
     HTTP_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     MODIFIED_FILES_FIELD_NUMBER: _builtins.int
+    CONTROL_EXEC_FIELD_NUMBER: _builtins.int
+    CREATE_WATCHER_FIELD_NUMBER: _builtins.int
+    WATCHER_EVENTS_FIELD_NUMBER: _builtins.int
+    REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
+    WATCH_DIR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec(self) -> _types_pb2.ExecRequest:
         """-> one exec_result"""
@@ -109,6 +114,18 @@ class Request(_message.Message):
     def status(self) -> Global___StatusRequest: ...
     @_builtins.property
     def modified_files(self) -> Global___ModifiedFilesRequest: ...
+    @_builtins.property
+    def control_exec(self) -> _types_pb2.ControlExecRequest: ...
+    @_builtins.property
+    def create_watcher(self) -> _types_pb2.CreateWatcherRequest: ...
+    @_builtins.property
+    def watcher_events(self) -> _types_pb2.GetWatcherEventsRequest: ...
+    @_builtins.property
+    def remove_watcher(self) -> _types_pb2.RemoveWatcherRequest: ...
+    @_builtins.property
+    def watch_dir(self) -> _types_pb2.WatchDirRequest:
+        """-> watch_event ... (started first)"""
+
     def __init__(
         self,
         *,
@@ -135,12 +152,17 @@ class Request(_message.Message):
         http: _types_pb2.HttpRequest | None = ...,
         status: Global___StatusRequest | None = ...,
         modified_files: Global___ModifiedFilesRequest | None = ...,
+        control_exec: _types_pb2.ControlExecRequest | None = ...,
+        create_watcher: _types_pb2.CreateWatcherRequest | None = ...,
+        watcher_events: _types_pb2.GetWatcherEventsRequest | None = ...,
+        remove_watcher: _types_pb2.RemoveWatcherRequest | None = ...,
+        watch_dir: _types_pb2.WatchDirRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "create_session", b"create_session", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "create_session", b"create_session", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -170,6 +192,11 @@ class Response(_message.Message):
     DOWNLOAD_CHUNK_FIELD_NUMBER: _builtins.int
     HTTP_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    CONTROL_EXEC_FIELD_NUMBER: _builtins.int
+    CREATE_WATCHER_FIELD_NUMBER: _builtins.int
+    WATCHER_EVENTS_FIELD_NUMBER: _builtins.int
+    REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
+    WATCH_EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec_result(self) -> _types_pb2.ExecResult: ...
     @_builtins.property
@@ -210,6 +237,16 @@ class Response(_message.Message):
     def http(self) -> _types_pb2.HttpResponse: ...
     @_builtins.property
     def status(self) -> Global___StatusResponse: ...
+    @_builtins.property
+    def control_exec(self) -> _types_pb2.ControlExecResponse: ...
+    @_builtins.property
+    def create_watcher(self) -> _types_pb2.CreateWatcherResponse: ...
+    @_builtins.property
+    def watcher_events(self) -> _types_pb2.GetWatcherEventsResponse: ...
+    @_builtins.property
+    def remove_watcher(self) -> _types_pb2.RemoveWatcherResponse: ...
+    @_builtins.property
+    def watch_event(self) -> _types_pb2.WatchDirResponse: ...
     def __init__(
         self,
         *,
@@ -233,12 +270,17 @@ class Response(_message.Message):
         download_chunk: _types_pb2.DownloadFileResponse | None = ...,
         http: _types_pb2.HttpResponse | None = ...,
         status: Global___StatusResponse | None = ...,
+        control_exec: _types_pb2.ControlExecResponse | None = ...,
+        create_watcher: _types_pb2.CreateWatcherResponse | None = ...,
+        watcher_events: _types_pb2.GetWatcherEventsResponse | None = ...,
+        remove_watcher: _types_pb2.RemoveWatcherResponse | None = ...,
+        watch_event: _types_pb2.WatchDirResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "create_session", b"create_session", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "create_session", b"create_session", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["exec_result", "exec_event", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_chunk", "http", "status"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["exec_result", "exec_event", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_chunk", "http", "status", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_event"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

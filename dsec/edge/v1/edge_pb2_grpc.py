@@ -75,6 +75,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.FromString,
                 _registered_method=True)
+        self.SetSandboxTimeout = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/SetSandboxTimeout',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutResponse.FromString,
+                _registered_method=True)
         self.ActOnSandboxes = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/ActOnSandboxes',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesRequest.SerializeToString,
@@ -134,6 +139,11 @@ class EdgeServiceStub:
                 '/dsec.edge.v1.EdgeService/SignalExec',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
+                _registered_method=True)
+        self.ControlExec = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ControlExec',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
                 _registered_method=True)
         self.ListExecs = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/ListExecs',
@@ -209,6 +219,26 @@ class EdgeServiceStub:
                 '/dsec.edge.v1.EdgeService/DownloadFile',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
+                _registered_method=True)
+        self.CreateWatcher = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/CreateWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+                _registered_method=True)
+        self.GetWatcherEvents = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/GetWatcherEvents',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+                _registered_method=True)
+        self.RemoveWatcher = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/RemoveWatcher',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+                _registered_method=True)
+        self.WatchDir = channel.unary_stream(
+                '/dsec.edge.v1.EdgeService/WatchDir',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
                 _registered_method=True)
         self.RunFunction = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/RunFunction',
@@ -316,6 +346,13 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetSandboxTimeout(self, request, context):
+        """The sandbox ends timeout_s seconds from now (its expires_at), whatever its TTL was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ActOnSandboxes(self, request, context):
         """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
         share of a task-level operation), a few at a time; one result per matching sandbox,
@@ -390,6 +427,12 @@ class EdgeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SignalExec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlExec(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -480,6 +523,30 @@ class EdgeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWatcherEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchDir(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -589,6 +656,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.SerializeToString,
             ),
+            'SetSandboxTimeout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSandboxTimeout,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutResponse.SerializeToString,
+            ),
             'ActOnSandboxes': grpc.unary_unary_rpc_method_handler(
                     servicer.ActOnSandboxes,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ActOnSandboxesRequest.FromString,
@@ -648,6 +720,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.SignalExec,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.SerializeToString,
+            ),
+            'ControlExec': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlExec,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.SerializeToString,
             ),
             'ListExecs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListExecs,
@@ -723,6 +800,26 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.DownloadFile,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.SerializeToString,
+            ),
+            'CreateWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.SerializeToString,
+            ),
+            'GetWatcherEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWatcherEvents,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.SerializeToString,
+            ),
+            'RemoveWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveWatcher,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.SerializeToString,
+            ),
+            'WatchDir': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDir,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.SerializeToString,
             ),
             'RunFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.RunFunction,
@@ -986,6 +1083,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/ResumeSandbox',
             dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.ResumeSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSandboxTimeout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/SetSandboxTimeout',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.SetSandboxTimeoutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1310,6 +1434,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/SignalExec',
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.SignalExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlExec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ControlExec',
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ControlExecResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1715,6 +1866,114 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/DownloadFile',
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.DownloadFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/CreateWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.CreateWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWatcherEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/GetWatcherEvents',
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.GetWatcherEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/RemoveWatcher',
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.RemoveWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/WatchDir',
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
             options,
             channel_credentials,
             insecure,

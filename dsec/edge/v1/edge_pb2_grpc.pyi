@@ -58,6 +58,8 @@ class EdgeServiceStub:
     stays resident (not pushed out yet). A call into the sandbox resumes it.
     """
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]
+    SetSandboxTimeout: _grpc.UnaryUnaryMultiCallable[_edge_pb2.SetSandboxTimeoutRequest, _edge_pb2.SetSandboxTimeoutResponse]
+    """The sandbox ends timeout_s seconds from now (its expires_at), whatever its TTL was."""
     ActOnSandboxes: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ActOnSandboxesRequest, _edge_pb2.ActOnSandboxesResponse]
     """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
     share of a task-level operation), a few at a time; one result per matching sandbox,
@@ -79,6 +81,7 @@ class EdgeServiceStub:
     AttachExec: _grpc.UnaryStreamMultiCallable[_types_pb2.AttachExecRequest, _types_pb2.ExecEvent]
     WaitExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]
     SignalExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]
+    ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]
@@ -94,6 +97,10 @@ class EdgeServiceStub:
     ChmodPath: _grpc.UnaryUnaryMultiCallable[_types_pb2.ChmodPathRequest, _types_pb2.ChmodPathResponse]
     UploadFile: _grpc.StreamUnaryMultiCallable[_types_pb2.UploadFileRequest, _types_pb2.UploadFileResponse]
     DownloadFile: _grpc.UnaryStreamMultiCallable[_types_pb2.DownloadFileRequest, _types_pb2.DownloadFileResponse]
+    CreateWatcher: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateWatcherRequest, _types_pb2.CreateWatcherResponse]
+    GetWatcherEvents: _grpc.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]
+    RemoveWatcher: _grpc.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]
+    WatchDir: _grpc.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]
     RunFunction: _grpc.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]
     """FnCall warm pools on this node."""
     RunFunctions: _grpc.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]
@@ -135,6 +142,8 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     stays resident (not pushed out yet). A call into the sandbox resumes it.
     """
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.ResumeSandboxRequest, _edge_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
+    SetSandboxTimeout: _aio.UnaryUnaryMultiCallable[_edge_pb2.SetSandboxTimeoutRequest, _edge_pb2.SetSandboxTimeoutResponse]  # type: ignore[assignment]
+    """The sandbox ends timeout_s seconds from now (its expires_at), whatever its TTL was."""
     ActOnSandboxes: _aio.UnaryUnaryMultiCallable[_edge_pb2.ActOnSandboxesRequest, _edge_pb2.ActOnSandboxesResponse]  # type: ignore[assignment]
     """Pauses, resumes or stops every sandbox of this edge matching a selector (an API server's
     share of a task-level operation), a few at a time; one result per matching sandbox,
@@ -156,6 +165,7 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     AttachExec: _aio.UnaryStreamMultiCallable[_types_pb2.AttachExecRequest, _types_pb2.ExecEvent]  # type: ignore[assignment]
     WaitExec: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitExecRequest, _types_pb2.WaitExecResponse]  # type: ignore[assignment]
     SignalExec: _aio.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]  # type: ignore[assignment]
+    ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]  # type: ignore[assignment]
@@ -171,6 +181,10 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     ChmodPath: _aio.UnaryUnaryMultiCallable[_types_pb2.ChmodPathRequest, _types_pb2.ChmodPathResponse]  # type: ignore[assignment]
     UploadFile: _aio.StreamUnaryMultiCallable[_types_pb2.UploadFileRequest, _types_pb2.UploadFileResponse]  # type: ignore[assignment]
     DownloadFile: _aio.UnaryStreamMultiCallable[_types_pb2.DownloadFileRequest, _types_pb2.DownloadFileResponse]  # type: ignore[assignment]
+    CreateWatcher: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateWatcherRequest, _types_pb2.CreateWatcherResponse]  # type: ignore[assignment]
+    GetWatcherEvents: _aio.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]  # type: ignore[assignment]
+    RemoveWatcher: _aio.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]  # type: ignore[assignment]
+    WatchDir: _aio.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]  # type: ignore[assignment]
     RunFunction: _aio.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]  # type: ignore[assignment]
     """FnCall warm pools on this node."""
     RunFunctions: _aio.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]  # type: ignore[assignment]
@@ -257,6 +271,14 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.ResumeSandboxRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.ResumeSandboxResponse, _abc.Awaitable[_edge_pb2.ResumeSandboxResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetSandboxTimeout(
+        self,
+        request: _edge_pb2.SetSandboxTimeoutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.SetSandboxTimeoutResponse, _abc.Awaitable[_edge_pb2.SetSandboxTimeoutResponse]]:
+        """The sandbox ends timeout_s seconds from now (its expires_at), whatever its TTL was."""
 
     @_abc_1.abstractmethod
     def ActOnSandboxes(
@@ -350,6 +372,13 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.SignalExecRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.SignalExecResponse, _abc.Awaitable[_types_pb2.SignalExecResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ControlExec(
+        self,
+        request: _types_pb2.ControlExecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ControlExecResponse, _abc.Awaitable[_types_pb2.ControlExecResponse]]: ...
 
     @_abc_1.abstractmethod
     def ListExecs(
@@ -455,6 +484,34 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.DownloadFileRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.DownloadFileResponse], _abc.AsyncIterator[_types_pb2.DownloadFileResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateWatcher(
+        self,
+        request: _types_pb2.CreateWatcherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.CreateWatcherResponse, _abc.Awaitable[_types_pb2.CreateWatcherResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetWatcherEvents(
+        self,
+        request: _types_pb2.GetWatcherEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.GetWatcherEventsResponse, _abc.Awaitable[_types_pb2.GetWatcherEventsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveWatcher(
+        self,
+        request: _types_pb2.RemoveWatcherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.RemoveWatcherResponse, _abc.Awaitable[_types_pb2.RemoveWatcherResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchDir(
+        self,
+        request: _types_pb2.WatchDirRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_types_pb2.WatchDirResponse], _abc.AsyncIterator[_types_pb2.WatchDirResponse]]: ...
 
     @_abc_1.abstractmethod
     def RunFunction(

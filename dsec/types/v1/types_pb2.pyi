@@ -273,6 +273,46 @@ FILE_TYPE_SYMLINK: FileType.ValueType  # 3
 FILE_TYPE_OTHER: FileType.ValueType  # 4
 Global___FileType: _TypeAlias = FileType  # noqa: Y015
 
+class _FileEventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FileEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FileEventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILE_EVENT_TYPE_UNSPECIFIED: _FileEventType.ValueType  # 0
+    FILE_EVENT_TYPE_CREATE: _FileEventType.ValueType  # 1
+    """created, or moved into the watched tree"""
+    FILE_EVENT_TYPE_WRITE: _FileEventType.ValueType  # 2
+    """content modified"""
+    FILE_EVENT_TYPE_REMOVE: _FileEventType.ValueType  # 3
+    """deleted"""
+    FILE_EVENT_TYPE_RENAME: _FileEventType.ValueType  # 4
+    """moved away (its new name, if watched, comes as CREATE)"""
+    FILE_EVENT_TYPE_CHMOD: _FileEventType.ValueType  # 5
+    """metadata changed (mode, owner, times)"""
+
+class FileEventType(_FileEventType, metaclass=_FileEventTypeEnumTypeWrapper):
+    """----------------------------------------------------------- directory watches
+
+    A watcher is held by chronus inside the sandbox (inotify) until removed or the sandbox
+    ends: GetWatcherEvents returns what happened since the previous call. WatchDir streams the
+    same events instead. At most 64 watchers per sandbox (RESOURCE_EXHAUSTED TOO_MANY_WATCHERS),
+    4096 events buffered per watcher (older ones kept; `overflowed` says some were dropped).
+    """
+
+FILE_EVENT_TYPE_UNSPECIFIED: FileEventType.ValueType  # 0
+FILE_EVENT_TYPE_CREATE: FileEventType.ValueType  # 1
+"""created, or moved into the watched tree"""
+FILE_EVENT_TYPE_WRITE: FileEventType.ValueType  # 2
+"""content modified"""
+FILE_EVENT_TYPE_REMOVE: FileEventType.ValueType  # 3
+"""deleted"""
+FILE_EVENT_TYPE_RENAME: FileEventType.ValueType  # 4
+"""moved away (its new name, if watched, comes as CREATE)"""
+FILE_EVENT_TYPE_CHMOD: FileEventType.ValueType  # 5
+"""metadata changed (mode, owner, times)"""
+Global___FileEventType: _TypeAlias = FileEventType  # noqa: Y015
+
 class _LayerKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -815,6 +855,26 @@ class ExecRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     ARGV_FIELD_NUMBER: _builtins.int
@@ -830,6 +890,9 @@ class ExecRequest(_message.Message):
     BACKGROUND_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     TRUSTED_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     command: _builtins.str
     cwd: _builtins.str
@@ -852,6 +915,14 @@ class ExecRequest(_message.Message):
     """streaming: keepalive when idle this long; 0 = 5000"""
     trusted: _builtins.bool
     """run from the read-only layers only (evaluation step)"""
+    follow: _builtins.bool
+    """With background: stream started, output and exit like a foreground stream; the stream's
+    end (client gone) leaves the command running and reattachable (AttachExec).
+    """
+    user: _builtins.str
+    """Run as this user of the sandbox's /etc/passwd (name or numeric uid); "" = as chronus.
+    HOME, USER, LOGNAME from passwd (env wins); cwd defaults to the home directory.
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -860,6 +931,12 @@ class ExecRequest(_message.Message):
 
     @_builtins.property
     def pty_size(self) -> Global___PtySize: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Caller's tags, returned in ExecInfo: at most 16; keys 1-63 chars of [a-zA-Z0-9._/-],
+        values at most 1024 bytes.
+        """
+
     def __init__(
         self,
         *,
@@ -878,10 +955,13 @@ class ExecRequest(_message.Message):
         background: _builtins.bool = ...,
         keepalive_interval_ms: _builtins.int = ...,
         trusted: _builtins.bool = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        follow: _builtins.bool = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pty_size", b"pty_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "keepalive_interval_ms", b"keepalive_interval_ms", "max_output_bytes", b"max_output_bytes", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "follow", b"follow", "keepalive_interval_ms", b"keepalive_interval_ms", "labels", b"labels", "max_output_bytes", b"max_output_bytes", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1123,6 +1203,46 @@ Global___ExecInput: _TypeAlias = ExecInput  # noqa: Y015
 class ExecInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXEC_ID_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -1130,17 +1250,40 @@ class ExecInfo(_message.Message):
     EXIT_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ARGV_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    PTY_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     exec_id: _builtins.str
     command: _builtins.str
     status: Global___ExecStatus.ValueType
     pid: _builtins.int
     session_id: _builtins.str
+    cwd: _builtins.str
+    """the effective working directory"""
+    pty: _builtins.bool
+    user: _builtins.str
+    """as requested ("" = chronus's own user)"""
     @_builtins.property
     def exit(self) -> Global___ExitStatus:
         """set once EXITED"""
 
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as given in ExecRequest.labels"""
+
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what ran: a command string is ["/bin/sh", "-c", command]"""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """only what the request added"""
+
     def __init__(
         self,
         *,
@@ -1151,10 +1294,16 @@ class ExecInfo(_message.Message):
         exit: Global___ExitStatus | None = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         session_id: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+        cwd: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        pty: _builtins.bool = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "exec_id", b"exec_id", "exit", b"exit", "pid", b"pid", "session_id", b"session_id", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "command", b"command", "cwd", b"cwd", "env", b"env", "exec_id", b"exec_id", "exit", b"exit", "labels", b"labels", "pid", b"pid", "pty", b"pty", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1285,6 +1434,63 @@ class SignalExecResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SignalExecResponse: _TypeAlias = SignalExecResponse  # noqa: Y015
+
+@_typing.final
+class ControlExecRequest(_message.Message):
+    """Input to a running command by id (one message per call, delivered in call order): for a
+    command started with stdin_open (a pipe) or pty (the terminal's master side).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    EXEC_ID_FIELD_NUMBER: _builtins.int
+    STDIN_FIELD_NUMBER: _builtins.int
+    CLOSE_STDIN_FIELD_NUMBER: _builtins.int
+    RESIZE_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    exec_id: _builtins.str
+    stdin: _builtins.bytes
+    """written to its stdin"""
+    close_stdin: _builtins.bool
+    """end of input (a PTY gets the EOF character, ^D)"""
+    @_builtins.property
+    def resize(self) -> Global___PtySize:
+        """PTY only: TIOCSWINSZ, the command gets SIGWINCH"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        exec_id: _builtins.str = ...,
+        stdin: _builtins.bytes = ...,
+        close_stdin: _builtins.bool = ...,
+        resize: Global___PtySize | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "close_stdin", b"close_stdin", "resize", b"resize", "stdin", b"stdin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "close_stdin", b"close_stdin", "exec_id", b"exec_id", "resize", b"resize", "sandbox_id", b"sandbox_id", "stdin", b"stdin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["stdin", "close_stdin", "resize"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___ControlExecRequest: _TypeAlias = ControlExecRequest  # noqa: Y015
+
+@_typing.final
+class ControlExecResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlExecResponse: _TypeAlias = ControlExecResponse  # noqa: Y015
 
 @_typing.final
 class ListExecsRequest(_message.Message):
@@ -2079,6 +2285,270 @@ class DownloadFileResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadFileResponse: _TypeAlias = DownloadFileResponse  # noqa: Y015
+
+@_typing.final
+class FileEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """path relative to the watched directory ("a/b.txt")"""
+    type: Global___FileEventType.ValueType
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        type: Global___FileEventType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileEvent: _TypeAlias = FileEvent  # noqa: Y015
+
+@_typing.final
+class CreateWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    path: _builtins.str
+    """an existing directory (NOT_FOUND PATH_NOT_FOUND, INVALID_ARGUMENT NOT_A_DIRECTORY)"""
+    recursive: _builtins.bool
+    """subdirectories too, including ones created later"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateWatcherRequest: _TypeAlias = CreateWatcherRequest  # noqa: Y015
+
+@_typing.final
+class CreateWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateWatcherResponse: _TypeAlias = CreateWatcherResponse  # noqa: Y015
+
+@_typing.final
+class GetWatcherEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    watcher_id: _builtins.str
+    """unknown: NOT_FOUND WATCHER_NOT_FOUND"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWatcherEventsRequest: _TypeAlias = GetWatcherEventsRequest  # noqa: Y015
+
+@_typing.final
+class GetWatcherEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    OVERFLOWED_FIELD_NUMBER: _builtins.int
+    overflowed: _builtins.bool
+    """events were dropped since the previous call"""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEvent]:
+        """since the previous call, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___FileEvent] | None = ...,
+        overflowed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "overflowed", b"overflowed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWatcherEventsResponse: _TypeAlias = GetWatcherEventsResponse  # noqa: Y015
+
+@_typing.final
+class RemoveWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    watcher_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWatcherRequest: _TypeAlias = RemoveWatcherRequest  # noqa: Y015
+
+@_typing.final
+class RemoveWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWatcherResponse: _TypeAlias = RemoveWatcherResponse  # noqa: Y015
+
+@_typing.final
+class WatchDirRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    path: _builtins.str
+    recursive: _builtins.bool
+    keepalive_interval_ms: _builtins.int
+    """0 = chronus's default (5 s)"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+        keepalive_interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_ms", b"keepalive_interval_ms", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirRequest: _TypeAlias = WatchDirRequest  # noqa: Y015
+
+@_typing.final
+class WatchDirStarted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the watched directory, resolved"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirStarted: _TypeAlias = WatchDirStarted  # noqa: Y015
+
+@_typing.final
+class WatchDirOverflow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.int
+    """events lost because the stream's reader fell behind"""
+    def __init__(
+        self,
+        *,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchDirOverflow: _TypeAlias = WatchDirOverflow  # noqa: Y015
+
+@_typing.final
+class WatchDirResponse(_message.Message):
+    """First `started` (the watch is established: every later change is reported), then events
+    as they happen, keepalives when idle. The stream ends with an error only: the sandbox's end
+    (FAILED_PRECONDITION SANDBOX_TERMINATED), or NOT_FOUND PATH_NOT_FOUND once the watched
+    directory itself is removed. Cancelling it removes the watch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    OVERFLOW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def started(self) -> Global___WatchDirStarted: ...
+    @_builtins.property
+    def event(self) -> Global___FileEvent: ...
+    @_builtins.property
+    def keepalive(self) -> Global___Keepalive: ...
+    @_builtins.property
+    def overflow(self) -> Global___WatchDirOverflow: ...
+    def __init__(
+        self,
+        *,
+        started: Global___WatchDirStarted | None = ...,
+        event: Global___FileEvent | None = ...,
+        keepalive: Global___Keepalive | None = ...,
+        overflow: Global___WatchDirOverflow | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "overflow", b"overflow", "started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "overflow", b"overflow", "started", b"started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["started", "event", "keepalive", "overflow"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___WatchDirResponse: _TypeAlias = WatchDirResponse  # noqa: Y015
 
 @_typing.final
 class HttpHeader(_message.Message):

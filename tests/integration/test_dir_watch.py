@@ -1,0 +1,203 @@
+"""Directory watchers end to end: SDK -> apiserver -> edge -> aether -> chronus (inotify) in a
+real container sandbox. Polled watchers (E2B's sync SDK), the WatchDir stream (its async
+SDK), bounds, typed errors, and a stream that ends with the sandbox's reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsecctl.cluster import EdgeSpec, LocalCluster
+from libdsec import AsyncClient, Client, FileEvent, Sandbox
+from libdsec.errors import (
+    InvalidArgument,
+    NotFound,
+    PathNotFound,
+    ResourceExhausted,
+    SandboxTerminated,
+)
+from tests.conftest import start_cluster
+from tests.helpers import sandbox_factory, wait_for
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+pytestmark = pytest.mark.skipif(
+    not (IMAGES / "busybox.erofs").exists(),
+    reason="base images missing: run scripts/setup.sh (make test does)",
+)
+
+
+@pytest.fixture(scope="module")
+def watch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(
+        tmp_path_factory.mktemp("wcluster"),
+        edges=[
+            EdgeSpec(
+                edge_id="wch0",
+                runtime="container",
+                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
+            )
+        ],
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def client(watch_cluster: LocalCluster) -> Iterator[Client]:
+    with Client(watch_cluster.apiserver, token=watch_cluster.token) as c:
+        yield c
+
+
+@pytest.fixture
+def make_sandbox(
+    client: Client, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Sandbox]]:
+    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.5) as make:
+        yield make
+
+
+def poll_until(sb: Sandbox, watcher_id: str, want: set[FileEvent]) -> list[FileEvent]:
+    seen: list[FileEvent] = []
+
+    def all_seen() -> bool:
+        seen.extend(sb.files.watcher_events(watcher_id))
+        return want <= set(seen)
+
+    wait_for(all_seen, timeout_s=10)
+    return seen
+
+
+def test_polled_watcher_reports_changes_recursively(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.run("mkdir -p /work/w/old")
+    wid = sb.files.create_watcher("/work/w", recursive=True)
+    assert isinstance(wid, str) and wid
+    sb.files.write("/work/w/a.txt", "x")
+    sb.run(
+        "echo more >> /work/w/a.txt; chmod 600 /work/w/a.txt; mv /work/w/a.txt /work/w/b.txt;"
+        " rm /work/w/b.txt; echo y > /work/w/old/o.txt; mkdir -p /work/w/new/deep;"
+        " echo z > /work/w/new/deep/n.txt"
+    )
+    seen = poll_until(
+        sb,
+        wid,
+        {
+            FileEvent("a.txt", "create"),
+            FileEvent("a.txt", "write"),
+            FileEvent("a.txt", "chmod"),
+            FileEvent("a.txt", "rename"),
+            FileEvent("b.txt", "create"),
+            FileEvent("b.txt", "remove"),
+            FileEvent("old/o.txt", "create"),
+            FileEvent("new", "create"),
+            FileEvent("new/deep/n.txt", "create"),
+        },
+    )
+    assert seen.index(FileEvent("a.txt", "create")) < seen.index(FileEvent("b.txt", "remove"))
+    assert sb.files.watcher_events(wid) == []  # drained
+    sb.files.remove_watcher(wid)
+    with pytest.raises(NotFound) as exc:
+        sb.files.watcher_events(wid)
+    assert exc.value.reason == "WATCHER_NOT_FOUND"
+    with pytest.raises(NotFound) as exc:
+        sb.files.remove_watcher(wid)
+    assert exc.value.reason == "WATCHER_NOT_FOUND"
+
+
+def test_bad_watchers_get_precise_errors(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.files.write("/work/file", "x")
+    with pytest.raises(PathNotFound) as missing:
+        sb.files.create_watcher("/work/missing")
+    assert missing.value.reason == "PATH_NOT_FOUND"
+    with pytest.raises(InvalidArgument) as not_dir:
+        sb.files.create_watcher("/work/file")
+    assert not_dir.value.reason == "NOT_A_DIRECTORY"
+    with pytest.raises(PathNotFound):
+        sb.files.watch("/work/missing")
+    ids = [sb.files.create_watcher("/work") for _ in range(64)]
+    with pytest.raises(ResourceExhausted) as full:
+        sb.files.create_watcher("/work")
+    assert full.value.reason == "TOO_MANY_WATCHERS"
+    sb.files.remove_watcher(ids.pop())
+    ids.append(sb.files.create_watcher("/work"))  # room for one again
+    for wid in ids:
+        sb.files.remove_watcher(wid)
+
+
+def test_watch_streams_events_and_closing_removes_the_watch(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    sb = make_sandbox()
+    with sb.files.watch("/work") as changes:
+        sb.files.write("/work/s.txt", "x")  # established on return: this is reported
+        got = next(changes)
+    assert got == FileEvent("s.txt", "create")
+    # Each closed watch released its watcher inside the sandbox: 64 polled ones fit after
+    # 64 watches were opened and closed.
+    for _ in range(64):
+        sb.files.watch("/work").close()
+
+    def all_fit() -> list[str] | None:
+        ids: list[str] = []
+        try:
+            for _ in range(64):
+                ids.append(sb.files.create_watcher("/work"))
+            return ids
+        except ResourceExhausted:
+            return None
+        finally:
+            if len(ids) < 64:
+                for wid in ids:
+                    sb.files.remove_watcher(wid)
+
+    ids = wait_for(all_fit, timeout_s=10)
+    for wid in ids:
+        sb.files.remove_watcher(wid)
+
+
+def test_async_watch_is_established_when_returned(
+    watch_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sb_id = make_sandbox().id
+
+    async def main() -> list[FileEvent]:
+        async with AsyncClient(watch_cluster.apiserver, token=watch_cluster.token) as c:
+            sb = await c.get(sb_id)
+            await sb.files.mkdir("/work/a")
+            w = await sb.files.watch("/work", recursive=True)
+            await sb.run("echo 1 > /work/a/one; echo 2 > /work/two")
+            got: list[FileEvent] = []
+            async for ev in w:
+                got.append(ev)
+                if {FileEvent("a/one", "create"), FileEvent("two", "create")} <= set(got):
+                    break
+            await w.aclose()
+            assert [ev async for ev in w] == []  # closed: the iteration ends
+            return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 30))
+    assert FileEvent("a/one", "write") in got
+
+
+def test_a_stopped_sandbox_ends_its_watch_with_the_reason(
+    client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sb = make_sandbox()
+    changes = sb.files.watch("/work")
+    threading.Timer(0.5, lambda: client.get(sb.id).stop(grace_s=0.2)).start()
+    start = time.monotonic()
+    with pytest.raises(SandboxTerminated) as ended:
+        for _ in changes:
+            pass
+    assert time.monotonic() - start < 15
+    assert ended.value.metadata.get("termination_reason") == "STOPPED"
+    changes.close()
