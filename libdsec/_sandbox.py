@@ -274,13 +274,14 @@ class AsyncSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
-        pty: bool = False,
+        pty: bool | tuple[int, int] = False,
         max_output_bytes: int | None = None,
         session: str = "",
         trusted: bool = False,
         user: str = "",
         labels: Mapping[str, str] | None = None,
         background: bool = False,
+        stdin_open: bool = False,
     ) -> AsyncIterator[ExecEvent]:
         """Yields :class:`Started`, then :class:`Output` events as produced, then one :class:`Exited`.
 
@@ -293,6 +294,9 @@ class AsyncSandbox:
                 if isinstance(ev, Started):
                     server = await sb.process(ev.exec_id)
                     break                               # the server stays up
+
+        ``stdin_open`` (and a ``pty``, ``(rows, cols)`` or True) keep the command's input open
+        for :meth:`AsyncProcess.send_stdin` / ``resize`` by its exec id, as with :meth:`start`.
         """
         c = self.client
         req = _exec_request(
@@ -302,7 +306,8 @@ class AsyncSandbox:
             cwd=cwd,
             env=env,
             stdin=stdin,
-            pty=pty,
+            pty=bool(pty),
+            pty_size=pty if isinstance(pty, tuple) else None,
             max_output_bytes=max_output_bytes,
             session_id=session,
             trusted=trusted,
@@ -310,6 +315,7 @@ class AsyncSandbox:
             labels=labels,
             background=background,
             follow=background,
+            stdin_open=stdin_open or (background and bool(pty)),
         )
         req.keepalive_interval_ms = round(STREAM_KEEPALIVE_INTERVAL_S * 1000)
         exited = False
