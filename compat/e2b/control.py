@@ -27,7 +27,7 @@ from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, Send, send_empty, send_error, send_json
 from compat.e2b.routing import api_key
 from libdsec import AsyncClient, NetworkPolicy, SandboxInfo
-from libdsec.errors import DSecError, ImageNotFound, NotFound, SandboxTerminated, Unimplemented
+from libdsec.errors import DSecError, ImageNotFound, NotFound, SandboxTerminated
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,8 @@ class ControlApi:
         return info
 
     async def _set_timeout(self, client: AsyncClient, sandbox_id: str, seconds: int) -> None:
-        sb = dsec.sandbox(client, sandbox_id)
-        set_timeout = getattr(sb, "set_timeout", None)
-        if set_timeout is None:
-            raise Unimplemented("this dsec cannot change a sandbox's timeout yet")
         try:
-            await set_timeout(seconds)
+            await dsec.sandbox(client, sandbox_id).set_timeout(seconds)
         except (NotFound, SandboxTerminated):
             raise HttpError(404, f"sandbox {sandbox_id!r} not found") from None
 

@@ -10,7 +10,6 @@ empty and ``metadata`` is always empty (the SDK refuses file metadata by envd ve
 
 from __future__ import annotations
 
-import inspect
 import posixpath
 import stat as stat_bits
 from collections.abc import AsyncIterator
@@ -25,9 +24,10 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from compat.e2b.envd.call import EnvdCall, current, invalid, mapped
 from compat.e2b.envd.gen.filesystem import filesystem_pb as pb
 from compat.e2b.envd.gen.filesystem.filesystem_connect import Filesystem
-from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
+from compat.e2b.envd.streams import with_keepalives
 from libdsec import FileInfo
-from libdsec.errors import AlreadyExists, DSecError, NotFound, Unimplemented
+from libdsec.errors import AlreadyExists, DSecError, NotFound
+from libdsec.types import FileEvent
 
 _TYPES = {
     "REGULAR": pb.FileType.FILE,
@@ -66,7 +66,7 @@ def entry(info: FileInfo) -> pb.EntryInfo:
     return out
 
 
-def fs_event(ev: Any) -> pb.FilesystemEvent:
+def fs_event(ev: FileEvent) -> pb.FilesystemEvent:
     return pb.FilesystemEvent(
         name=ev.name, type=_EVENTS.get(str(ev.type).lower(), pb.EventType.UNSPECIFIED)
     )
@@ -83,13 +83,6 @@ async def _directory(call: EnvdCall, path: str) -> str:
     if not info.is_dir:
         raise invalid(f"path is not a directory: {resolved}")
     return resolved
-
-
-def _files_method(call: EnvdCall, name: str) -> Any:
-    fn = getattr(call.sandbox.files, name, None)
-    if fn is None:
-        raise Unimplemented("this dsec has no directory watchers yet")
-    return fn
 
 
 class FilesystemService(Filesystem):
@@ -181,16 +174,14 @@ class FilesystemService(Filesystem):
         async def run() -> AsyncIterator[pb.WatchDirResponse]:
             call = current()
             path = await _directory(call, request.path)
-            watch = _files_method(call, "watch")(path, recursive=request.recursive)
-            if inspect.isawaitable(watch):  # established when it returns
-                watch = await watch
+            watch = await call.sandbox.files.watch(path, recursive=request.recursive)
             arm: Any = Oneof("start", pb.WatchDirResponse.StartEvent())
             yield pb.WatchDirResponse(event=arm)
-            async for ev in with_keepalives(aiter(watch), call.keepalive_s):
-                if ev is KEEPALIVE:
-                    arm = Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
-                else:
+            async for ev in with_keepalives(aiter(watch), call.keepalive_s):  # closes the watch
+                if isinstance(ev, FileEvent):
                     arm = Oneof("filesystem", fs_event(ev))
+                else:
+                    arm = Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
                 yield pb.WatchDirResponse(event=arm)
 
         return mapped(run)
@@ -203,9 +194,7 @@ class FilesystemService(Filesystem):
         call = current()
         try:
             path = await _directory(call, request.path)
-            watcher_id = await _files_method(call, "create_watcher")(
-                path, recursive=request.recursive
-            )
+            watcher_id = await call.sandbox.files.create_watcher(path, recursive=request.recursive)
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
@@ -217,7 +206,7 @@ class FilesystemService(Filesystem):
     ) -> pb.GetWatcherEventsResponse:
         call = current()
         try:
-            events = await _files_method(call, "watcher_events")(request.watcher_id)
+            events = await call.sandbox.files.watcher_events(request.watcher_id)
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.GetWatcherEventsResponse(events=[fs_event(e) for e in events])
@@ -229,7 +218,7 @@ class FilesystemService(Filesystem):
     ) -> pb.RemoveWatcherResponse:
         call = current()
         try:
-            await _files_method(call, "remove_watcher")(request.watcher_id)
+            await call.sandbox.files.remove_watcher(request.watcher_id)
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.RemoveWatcherResponse()

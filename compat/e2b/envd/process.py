@@ -36,7 +36,7 @@ from libdsec.types import ExecEvent
 LABEL_TAG = "e2b.tag"
 LABEL_CMD = "e2b.cmd"
 #: The config label is kept only while it fits a label value.
-MAX_LABEL = 255
+MAX_LABEL = 1024  # chronus's limit for a label value
 
 _GO_SIGNAL_NAMES: dict[int, str] = {
     signals.SIGKILL: "killed",
@@ -85,7 +85,7 @@ def end_event(status: ExitStatus) -> pb.ProcessEvent:
 
 
 def _config_of(info: ExecInfo) -> pb.ProcessConfig:
-    raw = dsec.labels_of(info).get(LABEL_CMD)
+    raw = info.labels.get(LABEL_CMD)
     if raw:
         try:
             c = json.loads(raw)
@@ -95,12 +95,10 @@ def _config_of(info: ExecInfo) -> pb.ProcessConfig:
             return cfg
         except (ValueError, KeyError, TypeError):
             pass
-    argv = list(getattr(info, "argv", None) or [])
-    if not argv:  # only the command line is known (joined with spaces): split it back
-        argv = info.command.split(" ") if info.command else [""]
-    cfg = pb.ProcessConfig(cmd=argv[0], args=argv[1:], envs=dict(getattr(info, "env", None) or {}))
-    if getattr(info, "cwd", ""):
-        cfg.cwd = info.cwd  # type: ignore[attr-defined]
+    argv = info.argv or [info.command]
+    cfg = pb.ProcessConfig(cmd=argv[0], args=argv[1:], envs=dict(info.env))
+    if info.cwd:
+        cfg.cwd = info.cwd
     return cfg
 
 
@@ -113,7 +111,7 @@ async def find(selector: pb.ProcessSelector | None) -> ExecInfo:
     if field == "pid":
         matches = [i for i in infos if i.pid == value]
     else:
-        matches = [i for i in infos if dsec.labels_of(i).get(LABEL_TAG) == value]
+        matches = [i for i in infos if i.labels.get(LABEL_TAG) == value]
     running = [i for i in matches if i.running]
     if running:
         return running[-1]
@@ -127,10 +125,6 @@ async def _running(selector: pb.ProcessSelector | None) -> ExecInfo:
     if not info.running:
         raise ConnectError(Code.NOT_FOUND, f"process with pid {info.pid} has exited")
     return info
-
-
-def _is_pty(info: ExecInfo) -> bool:
-    return bool(getattr(info, "pty", False))
 
 
 class ProcessService(Process):
@@ -161,7 +155,10 @@ class ProcessService(Process):
             cfg = request.process
             if cfg is None or not cfg.cmd:
                 raise invalid("process.cmd is required")
-            cwd = call.resolve(cfg.cwd) if cfg.has_field("cwd") and cfg.cwd else call.home
+            # envd: the user's home unless asked (dsec already starts a named user there)
+            cwd = call.resolve(cfg.cwd) if cfg.has_field("cwd") and cfg.cwd else None
+            if cwd is None and not call.run_as:
+                cwd = call.home
             labels = {}
             config = json.dumps(
                 {
@@ -210,7 +207,7 @@ class ProcessService(Process):
             info = await find(request.process)
             proc = await current().sandbox.process(info.exec_id)
             yield pb.ConnectResponse(event=start_event(info.pid))
-            async for ev in self._follow(proc.attach(), _is_pty(info)):
+            async for ev in self._follow(proc.attach(), info.pty):
                 yield pb.ConnectResponse(event=ev)
 
         return mapped(run)
@@ -228,7 +225,7 @@ class ProcessService(Process):
             if not info.running:
                 continue
             p = pb.ProcessInfo(config=_config_of(info), pid=info.pid)
-            tag = dsec.labels_of(info).get(LABEL_TAG)
+            tag = info.labels.get(LABEL_TAG)
             if tag is not None:
                 p.tag = tag
             out.append(p)
@@ -260,7 +257,7 @@ class ProcessService(Process):
         try:
             info = await _running(selector)
             proc = await call.sandbox.process(info.exec_id)
-            await dsec.process_method(proc, "send_stdin")(data.input.value)  # type: ignore[operator]
+            await proc.send_stdin(data.input.value)
         except DSecError as exc:
             raise call.error(exc) from None
 
@@ -299,10 +296,10 @@ class ProcessService(Process):
         call = current()
         try:
             info = await _running(request.process)
-            if _is_pty(info):
+            if info.pty:
                 raise invalid("a PTY has no stdin to close: send Ctrl-D (0x04) instead")
             proc = await call.sandbox.process(info.exec_id)
-            await dsec.process_method(proc, "close_stdin")()  # type: ignore[operator]
+            await proc.close_stdin()
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.CloseStdinResponse()
@@ -317,7 +314,7 @@ class ProcessService(Process):
         try:
             info = await _running(request.process)
             proc = await call.sandbox.process(info.exec_id)
-            await dsec.process_method(proc, "resize")(size.rows, size.cols)  # type: ignore[operator]
+            await proc.resize(size.rows, size.cols)
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.UpdateResponse()
