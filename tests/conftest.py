@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,19 @@ def start_cluster(home: Path, **kw: object) -> LocalCluster:
     )  # type: ignore[arg-type]
     c.start(timeout_s=60)
     return c
+
+
+@contextmanager
+def one_container_edge(home: Path, edge_id: str) -> Iterator[LocalCluster]:
+    """A cluster of one container edge over the base images (no FnCall pools), always
+    stopped: what most container tests of one feature need."""
+    images = os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images")
+    env = {"DSEC_EDGE_IMAGE_DIR": images, "DSEC_EDGE_FNCALL_POOLS": ""}
+    c = start_cluster(home, edges=[EdgeSpec(edge_id=edge_id, runtime="container", extra_env=env)])
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import AsyncClient, Client, FileEvent, Sandbox
 from libdsec.errors import (
     InvalidArgument,
@@ -22,7 +22,7 @@ from libdsec.errors import (
     ResourceExhausted,
     SandboxTerminated,
 )
-from tests.conftest import start_cluster
+from tests.conftest import one_container_edge
 from tests.helpers import sandbox_factory, wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -34,20 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def watch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(
-        tmp_path_factory.mktemp("wcluster"),
-        edges=[
-            EdgeSpec(
-                edge_id="wch0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
+    with one_container_edge(tmp_path_factory.mktemp("wcluster"), "wch0") as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Exited, Output, Sandbox, Started
 from libdsec.errors import FailedPrecondition, InvalidArgument, NotFound
-from tests.conftest import start_cluster
+from tests.conftest import one_container_edge
 from tests.helpers import sandbox_factory, wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -25,20 +25,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(
-        tmp_path_factory.mktemp("execctl"),
-        edges=[
-            EdgeSpec(
-                edge_id="ctr0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
+    with one_container_edge(tmp_path_factory.mktemp("execctl"), "ctr0") as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.aio import AsyncSandbox
 from libdsec.errors import InvalidArgument, SandboxNotFound, SandboxTerminated
-from tests.conftest import start_cluster
+from tests.conftest import one_container_edge
 from tests.helpers import sandbox_factory, wait_for
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -29,20 +29,8 @@ MAX_TTL_S = 7 * 24 * 3600  # apiserver's default max_ttl_s
 
 @pytest.fixture(scope="module")
 def ttl_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(
-        tmp_path_factory.mktemp("tcluster"),
-        edges=[
-            EdgeSpec(
-                edge_id="ttl0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
+    with one_container_edge(tmp_path_factory.mktemp("tcluster"), "ttl0") as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
