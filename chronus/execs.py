@@ -505,6 +505,11 @@ class ProcessExec(Exec):
                     for fd, _ in out_fds:
                         os.close(fd)
                     raise
+        except BlockingIOError:  # EAGAIN from fork/posix_spawn: the sandbox's pids limit
+            if self.stdin_fd >= 0:
+                os.close(self.stdin_fd)
+                self.stdin_fd = -1
+            raise
         except SpawnError as exc:
             if self.stdin_fd >= 0:
                 os.close(self.stdin_fd)
@@ -709,7 +714,18 @@ class ExecManager:
         pex = ProcessExec(self.rt, req, cap=cap, background=background, timeout_s=timeout_s)
         pex.cwd = cwd
         self._register(pex)
-        pex.launch(list(pex.argv), env, cwd, req, creds)
+        try:
+            pex.launch(list(pex.argv), env, cwd, req, creds)
+        except BlockingIOError:
+            # Typed like a call that got no thread (engine.py): this command fails, chronus
+            # and every other call go on.
+            with self.rt.lock:
+                self.execs.pop(pex.exec_id, None)
+            raise ChronusError(
+                RESOURCE_EXHAUSTED,
+                "PIDS_LIMIT",
+                "the sandbox is at its pids limit: no process for this command",
+            ) from None
         return pex
 
     def _register(self, ex: Exec) -> None:

@@ -277,6 +277,20 @@ PIDS_ROOT = Path("/sys/fs/cgroup/pids")
     not (PIDS_ROOT / "cgroup.procs").exists() or os.geteuid() != 0,
     reason="needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids",
 )
+def _settled_count(path: Path, quiet_s: float = 0.3, timeout_s: float = 5.0) -> int:
+    """The value of a counter file once it has not changed for quiet_s."""
+    deadline = time.monotonic() + timeout_s
+    last, since = int(path.read_text()), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = int(path.read_text())
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
 def test_a_call_at_the_pids_limit_fails_alone(tmp_path: Path) -> None:
     """At the sandbox's pids limit a new call gets no thread: it fails with RESOURCE_EXHAUSTED
     (PIDS_LIMIT) and chronus serves the next one (it used to exit, which ended every stream:
@@ -287,7 +301,11 @@ def test_a_call_at_the_pids_limit_fails_alone(tmp_path: Path) -> None:
     try:
         (cg / "cgroup.procs").write_text(str(proc.pid))
         assert client.run("echo ready")["stdout"] == b"ready\n"
-        (cg / "pids.max").write_text((cg / "pids.current").read_text().strip())
+        # The previous call's thread may still be exiting: full at the count it settles at
+        # (a slot it frees later gives the next call a thread, whose fork then fails: the
+        # same typed error)
+        settled = _settled_count(cg / "pids.current")
+        (cg / "pids.max").write_text(str(settled))
         with pytest.raises(CallError) as full:
             client.run("echo never")
         assert (full.value.code, full.value.reason) == (8, "PIDS_LIMIT"), full.value
