@@ -23,7 +23,7 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
-from typing import IO, Any, TypeVar, Unpack
+from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
 from libdsec._files import AsyncDirWatch
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
@@ -333,22 +333,22 @@ class Client:
         self._loop.run(self._async.revoke_token(token_id, **kw))
 
 
-class Watch:
-    """Changes of sandboxes (see :meth:`Client.watch`): an iterator of :class:`SandboxInfo`,
-    a context manager, closable."""
+class _SyncStream(Generic[T]):
+    """A long-lived async iterator (a watch) driven from the client's loop: an iterator, a
+    context manager, closable from any thread."""
 
-    def __init__(self, client: Client, watch: AsyncWatch) -> None:
+    def __init__(self, client: Client, stream: AsyncWatch | AsyncDirWatch) -> None:
         self._c = client
-        self._w = watch
+        self._w = stream
 
-    def __iter__(self) -> Watch:
+    def __iter__(self) -> Self:
         return self
 
-    def __next__(self) -> SandboxInfo:
+    def __next__(self) -> T:
         if self._w.closed:
             raise StopIteration
         try:
-            return self._c._loop.run(self._w.__anext__())
+            return cast(T, self._c._loop.run(self._w.__anext__()))
         except StopAsyncIteration:
             raise StopIteration from None
         except concurrent.futures.CancelledError:
@@ -357,15 +357,20 @@ class Watch:
             raise
 
     def close(self) -> None:
-        """Ends the watch (idempotent); an iteration in another thread ends without an error."""
+        """Ends the stream (idempotent); an iteration in another thread ends without an error."""
         if not self._w.closed and self._c._loop.loop.is_running():
             self._c._loop.run(self._w.aclose())
 
-    def __enter__(self) -> Watch:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Watch(_SyncStream[SandboxInfo]):
+    """Changes of sandboxes (see :meth:`Client.watch`): an iterator of :class:`SandboxInfo`,
+    a context manager, closable."""
 
 
 class Process:
@@ -497,42 +502,16 @@ class Files:
         return DirWatch(self._c, self._c._loop.run(self._f.watch(path, recursive)))
 
 
-class DirWatch:
+class DirWatch(_SyncStream[FileEvent]):
     """A directory watch (see :meth:`Files.watch`): an iterator of :class:`FileEvent`."""
 
     def __init__(self, client: Client, watch: AsyncDirWatch) -> None:
-        self._c = client
-        self._w = watch
+        super().__init__(client, watch)
+        self._dir = watch
 
     @property
     def dropped(self) -> int:
-        return self._w.dropped
-
-    def __iter__(self) -> DirWatch:
-        return self
-
-    def __next__(self) -> FileEvent:
-        if self._w.closed:
-            raise StopIteration
-        try:
-            return self._c._loop.run(self._w.__anext__())
-        except StopAsyncIteration:
-            raise StopIteration from None
-        except concurrent.futures.CancelledError:
-            if self._w.closed:
-                raise StopIteration from None
-            raise
-
-    def close(self) -> None:
-        """Ends the watch (idempotent)."""
-        if not self._w.closed and self._c._loop.loop.is_running():
-            self._c._loop.run(self._w.aclose())
-
-    def __enter__(self) -> DirWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._dir.dropped
 
 
 class Sandbox:
