@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_TTL_S = 1.0
 MAX_ATTEMPTS = 3
-#: A job's deadline past its own time limit: compilation, waiting for a pool container.
+#: A job's deadline past its own time and compile limits: waiting for a pool container.
 JOB_MARGIN_S = 120.0
+#: The compile step's limit when the job sets none (the edge's default, edge/fncall/jobs.py).
+COMPILE_TIME_LIMIT_S = 30.0
 MAX_BATCH = 100_000
 #: A batch is split over the placement answer's edges only if each gets at least this many jobs.
 SPLIT_MIN_JOBS = 32
@@ -103,7 +105,8 @@ class FunctionRouter:
     async def _run_on(
         self, address: str, who: Caller, job: types_pb2.FunctionJob
     ) -> types_pb2.FunctionResult:
-        timeout = (job.time_limit_s or 10.0) + JOB_MARGIN_S
+        compile_s = job.compile_time_limit_s or COMPILE_TIME_LIMIT_S
+        timeout = (job.time_limit_s or 10.0) + compile_s + JOB_MARGIN_S
         msg = await self._edge_stream(address).call_if_supported(
             edge_pb2.StreamFunctionsRequest(job=job, project_id=who.project_id), timeout=timeout
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from common.config import ConfigError, ServiceConfig
@@ -49,6 +50,26 @@ class CompatConfig(ServiceConfig):
     #: Largest request or response body forwarded into a port of a sandbox.
     max_port_body_bytes: int = 16 * MIB
 
+    # ---- SandboxFusion front end (compat.sandboxfusion): its own listener, same process.
+    #: host:port of SandboxFusion's code-execution API; "" = not served.
+    sandbox_fusion_listen: str = "127.0.0.1:7131"
+    #: A file holding the dsec token used for requests that carry none (no /t/<token>/
+    #: prefix, no Authorization header): the listener acts as that token's project. Only
+    #: with a loopback listener (anyone who reaches the port gets the project).
+    sandbox_fusion_token_file: str = ""
+    #: Memory of a job that asks for none (the reference's memory_limit_MB=-1 means "no
+    #: limit"; dsec always has one), and the most a job may ask for (FnCall's own bound).
+    sandbox_fusion_memory_mb: int = 1024
+    sandbox_fusion_max_memory_mb: int = 4096
+    #: Output kept per stream of a job (FnCall's limit; past it the job is stopped).
+    sandbox_fusion_max_output_bytes: int = 1 * MIB
+    #: Code and decoded files of one request together (FnCall's limit is 16 MiB).
+    sandbox_fusion_max_files_bytes: int = 16 * MIB
+    #: Largest request body (base64 files and stdin included).
+    sandbox_fusion_max_body_bytes: int = 64 * MIB
+    #: Most cases of one /run_code_batch request.
+    sandbox_fusion_max_batch: int = 10_000
+
     @property
     def host(self) -> str:
         return self.listen.rsplit(":", 1)[0].strip("[]")
@@ -56,6 +77,14 @@ class CompatConfig(ServiceConfig):
     @property
     def port(self) -> int:
         return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def sandbox_fusion_host(self) -> str:
+        return self.sandbox_fusion_listen.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def sandbox_fusion_port(self) -> int:
+        return int(self.sandbox_fusion_listen.rsplit(":", 1)[1])
 
     def validate(self) -> None:
         super().validate()
@@ -71,3 +100,46 @@ class CompatConfig(ServiceConfig):
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:
             raise ConfigError("timeouts and cache sizes must be positive")
+        if self.sandbox_fusion_listen:
+            self._validate_sandbox_fusion()
+
+    def _validate_sandbox_fusion(self) -> None:
+        name = "DSEC_COMPAT_SANDBOX_FUSION_LISTEN"
+        if ":" not in self.sandbox_fusion_listen:
+            raise ConfigError(f"{name} must be host:port (or empty: not served)")
+        try:
+            port = self.sandbox_fusion_port
+        except ValueError:
+            raise ConfigError(f"{name}={self.sandbox_fusion_listen!r}: bad port") from None
+        if port == self.port and port != 0:
+            raise ConfigError(f"{name} must differ from DSEC_COMPAT_LISTEN")
+        if self.sandbox_fusion_token_file and not _loopback(self.sandbox_fusion_host):
+            # Fail closed: a token for anonymous callers on a reachable port is an open door.
+            raise ConfigError(
+                "DSEC_COMPAT_SANDBOX_FUSION_TOKEN_FILE needs a loopback "
+                f"{name} (127.0.0.0/8, ::1, localhost), not {self.sandbox_fusion_host!r}"
+            )
+        if not 16 <= self.sandbox_fusion_memory_mb <= self.sandbox_fusion_max_memory_mb:
+            raise ConfigError(
+                "DSEC_COMPAT_SANDBOX_FUSION_MEMORY_MB must be in "
+                "16..DSEC_COMPAT_SANDBOX_FUSION_MAX_MEMORY_MB"
+            )
+        if (
+            min(
+                self.sandbox_fusion_max_output_bytes,
+                self.sandbox_fusion_max_files_bytes,
+                self.sandbox_fusion_max_body_bytes,
+                self.sandbox_fusion_max_batch,
+            )
+            < 1
+        ):
+            raise ConfigError("DSEC_COMPAT_SANDBOX_FUSION_* sizes must be positive")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,22 +1,30 @@
-"""Composition root of ``python -m compat``: config, the client pool, the ASGI app, uvicorn.
+"""Composition root of ``python -m compat``: config, the client pool, the ASGI apps, uvicorn.
 
-One HTTP/1.1 listener (plain TCP on loopback by default, TLS with a cert and key) serves
-the E2B front end (``compat.e2b``); a SandboxFusion front end would be a second one here.
+One uvicorn server (HTTP/1.1, plain TCP on loopback by default, TLS with a cert and key)
+listens on two sockets: ``DSEC_COMPAT_LISTEN`` serves the E2B front end (``compat.e2b``),
+``DSEC_COMPAT_SANDBOX_FUSION_LISTEN`` the SandboxFusion one (``compat.sandboxfusion``); a
+request goes to the app of the socket it came in on. Both share one pool of libdsec clients.
 uvicorn ends on SIGTERM/SIGINT after in-flight requests (``shutdown_grace_s``); then the
 pool's gRPC channels are closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import uvicorn
 
-from common.config import load
+from common.config import ConfigError, load
 from common.telemetry import setup_logging
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b.app import E2bApp
+from compat.http import Receive, Scope, Send
+from compat.sandboxfusion.app import SandboxFusionApp
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +35,29 @@ async def main() -> None:
     pool = ClientPool(
         config.apiserver, max_clients=config.clients_max, ttl_s=config.token_check_ttl_s
     )
-    app = E2bApp(config, pool)
+    e2b = E2bApp(config, pool)
+    sockets = [_listen(config.host, config.port)]
+    by_port: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+        sockets[0].getsockname()[1]: e2b
+    }
+    fusion: SandboxFusionApp | None = None
+    if config.sandbox_fusion_listen:
+        token = ""
+        if config.sandbox_fusion_token_file:
+            token = (
+                await asyncio.to_thread(Path(config.sandbox_fusion_token_file).read_text)
+            ).strip()
+            if not token:
+                raise ConfigError(f"{config.sandbox_fusion_token_file} holds no token")
+        fusion = SandboxFusionApp(config, pool, default_token=token)
+        sockets.append(_listen(config.sandbox_fusion_host, config.sandbox_fusion_port))
+        by_port[sockets[1].getsockname()[1]] = fusion
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        # scope["server"] is the local address of the socket the connection came in on.
+        target = by_port.get(scope.get("server", ("", 0))[1], e2b)
+        await target(scope, receive, send)
+
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -43,13 +73,23 @@ async def main() -> None:
             timeout_keep_alive=75,
         )
     )
-    log.info(
-        "compat: E2B API on %s://%s (API server %s)",
-        "https" if config.tls_cert else "http",
-        config.listen,
-        config.apiserver,
-    )
+    scheme = "https" if config.tls_cert else "http"
+    log.info("compat: E2B API on %s://%s (API server %s)", scheme, config.listen, config.apiserver)
+    if fusion is not None:
+        log.info(
+            "compat: SandboxFusion API on %s://%s/t/<token>/run_code%s",
+            scheme,
+            config.sandbox_fusion_listen,
+            " (requests without a token act as the token file's)" if fusion.default_token else "",
+        )
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
+        for sock in sockets:
+            sock.close()
         await pool.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)

@@ -90,6 +90,8 @@ class LocalCluster:
         self.compat = compat
         self.processes: list[ServiceProcess] = []
         self.token_file = home / "token"
+        #: host:port of the compat process's SandboxFusion listener ("" = none).
+        self.sandbox_fusion_address = ""
 
     # ----------------------------------------------------------- addresses
 
@@ -174,8 +176,16 @@ class LocalCluster:
         if self.compat:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
             addr = f"127.0.0.1:{7130 if self.fixed_ports else free_port()}"
+            fusion = f"127.0.0.1:{7131 if self.fixed_ports else free_port()}"
+            self.sandbox_fusion_address = fusion
             apiserver = next(p for p in plan if p.name == "apiserver").address
-            compat = svc("compat", "compat", "COMPAT", addr, {"APISERVER": apiserver})
+            compat = svc(
+                "compat",
+                "compat",
+                "COMPAT",
+                addr,
+                {"APISERVER": apiserver, "SANDBOX_FUSION_LISTEN": fusion},
+            )
             compat.protocol = "http"
             plan.append(compat)
         return plan
@@ -343,6 +353,11 @@ class LocalCluster:
         return "http://" + self.process("compat").address
 
     @property
+    def sandbox_fusion_url(self) -> str:
+        """Base URL of the SandboxFusion-compatible API (add ``/t/<token>/run_code``)."""
+        return "http://" + self.sandbox_fusion_address
+
+    @property
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
@@ -350,7 +365,7 @@ class LocalCluster:
         state = {
             "apiserver": self.apiserver,
             **(
-                {"e2b_api_url": self.compat_url}
+                {"e2b_api_url": self.compat_url, "sandbox_fusion_url": self.sandbox_fusion_url}
                 if any(p.name == "compat" for p in self.processes)
                 else {}
             ),
@@ -374,6 +389,7 @@ class LocalCluster:
             return None
         state = json.loads(path.read_text())
         c = cls(home)
+        c.sandbox_fusion_address = state.get("sandbox_fusion_url", "").removeprefix("http://")
         for name, s in state["services"].items():
             module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
             c.processes.append(

@@ -80,6 +80,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"e2b SDK:  export E2B_API_URL={cluster.compat_url} E2B_SANDBOX_URL={cluster.compat_url}"
             " E2B_API_KEY=$(dsec token create me)"
         )
+        print(
+            f"verl:     sandbox_fusion_url={cluster.sandbox_fusion_url}/t/$(dsec token create verl"
+            " --agent)/run_code"
+        )
     print(
         f'grpcurl:  grpcurl -plaintext -H "authorization: Bearer $(cat {cluster.token_file})" '
         f"{cluster.apiserver} list"

@@ -24,6 +24,7 @@ from libdsec.errors import DSecError
 from libdsec.options import CreateOptions, SandboxOptions
 from libdsec.sync import Client, DirWatch, Files, Process, Sandbox, Session, Watch
 from libdsec.types import (
+    CompileInfo,
     Environment,
     ExecInfo,
     ExecResult,
@@ -60,6 +61,7 @@ __all__ = [
     "AsyncSession",
     "AsyncWatch",
     "Client",
+    "CompileInfo",
     "CreateOptions",
     "DSecError",
     "DirWatch",

@@ -128,6 +128,8 @@ class AsyncClient:
         command: Iterable[str] = (),
         environment: str = "",
         job_id: str = "",
+        compile_time_limit_s: float = 0.0,
+        fetch_files: Iterable[str] = (),
         timeout: float | None = None,
     ) -> FunctionResult:
         """Runs one short job in a warm pool (backend ``fncall``) and returns its verdict.
@@ -140,6 +142,15 @@ class AsyncClient:
 
             r = await dsec.fncall(language="python", code="print(input()[::-1])", stdin="abc")
             assert r.verdict == "OK" and r.text == "cba\n"
+
+        ``compile_time_limit_s``: the compile step's wall clock (C, C++; 0 = 30 s; running
+        out of it is a COMPILE_ERROR with ``r.compile.verdict == "TIME_LIMIT"``).
+        ``fetch_files``: paths relative to the job directory to return after the run, in
+        ``r.files`` (path -> bytes; regular files only, 32 MiB in all, whatever the verdict);
+        the others in ``r.fetch_errors`` (path -> why)::
+
+            r = await dsec.fncall(language="bash", code="echo 1 > out.txt", fetch_files=["out.txt"])
+            assert r.files == {"out.txt": b"1\n"}
         """
         job = FunctionJob(
             language=language,
@@ -153,8 +164,11 @@ class AsyncClient:
             command=list(command),
             environment=environment,
             job_id=job_id,
+            compile_time_limit_s=compile_time_limit_s,
+            fetch_files=list(fetch_files),
         )
-        deadline = timeout if timeout is not None else (time_limit_s or 10.0) + 180.0
+        compile_s = compile_time_limit_s or 30.0  # the edge's default
+        deadline = timeout if timeout is not None else (time_limit_s or 10.0) + compile_s + 180.0
         pb = job.to_pb()
         msg = await self._job_stream.call_if_supported(
             apiserver_pb2.StreamFunctionsRequest(job=pb), timeout=deadline

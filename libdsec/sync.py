@@ -279,6 +279,9 @@ class Client:
 
         Example: ``dsec.fncall(language="python", code="print(input()[::-1])", stdin="abc")``
         returns a :class:`FunctionResult` with ``verdict == "OK"`` and ``text == "cba\\n"``.
+        The same keywords as the async client's, ``compile_time_limit_s=`` (the compile step's
+        wall clock, C/C++; 0 = 30 s) and ``fetch_files=[...]`` (files returned after the run in
+        ``r.files``, the others with a reason in ``r.fetch_errors``) included.
         """
         return self._loop.run(self._async.fncall(**kw))
 

@@ -569,7 +569,11 @@ class FunctionJob:
 
     ``language`` is "python", "cpp", "c", "bash" or "sh" (with ``code``), or "" with a
     ``command``; ``files`` maps relative paths to contents (written next to the program);
-    limits default on the server: wall 10 s, CPU = wall, memory 256 MiB, 1 MiB per stream.
+    limits default on the server: wall 10 s, CPU = wall, memory 256 MiB, 1 MiB per stream;
+    ``compile_time_limit_s`` is the compile step's wall clock (C, C++; 0 = 30 s).
+    ``fetch_files`` (relative paths, at most 64) come back in the result's ``files`` after the
+    run, whatever the verdict: regular files only (a symlink is not followed), 32 MiB in all;
+    the others are in ``fetch_errors`` with the reason.
     """
 
     language: str = ""
@@ -583,8 +587,12 @@ class FunctionJob:
     command: list[str] = field(default_factory=list)
     environment: str = ""
     job_id: str = ""
+    compile_time_limit_s: float = 0.0
+    fetch_files: list[str] = field(default_factory=list)
 
     def to_pb(self) -> types_pb2.FunctionJob:
+        if isinstance(self.fetch_files, str):  # list("out.txt") would ask for 7 files
+            raise TypeError("fetch_files takes a list of paths, not one string")
         return types_pb2.FunctionJob(
             language=self.language,
             code=self.code,
@@ -600,13 +608,38 @@ class FunctionJob:
             max_output_bytes=self.max_output_bytes,
             environment=self.environment,
             job_id=self.job_id,
+            compile_time_limit_s=self.compile_time_limit_s,
+            fetch_files=list(self.fetch_files),
+        )
+
+
+@dataclass(frozen=True)
+class CompileInfo:
+    """The compile step of a compiled language (C, C++), as it ran or as the edge's compile
+    cache remembers it. ``verdict``: OK; COMPILE_ERROR (the compiler failed); TIME_LIMIT,
+    MEMORY_LIMIT or OUTPUT_LIMIT (the compile step's own limits); SYSTEM_ERROR."""
+
+    verdict: str
+    exit_code: int  # the compiler's; -1 if it was killed
+    wall_time_s: float  # of the compile that produced this outcome (also when cached)
+    cached: bool  # the edge's compile cache answered (same source, same compiler)
+
+    @classmethod
+    def from_pb(cls, c: types_pb2.CompileInfo) -> CompileInfo:
+        return cls(
+            _enum(types_pb2.Verdict, c.verdict, "VERDICT_"), c.exit_code, c.wall_time_s, c.cached
         )
 
 
 @dataclass(frozen=True)
 class FunctionResult:
     """What a job did. ``verdict``: OK, TIME_LIMIT, MEMORY_LIMIT, OUTPUT_LIMIT,
-    RUNTIME_ERROR, COMPILE_ERROR or SYSTEM_ERROR (the platform failed: retry)."""
+    RUNTIME_ERROR, COMPILE_ERROR or SYSTEM_ERROR (the platform failed: retry).
+
+    ``compile`` (compiled languages): the compile step; a COMPILE_ERROR whose
+    ``compile.verdict`` is TIME_LIMIT ran out of ``compile_time_limit_s``. ``files``: the
+    job's ``fetch_files`` that were regular files after the run (path -> content),
+    ``fetch_errors``: the others (path -> why)."""
 
     verdict: str
     exit_code: int
@@ -621,6 +654,9 @@ class FunctionResult:
     index: int = 0
     job_id: str = ""
     edge_id: str = ""
+    compile: CompileInfo | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_errors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, r: types_pb2.FunctionResult) -> FunctionResult:
@@ -638,6 +674,9 @@ class FunctionResult:
             r.index,
             r.job_id,
             r.edge_id,
+            CompileInfo.from_pb(r.compile) if r.HasField("compile") else None,
+            {f.path: f.content for f in r.files},
+            dict(r.fetch_errors),
         )
 
     @property

@@ -108,6 +108,16 @@ if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_E2B_OLD/bin/python" -c "import e2b, imp
     venv_state+=", e2b $E2B_OLD venv"
 fi
 
+# verl, for its SandboxFusion reward code (verl/utils/reward_score/sandbox_fusion, which needs
+# only requests), driven by tests/integration/test_sandbox_fusion.py and bench/. Without its
+# dependencies: they would pull torch, ray and transformers, which that module never imports.
+VERL=0.9.1
+if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('verl') == '$VERL'" 2>/dev/null; then
+    log "pip install --no-deps verl==$VERL"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "verl==$VERL"
+    venv_state+=", verl $VERL (no deps)"
+fi
+
 # --------------------------------------------------------------------------- dockerd
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
 dockerd_pid() {

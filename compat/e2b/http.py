@@ -1,140 +1,36 @@
-"""The little HTTP the E2B front end needs on top of raw ASGI (no web framework).
-
-The Connect services are ASGI applications of their own (connectrpc); the control API, the
-files endpoints and port traffic are a handful of routes, so a request object, JSON and error
-responses and a streamed body are all that is needed here.
-"""
+"""HTTP for the E2B front end: the shared pieces (``compat.http``) and E2B's error body."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import parse_qs
+from compat.http import (
+    ClientDisconnected,
+    HttpError,
+    Message,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    send_bytes,
+    send_empty,
+    send_json,
+)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-
-class HttpError(Exception):
-    """An error answered as E2B answers it: ``{"code": status, "message": ...}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request body was being read."""
-
-
-@dataclass
-class Request:
-    scope: Scope
-    receive: Receive
-
-    @property
-    def method(self) -> str:
-        return str(self.scope["method"])
-
-    @property
-    def path(self) -> str:
-        return str(self.scope["path"])
-
-    @property
-    def raw_query(self) -> str:
-        return bytes(self.scope.get("query_string", b"")).decode("latin-1")
-
-    def query(self, name: str) -> str | None:
-        """The first value of a query parameter (decoded), or None."""
-        values = parse_qs(self.raw_query, keep_blank_values=True).get(name)
-        return values[0] if values else None
-
-    def query_all(self, name: str) -> list[str]:
-        return parse_qs(self.raw_query, keep_blank_values=True).get(name, [])
-
-    def header(self, name: str) -> str:
-        """A request header (case-insensitive; the first if repeated), "" if absent."""
-        key = name.lower().encode("latin-1")
-        for k, v in self.scope.get("headers", ()):
-            if k.lower() == key:
-                return bytes(v).decode("latin-1")
-        return ""
-
-    @property
-    def headers(self) -> list[tuple[str, str]]:
-        return [
-            (bytes(k).decode("latin-1"), bytes(v).decode("latin-1"))
-            for k, v in self.scope.get("headers", ())
-        ]
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (never whole in memory)."""
-        while True:
-            msg = await self.receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientDisconnected()
-            body = msg.get("body", b"")
-            if body:
-                yield bytes(body)
-            if not msg.get("more_body", False):
-                return
-
-    async def body(self, limit: int) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in self.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"request body larger than {limit} bytes")
-            parts.append(chunk)
-        return b"".join(parts)
-
-    async def json(self, limit: int) -> dict[str, Any]:
-        raw = await self.body(limit)
-        if not raw.strip():
-            return {}
-        try:
-            value = json.loads(raw)
-        except ValueError as exc:
-            raise HttpError(400, f"request body is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise HttpError(400, "request body must be a JSON object")
-        return value
-
-
-async def send_bytes(
-    send: Send,
-    status: int,
-    body: bytes = b"",
-    *,
-    content_type: str = "",
-    headers: Iterable[tuple[str, str]] = (),
-) -> None:
-    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-    if content_type:
-        raw.append((b"content-type", content_type.encode("latin-1")))
-    raw.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def send_json(
-    send: Send, status: int, value: Any, *, headers: Iterable[tuple[str, str]] = ()
-) -> None:
-    body = json.dumps(value, separators=(",", ":")).encode()
-    await send_bytes(send, status, body, content_type="application/json", headers=headers)
+__all__ = [
+    "ClientDisconnected",
+    "HttpError",
+    "Message",
+    "Receive",
+    "Request",
+    "Scope",
+    "Send",
+    "send_bytes",
+    "send_empty",
+    "send_error",
+    "send_json",
+]
 
 
 async def send_error(send: Send, status: int, message: str) -> None:
-    """E2B's error body (the SDK reads ``message`` and maps ``status``)."""
+    """E2B's error body ``{"code": status, "message": ...}`` (the SDK reads ``message`` and
+    maps ``status`` to its exception classes)."""
     await send_json(send, status, {"code": status, "message": message})
-
-
-async def send_empty(send: Send, status: int = 204) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": []})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})

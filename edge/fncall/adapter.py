@@ -37,11 +37,13 @@ def job_from_pb(pb: types_pb2.FunctionJob) -> Job:
         max_output_bytes=pb.max_output_bytes,
         environment=pb.environment,
         job_id=pb.job_id,
+        compile_time_limit_s=pb.compile_time_limit_s,
+        fetch_files=list(pb.fetch_files),
     )
 
 
 def result_pb(r: Result) -> types_pb2.FunctionResult:
-    return types_pb2.FunctionResult(
+    pb = types_pb2.FunctionResult(
         job_id=r.job_id,
         verdict=types_pb2.Verdict.Value("VERDICT_" + r.verdict),
         exit_code=r.exit_code,
@@ -56,6 +58,20 @@ def result_pb(r: Result) -> types_pb2.FunctionResult:
         message=r.message,
         edge_id=r.edge_id,
     )
+    if r.compile is not None:
+        pb.compile.CopyFrom(
+            types_pb2.CompileInfo(
+                verdict=types_pb2.Verdict.Value("VERDICT_" + r.compile.verdict),
+                exit_code=r.compile.exit_code,
+                wall_time_s=r.compile.wall_time_s,
+                cached=r.compile.cached,
+            )
+        )
+    if r.files:
+        pb.files.extend(types_pb2.SourceFile(path=path, content=data) for path, data in r.files)
+    if r.fetch_errors:
+        pb.fetch_errors.update(r.fetch_errors)
+    return pb
 
 
 class FnCallAdapter:

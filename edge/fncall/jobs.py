@@ -29,11 +29,18 @@ MAX_SOURCE_BYTES = 16 * MIB  # code + files
 MAX_STDIN_BYTES = 64 * MIB
 #: Any single file a job writes (RLIMIT_FSIZE); past it the job dies of SIGXFSZ: OUTPUT_LIMIT.
 MAX_FILE_BYTES = 64 * MIB
-#: Compilation gets its own limits, not the job's (a 1 s run limit must not fail g++).
+#: Compilation gets its own limits, not the job's (a 1 s run limit must not fail g++); the job
+#: may set the compile step's wall clock (`compile_time_limit_s`), up to MAX_TIME_LIMIT_S.
 COMPILE_TIME_LIMIT_S = 30.0
 COMPILE_MEMORY_MB = 1024
 COMPILE_OUTPUT_BYTES = 64 * 1024
 MAX_ARTIFACT_BYTES = 64 * MIB
+#: Files a job may ask back (`fetch_files`), and their total size per job.
+MAX_FETCH_FILES = 64
+MAX_FETCH_BYTES = 32 * MIB
+#: A result's payload (stdout + stderr + fetched files) stays under this, below the 64 MiB
+#: message limit of the gRPC channels it travels on: the fetch budget shrinks by the output.
+MAX_RESULT_BYTES = 60 * MIB
 
 _PATH = re.compile(r"^[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*$")
 
@@ -101,6 +108,18 @@ class Job:
     environment: str = ""
     job_id: str = ""
     index: int = 0
+    compile_time_limit_s: float = 0.0  # 0 = COMPILE_TIME_LIMIT_S
+    fetch_files: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CompileInfo:
+    """The compile step as it ran, or as the compile cache remembers it."""
+
+    verdict: str  # OK, COMPILE_ERROR (the compiler failed), TIME_LIMIT, ..., SYSTEM_ERROR
+    exit_code: int  # the compiler's (-1: killed)
+    wall_time_s: float  # of the compile that produced this outcome
+    cached: bool = False  # the cache (or an identical compile under way) answered
 
 
 @dataclass
@@ -118,6 +137,9 @@ class Result:
     index: int = 0
     message: str = ""
     edge_id: str = ""
+    compile: CompileInfo | None = None  # compiled languages only
+    files: list[tuple[str, bytes]] = field(default_factory=list)  # fetched, in request order
+    fetch_errors: dict[str, str] = field(default_factory=dict)  # fetch path -> why not
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,7 @@ class Step:
     stdin: bytes = b""
     limits: Limits = Limits(0, 0, 0, 0)
     collect: str = ""  # file to return on success (the compiled program)
+    fetch: tuple[str, ...] = ()  # files to return after the run, whatever its outcome
 
 
 @dataclass(frozen=True)
@@ -179,6 +202,35 @@ def limits(job: Job, max_memory_mb: int) -> Limits:
     return Limits(wall, cpu, mem * MIB, out)
 
 
+def compile_time_limit(job: Job) -> float:
+    """The compile step's wall-clock and CPU limit of `job` (validated)."""
+    t = job.compile_time_limit_s or COMPILE_TIME_LIMIT_S
+    if not (0 < t <= MAX_TIME_LIMIT_S) or math.isnan(t):
+        raise InvalidArgument(
+            f"compile_time_limit_s={job.compile_time_limit_s} must be in (0, {MAX_TIME_LIMIT_S:g}]",
+            reason="INVALID_LIMITS",
+        )
+    return t
+
+
+def fetch_list(job: Job) -> tuple[str, ...]:
+    """The files `job` asks back (validated: at most MAX_FETCH_FILES, unique, `files`' rules)."""
+    if len(job.fetch_files) > MAX_FETCH_FILES:
+        raise InvalidArgument(
+            f"fetch_files has {len(job.fetch_files)} paths, more than {MAX_FETCH_FILES}",
+            reason="INVALID_FILE",
+        )
+    paths = []
+    for p in job.fetch_files:
+        try:
+            paths.append(_check_path(p))
+        except InvalidArgument as err:
+            raise InvalidArgument(f"fetch_files: {err.message}", reason=err.reason) from None
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("fetch_files: paths must be unique", reason="INVALID_FILE")
+    return tuple(paths)
+
+
 def _check_path(path: str) -> str:
     if not _PATH.match(path) or any(p in (".", "..") for p in path.split("/")) or len(path) > 255:
         raise InvalidArgument(
@@ -191,6 +243,8 @@ def _check_path(path: str) -> str:
 def plan(job: Job, *, max_memory_mb: int = 4096) -> Plan:
     """What to run for `job`, validated (InvalidArgument naming the field on bad input)."""
     lim = limits(job, max_memory_mb)
+    compile_s = compile_time_limit(job)
+    fetch = fetch_list(job)
     size = len(job.code) + sum(len(c) for _, c in job.files)
     if size > MAX_SOURCE_BYTES:
         raise InvalidArgument(
@@ -215,7 +269,7 @@ def plan(job: Job, *, max_memory_mb: int = 4096) -> Plan:
             raise InvalidArgument("code needs a language", reason="NO_LANGUAGE")
         env = job.environment or DEFAULT_COMMAND_ENVIRONMENT
         run = Step(tuple((p, c, 0o644) for p, c in files), argv=tuple(job.command), stdin=job.stdin)
-        return Plan(env, _with_limits(run, lim))
+        return Plan(env, _with_limits(run, lim, fetch))
     lang = language(job.language)
     env = job.environment or lang.environment
     if lang.source in {p for p, _ in files}:
@@ -231,28 +285,28 @@ def plan(job: Job, *, max_memory_mb: int = 4096) -> Plan:
             run = Step((source, *extra), python_main=lang.source, stdin=job.stdin)
         else:
             run = Step((source, *extra), argv=lang.run, stdin=job.stdin)
-        return Plan(env, _with_limits(run, lim))
+        return Plan(env, _with_limits(run, lim, fetch))
     # A compiler may need more than the program it builds, never more than a job may have.
     compile_mb = min(max(COMPILE_MEMORY_MB, lim.memory_bytes // MIB), max_memory_mb)
     compile_step = Step(
         (source, *extra),
         argv=lang.compile,
-        limits=Limits(
-            COMPILE_TIME_LIMIT_S, COMPILE_TIME_LIMIT_S, compile_mb * MIB, COMPILE_OUTPUT_BYTES
-        ),
+        limits=Limits(compile_s, compile_s, compile_mb * MIB, COMPILE_OUTPUT_BYTES),
         collect=lang.artifact,
     )
+    # The key is the program's content, not the step's limits: only outcomes the limits cannot
+    # change are cached (see `compile_outcome`).
     h = hashlib.sha256()
     for part in (env, *lang.compile):
         h.update(part.encode() + b"\0")
     for path, content, _ in compile_step.files:
         h.update(path.encode() + b"\0" + len(content).to_bytes(8, "big") + content)
     run = Step(extra, argv=tuple(job.command) or lang.run, stdin=job.stdin)
-    return Plan(env, _with_limits(run, lim), compile_step, h.hexdigest(), lang.artifact)
+    return Plan(env, _with_limits(run, lim, fetch), compile_step, h.hexdigest(), lang.artifact)
 
 
-def _with_limits(step: Step, lim: Limits) -> Step:
-    return Step(step.files, step.argv, step.python_main, step.stdin, lim, step.collect)
+def _with_limits(step: Step, lim: Limits, fetch: tuple[str, ...] = ()) -> Step:
+    return Step(step.files, step.argv, step.python_main, step.stdin, lim, step.collect, fetch)
 
 
 # ------------------------------------------------------------------ verdicts
@@ -309,6 +363,27 @@ def judge(o: Observed, lim: Limits, *, pids_max: int = 0) -> tuple[str, str]:
     if o.pids_limit_hits:
         return "RUNTIME_ERROR", fork.removeprefix("; ").capitalize()
     return "OK", ""
+
+
+def compile_outcome(o: Observed, lim: Limits, produced: bool) -> tuple[str, str, bool]:
+    """(verdict, message, cacheable) of a compile step; `produced`: the program came back.
+
+    The verdict is CompileInfo's: OK, COMPILE_ERROR (the compiler failed), or the step's own
+    limit or failure (TIME_LIMIT, MEMORY_LIMIT, OUTPUT_LIMIT, SYSTEM_ERROR). Cacheable are the
+    outcomes the same source and compiler always give, whatever the limits: a program, or the
+    compiler exiting non-zero by itself. Never a limit (a 1 s timeout must not fail a later 30 s
+    compile), a signal or the process limit (the machine, not the source)."""
+    verdict, why = judge(o, lim)
+    if verdict == "OK":
+        return (
+            ("OK", "", True)
+            if produced
+            else ("COMPILE_ERROR", "the compiler produced no program", True)
+        )
+    if verdict == "RUNTIME_ERROR":
+        by_itself = o.exit_code > 0 and not o.signal and not o.pids_limit_hits
+        return "COMPILE_ERROR", why, by_itself
+    return verdict, why, False
 
 
 def _signame(sig: int) -> str:

@@ -20,9 +20,11 @@ Per job:
    exactly when the budget could first be exhausted (so short jobs cost no wake-ups);
 5. afterwards, before answering: SIGKILL, as root, to every process in the container but the
    runner and the idle spares (the job's, orphans included) until none is left, reap,
-   empty /job and the world-writable scratch dirs, and check that no SysV IPC object
-   survived. Anything unexpected is reported as an `anomaly` and the edge recycles the
-   container. When the spares are used up, the next batch is forked.
+   read the files the job asked back (``fetch``: regular files only, never through a
+   symlink, bounded; see `_fetch`), empty /job and the world-writable scratch dirs, and
+   check that no SysV IPC object survived. Anything unexpected is reported as an `anomaly`
+   and the edge recycles the container. When the spares are used up, the next batch is
+   forked.
 
 Memory limits and OOM/pids counters are the edge's part: it sets the container's memory cgroup
 limit for each job from the host (the cgroup mount is read-only in here) and reads the counters.
@@ -263,7 +265,7 @@ class Runner:
             return {"anomaly": f"job failed in the runner: {exc!r}"}
         finally:
             spare.close()
-        anomaly = self._cleanup()
+        anomaly = self._cleanup(req, result)
         if anomaly:
             result["anomaly"] = anomaly
         return result
@@ -443,8 +445,11 @@ class Runner:
 
     # ------------------------------------------------------------ cleanup
 
-    def _cleanup(self) -> str:
-        """Kill every other process, reap, remove the job's files. "" or what went wrong."""
+    def _cleanup(
+        self, req: dict[str, Any] | None = None, result: dict[str, Any] | None = None
+    ) -> str:
+        """Kill every other process, reap, read the files the job asked back (`req`'s
+        ``fetch``) into `result`, remove the job's files. "" or what went wrong."""
         problems = []
         deadline = time.monotonic() + 2.0
         while True:
@@ -458,6 +463,15 @@ class Runner:
                 problems.append("processes survived SIGKILL for 2 s")
                 break
             time.sleep(0.0002)
+        fetch = req.get("fetch") if req is not None else None
+        if fetch and req is not None and result is not None:
+            if problems:  # something of the job still runs: its files are not settled
+                result["fetched"] = []
+                result["fetch_errors"] = {
+                    p: "the job's processes could not be stopped" for p in fetch
+                }
+            else:
+                _fetch(fetch, req, result)
         try:
             os.chmod(JOB_DIR, 0o700)  # the job may have made it unreadable even for us
             for name in os.listdir(JOB_DIR):
@@ -1254,6 +1268,138 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _fetch(paths: list[str], req: dict[str, Any], result: dict[str, Any]) -> None:
+    """Reads the job's files `paths` (relative to /job) into `result`: ``fetched`` lists those
+    read, in order, each in a blob ``fetch<i>``; ``fetch_errors`` maps the others to why.
+
+    Called once every process of the job is gone (nothing changes the files any more) and
+    before /job is emptied. We are root and the job owned /job, so it may have planted
+    symlinks (to /etc/shadow, to /proc/1/mem, ...) or FIFOs: each path is walked a component
+    at a time from a descriptor of /job, never following a symlink (O_NOFOLLOW, directories
+    with O_DIRECTORY), the file opened non-blocking and kept only if fstat says it is a
+    regular file (a hard link can only name a file of /job's own tmpfs, which the job wrote
+    anyway). In all at most ``fetch_max`` bytes, and less if the job's output leaves
+    less of ``result_max``: a file that does not fit what is left is refused, not cut."""
+    limit = int(req.get("fetch_max", 0))
+    left, why_less = limit, ""
+    result_max = int(req.get("result_max", 0))
+    output = len(result.get("stdout", b"")) + len(result.get("stderr", b""))
+    if result_max and result_max - output < limit:
+        left = max(result_max - output, 0)
+        why_less = f" (the output took {_mib(output)} of the result's {_mib(result_max)})"
+    fetched: list[str] = []
+    errors: dict[str, str] = {}
+    try:
+        root = os.open(JOB_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        root = -1
+        for path in paths:
+            errors[path] = f"cannot open {JOB_DIR}: {exc.strerror}"
+    if root >= 0:
+        try:
+            for path in paths:
+                try:
+                    got = _read_job_file(root, str(path), left)
+                except _TooLarge as big:
+                    a, b = _mib(big.size), _mib(left)
+                    if a == b:  # rounded alike: say it exactly
+                        a, b = f"{big.size} bytes", f"{left} bytes"
+                    errors[path] = f"{a}, larger than the {b} left of the {_mib(limit)} limit"
+                    errors[path] += why_less
+                    continue
+                if isinstance(got, str):
+                    errors[path] = got
+                    continue
+                result[f"fetch{len(fetched)}"] = got
+                fetched.append(path)
+                left -= len(got)
+        finally:
+            os.close(root)
+    result["fetched"] = fetched
+    result["fetch_errors"] = errors
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _read_job_file(root: int, rel: str, left: int) -> bytes | str:
+    """The content of the regular file `rel` under the directory `root`, or why not;
+    _TooLarge if it has more than `left` bytes."""
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return "not a path inside the job directory"
+    fds: list[int] = []
+    try:
+        d = root
+        for i, name in enumerate(parts[:-1]):
+            try:
+                d = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d
+                )
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                    with contextlib.suppress(OSError):
+                        if stat.S_ISLNK(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
+                            exc = OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+                return _fetch_error(exc, "/".join(parts[: i + 1]))
+            fds.append(d)
+        try:
+            fd = os.open(
+                parts[-1],
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                dir_fd=d,
+            )
+        except OSError as exc:
+            return _fetch_error(exc, "")
+        fds.append(fd)
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return "not a regular file: a directory"
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size > left:
+            raise _TooLarge(st.st_size)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            # One read for the whole file (tmpfs), +1 byte to see it grow past its size.
+            chunk = os.read(fd, max(st.st_size - size, 0) + 1)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > left:
+                raise _TooLarge(size)
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except OSError as exc:
+        return _fetch_error(exc, "")
+    finally:
+        for opened in reversed(fds):
+            os.close(opened)
+
+
+def _fetch_error(exc: OSError, directory: str) -> str:
+    """Why a fetch path could not be opened; `directory`: the component that failed, if one
+    on the way (else the file itself)."""
+    if exc.errno == errno.ENOENT:
+        return "no such file"
+    if exc.errno == errno.ELOOP:
+        if directory:
+            return f"{directory!r} is a symbolic link (not followed)"
+        return "not a regular file: a symbolic link (not followed)"
+    if exc.errno == errno.ENOTDIR:
+        return f"{directory!r} is not a directory" if directory else "a parent is not a directory"
+    if exc.errno == errno.ENXIO:  # a socket
+        return "not a regular file"
+    return (exc.strerror or str(exc)).lower()
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f}".rstrip("0").rstrip(".") + " MiB"
 
 
 def _read_regular(path: str, max_bytes: int) -> bytes:

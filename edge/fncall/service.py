@@ -3,9 +3,10 @@
 Domain code (no gRPC): the edge servicer converts FunctionJob/FunctionResult around it.
 
 - `run(job)`: plan (validate, defaults) -> compile if the language needs it (once per distinct
-  source: results are cached by content hash and concurrent identical compiles share one) ->
-  take a worker from the environment's pool -> set the container's memory limit -> the runner
-  runs it -> read the container's OOM and pids counters -> verdict -> worker back (or retired).
+  source: deterministic outcomes are cached by content hash and concurrent identical compiles
+  share one) -> take a worker from the environment's pool -> set the container's memory limit
+  -> the runner runs it (and returns the job's `fetch_files` after its processes are gone) ->
+  read the container's OOM and pids counters -> verdict -> worker back (or retired).
 - `run_many(jobs, parallelism)`: the same for many jobs at once, results yielded as they
   finish; one program against many test cases compiles once.
 
@@ -17,6 +18,7 @@ the pool refills itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -31,12 +33,17 @@ from edge.fncall import gpu as gpus
 from edge.fncall.environments import FnCallSettings
 from edge.fncall.jobs import (
     MAX_ARTIFACT_BYTES,
+    MAX_FETCH_BYTES,
     MAX_FILE_BYTES,
+    MAX_RESULT_BYTES,
+    CompileInfo,
     Job,
+    Limits,
     Observed,
     Plan,
     Result,
     Step,
+    compile_outcome,
     judge,
     plan,
 )
@@ -54,6 +61,9 @@ ANSWER_MARGIN_S = 15.0
 #: buffers, page cache of the job's files). The verdict holds the job to its limit exactly
 #: (peak RSS); the cgroup is the kernel-enforced backstop.
 CONTAINER_SLACK = 32 * 1024 * 1024
+#: On top of that for a job with fetch_files: the runner holds the files it read and its answer
+#: frame (a copy of them) at once, after the job's processes are gone.
+FETCH_SLACK = 2 * MAX_FETCH_BYTES
 #: How often the edge repeats its abort signal until a given-up job's answer comes.
 ABORT_REPEAT_S = 0.1
 COMPILE_CACHE_BYTES = 256 * 1024 * 1024
@@ -63,10 +73,20 @@ MAX_BATCH = 100_000
 
 @dataclass(frozen=True)
 class Compiled:
-    ok: bool
+    """A compile step's outcome (what the cache keeps)."""
+
+    verdict: str  # CompileInfo's: OK, COMPILE_ERROR, TIME_LIMIT, ..., SYSTEM_ERROR
     artifact: bytes = b""
     output: str = ""
     message: str = ""
+    exit_code: int = -1
+    wall_s: float = 0.0
+    #: The same source and compiler give it again whatever the limits (jobs.compile_outcome).
+    cacheable: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "OK"
 
 
 def build_kit(root: Path) -> Path:
@@ -120,7 +140,8 @@ class FnCallService:
         self.launcher: Launcher | None = None
         self._compiled: OrderedDict[str, Compiled] = OrderedDict()
         self._compiled_bytes = 0
-        self._compiling: dict[str, asyncio.Future[Compiled]] = {}
+        #: key -> the limits of the compile under way and its outcome (None: given up).
+        self._compiling: dict[str, tuple[Limits, asyncio.Future[Compiled | None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = asyncio.Event()
 
@@ -247,18 +268,20 @@ class FnCallService:
         result = Result(job_id=job.job_id, index=job.index, edge_id=self.edge_id)
         step = p.run
         if p.compile is not None:
-            compiled = await self._compile(pool, p)
+            compiled, cached = await self._compile(pool, p)
+            result.compile = CompileInfo(
+                compiled.verdict, compiled.exit_code, compiled.wall_s, cached
+            )
             if not compiled.ok:
-                result.verdict = "COMPILE_ERROR"
+                # The compiler failed or the compile step hit its limits: the program's fault
+                # (`compile.verdict` tells which); a platform failure is the platform's.
+                platform = compiled.verdict == "SYSTEM_ERROR"
+                result.verdict = "SYSTEM_ERROR" if platform else "COMPILE_ERROR"
                 result.compile_output = compiled.output
                 result.message = compiled.message
                 return result
-            step = Step(
-                (*step.files, (p.artifact, compiled.artifact, 0o755)),
-                step.argv,
-                step.python_main,
-                step.stdin,
-                step.limits,
+            step = dataclasses.replace(
+                step, files=(*step.files, (p.artifact, compiled.artifact, 0o755))
             )
         try:
             reply, obs = await self._execute(pool, step)
@@ -274,6 +297,8 @@ class FnCallService:
         result.wall_time_s = obs.wall_s
         result.cpu_time_s = obs.cpu_s
         result.peak_memory_bytes = obs.peak_bytes
+        if step.fetch:
+            result.files, result.fetch_errors = _fetched(reply, step.fetch)
         return result
 
     async def run_many(self, jobs: list[Job], parallelism: int = 0) -> AsyncIterator[Result]:
@@ -332,44 +357,60 @@ class FnCallService:
 
     # ------------------------------------------------------------ internals
 
-    async def _compile(self, pool: Pool, p: Plan) -> Compiled:
-        key = p.compile_key
-        hit = self._compiled.get(key)
-        if hit is not None:
-            self._compiled.move_to_end(key)
-            return hit
-        pending = self._compiling.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Compiled] = asyncio.get_running_loop().create_future()
-        self._compiling[key] = fut
+    async def _compile(self, pool: Pool, p: Plan) -> tuple[Compiled, bool]:
+        """The program of `p` and whether the cache or a compile already under way gave it.
+
+        Only deterministic outcomes are cached (`Compiled.cacheable`). A request that finds an
+        identical compile under way waits for it and takes its outcome, unless that compile ran
+        out of limits smaller than its own (or was given up): then it compiles itself."""
+        assert p.compile is not None
+        key, lim = p.compile_key, p.compile.limits
+        while True:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return hit, True
+            pending = self._compiling.get(key)
+            if pending is None:
+                break
+            theirs, waited = pending
+            shared = await asyncio.shield(waited)
+            if shared is not None and (shared.cacheable or _within(lim, theirs)):
+                return shared, True
+        fut: asyncio.Future[Compiled | None] = asyncio.get_running_loop().create_future()
+        self._compiling[key] = (lim, fut)
+        outcome: Compiled | None = None  # None: we failed or were cancelled; waiters try again
         try:
-            compiled = await self._compile_now(pool, p)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: waiters get it, nobody logs "never retrieved"
-            raise
+            outcome = compiled = await self._compile_now(pool, p)
         finally:
-            self._compiling.pop(key, None)
-        fut.set_result(compiled)
-        if compiled.ok or compiled.output:  # deterministic outcomes only
+            if self._compiling.get(key, (lim, None))[1] is fut:
+                del self._compiling[key]
+            fut.set_result(outcome)
+        if compiled.cacheable:
             self._remember(key, compiled)
-        return compiled
+        return compiled, False
 
     async def _compile_now(self, pool: Pool, p: Plan) -> Compiled:
         assert p.compile is not None
         try:
             reply, obs = await self._execute(pool, p.compile)
         except WorkerBroken as exc:
-            return Compiled(False, message=f"the pool container failed while compiling: {exc}")
+            return Compiled(
+                "SYSTEM_ERROR", message=f"the pool container failed while compiling: {exc}"
+            )
         output = (reply.get("stderr", b"") + reply.get("stdout", b"")).decode(errors="replace")
-        verdict, why = judge(obs, p.compile.limits)
         artifact = reply.get("artifact", b"")
-        if verdict == "OK" and artifact:
-            return Compiled(True, artifact, output)
+        verdict, why, cacheable = compile_outcome(obs, p.compile.limits, bool(artifact))
         if verdict == "OK":
-            why = f"the compiler produced no {p.artifact!r}"
-        return Compiled(False, output=output or why, message=f"compilation failed: {why}")
+            return Compiled("OK", artifact, output, "", obs.exit_code, obs.wall_s, cacheable)
+        return Compiled(
+            verdict,
+            output=output or why,
+            message=f"compilation failed: {why}",
+            exit_code=obs.exit_code,
+            wall_s=obs.wall_s,
+            cacheable=cacheable,
+        )
 
     def _remember(self, key: str, compiled: Compiled) -> None:
         self._compiled[key] = compiled
@@ -430,12 +471,18 @@ class FnCallService:
         if step.collect:
             msg["collect"] = step.collect
             msg["collect_max"] = MAX_ARTIFACT_BYTES
+        slack = CONTAINER_SLACK
+        if step.fetch:
+            msg["fetch"] = list(step.fetch)
+            msg["fetch_max"] = MAX_FETCH_BYTES
+            msg["result_max"] = MAX_RESULT_BYTES
+            slack += FETCH_SLACK
         probe = worker.probe
         retire = ""
         try:
             oom0, pids0 = probe.oom_kills(), probe.pids_limit_hits()
             probe.set_memory_limit(
-                probe.baseline + CONTAINER_SLACK + self.settings.tmpfs_bytes + lim.memory_bytes
+                probe.baseline + slack + self.settings.tmpfs_bytes + lim.memory_bytes
             )
             worker.jobs += 1
             pool.jobs_done += 1
@@ -471,6 +518,36 @@ async def _abort_until_done(worker: Worker, exchange: asyncio.Task[Any]) -> None
     while not exchange.done():
         worker.abort()
         await asyncio.wait({exchange}, timeout=ABORT_REPEAT_S)
+
+
+def _within(mine: Limits, theirs: Limits) -> bool:
+    """A compile under `theirs` limits ran with at least as much time and memory as `mine`."""
+    return (
+        mine.wall_s <= theirs.wall_s
+        and mine.cpu_s <= theirs.cpu_s
+        and mine.memory_bytes <= theirs.memory_bytes
+    )
+
+
+def _fetched(
+    reply: dict[str, Any], asked: tuple[str, ...]
+) -> tuple[list[tuple[str, bytes]], dict[str, str]]:
+    """The runner's answer about the job's fetch_files: (path, content) in its order, and path
+    -> why for the others."""
+    wanted = set(asked)
+    files = [
+        (str(path), bytes(reply.get(f"fetch{i}", b"")))
+        for i, path in enumerate(reply.get("fetched") or [])
+        if path in wanted
+    ]
+    errors = {
+        str(path): str(why)
+        for path, why in (reply.get("fetch_errors") or {}).items()
+        if path in wanted
+    }
+    for path in wanted.difference(errors, (p for p, _ in files)):
+        errors[path] = "not returned by the runner"
+    return files, errors
 
 
 def _cpu_seconds(reply: dict[str, Any]) -> float:

@@ -24,7 +24,7 @@ import pytest
 
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
-from libdsec import AsyncClient, Client, FunctionJob
+from libdsec import AsyncClient, Client, CompileInfo, FunctionJob
 from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
 from tests.conftest import print_log_tails, start_cluster
 from tests.helpers import dsec_status
@@ -225,10 +225,42 @@ def test_cpp_compiles_and_runs_with_files(dsec: Client) -> None:
 
 
 def test_cpp_compile_error(dsec: Client) -> None:
-    r = dsec.fncall(language="cpp", code="int main() { this is not c++ }")
+    bad = "int main() { this is not c++ }"
+    r = dsec.fncall(language="cpp", code=bad, fetch_files=["main.cpp"])
     assert r.verdict == "COMPILE_ERROR"
     assert "error" in r.compile_output and "main.cpp" in r.compile_output
     assert r.stdout == b""
+    assert r.compile is not None and r.compile.verdict == "COMPILE_ERROR", r.compile
+    assert r.compile.exit_code > 0 and not r.compile.cached and r.compile.wall_time_s > 0
+    assert r.files == {} and r.fetch_errors == {}  # nothing ran
+    # The compiler's verdict on a source does not change: the cache answers the next time.
+    again = dsec.fncall(language="cpp", code=bad)
+    assert again.verdict == "COMPILE_ERROR" and again.compile_output == r.compile_output
+    assert again.compile is not None and again.compile.cached
+    assert again.compile.exit_code == r.compile.exit_code
+
+
+def test_a_compile_timeout_is_told_apart_and_not_cached(dsec: Client) -> None:
+    """A compile step out of its time (compile_time_limit_s) is a COMPILE_ERROR whose compile
+    verdict says TIME_LIMIT; it is not remembered: the same source with the default limit
+    compiles and runs, and from then on the cache answers, whatever the limit asked."""
+    src = (
+        "#include <iostream>\n#include <map>\n#include <regex>\n"
+        "int main(){ std::map<int, int> m{{1, 2}}; std::cout << m[1] << std::endl; }\n"
+        "// compile limits\n"
+    )
+    r = dsec.fncall(language="cpp", code=src, compile_time_limit_s=0.01)
+    assert r.verdict == "COMPILE_ERROR", r
+    assert r.compile is not None and r.compile.verdict == "TIME_LIMIT", r.compile
+    assert r.compile.exit_code == -1 and not r.compile.cached
+    assert "0.01 s" in r.message, r.message
+    ok = dsec.fncall(language="cpp", code=src)
+    assert ok.verdict == "OK" and ok.text == "2\n", ok
+    assert ok.compile is not None and ok.compile.verdict == "OK" and not ok.compile.cached
+    assert ok.compile.exit_code == 0 and ok.compile.wall_time_s > 0.01
+    cached = dsec.fncall(language="cpp", code=src, compile_time_limit_s=0.01)
+    assert cached.verdict == "OK" and cached.text == "2\n", cached
+    assert cached.compile == CompileInfo("OK", 0, ok.compile.wall_time_s, True)
 
 
 def test_cpp_crash_and_deep_recursion(dsec: Client) -> None:
@@ -677,6 +709,77 @@ def test_node_status_and_dsec_status_show_each_pool(
         r"fncall bash: 1/1 up \(1 idle, 0 starting\), 0 queued, \d+ jobs, [1-9]\d* recycled",
         status,
     ), status
+
+
+# ------------------------------------------------------------------ fetched files
+# (after the tests above that expect consecutive bash jobs in one container: these jobs would
+# move where the bash container is recycled after its N jobs)
+
+
+def test_fetch_files_come_back_whatever_the_verdict(dsec: Client) -> None:
+    code = (
+        "import os, sys\n"
+        "os.makedirs('out/deep')\n"
+        "open('out/deep/data.bin', 'wb').write(bytes(range(256)) * 400)\n"
+        "s = input()\n"
+        "open('result.txt', 'w').write(s[::-1])\n"
+        "sys.exit(3 if s == 'fail' else 0)\n"
+    )
+    fetch = ["result.txt", "out/deep/data.bin"]
+    data = bytes(range(256)) * 400
+    r = dsec.fncall(language="python", code=code, stdin="abc", fetch_files=fetch)
+    assert r.verdict == "OK" and r.compile is None, r  # interpreted: no compile step
+    assert r.files == {"result.txt": b"cba", "out/deep/data.bin": data} and r.fetch_errors == {}
+    r = dsec.fncall(language="python", code=code, stdin="fail", fetch_files=fetch)
+    assert r.verdict == "RUNTIME_ERROR" and r.exit_code == 3, r
+    assert r.files == {"result.txt": b"liaf", "out/deep/data.bin": data}
+    # Killed at its time limit, with a child still appending: read once all are gone.
+    r = dsec.fncall(
+        language="bash",
+        code="echo partial > p.txt; (while :; do echo x >> bg.txt; done) & sleep 30",
+        time_limit_s=0.5,
+        fetch_files=["p.txt", "bg.txt"],
+    )
+    assert r.verdict == "TIME_LIMIT", r
+    assert r.files["p.txt"] == b"partial\n" and set(r.files["bg.txt"].split()) == {b"x"}
+    r = dsec.fncall(language="bash", code="ls -A", fetch_files=["p.txt"])
+    assert r.text == "main.sh\n" and r.fetch_errors == {"p.txt": "no such file"}, r  # emptied
+
+
+def test_fetch_files_are_regular_files_never_through_a_link(dsec: Client) -> None:
+    r = dsec.fncall(
+        language="bash",
+        code="ln -s /etc/passwd pw; mkdir d; ln -s /etc d/etc; mkfifo fifo; echo ok > real",
+        fetch_files=["missing.txt", "pw", "d/etc/passwd", "fifo", "d", "real"],
+    )
+    assert r.verdict == "OK", r
+    assert r.files == {"real": b"ok\n"}  # /etc/passwd is nowhere
+    assert r.fetch_errors == {
+        "missing.txt": "no such file",
+        "pw": "not a regular file: a symbolic link (not followed)",
+        "d/etc/passwd": "'d/etc' is a symbolic link (not followed)",
+        "fifo": "not a regular file",
+        "d": "not a regular file: a directory",
+    }
+
+
+def test_fetch_files_have_a_size_budget(dsec: Client) -> None:
+    mib = 1 << 20
+    r = dsec.fncall(
+        language="bash",
+        code=(
+            "head -c 41943040 /dev/zero > c.bin; head -c 20971520 /dev/zero > a.bin;"
+            " cp a.bin b.bin; echo small > small.txt"
+        ),
+        fetch_files=["c.bin", "a.bin", "b.bin", "small.txt"],
+    )
+    assert r.verdict == "OK", r
+    assert set(r.files) == {"a.bin", "small.txt"}
+    assert r.files["a.bin"] == bytes(20 * mib) and r.files["small.txt"] == b"small\n"
+    assert r.fetch_errors == {
+        "c.bin": "40 MiB, larger than the 32 MiB left of the 32 MiB limit",
+        "b.bin": "20 MiB, larger than the 12 MiB left of the 32 MiB limit",
+    }
 
 
 # ------------------------------------------------------------------ batches

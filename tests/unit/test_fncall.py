@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,21 +17,28 @@ from apiserver.functions import _selector
 from common.config import ConfigError, load
 from dsec.types.v1 import types_pb2
 from edge.config import EdgeConfig
-from edge.fncall import gpu, wire
+from edge.fncall import gpu, runner, wire
 from edge.fncall.adapter import job_from_pb, result_pb
 from edge.fncall.environments import FnCallSettings, environments, parse_pools
 from edge.fncall.jobs import (
+    COMPILE_TIME_LIMIT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
+    MAX_FETCH_FILES,
     MIB,
+    CompileInfo,
     Job,
     Limits,
     Observed,
+    Plan,
     Result,
+    Step,
+    compile_outcome,
     judge,
     plan,
 )
 from edge.fncall.pool import Pool
-from edge.fncall.service import build_kit
+from edge.fncall.service import FnCallService, build_kit
+from libdsec import CompileInfo as SdkCompileInfo
 from libdsec import FunctionJob, FunctionResult
 from libdsec.errors import EdgeCapacity, InvalidArgument
 
@@ -88,6 +96,60 @@ def test_fncall_domain_modules_import_no_grpc() -> None:
             if m == "grpc" or m.startswith(("grpc.", "dsec.", "google.protobuf"))
         }
         assert not bad, (name, bad)
+
+
+def test_runner_fetches_regular_files_and_never_follows_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's fetch on a real directory a job could have left: files, nested files, an
+    empty one; symlinks to a secret (as the file, and as a directory on the way), a FIFO (an
+    open would block without O_NONBLOCK), a directory, a missing file, and one over the budget
+    left. (tests/integration does it in a pool container.)"""
+    job = tmp_path / "job"
+    (job / "d" / "e").mkdir(parents=True)
+    (job / "out.txt").write_bytes(b"hello\n")
+    (job / "d" / "e" / "deep.bin").write_bytes(b"\x00\xff" * 1000)
+    (job / "empty").write_bytes(b"")
+    (job / "big").write_bytes(b"x" * (3 * MIB))
+    secret = tmp_path / "secret"
+    secret.write_text("root's")
+    (job / "link").symlink_to(secret)
+    (job / "linkdir").symlink_to(tmp_path)
+    os.mkfifo(job / "fifo")
+    monkeypatch.setattr(runner, "JOB_DIR", str(job))
+    ask = ["out.txt", "d/e/deep.bin", "empty", "link", "linkdir/secret", "fifo", "d", "nope"]
+    ask += ["d/nope/x", "out.txt/x", "big"]
+    result: dict[str, Any] = {"stdout": b"o" * MIB, "stderr": b""}
+    # 4 MiB in all, 5 MiB for the whole result: the 1 MiB of output leaves 4 MiB; the first
+    # files take ~0.002 MiB of them.
+    runner._fetch(ask, {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result)
+    files = {p: result[f"fetch{i}"] for i, p in enumerate(result["fetched"])}
+    assert files == {
+        "out.txt": b"hello\n",
+        "d/e/deep.bin": b"\x00\xff" * 1000,
+        "empty": b"",
+        "big": b"x" * (3 * MIB),
+    }
+    errors = result["fetch_errors"]
+    assert set(errors) == set(ask) - set(files)
+    assert errors["link"] == "not a regular file: a symbolic link (not followed)"
+    assert "symbolic link" in errors["linkdir/secret"]
+    assert errors["fifo"] == "not a regular file"
+    assert errors["d"] == "not a regular file: a directory"
+    assert errors["nope"] == errors["d/nope/x"] == "no such file"
+    assert "not a directory" in errors["out.txt/x"]
+    # The budget: what is left after the files before, and what the output took.
+    result = {"stdout": b"o" * (2 * MIB), "stderr": b""}
+    runner._fetch(["out.txt", "big"], {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result)
+    assert result["fetched"] == ["out.txt"]
+    assert result["fetch_errors"]["big"] == (
+        f"{3 * MIB} bytes, larger than the {3 * MIB - 6} bytes left of the 4 MiB limit"
+        " (the output took 2 MiB of the result's 5 MiB)"
+    ), result["fetch_errors"]
+    result = {"stdout": b"", "stderr": b""}
+    runner._fetch(["big", "out.txt"], {"fetch_max": 2 * MIB, "result_max": 5 * MIB}, result)
+    assert result["fetched"] == ["out.txt"]  # a file refused leaves the budget to the next
+    assert result["fetch_errors"] == {"big": "3 MiB, larger than the 2 MiB left of the 2 MiB limit"}
 
 
 def test_runner_kit_is_content_addressed_and_idempotent(tmp_path: Path) -> None:
@@ -167,6 +229,63 @@ def test_limits_defaults_and_cpu() -> None:
     assert p.run.limits == Limits(3, 1, 64 * MIB, DEFAULT_MAX_OUTPUT_BYTES)
 
 
+def test_compile_time_limit_is_the_compile_steps_and_not_part_of_the_cache_key() -> None:
+    src = b"int main(){}"
+    default = plan(Job(language="cpp", code=src, time_limit_s=1))
+    quick = plan(Job(language="cpp", code=src, time_limit_s=1, compile_time_limit_s=0.5))
+    assert default.compile is not None and quick.compile is not None
+    assert default.compile.limits.wall_s == default.compile.limits.cpu_s == COMPILE_TIME_LIMIT_S
+    assert quick.compile.limits.wall_s == quick.compile.limits.cpu_s == 0.5
+    assert quick.run.limits.wall_s == 1  # the run keeps the job's own limit
+    assert quick.compile_key == default.compile_key
+
+
+def test_fetch_files_travel_with_the_run_step_only() -> None:
+    fetch = ["out.txt", "d/e/result.bin", "main.cpp"]
+    p = plan(Job(language="cpp", code=b"int main(){}", fetch_files=fetch))
+    assert p.run.fetch == tuple(fetch)
+    assert p.compile is not None and p.compile.fetch == ()
+    assert plan(Job(language="python", code=b"", fetch_files=["a"])).run.fetch == ("a",)
+    assert plan(Job(command=["true"], fetch_files=["a"])).run.fetch == ("a",)
+    assert plan(Job(language="python", code=b"")).run.fetch == ()
+    # the most a job may ask for
+    many = [f"f{i}" for i in range(MAX_FETCH_FILES)]
+    assert len(plan(Job(command=["true"], fetch_files=many)).run.fetch) == MAX_FETCH_FILES
+
+
+@pytest.mark.parametrize(
+    ("job", "reason", "field"),
+    [
+        (Job(language="cpp", compile_time_limit_s=-1), "INVALID_LIMITS", "compile_time_limit_s"),
+        (Job(language="cpp", compile_time_limit_s=601), "INVALID_LIMITS", "compile_time_limit_s"),
+        (
+            Job(language="cpp", compile_time_limit_s=float("nan")),
+            "INVALID_LIMITS",
+            "compile_time_limit_s",
+        ),
+        (
+            Job(language="python", fetch_files=[f"f{i}" for i in range(MAX_FETCH_FILES + 1)]),
+            "INVALID_FILE",
+            "fetch_files",
+        ),
+        (Job(language="python", fetch_files=["../x"]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=["/etc/passwd"]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=["a/../../b"]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=["a/./b"]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=[""]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=["d/"]), "INVALID_FILE", "fetch_files"),
+        (Job(language="python", fetch_files=["a", "b", "a"]), "INVALID_FILE", "fetch_files"),
+    ],
+)
+def test_bad_compile_limits_and_fetch_files_are_invalid_argument(
+    job: Job, reason: str, field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        plan(job)
+    assert e.value.reason == reason
+    assert field in e.value.message
+
+
 # ------------------------------------------------------------------ verdicts
 
 LIM = Limits(wall_s=2, cpu_s=1, memory_bytes=64 * MIB, max_output=1000)
@@ -210,6 +329,130 @@ def test_judge(observed: Observed, verdict: str, says: str) -> None:
     v, message = judge(observed, LIM, pids_max=64)
     assert v == verdict
     assert says in message
+
+
+# ------------------------------------------------------------------ compile outcomes, cache
+
+
+@pytest.mark.parametrize(
+    ("observed", "produced", "verdict", "cacheable"),
+    [
+        (obs(), True, "OK", True),
+        (obs(), False, "COMPILE_ERROR", True),  # exit 0 but no program: the same every time
+        (obs(exit_code=1), False, "COMPILE_ERROR", True),  # the compiler's diagnostics
+        # the compile step's limits: another request may have larger ones
+        (obs(exit_code=-1, signal=9, killed="wall"), False, "TIME_LIMIT", False),
+        (obs(exit_code=-1, signal=9, killed="cpu"), False, "TIME_LIMIT", False),
+        (obs(exit_code=-1, signal=9, oom_kills=1), False, "MEMORY_LIMIT", False),
+        (obs(exit_code=1, peak_bytes=65 * MIB), False, "MEMORY_LIMIT", False),
+        (obs(exit_code=-1, signal=9, killed="output", over="stderr"), False, "OUTPUT_LIMIT", False),
+        (obs(exit_code=4, full="/job"), False, "OUTPUT_LIMIT", False),
+        # the machine rather than the source
+        (obs(exit_code=-1, signal=signal.SIGSEGV), False, "COMPILE_ERROR", False),
+        (obs(exit_code=1, pids_limit_hits=2), False, "COMPILE_ERROR", False),
+        (obs(exit_code=-1, signal=9, killed="cancelled"), False, "SYSTEM_ERROR", False),
+    ],
+)
+def test_compile_outcomes_and_which_are_cacheable(
+    observed: Observed, produced: bool, verdict: str, cacheable: bool
+) -> None:
+    v, message, c = compile_outcome(observed, LIM, produced)
+    assert (v, c) == (verdict, cacheable)
+    assert (message == "") == (v == "OK")
+
+
+class _ScriptedCompiles(FnCallService):
+    """The edge's real compile cache (`_compile`, `_compile_now`, `compile_outcome`); only the
+    exchange with a pool container answers from a script (tests/integration runs g++)."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__("e0", tmp, tmp, FnCallSettings(pools={}))
+        self.script: list[tuple[dict[str, Any], Observed]] = []
+        self.ran: list[Step] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def _execute(self, pool: Any, step: Step) -> tuple[dict[str, Any], Observed]:
+        self.ran.append(step)
+        await self.gate.wait()
+        return self.script.pop(0)
+
+    async def compile(self, p: Plan) -> tuple[Any, bool]:
+        return await self._compile(None, p)  # type: ignore[arg-type]
+
+
+COMPILED = ({"artifact": b"\x7fELF", "stderr": b""}, obs(wall_s=0.8))
+TIMED_OUT = ({"stderr": b""}, obs(exit_code=-1, signal=9, killed="wall", wall_s=0.5))
+DIAGNOSED = ({"stderr": b"main.cpp:1: error: nope"}, obs(exit_code=1, wall_s=0.3))
+
+
+async def test_a_compile_time_limit_is_never_remembered_a_compiler_error_is(
+    tmp_path: Path,
+) -> None:
+    svc = _ScriptedCompiles(tmp_path)
+    src = b"int main(){}"
+    quick = plan(Job(language="cpp", code=src, compile_time_limit_s=0.5))
+    default = plan(Job(language="cpp", code=src))
+    svc.script = [TIMED_OUT, COMPILED]
+    timed_out, cached = await svc.compile(quick)
+    assert (timed_out.verdict, timed_out.exit_code, cached) == ("TIME_LIMIT", -1, False)
+    assert "0.5 s" in timed_out.message
+    # The same program with the default limit compiles again (no poisoned cache) ...
+    compiled, cached = await svc.compile(default)
+    assert (compiled.verdict, compiled.artifact, cached) == ("OK", b"\x7fELF", False)
+    assert [s.limits.wall_s for s in svc.ran] == [0.5, COMPILE_TIME_LIMIT_S]
+    # ... and that success is remembered, whatever the next request's limit.
+    again, cached = await svc.compile(quick)
+    assert (again.verdict, again.wall_s, cached) == ("OK", 0.8, True) and len(svc.ran) == 2
+    # A compiler's own error is the same every time: remembered with its diagnostics.
+    bad = plan(Job(language="cpp", code=b"nope"))
+    svc.script = [DIAGNOSED]
+    first, cached = await svc.compile(bad)
+    assert (first.verdict, first.exit_code, cached) == ("COMPILE_ERROR", 1, False)
+    second, cached = await svc.compile(plan(Job(language="cpp", code=b"nope", memory_mb=64)))
+    assert (second.verdict, second.output, cached) == ("COMPILE_ERROR", first.output, True)
+    assert "error: nope" in second.output and len(svc.ran) == 3
+
+
+async def test_waiting_on_an_identical_compile_shares_it_unless_its_limit_was_smaller(
+    tmp_path: Path,
+) -> None:
+    svc = _ScriptedCompiles(tmp_path)
+    src = b"int main(){ return 1; }"
+    quick = plan(Job(language="cpp", code=src, compile_time_limit_s=0.5))
+    default = plan(Job(language="cpp", code=src))
+    svc.script = [TIMED_OUT, COMPILED]
+    svc.gate.clear()
+    first = asyncio.ensure_future(svc.compile(quick))
+    same = asyncio.ensure_future(svc.compile(quick))
+    larger = asyncio.ensure_future(svc.compile(default))
+    await asyncio.sleep(0)
+    assert len(svc.ran) == 1  # one compile under way; the others wait for it
+    svc.gate.set()
+    (a, a_cached), (b, b_cached), (c, c_cached) = await asyncio.gather(first, same, larger)
+    assert (a.verdict, a_cached) == ("TIME_LIMIT", False)
+    assert (b.verdict, b_cached) == ("TIME_LIMIT", True)  # the same limit: the same outcome
+    assert (c.verdict, c_cached) == ("OK", False)  # a larger limit: it compiled itself
+    assert [s.limits.wall_s for s in svc.ran] == [0.5, COMPILE_TIME_LIMIT_S]
+
+
+async def test_a_given_up_compile_leaves_its_waiters_to_compile_themselves(
+    tmp_path: Path,
+) -> None:
+    svc = _ScriptedCompiles(tmp_path)
+    p = plan(Job(language="c", code=b"int main(void){}"))
+    svc.script = [COMPILED]
+    svc.gate.clear()
+    owner = asyncio.ensure_future(svc.compile(p))
+    waiter = asyncio.ensure_future(svc.compile(p))
+    await asyncio.sleep(0)
+    owner.cancel()  # its caller went away
+    await asyncio.sleep(0)
+    svc.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await owner
+    compiled, cached = await waiter
+    assert (compiled.verdict, cached) == ("OK", False) and len(svc.ran) == 2
 
 
 # ------------------------------------------------------------------ settings
@@ -349,10 +592,16 @@ def test_sdk_job_to_edge_job_and_back() -> None:
         time_limit_s=2,
         memory_mb=64,
         job_id="j1",
+        compile_time_limit_s=5,
+        fetch_files=["out/a.txt", "b"],
     ).to_pb()
     job = job_from_pb(pb)
     assert job.code == b"int main(){}" and job.stdin == b"in" and job.job_id == "j1"
     assert job.files == [("a.txt", b"x"), ("b.bin", b"\x00")]
+    assert job.compile_time_limit_s == 5 and job.fetch_files == ["out/a.txt", "b"]
+    assert job_from_pb(FunctionJob(language="cpp").to_pb()).compile_time_limit_s == 0
+    with pytest.raises(TypeError):
+        FunctionJob(command=["true"], fetch_files="out.txt").to_pb()  # type: ignore[arg-type]
     r = Result(
         job_id="j1",
         verdict="TIME_LIMIT",
@@ -368,6 +617,18 @@ def test_sdk_job_to_edge_job_and_back() -> None:
     assert back.verdict == "TIME_LIMIT" and back.signal == 9 and back.index == 3
     assert back.message.startswith("wall-clock") and back.edge_id == "e0" and not back.ok
     assert back.text == "o"
+    assert back.compile is None and back.files == {} and back.fetch_errors == {}
+    r.compile = CompileInfo("OK", 0, 1.25, cached=True)
+    r.files = [("out/a.txt", b"1\n"), ("empty", b"")]
+    r.fetch_errors = {"b": "no such file"}
+    back = FunctionResult.from_pb(result_pb(r))
+    assert back.compile == SdkCompileInfo("OK", 0, 1.25, True)
+    assert back.files == {"out/a.txt": b"1\n", "empty": b""}
+    assert back.fetch_errors == {"b": "no such file"}
+    r.compile = CompileInfo("TIME_LIMIT", -1, 0.5)
+    assert FunctionResult.from_pb(result_pb(r)).compile == SdkCompileInfo(
+        "TIME_LIMIT", -1, 0.5, False
+    )
 
 
 def test_apiserver_selects_edges_by_environment_or_language() -> None:

@@ -2787,6 +2787,8 @@ class FunctionJob(_message.Message):
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    COMPILE_TIME_LIMIT_S_FIELD_NUMBER: _builtins.int
+    FETCH_FILES_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """"python", "cpp", "c", "bash"; or "" with `command`"""
     code: _builtins.str
@@ -2804,6 +2806,8 @@ class FunctionJob(_message.Message):
     """pool environment; "" = the language's default"""
     job_id: _builtins.str
     """caller's label, echoed in the result"""
+    compile_time_limit_s: _builtins.float
+    """wall clock of the compile step (compiled languages); 0 = 30"""
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___SourceFile]:
         """extra files in the job directory"""
@@ -2811,6 +2815,13 @@ class FunctionJob(_message.Message):
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """explicit argv instead of a language"""
+
+    @_builtins.property
+    def fetch_files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Files to return after the run: paths relative to the job directory, the same rules as
+        `files`; at most 64. Regular files only (a symlink is not followed), read after the job's
+        processes are gone, whatever the verdict (not after COMPILE_ERROR: nothing ran).
+        """
 
     def __init__(
         self,
@@ -2826,18 +2837,76 @@ class FunctionJob(_message.Message):
         max_output_bytes: _builtins.int = ...,
         environment: _builtins.str = ...,
         job_id: _builtins.str = ...,
+        compile_time_limit_s: _builtins.float = ...,
+        fetch_files: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "command", b"command", "cpu_limit_s", b"cpu_limit_s", "environment", b"environment", "files", b"files", "job_id", b"job_id", "language", b"language", "max_output_bytes", b"max_output_bytes", "memory_mb", b"memory_mb", "stdin", b"stdin", "time_limit_s", b"time_limit_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "command", b"command", "compile_time_limit_s", b"compile_time_limit_s", "cpu_limit_s", b"cpu_limit_s", "environment", b"environment", "fetch_files", b"fetch_files", "files", b"files", "job_id", b"job_id", "language", b"language", "max_output_bytes", b"max_output_bytes", "memory_mb", b"memory_mb", "stdin", b"stdin", "time_limit_s", b"time_limit_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FunctionJob: _TypeAlias = FunctionJob  # noqa: Y015
 
 @_typing.final
+class CompileInfo(_message.Message):
+    """The compile step of a compiled language (C, C++), as it ran or as the cache remembers it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERDICT_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    WALL_TIME_S_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
+    verdict: Global___Verdict.ValueType
+    """OK; COMPILE_ERROR (the compiler failed); TIME_LIMIT, MEMORY_LIMIT,"""
+    exit_code: _builtins.int
+    """OUTPUT_LIMIT (the compile step's limits); SYSTEM_ERROR
+    the compiler's exit code (-1 if it was killed)
+    """
+    wall_time_s: _builtins.float
+    """of the compile that produced this outcome (also when cached)"""
+    cached: _builtins.bool
+    """the edge's compile cache answered (same source, same compiler)"""
+    def __init__(
+        self,
+        *,
+        verdict: Global___Verdict.ValueType = ...,
+        exit_code: _builtins.int = ...,
+        wall_time_s: _builtins.float = ...,
+        cached: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "exit_code", b"exit_code", "verdict", b"verdict", "wall_time_s", b"wall_time_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileInfo: _TypeAlias = CompileInfo  # noqa: Y015
+
+@_typing.final
 class FunctionResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FetchErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
@@ -2852,6 +2921,9 @@ class FunctionResult(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     EDGE_ID_FIELD_NUMBER: _builtins.int
+    COMPILE_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    FETCH_ERRORS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     verdict: Global___Verdict.ValueType
     exit_code: _builtins.int
@@ -2869,6 +2941,20 @@ class FunctionResult(_message.Message):
     """why the verdict, for humans ("exit code 3", "killed at ...")"""
     edge_id: _builtins.str
     """the edge whose pool ran it"""
+    @_builtins.property
+    def compile(self) -> Global___CompileInfo:
+        """set for compiled languages"""
+
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___SourceFile]:
+        """the job's fetch_files that were regular files after the run"""
+
+    @_builtins.property
+    def fetch_errors(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """fetch_files not returned, path -> why ("no such file", "not a regular file", "larger than
+        the 16 MiB left of the 32 MiB limit", ...).
+        """
+
     def __init__(
         self,
         *,
@@ -2885,10 +2971,13 @@ class FunctionResult(_message.Message):
         index: _builtins.int = ...,
         message: _builtins.str = ...,
         edge_id: _builtins.str = ...,
+        compile: Global___CompileInfo | None = ...,
+        files: _abc.Iterable[Global___SourceFile] | None = ...,
+        fetch_errors: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compile", b"compile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_output", b"compile_output", "cpu_time_s", b"cpu_time_s", "edge_id", b"edge_id", "exit_code", b"exit_code", "index", b"index", "job_id", b"job_id", "message", b"message", "peak_memory_bytes", b"peak_memory_bytes", "signal", b"signal", "stderr", b"stderr", "stdout", b"stdout", "verdict", b"verdict", "wall_time_s", b"wall_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile", b"compile", "compile_output", b"compile_output", "cpu_time_s", b"cpu_time_s", "edge_id", b"edge_id", "exit_code", b"exit_code", "fetch_errors", b"fetch_errors", "files", b"files", "index", b"index", "job_id", b"job_id", "message", b"message", "peak_memory_bytes", b"peak_memory_bytes", "signal", b"signal", "stderr", b"stderr", "stdout", b"stdout", "verdict", b"verdict", "wall_time_s", b"wall_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
