@@ -255,19 +255,25 @@ class SandboxFusionApp:
     ) -> dict[str, Any] | None:
         """The call's answer; dsec's errors as the reference answers them; None if the
         client went away (the call is cancelled: FnCall stops the job on the edge)."""
-        job = asyncio.ensure_future(call())
-        gone = asyncio.ensure_future(_disconnected(request))
+        # One watcher task, which cancels this one if the client hangs up (cheaper than
+        # running the call in a task of its own and waiting on both: ~0.2 ms per request).
+        current = asyncio.current_task()
+        assert current is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _disconnected(request)
+            gone = True
+            current.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not job.done():
-                job.cancel()
-            gone.cancel()
-        if not job.done() or job.cancelled():
-            await asyncio.gather(job, return_exceptions=True)
-            return None
-        try:
-            return job.result()
+            return await call()
+        except asyncio.CancelledError:
+            if gone and current.uncancel() == 0:
+                return None  # the client went away: nobody to answer
+            raise
         except InvalidArgument as exc:
             raise RequestInvalid(
                 [
@@ -286,6 +292,8 @@ class SandboxFusionApp:
             raise
         except DSecError as exc:  # the platform could not run it: the reference's exception path
             return mapping.sandbox_error(f"dsec: {exc.reason or type(exc).__name__}: {exc.message}")
+        finally:
+            watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:
