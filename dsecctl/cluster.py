@@ -2,8 +2,17 @@
 
 Used by ``dsec up`` and by the integration test harness. Each service gets
 its config through ``DSEC_<SVC>_*`` variables, logs to ``<home>/logs``, and
-is tracked by PID in ``<home>/cluster.json``; stopping sends SIGTERM to those
-PIDs only (never to anything this cluster did not start), then SIGKILL.
+is tracked in ``<home>/cluster.json``.
+
+Two ways to run the processes:
+
+- ``supervised=True`` (``dsec up``): under supervisord (:mod:`dsecctl.supervisor`), which
+  restarts a service that dies. Edges keep their sandboxes when they stop (a restart, an
+  upgrade): only :meth:`LocalCluster.stop` without ``keep_sandboxes`` stops them, through
+  each edge's API, before the services go.
+- unsupervised (the test harness's default): plain child processes; a dead service stays
+  dead until :meth:`LocalCluster.restart`. Stopping sends SIGTERM to those PIDs only (never
+  to anything this cluster did not start), then SIGKILL.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsecctl.supervisor import UP_STATES, ProcessInfo, Program, Supervisor
 
 SERVICES = ("iam", "watcher", "placement", "edge", "apiserver", "compat")
 
@@ -70,16 +81,20 @@ class LocalCluster:
         *,
         transport: str = "tcp",
         fixed_ports: bool = False,
+        port_base: int = 7100,
         edges: list[EdgeSpec] | None = None,
         apiservers: int = 1,
         log_level: str = "INFO",
         extra_env: dict[str, str] | None = None,
         iam_database: str = "",
         compat: bool = True,
+        supervised: bool = False,
     ) -> None:
         self.home = home
         self.transport = transport
         self.fixed_ports = fixed_ports
+        #: With fixed ports: the API server's; the others are at fixed offsets from it.
+        self.port_base = port_base
         self.edges = edges or [EdgeSpec()]
         self.apiservers = apiservers
         self.log_level = log_level
@@ -89,6 +104,9 @@ class LocalCluster:
         #: Start the E2B-compatible front end (``python -m compat``, HTTP on loopback).
         self.compat = compat
         self.processes: list[ServiceProcess] = []
+        #: Run the services under supervisord (restarted when they die); see the module doc.
+        self.supervised = supervised
+        self.supervisor = Supervisor(home)
         self.token_file = home / "token"
         #: host:port of the compat process's SandboxFusion listener ("" = none).
         self.sandbox_fusion_address = ""
@@ -98,7 +116,11 @@ class LocalCluster:
     def _address(self, name: str, default_port: int) -> str:
         if self.transport == "unix":
             return f"unix:{self.home / 'sock' / (name + '.sock')}"
-        return f"127.0.0.1:{default_port if self.fixed_ports else free_port()}"
+        return f"127.0.0.1:{self._port(default_port)}"
+
+    def _port(self, default_port: int) -> int:
+        """``default_port`` (7100 + offset) moved to ``port_base``, or a free one."""
+        return default_port - 7100 + self.port_base if self.fixed_ports else free_port()
 
     def plan(self) -> list[ServiceProcess]:
         """The processes to start, in dependency order, with their configuration."""
@@ -141,7 +163,8 @@ class LocalCluster:
                 "IAM": iam,
                 "REGISTER_INTERVAL_S": "2",
                 "MAX_SANDBOXES": str(e.max_sandboxes),
-                "ON_SHUTDOWN": e.on_shutdown,
+                # Supervised, an edge's stop is a restart or an upgrade: its sandboxes stay.
+                "ON_SHUTDOWN": "keep" if self.supervised else e.on_shutdown,
                 # An edge treats every child of its cgroup parent as its own (orphan
                 # cleanup): clusters sharing this machine must not share a parent.
                 "CGROUP_PARENT": f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
@@ -175,8 +198,8 @@ class LocalCluster:
             )
         if self.compat:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
-            addr = f"127.0.0.1:{7130 if self.fixed_ports else free_port()}"
-            fusion = f"127.0.0.1:{7131 if self.fixed_ports else free_port()}"
+            addr = f"127.0.0.1:{self._port(7130)}"
+            fusion = f"127.0.0.1:{self._port(7131)}"
             self.sandbox_fusion_address = fusion
             apiserver = next(p for p in plan if p.name == "apiserver").address
             compat = svc(
@@ -196,19 +219,34 @@ class LocalCluster:
         """Starts every service and waits until all report SERVING; stops all on failure."""
         self.processes = self.plan()
         try:
-            for p in self.processes:
-                self._spawn(p)
-                if p.name == "iam":
-                    # The bootstrap token must exist before anyone uses the cluster.
-                    self.wait_serving([p], timeout_s)
-            self.wait_serving(self.processes, timeout_s)
-            self.wait_edges_registered(timeout_s)
+            if self.supervised:
+                env = {**os.environ, **self.extra_env}
+                self.supervisor.write_config(
+                    (Program(p.name, p.module, p.env, p.log_path) for p in self.processes), env
+                )
+                self.supervisor.start(env)
+            self.start_services(self.processes, timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def start_services(self, procs: list[ServiceProcess], timeout_s: float = 60.0) -> None:
+        """Starts ``procs`` (in plan order, IAM first if among them) and waits until they
+        report SERVING and every edge is healthy in the watcher; records the cluster."""
+        for p in procs:
+            self._spawn(p)
+            if p.name == "iam":
+                # The bootstrap token must exist before anyone uses the cluster.
+                self.wait_serving([p], timeout_s)
+        self.wait_serving(procs, timeout_s)
+        self.wait_edges_registered(timeout_s)
         self.write_state()
 
     def _spawn(self, p: ServiceProcess) -> None:
+        if self.supervised:
+            self.supervisor.start_process(p.name)
+            p.pid = self._supervised_pid(p.name)
+            return
         env = {**os.environ, **self.extra_env, **p.env, "PYTHONUNBUFFERED": "1"}
         log = open(p.log_path, "ab")
         p.proc = subprocess.Popen(
@@ -231,6 +269,13 @@ class LocalCluster:
                     raise RuntimeError(
                         f"{p.name} exited with {p.proc.returncode}:\n{self.log_tail(p)}"
                     )
+                if self.supervised:
+                    info = self.supervisor.processes()[p.name]
+                    if info.state == "FATAL":
+                        raise RuntimeError(
+                            f"{p.name} could not start ({info.description}):\n{self.log_tail(p)}"
+                        )
+                    p.pid = info.pid or p.pid
                 if service_health(p, timeout_s=1.0) == "SERVING":
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
@@ -266,7 +311,72 @@ class LocalCluster:
                     )
                 time.sleep(0.1)
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 30.0, keep_sandboxes: bool = False) -> None:
+        """Stops every service and returns once they are gone.
+
+        Supervised: the front ends first (no new work), then, unless ``keep_sandboxes``, every
+        sandbox through its edge's API, then the rest in reverse order, and supervisord.
+        Unsupervised: SIGTERM to every started PID (reverse order), then SIGKILL what is left
+        (edges with ``on_shutdown=stop`` end their sandboxes themselves)."""
+        if self.supervised:
+            self._stop_supervised(keep_sandboxes)
+        else:
+            self._stop_processes(grace_s)
+            keep_sandboxes = keep_sandboxes or any(e.on_shutdown != "stop" for e in self.edges)
+        if not keep_sandboxes:
+            # With sandboxes left, their mounts and paused pages stay for the next edge.
+            self.release_mounts()
+            self.release_swaps()
+        state = self.home / "cluster.json"
+        if state.exists():
+            state.unlink()
+
+    def _stop_supervised(self, keep_sandboxes: bool) -> None:
+        if not self.supervisor.pid():
+            self._stop_processes(30.0)  # supervisord is gone: whatever it left running
+            return
+        self.status()  # the current PIDs
+        front = [p for p in self.processes if p.module in ("compat", "apiserver")]
+        for p in reversed(front):
+            self.supervisor.stop_process(p.name)
+        if not keep_sandboxes:
+            self.stop_sandboxes()
+        for p in reversed(self.processes):
+            if p not in front:
+                self.supervisor.stop_process(p.name)
+        self.supervisor.shutdown()
+
+    def stop_sandboxes(self, grace_s: float = 2.0) -> int:
+        """Stops every live sandbox of the cluster's edges through each edge's API; returns
+        how many. An edge that does not answer is skipped (its sandboxes keep running)."""
+        from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+
+        stopped = 0
+        for p in self.processes:
+            if p.module != "edge" or not _alive(p):
+                continue
+            with grpc.insecure_channel(p.address) as ch:
+                stub = edge_pb2_grpc.EdgeServiceStub(ch)
+                try:
+                    live = stub.ListSandboxes(edge_pb2.ListSandboxesRequest(), timeout=10)
+                except grpc.RpcError:
+                    continue
+                calls = [
+                    stub.StopSandbox.future(
+                        edge_pb2.StopSandboxRequest(sandbox_id=sb.id, grace_s=grace_s),
+                        timeout=grace_s + 30,
+                    )
+                    for sb in live.sandboxes
+                ]
+                for call in calls:
+                    try:
+                        call.result()
+                        stopped += 1
+                    except grpc.RpcError:
+                        pass
+        return stopped
+
+    def _stop_processes(self, grace_s: float) -> None:
         """SIGTERM to every started PID (reverse order), then SIGKILL what is left."""
         for p in reversed(self.processes):
             if p.pid and _alive(p):
@@ -285,12 +395,6 @@ class LocalCluster:
                     pass
                 if p.proc is not None:
                     p.proc.wait(timeout=5)
-        if all(e.on_shutdown == "stop" for e in self.edges):
-            self.release_mounts()
-        self.release_swaps()
-        state = self.home / "cluster.json"
-        if state.exists():
-            state.unlink()
 
     def release_mounts(self) -> list[str]:
         """Unmounts whatever is still mounted under the cluster's home once its
@@ -323,20 +427,30 @@ class LocalCluster:
         return left
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to a service (supervised: supervisord starts it again if it dies)."""
         p = self.process(name)
+        if self.supervised:
+            p.pid = self._supervised_pid(name)
         os.kill(p.pid, sig)
         if p.proc is not None:
             p.proc.wait(timeout=10)
 
     def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """Stops one service gracefully (an edge keeps its sandboxes if it is configured
+        to: always when supervised), starts it again and waits until it is SERVING."""
         p = self.process(name)
-        if _alive(p):
+        if self.supervised:
+            self.supervisor.stop_process(name)
+        elif _alive(p):
             os.kill(p.pid, signal.SIGTERM)
             if p.proc is not None:
                 p.proc.wait(timeout=30)
         self._spawn(p)
         self.wait_serving([p], timeout_s)
         self.write_state()
+
+    def _supervised_pid(self, name: str) -> int:
+        return self.supervisor.processes()[name].pid
 
     # --------------------------------------------------------------- state
 
@@ -364,6 +478,7 @@ class LocalCluster:
     def write_state(self) -> None:
         state = {
             "apiserver": self.apiserver,
+            "supervised": self.supervised,
             **(
                 {"e2b_api_url": self.compat_url, "sandbox_fusion_url": self.sandbox_fusion_url}
                 if any(p.name == "compat" for p in self.processes)
@@ -388,7 +503,12 @@ class LocalCluster:
         if not path.exists():
             return None
         state = json.loads(path.read_text())
-        c = cls(home)
+        edges = [
+            EdgeSpec(edge_id=n.removeprefix("edge-"))
+            for n in state["services"]
+            if n.startswith("edge-")
+        ]
+        c = cls(home, supervised=bool(state.get("supervised")), edges=edges)
         c.sandbox_fusion_address = state.get("sandbox_fusion_url", "").removeprefix("http://")
         for name, s in state["services"].items():
             module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
@@ -412,10 +532,25 @@ class LocalCluster:
             return "(no log)"
 
     def status(self) -> dict[str, str]:
-        return {
-            p.name: (service_health(p, timeout_s=1.0) if _alive(p) else "DOWN")
-            for p in self.processes
-        }
+        """Each service's health: SERVING, NOT_SERVING, UNREACHABLE, or DOWN (no process);
+        supervised, also supervisord's state when the service is not up (BACKOFF, FATAL...)."""
+        procs = self.supervised_processes()
+        out = {}
+        for p in self.processes:
+            info = procs.get(p.name)
+            if info is not None:
+                p.pid = info.pid  # 0: no process now
+                if info.state not in UP_STATES:
+                    out[p.name] = info.state if info.state != "STOPPED" else "DOWN"
+                    continue
+            out[p.name] = service_health(p, timeout_s=1.0) if _alive(p) else "DOWN"
+        return out
+
+    def supervised_processes(self) -> dict[str, ProcessInfo]:
+        """supervisord's view of the services ({} when unsupervised or supervisord is gone)."""
+        if not self.supervised or not self.supervisor.pid():
+            return {}
+        return self.supervisor.processes()
 
 
 def _alive(p: ServiceProcess) -> bool:

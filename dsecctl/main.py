@@ -2,8 +2,11 @@
 
     dsec up [--edges N] [--apiservers N] [--iam-database URL]
                                                      start iam, watcher, placement, edges, apiservers
-    dsec status                                      health of every service
-    dsec down                                        stop them (by PID)
+                                                     under supervisord; on a running cluster, start
+                                                     only what is down
+    dsec status                                      health, supervisor state, restarts
+    dsec restart [SERVICE...]                        one at a time; sandboxes keep running
+    dsec down [--keep-sandboxes]                     stop sandboxes and services
     dsec whoami
     dsec project create NAME [--parent P] [--cpu-millis N] [--memory-mb N] [--sandboxes N]
     dsec project list [--recursive] | dsec project show [ID] | dsec project quota ID [--sandboxes N ...]
@@ -34,10 +37,12 @@ import json
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from dsecctl.fncall import add_parser as add_fncall_parser
+from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
 from libdsec.errors import DSecError
 
@@ -45,13 +50,13 @@ from libdsec.errors import DSecError
 def cmd_up(args: argparse.Namespace) -> int:
     home = dsec_home()
     running = LocalCluster.from_state(home)
-    if running is not None and all(s == "SERVING" for s in running.status().values()):
-        print(
-            f"dsec is already running (home {home}); `dsec status` to see it, `dsec down` to stop it"
-        )
-        return 0
+    if running is not None and running.supervised and running.supervisor.pid():
+        return _up_partial(running, args.timeout)
     if running is not None:
-        running.stop()
+        # Left by an older dsec (unsupervised) or without its supervisord: stop what is left
+        # of it; supervised edges keep their sandboxes, and the new edges re-adopt them.
+        print("stopping what is left of the previous cluster ...", flush=True)
+        running.stop(keep_sandboxes=True)
     # A few warm busybox sandboxes per edge (README "Warm sandboxes"); DSEC_EDGE_WARM_POOL
     # in the environment replaces this ("" for none).
     warm = {"DSEC_EDGE_WARM_POOL": os.environ.get("DSEC_EDGE_WARM_POOL", "busybox=4")}
@@ -63,16 +68,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         home,
         transport="tcp",
         fixed_ports=True,
+        port_base=args.port_base,
         edges=edges,
         apiservers=args.apiservers,
         log_level=args.log_level,
         iam_database=args.iam_database,
+        supervised=True,
     )
-    print(f"starting dsec in {home} ...", flush=True)
+    print(f"starting dsec in {home} (services supervised by supervisord) ...", flush=True)
     cluster.start(timeout_s=args.timeout)
-    for name, state in cluster.status().items():
-        p = cluster.process(name)
-        print(f"  {name:<12} {state:<10} {p.address:<22} pid {p.pid}  log {p.log_path}")
+    _print_services(cluster)
     print(f"\nAPI server: {cluster.apiserver}\nadmin token: {cluster.token_file} (0600)\n")
     print("connect:  python -c 'from libdsec import Client; print(Client().whoami())'")
     if cluster.compat:
@@ -91,13 +96,62 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_partial(cluster: LocalCluster, timeout_s: float) -> int:
+    """``dsec up`` on a running cluster: starts only the services that are down (a FATAL
+    one gets a fresh series of attempts); the others, and every sandbox, are left alone."""
+    down = [
+        p
+        for p in cluster.processes
+        if cluster.supervised_processes()[p.name].state not in UP_STATES
+    ]
+    if not down:
+        print(f"dsec is already running (home {cluster.home}); `dsec status` to see it")
+        return 0
+    print(f"starting {', '.join(p.name for p in down)} (the rest is running) ...", flush=True)
+    cluster.start_services(down, timeout_s)
+    _print_services(cluster)
+    return 0
+
+
+def _print_services(cluster: LocalCluster) -> None:
+    for name, state in cluster.status().items():
+        p = cluster.process(name)
+        print(f"  {name:<12} {state:<10} {p.address:<22} pid {p.pid}  log {p.log_path}")
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None:
         print("dsec is not running")
         return 0
-    cluster.stop()
-    print("dsec stopped")
+    cluster.stop(keep_sandboxes=args.keep_sandboxes)
+    kept = " (sandboxes kept: the next `dsec up` re-adopts them)" if args.keep_sandboxes else ""
+    print(f"dsec stopped{kept}")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    cluster = LocalCluster.from_state(dsec_home())
+    if cluster is None or not cluster.supervised_processes():
+        print("dsec is not running under its supervisor: `dsec up` first", file=sys.stderr)
+        return 1
+    names = [p.name for p in cluster.processes]
+    unknown = [n for n in args.services if n not in names]
+    if unknown:
+        print(
+            f"dsec: no service {', '.join(unknown)}; the services are: {', '.join(names)}",
+            file=sys.stderr,
+        )
+        return 2
+    # One at a time, in start order, each SERVING before the next: sandboxes keep running.
+    for name in args.services or names:
+        t0 = time.monotonic()
+        cluster.restart(name, timeout_s=args.timeout)
+        if name.startswith("edge-"):
+            cluster.wait_edges_registered(args.timeout)
+        print(
+            f"  {name:<12} restarted in {time.monotonic() - t0:.1f} s, pid {cluster.process(name).pid}"
+        )
     return 0
 
 
@@ -107,14 +161,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("dsec is not running (no cluster.json)")
         return 1
     bad = 0
-    for name, state in cluster.status().items():
+    status = cluster.status()
+    supervised = cluster.supervised_processes()
+    restarts = cluster.supervisor.restarts() if supervised else {}
+    if cluster.supervised and not supervised:
+        print("supervisord is not running: crashed services will not be restarted (`dsec up`)")
+        bad += 1
+    for name, state in status.items():
         p = cluster.process(name)
         address = f"http://{p.address}" if p.protocol == "http" else p.address
-        print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}")
+        extra = ""
+        if name in supervised:
+            info = supervised[name]
+            n = restarts.get(name, {}).get("restarts", 0)
+            # supervisord's description: "pid 12, uptime 0:01:02", "Exited too quickly ..."
+            extra = f"  {info.description.removeprefix(f'pid {info.pid}, ')}; restarts {n}"
+        print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}{extra}")
         bad += state != "SERVING"
         if name.startswith("edge-") and state == "SERVING":
             for line in _pool_lines(p.address):
                 print(f"{'':<12} {line}")
+        elif state not in ("SERVING", "DOWN") and name in supervised:
+            # BACKOFF, FATAL, ...: why, from the service's own log
+            print(f"{'':<12} last lines of {p.log_path}:")
+            for line in cluster.log_tail(p, lines=10).splitlines():
+                print(f"{'':<14}{line}")
     return 1 if bad else 0
 
 
@@ -504,11 +575,40 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="IAM storage: sqlite:<path> (default: in $DSEC_HOME) or postgresql://...",
     )
+    up.add_argument(
+        "--port-base",
+        type=int,
+        default=7100,
+        help="the API server's port; the others follow at fixed offsets (+1..+31)",
+    )
     up.add_argument("--log-level", default="INFO")
     up.add_argument("--timeout", type=float, default=120.0)
     up.set_defaults(fn=cmd_up)
-    sub.add_parser("down", help="stop the local cluster").set_defaults(fn=cmd_down)
-    sub.add_parser("status", help="health of every service").set_defaults(fn=cmd_status)
+    down = sub.add_parser(
+        "down", help="stop the local cluster and its sandboxes; returns once all are gone"
+    )
+    down.add_argument(
+        "--keep-sandboxes",
+        action="store_true",
+        help="leave the sandboxes running: the next `dsec up` re-adopts them",
+    )
+    down.set_defaults(fn=cmd_down)
+    restart = sub.add_parser(
+        "restart",
+        help="restart services one at a time (default: all) without stopping sandboxes",
+    )
+    restart.add_argument(
+        "services",
+        nargs="*",
+        help="service names as `dsec status` shows them (iam, edge-edge0, ...)",
+    )
+    restart.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds each service has to be SERVING"
+    )
+    restart.set_defaults(fn=cmd_restart)
+    sub.add_parser(
+        "status", help="health, supervisor state and restarts of every service"
+    ).set_defaults(fn=cmd_status)
     sub.add_parser("whoami", help="who the token is").set_defaults(fn=cmd_whoami)
     sub.add_parser("demo", help="a short tour through libdsec").set_defaults(fn=cmd_demo)
 
