@@ -23,6 +23,10 @@ class PlacementConfig(ServiceConfig):
     #: A probe counts one of our placements only if taken this long after it
     #: (the sandbox reaches the edge a little after it is placed).
     overlay_grace_s: float = 1.0
+    #: After a watcher (re)start, for this long "no edges are registered" is UNAVAILABLE
+    #: (CLUSTER_VIEW_WARMING: the edges have yet to register again; clients retry), not
+    #: RESOURCE_EXHAUSTED. Longer than the edges' registration interval.
+    view_warmup_s: float = 15.0
 
     def validate(self) -> None:
         super().validate()

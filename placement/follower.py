@@ -48,10 +48,17 @@ class SnapshotFollower:
         self.last_update = 0.0  # monotonic time of the last message from the watcher
         self.connected = False
         self.has_view = asyncio.Event()  # set by the first snapshot
+        #: monotonic time the watcher of the last snapshot started (its uptime_s)
+        self.watcher_started = 0.0
 
     @property
     def age_s(self) -> float:
         return time.monotonic() - self.last_update if self.last_update else float("inf")
+
+    @property
+    def watcher_uptime_s(self) -> float:
+        """How long the watcher behind the view has been up (inf before a snapshot)."""
+        return time.monotonic() - self.watcher_started if self.has_view.is_set() else float("inf")
 
     def view_state(self, max_age_s: float) -> str:
         """FRESH (following the watcher), DEGRADED (watcher lost: placing on the
@@ -93,6 +100,7 @@ class SnapshotFollower:
         self.connected = True
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
+            self.watcher_started = self.last_update - msg.snapshot.uptime_s
             self.placer.update([edge_view(e) for e in msg.snapshot.edges])
             self.has_view.set()
         elif kind == "edge_changed":

@@ -24,7 +24,7 @@ async def main() -> None:
     )
     follower = SnapshotFollower(placer, cfg.watcher)
     server = GrpcServer("placement", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    servicer = PlacementServicer(placer, follower, cfg.snapshot_max_age_s)
+    servicer = PlacementServicer(placer, follower, cfg.snapshot_max_age_s, cfg.view_warmup_s)
     server.add(servicer, "dsec.placement.v1.PlacementService")
     server.background(follower.run)
     server.background(lambda: servicer.report_view_health(server.health))

@@ -68,10 +68,17 @@ MAX_GROUP_TOTAL = 100_000
 
 
 class PlacementServicer:
-    def __init__(self, placer: Placer, follower: SnapshotFollower, max_age_s: float) -> None:
+    def __init__(
+        self,
+        placer: Placer,
+        follower: SnapshotFollower,
+        max_age_s: float,
+        warmup_s: float = 15.0,
+    ) -> None:
         self.placer = placer
         self.follower = follower
         self.max_age_s = max_age_s
+        self.warmup_s = warmup_s
 
     def view_state(self) -> str:
         return self.follower.view_state(self.max_age_s)
@@ -85,6 +92,14 @@ class PlacementServicer:
             raise Unavailable(
                 f"no cluster view from the watcher for {self.follower.age_s:.0f} s",
                 reason="CLUSTER_VIEW_STALE",
+            )
+        uptime = self.follower.watcher_uptime_s
+        if not self.placer.edges and uptime < self.warmup_s:
+            # A watcher that just (re)started knows no edge until they register again
+            # (every few seconds): "not yet", which callers retry, not "none".
+            raise Unavailable(
+                f"the watcher started {uptime:.1f} s ago and no edge has registered with it yet",
+                reason="CLUSTER_VIEW_WARMING",
             )
 
     def _place(self, item: placement_pb2.PlacementItem) -> placement_pb2.Placement:

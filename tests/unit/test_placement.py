@@ -262,3 +262,34 @@ def test_a_burst_takes_the_warm_sandboxes_first_and_a_probe_brings_new_ones() ->
     time.sleep(0.01)
     placer.update_edge(_warm(edge(1), busybox=4))
     assert placer.warm_left(placer.edges["e1"], "busybox") == 4
+
+
+async def test_a_young_watcher_with_no_edges_is_not_yet_not_none() -> None:
+    """Right after a watcher restart, no edge has registered again: placement answers
+    UNAVAILABLE (CLUSTER_VIEW_WARMING, which clients retry), not NoEligibleEdge; once the
+    warm-up is over, no edges is NoEligibleEdge again."""
+    from dsec.watcher.v1 import watcher_pb2
+    from libdsec.errors import Unavailable
+    from placement.follower import SnapshotFollower
+    from placement.servicer import PlacementServicer
+
+    placer = Placer(rng=random.Random(0))
+    follower = SnapshotFollower(placer, "unix:/nonexistent")
+    servicer = PlacementServicer(placer, follower, max_age_s=60, warmup_s=15)
+    snapshot = watcher_pb2.ClusterSnapshot(uptime_s=2.0)
+    follower._apply(watcher_pb2.WatchClusterResponse(snapshot=snapshot))
+    with pytest.raises(Unavailable) as info:
+        await servicer._check_view()
+    assert info.value.reason == "CLUSTER_VIEW_WARMING" and "no edge" in info.value.message
+    # an old watcher with no edges: there are none
+    snapshot = watcher_pb2.ClusterSnapshot(uptime_s=60.0)
+    follower._apply(watcher_pb2.WatchClusterResponse(snapshot=snapshot))
+    await servicer._check_view()
+    with pytest.raises(NoEligibleEdge):
+        placer.place(Request("CONTAINER", 100, 100))
+    # a young watcher that knows an edge already: placement goes on as always
+    follower._apply(
+        watcher_pb2.WatchClusterResponse(snapshot=watcher_pb2.ClusterSnapshot(uptime_s=1.0))
+    )
+    placer.update([edge(0)])
+    await servicer._check_view()
