@@ -28,6 +28,9 @@ from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated, Unavaila
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: A watcher up for less than this may not know every edge yet (they register again every
+#: few seconds after its restart).
+WATCHER_WARMUP_S = 15.0
 
 
 async def downstream(call: Awaitable[T], what: str) -> T:
@@ -101,7 +104,12 @@ class EdgeDirectory:
             ),
             "watcher",
         )
-        self.addresses = {e.info.edge_id: e.info.address for e in resp.snapshot.edges}
+        addresses = {e.info.edge_id: e.info.address for e in resp.snapshot.edges}
+        if resp.snapshot.uptime_s < WATCHER_WARMUP_S:
+            # A watcher that just (re)started has not heard from every edge again yet: the
+            # edges it does not know are not gone, keep their addresses.
+            addresses = {**self.addresses, **addresses}
+        self.addresses = addresses
         self._last_refresh = time.monotonic()
 
     async def lost(

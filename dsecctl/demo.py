@@ -84,6 +84,9 @@ class Steps:
         return 1
 
 
+#: How long the first call waits for the API server (the SDK retries while it is down).
+CONNECT_TIMEOUT_S = 10.0
+
 SANDBOX_STEPS = (
     "run a command",
     "a command past its timeout",
@@ -113,7 +116,8 @@ def _tour(steps: Steps) -> None:
     with contextlib.ExitStack() as stack:
         with steps.step("connect") as s:
             dsec = stack.enter_context(Client())
-            me = dsec.whoami()
+            # a cluster that is up answers at once; one restarting, within seconds
+            me = dsec.whoami(timeout=CONNECT_TIMEOUT_S)
             say(
                 f"connected to {dsec.target} as {me.name} ({me.role.lower()}) in project {me.project_id}"
             )

@@ -21,8 +21,13 @@ from typing import IO, TYPE_CHECKING, Any
 import grpc
 
 from dsec.types.v1 import types_pb2
-from libdsec._transport import STREAM_IDLE_TIMEOUT_S, STREAM_KEEPALIVE_INTERVAL_S, stalled
-from libdsec.errors import NotFound, Unavailable, from_rpc_error
+from libdsec._transport import (
+    STREAM_IDLE_TIMEOUT_S,
+    STREAM_KEEPALIVE_INTERVAL_S,
+    stalled,
+    stream_error,
+)
+from libdsec.errors import NotFound, Unavailable
 from libdsec.types import FileEvent, FileInfo
 
 if TYPE_CHECKING:
@@ -345,7 +350,7 @@ class AsyncDirWatch:
             if self._closed:
                 return None
             self._finish()
-            raise from_rpc_error(exc) from exc
+            raise stream_error(exc) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and (task is None or task.cancelling() == 0):

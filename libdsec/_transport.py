@@ -1,17 +1,20 @@
 """The transport under the SDK: gRPC channel options and retries, the channel to the API
-servers with the caller's token, and the call wrappers (typed errors, stream stall timeouts).
+servers with the caller's token, and the call wrappers (typed errors, retries, stream stall
+timeouts).
 
 The channel options and the retry service config are the one definition for every dsec
-channel: the SDK's here, the services' through ``common/channels.py``. Each side keeps its own
-policy of what is retried (:data:`SDK_RETRY` on the idempotent methods of the public API,
-:data:`SERVICE_RETRY` on the whole services a caller marks idempotent); both retry only
-UNAVAILABLE.
+channel: the SDK's here, the services' through ``common/channels.py``. The services let gRPC
+retry UNAVAILABLE (:data:`SERVICE_RETRY`, on the whole services a caller marks idempotent); the
+SDK retries its idempotent calls itself (:meth:`Transport.unary`), until the call's deadline, so
+that a client rides through a restart of the API server or of a service behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +22,13 @@ from typing import Any
 import grpc
 
 from dsec.apiserver.v1 import apiserver_pb2_grpc
-from libdsec.errors import DeadlineExceeded, from_rpc_error
+from libdsec.errors import (
+    ERROR_TRAILER,
+    DeadlineExceeded,
+    DSecError,
+    Unavailable,
+    from_rpc_error,
+)
 
 #: The largest message either way (a file chunk, a fncall job, a big listing).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -60,8 +69,6 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
 
 
-#: The SDK to the API servers: a client can wait a little longer for a restarting server.
-SDK_RETRY = RetryPolicy(max_attempts=5, initial_backoff_s=0.1, max_backoff_s=2.0)
 #: Service to service: short, the caller (an API server, an edge) has its own deadline to keep.
 SERVICE_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.05, max_backoff_s=1.0)
 
@@ -93,7 +100,8 @@ def retry_service_config(names: Iterable[str], policy: RetryPolicy) -> str:
 
 
 #: Methods of the public API safe to retry on UNAVAILABLE (they change nothing, or are
-#: idempotent).
+#: idempotent). A create is too when every sandbox it asks for carries an idempotency key
+#: (:func:`idempotent`).
 SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
     "dsec.apiserver.v1.SandboxService": (
         "GetSandbox",
@@ -112,13 +120,36 @@ SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
     "dsec.apiserver.v1.ProjectService": ("WhoAmI", "GetProject", "ListProjects", "ListTokens"),
     "dsec.apiserver.v1.EnvironmentService": ("ListEnvironments", "GetEnvironment", "ListLayers"),
 }
-
-#: The SDK's channel options (its retry policy on :data:`SDK_IDEMPOTENT`).
-CHANNEL_OPTIONS = channel_options(
-    retry_service_config(
-        [f"{svc}/{m}" for svc, methods in SDK_IDEMPOTENT.items() for m in methods], SDK_RETRY
-    )
+_IDEMPOTENT_METHODS = frozenset(
+    f"{service}/{method}" for service, methods in SDK_IDEMPOTENT.items() for method in methods
 )
+
+#: The reasons of the UNAVAILABLE an idempotent call is retried on: something on the way is
+#: down or restarting. The API server itself (gRPC's own status, no reason: it cannot be
+#: reached or the connection dropped; or it is shutting down), a service behind it (the API
+#: server's ``<SERVICE>_UNAVAILABLE``), the channel into the sandbox (``CHANNEL_CLOSED``), or a
+#: create with the same idempotency key still in progress. Other reasons (``STORE_UNAVAILABLE``,
+#: ``SANDBOX_NOT_READY``, ``NETWORK_EXHAUSTED``, ...) describe one resource: raised at once.
+RETRIED_REASONS = frozenset(
+    {
+        "UNAVAILABLE",
+        "IAM_UNAVAILABLE",
+        "PLACEMENT_UNAVAILABLE",
+        "WATCHER_UNAVAILABLE",
+        "EDGE_UNAVAILABLE",
+        "CHANNEL_CLOSED",
+        "CREATE_IN_PROGRESS",
+        "CLUSTER_VIEW_WARMING",  # placement after a watcher restart: edges not registered yet
+    }
+)
+#: The backoff between the attempts of a retried call: jittered, doubling from the first to
+#: the cap (a restarted API server serves again within 1-3 s; the cap keeps the wait after it
+#: came back short).
+RETRY_FIRST_BACKOFF_S = 0.05
+RETRY_MAX_BACKOFF_S = 1.0
+
+#: The SDK's channel options (no gRPC retry policy: :meth:`Transport.unary` retries).
+CHANNEL_OPTIONS = channel_options()
 
 #: How often the SDK asks a server stream for a keepalive when it has nothing else to say.
 STREAM_KEEPALIVE_INTERVAL_S = 5.0
@@ -136,12 +167,45 @@ def stalled(idle_timeout_s: float) -> DeadlineExceeded:
     )
 
 
+def method_name(method: Any) -> str:
+    """``"<service>/<method>"`` of a stub's method (gRPC keeps its path, ``b"/<service>/<method>"``)."""
+    path: bytes = method._method
+    return path.decode().lstrip("/")
+
+
+def idempotent(name: str, request: Any) -> bool:
+    """Whether the call ``name`` (see :func:`method_name`) of ``request`` may run twice: one of
+    :data:`SDK_IDEMPOTENT`, or a create whose every sandbox carries an idempotency key (a
+    repeated create returns the first one's sandbox)."""
+    if name == "dsec.apiserver.v1.SandboxService/CreateSandbox":
+        return bool(request.idempotency_key)
+    if name == "dsec.apiserver.v1.SandboxService/CreateSandboxes":
+        return all(item.idempotency_key for item in request.items)
+    return name in _IDEMPOTENT_METHODS
+
+
+def retried(err: DSecError) -> bool:
+    """Whether a failed idempotent call is tried again (see :data:`RETRIED_REASONS`)."""
+    return isinstance(err, Unavailable) and err.reason in RETRIED_REASONS
+
+
 async def unary(call: Any) -> Any:
     """Awaits a unary call; a failed call raises its typed :class:`~libdsec.errors.DSecError`."""
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
         raise from_rpc_error(exc) from exc
+
+
+def stream_error(exc: grpc.aio.AioRpcError) -> DSecError:
+    """The typed error of a failed server stream of the API server. A stream gRPC itself ended
+    with UNAVAILABLE (no dsec error trailer: the connection dropped, e.g. the API server died
+    or restarted) says so; anything else is the server's own error (:func:`from_rpc_error`)."""
+    err = from_rpc_error(exc)
+    from_server = any(key == ERROR_TRAILER for key, _ in exc.trailing_metadata() or ())
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and not from_server:
+        return Unavailable(f"the API server went away: {err.message}")
+    return err
 
 
 async def stream(call: Any, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> AsyncIterator[Any]:
@@ -157,7 +221,7 @@ async def stream(call: Any, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> As
             except TimeoutError:
                 raise stalled(idle_timeout_s) from None
             except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc) from exc
+                raise stream_error(exc) from exc
             yield item
     finally:
         call.cancel()
@@ -181,8 +245,66 @@ class Transport:
     async def unary(
         self, method: Callable[..., Any], request: Any, *, timeout: float | None
     ) -> Any:
-        """Calls ``method`` (a stub's unary or client-streaming method) with the token."""
-        return await unary(method(request, metadata=self.metadata, timeout=timeout))
+        """Calls ``method`` (a stub's unary or client-streaming method) with the token.
+
+        An idempotent call (:func:`idempotent`) that fails with a transient UNAVAILABLE
+        (:func:`retried`) is tried again after a jittered, doubling backoff
+        (:data:`RETRY_FIRST_BACKOFF_S` to :data:`RETRY_MAX_BACKOFF_S`) until ``timeout``
+        (None: :data:`DEFAULT_TIMEOUT_S`), each attempt with the time left; then it raises
+        :class:`~libdsec.errors.DeadlineExceeded` naming the last error. Any other call, or
+        error, is raised at once.
+
+        Every call with a deadline waits for the channel (``wait_for_ready``): one made while
+        the API server is down (restarting) is sent once it is back, instead of failing at
+        once; that is safe for any call, as nothing was sent. A call whose connection drops
+        while it is under way is what the rules above are for.
+        """
+        try:
+            return await self._unary(method, request, timeout)
+        except DeadlineExceeded as err:
+            state = self.channel.get_state()
+            if state == grpc.ChannelConnectivity.READY:
+                raise
+            # It never got through: say so, rather than gRPC's bare "Deadline Exceeded".
+            raise DeadlineExceeded(
+                f"no answer within {timeout or DEFAULT_TIMEOUT_S:g} s: the API server at "
+                f"{self.target} cannot be reached (connection {state.name}); is it running?"
+            ) from err
+
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        name = method_name(method)
+        if not idempotent(name, request):
+            return await unary(
+                method(
+                    request,
+                    metadata=self.metadata,
+                    timeout=timeout,
+                    wait_for_ready=timeout is not None,
+                )
+            )
+        budget = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        backoff = RETRY_FIRST_BACKOFF_S
+        attempts = 0
+        while True:
+            attempts += 1
+            left = deadline - time.monotonic()
+            try:
+                return await unary(
+                    method(request, metadata=self.metadata, timeout=left, wait_for_ready=True)
+                )
+            except DSecError as err:
+                if not retried(err):
+                    raise
+                last = err
+            pause = backoff * random.uniform(0.5, 1.0)
+            if time.monotonic() + pause >= deadline:
+                raise DeadlineExceeded(
+                    f"{name.rpartition('/')[2]}: no answer within {budget:g} s"
+                    f" ({attempts} attempts); the last failed with {last}"
+                ) from last
+            await asyncio.sleep(pause)
+            backoff = min(backoff * 2, RETRY_MAX_BACKOFF_S)
 
     def stream(
         self,
@@ -191,8 +313,9 @@ class Transport:
         *,
         idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
     ) -> AsyncIterator[Any]:
-        """Opens the server stream ``method(request)`` with the token; see :func:`stream`."""
-        return stream(method(request, metadata=self.metadata), idle_timeout_s)
+        """Opens the server stream ``method(request)`` with the token; see :func:`stream`.
+        It waits for the channel as :meth:`unary` does, within ``idle_timeout_s``."""
+        return stream(method(request, metadata=self.metadata, wait_for_ready=True), idle_timeout_s)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -23,8 +23,14 @@ from typing import Any
 import grpc
 
 from dsec.apiserver.v1 import apiserver_pb2
-from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, STREAM_STALL_MARGIN, Transport, stalled
-from libdsec.errors import InvalidArgument, from_rpc_error
+from libdsec._transport import (
+    STREAM_KEEPALIVE_INTERVAL_S,
+    STREAM_STALL_MARGIN,
+    Transport,
+    stalled,
+    stream_error,
+)
+from libdsec.errors import InvalidArgument
 from libdsec.types import SandboxInfo
 
 #: How long closing waits for a read in flight (in another task) to see the close.
@@ -145,7 +151,7 @@ class AsyncWatch:
                 if self._closed:
                     return None
                 self._finish()
-                raise from_rpc_error(exc) from exc
+                raise stream_error(exc) from exc
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closed and (task is None or task.cancelling() == 0):

@@ -46,7 +46,13 @@ from libdsec.errors import (
     SandboxTerminated,
     status_for,
 )
-from libdsec.options import CreateOptions, SandboxOptions, make_spec, split_key
+from libdsec.options import (
+    CreateOptions,
+    SandboxOptions,
+    make_spec,
+    new_idempotency_key,
+    split_key,
+)
 from libdsec.types import (
     Environment,
     ExitStatus,
@@ -239,6 +245,11 @@ class AsyncClient:
 
         A sandbox that ended while starting raises
         :class:`~libdsec.errors.SandboxTerminated` with its reason.
+
+        Without an ``idempotency_key`` the SDK makes one up for this call, so the create is
+        retried like any idempotent call while the API server (or a service behind it) is
+        unavailable, until ``timeout``: one sandbox, even if the first attempt's answer was
+        lost.
         """
         key, sandbox_options = split_key(options)
         req = apiserver_pb2.CreateSandboxRequest(
@@ -274,6 +285,8 @@ class AsyncClient:
                 specs=[{"image": "busybox", "idempotency_key": f"swe-123/{i}"} for i in range(8)]
             )
 
+        Every item without a key gets a fresh one from the SDK, so the call is retried while
+        the API server is unavailable (as :meth:`create` is) without doubling any sandbox.
         Returns, in order, a sandbox or the error that item got (nothing is
         raised for per-item failures).
         """
@@ -288,7 +301,9 @@ class AsyncClient:
             )
             add = req.items.add
             for _ in range(count):
-                add().CopyFrom(template)
+                entry = add()
+                entry.CopyFrom(template)
+                entry.idempotency_key = new_idempotency_key()
         else:
             if options or count is not None:
                 raise InvalidArgument("give count and options, or specs, not both")

@@ -19,6 +19,7 @@ Every option may be left out; its default is noted. ``None`` is the same as left
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Literal, TypedDict, Unpack, cast
 
@@ -81,7 +82,9 @@ class CreateOptions(SandboxOptions, total=False):
     """Every keyword of ``create``, and each item of ``create_many(specs=...)``."""
 
     #: a retried create with the same key (per project, kept 24 h) returns the first
-    #: attempt's sandbox instead of making another
+    #: attempt's sandbox instead of making another; default: a fresh key per sandbox
+    #: (:func:`new_idempotency_key`), so the SDK's own retries (an API server restarting)
+    #: never create twice
     idempotency_key: str
 
 
@@ -100,11 +103,17 @@ def check_options(options: Mapping[str, object], allowed: frozenset[str] = SANDB
         )
 
 
+def new_idempotency_key() -> str:
+    """A fresh idempotency key (``sdk-<uuid4>``), for a create whose caller gave none."""
+    return f"sdk-{uuid.uuid4()}"
+
+
 def split_key(options: CreateOptions) -> tuple[str, SandboxOptions]:
-    """The idempotency key and the sandbox's options of ``options`` (checked)."""
+    """The idempotency key (the caller's, else a fresh one) and the sandbox's options of
+    ``options`` (checked)."""
     check_options(options, CREATE_KEYS)
     rest = {k: v for k, v in options.items() if k != "idempotency_key"}
-    return options.get("idempotency_key") or "", cast(SandboxOptions, rest)
+    return options.get("idempotency_key") or new_idempotency_key(), cast(SandboxOptions, rest)
 
 
 def make_spec(**options: Unpack[SandboxOptions]) -> types_pb2.SandboxSpec:

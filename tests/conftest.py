@@ -91,6 +91,7 @@ def _log_tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
-        for name in ("cluster", "container_cluster"):
-            if name in request.fixturenames:
-                print_log_tails(request.getfixturevalue(name), request.node.nodeid)
+        # every cluster the test used, whatever its fixture is called
+        for value in getattr(request.node, "funcargs", {}).values():
+            if isinstance(value, LocalCluster):
+                print_log_tails(value, request.node.nodeid)
