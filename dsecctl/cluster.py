@@ -333,7 +333,11 @@ class LocalCluster:
 
     def _stop_supervised(self, keep_sandboxes: bool) -> None:
         if not self.supervisor.pid():
-            self._stop_processes(30.0)  # supervisord is gone: whatever it left running
+            # supervisord is gone (killed): what it left running, found by address, since a
+            # service it restarted has another PID than cluster.json's
+            for p in self.processes:
+                p.pid = find_service_pid(p) or p.pid
+            self._stop_processes(30.0)
             return
         self.status()  # the current PIDs
         front = [p for p in self.processes if p.module in ("compat", "apiserver")]
@@ -568,6 +572,23 @@ def _alive(p: ServiceProcess) -> bool:
     except OSError:
         return False
     return b"-m" in cmdline and p.module.encode() in cmdline
+
+
+def find_service_pid(p: ServiceProcess) -> int:
+    """The PID of the process running ``p`` (``python -m <module>`` listening on its address,
+    as its environment says), or 0."""
+    listen = b"_LISTEN=" + p.address.encode() + b"\0"
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes().split(b"\0")
+            if b"-m" in cmdline and p.module.encode() in cmdline:
+                if listen in (d / "environ").read_bytes():
+                    return int(d.name)
+        except OSError:
+            continue
+    return 0
 
 
 def service_health(p: ServiceProcess, timeout_s: float = 2.0) -> str:

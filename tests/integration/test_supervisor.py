@@ -245,6 +245,31 @@ def test_a_service_that_cannot_start_is_given_up_and_status_says_why(up: Up) -> 
     assert up.dsec("status").returncode == 0
 
 
+def test_up_after_supervisord_died_replaces_what_it_left_running(up: Up) -> None:
+    with up.client() as c:
+        sb = c.create(image="busybox", cpu=0.2, memory_mb=64)
+        sandbox_id = sb.id
+    # a service supervisord restarted: its PID is not the one cluster.json holds
+    old = up.pids()["placement"]
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: up.pids()["placement"] not in (0, old), timeout_s=30)
+    wait_for(lambda: _serving(up, "placement"), timeout_s=60)
+    services = set(up.pids().values())
+    os.kill(up.cluster().supervisor.pid(), signal.SIGKILL)
+    wait_for(lambda: not up.cluster().supervisor.pid(), timeout_s=10)
+    out = up.dsec("status")
+    assert out.returncode == 1 and "supervisord is not running" in out.stdout, out.stdout
+    out = up.dsec("up", "--port-base", str(_free_port_base()))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "stopping what is left of the previous cluster" in out.stdout
+    alive = set(up.cluster_processes_alive())
+    assert not services & alive, services & alive  # every old service was stopped
+    assert up.dsec("status").returncode == 0
+    with up.client() as c:
+        wait_for(lambda: _running(c, sandbox_id), timeout_s=60)  # kept and re-adopted
+        c.get(sandbox_id).stop()
+
+
 def test_down_keep_sandboxes_then_up_readopts_then_down_ends_them(up: Up) -> None:
     with up.client() as c:
         sb = c.create(image="busybox", cpu=0.2, memory_mb=64)
