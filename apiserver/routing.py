@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -31,6 +32,9 @@ T = TypeVar("T")
 #: A watcher up for less than this may not know every edge yet (they register again every
 #: few seconds after its restart).
 WATCHER_WARMUP_S = 15.0
+#: How long a call into a sandbox waits for its edge's channel to connect (an edge restarting
+#: under supervision serves again within 1-3 s).
+EDGE_RECONNECT_WAIT_S = 5.0
 
 
 async def downstream(call: Awaitable[T], what: str) -> T:
@@ -157,8 +161,19 @@ class EdgeDirectory:
         return stub
 
     async def stub(self, edge_id: str) -> edge_pb2_grpc.EdgeServiceStub | None:
+        """The edge's stub; when its channel is not connected (the edge restarting, or idle),
+        first waits up to :data:`EDGE_RECONNECT_WAIT_S` for it: a call sent while an edge
+        restarts then reaches the new one instead of failing (nothing was sent, so this is
+        safe for any call); an edge that stays away fails the call as before, only later."""
         addr = await self.address(edge_id)
-        return self.stub_for_address(addr) if addr else None
+        if not addr:
+            return None
+        stub = self.stub_for_address(addr)
+        channel = self._channels[addr]
+        if channel.get_state() != grpc.ChannelConnectivity.READY:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(channel.channel_ready(), EDGE_RECONNECT_WAIT_S)
+        return stub
 
     async def run(self) -> None:
         """Periodic refresh so addresses of restarted edges stay current."""

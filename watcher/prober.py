@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -85,7 +86,12 @@ class Prober:
                     await asyncio.gather(*(self.probe(e) for e in edges))
                 for gone in set(self._channels) - set(self.view.edges):
                     await self._channels.pop(gone)[1].close()
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.view.probe_now.wait(),
+                        max(0.0, self.interval_s - (time.monotonic() - started)),
+                    )
+                self.view.probe_now.clear()
         finally:
             for _, ch in self._channels.values():
                 await ch.close()

@@ -37,6 +37,10 @@ class ClusterView:
         self.unhealthy_after = unhealthy_after
         self.forget_after_s = forget_after_s
         self._subscribers: set[asyncio.Queue[tuple[str, Any]]] = set()
+        #: Set when an edge registers that no probe has found healthy yet (new, or back from
+        #: UNHEALTHY: a restarted edge): the prober probes at once instead of at its interval,
+        #: so placement uses the edge again within milliseconds of its return.
+        self.probe_now = asyncio.Event()
 
     def _publish(self, kind: str, payload: Any) -> None:
         self.version += 1
@@ -51,9 +55,12 @@ class ClusterView:
         entry = self.edges.get(edge_id)
         if entry is None:
             entry = self.edges[edge_id] = EdgeEntry(edge_id, info, now, last_ok_at=now)
+            self.probe_now.set()
         else:
             entry.info = info
             entry.registered_at = now
+            if entry.health == "UNHEALTHY":
+                self.probe_now.set()
         self._publish("changed", entry)
         return entry
 

@@ -49,6 +49,21 @@ def test_a_probe_of_an_edge_s_previous_process_does_not_count_against_the_new_on
     assert view.edges["e1"].health == "UNHEALTHY"
 
 
+def test_a_new_or_returning_edge_is_probed_at_once() -> None:
+    """A registration the prober has not judged yet (a new edge, or an UNHEALTHY one back: a
+    restarted edge) wakes the prober; a healthy edge's periodic re-registration does not."""
+    view = ClusterView(unhealthy_after=1, forget_after_s=300)
+    view.register("e1", object())
+    assert view.probe_now.is_set()
+    view.probe_now.clear()
+    view.register("e1", object())  # healthy, re-registering on its interval
+    assert not view.probe_now.is_set()
+    view.probe_failed("e1", "UNAVAILABLE")
+    assert view.edges["e1"].health == "UNHEALTHY"
+    view.register("e1", object())  # back
+    assert view.probe_now.is_set()
+
+
 def test_placement_judges_its_view() -> None:
     f = SnapshotFollower(Placer(), "unused")
     assert f.view_state(max_age_s=60) == "STALE"  # never heard from the watcher
