@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from typing import Any
@@ -551,7 +553,10 @@ def cmd_env(args: argparse.Namespace) -> int:
                 )
             )
         elif args.action == "rm":
-            print("deleted" if c.delete_environment(args.name) else "no such environment")
+            if not c.delete_environment(args.name):
+                print(f"dsec: no environment {args.name}", file=sys.stderr)
+                return 1
+            print("deleted")
     return 0
 
 
@@ -561,8 +566,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dsec")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsec", description="dsec: sandboxes for agentic RL")
+    p.add_argument("--version", action="version", version=f"dsec {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local single-node cluster")
@@ -728,7 +741,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`dsec sandbox list | head`): stop quietly, as a tool killed by
+        # SIGPIPE would (exit 141); stdout is pointed at /dev/null so that Python's own flush
+        # at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except DSecError as err:
         print(f"dsec: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr)
         return 2

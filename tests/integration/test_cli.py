@@ -24,7 +24,7 @@ import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -56,14 +56,6 @@ def cli_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "cli_cluster" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("cli_cluster"), request.node.nodeid)
 
 
 def cli_env(target: str, token: str, home: Path) -> dict[str, str]:
@@ -208,3 +200,30 @@ def test_sandbox_watch_prints_each_change_until_ctrl_c(
         datetime.datetime.fromisoformat(when)  # a timestamp comes first
         assert running.split()[3] == "-"  # no reason while it runs
     assert "Traceback" not in "\n".join(err.seen)
+
+
+# ------------------------------------------------------------------ plumbing
+
+
+def test_version_a_missing_environment_and_a_closed_pipe(
+    cli_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    env = cli_env(cli_cluster.apiserver, cli_cluster.token, tmp_path)
+    version = dsec("--version", env=env)
+    assert version.returncode == 0 and version.stdout.startswith("dsec 0."), version
+    missing = dsec("env", "rm", "nope:1", env=env)
+    assert missing.returncode == 1, missing
+    assert "no environment nope:1" in missing.stderr
+    # the reader is gone before anything is written (`dsec env list | head -0`)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsecctl", "env", "list"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE, err
+    assert err == "", err  # no traceback, no "Exception ignored"

@@ -70,14 +70,6 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-@pytest.fixture(autouse=True)
-def _tails(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "cp" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("cp"), request.node.nodeid)
-
-
 def apis(c: LocalCluster) -> list[str]:
     return [p.address for p in c.processes if p.name.startswith("apiserver")]
 

@@ -20,7 +20,7 @@ from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
 from libdsec.errors import SandboxNotFound, SandboxTerminated, Unavailable
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import wait_for
 from tests.integration.test_control_plane import project_with_token, usage
 from tests.integration.test_watch import watching
@@ -50,14 +50,6 @@ def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             if p.pid and p.proc is not None and p.proc.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "lc" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("lc"), request.node.nodeid)
 
 
 def reported(c: LocalCluster, edge_id: str) -> int:

@@ -26,7 +26,7 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import AsyncClient, Client, CompileInfo, FunctionJob
 from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import dsec_status
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -63,14 +63,6 @@ def fncall_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
         c.stop()
         left = subprocess.run(["mount"], capture_output=True, text=True).stdout
         assert str(home) not in left, "mounts left behind"
-
-
-@pytest.fixture(autouse=True)
-def _tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "fncall_cluster" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("fncall_cluster"), request.node.nodeid)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,14 +40,6 @@ def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "rc" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("rc"), request.node.nodeid)
 
 
 def driver(rc: LocalCluster, home: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -28,7 +28,7 @@ import sandbox_fusion
 
 from dsecctl.cluster import EdgeSpec, LocalCluster, free_port
 from libdsec import Client
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import wait_for
 from tests.verl_support import load_verl_sandbox_fusion
 
@@ -73,14 +73,6 @@ def fusion_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "fusion_cluster" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("fusion_cluster"), request.node.nodeid)
 
 
 @pytest.fixture(scope="module")

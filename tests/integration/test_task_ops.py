@@ -28,7 +28,7 @@ from libdsec.errors import (
     SandboxTerminated,
     Unauthenticated,
 )
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import wait_for
 from tests.integration.test_control_plane import project_with_token
 
@@ -49,16 +49,6 @@ def tc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        for name in ("tc", "cc"):
-            if name in request.fixturenames:
-                print_log_tails(request.getfixturevalue(name), request.node.nodeid)
 
 
 def spread(c: Client, task_id: str, per_edge: int = 2, **labels: str) -> list[Sandbox]:

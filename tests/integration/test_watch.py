@@ -29,7 +29,7 @@ from libdsec.errors import (
     Unavailable,
     from_rpc_error,
 )
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import sandbox_factory, wait_for
 from tests.integration.test_control_plane import project_with_token, snapshot
 
@@ -51,14 +51,6 @@ def wc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "wc" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("wc"), request.node.nodeid)
 
 
 class Watch:

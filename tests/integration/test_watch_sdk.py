@@ -17,7 +17,7 @@ import pytest
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import AsyncClient, Client, Sandbox, SandboxInfo, Watch
 from libdsec.errors import DeadlineExceeded, InvalidArgument
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import start_cluster
 from tests.helpers import sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -45,14 +45,6 @@ def watch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(autouse=True)
-def _tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed and "watch_cluster" in request.fixturenames:
-        print_log_tails(request.getfixturevalue("watch_cluster"), request.node.nodeid)
 
 
 @pytest.fixture
