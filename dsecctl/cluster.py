@@ -264,13 +264,14 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         pending = list(procs)
         while pending:
+            supervised = self.supervisor.processes() if self.supervised else {}
             for p in list(pending):
                 if p.proc is not None and p.proc.poll() is not None:
                     raise RuntimeError(
                         f"{p.name} exited with {p.proc.returncode}:\n{self.log_tail(p)}"
                     )
                 if self.supervised:
-                    info = self.supervisor.processes()[p.name]
+                    info = supervised[p.name]
                     if info.state == "FATAL":
                         raise RuntimeError(
                             f"{p.name} could not start ({info.description}):\n{self.log_tail(p)}"
@@ -339,7 +340,8 @@ class LocalCluster:
                 p.pid = find_service_pid(p) or p.pid
             self._stop_processes(30.0)
             return
-        self.status()  # the current PIDs
+        for name, info in self.supervisor.processes().items():  # the current PIDs
+            self.process(name).pid = info.pid
         front = [p for p in self.processes if p.module in ("compat", "apiserver")]
         for p in reversed(front):
             self.supervisor.stop_process(p.name)

@@ -101,11 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up_partial(cluster: LocalCluster, timeout_s: float) -> int:
     """``dsec up`` on a running cluster: starts only the services that are down (a FATAL
     one gets a fresh series of attempts); the others, and every sandbox, are left alone."""
-    down = [
-        p
-        for p in cluster.processes
-        if cluster.supervised_processes()[p.name].state not in UP_STATES
-    ]
+    states = {name: info.state for name, info in cluster.supervised_processes().items()}
+    down = [p for p in cluster.processes if states[p.name] not in UP_STATES]
     if not down:
         print(f"dsec is already running (home {cluster.home}); `dsec status` to see it")
         return 0
@@ -573,6 +570,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _port_base(value: str) -> int:
+    """--port-base: the cluster's ports are it and the 31 after it."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 1024 <= port <= 65535 - 31:
+        raise argparse.ArgumentTypeError(f"{port}: must be in 1024..{65535 - 31}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsec", description="dsec: sandboxes for agentic RL")
     p.add_argument("--version", action="version", version=f"dsec {_version()}")
@@ -590,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--port-base",
-        type=int,
+        type=_port_base,
         default=7100,
         help="the API server's port; the others follow at fixed offsets (+1..+31)",
     )

@@ -72,9 +72,7 @@ class ProcessInfo:
     name: str
     state: str  # STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL, UNKNOWN
     pid: int
-    started_at: float
     description: str  # supervisord's: "pid 123, uptime 0:01:02", "Exited too quickly ..."
-    exit_status: int
 
 
 def _escape(value: str) -> str:
@@ -245,9 +243,7 @@ class Supervisor:
                 name=i["name"],
                 state=i["statename"],
                 pid=int(i["pid"]),
-                started_at=float(i["start"]),
                 description=i["description"],
-                exit_status=int(i["exitstatus"]),
             )
             for i in self.rpc().supervisor.getAllProcessInfo()
             if i["group"] != LISTENER

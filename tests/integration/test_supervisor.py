@@ -120,6 +120,12 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         c = LocalCluster.from_state(home)
         if c is not None:  # `dsec down` failed: stop it from here
             c.stop()
+        # a test that failed between `down --keep-sandboxes` and `up` left containers alone
+        root = home / "edges" / "edge0" / "container" / "runtime" / "runc"
+        for sandbox_id in u.runc_ids().split():
+            subprocess.run(["runc", "--root", str(root), "delete", "--force", sandbox_id])
+        LocalCluster(home).release_mounts()
+        LocalCluster(home).release_swaps()
         assert str(home) not in Path("/proc/self/mountinfo").read_text()
 
 
@@ -214,6 +220,8 @@ def test_restart_of_an_unknown_service_names_the_services(up: Up) -> None:
     assert "no service nope" in out.stderr
     for name in SERVICES:
         assert name in out.stderr
+    bad = up.dsec("up", "--port-base", "65530")
+    assert bad.returncode == 2 and "--port-base" in bad.stderr and "1024.." in bad.stderr, bad
 
 
 def test_a_service_that_cannot_start_is_given_up_and_status_says_why(up: Up) -> None:
