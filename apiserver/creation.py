@@ -115,6 +115,7 @@ class CreationPipeline:
         edge_stub: Callable[[str], Any],
         get_sandbox: Callable[[Caller, str], Awaitable[types_pb2.Sandbox]],
         remember_owner: Callable[[str, str], None],
+        learn_edge: Callable[[str, str], None],
         *,
         max_attempts: int,
         downstream: Callable[[Awaitable[Any], str], Awaitable[Any]],
@@ -124,6 +125,9 @@ class CreationPipeline:
         self.edge_stub = edge_stub
         self.get_sandbox = get_sandbox
         self.remember_owner = remember_owner
+        #: placement's answer names each edge's address: the edge directory learns it, so
+        #: the next call on a new sandbox finds its edge even before the directory's refresh
+        self.learn_edge = learn_edge
         self.max_attempts = max_attempts
         self.downstream = downstream
 
@@ -202,6 +206,8 @@ class CreationPipeline:
             self.placement.PlaceSandboxGroups(req, timeout=DEFAULT_DEADLINE_S), "placement"
         )
         edges = [(e.edge_id, e.address) for e in resp.edges]
+        for edge_id, address in edges:
+            self.learn_edge(edge_id, address)
         for group, gp in zip(members, resp.placements, strict=True):
             indexes = gp.edge_indexes
             for it, idx in zip(group, indexes, strict=False):

@@ -59,6 +59,7 @@ class Gateway:
             edges.stub_for_address,
             self.get,
             self.owners.put,
+            edges.learn,
             max_attempts=cfg.max_create_attempts,
             downstream=downstream,
         )

@@ -146,6 +146,10 @@ class EdgeDirectory:
             self._refreshing = asyncio.ensure_future(self.refresh())
         await asyncio.shield(self._refreshing)
 
+    def learn(self, edge_id: str, address: str) -> None:
+        """An edge's address as another service just gave it (placement's answer)."""
+        self.addresses[edge_id] = address
+
     async def address(self, edge_id: str) -> str | None:
         addr = self.addresses.get(edge_id)
         if addr is None and time.monotonic() - self._last_refresh > 0.2:
