@@ -481,6 +481,12 @@ class ExecServicer(_Forwarder):
         timeout = (request.timeout_s or 30.0) + EXEC_MARGIN_S
         return await self._unary("SendHttp", request, context, timeout=timeout)  # type: ignore[no-any-return]
 
+    async def WaitForPort(
+        self, request: types_pb2.WaitForPortRequest, context: Any
+    ) -> types_pb2.WaitForPortResponse:
+        timeout = (request.timeout_s or 30.0) + EXEC_MARGIN_S
+        return await self._unary("WaitForPort", request, context, timeout=timeout)  # type: ignore[no-any-return]
+
 
 class FileServicer(_Forwarder):
     async def ReadFile(

@@ -162,6 +162,7 @@ class Engine:
             "remove_watcher": self._remove_watcher,
             "watch_dir": self._watch_dir,
             "http": self._http,
+            "wait_for_port": self._wait_for_port,
             "status": self._status,
         }
 
@@ -475,6 +476,11 @@ class Engine:
         from chronus.httpcall import http_request
 
         stream.send("http", http_request(req))
+
+    def _wait_for_port(self, stream: Stream, req: dict[str, Any]) -> None:
+        from chronus.httpcall import wait_for_port
+
+        stream.send("wait_for_port", wait_for_port(req, lambda: stream.cancelled))
 
     def _status(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send(

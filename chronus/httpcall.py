@@ -6,6 +6,7 @@ from chronus.errors import DEADLINE_EXCEEDED, UNAVAILABLE, ChronusError, invalid
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 MIB = 1024 * 1024
@@ -60,3 +61,44 @@ def http_request(req: dict[str, Any]) -> dict[str, Any]:
         raise ChronusError(UNAVAILABLE, "HTTP_ERROR", f"127.0.0.1:{port}: {exc}") from None
     finally:
         conn.close()
+
+
+#: How often a wait for a port tries to connect.
+PORT_POLL_S = 0.02
+MAX_PORT_WAIT_S = 3600.0
+
+
+def wait_for_port(
+    req: dict[str, Any], cancelled: Callable[[], bool] = lambda: False
+) -> dict[str, Any]:
+    """Connects to 127.0.0.1:port every PORT_POLL_S until one is accepted (and closes it at
+    once: nothing is sent), for up to ``timeout_s``; stops early when ``cancelled()``."""
+    import _socket
+    import time
+
+    port = int(req.get("port", 0))
+    if not 1 <= port <= 65535:
+        raise invalid(f"port must be 1..65535, got {port}")
+    timeout = float(req.get("timeout_s", 0)) or DEFAULT_TIMEOUT_S
+    if not 0 < timeout <= MAX_PORT_WAIT_S:
+        raise invalid(f"timeout_s must be in (0, {MAX_PORT_WAIT_S:g}], got {timeout:g}")
+    start = time.monotonic()
+    deadline = start + timeout
+    while not cancelled():
+        s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        try:
+            s.settimeout(max(0.05, min(1.0, deadline - time.monotonic())))
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return {"waited_s": time.monotonic() - start}
+        except OSError:
+            pass  # a connect that timed out: the listener's backlog is full, try again
+        finally:
+            s.close()
+        if time.monotonic() + PORT_POLL_S >= deadline:
+            break
+        time.sleep(PORT_POLL_S)
+    raise ChronusError(
+        DEADLINE_EXCEEDED,
+        "PORT_NOT_LISTENING",
+        f"nothing listened on 127.0.0.1:{port} within {timeout:g} s",
+    )

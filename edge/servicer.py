@@ -482,6 +482,11 @@ class EdgeServicer:
     ) -> types_pb2.HttpResponse:
         return await self._unary("http", request)  # type: ignore[no-any-return]
 
+    async def WaitForPort(
+        self, request: types_pb2.WaitForPortRequest, context: Any
+    ) -> types_pb2.WaitForPortResponse:
+        return await self._unary("wait_for_port", request)  # type: ignore[no-any-return]
+
     async def ReadFile(
         self, request: types_pb2.ReadFileRequest, context: Any
     ) -> types_pb2.ReadFileResponse:

@@ -330,6 +330,7 @@ class AsyncDirWatch:
 
     async def start(self) -> None:
         """Opens the stream and waits until the sandbox says the watch is established."""
+        self._rpc.check_open()
         self._call = self._rpc.files.WatchDir(self._request, metadata=self._rpc.metadata)
         msg = await self._read()
         if msg is None or msg.WhichOneof("kind") != "started":

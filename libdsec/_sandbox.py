@@ -409,8 +409,15 @@ class AsyncSandbox:
         headers: Mapping[str, str] | None = None,
         body: bytes | str = b"",
         timeout_s: float = 30.0,
+        wait_s: float = 0.0,
     ) -> HttpResponse:
-        """An HTTP request to a service listening on ``port`` inside the sandbox."""
+        """An HTTP request to a service listening on ``port`` inside the sandbox.
+
+        ``wait_s``: first wait up to this long for the server to listen
+        (:meth:`wait_for_port`), e.g. right after starting it; 0 (the default) sends at once,
+        and nothing listening is ``Unavailable`` (reason ``CONNECTION_REFUSED``)."""
+        if wait_s:
+            await self.wait_for_port(port, timeout_s=wait_s)
         c = self.client
         req = types_pb2.HttpRequest(
             sandbox_id=self.id,
@@ -424,6 +431,21 @@ class AsyncSandbox:
         return HttpResponse.from_pb(
             await c._rpc.unary(c._rpc.exec.SendHttp, req, timeout=timeout_s + 30)
         )
+
+    async def wait_for_port(self, port: int, *, timeout_s: float = 30.0) -> float:
+        """Waits until a server inside the sandbox accepts connections on ``port`` (on its
+        loopback: a server bound to 0.0.0.0 or 127.0.0.1), e.g. one just started with
+        :meth:`start`; returns the seconds waited. The sandbox itself tries every 20 ms, so
+        this is one call. Nothing listening within ``timeout_s``: ``DeadlineExceeded``
+        (reason ``PORT_NOT_LISTENING``)::
+
+            sb.start("python3 -m http.server 8000")
+            sb.wait_for_port(8000, timeout_s=10)
+        """
+        req = types_pb2.WaitForPortRequest(sandbox_id=self.id, port=port, timeout_s=timeout_s)
+        rpc = self.client._rpc
+        resp = await rpc.unary(rpc.exec.WaitForPort, req, timeout=timeout_s + 30)
+        return float(resp.waited_s)
 
     async def _lifecycle(self, method: str, request: Any, timeout: float) -> SandboxInfo:
         rpc = self.client._rpc

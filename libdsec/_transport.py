@@ -24,6 +24,7 @@ import grpc
 from dsec.apiserver.v1 import apiserver_pb2_grpc
 from libdsec.errors import (
     ERROR_TRAILER,
+    ClientClosed,
     DeadlineExceeded,
     DSecError,
     Unavailable,
@@ -115,7 +116,7 @@ SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
         "ResumeTask",
         "StopTask",
     ),
-    "dsec.apiserver.v1.ExecService": ("WaitExec", "ListExecs", "ListSessions"),
+    "dsec.apiserver.v1.ExecService": ("WaitExec", "ListExecs", "ListSessions", "WaitForPort"),
     "dsec.apiserver.v1.FileService": ("ReadFile", "ListDir", "StatPath"),
     "dsec.apiserver.v1.ProjectService": ("WhoAmI", "GetProject", "ListProjects", "ListTokens"),
     "dsec.apiserver.v1.EnvironmentService": ("ListEnvironments", "GetEnvironment", "ListLayers"),
@@ -232,6 +233,7 @@ class Transport:
 
     def __init__(self, target: str, token: str) -> None:
         self.target = target
+        self.closed = False
         #: The bearer token, sent as metadata with every call.
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -259,6 +261,7 @@ class Transport:
         once; that is safe for any call, as nothing was sent. A call whose connection drops
         while it is under way is what the rules above are for.
         """
+        self.check_open()
         try:
             return await self._unary(method, request, timeout)
         except DeadlineExceeded as err:
@@ -315,7 +318,18 @@ class Transport:
     ) -> AsyncIterator[Any]:
         """Opens the server stream ``method(request)`` with the token; see :func:`stream`.
         It waits for the channel as :meth:`unary` does, within ``idle_timeout_s``."""
+        self.check_open()
         return stream(method(request, metadata=self.metadata, wait_for_ready=True), idle_timeout_s)
 
     async def close(self) -> None:
+        self.closed = True
         await self.channel.close()
+
+    def check_open(self) -> None:
+        """Raises :class:`~libdsec.errors.ClientClosed` once :meth:`close` was called (gRPC
+        itself would fail with a bare "Channel is closed", or worse)."""
+        if self.closed:
+            raise ClientClosed(
+                f"the client of the API server at {self.target} was closed; open a new one "
+                "(the sandboxes live on: client.get(sandbox_id))"
+            )

@@ -95,6 +95,7 @@ class AsyncWatch:
         """Opens the stream and waits for the server's first keepalive, which it sends once it
         follows every edge: from then on, every change is reported. Iterating starts it too."""
         if not self._started and not self._closed:
+            self._rpc.check_open()
             self._started = True
             self._call = self._rpc.sandboxes.WatchSandboxes(
                 self._request,

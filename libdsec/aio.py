@@ -176,6 +176,7 @@ class AsyncClient:
         compile_s = compile_time_limit_s or 30.0  # the edge's default
         deadline = timeout if timeout is not None else (time_limit_s or 10.0) + compile_s + 180.0
         pb = job.to_pb()
+        self._rpc.check_open()
         msg = await self._job_stream.call_if_supported(
             apiserver_pb2.StreamFunctionsRequest(job=pb), timeout=deadline
         )

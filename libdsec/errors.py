@@ -23,6 +23,7 @@ Tree::
     ├── AlreadyExists             ALREADY_EXISTS
     ├── FailedPrecondition        FAILED_PRECONDITION  wrong lifecycle state
     │   ├── SandboxTerminated
+    │   ├── ClientClosed          a handle used after its client was closed (SDK-side)
     │   ├── LayerCorrupt
     │   └── BackendNotOffered     no edge of the cluster offers the backend asked for
     ├── ResourceExhausted         RESOURCE_EXHAUSTED   quota/capacity: retry later
@@ -63,6 +64,7 @@ __all__ = [
     "BackendNotOffered",
     "Cancelled",
     "ChannelClosed",
+    "ClientClosed",
     "DSecError",
     "DeadlineExceeded",
     "EdgeCapacity",
@@ -166,6 +168,14 @@ class FailedPrecondition(DSecError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     default_reason = "FAILED_PRECONDITION"
+
+
+class ClientClosed(FailedPrecondition):
+    """The client a handle belongs to (a sandbox, a process, a session) was closed. Nothing
+    happened to the sandbox: open a new client and get it again (``client.get(sandbox_id)``).
+    Raised by the SDK itself; never sent by a server."""
+
+    default_reason = "CLIENT_CLOSED"
 
 
 class SandboxTerminated(FailedPrecondition):

@@ -22,7 +22,15 @@ import builtins
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
 from libdsec._files import AsyncDirWatch
@@ -35,7 +43,7 @@ from libdsec.aio import (
     AsyncSession,
     AsyncWatch,
 )
-from libdsec.errors import DSecError
+from libdsec.errors import ClientClosed, DSecError
 from libdsec.options import CreateOptions, SandboxOptions
 from libdsec.types import (
     Environment,
@@ -73,6 +81,13 @@ class _Loop:
         self.thread.start()
 
     def run(self, coro: Awaitable[T]) -> T:
+        if self.loop.is_closed():  # a handle kept past its Client's close
+            if isinstance(coro, Coroutine):
+                coro.close()  # never to run: no "coroutine was never awaited" warning
+            raise ClientClosed(
+                "the Client this handle belongs to was closed; open a new Client (the "
+                "sandboxes live on: client.get(sandbox_id))"
+            )
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
@@ -565,6 +580,10 @@ class Sandbox:
 
     def http(self, port: int, path: str = "/", **kw: Any) -> HttpResponse:
         return self._c._loop.run(self._s.http(port, path, **kw))
+
+    def wait_for_port(self, port: int, **kw: Any) -> float:
+        """See :meth:`AsyncSandbox.wait_for_port`: ``sb.wait_for_port(8000, timeout_s=10)``."""
+        return self._c._loop.run(self._s.wait_for_port(port, **kw))
 
     def stop(self, **kw: Any) -> SandboxInfo:
         return self._c._loop.run(self._s.stop(**kw))

@@ -6,6 +6,7 @@ test labels its sandboxes with its node id and stops them, also on failure.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -19,9 +20,11 @@ from typing import Any
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
-from libdsec import Client, Exited, Output, Sandbox, Started
+from libdsec import AsyncClient, Client, Exited, Output, Sandbox, Started
 from libdsec.errors import (
     BackendNotOffered,
+    ClientClosed,
+    DeadlineExceeded,
     DSecError,
     ImageNotFound,
     InvalidArgument,
@@ -258,19 +261,62 @@ def test_upload_and_download_stream_large_files(
 
 
 def test_http_into_the_sandbox(make_sandbox: Callable[..., Sandbox]) -> None:
+    """Right after a server is started, `http(wait_s=)` waits for it to listen; without it,
+    nothing listening yet is CONNECTION_REFUSED."""
     sb = make_sandbox()
     sb.files.write("/www/index.html", "<h1>inside</h1>")
-    sb.start("httpd -f -p 8080 -h /www")
-    resp = wait_for(lambda: _try_http(sb, 8080), timeout_s=10)
+    with pytest.raises(Unavailable) as refused:
+        sb.http(8080, "/index.html", timeout_s=2)
+    assert refused.value.reason == "CONNECTION_REFUSED"
+    sb.start("sleep 0.5; exec httpd -f -p 8080 -h /www")
+    resp = sb.http(8080, "/index.html", timeout_s=2, wait_s=10)
     assert resp.status == 200 and resp.body == b"<h1>inside</h1>"
-    assert _try_http(sb, 8080, "/missing").status == 404
+    assert sb.http(8080, "/missing", timeout_s=2).status == 404
 
 
-def _try_http(sb: Sandbox, port: int, path: str = "/index.html") -> Any:
+def test_wait_for_port(make_sandbox: Callable[..., Sandbox]) -> None:
+    """It returns once the server listens (not before: the server starts 1 s late), answers at
+    once for a port already listening, and ends with PORT_NOT_LISTENING at its timeout."""
+    sb = make_sandbox()
+    sb.start("sleep 1; exec httpd -f -p 7000 -h /")
+    waited = sb.wait_for_port(7000, timeout_s=15)
+    assert 0.7 < waited < 10, waited
+    assert sb.wait_for_port(7000, timeout_s=5) < 0.5
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        sb.wait_for_port(7001, timeout_s=1)
+    assert info.value.reason == "PORT_NOT_LISTENING" and "7001" in str(info.value)
+    assert time.monotonic() - t0 < 8
+    with pytest.raises(InvalidArgument):
+        sb.wait_for_port(0, timeout_s=1)
+
+
+def test_a_handle_used_after_its_client_closed_says_so(container_cluster: LocalCluster) -> None:
+    """A sandbox handle kept past its Client's close raises ClientClosed (typed, saying what
+    to do), not "Event loop is closed"; the sandbox itself lives on; the same for AsyncClient."""
+    c = Client(container_cluster.apiserver, token=container_cluster.token)
+    sb = c.create(image="busybox", memory_mb=64, labels={"test": "handle-after-close"})
     try:
-        return sb.http(port, path, timeout_s=2)
-    except DSecError:
-        return None
+        c.close()
+        with pytest.raises(ClientClosed) as info:
+            sb.run("true")
+        assert "client.get" in str(info.value)
+        with pytest.raises(ClientClosed):
+            sb.files.read("/etc/hostname")
+    finally:
+        with Client(container_cluster.apiserver, token=container_cluster.token) as again:
+            assert again.get(sb.id).run("echo alive").text == "alive\n"
+            again.get(sb.id).stop(grace_s=0)
+
+    async def async_case() -> None:
+        ac = AsyncClient(container_cluster.apiserver, token=container_cluster.token)
+        await ac.close()
+        with pytest.raises(ClientClosed):
+            await ac.list()
+        with pytest.raises(ClientClosed):
+            await ac.fncall(language="bash", code="true")
+
+    asyncio.run(async_case())
 
 
 # ----------------------------------------------------------------- lifecycle

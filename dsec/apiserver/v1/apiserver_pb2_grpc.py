@@ -899,6 +899,11 @@ class ExecServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.FromString,
                 _registered_method=True)
+        self.WaitForPort = channel.unary_unary(
+                '/dsec.apiserver.v1.ExecService/WaitForPort',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.FromString,
+                _registered_method=True)
 
 
 class ExecServiceServicer:
@@ -987,6 +992,14 @@ class ExecServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitForPort(self, request, context):
+        """Waits until a server inside the sandbox listens on a port (e.g. after starting it in
+        the background), instead of retrying a request that fails with CONNECTION_REFUSED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1049,6 +1062,11 @@ def add_ExecServiceServicer_to_server(servicer, server):
                     servicer.SendHttp,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.SerializeToString,
+            ),
+            'WaitForPort': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForPort,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1377,6 +1395,33 @@ class ExecService:
             '/dsec.apiserver.v1.ExecService/SendHttp',
             dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForPort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.ExecService/WaitForPort',
+            dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.FromString,
             options,
             channel_credentials,
             insecure,

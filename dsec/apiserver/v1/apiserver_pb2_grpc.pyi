@@ -366,6 +366,10 @@ class ExecServiceStub:
     ListSessions: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]
     SendHttp: _grpc.UnaryUnaryMultiCallable[_types_pb2.HttpRequest, _types_pb2.HttpResponse]
     """An HTTP request to a port inside the sandbox."""
+    WaitForPort: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitForPortRequest, _types_pb2.WaitForPortResponse]
+    """Waits until a server inside the sandbox listens on a port (e.g. after starting it in
+    the background), instead of retrying a request that fails with CONNECTION_REFUSED.
+    """
 
 @_typing.type_check_only
 class ExecServiceAsyncStub(ExecServiceStub):
@@ -394,6 +398,10 @@ class ExecServiceAsyncStub(ExecServiceStub):
     ListSessions: _aio.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]  # type: ignore[assignment]
     SendHttp: _aio.UnaryUnaryMultiCallable[_types_pb2.HttpRequest, _types_pb2.HttpResponse]  # type: ignore[assignment]
     """An HTTP request to a port inside the sandbox."""
+    WaitForPort: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitForPortRequest, _types_pb2.WaitForPortResponse]  # type: ignore[assignment]
+    """Waits until a server inside the sandbox listens on a port (e.g. after starting it in
+    the background), instead of retrying a request that fails with CONNECTION_REFUSED.
+    """
 
 class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------- execution"""
@@ -491,6 +499,16 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.HttpResponse, _abc.Awaitable[_types_pb2.HttpResponse]]:
         """An HTTP request to a port inside the sandbox."""
+
+    @_abc_1.abstractmethod
+    def WaitForPort(
+        self,
+        request: _types_pb2.WaitForPortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.WaitForPortResponse, _abc.Awaitable[_types_pb2.WaitForPortResponse]]:
+        """Waits until a server inside the sandbox listens on a port (e.g. after starting it in
+        the background), instead of retrying a request that fails with CONNECTION_REFUSED.
+        """
 
 def add_ExecServiceServicer_to_server(servicer: ExecServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

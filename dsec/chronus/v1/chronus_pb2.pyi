@@ -56,6 +56,7 @@ class Request(_message.Message):
     WATCHER_EVENTS_FIELD_NUMBER: _builtins.int
     REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
     WATCH_DIR_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_PORT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec(self) -> _types_pb2.ExecRequest:
         """-> one exec_result"""
@@ -126,6 +127,8 @@ class Request(_message.Message):
     def watch_dir(self) -> _types_pb2.WatchDirRequest:
         """-> watch_event ... (started first)"""
 
+    @_builtins.property
+    def wait_for_port(self) -> _types_pb2.WaitForPortRequest: ...
     def __init__(
         self,
         *,
@@ -157,12 +160,13 @@ class Request(_message.Message):
         watcher_events: _types_pb2.GetWatcherEventsRequest | None = ...,
         remove_watcher: _types_pb2.RemoveWatcherRequest | None = ...,
         watch_dir: _types_pb2.WatchDirRequest | None = ...,
+        wait_for_port: _types_pb2.WaitForPortRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir", "wait_for_port"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -197,6 +201,7 @@ class Response(_message.Message):
     WATCHER_EVENTS_FIELD_NUMBER: _builtins.int
     REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
     WATCH_EVENT_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_PORT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec_result(self) -> _types_pb2.ExecResult: ...
     @_builtins.property
@@ -247,6 +252,8 @@ class Response(_message.Message):
     def remove_watcher(self) -> _types_pb2.RemoveWatcherResponse: ...
     @_builtins.property
     def watch_event(self) -> _types_pb2.WatchDirResponse: ...
+    @_builtins.property
+    def wait_for_port(self) -> _types_pb2.WaitForPortResponse: ...
     def __init__(
         self,
         *,
@@ -275,12 +282,13 @@ class Response(_message.Message):
         watcher_events: _types_pb2.GetWatcherEventsResponse | None = ...,
         remove_watcher: _types_pb2.RemoveWatcherResponse | None = ...,
         watch_event: _types_pb2.WatchDirResponse | None = ...,
+        wait_for_port: _types_pb2.WaitForPortResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["exec_result", "exec_event", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_chunk", "http", "status", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_event"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["exec_result", "exec_event", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_chunk", "http", "status", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_event", "wait_for_port"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

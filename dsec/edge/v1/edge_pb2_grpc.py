@@ -170,6 +170,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.FromString,
                 _registered_method=True)
+        self.WaitForPort = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/WaitForPort',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.FromString,
+                _registered_method=True)
         self.ReadFile = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/ReadFile',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ReadFileRequest.SerializeToString,
@@ -468,6 +473,12 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitForPort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadFile(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -750,6 +761,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.SendHttp,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.SerializeToString,
+            ),
+            'WaitForPort': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForPort,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.SerializeToString,
             ),
             'ReadFile': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadFile,
@@ -1596,6 +1612,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/SendHttp',
             dsec_dot_types_dot_v1_dot_types__pb2.HttpRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.HttpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForPort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/WaitForPort',
+            dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.WaitForPortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,7 @@ class EdgeServiceStub:
     CloseSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]
     ListSessions: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]
     SendHttp: _grpc.UnaryUnaryMultiCallable[_types_pb2.HttpRequest, _types_pb2.HttpResponse]
+    WaitForPort: _grpc.UnaryUnaryMultiCallable[_types_pb2.WaitForPortRequest, _types_pb2.WaitForPortResponse]
     ReadFile: _grpc.UnaryUnaryMultiCallable[_types_pb2.ReadFileRequest, _types_pb2.ReadFileResponse]
     WriteFile: _grpc.UnaryUnaryMultiCallable[_types_pb2.WriteFileRequest, _types_pb2.WriteFileResponse]
     ListDir: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListDirRequest, _types_pb2.ListDirResponse]
@@ -171,6 +172,7 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     CloseSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]  # type: ignore[assignment]
     ListSessions: _aio.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]  # type: ignore[assignment]
     SendHttp: _aio.UnaryUnaryMultiCallable[_types_pb2.HttpRequest, _types_pb2.HttpResponse]  # type: ignore[assignment]
+    WaitForPort: _aio.UnaryUnaryMultiCallable[_types_pb2.WaitForPortRequest, _types_pb2.WaitForPortResponse]  # type: ignore[assignment]
     ReadFile: _aio.UnaryUnaryMultiCallable[_types_pb2.ReadFileRequest, _types_pb2.ReadFileResponse]  # type: ignore[assignment]
     WriteFile: _aio.UnaryUnaryMultiCallable[_types_pb2.WriteFileRequest, _types_pb2.WriteFileResponse]  # type: ignore[assignment]
     ListDir: _aio.UnaryUnaryMultiCallable[_types_pb2.ListDirRequest, _types_pb2.ListDirResponse]  # type: ignore[assignment]
@@ -414,6 +416,13 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.HttpRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.HttpResponse, _abc.Awaitable[_types_pb2.HttpResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WaitForPort(
+        self,
+        request: _types_pb2.WaitForPortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.WaitForPortResponse, _abc.Awaitable[_types_pb2.WaitForPortResponse]]: ...
 
     @_abc_1.abstractmethod
     def ReadFile(

@@ -2653,6 +2653,58 @@ class HttpResponse(_message.Message):
 Global___HttpResponse: _TypeAlias = HttpResponse  # noqa: Y015
 
 @_typing.final
+class WaitForPortRequest(_message.Message):
+    """Waits until something inside the sandbox accepts TCP connections on 127.0.0.1:port (a
+    server bound to 0.0.0.0 or to loopback). Nothing is sent: each try connects and closes.
+    Nothing listening by the end of timeout_s: DEADLINE_EXCEEDED, reason PORT_NOT_LISTENING.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    port: _builtins.int
+    """1..65535"""
+    timeout_s: _builtins.float
+    """0 = 30; at most 3600"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        port: _builtins.int = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "sandbox_id", b"sandbox_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitForPortRequest: _TypeAlias = WaitForPortRequest  # noqa: Y015
+
+@_typing.final
+class WaitForPortResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITED_S_FIELD_NUMBER: _builtins.int
+    waited_s: _builtins.float
+    """from the request's arrival in the sandbox to the first accept"""
+    def __init__(
+        self,
+        *,
+        waited_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["waited_s", b"waited_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitForPortResponse: _TypeAlias = WaitForPortResponse  # noqa: Y015
+
+@_typing.final
 class Layer(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
