@@ -11,7 +11,7 @@ decides, for every method of every service:
   and reaches the caller as INTERNAL without a stack trace;
 - ``CancelledError`` is never swallowed.
 
-It also adds gRPC health and reflection (what grpcurl needs), the tracing
+It also adds gRPC health and reflection (what `dsec grpc` and grpcurl need), the tracing
 interceptor, and graceful shutdown: health NOT_SERVING -> stop(grace) ->
 cancel background tasks -> close resources.
 """

@@ -40,10 +40,22 @@ def add_parser(sub: Any) -> None:
     inp.add_argument("--stdin-file", default=None, help="the job's stdin from a file")
     inp.add_argument("--cases", default=None, help="glob of stdin files: one job per case")
     fn.add_argument("--attach", action="append", default=[], help="extra file PATH[=NAME]")
-    fn.add_argument("--time-limit-s", type=float, default=0.0)
-    fn.add_argument("--cpu-limit-s", type=float, default=0.0)
-    fn.add_argument("--memory-mb", type=int, default=0)
-    fn.add_argument("--max-output-bytes", type=int, default=0)
+    fn.add_argument(
+        "--time-limit-s", type=float, default=0.0, help="wall-clock limit in seconds (0: 10)"
+    )
+    fn.add_argument(
+        "--cpu-limit-s",
+        type=float,
+        default=0.0,
+        help="CPU-time limit in seconds (0: the wall limit)",
+    )
+    fn.add_argument("--memory-mb", type=int, default=0, help="memory limit in MiB (0: 256)")
+    fn.add_argument(
+        "--max-output-bytes",
+        type=int,
+        default=0,
+        help="per stream; more is verdict OUTPUT_LIMIT (0: 1 MiB)",
+    )
     fn.add_argument("--env", default="", help="pool environment (default: the language's)")
     fn.add_argument("--parallelism", type=int, default=0, help="with --cases")
     fn.add_argument("--json", action="store_true", help="print results as JSON lines")

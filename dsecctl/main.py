@@ -10,20 +10,23 @@
     dsec whoami
     dsec project create NAME [--parent P] [--cpu-millis N] [--memory-mb N] [--sandboxes N]
     dsec project list [--recursive] | dsec project show [ID] | dsec project quota ID [--sandboxes N ...]
+    dsec project delete ID                           an empty one; its tokens are revoked
     dsec token create NAME [--project P] [--agent] [--admin] [--ttl-s N]
     dsec token list | dsec token revoke ID
-    dsec sandbox create [--image I] [--cpu C] [--memory-mb M] [--ttl-s T] [--label k=v] [--task T]
-                        [--count N]
-    dsec sandbox list [--task T] | dsec sandbox exec ID -- CMD... | dsec sandbox stop ID|--task T
-    dsec sandbox watch [--task T] [--label k=v]... [--json]   one line per change, until Ctrl-C
-    dsec sandbox pack ID NAME [--exclude GLOB]... [--no-default-excludes]
+    dsec sandbox create|list|show|exec|shell|cp|logs|ps|pause|resume|stop|watch|pack ...
+                                                     see dsecctl/sandbox_cli.py and docs/CLI.md
     dsec task pause|resume|stop TASK_ID [--label k=v]... [--preempted] [--grace-s S] [--json]
                                                      every sandbox of a task: one line each
     dsec env list [PREFIX] | dsec env show NAME | dsec env layers | dsec env rm NAME
     dsec env import SOURCE [--name N] [--kind K] [--base B]   docker:REF, dir:/path, tar:/path
     dsec env compose NAME --base B [--workspace W] [--toolkit T]...
     dsec fncall -l LANG (-c CODE | -f FILE) [--stdin-file F | --cases GLOB]   short jobs in warm pools
+    dsec grpc [ADDRESS] list [SERVICE] | describe SYMBOL | METHOD [-d JSON]
+                                                     any service, over gRPC reflection
     dsec demo                                        a short tour through libdsec
+
+Every command that prints data takes --json; a failure exits non-zero with one line on stderr
+naming the command and the error (docs/CLI.md is the reference).
 
 The local cluster lives in $DSEC_HOME (default ~/.dsec): cluster.json,
 token (0600), logs/, and each service's state.
@@ -32,18 +35,28 @@ token (0600), logs/, and each service's state.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import os
-import shlex
 import signal
 import sys
 import time
 from typing import Any
 
+from dsecctl.cli_common import (
+    client,
+    error_json,
+    json_option,
+    label_option,
+    print_env,
+    print_json,
+    progress,
+    size_text,
+)
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from dsecctl.fncall import add_parser as add_fncall_parser
+from dsecctl.grpc_cli import add_parser as add_grpc_parser
+from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
 from libdsec.errors import DSecError
@@ -91,10 +104,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"verl:     sandbox_fusion_url={cluster.sandbox_fusion_url}/t/$(dsec token create verl"
             " --agent)/run_code"
         )
-    print(
-        f'grpcurl:  grpcurl -plaintext -H "authorization: Bearer $(cat {cluster.token_file})" '
-        f"{cluster.apiserver} list"
-    )
+    print("gRPC:     dsec grpc list   (any service: dsec grpc ADDRESS list; dsec grpc --help)")
     return 0
 
 
@@ -157,34 +167,51 @@ def cmd_restart(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None:
-        print("dsec is not running (no cluster.json)")
+        if args.json:
+            print_json({"running": False, "services": []})
+        else:
+            print("dsec is not running (no cluster.json)")
         return 1
     bad = 0
     status = cluster.status()
     supervised = cluster.supervised_processes()
     restarts = cluster.supervisor.restarts() if supervised else {}
-    if cluster.supervised and not supervised:
+    supervisor_down = cluster.supervised and not supervised
+    if supervisor_down and not args.json:
         print("supervisord is not running: crashed services will not be restarted (`dsec up`)")
-        bad += 1
+    bad += supervisor_down
+    services = []
     for name, state in status.items():
         p = cluster.process(name)
         address = f"http://{p.address}" if p.protocol == "http" else p.address
+        row: dict[str, Any] = {"name": name, "state": state, "address": address, "pid": p.pid}
         extra = ""
         if name in supervised:
             info = supervised[name]
             n = restarts.get(name, {}).get("restarts", 0)
             # supervisord's description: "pid 12, uptime 0:01:02", "Exited too quickly ..."
+            row["supervisor"] = info.description
+            row["restarts"] = n
             extra = f"  {info.description.removeprefix(f'pid {info.pid}, ')}; restarts {n}"
-        print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}{extra}")
         bad += state != "SERVING"
+        details: list[str] = []
         if name.startswith("edge-") and state == "SERVING":
-            for line in _pool_lines(p.address):
-                print(f"{'':<12} {line}")
+            details = _pool_lines(p.address)
         elif state not in ("SERVING", "DOWN") and name in supervised:
             # BACKOFF, FATAL, ...: why, from the service's own log
-            print(f"{'':<12} last lines of {p.log_path}:")
-            for line in cluster.log_tail(p, lines=10).splitlines():
-                print(f"{'':<14}{line}")
+            details = [f"last lines of {p.log_path}:"] + [
+                f" {line}" for line in cluster.log_tail(p, lines=10).splitlines()
+            ]
+        row["details"] = details
+        services.append(row)
+        if not args.json:
+            print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}{extra}")
+            for line in details:
+                print(f"{'':<12} {line}")
+    if args.json:
+        print_json(
+            {"running": True, "supervisor_running": not supervisor_down, "services": services}
+        )
     return 1 if bad else 0
 
 
@@ -242,15 +269,12 @@ def _pause_line(p: Any) -> list[str]:
     ]
 
 
-def _client() -> Any:
-    from libdsec import Client
-
-    return Client()
-
-
 def cmd_whoami(args: argparse.Namespace) -> int:
-    with _client() as c:
+    with client() as c:
         p = c.whoami()
+        if args.json:
+            print_json(p)
+            return 0
         print(
             f"{p.name} ({p.kind.lower()}, {p.role.lower()}) in project {p.project_id}; token id {p.principal_id}"
         )
@@ -260,12 +284,15 @@ def cmd_whoami(args: argparse.Namespace) -> int:
 def cmd_project(args: argparse.Namespace) -> int:
     from libdsec import Quota
 
-    with _client() as c:
+    with client() as c:
         if args.action == "create":
             q = Quota(
                 cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
             )
             p = c.create_project(args.name, parent=args.parent, quota=q)
+            if args.json:
+                print_json(p)
+                return 0
             print(
                 f"created {p.project_id}  quota cpu_millis={q.cpu_millis} memory_mb={q.memory_mb} sandboxes={q.sandboxes}"
             )
@@ -273,11 +300,18 @@ def cmd_project(args: argparse.Namespace) -> int:
             q = Quota(
                 cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
             )
-            _print_project(c.set_quota(args.project_id, q))
+            _print_project(c.set_quota(args.project_id, q), args.json)
         elif args.action == "show":
-            _print_project(c.get_project(args.project_id))
+            _print_project(c.get_project(args.project_id), args.json)
+        elif args.action == "delete":
+            c.delete_project(args.project_id)
+            print(f"deleted {args.project_id}")
         else:
-            for p in c.list_projects(args.parent, recursive=args.recursive):
+            projects = c.list_projects(args.parent, recursive=args.recursive)
+            if args.json:
+                print_json(projects)
+                return 0
+            for p in projects:
                 print(
                     f"{p.project_id:<40} sandboxes {p.usage.sandboxes}/{p.quota.sandboxes or '-'}  "
                     f"cpu {p.usage.cpu_millis}/{p.quota.cpu_millis or '-'}  mem {p.usage.memory_mb}/{p.quota.memory_mb or '-'}"
@@ -285,7 +319,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_project(p: Any) -> None:
+def _print_project(p: Any, as_json: bool) -> None:
+    if as_json:
+        print_json(p)
+        return
     print(p.project_id)
     for dim in ("sandboxes", "cpu_millis", "memory_mb"):
         limit = getattr(p.quota, dim)
@@ -296,7 +333,7 @@ def _print_project(p: Any) -> None:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    with _client() as c:
+    with client() as c:
         if args.action == "create":
             t = c.create_token(
                 args.name,
@@ -305,6 +342,9 @@ def cmd_token(args: argparse.Namespace) -> int:
                 admin=args.admin,
                 ttl_s=args.ttl_s,
             )
+            if args.json:  # the secret too: it is shown once
+                print_json(t)
+                return 0
             print(t.secret)
             print(
                 f"(token {t.info.token_id} for {t.info.project_id}, {t.info.kind.lower()}, {t.info.role.lower()}; "
@@ -312,129 +352,21 @@ def cmd_token(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         elif args.action == "list":
-            for t in c.list_tokens(args.project, include_revoked=True):
+            tokens = c.list_tokens(args.project, include_revoked=True)
+            if args.json:
+                print_json(tokens)
+                return 0
+            for t in tokens:
                 print(
                     f"{t.token_id}  {t.name:<24} {t.project_id:<30} {t.kind.lower():<6} {t.role.lower():<6}"
                     f"{' revoked' if t.revoked else ''}"
                 )
         else:
             c.revoke_token(args.token_id)
-            print(f"revoked {args.token_id}")
-    return 0
-
-
-def _label_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--label",
-        action="append",
-        default=[],
-        type=_label,
-        metavar="KEY=VALUE",
-        help="only sandboxes with this label (repeatable: all must match)",
-    )
-
-
-def _label(item: str) -> tuple[str, str]:
-    """A ``--label`` argument: ``KEY=VALUE`` (the value may be empty, the key not)."""
-    key, eq, value = item.partition("=")
-    if not eq or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {item!r}")
-    return key, value
-
-
-def _labels(items: list[tuple[str, str]]) -> dict[str, str]:
-    return dict(items)
-
-
-def _watch(c: Any, args: argparse.Namespace) -> int:
-    """One line per change of the matching sandboxes until Ctrl-C (exit 0) or the stream ends.
-    Text: ``time id state reason``; ``--json``: one object per line."""
-    try:
-        with c.watch(task_id=args.task, labels=_labels(args.label)) as changes:
-            # on stderr (stdout stays one change per line): from here on, nothing is missed
-            print("watching (Ctrl-C to stop)", file=sys.stderr, flush=True)
-            for info in changes:
-                now = datetime.datetime.now(datetime.UTC)
-                if args.json:
-                    line = json.dumps(
-                        {
-                            "time": now.isoformat(timespec="milliseconds"),
-                            "id": info.id,
-                            "state": info.state,
-                            "reason": info.termination_reason,
-                            "message": info.termination_message,
-                            "task_id": info.task_id,
-                            "labels": info.labels,
-                            "edge_id": info.edge_id,
-                            "image": info.image,
-                        }
-                    )
-                else:
-                    reason = info.termination_reason or "-"
-                    line = f"{now.isoformat(timespec='milliseconds')}  {info.id}  {info.state:<10} {reason}"
-                print(line, flush=True)
-    except KeyboardInterrupt:
-        return 0
-    return 0
-
-
-def cmd_sandbox(args: argparse.Namespace) -> int:
-    with _client() as c:
-        if args.action == "create":
-            options = dict(
-                image=args.image,
-                cpu=args.cpu,
-                memory_mb=args.memory_mb,
-                ttl_s=args.ttl_s,
-                labels=_labels(args.label),
-                task_id=args.task,
-                backend=args.backend,
-            )
-            if args.count > 1:  # one CreateSandboxes call, one line per sandbox or error
-                failed = 0
-                for r in c.create_many(args.count, **options):
-                    if isinstance(r, DSecError):
-                        failed += 1
-                        print(f"error {type(r).__name__} [{r.reason}]: {r.message}")
-                    else:
-                        print(r.id)
-                return 1 if failed else 0
-            sb = c.create(**options)
-            print(sb.id)
-        elif args.action == "watch":
-            return _watch(c, args)
-        elif args.action == "list":
-            for s in c.list(task_id=args.task):
-                reason = f" ({s.termination_reason})" if s.termination_reason else ""
-                print(
-                    f"{s.id}  {s.state:<10}{reason} {s.image:<16} task={s.task_id or '-'} edge={s.edge_id}"
-                )
-        elif args.action == "exec":
-            cmd = args.command
-            if cmd and cmd[0] == "--":
-                cmd = cmd[1:]
-            r = c.get(args.sandbox_id).run(shlex.join(cmd), timeout_s=args.timeout_s)
-            sys.stdout.buffer.write(r.stdout)
-            sys.stderr.buffer.write(r.stderr)
-            if r.timed_out:
-                print(f"dsec: timed out after {args.timeout_s} s", file=sys.stderr)
-                return 124
-            return r.exit_code
-        elif args.action == "stop":
-            if args.sandbox_id:
-                info = c.get(args.sandbox_id).stop()
-                print(f"{info.id} {info.state} ({info.termination_reason})")
-            elif args.task:
-                stopped = c.stop_all(task_id=args.task)
-                print(f"stopped {len(stopped)} sandboxes of task {args.task}")
+            if args.json:
+                print_json({"token_id": args.token_id, "revoked": True})
             else:
-                print("dsec: give a sandbox id or --task", file=sys.stderr)
-                return 2
-        elif args.action == "pack":
-            env = c.get(args.sandbox_id).pack_diff(
-                args.name, exclude=args.exclude, default_excludes=not args.no_default_excludes
-            )
-            _print_env(env)
+                print(f"revoked {args.token_id}")
     return 0
 
 
@@ -444,8 +376,8 @@ _TASK_DONE = {"pause": "paused", "resume": "resumed", "stop": "stopped"}
 def cmd_task(args: argparse.Namespace) -> int:
     """A task-level operation: one line per sandbox (id and state, or the error's reason and
     message), one per edge that did not answer; exit 1 if anything failed."""
-    labels = _labels(args.label)
-    with _client() as c:
+    labels = dict(args.label)
+    with client() as c:
         if args.action == "pause":
             r = c.pause_task(args.task_id, labels=labels)
         elif args.action == "resume":
@@ -464,7 +396,7 @@ def cmd_task(args: argparse.Namespace) -> int:
                     "state": info.state if info else None,
                     "reason": info.termination_reason if info else None,
                     "labels": info.labels if info else None,
-                    "error": _error_json(err),
+                    "error": error_json(err),
                 }
             )
         elif err is not None:
@@ -477,7 +409,7 @@ def cmd_task(args: argparse.Namespace) -> int:
     for edge in r.edge_errors:
         if args.json:
             print(
-                json.dumps({"id": None, "edge_id": edge.edge_id, "error": _error_json(edge.error)})
+                json.dumps({"id": None, "edge_id": edge.edge_id, "error": error_json(edge.error)})
             )
         else:
             print(f"edge {edge.edge_id}  error {edge.error.reason}: {edge.error.message}")
@@ -493,68 +425,55 @@ def cmd_task(args: argparse.Namespace) -> int:
     return 0 if r.ok else 1
 
 
-def _error_json(err: DSecError | None) -> dict[str, Any] | None:
-    if err is None:
-        return None
-    return {
-        "code": err.code.name,
-        "reason": err.reason,
-        "message": err.message,
-        "metadata": err.metadata,
-    }
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
-def _print_env(env: Any) -> None:
-    print(f"{env.name}  {len(env.layers)} layers, {_size(env.size_bytes)}")
-    for layer in env.layers:
-        print(
-            f"  {layer.kind.lower():<9} {layer.digest[:19]}  {_size(layer.size_bytes):>10}"
-            f"  (metadata {_size(layer.meta_bytes)})  {layer.source}"
-        )
-    for k, v in sorted(env.config.items()):
-        print(f"  {k}={v}")
-
-
 def cmd_env(args: argparse.Namespace) -> int:
-    with _client() as c:
+    with client() as c:
         if args.action == "list":
-            for env in c.list_environments(args.prefix):
-                print(f"{env.name:<48} {len(env.layers):>3} layers  {_size(env.size_bytes):>10}")
-        elif args.action == "show":
-            _print_env(c.get_environment(args.name))
-        elif args.action == "layers":
-            for layer in c.list_layers():
+            envs = c.list_environments(args.prefix)
+            if args.json:
+                print_json(envs)
+                return 0
+            for env in envs:
                 print(
-                    f"{layer.digest}  {layer.kind.lower():<9} {_size(layer.size_bytes):>10}  "
+                    f"{env.name:<48} {len(env.layers):>3} layers  {size_text(env.size_bytes):>10}"
+                )
+        elif args.action == "show":
+            _show_env(c.get_environment(args.name), args.json)
+        elif args.action == "layers":
+            layers = c.list_layers()
+            if args.json:
+                print_json(layers)
+                return 0
+            for layer in layers:
+                print(
+                    f"{layer.digest}  {layer.kind.lower():<9} {size_text(layer.size_bytes):>10}  "
                     f"{layer.source}"
                 )
         elif args.action == "import":
-            _print_env(
-                c.import_image(
+            # one call that says nothing until it is done: a spinner and the time on a terminal
+            with progress(f"importing {args.source}"):
+                env = c.import_image(
                     args.source, args.name, kind=args.kind, base=args.base, all_root=args.all_root
                 )
-            )
+            _show_env(env, args.json)
         elif args.action == "compose":
-            _print_env(
-                c.compose_environment(
+            with progress(f"composing {args.name}"):
+                env = c.compose_environment(
                     args.name, base=args.base, workspace=args.workspace, toolkits=args.toolkit
                 )
-            )
+            _show_env(env, args.json)
         elif args.action == "rm":
             if not c.delete_environment(args.name):
-                print(f"dsec: no environment {args.name}", file=sys.stderr)
+                print(f"dsec env rm: no environment {args.name}", file=sys.stderr)
                 return 1
             print("deleted")
     return 0
+
+
+def _show_env(env: Any, as_json: bool) -> None:
+    if as_json:
+        print_json(env)
+    else:
+        print_env(env)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -584,10 +503,25 @@ def _port_base(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsec", description="dsec: sandboxes for agentic RL")
     p.add_argument("--version", action="version", version=f"dsec {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="topic", required=True, metavar="COMMAND")
+    _cluster_parsers(sub)
+    sub.add_parser("demo", help="a short tour through libdsec").set_defaults(fn=cmd_demo)
+    who = sub.add_parser("whoami", help="who the token is: name, kind, role, project")
+    json_option(who, "print the principal as one JSON object")
+    who.set_defaults(fn=cmd_whoami)
+    _project_parsers(sub)
+    _token_parsers(sub)
+    add_sandbox_parser(sub)
+    _task_parsers(sub)
+    add_fncall_parser(sub)
+    add_grpc_parser(sub)
+    _env_parsers(sub)
+    return p
 
+
+def _cluster_parsers(sub: Any) -> None:
     up = sub.add_parser("up", help="start a local single-node cluster")
-    up.add_argument("--edges", type=int, default=1)
+    up.add_argument("--edges", type=int, default=1, help="edges (container runtime) to start")
     up.add_argument(
         "--apiservers", type=int, default=1, help="API server instances (ports 7100, 7121, ...)"
     )
@@ -602,8 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=7100,
         help="the API server's port; the others follow at fixed offsets (+1..+31)",
     )
-    up.add_argument("--log-level", default="INFO")
-    up.add_argument("--timeout", type=float, default=120.0)
+    up.add_argument(
+        "--log-level", default="INFO", help="the services' log level (DEBUG, INFO, WARNING)"
+    )
+    up.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds every service has to be SERVING"
+    )
     up.set_defaults(fn=cmd_up)
     down = sub.add_parser(
         "down", help="stop the local cluster and its sandboxes; returns once all are gone"
@@ -627,89 +565,81 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=120.0, help="seconds each service has to be SERVING"
     )
     restart.set_defaults(fn=cmd_restart)
-    sub.add_parser(
-        "status", help="health, supervisor state and restarts of every service"
-    ).set_defaults(fn=cmd_status)
-    sub.add_parser("whoami", help="who the token is").set_defaults(fn=cmd_whoami)
-    sub.add_parser("demo", help="a short tour through libdsec").set_defaults(fn=cmd_demo)
+    status = sub.add_parser("status", help="health, supervisor state and restarts of every service")
+    json_option(status, "print the services as one JSON object")
+    status.set_defaults(fn=cmd_status)
 
+
+def _quota_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cpu-millis", type=int, default=0, help="cores x 1000 at most (0: no own limit)"
+    )
+    p.add_argument(
+        "--memory-mb", type=int, default=0, help="memory in MiB at most (0: no own limit)"
+    )
+    p.add_argument("--sandboxes", type=int, default=0, help="sandboxes at once (0: no own limit)")
+
+
+def _project_parsers(sub: Any) -> None:
     proj = sub.add_parser("project", help="projects and quotas")
-    psub = proj.add_subparsers(dest="action", required=True)
-    pc = psub.add_parser("create")
-    pc.add_argument("name")
-    pc.add_argument("--parent", default="")
-    pc.add_argument("--cpu-millis", type=int, default=0)
-    pc.add_argument("--memory-mb", type=int, default=0)
-    pc.add_argument("--sandboxes", type=int, default=0)
-    pl = psub.add_parser("list")
-    pl.add_argument("--parent", default="")
-    pl.add_argument("--recursive", action="store_true")
+    psub = proj.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pc = psub.add_parser("create", help="a subproject (of the token's project by default)")
+    pc.add_argument("name", help="its name (the id is PARENT/NAME)")
+    pc.add_argument("--parent", default="", help="the parent project's id (default: the token's)")
+    _quota_options(pc)
+    json_option(pc, "print the project as one JSON object")
+    pl = psub.add_parser("list", help="projects below one, with usage and quota")
+    pl.add_argument("--parent", default="", help="list below this project (default: the token's)")
+    pl.add_argument("--recursive", action="store_true", help="every level below, not only children")
+    json_option(pl, "print a JSON array of projects")
     ps = psub.add_parser("show", help="quota and usage of a project (default: the token's)")
-    ps.add_argument("project_id", nargs="?", default="")
+    ps.add_argument("project_id", nargs="?", default="", help="the project's id (root/a/b)")
+    json_option(ps, "print the project as one JSON object")
     pq = psub.add_parser("quota", help="set the quota of a subproject (0 = no own limit)")
-    pq.add_argument("project_id")
-    pq.add_argument("--cpu-millis", type=int, default=0)
-    pq.add_argument("--memory-mb", type=int, default=0)
-    pq.add_argument("--sandboxes", type=int, default=0)
+    pq.add_argument("project_id", help="the project's id (root/a/b)")
+    _quota_options(pq)
+    json_option(pq, "print the project as one JSON object")
+    pd = psub.add_parser(
+        "delete", help="delete an empty project (no subprojects, no sandboxes); revokes its tokens"
+    )
+    pd.add_argument("project_id", help="the project's id (root/a/b)")
     proj.set_defaults(fn=cmd_project)
 
+
+def _token_parsers(sub: Any) -> None:
     tok = sub.add_parser("token", help="tokens for humans and agents")
-    tsub = tok.add_subparsers(dest="action", required=True)
-    tc = tsub.add_parser("create")
-    tc.add_argument("name")
-    tc.add_argument("--project", default="")
-    tc.add_argument("--agent", action="store_true")
-    tc.add_argument("--admin", action="store_true")
-    tc.add_argument("--ttl-s", type=int, default=0)
-    tl = tsub.add_parser("list")
-    tl.add_argument("--project", default="")
-    tr = tsub.add_parser("revoke")
-    tr.add_argument("token_id")
+    tsub = tok.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tc = tsub.add_parser("create", help="a new token; prints its secret (shown once)")
+    tc.add_argument("name", help="a name to recognise it by in `token list`")
+    tc.add_argument("--project", default="", help="its project (default: the token's own)")
+    tc.add_argument("--agent", action="store_true", help="an agent's token (not a human's)")
+    tc.add_argument("--admin", action="store_true", help="role admin (default member)")
+    tc.add_argument(
+        "--ttl-s", type=int, default=0, help="expires after this many seconds (0: never)"
+    )
+    json_option(tc, "print the token, secret included, as one JSON object")
+    tl = tsub.add_parser("list", help="tokens of a project, revoked ones too")
+    tl.add_argument("--project", default="", help="this project's tokens (default: the token's)")
+    json_option(tl, "print a JSON array of tokens")
+    tr = tsub.add_parser("revoke", help="revoke a token at once")
+    tr.add_argument("token_id", help="the token's id (as `token list` shows it)")
+    json_option(tr, "print the outcome as one JSON object")
     tok.set_defaults(fn=cmd_token)
 
-    sb = sub.add_parser("sandbox", help="sandboxes")
-    ssub = sb.add_subparsers(dest="action", required=True)
-    sc = ssub.add_parser("create")
-    sc.add_argument("--backend", default="container")
-    sc.add_argument("--image", default="")
-    sc.add_argument("--cpu", type=float, default=None)
-    sc.add_argument("--memory-mb", type=int, default=None)
-    sc.add_argument("--ttl-s", type=int, default=None)
-    sc.add_argument("--label", action="append", default=[], type=_label, metavar="KEY=VALUE")
-    sc.add_argument("--task", default="")
-    sc.add_argument("--count", type=int, default=1, help="create this many in one call")
-    sl = ssub.add_parser("list")
-    sl.add_argument("--task", default="")
-    sw = ssub.add_parser("watch", help="one line per change (time id state reason) until Ctrl-C")
-    sw.add_argument("--task", default="", help="only this task's sandboxes")
-    _label_option(sw)
-    sw.add_argument("--json", action="store_true", help="one JSON object per line")
-    se = ssub.add_parser("exec")
-    se.add_argument("sandbox_id")
-    se.add_argument("--timeout-s", type=float, default=600.0)
-    se.add_argument("command", nargs=argparse.REMAINDER)
-    ss = ssub.add_parser("stop", help="one sandbox, or every sandbox of --task")
-    ss.add_argument("sandbox_id", nargs="?", default="")
-    ss.add_argument("--task", default="")
-    sp = ssub.add_parser("pack", help="checkpoint the writable layer as a new environment")
-    sp.add_argument("sandbox_id")
-    sp.add_argument("name")
-    sp.add_argument("--exclude", action="append", default=[])
-    sp.add_argument("--no-default-excludes", action="store_true")
-    sb.set_defaults(fn=cmd_sandbox)
 
+def _task_parsers(sub: Any) -> None:
     task = sub.add_parser(
         "task", help="pause, resume or stop every sandbox of a task (a preempted job's)"
     )
-    tasksub = task.add_subparsers(dest="action", required=True)
+    tasksub = task.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, what in (
         ("pause", "pause every sandbox of the task (files and processes are kept)"),
         ("resume", "resume every paused sandbox of the task"),
         ("stop", "stop every sandbox of the task"),
     ):
         ta = tasksub.add_parser(action, help=what)
-        ta.add_argument("task_id")
-        _label_option(ta)
+        ta.add_argument("task_id", help="the task id the sandboxes were created with")
+        label_option(ta)
         ta.add_argument("--json", action="store_true", help="one JSON object per line")
         if action == "stop":
             ta.add_argument(
@@ -722,28 +652,47 @@ def build_parser() -> argparse.ArgumentParser:
             )
     task.set_defaults(fn=cmd_task)
 
-    add_fncall_parser(sub)
 
+def _env_parsers(sub: Any) -> None:
     env = sub.add_parser("env", help="environments and layers of the layer store")
-    esub = env.add_subparsers(dest="action", required=True)
-    el = esub.add_parser("list")
-    el.add_argument("prefix", nargs="?", default="")
-    esub.add_parser("show").add_argument("name")
-    esub.add_parser("layers")
-    ei = esub.add_parser("import", help="docker:REF, dir:/path or tar:/path")
-    ei.add_argument("source")
-    ei.add_argument("--name", default="")
-    ei.add_argument("--kind", default="", choices=["", "base", "workspace", "toolkit"])
-    ei.add_argument("--base", default="")
-    ei.add_argument("--all-root", action="store_true")
-    ec = esub.add_parser("compose")
-    ec.add_argument("name")
-    ec.add_argument("--base", required=True)
-    ec.add_argument("--workspace", default="")
-    ec.add_argument("--toolkit", action="append", default=[])
-    esub.add_parser("rm").add_argument("name")
+    esub = env.add_subparsers(dest="action", required=True, metavar="ACTION")
+    el = esub.add_parser("list", help="environments, with layer count and size")
+    el.add_argument("prefix", nargs="?", default="", help="only names starting with this")
+    json_option(el, "print a JSON array of environments")
+    es = esub.add_parser("show", help="an environment's layers and config")
+    es.add_argument("name", help="the environment's name, e.g. busybox or my-env:v2")
+    json_option(es, "print the environment as one JSON object")
+    ely = esub.add_parser("layers", help="every layer of the store")
+    json_option(ely, "print a JSON array of layers")
+    ei = esub.add_parser("import", help="import docker:REF, dir:/path or tar:/path")
+    ei.add_argument("source", help="docker:REPO:TAG, dir:/path or tar:/path.tar")
+    ei.add_argument("--name", default="", help="the environment's name (docker: docker/REPO:TAG)")
+    ei.add_argument(
+        "--kind",
+        default="",
+        choices=["", "base", "workspace", "toolkit"],
+        help="the layer's kind for dir: and tar: (default base)",
+    )
+    ei.add_argument("--base", default="", help="an environment this layer goes on top of")
+    ei.add_argument("--all-root", action="store_true", help="every file owned by root (uid/gid 0)")
+    json_option(ei, "print the environment as one JSON object")
+    ec = esub.add_parser("compose", help="register base + workspace + toolkits as one environment")
+    ec.add_argument("name", help="the new environment's name")
+    ec.add_argument("--base", required=True, help="the base environment")
+    ec.add_argument("--workspace", default="", help="a workspace environment on top")
+    ec.add_argument(
+        "--toolkit", action="append", default=[], help="a toolkit environment (repeatable)"
+    )
+    json_option(ec, "print the environment as one JSON object")
+    er = esub.add_parser("rm", help="delete an environment (its layers stay while used)")
+    er.add_argument("name", help="the environment's name")
     env.set_defaults(fn=cmd_env)
-    return p
+
+
+def _what(args: argparse.Namespace) -> str:
+    """The command that failed, for its error line: ``dsec sandbox exec``."""
+    words = [getattr(args, "topic", ""), getattr(args, "action", "")]
+    return " ".join(["dsec", *(w for w in words if isinstance(w, str) and w)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -759,11 +708,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except DSecError as err:
-        print(f"dsec: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr)
+        print(f"{_what(args)}: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr)
         return 2
-    except (TimeoutError, RuntimeError) as err:
-        print(f"dsec: {err}", file=sys.stderr)
+    except (TimeoutError, RuntimeError, OSError) as err:
+        print(f"{_what(args)}: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

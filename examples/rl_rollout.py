@@ -145,7 +145,7 @@ class Report:
 
 
 async def start_episodes(dsec: AsyncClient, args: argparse.Namespace) -> list[Episode]:
-    if await dsec.list(task_id=args.task):
+    if [s for s in await dsec.list(task_id=args.task) if not s.terminated]:
         sys.exit(
             f"task {args.task} has sandboxes already: run with --resume, or pick another --task"
         )
@@ -181,12 +181,16 @@ async def reattach(dsec: AsyncClient, args: argparse.Namespace) -> list[Episode]
     print(f"task {args.task}: found {len(by_episode)} sandboxes ({states})")
     # One call thaws the whole job. (Any call into a paused sandbox would resume it too, one
     # by one; the task operation does them all at once, on every edge.)
+    # The task's sandboxes that ended earlier (an older run of it) stay listed for a while and
+    # fail alone (SandboxTerminated): only this job's live ones count.
     resumed = await dsec.resume_task(args.task)
-    for failure in resumed.failed:
+    live = {i.id for i in infos}
+    failed = [f for f in resumed.failed if f.sandbox_id in live]
+    for failure in failed:
         print(f"  resume of {failure.sandbox_id} failed: {failure.error}")
-    if not resumed.ok:
+    if failed or resumed.edge_errors:
         sys.exit(f"task {args.task}: resume_task did not resume every sandbox")
-    print(f"task {args.task}: resume_task resumed {len(resumed)} sandboxes in one call")
+    print(f"task {args.task}: resume_task resumed {len(live)} sandboxes in one call")
 
     async def attach(index: int, sandbox_id: str) -> Episode:
         e = Episode(index, await dsec.get(sandbox_id))
@@ -224,14 +228,17 @@ async def drive(args: argparse.Namespace) -> int:
             paused = await dsec.pause_task(args.task)
             report.phase = "preempted"
             report.paused = sorted(x.sandbox_id for x in paused if x.state == "PAUSED")
+            mine = {e.sandbox.id for e in episodes}  # not the task's ended ones of a past run
+            failed = [f for f in paused.failed if f.sandbox_id in mine]
             print(
-                f"preempted: pause_task paused {len(paused.sandboxes)} of {len(paused)} sandboxes"
+                f"preempted: pause_task paused {len(set(report.paused) & mine)} of this run's"
+                f" {len(mine)} sandboxes"
             )
             for e in episodes:
                 print(f"  episode {e.index}: {e.turn}/{args.turns} turns, in {e.sandbox.id}")
             print("exiting; run again with --resume to finish")
             write(args, report)
-            return 0 if paused.ok else 1
+            return 0 if not failed and not paused.edge_errors else 1
 
         for e in episodes:
             report.problems += await e.check(args.turns)

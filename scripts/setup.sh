@@ -95,6 +95,20 @@ else
     fi
 fi
 
+# `dsec` on every shell's PATH (the README's commands), running this checkout's venv. A file
+# there that is not our link (another install) is left alone, and said.
+if [[ -x $VENV/bin/dsec ]]; then
+    link=/usr/local/bin/dsec
+    if [[ ! -e $link || -L $link ]]; then
+        [[ "$(readlink "$link" 2>/dev/null)" == "$VENV/bin/dsec" ]] || {
+            ln -sfn "$VENV/bin/dsec" "$link"
+            venv_state+=", $link"
+        }
+    else
+        log "$link exists and is not a link: left alone (this checkout's is $VENV/bin/dsec)"
+    fi
+fi
+
 # An older e2b SDK in a venv of its own (its connectrpc/protobuf-py pins differ from the
 # current one's): the newest 2.x that still creates through POST /sandboxes, which
 # tests/integration/test_e2b_wire.py drives as a subprocess.

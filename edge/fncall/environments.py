@@ -62,8 +62,9 @@ class FnCallSettings:
     #: Job processes each container forks ahead, back to back (see runner.SPARES).
     spares: int = 4
     #: Sizes of the tmpfs at /job (the job's files) and /tmp of every pool container, in MiB.
-    #: Their pages count in the container's memory cgroup: each job's limit is raised by
-    #: their sum, so files never starve the runner of memory after a job is killed.
+    #: What the job writes there counts against its own memory limit (its step cgroup is
+    #: charged for those pages); the job's input files, written by the runner, count in the
+    #: container's limit, which has room for both mounts full.
     job_dir_mb: int = 128
     tmp_dir_mb: int = 64
     #: Writable-layer limit of a pool container: what a job writes outside /job and /tmp

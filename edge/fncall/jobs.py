@@ -320,10 +320,13 @@ class Observed:
     signal: int
     wall_s: float
     cpu_s: float
+    #: The peak of the memory charged to the step's own memory cgroup (what memory_mb limits:
+    #: its processes' memory, the files they wrote in the container's tmpfs, page cache they
+    #: brought in), not RSS: pages a warm Python job shares with the runner are not its own.
     peak_bytes: int
     killed: str = ""  # "wall", "cpu", "output", "cancelled" (the caller went away) or ""
     over: str = ""  # the stream that exceeded the output limit
-    oom_kills: int = 0  # kernel OOM kills in the container during the step
+    oom_kills: int = 0  # kernel OOM kills in the step's memory cgroup during the step
     pids_limit_hits: int = 0  # forks refused by the pids cgroup during the step
     full: str = ""  # a tmpfs of the job's files ("/job", "/tmp") was full when it ended
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -44,8 +45,15 @@ from libdsec.errors import EdgeCapacity
 log = logging.getLogger(__name__)
 
 KIT_MOUNT = "/.dsec"
-#: Headroom of a container's memory limit over the largest job (the runner, page cache).
+#: Headroom of a container's memory limit over the largest job: the runner (its warm
+#: interpreter, the output and fetched files it holds), the job's input files on tmpfs, page
+#: cache. The job itself is held to its own limit in its step cgroup (`StepCgroup`).
 CONTAINER_OVERHEAD_MB = 256
+#: The memory cgroups made inside each pool container's: run steps in the first, compile steps
+#: in the second (the compiler's page cache, charged to whoever reads it first, then stays out of
+#: the run steps' small limits instead of being reclaimed by each of them).
+JOB_CGROUP, COMPILE_CGROUP = "job", "compile"
+STEP_CGROUPS = (JOB_CGROUP, COMPILE_CGROUP)
 START_TIMEOUT_S = 60.0
 
 
@@ -53,71 +61,119 @@ class WorkerBroken(Exception):
     """The channel to a pool container failed (EOF, reset, garbage, timeout)."""
 
 
+class StepCgroup:
+    """One step kind's memory cgroup inside a pool container's (``job`` for run steps,
+    ``compile`` for compile steps), made and read from the host.
+
+    The step's process joins it itself before its program starts (the runner holds its
+    ``tasks`` file, passed at start: see `CgroupProbe.make_steps`), so everything the step's
+    processes charge (anonymous memory, page tables, the files they write in the container's
+    tmpfs, page cache they bring in) counts against exactly the step's limit, and the runner,
+    the idle spares and the step's input files stay in the container's own cgroup. The limit
+    is set before each step (only when it changed), the peak (the cgroup's watermark) reset;
+    the OOM-kill counter is the step's own (cgroup v1 counts a kill in the victim's cgroup).
+    """
+
+    def __init__(self, name: str, path: Path, memsw: bool) -> None:
+        self.name = name
+        self.path = path
+        self.limit = -1  # unknown: written before the first step
+        self._fds: dict[str, int] = {}
+        try:
+            files = [
+                ("limit", "memory.limit_in_bytes", os.O_WRONLY),
+                ("peak", "memory.max_usage_in_bytes", os.O_RDWR),
+                ("oom", "memory.oom_control", os.O_RDONLY),
+            ]
+            if memsw:
+                files.append(("memsw", "memory.memsw.limit_in_bytes", os.O_WRONLY))
+            for key, name_, mode in files:
+                self._fds[key] = os.open(path / name_, mode | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def prepare(self, limit: int) -> None:
+        """The step's memory limit (and memory+swap, equal: no swap escape) and a fresh peak.
+        Raises OSError if the kernel refuses (then the step must not run: fail closed)."""
+        if limit != self.limit:
+            order = ["limit", "memsw"]
+            if self.limit >= 0 and limit > self.limit:
+                order.reverse()  # memsw must never be below the memory limit
+            # From unlimited (the first step) the memory limit comes down first.
+            self.limit = -1  # unknown until both are written
+            for key in order:
+                fd = self._fds.get(key)
+                if fd is not None:
+                    os.pwrite(fd, str(limit).encode(), 0)
+            self.limit = limit
+        os.pwrite(self._fds["peak"], b"0", 0)  # the watermark restarts at the current usage
+
+    def peak(self) -> int:
+        """The highest memory charged to the cgroup since `prepare`."""
+        try:
+            return int(os.pread(self._fds["peak"], 64, 0))
+        except (OSError, ValueError):
+            return 0
+
+    def oom_kills(self) -> int:
+        return _keyed_counter(self._fds.get("oom"), b"oom_kill")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
 class CgroupProbe:
-    """A pool container's cgroup counters and its memory limit, from the host side.
+    """A pool container's cgroups seen from the host: its pids counter and the memory
+    cgroups of its steps (`StepCgroup`), made inside the container's memory cgroup.
 
     Read on every job, so the counter files stay open and are re-read with pread(2).
     """
 
-    def __init__(self, cgroup_path: str, initial_limit: int) -> None:
+    def __init__(self, cgroup_path: str) -> None:
         self.path = cgroup_path
         self.memory = cgroups.controller_dir("memory", cgroup_path)
         pids = cgroups.controller_dir("pids", cgroup_path)
         self._fds: dict[str, int] = {}
-        for name, d in (
-            ("usage", self.memory and self.memory / "memory.usage_in_bytes"),
-            ("oom", self.memory and self.memory / "memory.oom_control"),
-            ("pids", pids and pids / "pids.events"),
-        ):
-            if d is not None:
-                with contextlib.suppress(OSError):
-                    self._fds[name] = os.open(d, os.O_RDONLY | os.O_CLOEXEC)
-        self._limit = initial_limit
-        self.baseline = 0  # memory the idle container holds (runner, warm interpreter)
+        if pids is not None:
+            with contextlib.suppress(OSError):
+                self._fds["pids"] = os.open(pids / "pids.events", os.O_RDONLY | os.O_CLOEXEC)
+        self.steps: dict[str, StepCgroup] = {}
 
-    def _read(self, name: str) -> bytes:
-        fd = self._fds.get(name)
-        if fd is None:
-            return b""
+    def make_steps(self) -> list[int]:
+        """Makes the step cgroups (`STEP_CGROUPS`) and returns a descriptor of each one's
+        ``tasks`` file, opened for writing, in that order: the runner gets them (a process
+        joins a cgroup v1 by writing 0 there, ~30 us; the cgroup mount in the container is
+        read-only, but a descriptor opened on the host's is not). Fail closed: raises
+        OSError if the host cannot make or limit them (no memory hierarchy, no limit file,
+        no memory+swap limit where the host accounts swap)."""
+        if self.memory is None or not self.memory.is_dir():
+            raise OSError(errno.ENOENT, f"no cgroup v1 memory cgroup for {self.path}")
+        memsw = (self.memory / "memory.memsw.limit_in_bytes").exists()
+        tasks: list[int] = []
         try:
-            return os.pread(fd, 4096, 0)
-        except OSError:
-            return b""
-
-    def _keyed(self, name: str, key: bytes) -> int:
-        for line in self._read(name).splitlines():
-            k, _, v = line.partition(b" ")
-            if k == key:
-                return int(v)
-        return 0
-
-    def usage(self) -> int:
-        return int(self._read("usage") or 0)
-
-    def oom_kills(self) -> int:
-        return self._keyed("oom", b"oom_kill")
+            for name in STEP_CGROUPS:
+                d = self.memory / name
+                d.mkdir(exist_ok=True)
+                self.steps[name] = StepCgroup(name, d, memsw)
+                tasks.append(os.open(d / "tasks", os.O_WRONLY | os.O_CLOEXEC))
+        except BaseException:
+            for fd in tasks:
+                os.close(fd)
+            raise
+        return tasks
 
     def pids_limit_hits(self) -> int:
-        return self._keyed("pids", b"max")
-
-    def set_memory_limit(self, limit: int) -> None:
-        """memory.limit_in_bytes and memsw (kept equal: no swap escape), in the order the
-        kernel accepts: memsw must never be below the memory limit."""
-        if self.memory is None or limit == self._limit:
-            return
-        mem = self.memory / "memory.limit_in_bytes"
-        memsw = self.memory / "memory.memsw.limit_in_bytes"
-        order = [memsw, mem] if limit > self._limit else [mem, memsw]
-        try:
-            for f in order:
-                if f.exists():
-                    f.write_text(str(limit))
-        except OSError as exc:  # e.g. EBUSY: cannot shrink below usage; the verdict uses peaks
-            log.debug("memory limit %d on %s: %s", limit, self.path, exc)
-            return
-        self._limit = limit
+        return _keyed_counter(self._fds.get("pids"), b"max")
 
     def close(self) -> None:
+        """Closes the descriptors (the step cgroups go with the container's: runc and
+        `cgroups.remove` remove nested cgroups first)."""
+        for step in self.steps.values():
+            step.close()
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -279,10 +335,18 @@ class Launcher:
             raise
         finally:
             child.close()  # the runner holds its own copy now
+        probe = CgroupProbe(proc.cgroup_path)
         try:
+            # The runner's first message: the step cgroups' tasks files (SCM_RIGHTS), before
+            # its hello; it refuses to run a step whose cgroup it does not have.
+            tasks = await asyncio.to_thread(probe.make_steps)
+            try:
+                socket.send_fds(parent, [wire.encode({"op": "cgroups"})], tasks)
+            finally:
+                for fd in tasks:
+                    os.close(fd)
             parent.setblocking(False)
             reader, writer = await asyncio.open_unix_connection(sock=parent)
-            probe = CgroupProbe(proc.cgroup_path, self.container_memory_bytes())
             worker = Worker(sid, env, proc, reader, writer, probe, gpu)
             hello = await asyncio.wait_for(worker.receive(), START_TIMEOUT_S)
             if hello.get("op") != "hello":
@@ -303,9 +367,8 @@ class Launcher:
             if not warm.get("ok"):
                 raise WorkerBroken(f"{sid}: warm-up failed: {warm.get('error')}")
             worker.pidfd = os.pidfd_open(proc.pid)
-            # What the idle container holds: a job's memory limit comes on top of it.
-            probe.baseline = probe.usage()
         except BaseException:
+            probe.close()
             parent.close()
             await asyncio.shield(self.destroy_id(sid, keep_log=True))
             raise
@@ -539,3 +602,19 @@ class Pool:
             self.retire(w, "edge shutting down")
         if self._destroying:
             await asyncio.gather(*self._destroying, return_exceptions=True)
+
+
+def _keyed_counter(fd: int | None, key: bytes) -> int:
+    """The value of ``key`` in a cgroup file of "key value" lines (memory.oom_control,
+    pids.events) open at ``fd``; 0 if it is not there or cannot be read."""
+    if fd is None:
+        return 0
+    try:
+        text = os.pread(fd, 4096, 0)
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        k, _, v = line.partition(b" ")
+        if k == key:
+            return int(v)
+    return 0

@@ -4,9 +4,10 @@ Domain code (no gRPC): the edge servicer converts FunctionJob/FunctionResult aro
 
 - `run(job)`: plan (validate, defaults) -> compile if the language needs it (once per distinct
   source: deterministic outcomes are cached by content hash and concurrent identical compiles
-  share one) -> take a worker from the environment's pool -> set the container's memory limit
-  -> the runner runs it (and returns the job's `fetch_files` after its processes are gone) ->
-  read the container's OOM and pids counters -> verdict -> worker back (or retired).
+  share one) -> take a worker from the environment's pool -> set the memory limit of the
+  step's own cgroup inside the container's -> the runner runs it (and returns the job's
+  `fetch_files` after its processes are gone) -> read the step cgroup's OOM counter and
+  peak, the container's pids counter -> verdict -> worker back (or retired).
 - `run_many(jobs, parallelism)`: the same for many jobs at once, results yielded as they
   finish; one program against many test cases compiles once.
 
@@ -47,7 +48,7 @@ from edge.fncall.jobs import (
     judge,
     plan,
 )
-from edge.fncall.pool import Launcher, Pool, Worker, WorkerBroken
+from edge.fncall.pool import COMPILE_CGROUP, JOB_CGROUP, Launcher, Pool, Worker, WorkerBroken
 from edge.images import ImageResolver
 from edge.runtime.runc import become_subreaper
 from libdsec.errors import DSecError, FailedPrecondition, InvalidArgument
@@ -57,13 +58,6 @@ log = logging.getLogger(__name__)
 KIT_FILES = ("runner.py", "wire.py")
 #: How long past its wall limit a job's answer may take (runner cleanup, output drain).
 ANSWER_MARGIN_S = 15.0
-#: On top of a job's memory limit in its container's cgroup: the runner's own work (output
-#: buffers, page cache of the job's files). The verdict holds the job to its limit exactly
-#: (peak RSS); the cgroup is the kernel-enforced backstop.
-CONTAINER_SLACK = 32 * 1024 * 1024
-#: On top of that for a job with fetch_files: the runner holds the files it read and its answer
-#: frame (a copy of them) at once, after the job's processes are gone.
-FETCH_SLACK = 2 * MAX_FETCH_BYTES
 #: How often the edge repeats its abort signal until a given-up job's answer comes.
 ABORT_REPEAT_S = 0.1
 COMPILE_CACHE_BYTES = 256 * 1024 * 1024
@@ -460,6 +454,8 @@ class FnCallService:
             "cpu_s": lim.cpu_s,
             "max_output": lim.max_output,
             "fsize": MAX_FILE_BYTES,
+            # Deep recursion may use the whole memory limit (a judge's convention); the stack's
+            # pages are charged to the step's memory cgroup like any other.
             "stack": lim.memory_bytes,
         }
         for i, (_, content, _) in enumerate(step.files):
@@ -471,19 +467,26 @@ class FnCallService:
         if step.collect:
             msg["collect"] = step.collect
             msg["collect_max"] = MAX_ARTIFACT_BYTES
-        slack = CONTAINER_SLACK
         if step.fetch:
             msg["fetch"] = list(step.fetch)
             msg["fetch_max"] = MAX_FETCH_BYTES
             msg["result_max"] = MAX_RESULT_BYTES
-            slack += FETCH_SLACK
         probe = worker.probe
         retire = ""
         try:
-            oom0, pids0 = probe.oom_kills(), probe.pids_limit_hits()
-            probe.set_memory_limit(
-                probe.baseline + slack + self.settings.tmpfs_bytes + lim.memory_bytes
-            )
+            # The step's processes join their own memory cgroup before the program starts:
+            # memory_mb is theirs alone (the runner and the step's input files are the
+            # container's). Its limit is set here, from the host: if the kernel refuses, the
+            # step does not run (the worker is retired, the job tried on another).
+            cgroup = probe.steps[COMPILE_CGROUP if step.collect else JOB_CGROUP]
+            msg["cgroup"] = cgroup.name
+            try:
+                cgroup.prepare(lim.memory_bytes)
+            except OSError as exc:
+                raise WorkerBroken(
+                    f"{worker.sandbox_id}: cannot set the {cgroup.name} memory limit: {exc}"
+                ) from exc
+            oom0, pids0 = cgroup.oom_kills(), probe.pids_limit_hits()
             worker.jobs += 1
             pool.jobs_done += 1
             reply = await worker.call(msg, lim.wall_s + ANSWER_MARGIN_S)
@@ -496,11 +499,11 @@ class FnCallService:
                 signal=int(reply["signal"]),
                 wall_s=float(reply["wall_s"]),
                 cpu_s=_cpu_seconds(reply),
-                peak_bytes=int(reply["maxrss_kb"]) * 1024,
+                peak_bytes=cgroup.peak(),
                 killed=str(reply.get("killed", "")),
                 over=str(reply.get("over", "")),
                 full=str(reply.get("full", "")),
-                oom_kills=probe.oom_kills() - oom0,
+                oom_kills=cgroup.oom_kills() - oom0,
                 pids_limit_hits=probe.pids_limit_hits() - pids0,
             )
             return reply, obs

@@ -333,6 +333,101 @@ def test_memory_bombs(dsec: Client) -> None:
     healthy(dsec, "cpp")
 
 
+MIB = 1 << 20
+#: How far above memory_mb a killed job's reported peak may be: the kernel lets a task it has
+#: OOM-killed charge what it needs to exit (measured: 0). The limit itself has no margin.
+PEAK_MARGIN = 1 * MIB
+TOUCH_PY = (
+    "n = {mib} << 20\nb = bytearray(n)\nfor i in range(0, n, 4096):\n    b[i] = 1\nprint(n >> 20)"
+)
+TOUCH_NUMPY = "import numpy as np\na = np.ones(({mib} << 20) // 8)\nprint(a.nbytes >> 20)"
+TOUCH_CPP = (  # the asm keeps g++ -O2 from folding the memset away
+    "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\n"
+    "int main(){{ size_t n = (size_t){mib} << 20; char *p = (char*)malloc(n);"
+    ' memset(p, 1, n); asm volatile("" : : "r"(p) : "memory"); long s = 0;'
+    " for (size_t i = 0; i < n; i += 4096) s += p[i];"
+    ' printf("%ld\\n", s * 4096 >> 20); }}'
+)
+
+
+def _cpp_host(dsec: Client) -> str:
+    r = dsec.fncall(command=["cat", "/etc/hostname"], environment="cpp")
+    assert r.verdict == "OK", r
+    return r.text
+
+
+def test_memory_mb_is_the_jobs_own_memory(dsec: Client) -> None:
+    """memory_mb limits what the job's own processes are charged, exactly: not the runner
+    that serves it, not the warm interpreter's pages it shares, not its input files. Just
+    under the limit passes; over it is MEMORY_LIMIT with the peak at the limit (before,
+    a 128 MiB job was killed only at ~360 MiB)."""
+    cases = [
+        ("python", TOUCH_PY, 128),  # the lean warm interpreter
+        ("python", TOUCH_NUMPY, 128),  # forked from the zygote, which holds numpy
+        ("cpp", TOUCH_CPP, 64),  # exec'd: every page of the process is its own
+    ]
+    for language, code, limit in cases:
+        under, over = limit * 3 // 4, limit * 5 // 4
+        ok = dsec.fncall(language=language, code=code.format(mib=under), memory_mb=limit)
+        assert ok.verdict == "OK" and ok.text == f"{under}\n", (language, ok)
+        assert under * MIB <= ok.peak_memory_bytes <= limit * MIB, (language, ok)
+        bad = dsec.fncall(language=language, code=code.format(mib=over), memory_mb=limit)
+        assert bad.verdict == "MEMORY_LIMIT" and bad.signal == 9, (language, bad)
+        assert f"{limit} MiB" in bad.message, bad
+        assert (limit - 8) * MIB <= bad.peak_memory_bytes <= limit * MIB + PEAK_MARGIN, (
+            language,
+            bad,
+        )
+    # The same for a command (a fresh python3 exec'd, interpreter included; in the cpp pool:
+    # the tests above count the bash container's jobs).
+    cmd = ["python3", "-c", TOUCH_PY.format(mib=160)]
+    r = dsec.fncall(command=cmd, environment="cpp", memory_mb=128)
+    assert r.verdict == "MEMORY_LIMIT" and r.peak_memory_bytes <= 128 * MIB + PEAK_MARGIN, r
+
+
+def test_a_job_killed_at_its_memory_limit_leaves_its_container_serving(dsec: Client) -> None:
+    # The cpp pool has one container: the OOM kill is confined to the job's own cgroup, the
+    # runner and its spares live on, and the next jobs run there with their own limits.
+    # A fresh container first (a SysV IPC leftover retires the current one), so that it is not
+    # recycled after its N jobs in the middle of this test.
+    r = dsec.fncall(command=["ipcmk", "-M", "4096"], environment="cpp")
+    assert r.verdict == "OK", r
+    host = _cpp_host(dsec)
+    for _ in range(2):
+        bad = dsec.fncall(language="cpp", code=TOUCH_CPP.format(mib=96), memory_mb=64)
+        assert bad.verdict == "MEMORY_LIMIT", bad
+        assert _cpp_host(dsec) == host
+        ok = dsec.fncall(language="cpp", code=TOUCH_CPP.format(mib=200), memory_mb=256)
+        assert ok.verdict == "OK" and ok.text == "200\n", ok
+        assert 200 * MIB <= ok.peak_memory_bytes <= 256 * MIB, ok
+    assert _cpp_host(dsec) == host
+    healthy(dsec, "cpp")
+
+
+def test_the_files_a_job_writes_count_against_its_memory(dsec: Client) -> None:
+    """/job and /tmp are tmpfs: what the job writes there is RAM, charged to the job like its
+    heap (the kernel charges a tmpfs page to the memory cgroup of the process that writes
+    it). The mounts' sizes still cap each; the job's own input files do not count."""
+    write = "head -c 50331648 /dev/zero > a.bin; head -c 50331648 /dev/zero > /tmp/b.bin; echo done"
+    # (bash in the cpp pool: the tests above count the bash container's jobs)
+    ok = dsec.fncall(command=["bash", "-c", write], environment="cpp", memory_mb=128)
+    assert ok.verdict == "OK" and ok.text == "done\n", ok
+    assert 96 * MIB <= ok.peak_memory_bytes <= 128 * MIB, ok
+    bad = dsec.fncall(command=["bash", "-c", write], environment="cpp", memory_mb=64)
+    assert bad.verdict == "MEMORY_LIMIT", bad
+    assert bad.peak_memory_bytes <= 64 * MIB + PEAK_MARGIN, bad
+    # 12 MiB of input files (written by the runner) and 40 MiB of its own: within 48 MiB.
+    data = {f"in{i}.bin": bytes(4 * MIB) for i in range(3)}
+    r = dsec.fncall(
+        command=["bash", "-c", "cat in*.bin | wc -c; head -c 41943040 /dev/zero > out.bin"],
+        environment="cpp",
+        files=data,
+        memory_mb=48,
+    )
+    assert r.verdict == "OK" and r.text == f"{12 * MIB}\n", r
+    healthy(dsec, "cpp")
+
+
 def test_fork_bombs(dsec: Client) -> None:
     r = dsec.fncall(language="bash", code=":(){ :|:& };:", time_limit_s=3)
     assert r.verdict in ("RUNTIME_ERROR", "TIME_LIMIT") and "process limit" in r.message, r

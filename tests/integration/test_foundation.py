@@ -55,7 +55,7 @@ def test_every_service_reports_serving(cluster: LocalCluster) -> None:
 
 
 def test_reflection_lists_every_service_and_method(cluster: LocalCluster) -> None:
-    """What grpcurl does: list services over reflection, then resolve each method."""
+    """What `dsec grpc` (and grpcurl) does: list services over reflection, then resolve each method."""
     ours = descriptor_pool.Default()
     for name, services in EXPECTED.items():
         with grpc.insecure_channel(cluster.process(name).address) as ch:
