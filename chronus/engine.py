@@ -343,9 +343,27 @@ class Engine:
         sub = ex.subscribe((req.get("stdout_offset", 0), req.get("stderr_offset", 0)))
         try:
             stream.send("exec_event", self._started(ex))
-            self._pump(stream, sub, self._keepalive_s(req.get("keepalive_interval_ms", 0)))
+            if req.get("replay_only"):
+                self._replay(stream, sub)
+            else:
+                self._pump(stream, sub, self._keepalive_s(req.get("keepalive_interval_ms", 0)))
         finally:
             ex.unsubscribe(sub)
+
+    def _replay(self, stream: Stream, sub: Subscription) -> None:
+        """Forward what the subscription holds now (subscribe() queued the held output, and
+        the exit if there was one), then return."""
+        while True:
+            try:
+                ev = sub.queue.get_nowait()
+            except _queue.Empty:
+                return
+            if ev[0] == "cancel":
+                raise Cancelled()
+            if ev[0] == "exit":
+                stream.send("exec_event", {"exit": ev[1]})
+                return
+            stream.send("exec_event", {ev[0]: {"data": ev[2], "offset": ev[1]}})
 
     def _wait_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.get(req.get("exec_id", ""))

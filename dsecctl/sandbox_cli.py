@@ -52,6 +52,9 @@ STATES = ("PENDING", "STARTING", "RUNNING", "PAUSED", "STOPPING", "TERMINATED")
 #: 1 MiB; the in-sandbox agent holds up to this much per stream while it forwards).
 EXEC_OUTPUT_BYTES = 16 * MIB
 EXIT_TIMED_OUT = 124  # as timeout(1)
+#: `exec`/`shell`: dsec itself failed (the sandbox is gone, the cluster unreachable, ...), so
+#: the command's status is unknown: docker exec's 125, never a code a command could give.
+EXIT_DSEC_FAILED = 125
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
@@ -496,83 +499,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def sandbox_record(c: Any, sandbox_id: str) -> dict[str, Any]:
-    """Everything GetSandbox says about a sandbox, as JSON-ready data: the SDK's
-    :class:`SandboxInfo` fields, then its spec (resources, network policy, env, ...), start
-    and last-activity times and its creator.
-
-    The SDK's SandboxInfo does not carry the spec, so this reads the sandbox message through
-    the client's transport (one GetSandbox call, the SDK's auth, retries and error mapping).
-    """
-    from dsec.apiserver.v1 import apiserver_pb2
-    from libdsec.types import SandboxInfo
-
-    rpc = c._async._rpc
-    resp = c._loop.run(
-        rpc.unary(
-            rpc.sandboxes.GetSandbox,
-            apiserver_pb2.GetSandboxRequest(sandbox_id=sandbox_id),
-            timeout=c._async.timeout,
-        )
-    )
-    pb = resp.sandbox
-    record: dict[str, Any] = plain(SandboxInfo.from_pb(pb))
-    record["spec"] = _spec_json(pb.spec)
-    for name in ("started_at", "last_active_at"):
-        stamp = getattr(pb, name)
-        record[name] = stamp.ToDatetime(datetime.UTC).isoformat() if pb.HasField(name) else None
-    record["principal_id"] = pb.principal_id
-    return record
-
-
-def _spec_json(spec: Any) -> dict[str, Any]:
-    from dsec.types.v1 import types_pb2
-
-    r = spec.resources
-    net = spec.network
-    mode = types_pb2.NetworkMode.Name(net.mode).removeprefix("NETWORK_MODE_").lower()
-    return {
-        "backend": types_pb2.Backend.Name(spec.backend).removeprefix("BACKEND_").lower(),
-        "image": spec.image,
-        "resources": {
-            "cpu": r.cpu_millis / 1000,
-            "memory_mb": r.memory_mb,
-            "pids_max": r.pids_max,
-            "disk_mb": r.disk_mb,
-            "gpus": r.gpu_count,
-        },
-        "ttl_s": spec.ttl_s,
-        "idle_timeout_s": spec.idle_timeout_s,
-        "labels": dict(spec.labels),
-        "task_id": spec.task_id,
-        "env": dict(spec.env),
-        "workdir": spec.workdir,
-        "qos": types_pb2.QosClass.Name(spec.qos).removeprefix("QOS_CLASS_").lower(),
-        "node_selector": dict(spec.node_selector),
-        "toolkits": list(spec.toolkits),
-        "network": {
-            "mode": "none" if mode == "unspecified" else mode,
-            "allow": [_rule_text(rule) for rule in net.allow],
-            "deny": [_rule_text(rule) for rule in net.deny],
-            "max_blocked_connects": net.max_blocked_connects,
-        },
-    }
-
-
-def _rule_text(rule: Any) -> str:
-    """A NetworkRule as the SDK writes it: ``host[:port[-port]][/tcp|/udp]``."""
-    from dsec.types.v1 import types_pb2
-
-    host = f"[{rule.target}]" if ":" in rule.target and rule.port_min else rule.target
-    text = host
-    if rule.port_min:
-        text += f":{rule.port_min}"
-        if rule.port_max and rule.port_max != rule.port_min:
-            text += f"-{rule.port_max}"
-    if rule.protocol == types_pb2.PROTOCOL_TCP:
-        text += "/tcp"
-    elif rule.protocol == types_pb2.PROTOCOL_UDP:
-        text += "/udp"
-    return text
+    """Everything GetSandbox says about a sandbox (the SDK's SandboxInfo with its spec, start
+    and last-activity times and creator), as JSON-ready data."""
+    return dict(plain(c.get(sandbox_id).info))
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -582,8 +511,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         print_json(record)
         return 0
     spec = record["spec"]
-    res = spec["resources"]
-    net = spec["network"]
     rows = [
         ("state", record["state"]),
         (
@@ -600,12 +527,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("labels", _pairs(record["labels"])),
         (
             "resources",
-            f"cpu {res['cpu'] or 'default'}, memory {_unit(res['memory_mb'], 'MiB')}, "
-            f"pids {res['pids_max'] or 'default'}, disk {_unit(res['disk_mb'], 'MB')}, "
-            f"gpus {res['gpus']}",
+            f"cpu {spec['cpu'] or 'default'}, memory {_unit(spec['memory_mb'], 'MiB')}, "
+            f"pids {spec['pids_max'] or 'default'}, disk {_unit(spec['disk_mb'], 'MB')}, "
+            f"gpus {spec['gpus']}",
         ),
-        ("qos", spec["qos"].replace("_", "-")),
-        ("network", _network_text(net)),
+        ("qos", "best-effort" if spec["best_effort"] else "latency-sensitive"),
+        ("network", _network_text(spec["network"])),
         ("env", _pairs(spec["env"])),
         ("workdir", spec["workdir"] or "-"),
         ("node selector", _pairs(spec["node_selector"])),
@@ -633,7 +560,7 @@ def _pairs(d: dict[str, Any]) -> str:
 
 
 def _network_text(net: dict[str, Any]) -> str:
-    parts = [net["mode"]]
+    parts = ["open" if net["open"] else "allowlist" if net["allow"] else "none"]
     if net["allow"]:
         parts.append("allow " + " ".join(net["allow"]))
     if net["deny"]:
@@ -714,7 +641,7 @@ def _exit_status(status: Any, what: str, timeout_s: float) -> int:
     timeout; why it could not run (or was truncated) goes to stderr."""
     if status is None:
         print(f"{what}: the command's stream ended without an exit status", file=sys.stderr)
-        return 1
+        return EXIT_DSEC_FAILED
     if status.stdout_truncated or status.stderr_truncated:
         print(
             f"{what}: output beyond --max-output-bytes was not forwarded "
@@ -777,6 +704,17 @@ class _Interrupts:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
+    try:
+        return _exec(args)
+    except DSecError as err:
+        print(
+            f"dsec sandbox exec: {type(err).__name__} [{err.reason}]: {err.message}",
+            file=sys.stderr,
+        )
+        return EXIT_DSEC_FAILED
+
+
+def _exec(args: argparse.Namespace) -> int:
     from libdsec.types import Exited, Output, Started
 
     argv = _split_command(args)
@@ -814,6 +752,17 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
+    try:
+        return _shell(args)
+    except DSecError as err:
+        print(
+            f"dsec sandbox shell: {type(err).__name__} [{err.reason}]: {err.message}",
+            file=sys.stderr,
+        )
+        return EXIT_DSEC_FAILED
+
+
+def _shell(args: argparse.Namespace) -> int:
     import termios
     import tty
 
@@ -1064,34 +1013,14 @@ class _LogPrinter:
         out.flush()
 
 
-#: Without -f, held output arrives as one burst when the attach starts: it is over once
-#: the stream is quiet this long (or, for a command printing without pause, after the cap).
-_QUIET_S = 0.5
-_HELD_MAX_S = 5.0
-
-
 def _held_output(sb: Any, exec_id: str) -> Iterator[Any]:
-    """The output a command's sandbox holds (replayed by ``Process.attach``); for an exited
-    command the attach ends by itself, for a running one once the replay went quiet."""
+    """The output a command's sandbox holds now (``attach(follow=False)``: the stream ends
+    after the replay, whether the command has ended or not)."""
     from libdsec.types import Output
 
-    events: queue.Queue[Any] = queue.Queue()
-    _attach_thread(sb, exec_id, events)
-    deadline = time.monotonic() + _HELD_MAX_S
-    while True:
-        try:
-            item = events.get(timeout=_QUIET_S)
-        except queue.Empty:
-            return
-        if item is None or isinstance(item, BaseException):
-            if isinstance(item, DSecError):
-                raise item
-            return
-        _, ev = item
+    for ev in sb.process(exec_id).attach(follow=False):
         if isinstance(ev, Output):
             yield ev
-        if time.monotonic() > deadline:
-            return
 
 
 def _attach_thread(sb: Any, exec_id: str, events: queue.Queue[Any]) -> None:

@@ -142,15 +142,18 @@ class AsyncProcess:
         await self._control(resize=types_pb2.PtySize(rows=rows, cols=cols))
 
     async def attach(
-        self, *, stdout_offset: int = 0, stderr_offset: int = 0
+        self, *, stdout_offset: int = 0, stderr_offset: int = 0, follow: bool = True
     ) -> AsyncIterator[ExecEvent]:
-        """Output from the given offsets (what is still held), then live, then the exit."""
+        """Output from the given offsets (what is still held), then live, then the exit.
+        ``follow=False``: only what is held now (a log read); it ends with the exit if the
+        command has ended, without one if it still runs."""
         rpc = self.sandbox.client._rpc
         request = types_pb2.AttachExecRequest(
             sandbox_id=self.sandbox.id,
             exec_id=self.exec_id,
             stdout_offset=stdout_offset,
             stderr_offset=stderr_offset,
+            replay_only=not follow,
         )
         async for ev in rpc.stream(rpc.exec.AttachExec, request):
             e = event_from_pb(ev)

@@ -159,6 +159,31 @@ class NetworkPolicy:
             max_blocked_connects=self.max_blocked_connects,
         )
 
+    @classmethod
+    def from_pb(cls, p: types_pb2.NetworkPolicy) -> NetworkPolicy:
+        """The policy as the SDK writes it (rules as ``"host[:port[-port]][/tcp|/udp]"``)."""
+        return cls(
+            allow=[rule_text(r) for r in p.allow],
+            deny=[rule_text(r) for r in p.deny],
+            open=p.mode == types_pb2.NETWORK_MODE_OPEN,
+            max_blocked_connects=p.max_blocked_connects,
+        )
+
+
+def rule_text(rule: types_pb2.NetworkRule) -> str:
+    """NetworkRule -> ``"pypi.org:443/tcp"``: the inverse of :func:`parse_rule`."""
+    host = f"[{rule.target}]" if ":" in rule.target and rule.port_min else rule.target
+    text = host
+    if rule.port_min:
+        text += f":{rule.port_min}"
+        if rule.port_max and rule.port_max != rule.port_min:
+            text += f"-{rule.port_max}"
+    if rule.protocol == types_pb2.PROTOCOL_TCP:
+        text += "/tcp"
+    elif rule.protocol == types_pb2.PROTOCOL_UDP:
+        text += "/udp"
+    return text
+
 
 def parse_rule(text: str) -> types_pb2.NetworkRule:
     """``"pypi.org:443/tcp"`` -> NetworkRule. Validation happens on the server."""
@@ -184,6 +209,46 @@ def parse_rule(text: str) -> types_pb2.NetworkRule:
         if not lo.isdigit():
             port_min = port_max = 100_000  # out of range on purpose: the server names the bad rule
     return types_pb2.NetworkRule(target=host, port_min=port_min, port_max=port_max, protocol=proto)
+
+
+@dataclass(frozen=True)
+class SandboxSpecInfo:
+    """What a sandbox was created with (the options of ``create``, with the platform's
+    defaults filled in where the edge chose them; 0 = none/never/the default, as in the
+    request)."""
+
+    cpu: float
+    memory_mb: int
+    pids_max: int
+    disk_mb: int
+    gpus: int
+    ttl_s: int
+    idle_timeout_s: int
+    env: dict[str, str]
+    network: NetworkPolicy
+    workdir: str
+    best_effort: bool
+    node_selector: dict[str, str]
+    toolkits: list[str]
+
+    @classmethod
+    def from_pb(cls, s: types_pb2.SandboxSpec) -> SandboxSpecInfo:
+        r = s.resources
+        return cls(
+            cpu=r.cpu_millis / 1000,
+            memory_mb=r.memory_mb,
+            pids_max=r.pids_max,
+            disk_mb=r.disk_mb,
+            gpus=r.gpu_count,
+            ttl_s=s.ttl_s,
+            idle_timeout_s=s.idle_timeout_s,
+            env=dict(s.env),
+            network=NetworkPolicy.from_pb(s.network),
+            workdir=s.workdir,
+            best_effort=s.qos == types_pb2.QOS_CLASS_BEST_EFFORT,
+            node_selector=dict(s.node_selector),
+            toolkits=list(s.toolkits),
+        )
 
 
 @dataclass(frozen=True)
@@ -241,6 +306,11 @@ class SandboxInfo:
     termination_message: str
     violations: dict[str, int]
     memory: MemoryInfo | None  # None: not measured (terminated, or a backend that cannot)
+    #: What it was created with (resources, network policy, env, ...).
+    spec: SandboxSpecInfo | None = None
+    started_at: datetime | None = None
+    last_active_at: datetime | None = None  # the last call into it (the idle timer's start)
+    principal_id: str = ""  # the token that created it
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -269,6 +339,10 @@ class SandboxInfo:
                 "dns_refusals": s.violations.dns_refusals,
             },
             memory=MemoryInfo.from_pb(s.memory) if s.HasField("memory") else None,
+            spec=SandboxSpecInfo.from_pb(s.spec),
+            started_at=_dt(s.started_at),
+            last_active_at=_dt(s.last_active_at),
+            principal_id=s.principal_id,
         )
 
     @property

@@ -159,6 +159,20 @@ def test_background_commands_reattach_wait_and_kill(
     tail = b"".join(e.data for e in proc.attach(stdout_offset=12) if isinstance(e, Output))
     assert tail == out[12:]
 
+    # follow=False: what is held now, then the end (with the exit only for an ended command)
+    held = list(proc.attach(follow=False))
+    assert (
+        isinstance(held[-1], Exited)
+        and b"".join(e.data for e in held if isinstance(e, Output)) == out
+    )
+    ticking = sb.start("echo first; sleep 600")
+    wait_for(lambda: any(isinstance(e, Output) for e in ticking.attach(follow=False)), timeout_s=10)
+    t0 = time.monotonic()
+    held = list(ticking.attach(follow=False))  # ends although the command runs on
+    assert time.monotonic() - t0 < 5 and not any(isinstance(e, Exited) for e in held)
+    assert [e.data for e in held if isinstance(e, Output)] == [b"first\n"]
+    ticking.kill()
+
     long = sb.start("sleep 600")
     assert long.wait(timeout_s=0.3).running
     # another client (as another process would) finds it by id and kills it

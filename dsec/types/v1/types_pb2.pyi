@@ -1318,12 +1318,17 @@ class AttachExecRequest(_message.Message):
     STDOUT_OFFSET_FIELD_NUMBER: _builtins.int
     STDERR_OFFSET_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    REPLAY_ONLY_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     exec_id: _builtins.str
     stdout_offset: _builtins.int
     """resume from this byte (what the caller already has)"""
     stderr_offset: _builtins.int
     keepalive_interval_ms: _builtins.int
+    replay_only: _builtins.bool
+    """Send only what is held (from the offsets), then end the stream: with the Exited event if
+    the command has ended, without one if it still runs. A log read, not a follow.
+    """
     def __init__(
         self,
         *,
@@ -1332,10 +1337,11 @@ class AttachExecRequest(_message.Message):
         stdout_offset: _builtins.int = ...,
         stderr_offset: _builtins.int = ...,
         keepalive_interval_ms: _builtins.int = ...,
+        replay_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exec_id", b"exec_id", "keepalive_interval_ms", b"keepalive_interval_ms", "sandbox_id", b"sandbox_id", "stderr_offset", b"stderr_offset", "stdout_offset", b"stdout_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exec_id", b"exec_id", "keepalive_interval_ms", b"keepalive_interval_ms", "replay_only", b"replay_only", "sandbox_id", b"sandbox_id", "stderr_offset", b"stderr_offset", "stdout_offset", b"stdout_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
