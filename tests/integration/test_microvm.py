@@ -151,13 +151,6 @@ def _ended(sb: Sandbox, timeout_s: float = 30.0) -> tuple[str | None, str]:
     return info.termination_reason, info.termination_message
 
 
-def _http_or_none(sb: Sandbox, port: int):  # type: ignore[no-untyped-def]
-    try:
-        return sb.http(port, "/index.html")
-    except DSecError:
-        return None
-
-
 def _bounded(call: Callable[[], object], timeout_s: float) -> tuple[object, BaseException | None]:
     """`call()` in a thread: (its result, its exception). Fails the test if it is still running
     after `timeout_s` (a call into a dead guest must end, not hang)."""
@@ -230,7 +223,8 @@ def test_pause_resume_keeps_files_processes_and_servers_over_20_cycles(
     sleeper = sb.start("sleep 3600")
     sb.files.write("/www/index.html", "served from inside")
     sb.start("busybox httpd -f -p 8080 -h /www")
-    assert wait_for(lambda: _http_or_none(sb, 8080), timeout_s=10).body == b"served from inside"
+    # waits in the guest for httpd to listen (WaitForPort), then the request
+    assert sb.http(8080, "/index.html", wait_s=10).body == b"served from inside"
 
     # What resumes the paused guest: the caller, or (transparently) the next call into it.
     resumers: list[tuple[str, Callable[[], object], object]] = [
