@@ -4,12 +4,17 @@
     dsec fncall -l cpp -f sol.cpp --stdin-file in.txt --time-limit-s 2 --memory-mb 256
     dsec fncall -l cpp -f sol.cpp --cases 'tests/*.in'     # compile once, judge every case
     dsec fncall -- sh -c 'uname -a'                          # a command, no language
+    dsec fncall -l bash -c 'seq 3 > n.txt' --fetch n.txt --fetch-dir out/   # files back
 
 One job: its stdout/stderr are passed through, a summary goes to stderr, and the exit status
 is 0 for OK, the program's own status for RUNTIME_ERROR (128+signal when killed), 1 for any
 other verdict. With --cases, every file is one test case's stdin; when ``<case>.out`` or
 ``<case>.ans`` exists next to it, the output is compared (trailing whitespace ignored) and the
 case is AC or WA; the exit status is 0 when every case is OK and none is WA.
+
+--fetch PATH (repeatable) brings files the job wrote back, whatever the verdict, into
+--fetch-dir (default: the current directory; with --cases, a directory per case under it);
+a path that could not be fetched is named on stderr (and in --json's ``fetch_errors``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,25 @@ def add_parser(sub: Any) -> None:
         default=0.0,
         help="CPU-time limit in seconds (0: the wall limit)",
     )
+    fn.add_argument(
+        "--compile-time-limit-s",
+        type=float,
+        default=0.0,
+        help="C/C++: the compile step's wall-clock limit (0: 30 s); past it, COMPILE_ERROR",
+    )
     fn.add_argument("--memory-mb", type=int, default=0, help="memory limit in MiB (0: 256)")
+    fn.add_argument(
+        "--fetch",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the job writes (relative to its directory) to bring back (repeatable)",
+    )
+    fn.add_argument(
+        "--fetch-dir",
+        default=".",
+        help="where fetched files are written (default: here; with --cases, a dir per case)",
+    )
     fn.add_argument(
         "--max-output-bytes",
         type=int,
@@ -84,7 +107,20 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
         "memory_mb": args.memory_mb,
         "max_output_bytes": args.max_output_bytes,
         "environment": args.env,
+        "compile_time_limit_s": args.compile_time_limit_s,
+        "fetch_files": list(args.fetch),
     }
+
+
+def _save_fetched(r: Any, into: Path) -> None:
+    """Writes the job's fetched files under ``into`` (their relative paths kept) and names
+    the ones that could not be fetched on stderr."""
+    for path, content in r.files.items():
+        target = into / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+    for path, why in r.fetch_errors.items():
+        print(f"dsec fncall: {path} not fetched: {why}", file=sys.stderr)
 
 
 def _summary(r: Any) -> str:
@@ -114,6 +150,8 @@ def _as_json(r: Any, extra: dict[str, Any] | None = None) -> str:
         "peak_memory_bytes": r.peak_memory_bytes,
         "compile_output": r.compile_output,
         "message": r.message,
+        "fetched": sorted(r.files),
+        "fetch_errors": r.fetch_errors,
         **(extra or {}),
     }
     return json.dumps(d)
@@ -143,6 +181,7 @@ def cmd_fncall(args: argparse.Namespace) -> int:
             elif args.stdin_file is not None:
                 stdin = Path(args.stdin_file).read_bytes()
             r = c.fncall(stdin=stdin, **job)
+            _save_fetched(r, Path(args.fetch_dir))
             if args.json:
                 print(_as_json(r))
             else:
@@ -165,6 +204,7 @@ def cmd_fncall(args: argparse.Namespace) -> int:
         bad = 0
         for r in c.fncall_many(jobs, parallelism=args.parallelism):
             case = cases[r.index]
+            _save_fetched(r, Path(args.fetch_dir) / Path(case).name)
             want = _expected(case)
             judge = "-"
             if r.verdict == "OK" and want is not None:

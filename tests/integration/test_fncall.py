@@ -9,6 +9,7 @@ serves the next job normally.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -1054,6 +1055,16 @@ def test_cli(fncall_cluster: LocalCluster, tmp_path: Path) -> None:
     assert "2/3 cases passed" in r.stderr
     r = dsec_cli("--", "sh", "-c", "echo from-a-command")
     assert r.returncode == 0 and r.stdout == "from-a-command\n"
+    # files the job wrote come back into --fetch-dir; a missing one is named
+    out = tmp_path / "fetched"
+    r = dsec_cli(
+        "-l", "bash", "-c", "mkdir -p o; seq 3 > o/n.txt", "--fetch", "o/n.txt",
+        "--fetch", "nope", "--fetch-dir", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0 and (out / "o" / "n.txt").read_text() == "1\n2\n3\n", r.stderr
+    assert "nope not fetched" in r.stderr
+    r = dsec_cli("-l", "cpp", "-c", "int main(){", "--compile-time-limit-s", "20", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["verdict"] == "COMPILE_ERROR"
 
 
 # ------------------------------------------------------------------ several edges
