@@ -155,7 +155,15 @@ def _domain(where: str, text: str) -> str:
         labels = labels[1:]
         if len(labels) < 2:
             raise _fail(where, text, "a wildcard needs a domain below it (*.example.com)")
-    if len(name) > 253 or len(labels) < 2 or not all(_LABEL.match(lb) for lb in labels):
+    if any("*" in lb for lb in labels):
+        raise _fail(where, text, "a wildcard is only the whole first label (*.example.com)")
+    if len(name) > 253:
+        raise _fail(where, text, f"a domain name is at most 253 characters, not {len(name)}")
+    if "" in labels:
+        raise _fail(where, text, "an empty label (two dots in a row, or a leading dot)")
+    if any(len(lb) > 63 for lb in labels):
+        raise _fail(where, text, "a label is at most 63 characters")
+    if len(labels) < 2 or not all(_LABEL.match(lb) for lb in labels):
         raise _fail(where, text, "not an IP address, a CIDR or a domain name")
     if labels[-1].isdigit():
         raise _fail(where, text, "not a valid IP address or CIDR")
