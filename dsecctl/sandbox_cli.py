@@ -703,18 +703,27 @@ class _Interrupts:
             process.kill(signal.SIGINT)
 
 
+def _dsec_failure_is_125(what: str) -> Callable[[Callable[[Any], int]], Callable[[Any], int]]:
+    """For commands whose other exit statuses are a command's own (exec, shell): dsec's own
+    failure is one error line and EXIT_DSEC_FAILED."""
+
+    def wrap(fn: Callable[[Any], int]) -> Callable[[Any], int]:
+        def run(args: Any) -> int:
+            try:
+                return fn(args)
+            except DSecError as err:
+                print(
+                    f"{what}: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr
+                )
+                return EXIT_DSEC_FAILED
+
+        return run
+
+    return wrap
+
+
+@_dsec_failure_is_125("dsec sandbox exec")
 def cmd_exec(args: argparse.Namespace) -> int:
-    try:
-        return _exec(args)
-    except DSecError as err:
-        print(
-            f"dsec sandbox exec: {type(err).__name__} [{err.reason}]: {err.message}",
-            file=sys.stderr,
-        )
-        return EXIT_DSEC_FAILED
-
-
-def _exec(args: argparse.Namespace) -> int:
     from libdsec.types import Exited, Output, Started
 
     argv = _split_command(args)
@@ -751,18 +760,8 @@ def _exec(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- shell
 
 
+@_dsec_failure_is_125("dsec sandbox shell")
 def cmd_shell(args: argparse.Namespace) -> int:
-    try:
-        return _shell(args)
-    except DSecError as err:
-        print(
-            f"dsec sandbox shell: {type(err).__name__} [{err.reason}]: {err.message}",
-            file=sys.stderr,
-        )
-        return EXIT_DSEC_FAILED
-
-
-def _shell(args: argparse.Namespace) -> int:
     import termios
     import tty
 
