@@ -129,6 +129,27 @@ class Policy:
     def domains(self) -> tuple[Rule, ...]:
         return tuple(r for r in self.rules if r.domain is not None)
 
+    @property
+    def gates_everything(self) -> bool:
+        """OPEN with a deny by name: any TCP connection may be to that name (on an address
+        no one resolved for it), so every one not allowed by an IP rule goes to the gate."""
+        return self.mode == MODE_OPEN and any(r.domain and not r.allow for r in self.rules)
+
+    def name_allows(self, name: str, port: int) -> Rule | None:
+        """The allow rule under which a TCP connection asking for `name` on `port` may go on
+        (deny by name wins), or None."""
+        name = name.lower().rstrip(".")
+        if any(
+            r.matches_name(name) and r.port_min <= port <= r.port_max
+            for r in self.rules
+            if not r.allow
+        ):
+            return None
+        for r in self.rules:
+            if r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max:
+                return r
+        return None
+
     def name_verdict(self, name: str) -> bool | None:
         """For the DNS resolver: False = refuse `name`, True = answer it (an allow rule names
         it, or the mode is OPEN), None = refuse unless the policy has IP-only allows."""
@@ -202,7 +223,18 @@ def _rule(where: str, raw: Mapping[str, Any], allow: bool) -> Rule:
     proto_raw = raw.get("protocol", 0) or 0
     if proto_raw not in _PROTOCOLS:
         raise _fail(where, text, f"unknown protocol {proto_raw!r}")
-    return Rule(where, text, network, domain, lo, hi, _PROTOCOLS[proto_raw], allow)
+    protocol = _PROTOCOLS[proto_raw]
+    if domain is not None:
+        # A name is checked on the name the connection asks for (TLS server name, HTTP Host):
+        # TCP only. UDP (QUIC among it) to a name's address would be a rule about an address.
+        if protocol == PROTO_UDP:
+            raise _fail(
+                where,
+                text,
+                "a domain rule is checked on TCP (TLS, HTTP); for UDP use an IP or CIDR",
+            )
+        protocol = PROTO_TCP
+    return Rule(where, text, network, domain, lo, hi, protocol, allow)
 
 
 def parse(raw: Mapping[str, Any] | None) -> Policy:
@@ -312,7 +344,11 @@ def compile_tables(
         ports = (rule.port_min, rule.port_max, rule.protocol)
         if rule.network is not None:
             add(rule.network, level, ports, action)
-        elif rule.domain is not None:
+        elif rule.domain is not None and rule.allow:
+            # TCP to a name's addresses passes the socket hook and is redirected to the name
+            # gate (edge.network.namegate), which decides on the name asked for. A deny by name
+            # is the gate's alone: in the tries it would also refuse every other name on the
+            # same (CDN) address.
             for text in resolved.get(rule.domain, ()):
                 add(parse_network(text), level, ports, action)
     for version in (4, 6):
@@ -354,6 +390,17 @@ def compile_tables(
         prefix = (plen, addr.to_bytes(bits // 8, "big"))
         (tables.v4 if version == 4 else tables.v6)[prefix] = value
     return tables
+
+
+def gated(policy: Policy, resolved: Mapping[str, Iterable[str]]) -> set[tuple[str, int, int]]:
+    """(address, first port, last port) of the TCP connections the name gate decides: the
+    addresses resolved for each allow-by-name rule, with its ports."""
+    out: set[tuple[str, int, int]] = set()
+    for rule in policy.rules:
+        if rule.domain is not None and rule.allow:
+            for addr in resolved.get(rule.domain, ()):
+                out.add((addr, rule.port_min, rule.port_max))
+    return out
 
 
 def check_compilable(policy: Policy, platform: Platform) -> None:

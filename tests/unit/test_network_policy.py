@@ -20,6 +20,7 @@ from edge.network.policy import (
     Tables,
     check_compilable,
     compile_tables,
+    gated,
     parse,
     parse_network,
 )
@@ -75,11 +76,37 @@ def test_the_papers_example() -> None:
     )
     assert verdict(tables, "151.101.0.223", 443)
     assert not verdict(tables, "151.101.0.223", 80)
-    assert not verdict(tables, "104.16.1.34", 443)
+    assert not verdict(tables, "104.16.1.34", 443)  # not allowed by anything
     assert not verdict(tables, "8.8.8.8", 443)  # allowlist: everything else is refused
     assert policy.name_verdict("pypi.org") is True
     assert policy.name_verdict("REGISTRY.npmjs.org.") is False
     assert policy.name_verdict("github.com") is None
+
+
+def test_two_names_on_one_address_are_the_gates_to_decide() -> None:
+    """An allow and a deny by name on one (CDN) address: the tries let TCP to it through to
+    the name gate (the deny is the gate's: by address it would refuse the allowed name too);
+    UDP to it is refused (no name to check)."""
+    policy = _policy(allow=["pypi.org:443"], deny=["registry.npmjs.org"])
+    shared = {"pypi.org": ["151.101.0.223"], "registry.npmjs.org": ["151.101.0.223"]}
+    tables = compile_tables(policy, PLATFORM, shared)
+    assert verdict(tables, "151.101.0.223", 443)
+    assert not verdict(tables, "151.101.0.223", 443, PROTO_UDP)
+    assert gated(policy, shared) == {("151.101.0.223", 443, 443)}
+    assert policy.name_allows("PyPI.org.", 443) is not None
+    assert policy.name_allows("pypi.org", 80) is None
+    assert policy.name_allows("registry.npmjs.org", 443) is None
+    assert policy.name_allows("github.com", 443) is None
+    assert not policy.gates_everything
+    assert _policy(open=True, deny=["registry.npmjs.org"]).gates_everything
+    assert not _policy(open=True, deny=["10.0.0.0/8"]).gates_everything
+
+
+def test_a_domain_rule_for_udp_is_refused() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        parse({"mode": "NETWORK_MODE_ALLOWLIST", "allow": [
+            {"target": "pypi.org", "port_min": 443, "protocol": "PROTOCOL_UDP"}]})  # fmt: skip
+    assert "allow[0]" in err.value.message and "UDP" in err.value.message
 
 
 def test_open_mode_deny_wins_over_allow_and_over_the_default() -> None:
