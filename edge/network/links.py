@@ -34,7 +34,7 @@ import ipaddress
 import logging
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +134,12 @@ def _sysctl(path: str, value: str) -> None:
 class NodeNetwork:
     """The bridge, its address, its firewall and NAT, and the sandboxes' veth pairs."""
 
-    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network) -> None:
+    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network, gate_port: int = 0) -> None:
         if not 1 <= len(bridge) <= 15:
             raise ValueError(f"bridge name {bridge!r} must have 1..15 characters")
         self.bridge = bridge
+        #: The name gate's port on the gateway (edge.network.namegate); 0 = no gate.
+        self.gate_port = gate_port
         self.subnet = subnet
         self.gateway = next(subnet.hosts())
         self.table = f"dsec_{bridge}".replace("-", "_")
@@ -145,6 +147,37 @@ class NodeNetwork:
             ["-i", bridge, "-j", "ACCEPT"],
             ["-o", bridge, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"],
         ]
+
+    # ------------------------------------------------------------------ the gate
+
+    def gate(self, sandbox: str, entries: Iterable[tuple[str, int, int]], *, add: bool) -> None:
+        """Adds (or removes) redirections of `sandbox`'s TCP to (address, ports) to the gate."""
+        items = [f"{sandbox} . {addr} . {lo}-{hi}" for addr, lo, hi in entries]
+        if items:
+            self._nft_element("gated", items, add=add)
+
+    def gate_all(self, sandbox: str, *, add: bool) -> None:
+        """Sends all of `sandbox`'s TCP (but to the gateway) to the gate, or stops it."""
+        self._nft_element("gate_all", [sandbox], add=add)
+
+    def _nft_element(self, set_name: str, items: list[str], *, add: bool) -> None:
+        verb = "add" if add else "delete"
+        r = subprocess.run(
+            [
+                "nft",
+                verb,
+                "element",
+                "ip",
+                f"{self.table}_nat",
+                set_name,
+                "{ " + ", ".join(items) + " }",
+            ],
+            capture_output=True,
+            text=True,
+            env=_ENV,
+        )
+        if r.returncode != 0 and add:  # a removal of what is gone already is fine
+            raise NetworkSetupError(f"nft {verb} element {set_name}: {r.stderr.strip()}")
 
     # ------------------------------------------------------------------ the node
 
@@ -189,6 +222,18 @@ class NodeNetwork:
 
     def _nft_apply(self) -> None:
         br, gw, net = self.bridge, self.gateway, self.subnet
+        gate_input = gate_nat = ""
+        if self.gate_port:
+            # TCP a policy allows only by name goes to the name gate on the gateway: the pairs
+            # (sandbox . address . ports) in `gated`, or all TCP of a sandbox in `gate_all`.
+            gate_input = f'    iifname "{br}" ip daddr {gw} tcp dport {self.gate_port} accept'
+            gate_nat = f"""  set gated {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}
+  set gate_all {{ type ipv4_addr; }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{br}" ip saddr . ip daddr . tcp dport @gated redirect to :{self.gate_port}
+    iifname "{br}" ip saddr @gate_all ip daddr != {gw} ip protocol tcp redirect to :{self.gate_port}
+  }}"""
         script = f"""
 table inet {self.table}
 delete table inet {self.table}
@@ -203,6 +248,7 @@ table inet {self.table} {{
     type filter hook input priority -1; policy accept;
     iifname "{br}" ip daddr {gw} udp dport 53 accept
     iifname "{br}" ip daddr {gw} tcp dport 53 accept
+{gate_input}
     iifname "{br}" ct state established,related accept
     iifname "{br}" drop
   }}
@@ -210,6 +256,7 @@ table inet {self.table} {{
 table ip {self.table}_nat
 delete table ip {self.table}_nat
 table ip {self.table}_nat {{
+{gate_nat}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {net} oifname != "{br}" masquerade

@@ -39,7 +39,16 @@ from typing import Any
 from edge.network import bpf, dns, guest
 from edge.network.enforcer import GuestIdentity, SandboxFilter
 from edge.network.links import NodeNetwork, veth_name
-from edge.network.policy import Platform, Policy, check_compilable, compile_tables, parse
+from edge.network.namegate import Attempt, NameGate
+from edge.network.policy import (
+    MODE_OPEN,
+    Platform,
+    Policy,
+    check_compilable,
+    compile_tables,
+    gated,
+    parse,
+)
 from edge.network.programs import RULES_PER_ENTRY
 from libdsec.errors import FailedPrecondition, InvalidArgument, Unavailable
 
@@ -58,6 +67,13 @@ class _Owner:
     filter: SandboxFilter | None = None
     resolved: dict[str, dict[str, float]] = field(default_factory=dict)  # domain -> addr -> expiry
     members: set[str] = field(default_factory=set)
+    #: What the name gate redirects, as applied to nftables: member address -> entries, and
+    #: the member addresses all of whose TCP goes to the gate.
+    gate_applied: dict[str, set[tuple[str, int, int]]] = field(default_factory=dict)
+    gate_all_applied: set[str] = field(default_factory=set)
+    #: Connections the name gate refused: in all, and by the name asked for ("" = none).
+    gate_refused: int = 0
+    gate_refused_names: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,8 +95,11 @@ class NetworkManager:
         cgroup_root: Path = Path("/sys/fs/cgroup/unified"),
         dns_timeout_s: float = 2.0,
         refresh_s: float = 60.0,
+        gate_port: int = 0,
     ) -> None:
-        self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet))
+        self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet), gate_port)
+        self.gate_port = gate_port
+        self._gate: NameGate | None = None
         up = dns.Upstream.parse(upstream) if upstream else dns.Upstream.from_resolv_conf()
         self.upstream = up
         self.pin_root = pin_root
@@ -163,6 +182,10 @@ class NetworkManager:
                 self._resolver = resolver
             else:
                 log.warning("no upstream DNS resolver: sandboxes can use addresses only")
+            if self.gate_port:
+                gate = NameGate(self._gate_decide, self._gate_refused)
+                await gate.start(self.gateway, self.gate_port)
+                self._gate = gate
             self._node_ready = True
 
     def _allocate(self) -> ipaddress.IPv4Address:
@@ -228,6 +251,7 @@ class NetworkManager:
         try:
             await asyncio.to_thread(state.filter.attach, cg)
             await asyncio.to_thread(self.node.attach, sandbox_id, pid, addr)
+            await asyncio.to_thread(self._sync_gate, state)
         except BaseException:
             await self.detach(sandbox_id)
             raise
@@ -262,6 +286,7 @@ class NetworkManager:
             sandbox_id, owner_id, ipaddress.IPv4Address(address), self._cgroup_dir(cgroup_path)
         )
         self.owners[owner_id].members.add(sandbox_id)
+        await asyncio.to_thread(self._sync_gate, self.owners[owner_id])
         return True
 
     # ---------------------------------------------------------------- VM guests
@@ -294,6 +319,7 @@ class NetworkManager:
             await asyncio.to_thread(
                 guest.connect, self.node, sandbox_id, netns, state.filter.guest_program
             )
+            await asyncio.to_thread(self._sync_gate, state)
         except BaseException:
             await self.detach_guest(sandbox_id, netns_dir)
             raise
@@ -336,6 +362,7 @@ class NetworkManager:
             self._remember(state, await asyncio.to_thread(self.resolve_domains, policy))
         await asyncio.to_thread(flt.load, self._tables(state))
         await asyncio.to_thread(self._relink, sandbox_id, netns, flt)
+        await asyncio.to_thread(self._sync_gate, state)
         return True
 
     def _relink(self, sandbox_id: str, netns: Path, flt: SandboxFilter) -> None:
@@ -361,7 +388,15 @@ class NetworkManager:
             t0 = time.perf_counter()
             policy = parse(raw)
             resolved = self.resolve_domains(policy) if policy.networked else {}
-            fresh = _Owner(policy, state.filter, members=state.members)
+            fresh = _Owner(
+                policy,
+                state.filter,
+                members=state.members,
+                gate_applied=state.gate_applied,
+                gate_all_applied=state.gate_all_applied,
+                gate_refused=state.gate_refused,
+                gate_refused_names=state.gate_refused_names,
+            )
             self._remember(fresh, resolved)
             # Addresses learned for names the new policy still names stay valid.
             for domain, addrs in state.resolved.items():
@@ -369,6 +404,7 @@ class NetworkManager:
                     for addr, expiry in addrs.items():
                         fresh.resolved.setdefault(domain, {}).setdefault(addr, expiry)
             self._compile_and_load(fresh)
+            self._sync_gate(fresh)
             log.info(
                 "network policy of %s replaced in %.2f ms (%s, %d rules)",
                 sandbox_id,
@@ -407,6 +443,8 @@ class NetworkManager:
             state = self.owners.get(att.owner)
             if state is not None:
                 state.members.discard(sandbox_id)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self._ungate, state, str(att.address))
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.node.detach, sandbox_id)
         state = self.owners.pop(sandbox_id, None)
@@ -421,9 +459,14 @@ class NetworkManager:
         if state is None or state.filter is None:
             return None
         try:
-            return state.filter.blocked()
+            return state.filter.blocked() + state.gate_refused
         except OSError:
             return None
+
+    def blocked_names(self, sandbox_id: str) -> dict[str, int]:
+        """Connections the name gate refused, by the name they asked for ("" = none)."""
+        state = self.owners.get(sandbox_id)
+        return dict(state.gate_refused_names) if state is not None else {}
 
     def dns_refusals_of(self, sandbox_id: str) -> int:
         """Names refused to the sandbox (and its sibling) by the resolver."""
@@ -435,6 +478,86 @@ class NetworkManager:
             counts.get(str(self.attachments[m].address), 0)
             for m in state.members
             if m in self.attachments
+        )
+
+    # ------------------------------------------------------------------ name gate
+
+    def _sync_gate(self, state: _Owner) -> None:
+        """Brings nftables' redirections to the gate to what the owner's policy and resolved
+        names ask for, for each of its members (blocking: nft)."""
+        if not self.gate_port:
+            return
+        resolved = {d: list(addrs) for d, addrs in state.resolved.items()}
+        want = gated(state.policy, resolved)
+        everything = state.policy.gates_everything
+        for member in list(state.members):
+            att = self.attachments.get(member)
+            if att is None:
+                continue
+            addr = str(att.address)
+            have = state.gate_applied.setdefault(addr, set())
+            if want - have:
+                self.node.gate(addr, want - have, add=True)
+            if have - want:
+                self.node.gate(addr, have - want, add=False)
+            state.gate_applied[addr] = set(want)
+            if everything and addr not in state.gate_all_applied:
+                self.node.gate_all(addr, add=True)
+                state.gate_all_applied.add(addr)
+            elif not everything and addr in state.gate_all_applied:
+                self.node.gate_all(addr, add=False)
+                state.gate_all_applied.discard(addr)
+
+    def _ungate(self, state: _Owner, addr: str) -> None:
+        entries = state.gate_applied.pop(addr, set())
+        if entries:
+            self.node.gate(addr, entries, add=False)
+        if addr in state.gate_all_applied:
+            state.gate_all_applied.discard(addr)
+            self.node.gate_all(addr, add=False)
+
+    def _gate_decide(self, a: Attempt) -> str | None:
+        """The name gate's verdict on a connection: None to let it go on, else why not."""
+        state = self._owner_of(a.client[0])
+        if state is None:
+            return "not from a networked sandbox"
+        p = a.peeked
+        if p is None:
+            return "no name: the client sent nothing a name could be read from in time"
+        if p.error:
+            return f"malformed {p.protocol}: {p.error}"
+        if p.ech:
+            return "an encrypted ClientHello (ECH): the name asked for is hidden"
+        if not p.name:
+            return f"no name ({p.protocol} without a server name or Host)"
+        address, port = a.destination
+        policy = state.policy
+        rule = policy.name_allows(p.name, port)
+        if rule is None:
+            denied = any(
+                r.matches_name(p.name) and r.port_min <= port <= r.port_max
+                for r in policy.rules
+                if not r.allow
+            )
+            if policy.mode == MODE_OPEN and not denied:
+                return None  # OPEN: any name not denied (its address is the client's business)
+            return f"name {p.name} is not allowed on port {port}"
+        if address not in state.resolved.get(rule.domain or "", {}):
+            return f"{address} is not an address the edge resolved for {p.name}"
+        return None
+
+    def _gate_refused(self, a: Attempt, why: str) -> None:
+        state = self._owner_of(a.client[0])
+        if state is None:
+            return
+        name = a.peeked.name if a.peeked is not None else ""
+        state.gate_refused += 1
+        state.gate_refused_names[name] = state.gate_refused_names.get(name, 0) + 1
+        log.info(
+            "name gate refused %s -> %s:%d: %s",
+            a.client[0],
+            *a.destination,
+            why,
         )
 
     # ------------------------------------------------------------------ resolver
@@ -474,6 +597,7 @@ class NetworkManager:
                     {p: tables.v4[p] for p in prefixes if p[0] == 32 and p in tables.v4},
                     {p: tables.v6[p] for p in prefixes if p[0] == 128 and p in tables.v6},
                 )
+                self._sync_gate(state)
 
             await asyncio.to_thread(add)
 
@@ -496,6 +620,7 @@ class NetworkManager:
             changed = self._remember(state, resolved) or changed
             if changed and self.owners.get(sid) is state:
                 await asyncio.to_thread(state.filter.load, self._tables(state))
+                await asyncio.to_thread(self._sync_gate, state)
 
     async def refresh_loop(self) -> None:
         while True:
@@ -527,6 +652,9 @@ class NetworkManager:
         return removed
 
     async def close(self, *, teardown: bool) -> None:
+        if self._gate is not None:
+            await self._gate.close()
+            self._gate = None
         if self._resolver is not None:
             await self._resolver.close()
             self._resolver = None

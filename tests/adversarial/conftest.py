@@ -34,6 +34,8 @@ INDEX = 100 + os.getpid() % 100  # keeps parallel runs of the suite apart
 PYPI = f"10.199.{INDEX}.3"
 NPM = f"10.199.{INDEX}.4"
 FILES = f"10.199.{INDEX}.5"
+#: Two names on one address, as sites behind one CDN address are (the name gate's tests).
+SHARED = f"10.199.{INDEX}.6"
 BRIDGE = f"dsa{os.getpid() % 100000}"
 SUBNET = f"10.233.{INDEX}.0/24"
 PIN_DIR = Path(f"/sys/fs/bpf/dsec-adversarial-{os.getpid()}")
@@ -52,7 +54,14 @@ class Lab:
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     net = NetLab(
-        INDEX, {"pypi.org": PYPI, "files.pythonhosted.org": FILES, "registry.npmjs.org": NPM}
+        INDEX,
+        {
+            "pypi.org": PYPI,
+            "files.pythonhosted.org": FILES,
+            "registry.npmjs.org": NPM,
+            "cdn-allowed.test": SHARED,
+            "cdn-denied.test": SHARED,
+        },
     )
     home = tmp_path_factory.mktemp("adversarial")
     canary = home / "canary.txt"

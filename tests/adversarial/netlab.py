@@ -47,7 +47,14 @@ _SERVER = textwrap.dedent(
         s.bind((ip, port)); s.listen(64)
         while True:
             c, _ = s.accept()
-            try: c.sendall(reply)
+            try:
+                # what the client sends first (a ClientHello, a request), or its end, then the
+                # reply: closing with unread bytes would reset the connection instead
+                c.settimeout(0.5)
+                try: c.recv(65536)
+                except OSError: pass
+                c.sendall(reply)
+            except OSError: pass
             finally: c.close()
     for name, ip in names.items():
         for port in (80, 443):

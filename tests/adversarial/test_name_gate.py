@@ -1,0 +1,100 @@
+"""Name-aware egress: a connection allowed only by a domain rule is admitted on the name it asks
+for (TLS server name, HTTP Host), not on the address it connects to (issue 20). Two names share
+one address in the lab here, as sites behind one CDN address do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from libdsec import NetworkPolicy, Sandbox
+from tests.adversarial.conftest import NPM, SHARED
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.usefixtures("contained")
+
+# Connects to HOST:PORT and asks for NAME: a real ClientHello on 443 (Python's TLS client
+# through a memory BIO), an HTTP/1.1 request with Host otherwise, raw bytes with "raw". Prints
+# what came back ("REPLY <bytes>") or how it ended.
+CLIENT = r"""
+import socket, ssl, sys
+host, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection((host, port), 5)
+s.settimeout(8)
+if name == "raw":
+    s.sendall(b"\x00raw bytes\r\n\r\n")
+elif port == 443:
+    ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+    i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
+    t = ctx.wrap_bio(i, o, server_hostname=None if name == "-" else name)
+    try: t.do_handshake()
+    except ssl.SSLWantReadError: pass
+    s.sendall(o.read())
+else:
+    s.sendall(b"GET / HTTP/1.1\r\nHost: " + name.encode() + b"\r\n\r\n")
+try:
+    data = s.recv(100)
+    print("REPLY" if data else "CLOSED", data.decode(errors="replace").strip())
+except ConnectionResetError:
+    print("RESET")
+"""
+
+
+def ask(sb: Sandbox, host: str, port: int, name: str) -> str:
+    sb.files.write("/work/client.py", CLIENT)
+    r = sb.run(["python3", "/work/client.py", host, str(port), name], timeout_s=30)
+    assert r.exit_code == 0, r
+    return r.text.strip()
+
+
+def test_two_names_on_one_address_one_allowed_one_denied(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    sb = make_sandbox(
+        image="bookworm",
+        memory_mb=256,
+        network=NetworkPolicy(
+            allow=["cdn-allowed.test:443", "cdn-allowed.test:80"], deny=["cdn-denied.test"]
+        ),
+    )
+    # TLS: the server name decides, not the (shared) address
+    assert ask(sb, SHARED, 443, "cdn-allowed.test").startswith("REPLY")
+    assert ask(sb, SHARED, 443, "cdn-denied.test") == "RESET"
+    # plain HTTP: the Host header decides
+    assert ask(sb, SHARED, 80, "cdn-allowed.test").startswith("REPLY")
+    assert ask(sb, SHARED, 80, "cdn-denied.test") == "RESET"
+    # bypasses: no name, raw TCP, a name the policy never mentions
+    assert ask(sb, SHARED, 443, "-") == "RESET"
+    assert ask(sb, SHARED, 443, "raw") == "RESET"
+    assert ask(sb, SHARED, 443, "github.com") == "RESET"
+    info = wait_for(lambda: (i := sb.refresh()).violations["blocked_connects"] >= 5 and i)
+    assert info.state == "RUNNING"
+
+
+def test_an_allowed_names_address_with_another_name_is_refused(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """SNI of an allowed name sent to an address the edge never resolved for it: refused."""
+    sb = make_sandbox(
+        image="bookworm",
+        memory_mb=256,
+        network=NetworkPolicy(allow=["cdn-allowed.test:443", "registry.npmjs.org:443"]),
+    )
+    assert ask(sb, NPM, 443, "registry.npmjs.org").startswith("REPLY")
+    assert ask(sb, NPM, 443, "cdn-allowed.test") == "RESET"  # right name, wrong address
+
+
+def test_an_ip_rule_keeps_its_fast_path_and_a_policy_update_flips_a_name_live(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    sb = make_sandbox(
+        image="bookworm",
+        memory_mb=256,
+        network=NetworkPolicy(allow=[f"{NPM}:443", "cdn-allowed.test:443"]),
+    )
+    assert ask(sb, NPM, 443, "raw").startswith("REPLY")  # by IP rule: no name needed
+    assert ask(sb, SHARED, 443, "cdn-denied.test") == "RESET"
+    sb.update_network_policy(NetworkPolicy(allow=["cdn-denied.test:443"]))
+    assert ask(sb, SHARED, 443, "cdn-denied.test").startswith("REPLY")
+    assert ask(sb, SHARED, 443, "cdn-allowed.test") == "RESET"
