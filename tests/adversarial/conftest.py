@@ -158,3 +158,12 @@ def _log_tails_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
         from tests.conftest import print_log_tails
 
         print_log_tails(request.getfixturevalue("lab").cluster, request.node.nodeid)
+
+
+def nc(sb: Sandbox, host: str, port: int, wait_s: int = 3) -> tuple[int, bytes]:
+    """Connects with busybox nc and asks for `host` as an HTTP client does (a Host header): a
+    connection allowed by a domain rule is admitted on the name it asks for (the name gate);
+    returns nc's exit code and what came back (or its error)."""
+    request = f"GET / HTTP/1.1\\r\\nHost: {host}\\r\\n\\r\\n"
+    r = sb.run(f"printf '{request}' | nc -w {wait_s} {host} {port}", timeout_s=30)
+    return r.exit_code, r.stdout + r.stderr

@@ -16,7 +16,7 @@ import pytest
 
 from libdsec import Client, NetworkPolicy, Sandbox
 from libdsec.errors import ChannelClosed, InvalidArgument, NoEligibleEdge, SandboxTerminated
-from tests.adversarial.conftest import NPM, PYPI, Lab
+from tests.adversarial.conftest import NPM, PYPI, Lab, nc
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("contained")
@@ -27,8 +27,7 @@ PAPER = NetworkPolicy(
 
 
 def _nc(sb: Sandbox, host: str, port: int) -> tuple[int, bytes]:
-    r = sb.run(f"nc -w 3 {host} {port} </dev/null", timeout_s=20)
-    return r.exit_code, r.stdout + r.stderr
+    return nc(sb, host, port, wait_s=3)
 
 
 def test_paper_example_allows_the_python_index_and_blocks_npm(
@@ -52,12 +51,12 @@ def test_policy_replaced_while_running_takes_effect_on_the_next_connection(
     make_sandbox: Callable[..., Sandbox],
 ) -> None:
     sb = make_sandbox(network=NetworkPolicy(allow=["pypi.org:443"]))
-    assert _nc(sb, PYPI, 443)[0] == 0
+    assert _nc(sb, "pypi.org", 443) == (0, b"pypi.org\n")
     assert _nc(sb, NPM, 443)[0] != 0
     # A task moving to its next stage: npm now, the index no more.
     info = sb.update_network_policy(NetworkPolicy(allow=["registry.npmjs.org:443"]))
     assert info.state == "RUNNING"
-    assert _nc(sb, NPM, 443) == (0, b"registry.npmjs.org\n")
+    assert _nc(sb, "registry.npmjs.org", 443) == (0, b"registry.npmjs.org\n")
     assert _nc(sb, PYPI, 443)[0] != 0
     # And off entirely.
     sb.update_network_policy(NetworkPolicy())
