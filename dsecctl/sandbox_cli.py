@@ -501,7 +501,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def sandbox_record(c: Any, sandbox_id: str) -> dict[str, Any]:
     """Everything GetSandbox says about a sandbox (the SDK's SandboxInfo with its spec, start
     and last-activity times and creator), as JSON-ready data."""
-    return dict(plain(c.get(sandbox_id).info))
+    info = c.get(sandbox_id).info
+    record = dict(plain(info))
+    record["violations"]["blocked_names"] = dict(info.violations.blocked_names)
+    return record
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -542,7 +545,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("expires", f"{record['expires_at'] or '-'} (ttl {spec['ttl_s']} s)"),
         ("idle timeout", f"{spec['idle_timeout_s']} s" if spec["idle_timeout_s"] else "never"),
         ("memory", _memory_text(record["memory"])),
-        ("violations", _pairs({k: v for k, v in record["violations"].items() if v})),
+        (
+            "violations",
+            _pairs({k: v for k, v in record["violations"].items() if isinstance(v, int) and v}),
+        ),
+        ("blocked names", _pairs(record["violations"]["blocked_names"])),
         ("created by", record["principal_id"] or "-"),
     ]
     print(record["id"])

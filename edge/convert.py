@@ -123,7 +123,7 @@ def sandbox_pb(rec: SandboxRecord) -> types_pb2.Sandbox:
         started_at=ts(rec.started_at),
         last_active_at=ts(rec.last_active_at),
         expires_at=ts(rec.expires_at) if rec.expires else None,
-        violations=types_pb2.ViolationCounters(**rec.violations),
+        violations=types_pb2.ViolationCounters(**rec.violations, blocked_names=rec.blocked_names),
     )
     if rec.memory and rec.live:
         m = rec.memory
@@ -166,7 +166,7 @@ def sandbox_pb_fast(
     ``group`` of a batch (one spec, project and principal), copying what the
     group's sandboxes share from a template kept in ``templates``: converting
     the spec for every sandbox of a burst is the expensive part."""
-    if rec.termination_reason or rec.violations:
+    if rec.termination_reason or rec.violations or rec.blocked_names:
         out.CopyFrom(sandbox_pb(rec))
         return
     tmpl = templates.get(group)

@@ -64,6 +64,8 @@ class SandboxRecord:
     last_active_at: float = field(default_factory=time.time)
     runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned facts (pid, paths)
     violations: dict[str, int] = field(default_factory=dict)
+    #: The name gate's refusals by the name asked for (ViolationCounters.blocked_names).
+    blocked_names: dict[str, int] = field(default_factory=dict)
     #: Memory as last measured (resident_bytes, swapped_bytes, at; after a pause also
     #: freed_bytes, pause_s and frozen_only), see edge.backends.contract.PauseOutcome.
     memory: dict[str, Any] = field(default_factory=dict)

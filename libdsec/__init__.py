@@ -51,6 +51,7 @@ from libdsec.types import (
     TaskResult,
     TaskSandboxResult,
     TokenInfo,
+    Violations,
 )
 
 __all__ = [
@@ -97,5 +98,6 @@ __all__ = [
     "TaskResult",
     "TaskSandboxResult",
     "TokenInfo",
+    "Violations",
     "Watch",
 ]

@@ -288,6 +288,22 @@ class MemoryInfo:
         )
 
 
+class Violations(dict[str, int]):
+    """A sandbox's counters of contained misbehaviour, by name: ``blocked_connects``,
+    ``denied_file_accesses``, ``output_truncations``, ``oom_kills``, ``pids_limit_hits``,
+    ``dns_refusals``; and :attr:`blocked_names`, the connections the edge's name gate refused
+    (also counted in ``blocked_connects``) by the name they asked for: a TLS server name or
+    HTTP Host, ``"(no name)"`` for none (raw TCP, no SNI, an encrypted ClientHello), at most
+    64 names and then ``"(other names)"``."""
+
+    def __init__(self, counters: dict[str, int], blocked_names: dict[str, int] | None = None):
+        super().__init__(counters)
+        self.blocked_names: dict[str, int] = dict(blocked_names or {})
+
+    def __repr__(self) -> str:
+        return f"Violations({dict(self)!r}, blocked_names={self.blocked_names!r})"
+
+
 @dataclass(frozen=True)
 class SandboxInfo:
     id: str
@@ -304,7 +320,7 @@ class SandboxInfo:
         str | None
     )  # STOPPED, PREEMPTED, TTL, IDLE, OOM, CHANNEL_CLOSED, EDGE_LOST, ...
     termination_message: str
-    violations: dict[str, int]
+    violations: Violations
     memory: MemoryInfo | None  # None: not measured (terminated, or a backend that cannot)
     #: What it was created with (resources, network policy, env, ...).
     spec: SandboxSpecInfo | None = None
@@ -330,14 +346,17 @@ class SandboxInfo:
             expires_at=_dt(s.expires_at),
             termination_reason=reason,
             termination_message=s.termination.message,
-            violations={
-                "blocked_connects": s.violations.blocked_connects,
-                "denied_file_accesses": s.violations.denied_file_accesses,
-                "output_truncations": s.violations.output_truncations,
-                "oom_kills": s.violations.oom_kills,
-                "pids_limit_hits": s.violations.pids_limit_hits,
-                "dns_refusals": s.violations.dns_refusals,
-            },
+            violations=Violations(
+                {
+                    "blocked_connects": s.violations.blocked_connects,
+                    "denied_file_accesses": s.violations.denied_file_accesses,
+                    "output_truncations": s.violations.output_truncations,
+                    "oom_kills": s.violations.oom_kills,
+                    "pids_limit_hits": s.violations.pids_limit_hits,
+                    "dns_refusals": s.violations.dns_refusals,
+                },
+                dict(s.violations.blocked_names),
+            ),
             memory=MemoryInfo.from_pb(s.memory) if s.HasField("memory") else None,
             spec=SandboxSpecInfo.from_pb(s.spec),
             started_at=_dt(s.started_at),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 
-from libdsec import AsyncClient, AsyncSandbox, SandboxInfo
+from libdsec import AsyncClient, AsyncSandbox, SandboxInfo, Violations
 from libdsec.types import ExecEvent
 
 
@@ -31,7 +31,7 @@ def sandbox(client: AsyncClient, sandbox_id: str) -> AsyncSandbox:
         expires_at=None,
         termination_reason=None,
         termination_message="",
-        violations={},
+        violations=Violations({}),
         memory=None,
     )
     return AsyncSandbox(client, info)

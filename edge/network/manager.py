@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Addresses learned for a domain are kept at least this long (clients cache beyond TTLs).
 MIN_RETENTION_S = 3600.0
 MAX_ADDRESSES_PER_DOMAIN = 256
+#: The name gate's refusals by name (ViolationCounters.blocked_names): the keys for a
+#: connection that asked for no name and, past MAX_BLOCKED_NAMES names, for the rest.
+NO_NAME, OTHER_NAMES, MAX_BLOCKED_NAMES = "(no name)", "(other names)", 64
 
 
 @dataclass
@@ -71,7 +74,8 @@ class _Owner:
     #: the member addresses all of whose TCP goes to the gate.
     gate_applied: dict[str, set[tuple[str, int, int]]] = field(default_factory=dict)
     gate_all_applied: set[str] = field(default_factory=set)
-    #: Connections the name gate refused: in all, and by the name asked for ("" = none).
+    #: Connections the name gate refused: in all, and by the name asked for (at most
+    #: MAX_BLOCKED_NAMES names, then OTHER_NAMES; NO_NAME: none asked for).
     gate_refused: int = 0
     gate_refused_names: dict[str, int] = field(default_factory=dict)
 
@@ -464,7 +468,7 @@ class NetworkManager:
             return None
 
     def blocked_names(self, sandbox_id: str) -> dict[str, int]:
-        """Connections the name gate refused, by the name they asked for ("" = none)."""
+        """Connections the name gate refused, by the name they asked for (NO_NAME: none)."""
         state = self.owners.get(sandbox_id)
         return dict(state.gate_refused_names) if state is not None else {}
 
@@ -517,32 +521,43 @@ class NetworkManager:
             self.node.gate_all(addr, add=False)
 
     def _gate_decide(self, a: Attempt) -> str | None:
-        """The name gate's verdict on a connection: None to let it go on, else why not."""
+        """The name gate's verdict on a connection: None to let it go on, else why not.
+
+        ALLOWLIST: the name asked for must be allowed on the port (a deny by name wins) and
+        the address one the edge resolved for the allowing rule; no name, no connection.
+        OPEN (with a deny by name, else nothing is gated): a connection asking for a denied
+        name is refused, and so is one without a name to an address resolved for a denied
+        name; anything else goes on, as OPEN means."""
         state = self._owner_of(a.client[0])
         if state is None:
             return "not from a networked sandbox"
-        p = a.peeked
-        if p is None:
-            return "no name: the client sent nothing a name could be read from in time"
-        if p.error:
-            return f"malformed {p.protocol}: {p.error}"
-        if p.ech:
-            return "an encrypted ClientHello (ECH): the name asked for is hidden"
-        if not p.name:
-            return f"no name ({p.protocol} without a server name or Host)"
         address, port = a.destination
         policy = state.policy
-        rule = policy.name_allows(p.name, port)
-        if rule is None:
-            denied = any(
-                r.matches_name(p.name) and r.port_min <= port <= r.port_max
-                for r in policy.rules
-                if not r.allow
-            )
-            if policy.mode == MODE_OPEN and not denied:
-                return None  # OPEN: any name not denied (its address is the client's business)
+        p = a.peeked
+        nameless = None
+        if p is None:
+            nameless = "no name: the client sent nothing a name could be read from in time"
+        elif p.error:
+            nameless = f"malformed {p.protocol}: {p.error}"
+        elif p.ech:
+            nameless = "an encrypted ClientHello (ECH): the name asked for is hidden"
+        elif not p.name:
+            nameless = f"no name ({p.protocol} without a server name or Host)"
+        if policy.mode == MODE_OPEN:
+            for r in policy.rules:
+                if r.allow or r.domain is None or not r.port_min <= port <= r.port_max:
+                    continue
+                if p is not None and p.name and r.matches_name(p.name.lower().rstrip(".")):
+                    return f"name {p.name} is denied by {r.where} {r.text!r}"
+                if nameless and address in state.resolved.get(r.domain, {}):
+                    return f"{nameless}, to {address}, an address of denied {r.text!r}"
+            return None
+        if nameless or p is None:
+            return nameless
+        rules = policy.name_allows(p.name, port)
+        if not rules:
             return f"name {p.name} is not allowed on port {port}"
-        if address not in state.resolved.get(rule.domain or "", {}):
+        if not any(address in state.resolved.get(r.domain or "", {}) for r in rules):
             return f"{address} is not an address the edge resolved for {p.name}"
         return None
 
@@ -550,9 +565,12 @@ class NetworkManager:
         state = self._owner_of(a.client[0])
         if state is None:
             return
-        name = a.peeked.name if a.peeked is not None else ""
+        name = (a.peeked.name if a.peeked is not None else "") or NO_NAME
+        names = state.gate_refused_names
+        if name not in names and len(names) >= MAX_BLOCKED_NAMES:
+            name = OTHER_NAMES  # an agent trying names by the million gets one entry
         state.gate_refused += 1
-        state.gate_refused_names[name] = state.gate_refused_names.get(name, 0) + 1
+        names[name] = names.get(name, 0) + 1
         log.info(
             "name gate refused %s -> %s:%d: %s",
             a.client[0],

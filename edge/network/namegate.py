@@ -15,19 +15,24 @@ For each connection:
    then on bytes are relayed untouched in the kernel (``splice`` through a pipe each way): no
    TLS termination, no certificates.
 
-Each side's end is passed on (a half-close stays a half-close); either side's reset or error
-closes both. Sockets are driven directly on the event loop (no stream transports), so the relay
-owns their file descriptors. The gate holds no per-sandbox state: the caller's ``decide`` does.
+Steps 1-3 and the upstream connect run on the event loop (sockets driven directly, no stream
+transports); the relay then runs off it, in a thread per direction blocked in ``splice``: the
+bytes never enter Python, and a bulk transfer neither waits for the loop nor holds it up (the
+edge's gRPC services share that loop). Each side's end is passed on (a half-close stays a
+half-close); either side's reset or error resets both. The gate holds no per-sandbox state: the
+caller's ``decide`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 PIPE_BYTES = 1 << 20
-SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+F_SETPIPE_SZ = 1031  # linux/fcntl.h
 
 
 def original_destination(sock: socket.socket) -> tuple[str, int]:
@@ -78,6 +83,7 @@ class NameGate:
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._relays: set[_Relay] = set()
 
     async def start(self, host: str, port: int) -> int:
         """Listens on host:port (0: any free port); returns the port."""
@@ -101,6 +107,20 @@ class NameGate:
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
+        relays = list(self._relays)
+        for relay in relays:
+            relay.abort()
+
+        def join_all() -> None:
+            for relay in relays:
+                relay.join(5)
+
+        await asyncio.to_thread(join_all)
+
+    @property
+    def relaying(self) -> int:
+        """Admitted connections still being relayed."""
+        return len(self._relays)
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -120,16 +140,16 @@ class NameGate:
         upstream: socket.socket | None = None
         try:
             upstream = await self._admit(conn)
-            if upstream is not None:
-                await _relay(conn, upstream)
         except OSError as exc:
             log.debug("name gate: connection ended: %s", exc)
         except Exception:  # one connection's failure is that connection's
             log.exception("name gate: a connection failed")
-        finally:
+        if upstream is None:
             conn.close()
-            if upstream is not None:
-                upstream.close()
+            return
+        relay = _Relay(conn, upstream, self._relays.discard)
+        self._relays.add(relay)
+        relay.start()
 
     async def _admit(self, conn: socket.socket) -> socket.socket | None:
         """The connected upstream socket, with the peeked bytes sent on; None if refused."""
@@ -174,71 +194,63 @@ class NameGate:
         return head, peek(head)
 
 
-async def _relay(a: socket.socket, b: socket.socket) -> None:
-    """Both directions, in the kernel, until both ended; an error on either ends both."""
-    up = asyncio.ensure_future(_pump(a, b))
-    down = asyncio.ensure_future(_pump(b, a))
-    try:
-        done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
-        if any(t.exception() is not None for t in done):
-            return
-        await asyncio.gather(up, down)
-    finally:
-        up.cancel()
-        down.cancel()
-        await asyncio.wait({up, down})
+class _Relay:
+    """An admitted connection: a thread per direction, each blocked in ``splice`` (socket ->
+    pipe -> socket), until both directions ended; then both sockets are closed."""
 
+    def __init__(self, a: socket.socket, b: socket.socket, done: Callable[[_Relay], None]) -> None:
+        a.setblocking(True)
+        b.setblocking(True)
+        self.a, self.b = a, b
+        self._done = done
+        self._failed = False
+        self._back = threading.Thread(
+            target=self._pump, args=(b, a), name="gate-relay", daemon=True
+        )
+        self._forth = threading.Thread(target=self._run, name="gate-relay", daemon=True)
 
-async def _pump(src: socket.socket, dst: socket.socket) -> None:
-    """src -> dst through a pipe, in the kernel, until src's end; then half-close dst."""
-    loop = asyncio.get_running_loop()
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        with contextlib.suppress(OSError):
-            import fcntl
+    def start(self) -> None:
+        self._back.start()
+        self._forth.start()
 
-            fcntl.fcntl(w, 1031, PIPE_BYTES)  # F_SETPIPE_SZ
-        in_pipe = 0
-        src_fd, dst_fd = src.fileno(), dst.fileno()
-        eof = False
-        while not eof or in_pipe:
-            if not eof:
-                try:
-                    n = os.splice(src_fd, w, PIPE_BYTES, flags=SPLICE_FLAGS)
-                except BlockingIOError:
-                    n = -1
-                if n == 0:
-                    eof = True
-                elif n > 0:
-                    in_pipe += n
-            if in_pipe:
-                try:
-                    in_pipe -= os.splice(r, dst_fd, in_pipe, flags=SPLICE_FLAGS)
-                    continue
-                except BlockingIOError:
-                    await _wait(loop, dst_fd, writable=True)
-                    continue
-            if not eof:
-                await _wait(loop, src_fd, writable=False)
-        with contextlib.suppress(OSError):
+    def join(self, timeout_s: float) -> None:
+        self._forth.join(timeout_s)
+
+    def abort(self) -> None:
+        """Ends both directions now (the gate is closing)."""
+        self._failed = True
+        for sock in (self.a, self.b):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _run(self) -> None:
+        try:
+            self._pump(self.a, self.b)
+            self._back.join()
+            if self._failed:
+                _reset(self.a)
+                _reset(self.b)
+        finally:
+            self.a.close()
+            self.b.close()
+            self._done(self)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """src -> dst until src's end, then half-close dst; an error ends both directions."""
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
+            src_fd, dst_fd = src.fileno(), dst.fileno()
+            while n := os.splice(src_fd, w, PIPE_BYTES, flags=os.SPLICE_F_MOVE):
+                while n:
+                    n -= os.splice(r, dst_fd, n, flags=os.SPLICE_F_MOVE)
             dst.shutdown(socket.SHUT_WR)
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-async def _wait(loop: asyncio.AbstractEventLoop, fd: int, *, writable: bool) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    (loop.add_writer if writable else loop.add_reader)(fd, ready)
-    try:
-        await fut
-    finally:
-        (loop.remove_writer if writable else loop.remove_reader)(fd)
+        except OSError:
+            self.abort()
+        finally:
+            os.close(r)
+            os.close(w)
 
 
 def _reset(sock: socket.socket) -> None:

@@ -135,20 +135,21 @@ class Policy:
         no one resolved for it), so every one not allowed by an IP rule goes to the gate."""
         return self.mode == MODE_OPEN and any(r.domain and not r.allow for r in self.rules)
 
-    def name_allows(self, name: str, port: int) -> Rule | None:
-        """The allow rule under which a TCP connection asking for `name` on `port` may go on
-        (deny by name wins), or None."""
+    def name_allows(self, name: str, port: int) -> tuple[Rule, ...]:
+        """The allow rules under which a TCP connection asking for `name` on `port` may go on
+        (none if a deny by name matches: deny wins)."""
         name = name.lower().rstrip(".")
         if any(
             r.matches_name(name) and r.port_min <= port <= r.port_max
             for r in self.rules
             if not r.allow
         ):
-            return None
-        for r in self.rules:
-            if r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max:
-                return r
-        return None
+            return ()
+        return tuple(
+            r
+            for r in self.rules
+            if r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max
+        )
 
     def name_verdict(self, name: str) -> bool | None:
         """For the DNS resolver: False = refuse `name`, True = answer it (an allow rule names
@@ -393,14 +394,48 @@ def compile_tables(
 
 
 def gated(policy: Policy, resolved: Mapping[str, Iterable[str]]) -> set[tuple[str, int, int]]:
-    """(address, first port, last port) of the TCP connections the name gate decides: the
-    addresses resolved for each allow-by-name rule, with its ports."""
+    """(address, first port, last port) of the TCP connections the name gate decides: the IPv4
+    addresses resolved for each allow-by-name rule, with its ports, less the ports an IP or
+    CIDR allow rule already opens on that address (those keep the address-only fast path).
+    OPEN policies gate nothing here (an allow by name adds nothing to OPEN; a deny by name
+    gates everything: `Policy.gates_everything`)."""
     out: set[tuple[str, int, int]] = set()
+    if policy.mode != MODE_ALLOWLIST:
+        return out
+    by_ip = [
+        r for r in policy.rules if r.allow and r.network is not None and r.protocol != PROTO_UDP
+    ]
     for rule in policy.rules:
-        if rule.domain is not None and rule.allow:
-            for addr in resolved.get(rule.domain, ()):
-                out.add((addr, rule.port_min, rule.port_max))
+        if rule.domain is None or not rule.allow:
+            continue
+        for addr in resolved.get(rule.domain, ()):
+            net = parse_network(addr)
+            if net[0] != 4:
+                continue  # the sandboxes' network is IPv4
+            open_ = [(r.port_min, r.port_max) for r in by_ip if _contains(r.network, net)]
+            for lo, hi in _subtract((rule.port_min, rule.port_max), open_):
+                out.add((addr, lo, hi))
     return out
+
+
+def _contains(outer: Network | None, inner: Network) -> bool:
+    if outer is None or outer[0] != inner[0] or outer[2] > inner[2]:
+        return False
+    shift = (32 if inner[0] == 4 else 128) - outer[2]
+    return outer[1] >> shift == inner[1] >> shift
+
+
+def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the port range `span` outside every range in `holes`."""
+    parts = [span]
+    for h_lo, h_hi in holes:
+        parts = [
+            piece
+            for lo, hi in parts
+            for piece in ((lo, min(hi, h_lo - 1)), (max(lo, h_hi + 1), hi))
+            if piece[0] <= piece[1]
+        ]
+    return parts
 
 
 def check_compilable(policy: Policy, platform: Platform) -> None:

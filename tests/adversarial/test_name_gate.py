@@ -70,6 +70,10 @@ def test_two_names_on_one_address_one_allowed_one_denied(
     assert ask(sb, SHARED, 443, "github.com") == "RESET"
     info = wait_for(lambda: (i := sb.refresh()).violations["blocked_connects"] >= 5 and i)
     assert info.state == "RUNNING"
+    # ... each refusal counted by the name it asked for (sb.info.violations.blocked_names)
+    want = {"cdn-denied.test": 2, "(no name)": 2, "github.com": 1}
+    info = wait_for(lambda: (i := sb.refresh()).violations.blocked_names == want and i)
+    assert info.violations["blocked_connects"] == 5
 
 
 def test_an_allowed_names_address_with_another_name_is_refused(

@@ -131,3 +131,40 @@ async def test_a_client_that_says_nothing_is_refused_after_the_peek_timeout(gate
     finally:
         s.close()
     assert refusals and refusals[0][0].peeked is None
+
+
+async def test_many_connections_at_once_each_get_their_own_bytes(gate) -> None:  # type: ignore[no-untyped-def]
+    g, _, refusals = gate
+    hello = client_hello("pypi.org")
+    bodies = [hello + os.urandom(64 << 10) for _ in range(40)]
+    answers = await asyncio.gather(*(_exchange(g.port, b) for b in bodies))
+    for body, answer in zip(bodies, answers, strict=True):
+        n, digest = answer.split(b"\n")[1].split()
+        assert int(n) == len(body) and digest.decode() == hashlib.sha256(body).hexdigest()
+    assert not refusals
+    for _ in range(100):  # each relay ends (its threads exit, its sockets close) on its own
+        if g.relaying == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert g.relaying == 0
+
+
+async def test_closing_the_gate_ends_the_connections_it_relays(gate) -> None:  # type: ignore[no-untyped-def]
+    g, _, _ = gate
+    r, w = await asyncio.open_connection("127.0.0.1", g.port)
+    w.write(client_hello("pypi.org"))  # admitted; the upstream waits for our end, we never send it
+    await w.drain()
+    for _ in range(100):
+        if g.relaying == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert g.relaying == 1
+    t0 = asyncio.get_running_loop().time()
+    await g.close()
+    assert g.relaying == 0
+    try:
+        assert await asyncio.wait_for(r.read(), 5) == b""  # ended (reset reads as an end too)
+    except ConnectionResetError:
+        pass
+    assert asyncio.get_running_loop().time() - t0 < 5
+    w.close()

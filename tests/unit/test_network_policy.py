@@ -93,13 +93,30 @@ def test_two_names_on_one_address_are_the_gates_to_decide() -> None:
     assert verdict(tables, "151.101.0.223", 443)
     assert not verdict(tables, "151.101.0.223", 443, PROTO_UDP)
     assert gated(policy, shared) == {("151.101.0.223", 443, 443)}
-    assert policy.name_allows("PyPI.org.", 443) is not None
-    assert policy.name_allows("pypi.org", 80) is None
-    assert policy.name_allows("registry.npmjs.org", 443) is None
-    assert policy.name_allows("github.com", 443) is None
+    assert [r.where for r in policy.name_allows("PyPI.org.", 443)] == ["allow[0]"]
+    assert policy.name_allows("pypi.org", 80) == ()
+    assert policy.name_allows("registry.npmjs.org", 443) == ()
+    assert policy.name_allows("github.com", 443) == ()
     assert not policy.gates_everything
     assert _policy(open=True, deny=["registry.npmjs.org"]).gates_everything
     assert not _policy(open=True, deny=["10.0.0.0/8"]).gates_everything
+
+
+def test_ports_an_ip_rule_opens_on_a_names_address_keep_the_fast_path() -> None:
+    """An IP or CIDR allow covering a name's address: its ports go direct (no name needed),
+    the name rule's other ports go to the gate; OPEN gates nothing by address."""
+    shared = {"pypi.org": ["151.101.0.223", "151.101.64.223"]}
+    policy = _policy(allow=["pypi.org", "151.101.0.0/18:443", "151.101.0.223:8000-8080"])
+    assert gated(policy, shared) == {
+        ("151.101.0.223", 0, 442),
+        ("151.101.0.223", 444, 7999),
+        ("151.101.0.223", 8081, 65535),
+        ("151.101.64.223", 0, 65535),  # outside the /18
+    }
+    assert gated(_policy(allow=["pypi.org:443", "151.101.0.0/16"]), shared) == set()
+    udp_only = _policy(allow=["pypi.org:443", "151.101.0.0/16:443/udp"])
+    assert gated(udp_only, shared) == {("151.101.0.223", 443, 443), ("151.101.64.223", 443, 443)}
+    assert gated(_policy(open=True, allow=["pypi.org:443"]), shared) == set()
 
 
 def test_a_domain_rule_for_udp_is_refused() -> None:

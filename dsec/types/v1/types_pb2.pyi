@@ -644,12 +644,33 @@ class ViolationCounters(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class BlockedNamesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     BLOCKED_CONNECTS_FIELD_NUMBER: _builtins.int
     DENIED_FILE_ACCESSES_FIELD_NUMBER: _builtins.int
     OUTPUT_TRUNCATIONS_FIELD_NUMBER: _builtins.int
     OOM_KILLS_FIELD_NUMBER: _builtins.int
     PIDS_LIMIT_HITS_FIELD_NUMBER: _builtins.int
     DNS_REFUSALS_FIELD_NUMBER: _builtins.int
+    BLOCKED_NAMES_FIELD_NUMBER: _builtins.int
     blocked_connects: _builtins.int
     """connects / datagrams refused by the network policy"""
     denied_file_accesses: _builtins.int
@@ -661,6 +682,14 @@ class ViolationCounters(_message.Message):
     """forks refused at the pids limit"""
     dns_refusals: _builtins.int
     """lookups of names the policy does not allow"""
+    @_builtins.property
+    def blocked_names(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Connections the name gate refused (also counted in blocked_connects), by the name they
+        asked for (TLS server name or HTTP Host); "(no name)" for those that asked for none (raw
+        TCP, a hello without SNI, an encrypted ClientHello). At most 64 names; the rest are
+        counted under "(other names)".
+        """
+
     def __init__(
         self,
         *,
@@ -670,10 +699,11 @@ class ViolationCounters(_message.Message):
         oom_kills: _builtins.int = ...,
         pids_limit_hits: _builtins.int = ...,
         dns_refusals: _builtins.int = ...,
+        blocked_names: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_connects", b"blocked_connects", "denied_file_accesses", b"denied_file_accesses", "dns_refusals", b"dns_refusals", "oom_kills", b"oom_kills", "output_truncations", b"output_truncations", "pids_limit_hits", b"pids_limit_hits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_connects", b"blocked_connects", "blocked_names", b"blocked_names", "denied_file_accesses", b"denied_file_accesses", "dns_refusals", b"dns_refusals", "oom_kills", b"oom_kills", "output_truncations", b"output_truncations", "pids_limit_hits", b"pids_limit_hits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -329,6 +329,8 @@ class Containment:
             if any(w.rec.violations.get(k) != v for k, v in counters.items()):
                 # Merged here, on the loop: the servicer counts output truncations too.
                 w.rec.violations = {**w.rec.violations, **counters}
+            if self.network is not None:
+                w.rec.blocked_names = self.network.blocked_names(sid)
             if verdict is not None:
                 reason, message = verdict
                 log.warning(

@@ -1065,6 +1065,8 @@ class MicrovmBackend:
                     continue
                 if any(rec.violations.get(k) != v for k, v in counted.items()):
                     rec.violations = {**rec.violations, **counted}
+                if self.network is not None:
+                    rec.blocked_names = self.network.blocked_names(vm.sandbox_id)
                 max_blocked = int((rec.spec.network or {}).get("max_blocked_connects", 0) or 0)
                 blocked = counted.get("blocked_connects", 0)
                 if max_blocked and blocked > max_blocked and rec.state == "RUNNING":
