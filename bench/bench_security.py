@@ -12,17 +12,30 @@
    1,000-rule policies, both directions. Baseline: GetSandbox over the same path. Target <= 10 ms.
 3. Disk quota (why a filesystem per writable layer): sandbox creation with and without a quota,
    and what watching an upper directory would cost instead (a walk of 10,000 files vs statvfs).
+4. Name-checked egress (issue 20): a TCP connection allowed only by a domain rule goes through
+   the edge's name gate (redirected to a relay that reads the TLS server name, then splices),
+   one allowed by an IP rule goes direct. Each client sends a real ClientHello (SNI
+   target.bench) to the bench's namespace, from a loop in the sandbox:
+   - setup latency, connect() until the first reply byte: an OPEN policy (baseline), an IP
+     rule (address only) and a domain rule (name-checked). Target: <= +1 ms p50 vs address only;
+   - throughput of a 256 MiB download, IP rule (direct) vs domain rule (through the gate).
+     Target: within 10 % of direct.
+   Interleaved rounds, median of 3.
 
 Traffic goes only to loopback and to the namespace the bench creates.
-usage: python bench/bench_security.py [--connects 2000] [--updates 10]
+usage: python bench/bench_security.py [--connects 2000] [--updates 10] [--gate-connects 300]
+       [--transfer-mb 256] [--only connect|update|disk|gate ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +51,9 @@ from tests.adversarial.netlab import NetLab, remove_bridge
 INDEX = 50 + os.getpid() % 50
 TARGET = f"10.199.{INDEX}.3"
 TOOLKIT_PY = "/.dsec/lib/ld-linux-x86-64.so.2 --library-path /.dsec/lib /.dsec/bin/python3.11 -I -S"
+NAME = "target.bench"
+TRANSFER_PORT = 8443
+SECTIONS = ("connect", "update", "disk", "gate")
 
 CONNECT_LOOP = r"""
 import socket, sys, time
@@ -181,11 +197,11 @@ def bench_update(client: Client, k: int, edge_log: Path) -> list[list[object]]:
 
 
 def bench_disk(client: Client, n: int) -> list[list[object]]:
-    def create_ms(**kw: object) -> list[float]:
+    def create_ms(disk_mb: int | None = None) -> list[float]:
         out = []
         for _ in range(n):
             t = time.perf_counter()
-            sb = client.create(image="busybox", cpu=0.2, memory_mb=64, **kw)
+            sb = client.create(image="busybox", cpu=0.2, memory_mb=64, disk_mb=disk_mb)
             out.append((time.perf_counter() - t) * 1000)
             sb.stop(grace_s=0.1)
         return out
@@ -220,15 +236,187 @@ def bench_disk(client: Client, n: int) -> list[list[object]]:
     ]
 
 
+# ---------------------------------------------------------------- name-checked egress (issue 20)
+
+# A real TLS ClientHello for the name in argv[3] (Python's TLS client through a memory BIO, as
+# tests/adversarial/test_name_gate.py sends), built once and resent on every connection.
+HELLO = r"""
+import socket, ssl, sys, time
+host, port, name = socket.gethostbyname(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
+tls = ctx.wrap_bio(i, o, server_hostname=name)
+try: tls.do_handshake()
+except ssl.SSLWantReadError: pass
+hello = o.read()
+"""
+
+# connect() start until the first reply byte, n times; the rest of the reply is read (outside
+# the timing) so that both ends close cleanly.
+SETUP_LOOP = (
+    HELLO
+    + r"""
+n = int(sys.argv[4])
+out = []
+for _ in range(n):
+    s = socket.socket()
+    t = time.perf_counter_ns()
+    s.connect((host, port))
+    s.sendall(hello)
+    assert s.recv(1), "closed without a reply"
+    out.append(time.perf_counter_ns() - t)
+    while s.recv(65536):
+        pass
+    s.close()
+out.sort()
+print(out[len(out) // 2], out[len(out) * 99 // 100])
+"""
+)
+
+# One download until the sender's end, counted and discarded: bytes and seconds.
+READ_LOOP = (
+    HELLO
+    + r"""
+buf = memoryview(bytearray(1 << 20))
+s = socket.socket()
+t = time.perf_counter()
+s.connect((host, port))
+s.sendall(hello)
+total = 0
+while k := s.recv_into(buf):
+    total += k
+print(total, time.perf_counter() - t)
+"""
+)
+
+# The sender, in the lab namespace: per connection, reads the client's first bytes (its
+# ClientHello), sends `mb` MiB of zeros, half-closes and waits for the client's end (closing
+# with unread bytes would reset the connection and could drop the tail). Exits after
+# `connections` connections or when its stdin closes.
+SENDER = r"""
+import os, socket, sys, threading
+ip, port, mb, connections = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+buf = bytes(1 << 20)
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((ip, port)); srv.listen(8)
+print("ready", flush=True)
+for _ in range(connections):
+    c, _ = srv.accept()
+    try:
+        c.settimeout(30)
+        c.recv(65536)
+        for _ in range(mb):
+            c.sendall(buf)
+        c.shutdown(socket.SHUT_WR)
+        while c.recv(65536):
+            pass
+    except OSError as e:
+        print("sender:", e, file=sys.stderr, flush=True)
+    finally:
+        c.close()
+"""
+
+
+def gate_setup(sb: Sandbox, host: str, n: int) -> tuple[float, float]:
+    r = sb.run(f"{TOOLKIT_PY} /tmp/setup.py {host} 443 {NAME} {n}", timeout_s=300)
+    assert r.exit_code == 0, r
+    p50, p99 = (int(x) / 1000 for x in r.text.split())
+    return p50, p99
+
+
+def gate_transfer(sb: Sandbox, host: str, mb: int) -> float:
+    """MB/s of one download of `mb` MiB."""
+    r = sb.run(f"{TOOLKIT_PY} /tmp/read.py {host} {TRANSFER_PORT} {NAME}", timeout_s=300)
+    assert r.exit_code == 0, r
+    total, seconds = r.text.split()
+    assert int(total) == mb << 20, (total, mb)
+    return int(total) / 1e6 / float(seconds)
+
+
+def start_sender(netns: str, mb: int, connections: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", SENDER, TARGET,
+         str(TRANSFER_PORT), str(mb), str(connections)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        stop_sender(proc)
+        raise RuntimeError(f"sender did not start: {line!r}")
+    return proc
+
+
+def stop_sender(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(Exception):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=5)
+
+
+def bench_gate(
+    client: Client, netns: str, n: int, mb: int
+) -> tuple[list[list[object]], list[list[object]]]:
+    ports = (443, TRANSFER_PORT)
+    paths = {  # label -> (policy, the address the client connects to: resolved in the sandbox)
+        "OPEN, no rules (baseline)": (NetworkPolicy(open=True), TARGET),
+        "IP rule (address only)": (NetworkPolicy(allow=[f"{TARGET}:{p}" for p in ports]), TARGET),
+        "domain rule (name-checked)": (NetworkPolicy(allow=[f"{NAME}:{p}" for p in ports]), NAME),
+    }
+    rounds = 3
+    sbs: dict[str, Sandbox] = {}
+    sender = None
+    try:
+        for label, (policy, _) in paths.items():
+            sbs[label] = client.create(image="busybox", cpu=1, memory_mb=256, network=policy)
+            sbs[label].files.write("/tmp/setup.py", SETUP_LOOP)
+            sbs[label].files.write("/tmp/read.py", READ_LOOP)
+        transfers = [label for label in paths if not label.startswith("OPEN")]
+        sender = start_sender(netns, mb, rounds * len(transfers))
+        setup: dict[str, list[tuple[float, float]]] = {label: [] for label in paths}
+        speed: dict[str, list[float]] = {label: [] for label in transfers}
+        for _ in range(rounds):  # interleaved rounds: the machine is shared and noisy
+            for label, (_, host) in paths.items():
+                setup[label].append(gate_setup(sbs[label], host, n))
+            for label in transfers:
+                speed[label].append(gate_transfer(sbs[label], paths[label][1], mb))
+    finally:
+        if sender is not None:
+            stop_sender(sender)
+        for sb in sbs.values():
+            sb.stop(grace_s=0.2)
+
+    def med(label: str, i: int) -> float:
+        return statistics.median(x[i] for x in setup[label])
+
+    address, name = transfers
+    latency: list[list[object]] = [[label, med(label, 0), med(label, 1), "", ""] for label in paths]
+    latency[-1][3:] = [f"{med(name, 0) - med(address, 0):+.0f} us", "<= +1 ms p50"]
+    direct, gated = statistics.median(speed[address]), statistics.median(speed[name])
+    throughput: list[list[object]] = [
+        [address + ", direct", direct, "", ""],
+        [name + ", through the gate", gated, f"{(gated / direct - 1) * 100:+.1f} %", "within 10 %"],
+    ]
+    return latency, throughput
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--connects", type=int, default=2000)
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--creates", type=int, default=10)
+    ap.add_argument("--gate-connects", type=int, default=300)
+    ap.add_argument("--transfer-mb", type=int, default=256)
+    ap.add_argument("--only", choices=SECTIONS, action="append", help="these sections only")
     args = ap.parse_args()
+    only = set(args.only or SECTIONS)
     bridge = f"dsb{os.getpid() % 100000}"
     pins = Path(f"/sys/fs/bpf/dsec-bench-{os.getpid()}")
-    lab = NetLab(INDEX, {"target.bench": TARGET})
+    lab = NetLab(INDEX, {NAME: TARGET})
     try:
         lab.start()
         edge = EdgeSpec(
@@ -249,22 +437,42 @@ def main() -> None:
             cluster(edges=[edge], log_level="INFO") as c,
             Client(c.apiserver, token=c.token) as client,
         ):
-            table(
-                "connect() inside a sandbox (us; median of 3 interleaved rounds "
-                f"of {args.connects} connects)",
-                ["target", "policy", "p50 us", "p99 us", "added", "target"],
-                bench_connect(client, args.connects),
-            )
-            table(
-                f"policy update -> effect (ms, {2 * args.updates} updates)",
-                ["what", "p50 ms", "p99 ms", "target"],
-                bench_update(client, args.updates, c.process("edge-sec").log_path),
-            )
-            table(
-                f"disk quota ({args.creates} creates each; ms)",
-                ["what", "p50 ms", "p99 ms"],
-                bench_disk(client, args.creates),
-            )
+            if "connect" in only:
+                table(
+                    "connect() inside a sandbox (us; median of 3 interleaved rounds "
+                    f"of {args.connects} connects)",
+                    ["target", "policy", "p50 us", "p99 us", "added", "target"],
+                    bench_connect(client, args.connects),
+                )
+            if "update" in only:
+                table(
+                    f"policy update -> effect (ms, {2 * args.updates} updates)",
+                    ["what", "p50 ms", "p99 ms", "target"],
+                    bench_update(client, args.updates, c.process("edge-sec").log_path),
+                )
+            if "disk" in only:
+                table(
+                    f"disk quota ({args.creates} creates each; ms)",
+                    ["what", "p50 ms", "p99 ms"],
+                    bench_disk(client, args.creates),
+                )
+            if "gate" in only:
+                latency, throughput = bench_gate(
+                    client, lab.netns, args.gate_connects, args.transfer_mb
+                )
+                table(
+                    "name-checked egress (issue 20): connection setup inside a sandbox, "
+                    f"connect() to the first reply byte, TLS ClientHello to {TARGET}:443 "
+                    f"(us; median of 3 interleaved rounds of {args.gate_connects} connects)",
+                    ["policy", "p50 us", "p99 us", "added vs IP rule", "target"],
+                    latency,
+                )
+                table(
+                    f"name-checked egress (issue 20): {args.transfer_mb} MiB download into a "
+                    f"sandbox from {TARGET}:{TRANSFER_PORT} (MB/s; median of 3 interleaved rounds)",
+                    ["policy", "MB/s", "vs direct", "target"],
+                    throughput,
+                )
     finally:
         lab.close()
         remove_bridge(bridge)

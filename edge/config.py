@@ -78,10 +78,10 @@ class EdgeConfig(ServiceConfig):
     net_subnet: str = "10.231.0.0/16"
     dns_upstream: str = ""
     dns_refresh_s: float = 60.0
-    #: The name gate's TCP port on the bridge address: connections a policy allows only by a
-    #: domain name are redirected there and admitted on the name they ask for (TLS server
-    #: name, HTTP Host; edge.network.namegate). Per bridge, so one per edge.
-    net_gate_port: int = 15443
+    #: The name gate's NFQUEUE number: connections a policy allows only by a domain name are
+    #: admitted on the name they ask for (TLS server name, HTTP Host; edge.network.namegate).
+    #: One per bridge, so one per edge; 0 = derived from the bridge's name.
+    net_gate_queue: int = 0
     #: bpffs directory for the sandboxes' pinned eBPF maps and programs (one subdir per edge).
     bpf_pin_dir: Path = Path("/sys/fs/bpf/dsec")
     #: Writable-layer limit of a sandbox that asks for none (resources.disk_mb 0). Every

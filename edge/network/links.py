@@ -20,6 +20,11 @@
 - NAT (masquerade) for traffic leaving the bridge. On a host where Docker made the forward
   policy DROP, the edge adds two rules to DOCKER-USER (Docker's place for them) so that the
   bridge's traffic is forwarded; they are removed with the bridge.
+- The name gate (`edge.network.namegate`): the sets `gated` (sandbox . address . ports) and
+  `gate_all` (sandbox) say which TCP a policy allows only by name; the `gate` chain marks
+  those packets until conntrack holds the gate's verdict, an iptables `mangle FORWARD` rule
+  queues marked packets to the gate's NFQUEUE, and `gate_verdict` copies the gate's mark to
+  the connection (admitted: never queued again; refused: answered with a TCP reset).
 
 Netlink goes through pyroute2; nftables rules through `nft -f -` (once per bridge).
 """
@@ -34,9 +39,12 @@ import ipaddress
 import logging
 import os
 import subprocess
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from edge.network.namegate import ADMIT, QUEUED, REFUSE
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +134,12 @@ def _attach_ingress(ip: Any, index: int, program: int) -> None:
     )
 
 
+def _nft(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["nft", "-f", "-"], input=script, capture_output=True, text=True, env=_ENV
+    )
+
+
 def _sysctl(path: str, value: str) -> None:
     with contextlib.suppress(OSError):
         Path("/proc/sys", path).write_text(value)
@@ -134,48 +148,43 @@ def _sysctl(path: str, value: str) -> None:
 class NodeNetwork:
     """The bridge, its address, its firewall and NAT, and the sandboxes' veth pairs."""
 
-    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network, gate_port: int = 0) -> None:
+    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network, gate_queue: int = 0) -> None:
         if not 1 <= len(bridge) <= 15:
             raise ValueError(f"bridge name {bridge!r} must have 1..15 characters")
         self.bridge = bridge
-        #: The name gate's port on the gateway (edge.network.namegate); 0 = no gate.
-        self.gate_port = gate_port
+        #: The name gate's NFQUEUE number (edge.network.namegate); 0: one derived from the
+        #: bridge's name, so that edges of one node (one bridge each) get different queues.
+        self.gate_queue = gate_queue or 1024 + zlib.crc32(bridge.encode()) % 31744
         self.subnet = subnet
         self.gateway = next(subnet.hosts())
         self.table = f"dsec_{bridge}".replace("-", "_")
-        self._docker_rules: list[list[str]] = [
-            ["-i", bridge, "-j", "ACCEPT"],
-            ["-o", bridge, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"],
-        ]
+        self._iptables_rules: list[tuple[str, str, list[str]]] = [
+            ("filter", "DOCKER-USER", ["-i", bridge, "-j", "ACCEPT"]),
+            ("filter", "DOCKER-USER", ["-o", bridge, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"]),
+            # The name gate's queue: nftables marks what goes there (this kernel's nftables
+            # has no native queue statement; the xtables target does it through nft_compat).
+            ("mangle", "FORWARD", ["-i", bridge, "-m", "mark", "--mark", hex(QUEUED), "-j", "NFQUEUE", "--queue-num", str(self.gate_queue)]),
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ the gate
 
+    @staticmethod
+    def gate_items(sandbox: str, entries: Iterable[tuple[str, int, int]]) -> list[str]:
+        return [f"{sandbox} . {addr} . {lo}-{hi}" for addr, lo, hi in entries]
+
     def gate(self, sandbox: str, entries: Iterable[tuple[str, int, int]], *, add: bool) -> None:
-        """Adds (or removes) redirections of `sandbox`'s TCP to (address, ports) to the gate."""
-        items = [f"{sandbox} . {addr} . {lo}-{hi}" for addr, lo, hi in entries]
+        """Adds (or removes) `sandbox`'s TCP to (address, ports) to what the name gate decides."""
+        items = self.gate_items(sandbox, entries)
         if items:
             self._nft_element("gated", items, add=add)
 
     def gate_all(self, sandbox: str, *, add: bool) -> None:
-        """Sends all of `sandbox`'s TCP (but to the gateway) to the gate, or stops it."""
+        """Sends all of `sandbox`'s TCP to the name gate, or stops it."""
         self._nft_element("gate_all", [sandbox], add=add)
 
     def _nft_element(self, set_name: str, items: list[str], *, add: bool) -> None:
         verb = "add" if add else "delete"
-        r = subprocess.run(
-            [
-                "nft",
-                verb,
-                "element",
-                "ip",
-                f"{self.table}_nat",
-                set_name,
-                "{ " + ", ".join(items) + " }",
-            ],
-            capture_output=True,
-            text=True,
-            env=_ENV,
-        )
+        r = _nft(f"{verb} element inet {self.table} {set_name} {{ {', '.join(items)} }}\n")
         if r.returncode != 0 and add:  # a removal of what is gone already is fine
             raise NetworkSetupError(f"nft {verb} element {set_name}: {r.stderr.strip()}")
 
@@ -201,11 +210,11 @@ class NodeNetwork:
             log.warning("net.ipv4.ip_forward was 0: enabling it for sandbox egress")
             _sysctl("net/ipv4/ip_forward", "1")
         self._nft_apply()
-        self._docker_user(add=True)
+        self._iptables(add=True)
 
     def teardown(self) -> None:
         """Remove the bridge and its rules (veths on it go too). Idempotent; blocking."""
-        self._docker_user(add=False)
+        self._iptables(add=False)
         subprocess.run(
             ["nft", "delete", "table", "inet", self.table], capture_output=True, env=_ENV
         )
@@ -221,81 +230,111 @@ class NodeNetwork:
                 ip.link("del", index=idx)
 
     def _nft_apply(self) -> None:
-        br, gw, net = self.bridge, self.gateway, self.subnet
-        gate_input = gate_nat = ""
-        if self.gate_port:
-            # TCP a policy allows only by name goes to the name gate on the gateway: the pairs
-            # (sandbox . address . ports) in `gated`, or all TCP of a sandbox in `gate_all`.
-            gate_input = f'    iifname "{br}" ip daddr {gw} tcp dport {self.gate_port} accept'
-            gate_nat = f"""  set gated {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}
-  set gate_all {{ type ipv4_addr; }}
-  chain prerouting {{
-    type nat hook prerouting priority dstnat; policy accept;
-    iifname "{br}" ip saddr . ip daddr . tcp dport @gated redirect to :{self.gate_port}
-    iifname "{br}" ip saddr @gate_all ip daddr != {gw} ip protocol tcp redirect to :{self.gate_port}
-  }}"""
-        script = f"""
-table inet {self.table}
-delete table inet {self.table}
-table inet {self.table} {{
-  chain forward {{
-    type filter hook forward priority -1; policy accept;
-    iifname "{br}" oifname "{br}" drop
-    oifname "{br}" ct state established,related accept
-    oifname "{br}" drop
-  }}
-  chain input {{
-    type filter hook input priority -1; policy accept;
-    iifname "{br}" ip daddr {gw} udp dport 53 accept
-    iifname "{br}" ip daddr {gw} tcp dport 53 accept
-{gate_input}
-    iifname "{br}" ct state established,related accept
-    iifname "{br}" drop
-  }}
+        """The node's nftables rules, replaced in one transaction. The name gate's sets keep
+        their elements (an edge restarting keeps deciding by name: `gate_replace` sets them
+        right once the sandboxes are adopted); a table of another shape is replaced whole."""
+        chains = self._nft_chains()
+        sets = """  set gated { type ipv4_addr . ipv4_addr . inet_service; flags interval; }
+  set gate_all { type ipv4_addr; }"""
+        heads = "\n".join(f"  chain {name} {{ {head} }}" for name, (head, _) in chains.items())
+        flushes = "\n".join(f"flush chain inet {self.table} {name}" for name in chains)
+        bodies = "\n".join(
+            f"  chain {name} {{\n{rules}\n  }}" for name, (_, rules) in chains.items()
+        )
+        inet = f"""table inet {self.table} {{
+{sets}
+{heads}
 }}
-table ip {self.table}_nat
+{flushes}
+table inet {self.table} {{
+{bodies}
+}}
+"""
+        nat = f"""table ip {self.table}_nat
 delete table ip {self.table}_nat
 table ip {self.table}_nat {{
-{gate_nat}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
-    ip saddr {net} oifname != "{br}" masquerade
+    ip saddr {self.subnet} oifname != "{self.bridge}" masquerade
   }}
 }}
 """
-        r = subprocess.run(
-            ["nft", "-f", "-"], input=script, capture_output=True, text=True, env=_ENV
-        )
+        r = _nft(inet + nat)
+        if r.returncode != 0:  # a table of another shape (an older edge's): replace it
+            log.info("nftables table %s replaced whole: %s", self.table, r.stderr.strip())
+            r = _nft(f"table inet {self.table}\ndelete table inet {self.table}\n" + inet + nat)
         if r.returncode != 0:
             raise NetworkSetupError(f"nft failed: {r.stderr.strip()}")
 
-    def _docker_user(self, *, add: bool) -> None:
-        probe = subprocess.run(
-            ["iptables", "-w", "5", "-S", "DOCKER-USER"], capture_output=True, env=_ENV
-        )
-        if probe.returncode != 0:
-            return  # no Docker forward policy to get past
-        for rule in self._docker_rules:
-            present = (
-                subprocess.run(
-                    ["iptables", "-w", "5", "-C", "DOCKER-USER", *rule],
+    def _nft_chains(self) -> dict[str, tuple[str, str]]:
+        """name -> (hook declaration, rules) of the node's chains in its inet table."""
+        br, gw = self.bridge, self.gateway
+        return {
+            # The name gate (edge.network.namegate): TCP a policy allows only by name, the
+            # pairs (sandbox . address . ports) in `gated` or all TCP of a sandbox in
+            # `gate_all`, is marked for the gate's queue until conntrack holds its verdict.
+            "gate": (
+                "type filter hook forward priority -200; policy accept;",
+                f"""    iifname "{br}" ct mark {ADMIT:#x} accept
+    iifname "{br}" meta l4proto tcp ct mark {REFUSE:#x} reject with tcp reset
+    iifname "{br}" ip saddr . ip daddr . tcp dport @gated meta mark set {QUEUED:#x}
+    iifname "{br}" ip saddr @gate_all meta l4proto tcp meta mark set {QUEUED:#x}""",
+            ),
+            "gate_verdict": (
+                "type filter hook forward priority -100; policy accept;",
+                f"""    iifname "{br}" meta mark {ADMIT:#x} ct mark set {ADMIT:#x}
+    iifname "{br}" meta mark {REFUSE:#x} ct mark set {REFUSE:#x}
+    iifname "{br}" meta l4proto tcp meta mark {REFUSE:#x} reject with tcp reset""",
+            ),
+            "forward": (
+                "type filter hook forward priority -1; policy accept;",
+                f"""    iifname "{br}" oifname "{br}" drop
+    oifname "{br}" ct state established,related accept
+    oifname "{br}" drop""",
+            ),
+            "input": (
+                "type filter hook input priority -1; policy accept;",
+                f"""    iifname "{br}" ip daddr {gw} udp dport 53 accept
+    iifname "{br}" ip daddr {gw} tcp dport 53 accept
+    iifname "{br}" ct state established,related accept
+    iifname "{br}" drop""",
+            ),
+        }
+
+    def gate_replace(self, gated: Iterable[str], gate_all: Iterable[str]) -> None:
+        """Sets the name gate's sets to exactly these elements, in one transaction."""
+        script = f"flush set inet {self.table} gated\nflush set inet {self.table} gate_all\n"
+        for set_name, items in (("gated", list(gated)), ("gate_all", list(gate_all))):
+            if items:
+                script += f"add element inet {self.table} {set_name} {{ {', '.join(items)} }}\n"
+        r = _nft(script)
+        if r.returncode != 0:
+            raise NetworkSetupError(f"nft: replacing the name gate's sets: {r.stderr.strip()}")
+
+    def _iptables(self, *, add: bool) -> None:
+        """The node's iptables rules: past Docker's forward policy (if Docker's chain is there)
+        and the name gate's queue."""
+        for table, chain, rule in self._iptables_rules:
+            if subprocess.run(
+                ["iptables", "-w", "5", "-t", table, "-S", chain], capture_output=True, env=_ENV
+            ).returncode:
+                if add and chain != "DOCKER-USER":
+                    raise NetworkSetupError(f"iptables: no chain {chain} in table {table}")
+                continue  # no Docker forward policy to get past
+            present = not subprocess.run(
+                ["iptables", "-w", "5", "-t", table, "-C", chain, *rule],
+                capture_output=True,
+                env=_ENV,
+            ).returncode
+            if add != present:
+                r = subprocess.run(
+                    ["iptables", "-w", "5", "-t", table, "-I" if add else "-D", chain, *rule],
                     capture_output=True,
-                    env=_ENV,
-                ).returncode
-                == 0
-            )
-            if add and not present:
-                subprocess.run(
-                    ["iptables", "-w", "5", "-I", "DOCKER-USER", *rule],
-                    capture_output=True,
+                    text=True,
                     env=_ENV,
                 )
-            elif not add and present:
-                subprocess.run(
-                    ["iptables", "-w", "5", "-D", "DOCKER-USER", *rule],
-                    capture_output=True,
-                    env=_ENV,
-                )
+                if r.returncode and add:
+                    raise NetworkSetupError(f"iptables -t {table} -I {chain}: {r.stderr.strip()}")
 
     # ------------------------------------------------------------- the sandboxes
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from edge.network import bpf, dns, guest
 from edge.network.enforcer import GuestIdentity, SandboxFilter
-from edge.network.links import NodeNetwork, veth_name
+from edge.network.links import NetworkSetupError, NodeNetwork, veth_name
 from edge.network.namegate import Attempt, NameGate
 from edge.network.policy import (
     MODE_OPEN,
@@ -99,10 +99,9 @@ class NetworkManager:
         cgroup_root: Path = Path("/sys/fs/cgroup/unified"),
         dns_timeout_s: float = 2.0,
         refresh_s: float = 60.0,
-        gate_port: int = 0,
+        gate_queue: int = 0,
     ) -> None:
-        self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet), gate_port)
-        self.gate_port = gate_port
+        self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet), gate_queue)
         self._gate: NameGate | None = None
         up = dns.Upstream.parse(upstream) if upstream else dns.Upstream.from_resolv_conf()
         self.upstream = up
@@ -186,10 +185,19 @@ class NetworkManager:
                 self._resolver = resolver
             else:
                 log.warning("no upstream DNS resolver: sandboxes can use addresses only")
-            if self.gate_port:
-                gate = NameGate(self._gate_decide, self._gate_refused)
-                await gate.start(self.gateway, self.gate_port)
-                self._gate = gate
+            gate = NameGate(self._gate_decide, self._gate_refused)
+            try:
+                await gate.start(self.node.gate_queue)
+            except OSError as exc:
+                if self._resolver is not None:
+                    await self._resolver.close()
+                    self._resolver = None
+                raise FailedPrecondition(
+                    f"the name gate cannot bind its queue: {exc} (DSEC_EDGE_NET_GATE_QUEUE "
+                    "picks another): networked sandboxes need it",
+                    reason="NETWORK_UNAVAILABLE",
+                ) from None
+            self._gate = gate
             self._node_ready = True
 
     def _allocate(self) -> ipaddress.IPv4Address:
@@ -489,8 +497,6 @@ class NetworkManager:
     def _sync_gate(self, state: _Owner) -> None:
         """Brings nftables' redirections to the gate to what the owner's policy and resolved
         names ask for, for each of its members (blocking: nft)."""
-        if not self.gate_port:
-            return
         resolved = {d: list(addrs) for d, addrs in state.resolved.items()}
         want = gated(state.policy, resolved)
         everything = state.policy.gates_everything
@@ -667,7 +673,24 @@ class NetworkManager:
                 if port not in ours:
                     await asyncio.to_thread(self.node.remove_port, port)
                     removed.append(f"veth:{port}")
+        await self._reconcile_gate()
         return removed
+
+    async def _reconcile_gate(self) -> None:
+        """The name gate's sets, exactly as the adopted sandboxes' policies ask: an edge that
+        restarts keeps the sets it found (deciding by name meanwhile), then drops what belonged
+        to sandboxes that ended while it was down."""
+        gated: list[str] = []
+        everything: list[str] = []
+        for state in self.owners.values():
+            for addr, entries in state.gate_applied.items():
+                gated += self.node.gate_items(addr, entries)
+            everything += state.gate_all_applied
+        try:
+            await asyncio.to_thread(self.node.gate_replace, gated, everything)
+        except NetworkSetupError:
+            if self._node_ready:  # else: no table yet, nothing to drop
+                raise
 
     async def close(self, *, teardown: bool) -> None:
         if self._gate is not None:

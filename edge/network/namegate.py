@@ -1,55 +1,94 @@
-"""The name gate: a transparent TCP relay that admits a connection on the name it asks for.
+"""The name gate: a connection allowed only by a domain rule goes on only if the name it asks
+for is allowed, and nothing is relayed in user space.
 
-Where a sandbox's connection is allowed only because of a domain rule (or a domain deny might
-concern it), the edge redirects it here instead of letting it through by address (nftables
-`redirect` on the node bridge, so the sandbox needs no proxy settings and cannot bypass it).
-For each connection:
+Where a sandbox's policy allows TCP to an address only because of a domain rule (or a deny
+by name might concern it), the edge's nftables rules queue that connection's packets from
+the sandbox to this gate (NFQUEUE, through an iptables ``mangle FORWARD`` rule: this kernel's
+nftables has no native ``queue``) until it decides. For each connection:
 
-1. the original destination comes from conntrack (``SO_ORIGINAL_DST``);
-2. the first bytes are read, at most :data:`peek.MAX_PEEK_BYTES`, for at most
-   ``peek_timeout_s``: a TLS ClientHello's server name or an HTTP/1.x Host (edge.network.peek);
-3. ``decide(client, destination, peeked)`` says whether it may go on: None, or why not (no
-   name, a name the policy does not allow, an address the edge never resolved for that name);
-   a refused connection is reset and reported through ``refused(client, reason, name)``;
-4. an admitted one is connected to its destination, the peeked bytes are sent on, and from
-   then on bytes are relayed untouched in the kernel (``splice`` through a pipe each way): no
-   TLS termination, no certificates.
+1. packets without payload (the handshake, bare ACKs) pass at once: there is nothing to read;
+2. packets with payload are held (not forwarded) until their bytes, read from the start of
+   the stream, tell a name: a TLS ClientHello's server name or an HTTP/1.x Host
+   (:func:`edge.network.peek.peek`), at most :data:`peek.MAX_PEEK_BYTES`;
+3. ``decide(attempt)`` says whether it may go on: None, or why not (no name, a name the
+   policy does not allow, an address the edge never resolved for that name);
+4. the held packets are released with a mark: ADMIT makes conntrack remember the connection as
+   admitted, and the rest of it never comes here again (the kernel forwards it as any other:
+   no relay, no TLS termination, no certificates); REFUSE remembers it as refused, and the
+   nftables rule answers that packet, and every later one of the connection, with a TCP
+   reset. Refusals are reported through ``refused(attempt, why)``.
 
-Steps 1-3 and the upstream connect run on the event loop (sockets driven directly, no stream
-transports); the relay then runs off it, in a thread per direction blocked in ``splice``: the
-bytes never enter Python, and a bulk transfer neither waits for the loop nor holds it up (the
-edge's gRPC services share that loop). Each side's end is passed on (a half-close stays a
-half-close); either side's reset or error resets both. The gate holds no per-sandbox state: the
-caller's ``decide`` does.
+A client that sends no name within ``peek_timeout_s`` (a partial hello it never completes, a
+server-speaks-first protocol) is refused at its next packet. Packets the gate cannot place
+are dropped, and a queue nobody reads drops everything queued to it (no ``--queue-bypass``):
+the gate fails closed, also while the edge restarts. Connections admitted before a restart stay
+admitted (the mark is conntrack's).
+
+:class:`Flows` holds the per-connection logic and is pure (packets in, verdicts out);
+:class:`NameGate` binds it to a netlink NFQUEUE socket on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
+import errno
 import logging
 import os
 import socket
 import struct
-import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge.network.peek import MAX_PEEK_BYTES, NEED_MORE, Peeked, peek
 
 log = logging.getLogger(__name__)
 
-SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
-PIPE_BYTES = 1 << 20
-F_SETPIPE_SZ = 1031  # linux/fcntl.h
+#: Packet marks between nftables and the gate (edge.network.links): QUEUED asks the iptables
+#: rule to queue a packet; the gate's verdict marks it ADMIT or REFUSE, which nftables copies
+#: to the connection's conntrack mark; PASS lets one packet through undecided.
+QUEUED, ADMIT, REFUSE, PASS = 0x0D5E0000, 0x0D5E0001, 0x0D5E0002, 0
+
+TCP_FIN, TCP_SYN, TCP_RST = 0x01, 0x02, 0x04
+SEQ_MOD = 1 << 32
 
 
-def original_destination(sock: socket.socket) -> tuple[str, int]:
-    """Where the client meant to connect before nftables redirected it here."""
-    raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-    port, packed = struct.unpack_from("!2xH4s", raw)
-    return socket.inet_ntoa(packed), port
+@dataclass(frozen=True)
+class Packet:
+    """An IPv4 TCP packet from a sandbox, as queued."""
+
+    packet_id: int
+    client: tuple[str, int]
+    destination: tuple[str, int]
+    seq: int
+    flags: int
+    payload: bytes
+
+
+def parse_packet(packet_id: int, raw: bytes) -> Packet | None:
+    """The fields the gate needs from an IPv4 packet carrying TCP; None if it is not one."""
+    if len(raw) < 20 or raw[0] >> 4 != 4 or raw[9] != socket.IPPROTO_TCP:
+        return None
+    ihl = (raw[0] & 0x0F) * 4
+    total = struct.unpack_from("!H", raw, 2)[0]
+    if ihl < 20 or len(raw) < ihl + 20:
+        return None
+    sport, dport, seq = struct.unpack_from("!HHI", raw, ihl)
+    doff = (raw[ihl + 12] >> 4) * 4
+    flags = raw[ihl + 13]
+    if doff < 20:
+        return None
+    # GSO packets may say 0 (or less than they hold) in the IP length: trust the bytes then.
+    end = total if ihl + doff <= total <= len(raw) else len(raw)
+    return Packet(
+        packet_id,
+        (socket.inet_ntoa(raw[12:16]), sport),
+        (socket.inet_ntoa(raw[16:20]), dport),
+        seq,
+        flags,
+        raw[ihl + doff : end],
+    )
 
 
 @dataclass(frozen=True)
@@ -63,197 +102,284 @@ class Attempt:
 
 Decide = Callable[[Attempt], str | None]
 Refused = Callable[[Attempt, str], None]
+Verdicts = list[tuple[int, int]]  # (packet id, mark)
 
 
-class NameGate:
+@dataclass
+class _Flow:
+    start_seq: int  # the sequence number of the stream's first byte
+    first_at: float
+    segments: dict[int, bytes] = field(default_factory=dict)  # offset -> payload
+    held: list[int] = field(default_factory=list)  # ids of packets not yet released
+    verdict: int = 0  # ADMIT / REFUSE once decided
+    last_at: float = 0.0
+
+
+class Flows:
+    """The gate's per-connection state and decisions; pure (the caller sends the verdicts)."""
+
+    #: Decided connections are remembered this long, for packets queued before conntrack
+    #: held the verdict; undecided ones this long after their last packet.
+    DECIDED_KEEP_S = 30.0
+    IDLE_KEEP_S = 300.0
+    MAX_FLOWS = 65_536
+
     def __init__(
         self,
         decide: Decide,
         refused: Refused,
         *,
-        destination: Callable[[socket.socket], tuple[str, int]] = original_destination,
         peek_timeout_s: float = 5.0,
-        connect_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.decide = decide
         self.refused = refused
-        self.destination = destination
         self.peek_timeout_s = peek_timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._listener: socket.socket | None = None
-        self._acceptor: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._relays: set[_Relay] = set()
+        self.clock = clock
+        self.flows: dict[tuple[tuple[str, int], tuple[str, int]], _Flow] = {}
 
-    async def start(self, host: str, port: int) -> int:
-        """Listens on host:port (0: any free port); returns the port."""
-        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        lsock.bind((host, port))
-        lsock.listen(1024)
-        lsock.setblocking(False)
-        self._listener = lsock
-        self._acceptor = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
-        return int(lsock.getsockname()[1])
+    def packet(self, p: Packet) -> Verdicts:
+        """What to do with `p` (and any packets held with it) now; [] to keep holding it."""
+        now = self.clock()
+        key = (p.client, p.destination)
+        flow = self.flows.get(key)
+        syn = bool(p.flags & TCP_SYN)
+        if flow is None or (syn and flow.verdict):
+            if len(self.flows) >= self.MAX_FLOWS:
+                self.sweep()
+                if len(self.flows) >= self.MAX_FLOWS:
+                    log.warning("name gate: %d connections undecided: refusing", len(self.flows))
+                    return [(p.packet_id, REFUSE)]
+            # A SYN's sequence number is the one before the stream's first byte.
+            flow = _Flow((p.seq + 1) % SEQ_MOD if syn else p.seq, now)
+            self.flows[key] = flow
+        flow.last_at = now
+        if flow.verdict:
+            return [(p.packet_id, flow.verdict)]
+        if p.flags & TCP_RST:
+            del self.flows[key]
+            return [(p.packet_id, PASS)]
+        offset = (p.seq + (1 if syn else 0) - flow.start_seq) % SEQ_MOD
+        if not p.payload:
+            if now - flow.first_at > self.peek_timeout_s:
+                return self._decide(key, flow, None, extra=[p.packet_id])
+            return [(p.packet_id, PASS)]
+        if offset >= MAX_PEEK_BYTES:  # data from beyond any first bytes (or a wrapped seq)
+            return self._decide(key, flow, None, extra=[p.packet_id])
+        flow.segments.setdefault(offset, p.payload)
+        flow.held.append(p.packet_id)
+        head = self._head(flow)
+        got = peek(head)
+        if got is NEED_MORE and len(head) < MAX_PEEK_BYTES:
+            if now - flow.first_at > self.peek_timeout_s:
+                return self._decide(key, flow, None)
+            return []
+        return self._decide(key, flow, got)  # NEED_MORE after MAX_PEEK_BYTES: no name
 
-    async def close(self) -> None:
-        if self._acceptor is not None:
-            self._acceptor.cancel()
-            with contextlib.suppress(BaseException):
-                await self._acceptor
-        if self._listener is not None:
-            self._listener.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
-        relays = list(self._relays)
-        for relay in relays:
-            relay.abort()
+    def sweep(self) -> Verdicts:
+        """Refuses connections that held packets past the peek timeout; forgets old ones."""
+        now = self.clock()
+        out: Verdicts = []
+        for key, flow in list(self.flows.items()):
+            if flow.verdict:
+                if now - flow.last_at > self.DECIDED_KEEP_S:
+                    del self.flows[key]
+            elif flow.held and now - flow.first_at > self.peek_timeout_s:
+                out += self._decide(key, flow, None)
+            elif now - flow.last_at > self.IDLE_KEEP_S:
+                del self.flows[key]
+        return out
 
-        def join_all() -> None:
-            for relay in relays:
-                relay.join(5)
+    @staticmethod
+    def _head(flow: _Flow) -> bytes:
+        """The stream's bytes from its start, as far as they are contiguous."""
+        head = b""
+        while (seg := flow.segments.get(len(head))) is not None:
+            head += seg
+        # A retransmission may start inside what we have: take its new bytes too.
+        for offset, seg in sorted(flow.segments.items()):
+            if offset < len(head) < offset + len(seg):
+                head += seg[len(head) - offset :]
+        return head[:MAX_PEEK_BYTES]
 
-        await asyncio.to_thread(join_all)
-
-    @property
-    def relaying(self) -> int:
-        """Admitted connections still being relayed."""
-        return len(self._relays)
-
-    async def _accept_loop(self, lsock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(lsock)
-            except OSError as exc:  # EMFILE and the like: the next accept may work
-                log.warning("name gate: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            conn.setblocking(False)
-            task = loop.create_task(self._connection(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _connection(self, conn: socket.socket) -> None:
-        upstream: socket.socket | None = None
-        try:
-            upstream = await self._admit(conn)
-        except OSError as exc:
-            log.debug("name gate: connection ended: %s", exc)
-        except Exception:  # one connection's failure is that connection's
-            log.exception("name gate: a connection failed")
-        if upstream is None:
-            conn.close()
-            return
-        relay = _Relay(conn, upstream, self._relays.discard)
-        self._relays.add(relay)
-        relay.start()
-
-    async def _admit(self, conn: socket.socket) -> socket.socket | None:
-        """The connected upstream socket, with the peeked bytes sent on; None if refused."""
-        loop = asyncio.get_running_loop()
-        attempt_head = await self._peek(conn)
-        head, peeked = attempt_head
-        attempt = Attempt(conn.getpeername()[:2], self.destination(conn), peeked)
+    def _decide(
+        self,
+        key: tuple[tuple[str, int], tuple[str, int]],
+        flow: _Flow,
+        peeked: Peeked | None,
+        extra: list[int] | None = None,
+    ) -> Verdicts:
+        client, destination = key
+        attempt = Attempt(client, destination, peeked)
         why = self.decide(attempt)
+        flow.verdict = ADMIT if why is None else REFUSE
         if why is not None:
             self.refused(attempt, why)
-            _reset(conn)
-            return None
-        upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        upstream.setblocking(False)
-        try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                await loop.sock_connect(upstream, attempt.destination)
-            if head:
-                await loop.sock_sendall(upstream, head)
-        except (OSError, TimeoutError) as exc:
-            log.info("name gate: %s -> %s:%d: %s", attempt.client, *attempt.destination, exc)
-            upstream.close()
-            _reset(conn)
-            return None
-        return upstream
+        held = flow.held + (extra or [])
+        flow.held, flow.segments = [], {}
+        return [(pid, flow.verdict) for pid in held]
 
-    async def _peek(self, conn: socket.socket) -> tuple[bytes, Peeked | None]:
+
+# ----------------------------------------------------------------------------- NFQUEUE
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_QUEUE = 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG = 0, 1, 2
+NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
+NLMSG_ERROR = 0x2
+NFQA_PACKET_HDR, NFQA_VERDICT_HDR, NFQA_MARK, NFQA_PAYLOAD = 1, 2, 3, 10
+NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
+NFQNL_CFG_CMD_BIND, NFQNL_CFG_CMD_UNBIND = 1, 2
+NFQNL_COPY_PACKET = 2
+NFQA_CFG_F_GSO = 0x4  # GSO packets queued whole, not segmented first
+NF_DROP, NF_ACCEPT = 0, 1
+QUEUE_MAXLEN = 8192
+RCVBUF_BYTES = 16 << 20
+_NLMSG = struct.Struct("=IHHII")
+
+
+def _attr(kind: int, data: bytes) -> bytes:
+    n = 4 + len(data)
+    return struct.pack("=HH", n, kind) + data + b"\0" * (-n % 4)
+
+
+def _attrs(buf: memoryview) -> dict[int, memoryview]:
+    out: dict[int, memoryview] = {}
+    off = 0
+    while off + 4 <= len(buf):
+        n, kind = struct.unpack_from("=HH", buf, off)
+        if n < 4:
+            break
+        out[kind & 0x7FFF] = buf[off + 4 : off + n]
+        off += (n + 3) & ~3
+    return out
+
+
+class NameGate:
+    """A :class:`Flows` on NFQUEUE `queue`, driven by the running event loop."""
+
+    def __init__(self, decide: Decide, refused: Refused, *, peek_timeout_s: float = 5.0) -> None:
+        self.flows = Flows(decide, refused, peek_timeout_s=peek_timeout_s)
+        self.queue = 0
+        self._sock: socket.socket | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._seq = 0
+
+    async def start(self, queue: int) -> None:
+        """Binds NFQUEUE `queue` (OSError EBUSY: another process has it) and starts serving."""
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        try:
+            sock.bind((0, 0))
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, 33, RCVBUF_BYTES)  # SO_RCVBUFFORCE
+            self.queue = queue
+            self._sock = sock
+            self._config(_attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, 2)))
+            self._config(
+                _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0xFFFF, NFQNL_COPY_PACKET))
+                + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", QUEUE_MAXLEN))
+                + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_GSO))
+                + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_GSO))
+            )
+        except BaseException:
+            self._sock = None
+            sock.close()
+            raise
+        sock.setblocking(False)
         loop = asyncio.get_running_loop()
-        head = b""
-        try:
-            async with asyncio.timeout(self.peek_timeout_s):
-                while len(head) < MAX_PEEK_BYTES:
-                    got = peek(head)
-                    if got is not NEED_MORE:
-                        return head, got
-                    chunk = await loop.sock_recv(conn, MAX_PEEK_BYTES - len(head))
-                    if not chunk:
-                        return head, None
-                    head += chunk
-        except TimeoutError:
-            return head, None
-        return head, peek(head)
+        loop.add_reader(sock.fileno(), self._readable)
+        self._sweeper = loop.create_task(self._sweep_loop())
 
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sweeper
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()  # the kernel drops what is still queued: closed, not open
+            self._sock = None
 
-class _Relay:
-    """An admitted connection: a thread per direction, each blocked in ``splice`` (socket ->
-    pipe -> socket), until both directions ended; then both sockets are closed."""
-
-    def __init__(self, a: socket.socket, b: socket.socket, done: Callable[[_Relay], None]) -> None:
-        a.setblocking(True)
-        b.setblocking(True)
-        self.a, self.b = a, b
-        self._done = done
-        self._failed = False
-        self._back = threading.Thread(
-            target=self._pump, args=(b, a), name="gate-relay", daemon=True
+    def _message(self, kind: int, flags: int, payload: bytes) -> bytes:
+        self._seq += 1
+        body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(self.queue)) + payload
+        head = _NLMSG.pack(
+            _NLMSG.size + len(body),
+            (NFNL_SUBSYS_QUEUE << 8) | kind,
+            NLM_F_REQUEST | flags,
+            self._seq,
+            0,
         )
-        self._forth = threading.Thread(target=self._run, name="gate-relay", daemon=True)
+        return head + body
 
-    def start(self) -> None:
-        self._back.start()
-        self._forth.start()
+    def _config(self, payload: bytes) -> None:
+        """One configuration request, acknowledged (blocking: at start only)."""
+        assert self._sock is not None
+        self._sock.send(self._message(NFQNL_MSG_CONFIG, NLM_F_ACK, payload))
+        while True:
+            data = self._sock.recv(65536)
+            _, kind, _, seq, _ = _NLMSG.unpack_from(data)
+            if kind == NLMSG_ERROR and seq == self._seq:
+                err = struct.unpack_from("=i", data, _NLMSG.size)[0]
+                if err:
+                    raise OSError(-err, f"NFQUEUE {self.queue}: {os.strerror(-err)}")
+                return
 
-    def join(self, timeout_s: float) -> None:
-        self._forth.join(timeout_s)
+    def _readable(self) -> None:
+        assert self._sock is not None
+        verdicts: Verdicts = []
+        for _ in range(64):  # then let the loop run other work; the reader fires again
+            try:
+                data = self._sock.recv(1 << 17)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:  # the kernel dropped some: clients resend
+                    log.warning("name gate: queue %d overran; packets dropped", self.queue)
+                    continue
+                raise
+            verdicts += self._packets(memoryview(data))
+        if verdicts:
+            self._send(verdicts)
 
-    def abort(self) -> None:
-        """Ends both directions now (the gate is closing)."""
-        self._failed = True
-        for sock in (self.a, self.b):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+    def _packets(self, data: memoryview) -> Verdicts:
+        out: Verdicts = []
+        off = 0
+        while off + _NLMSG.size <= len(data):
+            length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
+            if length < _NLMSG.size:
+                break
+            if kind == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
+                attrs = _attrs(data[off + _NLMSG.size + 4 : off + length])
+                hdr = attrs.get(NFQA_PACKET_HDR)
+                if hdr is not None:
+                    packet_id = struct.unpack_from("!I", hdr)[0]
+                    p = parse_packet(packet_id, bytes(attrs.get(NFQA_PAYLOAD, b"")))
+                    if p is None:
+                        out.append((packet_id, -1))  # not IPv4 TCP: not ours to pass
+                    else:
+                        out += self.flows.packet(p)
+            off += (length + 3) & ~3
+        return out
 
-    def _run(self) -> None:
+    def _send(self, verdicts: Verdicts) -> None:
+        assert self._sock is not None
+        batch = b"".join(
+            self._message(
+                NFQNL_MSG_VERDICT,
+                0,
+                _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP if m < 0 else NF_ACCEPT, pid))
+                + (_attr(NFQA_MARK, struct.pack("!I", m)) if m >= 0 else b""),
+            )
+            for pid, m in verdicts
+        )
         try:
-            self._pump(self.a, self.b)
-            self._back.join()
-            if self._failed:
-                _reset(self.a)
-                _reset(self.b)
-        finally:
-            self.a.close()
-            self.b.close()
-            self._done(self)
+            self._sock.send(batch)
+        except OSError as exc:  # unsent verdicts: those packets are dropped when we unbind
+            log.warning("name gate: sending %d verdicts failed: %s", len(verdicts), exc)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        """src -> dst until src's end, then half-close dst; an error ends both directions."""
-        r, w = os.pipe2(os.O_CLOEXEC)
-        try:
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
-            src_fd, dst_fd = src.fileno(), dst.fileno()
-            while n := os.splice(src_fd, w, PIPE_BYTES, flags=os.SPLICE_F_MOVE):
-                while n:
-                    n -= os.splice(r, dst_fd, n, flags=os.SPLICE_F_MOVE)
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            self.abort()
-        finally:
-            os.close(r)
-            os.close(w)
-
-
-def _reset(sock: socket.socket) -> None:
-    """Closes with a RST (SO_LINGER 0): the client sees the connection refused, not ended."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if verdicts := self.flows.sweep():
+                self._send(verdicts)

@@ -8,9 +8,11 @@ DOCKER-USER rules, and its pinned eBPF objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,4 +168,28 @@ def nc(sb: Sandbox, host: str, port: int, wait_s: int = 3) -> tuple[int, bytes]:
     returns nc's exit code and what came back (or its error)."""
     request = f"GET / HTTP/1.1\\r\\nHost: {host}\\r\\n\\r\\n"
     r = sb.run(f"printf '{request}' | nc -w {wait_s} {host} {port}", timeout_s=30)
+    return r.exit_code, r.stdout + r.stderr
+
+
+def client_hello(name: str | None) -> bytes:
+    """A real TLS ClientHello asking for `name` (None: no server name), from Python's TLS
+    client through memory BIOs: the bytes a TLS client sends first."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def tls_nc(
+    sb: Sandbox, host: str, port: int, name: str | None, wait_s: int = 3
+) -> tuple[int, bytes]:
+    """Connects with busybox nc and sends a ClientHello asking for `name` (built here, so
+    images without a TLS client can send one); returns nc's exit code and what came back."""
+    path = f"/tmp/hello-{name or 'none'}.bin"
+    sb.files.write(path, client_hello(name))
+    r = sb.run(f"nc -w {wait_s} {host} {port} < {path}", timeout_s=30)
     return r.exit_code, r.stdout + r.stderr

@@ -56,7 +56,8 @@ _SERVER = textwrap.dedent(
                 c.sendall(reply)
             except OSError: pass
             finally: c.close()
-    for name, ip in names.items():
+    for ip, name in {ip: name for name, ip in reversed(names.items())}.items():
+        # (one listener per address: on an address of several names, the first name answers)
         for port in (80, 443):
             threading.Thread(target=tcp, args=(ip, port, (name + "\n").encode()), daemon=True).start()
     threading.Thread(target=dns, daemon=True).start()
@@ -138,7 +139,8 @@ class NetLab:
 
 
 def remove_bridge(bridge: str) -> None:
-    """Leftovers of a test edge that died: its bridge, nftables tables, DOCKER-USER rules."""
+    """Leftovers of a test edge that died: its bridge, nftables tables, DOCKER-USER rules and
+    the name gate's queue rule."""
     table = f"dsec_{bridge}".replace("-", "_")
     _run("nft", "delete", "table", "inet", table, check=False)
     _run("nft", "delete", "table", "ip", table + "_nat", check=False)
@@ -148,6 +150,11 @@ def remove_bridge(bridge: str) -> None:
     ):
         while _run("iptables", "-w", "5", "-D", "DOCKER-USER", *rule, check=False).returncode == 0:
             pass
+    for line in _run(
+        "iptables", "-w", "5", "-t", "mangle", "-S", "FORWARD", check=False
+    ).stdout.splitlines():
+        if line.startswith(f"-A FORWARD -i {bridge} ") and "NFQUEUE" in line:  # the name gate's
+            _run("iptables", "-w", "5", "-t", "mangle", "-D", *line.split()[1:], check=False)
     out = _run("ip", "-o", "link", "show", "master", bridge, check=False).stdout
     for line in out.splitlines():
         name = line.split(":")[1].strip().split("@")[0]

@@ -721,8 +721,11 @@ async def test_an_edge_restart_adopts_a_running_guest(world: NetLab, tmp_path: P
         assert await stand_in.tcp(PYPI, 443) == "ok pypi.org"
         await first.close(teardown=False)  # the edge goes; the kernel keeps enforcing
         assert await stand_in.tcp(NPM, 443, timeout_s=2) == "error timeout"
-        assert await stand_in.tcp(PYPI, 443) == "ok pypi.org"
+        # allowed by name: the name gate is gone with the edge, so its queue drops the
+        # connection's packets (closed, not open) until the next edge reads it
+        assert await stand_in.tcp(PYPI, 443, timeout_s=2) == "error timeout"
         assert await second.adopt_guest(sid, info, policy)
+        assert await stand_in.tcp(PYPI, 443) == "ok pypi.org"
         filters = _sh("tc", "filter", "show", "dev", info["veth"], "ingress")
         assert filters.count(" handle ") == 1  # put back in place, not added twice
         assert second.blocked(sid) == 1  # the counter lives in the pinned map

@@ -15,7 +15,7 @@ import pytest
 
 from libdsec import NetworkPolicy, Sandbox
 from libdsec.errors import DSecError
-from tests.adversarial.conftest import NPM, PYPI, Lab, nc
+from tests.adversarial.conftest import NPM, PYPI, SHARED, Lab, nc, tls_nc
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("contained")
@@ -43,6 +43,23 @@ def test_a_guest_gets_the_paper_example(make_sandbox: Callable[..., Sandbox]) ->
     assert _nc(vm, "pypi.org", 80)[0] != 0  # allowed host, port not allowed
     info = wait_for(lambda: (i := vm.refresh()).violations.get("blocked_connects", 0) >= 2 and i)
     assert info.state == "RUNNING"
+
+
+def test_a_guests_names_are_checked_on_the_name_it_asks_for(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    """Two names on one address: the host-side name gate decides for guests as for
+    containers, on the TLS server name and the HTTP Host (issue 20)."""
+    vm = _vm(
+        make_sandbox,
+        network=NetworkPolicy(allow=["cdn-allowed.test:443"], deny=["cdn-denied.test"]),
+    )
+    assert tls_nc(vm, SHARED, 443, "cdn-allowed.test") == (0, b"cdn-allowed.test\n")
+    assert b"cdn-" not in tls_nc(vm, SHARED, 443, "cdn-denied.test")[1]
+    assert b"cdn-" not in tls_nc(vm, SHARED, 443, None)[1]
+    want = {"cdn-denied.test": 1, "(no name)": 1}
+    info = wait_for(lambda: (i := vm.refresh()).violations.blocked_names == want and i)
+    assert info.violations["blocked_connects"] >= 2 and info.state == "RUNNING"
 
 
 def test_a_guest_policy_changes_live_and_a_guest_without_network_gets_one(

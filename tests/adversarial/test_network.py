@@ -2,7 +2,8 @@
 scans for package mirrors, sandbox-to-sandbox traffic, DNS only through the edge, bad policies.
 
 All traffic goes to the test's own network namespace (`netlab`) or stays inside the sandboxes;
-blocked connects fail with EPERM before any packet leaves.
+blocked connects fail with EPERM before any packet leaves; a connection allowed by a name rule
+but asking for another name is reset by the edge's name gate (tests/adversarial/test_name_gate.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from libdsec import Client, NetworkPolicy, Sandbox
 from libdsec.errors import ChannelClosed, InvalidArgument, NoEligibleEdge, SandboxTerminated
-from tests.adversarial.conftest import NPM, PYPI, Lab, nc
+from tests.adversarial.conftest import NPM, PYPI, SHARED, Lab, nc, tls_nc
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("contained")
@@ -189,8 +190,14 @@ def test_policies_survive_an_edge_crash(
     make_sandbox: Callable[..., Sandbox], lab: Lab, client: Client
 ) -> None:
     sb = make_sandbox(network=PAPER)
+    named = make_sandbox(
+        network=NetworkPolicy(allow=["cdn-allowed.test:443"], deny=["cdn-denied.test"])
+    )
     assert _nc(sb, "pypi.org", 443)[0] == 0
-    lab.cluster.kill("edge-adv0")  # SIGKILL: no shutdown; the kernel keeps enforcing meanwhile
+    assert tls_nc(named, SHARED, 443, "cdn-allowed.test") == (0, b"cdn-allowed.test\n")
+    # SIGKILL: no shutdown; the kernel keeps enforcing meanwhile (allowed only by name: the
+    # gate's queue drops what no gate reads, test_guest_network shows it)
+    lab.cluster.kill("edge-adv0")
     lab.cluster.restart("edge-adv0")
     restarted = time.time()
     wait_for(lambda: sb.refresh().state == "RUNNING", timeout_s=30)
@@ -203,6 +210,10 @@ def test_policies_survive_an_edge_crash(
     sb.update_network_policy(NetworkPolicy(allow=["registry.npmjs.org:443"]))  # pins reopened
     assert _nc(sb, NPM, 443)[0] == 0
     wait_for(lambda: sb.refresh().violations["blocked_connects"] >= 1)
+    # the restarted edge's gate decides by name again
+    assert tls_nc(named, SHARED, 443, "cdn-allowed.test") == (0, b"cdn-allowed.test\n")
+    assert b"cdn-" not in tls_nc(named, SHARED, 443, "cdn-denied.test")[1]
+    wait_for(lambda: named.refresh().violations.blocked_names.get("cdn-denied.test") == 1)
 
 
 def _probed_healthy_since(lab: Lab, since: float) -> bool:

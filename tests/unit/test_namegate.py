@@ -1,22 +1,24 @@
-"""edge.network.namegate on loopback: admitted connections are relayed byte for byte (the
-peeked ClientHello included), refused ones are reset and reported with the name. The original
-destination is given by the test here (on a node it comes from conntrack after the edge's
-nftables redirect: tests/integration covers that path)."""
+"""edge.network.namegate's decisions, packet by packet: packets without payload pass, the first
+bytes are held until they tell a name, then every held packet is released admitted or refused;
+later packets of a decided connection get its verdict; a client that says nothing in time is
+refused. Packets here are real IPv4/TCP headers around real ClientHellos from Python's TLS
+client; the NFQUEUE path through the kernel is covered by tests/adversarial/test_name_gate.py.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import os
 import socket
 import ssl
-from collections.abc import AsyncIterator
+import struct
 
 import pytest
 
-from edge.network.namegate import Attempt, NameGate
+from edge.network.namegate import ADMIT, PASS, REFUSE, Attempt, Flows, parse_packet
 
-pytestmark = pytest.mark.asyncio
+CLIENT = ("10.233.0.7", 40000)
+SERVER = ("151.101.0.223", 443)
+ISN = 0xFFFFFF00  # near the wrap: offsets are taken modulo 2**32
+ACK, SYN, RST = 0x10, 0x02, 0x04
 
 
 def client_hello(name: str | None) -> bytes:
@@ -30,141 +32,143 @@ def client_hello(name: str | None) -> bytes:
     return outgoing.read()
 
 
-class Upstream:
-    """A loopback server that hashes what it gets and sends back a fixed payload."""
-
-    def __init__(self, reply: bytes = b"") -> None:
-        self.reply = reply
-        self.received: list[bytes] = []
-
-    async def start(self) -> tuple[str, int]:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[:2]
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        h = hashlib.sha256()
-        n = 0
-        first = b""
-        while chunk := await r.read(1 << 20):
-            if not first:
-                first = chunk[:4096]
-            h.update(chunk)
-            n += len(chunk)
-        self.received.append(first)
-        w.write(self.reply + f"\n{n} {h.hexdigest()}".encode())
-        await w.drain()
-        w.close()
+def ipv4_tcp(seq: int, flags: int, payload: bytes = b"", client: tuple[str, int] = CLIENT) -> bytes:
+    tcp = struct.pack(
+        "!HHIIBBHHH", client[1], SERVER[1], seq % 2**32, 1, 5 << 4, flags, 65535, 0, 0
+    )
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), 1, 0, 64, 6, 0,
+        socket.inet_aton(client[0]), socket.inet_aton(SERVER[0]),
+    )  # fmt: skip
+    return ip + tcp + payload
 
 
-@pytest.fixture
-async def gate() -> AsyncIterator[tuple[NameGate, Upstream, list[tuple[Attempt, str]]]]:
-    up = Upstream(reply=b"hello from upstream")
-    addr = await up.start()
-    refusals: list[tuple[Attempt, str]] = []
+class Gate:
+    """Flows with a hand-driven clock, a decide that allows pypi.org, and its refusals."""
 
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.refusals: list[tuple[Attempt, str]] = []
+        self.flows = Flows(
+            self.decide, lambda a, why: self.refusals.append((a, why)), clock=lambda: self.now
+        )
+        self.next_id = 0
+
+    @staticmethod
     def decide(a: Attempt) -> str | None:
         if a.peeked is None or not a.peeked.name:
             return "no name"
         return None if a.peeked.name == "pypi.org" else f"name {a.peeked.name} not allowed"
 
-    g = NameGate(decide, lambda a, why: refusals.append((a, why)), destination=lambda s: addr,
-                 peek_timeout_s=0.5)  # fmt: skip
-    g.port = await g.start("127.0.0.1", 0)  # type: ignore[attr-defined]
-    try:
-        yield g, up, refusals
-    finally:
-        await g.close()
-        up.server.close()
+    def send(
+        self, seq: int, flags: int, payload: bytes = b"", **kw: tuple[str, int]
+    ) -> list[tuple[int, int]]:
+        self.next_id += 1
+        p = parse_packet(self.next_id, ipv4_tcp(seq, flags, payload, **kw))
+        assert p is not None
+        return self.flows.packet(p)
+
+    def handshake(self, **kw: tuple[str, int]) -> None:
+        assert self.send(ISN, SYN, **kw) == [(self.next_id, PASS)]
+        assert self.send(ISN + 1, ACK, **kw) == [(self.next_id, PASS)]
 
 
-async def _exchange(port: int, payload: bytes) -> bytes:
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(payload)
-    await w.drain()
-    w.write_eof()
-    try:
-        return await r.read()
-    finally:
-        w.close()
+def test_a_packet_is_parsed_for_its_addresses_ports_and_payload() -> None:
+    p = parse_packet(7, ipv4_tcp(ISN, ACK, b"hello"))
+    assert p is not None
+    assert (p.packet_id, p.client, p.destination, p.seq, p.payload) == (
+        7,
+        CLIENT,
+        SERVER,
+        ISN,
+        b"hello",
+    )
+    assert parse_packet(1, b"\x60" + bytes(59)) is None  # IPv6
+    assert parse_packet(1, ipv4_tcp(ISN, ACK)[:30]) is None  # truncated
 
 
-async def test_an_allowed_name_is_relayed_byte_for_byte(gate) -> None:  # type: ignore[no-untyped-def]
-    g, up, refusals = gate
+def test_an_allowed_name_in_one_segment_is_admitted_and_stays_admitted() -> None:
+    g = Gate()
+    g.handshake()
+    assert g.send(ISN + 1, ACK, client_hello("pypi.org")) == [(g.next_id, ADMIT)]
+    hello_len = len(client_hello("pypi.org"))
+    assert g.send(ISN + 1 + hello_len, ACK, b"more") == [(g.next_id, ADMIT)]  # queued before
+    assert not g.refusals
+
+
+def test_a_hello_over_several_segments_is_held_then_released_together() -> None:
+    g = Gate()
+    g.handshake()
     hello = client_hello("pypi.org")
-    body = hello + os.urandom(8 << 20)
-    answer = await _exchange(g.port, body)
-    assert answer.startswith(b"hello from upstream\n")
-    n, digest = answer.split(b"\n")[1].split()
-    assert int(n) == len(body) and digest.decode() == hashlib.sha256(body).hexdigest()
-    assert up.received[0].startswith(hello[:64]) and not refusals
+    first = g.next_id + 1
+    assert g.send(ISN + 1, ACK, hello[:100]) == []  # held: not forwarded yet
+    assert g.send(ISN + 1, ACK, hello[:100]) == []  # a retransmission, held too
+    assert g.send(ISN + 1, ACK) == [(g.next_id, PASS)]  # a bare ACK meanwhile passes
+    assert g.send(ISN + 101, ACK, hello[100:]) == [
+        (first, ADMIT), (first + 1, ADMIT), (g.next_id, ADMIT)
+    ]  # fmt: skip
 
 
-async def test_a_denied_name_and_no_name_are_reset_and_reported(gate) -> None:  # type: ignore[no-untyped-def]
-    g, up, refusals = gate
-    for payload in (client_hello("registry.npmjs.org"), b"GET / HTTP/1.1\r\nHost: npmjs.org\r\n\r\n",
-                    client_hello(None), b"\x00raw tcp\r\n\r\n"):  # fmt: skip
-        with pytest.raises((ConnectionResetError, BrokenPipeError)):
-            answer = await _exchange(g.port, payload)
-            assert answer == b"", answer  # a reset may also read as an empty answer
-            raise ConnectionResetError
-    assert [why for _, why in refusals] == [
-        "name registry.npmjs.org not allowed",
-        "name npmjs.org not allowed",
-        "no name",
-        "no name",
-    ]
-    assert not up.received
+def test_a_denied_name_no_name_and_raw_bytes_are_refused_and_reported() -> None:
+    g = Gate()
+    for port, payload in enumerate(
+        (
+            client_hello("registry.npmjs.org"),
+            b"GET / HTTP/1.1\r\nHost: npmjs.org\r\n\r\n",
+            client_hello(None),
+            b"\x00raw tcp\r\n\r\n",
+        ),
+        start=50000,
+    ):
+        client = (CLIENT[0], port)
+        g.handshake(client=client)
+        assert g.send(ISN + 1, ACK, payload, client=client) == [(g.next_id, REFUSE)]
+        assert g.send(ISN + 1, ACK, client=client) == [(g.next_id, REFUSE)]  # then every packet
+    assert [why for _, why in g.refusals] == [
+        "name registry.npmjs.org not allowed", "name npmjs.org not allowed", "no name", "no name"
+    ]  # fmt: skip
+    assert g.refusals[0][0].client == (CLIENT[0], 50000) and g.refusals[0][0].destination == SERVER
 
 
-async def test_a_client_that_says_nothing_is_refused_after_the_peek_timeout(gate) -> None:  # type: ignore[no-untyped-def]
-    g, _, refusals = gate
-    s = socket.create_connection(("127.0.0.1", g.port))
-    try:
-        s.settimeout(5)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises((ConnectionResetError, TimeoutError)):
-            data = await loop.run_in_executor(None, s.recv, 10)
-            if data == b"":
-                raise ConnectionResetError
-        assert loop.time() - t0 < 3
-    finally:
-        s.close()
-    assert refusals and refusals[0][0].peeked is None
+def test_a_client_that_says_nothing_in_time_is_refused() -> None:
+    g = Gate()
+    g.handshake()
+    held = g.next_id + 1
+    assert g.send(ISN + 1, ACK, client_hello("pypi.org")[:50]) == []
+    g.now += 6  # past the 5 s peek timeout: the sweep refuses what it holds
+    assert g.flows.sweep() == [(held, REFUSE)]
+    assert g.refusals[0][0].peeked is None
+    # a server-speaks-first connection: nothing sent, then a packet after the timeout
+    g2 = Gate()
+    g2.handshake()
+    g2.now += 6
+    assert g2.send(ISN + 1, ACK) == [(g2.next_id, REFUSE)]
 
 
-async def test_many_connections_at_once_each_get_their_own_bytes(gate) -> None:  # type: ignore[no-untyped-def]
-    g, _, refusals = gate
-    hello = client_hello("pypi.org")
-    bodies = [hello + os.urandom(64 << 10) for _ in range(40)]
-    answers = await asyncio.gather(*(_exchange(g.port, b) for b in bodies))
-    for body, answer in zip(bodies, answers, strict=True):
-        n, digest = answer.split(b"\n")[1].split()
-        assert int(n) == len(body) and digest.decode() == hashlib.sha256(body).hexdigest()
-    assert not refusals
-    for _ in range(100):  # each relay ends (its threads exit, its sockets close) on its own
-        if g.relaying == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert g.relaying == 0
+def test_data_far_from_the_streams_start_is_refused_and_a_reset_forgets_the_flow() -> None:
+    g = Gate()
+    g.handshake()
+    assert g.send(ISN + 1 + (1 << 20), ACK, b"x") == [(g.next_id, REFUSE)]
+    g2 = Gate()
+    g2.handshake()
+    assert g2.send(ISN + 1, RST) == [(g2.next_id, PASS)]
+    assert not g2.flows.flows
 
 
-async def test_closing_the_gate_ends_the_connections_it_relays(gate) -> None:  # type: ignore[no-untyped-def]
-    g, _, _ = gate
-    r, w = await asyncio.open_connection("127.0.0.1", g.port)
-    w.write(client_hello("pypi.org"))  # admitted; the upstream waits for our end, we never send it
-    await w.drain()
-    for _ in range(100):
-        if g.relaying == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert g.relaying == 1
-    t0 = asyncio.get_running_loop().time()
-    await g.close()
-    assert g.relaying == 0
-    try:
-        assert await asyncio.wait_for(r.read(), 5) == b""  # ended (reset reads as an end too)
-    except ConnectionResetError:
-        pass
-    assert asyncio.get_running_loop().time() - t0 < 5
-    w.close()
+def test_a_new_connection_on_a_decided_four_tuple_is_decided_anew() -> None:
+    g = Gate()
+    g.handshake()
+    assert g.send(ISN + 1, ACK, client_hello("github.com")) == [(g.next_id, REFUSE)]
+    g.handshake()  # the same ports again: a SYN starts over
+    assert g.send(ISN + 1, ACK, client_hello("pypi.org")) == [(g.next_id, ADMIT)]
+
+
+def test_decided_and_idle_flows_are_forgotten() -> None:
+    g = Gate()
+    g.handshake()
+    g.send(ISN + 1, ACK, client_hello("pypi.org"))
+    g.handshake(client=(CLIENT[0], 1))  # undecided, idle
+    g.now += Flows.DECIDED_KEEP_S + 1
+    assert g.flows.sweep() == [] and len(g.flows.flows) == 1
+    g.now += Flows.IDLE_KEEP_S
+    assert g.flows.sweep() == [] and not g.flows.flows

@@ -212,7 +212,7 @@ class ContainerBackend:
                 upstream=cfg.dns_upstream,
                 pin_root=cfg.bpf_pin_dir / cfg.edge_id,
                 refresh_s=cfg.dns_refresh_s,
-                gate_port=cfg.net_gate_port,
+                gate_queue=cfg.net_gate_queue,
             ),
             landlock="landlock" not in cfg.disabled_controls,
             default_disk_mb=cfg.default_disk_mb,
