@@ -13,6 +13,11 @@ Rounds alternate the three (the machine's speed drifts); the table gives the med
 of a whole judgement and its ratio to native. Target (the issue): verl within 1.5x of native.
 Every judgement must accept every case (the program is correct), else the bench fails.
 
+A second table splits the machine's CPU per judged case by process: this one (the client:
+verl's threads, or the SDK), the compat front end, the API server, the edge, and the rest
+(the pools' containers running the jobs, the kernel). On this 2-core machine everything shares
+the same cores, so a judgement's wall time follows the machine's CPU per case.
+
 usage: python bench/bench_sandbox_fusion.py [--cases 100] [--rounds 5]
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import IMAGES, cluster, table
+from bench.common import IMAGES, cluster, cpu_snapshot, cpu_split, table
 from dsecctl.cluster import EdgeSpec
 from libdsec import Client, FunctionJob
 from tests.verl_support import load_verl_sandbox_fusion
@@ -40,6 +46,7 @@ PROGRAMS = {
     "python": "a, b = map(int, input().split())\nprint(a + b)\n",
 }
 TIME_LIMIT_S = 10
+CPU_GROUPS = ("client (this process)", "compat", "apiserver", "edge-sfbench", "jobs and the rest")
 MEMORY_MB = 1024  # verl's default memory_limit_mb
 
 
@@ -115,16 +122,35 @@ def main() -> None:
             "verl check_correctness": verl,
             "POST /run_code_batch": batch,
         }
-        rows = []
+        groups = {c.process(n).pid: n for n in ("compat", "apiserver", "edge-sfbench")}
+        groups[os.getpid()] = "client (this process)"
+
+        def classify(pid: int, cmd: str, parent: str) -> tuple[str, str]:
+            return groups.get(pid, "jobs and the rest"), "jobs and the rest"
+
+        rows, cpu_rows = [], []
         for lang in PROGRAMS:
             times: dict[str, list[float]] = {w: [] for w in ways}
+            cpu: dict[str, dict[str, float]] = {w: {} for w in ways}
             for _ in range(args.rounds):
                 for name, way in ways.items():
+                    before = cpu_snapshot()
                     t0 = time.perf_counter()
                     accepted = way(lang)
                     times[name].append(time.perf_counter() - t0)
+                    for group, s in cpu_split(before, cpu_snapshot(), classify).items():
+                        cpu[name][group] = cpu[name].get(group, 0.0) + s
                     if accepted != args.cases:
                         raise SystemExit(f"{name} {lang}: {accepted}/{args.cases} accepted")
+            per_case = 1000 / (args.rounds * args.cases)
+            for name in ways:
+                split = {g: v * per_case for g, v in cpu[name].items()}
+                split["jobs and the rest"] = split.get("jobs and the rest", 0) + split.pop(
+                    "other", 0
+                )
+                cpu_rows.append(
+                    [lang, name] + [split.get(g, 0.0) for g in CPU_GROUPS] + [sum(split.values())]
+                )
             base = statistics.median(times["native fncall_many"])
             for name in ways:
                 med = statistics.median(times[name])
@@ -143,6 +169,11 @@ def main() -> None:
         "rounds (alternated); target: verl within 1.5x of native",
         ["language", "way", "judgement ms", "ms/case", "best ms", "vs native"],
         rows,
+    )
+    table(
+        f"CPU ms per judged case, by process (mean of {args.rounds} rounds)",
+        ["language", "way", *CPU_GROUPS, "machine"],
+        cpu_rows,
     )
 
 
