@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -66,3 +67,18 @@ def sandbox_factory(
                 sb.stop(grace_s=grace_s)
             except DSecError:
                 pass  # already gone
+
+
+def client_hello(server_name: str | None) -> bytes:
+    """The bytes a real TLS client sends first, asking for ``server_name`` (None: no SNI):
+    Python's own TLS client through memory BIOs, so nothing is sent anywhere."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:  # the hello is out; it waits for the server's answer
+        return outgoing.read()
+    raise AssertionError("a TLS handshake completed with no server")

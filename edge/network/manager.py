@@ -32,7 +32,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -400,15 +400,8 @@ class NetworkManager:
             t0 = time.perf_counter()
             policy = parse(raw)
             resolved = self.resolve_domains(policy) if policy.networked else {}
-            fresh = _Owner(
-                policy,
-                state.filter,
-                members=state.members,
-                gate_applied=state.gate_applied,
-                gate_all_applied=state.gate_all_applied,
-                gate_refused=state.gate_refused,
-                gate_refused_names=state.gate_refused_names,
-            )
+            # The same owner (filter, members, the gate's state and counters), the new policy.
+            fresh = replace(state, policy=policy, resolved={})
             self._remember(fresh, resolved)
             # Addresses learned for names the new policy still names stay valid.
             for domain, addrs in state.resolved.items():

@@ -8,11 +8,9 @@ DOCKER-USER rules, and its pinned eBPF objects.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
-import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from libdsec import Client, Sandbox
 from libdsec.errors import DSecError
 from tests.adversarial.netlab import NetLab, remove_bridge
 from tests.conftest import start_cluster
-from tests.helpers import sandbox_factory
+from tests.helpers import client_hello, sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 pytestmark = pytest.mark.skipif(
@@ -169,19 +167,6 @@ def nc(sb: Sandbox, host: str, port: int, wait_s: int = 3) -> tuple[int, bytes]:
     request = f"GET / HTTP/1.1\\r\\nHost: {host}\\r\\n\\r\\n"
     r = sb.run(f"printf '{request}' | nc -w {wait_s} {host} {port}", timeout_s=30)
     return r.exit_code, r.stdout + r.stderr
-
-
-def client_hello(name: str | None) -> bytes:
-    """A real TLS ClientHello asking for `name` (None: no server name), from Python's TLS
-    client through memory BIOs: the bytes a TLS client sends first."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=name)
-    with contextlib.suppress(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
 
 
 def tls_nc(

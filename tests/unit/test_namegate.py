@@ -8,28 +8,15 @@ client; the NFQUEUE path through the kernel is covered by tests/adversarial/test
 from __future__ import annotations
 
 import socket
-import ssl
 import struct
 
-import pytest
-
 from edge.network.namegate import ADMIT, PASS, REFUSE, Attempt, Flows, parse_packet
+from tests.helpers import client_hello
 
 CLIENT = ("10.233.0.7", 40000)
 SERVER = ("151.101.0.223", 443)
 ISN = 0xFFFFFF00  # near the wrap: offsets are taken modulo 2**32
 ACK, SYN, RST = 0x10, 0x02, 0x04
-
-
-def client_hello(name: str | None) -> bytes:
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=name)
-    with pytest.raises(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
 
 
 def ipv4_tcp(seq: int, flags: int, payload: bytes = b"", client: tuple[str, int] = CLIENT) -> bytes:

@@ -3,23 +3,10 @@ client, through a memory BIO: nothing is sent anywhere) and HTTP/1.x requests.""
 
 from __future__ import annotations
 
-import ssl
-
 import pytest
 
 from edge.network.peek import MAX_PEEK_BYTES, NEED_MORE, Peeked, peek
-
-
-def client_hello(server_name: str | None) -> bytes:
-    """The bytes a real TLS client sends first for ``server_name`` (None: no SNI)."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
-    with pytest.raises(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
+from tests.helpers import client_hello
 
 
 def test_tls_server_name_of_a_real_client_hello() -> None:
