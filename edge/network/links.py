@@ -48,6 +48,9 @@ from edge.network.namegate import ADMIT, QUEUED, REFUSE
 
 log = logging.getLogger(__name__)
 
+#: Packets per second (and burst) one sandbox may have queued to the name gate: about that
+#: many new name-checked connections a second (each queues one or two packets).
+GATE_RATE, GATE_BURST = 2000, 1000
 _ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -235,7 +238,8 @@ class NodeNetwork:
         right once the sandboxes are adopted); a table of another shape is replaced whole."""
         chains = self._nft_chains()
         sets = """  set gated { type ipv4_addr . ipv4_addr . inet_service; flags interval; }
-  set gate_all { type ipv4_addr; }"""
+  set gate_all { type ipv4_addr; }
+  set gate_rate { type ipv4_addr; flags dynamic, timeout; timeout 60s; }"""
         heads = "\n".join(f"  chain {name} {{ {head} }}" for name, (head, _) in chains.items())
         flushes = "\n".join(f"flush chain inet {self.table} {name}" for name in chains)
         bodies = "\n".join(
@@ -269,16 +273,28 @@ table ip {self.table}_nat {{
     def _nft_chains(self) -> dict[str, tuple[str, str]]:
         """name -> (hook declaration, rules) of the node's chains in its inet table."""
         br, gw = self.bridge, self.gateway
+        bare = "\n".join(
+            f'    iifname "{br}" ip hdrlength 5 tcp doff {n} ip length {20 + 4 * n} '
+            "tcp flags & syn == 0 return"
+            for n in range(5, 16)
+        )
         return {
             # The name gate (edge.network.namegate): TCP a policy allows only by name, the
             # pairs (sandbox . address . ports) in `gated` or all TCP of a sandbox in
             # `gate_all`, is marked for the gate's queue until conntrack holds its verdict.
+            # Segments without payload but SYNs (bare ACKs, FINs: IP length = the headers'
+            # lengths) are not queued: nothing to read in them. SYNs are, so that the gate
+            # knows a new connection on old ports. A sandbox's queued packets are limited: past
+            # the rate they are dropped (TCP sends them again), so a SYN flood costs the edge
+            # at most that many packets a second per sandbox.
             "gate": (
                 "type filter hook forward priority -200; policy accept;",
                 f"""    iifname "{br}" ct mark {ADMIT:#x} accept
     iifname "{br}" meta l4proto tcp ct mark {REFUSE:#x} reject with tcp reset
+{bare}
     iifname "{br}" ip saddr . ip daddr . tcp dport @gated meta mark set {QUEUED:#x}
-    iifname "{br}" ip saddr @gate_all meta l4proto tcp meta mark set {QUEUED:#x}""",
+    iifname "{br}" ip saddr @gate_all meta l4proto tcp meta mark set {QUEUED:#x}
+    meta mark {QUEUED:#x} add @gate_rate {{ ip saddr limit rate over {GATE_RATE}/second burst {GATE_BURST} packets }} drop""",
             ),
             "gate_verdict": (
                 "type filter hook forward priority -100; policy accept;",

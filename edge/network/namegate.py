@@ -6,7 +6,9 @@ by name might concern it), the edge's nftables rules queue that connection's pac
 the sandbox to this gate (NFQUEUE, through an iptables ``mangle FORWARD`` rule: this kernel's
 nftables has no native ``queue``) until it decides. For each connection:
 
-1. packets without payload (the handshake, bare ACKs) pass at once: there is nothing to read;
+1. packets without payload pass: bare ACKs and FINs are not even queued (nftables tells them
+   by their lengths), SYNs are, and pass at once (a SYN tells the gate that a new connection
+   starts on those ports: it is decided anew);
 2. packets with payload are held (not forwarded) until their bytes, read from the start of
    the stream, tell a name: a TLS ClientHello's server name or an HTTP/1.x Host
    (:func:`edge.network.peek.peek`), at most :data:`peek.MAX_PEEK_BYTES`;
@@ -18,8 +20,9 @@ nftables has no native ``queue``) until it decides. For each connection:
    nftables rule answers that packet, and every later one of the connection, with a TCP
    reset. Refusals are reported through ``refused(attempt, why)``.
 
-A client that sends no name within ``peek_timeout_s`` (a partial hello it never completes, a
-server-speaks-first protocol) is refused at its next packet. Packets the gate cannot place
+A client that starts a hello and does not complete it within ``peek_timeout_s`` is refused
+(its held packets are reset); one that sends nothing can only receive (a server-speaks-first
+protocol), and its first byte out is checked like any other. Packets the gate cannot place
 are dropped, and a queue nobody reads drops everything queued to it (no ``--queue-bypass``):
 the gate fails closed, also while the edge restarts. Connections admitted before a restart stay
 admitted (the mark is conntrack's).
@@ -103,6 +106,7 @@ class Attempt:
 Decide = Callable[[Attempt], str | None]
 Refused = Callable[[Attempt, str], None]
 Verdicts = list[tuple[int, int]]  # (packet id, mark)
+_Key = tuple[tuple[str, int], tuple[str, int]]  # client, destination
 
 
 @dataclass
@@ -136,7 +140,7 @@ class Flows:
         self.refused = refused
         self.peek_timeout_s = peek_timeout_s
         self.clock = clock
-        self.flows: dict[tuple[tuple[str, int], tuple[str, int]], _Flow] = {}
+        self.flows: dict[_Key, _Flow] = {}
 
     def packet(self, p: Packet) -> Verdicts:
         """What to do with `p` (and any packets held with it) now; [] to keep holding it."""
@@ -160,9 +164,7 @@ class Flows:
             del self.flows[key]
             return [(p.packet_id, PASS)]
         offset = (p.seq + (1 if syn else 0) - flow.start_seq) % SEQ_MOD
-        if not p.payload:
-            if now - flow.first_at > self.peek_timeout_s:
-                return self._decide(key, flow, None, extra=[p.packet_id])
+        if not p.payload:  # nothing to read (nor to let out)
             return [(p.packet_id, PASS)]
         if offset >= MAX_PEEK_BYTES:  # data from beyond any first bytes (or a wrapped seq)
             return self._decide(key, flow, None, extra=[p.packet_id])
@@ -204,7 +206,7 @@ class Flows:
 
     def _decide(
         self,
-        key: tuple[tuple[str, int], tuple[str, int]],
+        key: _Key,
         flow: _Flow,
         peeked: Peeked | None,
         extra: list[int] | None = None,
@@ -233,6 +235,7 @@ NFQNL_CFG_CMD_BIND, NFQNL_CFG_CMD_UNBIND = 1, 2
 NFQNL_COPY_PACKET = 2
 NFQA_CFG_F_GSO = 0x4  # GSO packets queued whole, not segmented first
 NF_DROP, NF_ACCEPT = 0, 1
+FLAGS = NFQA_CFG_F_GSO
 QUEUE_MAXLEN = 8192
 RCVBUF_BYTES = 16 << 20
 _NLMSG = struct.Struct("=IHHII")
@@ -278,8 +281,8 @@ class NameGate:
             self._config(
                 _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0xFFFF, NFQNL_COPY_PACKET))
                 + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", QUEUE_MAXLEN))
-                + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_GSO))
-                + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_GSO))
+                + _attr(NFQA_CFG_FLAGS, struct.pack("!I", FLAGS))
+                + _attr(NFQA_CFG_MASK, struct.pack("!I", FLAGS))
             )
         except BaseException:
             self._sock = None

@@ -42,20 +42,22 @@ _SERVER = textwrap.dedent(
             if qtype == 1:
                 ans = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(ip)
             s.sendto(struct.pack("!6H", qid, 0x8180, 1, 1 if ans else 0, 0, 0) + question + ans, addr)
+    def answer(c, reply):
+        try:
+            # what the client sends first (a ClientHello, a request), or its end, then the
+            # reply: closing with unread bytes would reset the connection instead
+            c.settimeout(0.5)
+            try: c.recv(65536)
+            except OSError: pass
+            c.sendall(reply)
+        except OSError: pass
+        finally: c.close()
     def tcp(ip, port, reply):
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, port)); s.listen(64)
-        while True:
+        s.bind((ip, port)); s.listen(512)
+        while True:  # a thread per connection: one that says nothing holds up no other
             c, _ = s.accept()
-            try:
-                # what the client sends first (a ClientHello, a request), or its end, then the
-                # reply: closing with unread bytes would reset the connection instead
-                c.settimeout(0.5)
-                try: c.recv(65536)
-                except OSError: pass
-                c.sendall(reply)
-            except OSError: pass
-            finally: c.close()
+            threading.Thread(target=answer, args=(c, reply), daemon=True).start()
     for ip, name in {ip: name for name, ip in reversed(names.items())}.items():
         # (one listener per address: on an address of several names, the first name answers)
         for port in (80, 443):

@@ -10,7 +10,7 @@ import pytest
 
 from libdsec import NetworkPolicy, Sandbox
 from tests.adversarial.conftest import NPM, SHARED
-from tests.helpers import wait_for
+from tests.helpers import client_hello, wait_for
 
 pytestmark = pytest.mark.usefixtures("contained")
 
@@ -102,3 +102,48 @@ def test_an_ip_rule_keeps_its_fast_path_and_a_policy_update_flips_a_name_live(
     sb.update_network_policy(NetworkPolicy(allow=["cdn-denied.test:443"]))
     assert ask(sb, SHARED, 443, "cdn-denied.test").startswith("REPLY")
     assert ask(sb, SHARED, 443, "cdn-allowed.test") == "RESET"
+
+
+# Opens N connections at once to HOST:443, each sending the same ClientHello (read from a
+# file), and prints how many got the server's reply and how many were reset or timed out.
+BURST = r"""
+import socket, sys, selectors
+host, n, hello = sys.argv[1], int(sys.argv[2]), open(sys.argv[3], "rb").read()
+sel = selectors.DefaultSelector()
+for _ in range(n):
+    s = socket.socket(); s.setblocking(False); s.connect_ex((host, 443))
+    sel.register(s, selectors.EVENT_WRITE)
+replied = failed = 0
+import time
+deadline = time.time() + 40
+while replied + failed < n and time.time() < deadline:
+    for key, ev in sel.select(1):
+        s = key.fileobj
+        try:
+            if ev & selectors.EVENT_WRITE:
+                s.sendall(hello); sel.modify(s, selectors.EVENT_READ); continue
+            data = s.recv(100)
+            replied += bool(data); failed += not data
+        except OSError:
+            failed += 1
+        sel.unregister(s); s.close()
+print(replied, failed, n - replied - failed)
+"""
+
+
+def test_a_burst_of_connections_is_decided_one_by_one(make_sandbox: Callable[..., Sandbox]) -> None:
+    """300 connections at once, half asking for an allowed name and half for a denied one:
+    each gets its own verdict, and the sandbox's refusals are counted exactly."""
+    sb = make_sandbox(
+        image="bookworm",
+        memory_mb=256,
+        network=NetworkPolicy(allow=["cdn-allowed.test:443"], deny=["cdn-denied.test"]),
+    )
+    sb.files.write("/work/burst.py", BURST)
+    sb.files.write("/work/allowed.bin", client_hello("cdn-allowed.test"))
+    sb.files.write("/work/denied.bin", client_hello("cdn-denied.test"))
+    for name, want in (("allowed", "150 0 0"), ("denied", "0 150 0")):
+        r = sb.run(["python3", "/work/burst.py", SHARED, "150", f"/work/{name}.bin"], timeout_s=60)
+        assert r.exit_code == 0 and r.text.strip() == want, (name, r)
+    wait_for(lambda: sb.refresh().violations.blocked_names == {"cdn-denied.test": 150})
+    assert sb.run("true").ok  # the edge keeps serving

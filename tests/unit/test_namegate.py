@@ -117,7 +117,7 @@ def test_a_denied_name_no_name_and_raw_bytes_are_refused_and_reported() -> None:
     assert g.refusals[0][0].client == (CLIENT[0], 50000) and g.refusals[0][0].destination == SERVER
 
 
-def test_a_client_that_says_nothing_in_time_is_refused() -> None:
+def test_a_hello_not_completed_in_time_is_refused_and_a_silent_client_only_receives() -> None:
     g = Gate()
     g.handshake()
     held = g.next_id + 1
@@ -125,11 +125,13 @@ def test_a_client_that_says_nothing_in_time_is_refused() -> None:
     g.now += 6  # past the 5 s peek timeout: the sweep refuses what it holds
     assert g.flows.sweep() == [(held, REFUSE)]
     assert g.refusals[0][0].peeked is None
-    # a server-speaks-first connection: nothing sent, then a packet after the timeout
+    # a server-speaks-first connection: bare ACKs pass whenever they come; the first bytes
+    # out are read like any other's
     g2 = Gate()
     g2.handshake()
-    g2.now += 6
-    assert g2.send(ISN + 1, ACK) == [(g2.next_id, REFUSE)]
+    g2.now += 60
+    assert g2.send(ISN + 1, ACK) == [(g2.next_id, PASS)]
+    assert g2.send(ISN + 1, ACK, b"\x00raw\r\n") == [(g2.next_id, REFUSE)]
 
 
 def test_data_far_from_the_streams_start_is_refused_and_a_reset_forgets_the_flow() -> None:
