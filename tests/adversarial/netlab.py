@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 # DNS server + listeners, run inside the namespace (stdlib only, bounded by the test's lifetime).
 _SERVER = textwrap.dedent(
     r"""
-    import socket, struct, sys, threading
+    import selectors, socket, struct, sys, threading, time
     names = dict(a.split("=") for a in sys.argv[2:])
     listen = sys.argv[1]
     def dns():
@@ -42,26 +42,46 @@ _SERVER = textwrap.dedent(
             if qtype == 1:
                 ans = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(ip)
             s.sendto(struct.pack("!6H", qid, 0x8180, 1, 1 if ans else 0, 0, 0) + question + ans, addr)
-    def answer(c, reply):
-        try:
-            # what the client sends first (a ClientHello, a request), or its end, then the
-            # reply: closing with unread bytes would reset the connection instead
-            c.settimeout(0.5)
-            try: c.recv(65536)
+    def tcp(listeners):
+        # Every listener and connection on one selector: a connection gets the reply after
+        # what the client sends first (a ClientHello, a request) or after 0.5 s of silence;
+        # closing with unread bytes would reset it instead. One that says nothing holds up
+        # no other.
+        sel, waiting = selectors.DefaultSelector(), {}
+        for s, reply in listeners:
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ, (True, reply))
+        def finish(c):
+            sel.unregister(c)
+            try: c.send(waiting.pop(c)[1])
             except OSError: pass
-            c.sendall(reply)
-        except OSError: pass
-        finally: c.close()
-    def tcp(ip, port, reply):
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, port)); s.listen(512)
-        while True:  # a thread per connection: one that says nothing holds up no other
-            c, _ = s.accept()
-            threading.Thread(target=answer, args=(c, reply), daemon=True).start()
+            c.close()
+        while True:
+            now = time.monotonic()
+            wait = min((d for d, _ in waiting.values()), default=now + 1) - now
+            for key, _ in sel.select(max(wait, 0)):
+                listening, reply = key.data
+                if listening:
+                    try: c, _ = key.fileobj.accept()
+                    except OSError: continue
+                    c.setblocking(False)
+                    sel.register(c, selectors.EVENT_READ, (False, reply))
+                    waiting[c] = (time.monotonic() + 0.5, reply)
+                elif key.fileobj in waiting:
+                    try: key.fileobj.recv(65536)
+                    except OSError: pass
+                    finish(key.fileobj)
+            now = time.monotonic()
+            for c in [c for c, (d, _) in waiting.items() if d <= now]:
+                finish(c)
+    listeners = []
     for ip, name in {ip: name for name, ip in reversed(names.items())}.items():
         # (one listener per address: on an address of several names, the first name answers)
         for port in (80, 443):
-            threading.Thread(target=tcp, args=(ip, port, (name + "\n").encode()), daemon=True).start()
+            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((ip, port)); s.listen(512)
+            listeners.append((s, (name + "\n").encode()))
+    threading.Thread(target=tcp, args=(listeners,), daemon=True).start()
     threading.Thread(target=dns, daemon=True).start()
     print("ready", flush=True)
     sys.stdin.read()  # until the test closes our stdin (or dies)
