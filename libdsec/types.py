@@ -134,7 +134,10 @@ class NetworkPolicy:
     ``NetworkPolicy()`` = no network; ``NetworkPolicy(allow=["pypi.org:443"])``
     = only that; ``NetworkPolicy(open=True, deny=["registry.npmjs.org"])`` =
     everything but that. Domain names are resolved by the edge and kept current;
-    ``"*.example.com"`` matches the names below example.com. With
+    ``"*.example.com"`` matches the names below example.com. A domain rule is
+    TCP only and means the name: a connection it allows goes on only if it asks
+    for an allowed name (TLS server name, HTTP Host); others are reset and
+    counted, by name, in ``SandboxInfo.violations.blocked_names``. With
     ``max_blocked_connects=N`` the sandbox ends (``POLICY_VIOLATION``) once more
     than N connects were blocked; by default blocked connects are only counted
     (``SandboxInfo.violations["blocked_connects"]``).
