@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from common.channels import DEFAULT_DEADLINE_S, open_channel
+from common.config import WATCHER_WARMUP_S
 from dsec.edge.v1 import edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
@@ -29,9 +30,6 @@ from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated, Unavaila
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-#: A watcher up for less than this may not know every edge yet (they register again every
-#: few seconds after its restart).
-WATCHER_WARMUP_S = 15.0
 #: How long a call into a sandbox waits for its edge's channel to connect (an edge restarting
 #: under supervision serves again within 1-3 s).
 EDGE_RECONNECT_WAIT_S = 5.0

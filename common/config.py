@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+#: For this long after the watcher (re)starts it may not know every edge yet: edges register
+#: again every few seconds (the watcher's `reregister_interval_s`, 5 s). The API server and
+#: placement both treat "no edge" as "not yet" (UNAVAILABLE, retried) meanwhile.
+WATCHER_WARMUP_S = 15.0
+
 
 class ConfigError(ValueError):
     """A configuration variable is missing or malformed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ConfigError, ServiceConfig
+from common.config import WATCHER_WARMUP_S, ConfigError, ServiceConfig
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class PlacementConfig(ServiceConfig):
     #: After a watcher (re)start, for this long "no edges are registered" is UNAVAILABLE
     #: (CLUSTER_VIEW_WARMING: the edges have yet to register again; clients retry), not
     #: RESOURCE_EXHAUSTED. Longer than the edges' registration interval.
-    view_warmup_s: float = 15.0
+    view_warmup_s: float = WATCHER_WARMUP_S
 
     def validate(self) -> None:
         super().validate()

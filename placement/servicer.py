@@ -9,6 +9,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from common.config import WATCHER_WARMUP_S
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError, InvalidArgument, Unavailable
@@ -73,7 +74,7 @@ class PlacementServicer:
         placer: Placer,
         follower: SnapshotFollower,
         max_age_s: float,
-        warmup_s: float = 15.0,
+        warmup_s: float = WATCHER_WARMUP_S,
     ) -> None:
         self.placer = placer
         self.follower = follower
