@@ -289,12 +289,13 @@ def cmd_project(args: argparse.Namespace) -> int:
             q = Quota(
                 cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
             )
-            p = c.create_project(args.name, parent=args.parent, quota=q)
+            p = c.create_project(args.name, parent=args.parent, quota=q, exist_ok=args.exist_ok)
             if args.json:
                 print_json(p)
                 return 0
+            q = p.quota  # what it has (with --exist-ok, an existing project keeps its own)
             print(
-                f"created {p.project_id}  quota cpu_millis={q.cpu_millis} memory_mb={q.memory_mb} sandboxes={q.sandboxes}"
+                f"{p.project_id}  quota cpu_millis={q.cpu_millis} memory_mb={q.memory_mb} sandboxes={q.sandboxes}"
             )
         elif args.action == "quota":
             q = Quota(
@@ -586,6 +587,11 @@ def _project_parsers(sub: Any) -> None:
     pc = psub.add_parser("create", help="a subproject (of the token's project by default)")
     pc.add_argument("name", help="its name (the id is PARENT/NAME)")
     pc.add_argument("--parent", default="", help="the parent project's id (default: the token's)")
+    pc.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="a project of that name that exists is fine (shown as it is, quota unchanged)",
+    )
     _quota_options(pc)
     json_option(pc, "print the project as one JSON object")
     pl = psub.add_parser("list", help="projects below one, with usage and quota")

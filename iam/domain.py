@@ -149,15 +149,24 @@ class Iam:
     # ------------------------------------------------------------ projects
 
     async def create_project(
-        self, who: Principal, parent_id: str, name: str, quota: Quota
+        self, who: Principal, parent_id: str, name: str, quota: Quota, *, exist_ok: bool = False
     ) -> ProjectRecord:
+        """A new subproject; with `exist_ok` an existing one of that name is returned as it
+        is (its quota unchanged), also when a concurrent create won."""
         parent_id = parent_id or who.project_id
         if not SEGMENT.match(name):
             raise InvalidArgument(f"project name {name!r} must match [a-z0-9][a-z0-9-]{{0,39}}")
         self.require(who, ACTION_MANAGE_PROJECTS, parent_id)
         project_id = f"{parent_id}/{name}"
+        if exist_ok and (rec := await self._run(self.store.get_project, project_id)) is not None:
+            return rec
         await self._check_grant(parent_id, quota)
-        return await self._run(self.store.create_project, project_id, parent_id, quota)
+        try:
+            return await self._run(self.store.create_project, project_id, parent_id, quota)
+        except AlreadyExists:
+            if exist_ok and (rec := await self._run(self.store.get_project, project_id)):
+                return rec
+            raise
 
     async def _check_grant(self, parent_id: str, quota: Quota) -> None:
         """A child's limits may not exceed the nearest limit held above it."""

@@ -95,7 +95,11 @@ class IamServicer:
     ) -> iam_pb2.CreateProjectResponse:
         who = await self._caller(context)
         rec = await self.iam.create_project(
-            who, request.parent_id, request.name, quota_from_pb(request.quota)
+            who,
+            request.parent_id,
+            request.name,
+            quota_from_pb(request.quota),
+            exist_ok=request.exist_ok,
         )
         return iam_pb2.CreateProjectResponse(project=project_pb(rec))
 

@@ -597,13 +597,16 @@ class AsyncClient:
         *,
         parent: str = "",
         quota: Quota | None = None,
+        exist_ok: bool = False,
         timeout: float | None = None,
     ) -> Project:
-        """Creates a subproject (of ``parent``, default this token's project) with a delegated quota."""
+        """Creates a subproject (of ``parent``, default this token's project) with a delegated
+        quota. ``exist_ok``: a project of that name that exists already is returned as it is
+        (its quota unchanged) instead of raising ``AlreadyExists``."""
         resp = await self._project_call(
             "CreateProject",
             iam_pb2.CreateProjectRequest(
-                parent_id=parent, name=name, quota=(quota or Quota()).to_pb()
+                parent_id=parent, name=name, quota=(quota or Quota()).to_pb(), exist_ok=exist_ok
             ),
             timeout,
         )

@@ -659,3 +659,21 @@ def test_progress_bars_on_a_terminal_leave_the_data_intact(
         term.close()
         made = cli_client.stop_all(task_id=task)
     assert len(made) == 2 and all(sandbox_id.encode() in term.seen for sandbox_id in made)
+
+
+def test_project_create_with_exist_ok_is_idempotent(
+    cli_cluster: LocalCluster, env: dict[str, str]
+) -> None:
+    name = f"cli-exist-{os.getpid()}"
+    try:
+        first = json.loads(
+            _ok(dsec("project", "create", name, "--sandboxes", "3", "--json", env=env)).stdout
+        )
+        again = dsec("project", "create", name, env=env)
+        assert again.returncode == 2 and "AlreadyExists [PROJECT_EXISTS]" in again.stderr
+        same = _ok(dsec("project", "create", name, "--sandboxes", "1", "--exist-ok", env=env))
+        assert (
+            same.stdout.startswith(f"{first['project_id']}  quota") and "sandboxes=3" in same.stdout
+        )
+    finally:
+        dsec("project", "delete", f"root/{name}", env=env)

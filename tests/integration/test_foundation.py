@@ -19,6 +19,7 @@ import dsec.watcher.v1.watcher_pb2  # noqa: F401  (registers descriptors)
 from dsecctl.cluster import LocalCluster, health
 from libdsec import Client, Quota
 from libdsec.errors import (
+    AlreadyExists,
     BackendCapabilityMissing,
     FailedPrecondition,
     InvalidArgument,
@@ -134,6 +135,18 @@ def test_projects_tokens_and_quota(cluster: LocalCluster, request: pytest.Fixtur
             admin.create_project("greedy", parent=team.project_id, quota=Quota(sandboxes=3))
         assert info.value.reason == "QUOTA_GRANT_EXCEEDS_HELD"
         run = admin.create_project("run", parent=team.project_id, quota=Quota(sandboxes=2))
+        with pytest.raises(AlreadyExists):
+            admin.create_project("run", parent=team.project_id)
+        # exist_ok: the project as it is (its quota not changed by the request's)
+        again = admin.create_project(
+            "run", parent=team.project_id, quota=Quota(sandboxes=1), exist_ok=True
+        )
+        assert again.project_id == run.project_id and again.quota.sandboxes == 2
+        # ... but the right to create it is still needed, and the grant still checked for a new one
+        with pytest.raises(PermissionDenied):
+            admin.create_project(
+                "greedy", parent=team.project_id, quota=Quota(sandboxes=3), exist_ok=True
+            )
         agent_token = admin.create_token("agent", project=run.project_id, agent=True)
         sibling_token = admin.create_token("other", project=team.project_id)
         with pytest.raises(InvalidArgument):
@@ -157,6 +170,8 @@ def test_projects_tokens_and_quota(cluster: LocalCluster, request: pytest.Fixtur
         assert {s.id for s in member.list(include_subprojects=True, task_id="t1")} == {a.id, b.id}
         with pytest.raises(PermissionDenied):
             member.create_project("nope")  # MEMBER role cannot manage projects
+        with pytest.raises(PermissionDenied):  # not even to be told that one exists
+            member.create_project("run", exist_ok=True)
 
     with Client(cluster.apiserver, token=cluster.token) as admin:
         # another project's token cannot see it: reported exactly like a missing sandbox

@@ -374,10 +374,15 @@ class CreateProjectRequest(_message.Message):
     PARENT_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     QUOTA_FIELD_NUMBER: _builtins.int
+    EXIST_OK_FIELD_NUMBER: _builtins.int
     parent_id: _builtins.str
     """"" = the caller's project"""
     name: _builtins.str
     """one path segment"""
+    exist_ok: _builtins.bool
+    """An existing project of that name is the answer (as it is: its quota is not changed),
+    not ALREADY_EXISTS. The caller still needs the right to create it.
+    """
     @_builtins.property
     def quota(self) -> Global___Quota:
         """must not exceed the parent's in any dimension"""
@@ -388,10 +393,11 @@ class CreateProjectRequest(_message.Message):
         parent_id: _builtins.str = ...,
         name: _builtins.str = ...,
         quota: Global___Quota | None = ...,
+        exist_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "parent_id", b"parent_id", "quota", b"quota"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exist_ok", b"exist_ok", "name", b"name", "parent_id", b"parent_id", "quota", b"quota"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
