@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 #: rule to queue a packet; the gate's verdict marks it ADMIT or REFUSE, which nftables copies
 #: to the connection's conntrack mark; PASS lets one packet through undecided.
 QUEUED, ADMIT, REFUSE, PASS = 0x0D5E0000, 0x0D5E0001, 0x0D5E0002, 0
+#: Not a mark: the packet is dropped (NF_DROP).
+DROP = -1
 
 TCP_FIN, TCP_SYN, TCP_RST = 0x01, 0x02, 0x04
 SEQ_MOD = 1 << 32
@@ -115,18 +117,24 @@ class _Flow:
     first_at: float
     segments: dict[int, bytes] = field(default_factory=dict)  # offset -> payload
     held: list[int] = field(default_factory=list)  # ids of packets not yet released
+    held_bytes: int = 0
     verdict: int = 0  # ADMIT / REFUSE once decided
     last_at: float = 0.0
 
 
 class Flows:
-    """The gate's per-connection state and decisions; pure (the caller sends the verdicts)."""
+    """The gate's per-connection state and decisions; pure (the caller sends the verdicts).
+
+    Only packets with payload make state (a SYN flood makes none), and what one sandbox can
+    make the gate keep is bounded: connections being decided or just decided, and bytes held
+    while a hello is incomplete. Past either bound that sandbox's connection is refused (and
+    counted); other sandboxes are not affected."""
 
     #: Decided connections are remembered this long, for packets queued before conntrack
-    #: held the verdict; undecided ones this long after their last packet.
-    DECIDED_KEEP_S = 30.0
-    IDLE_KEEP_S = 300.0
-    MAX_FLOWS = 65_536
+    #: held the verdict (an undecided one is decided by the peek timeout at the latest).
+    DECIDED_KEEP_S = 5.0
+    MAX_FLOWS_PER_SANDBOX = 4096
+    MAX_HELD_BYTES_PER_SANDBOX = 1 << 20
 
     def __init__(
         self,
@@ -141,6 +149,8 @@ class Flows:
         self.peek_timeout_s = peek_timeout_s
         self.clock = clock
         self.flows: dict[_Key, _Flow] = {}
+        self._flows_of: dict[str, int] = {}  # sandbox address -> its flows
+        self._held_of: dict[str, int] = {}  # sandbox address -> bytes held for it
 
     def packet(self, p: Packet) -> Verdicts:
         """What to do with `p` (and any packets held with it) now; [] to keep holding it."""
@@ -148,35 +158,46 @@ class Flows:
         key = (p.client, p.destination)
         flow = self.flows.get(key)
         syn = bool(p.flags & TCP_SYN)
-        if flow is None or (syn and flow.verdict):
-            if len(self.flows) >= self.MAX_FLOWS:
-                self.sweep()
-                if len(self.flows) >= self.MAX_FLOWS:
-                    log.warning("name gate: %d connections undecided: refusing", len(self.flows))
-                    return [(p.packet_id, REFUSE)]
-            # A SYN's sequence number is the one before the stream's first byte.
+        out: Verdicts = []
+        if syn and flow is not None and flow.verdict:  # a new connection on those ports
+            out += self._forget(key)
+            flow = None
+        if not p.payload:  # nothing to read (nor to let out); no state for it
+            if p.flags & TCP_RST and flow is not None and not flow.verdict:
+                return [*self._forget(key), (p.packet_id, PASS)]  # what it held: dropped
+            return [*out, (p.packet_id, flow.verdict if flow is not None else PASS)]
+        if flow is None:
+            if self._flows_of.get(p.client[0], 0) >= self.MAX_FLOWS_PER_SANDBOX:
+                out += self.sweep()  # (its verdicts go out with this packet's)
+            if self._flows_of.get(p.client[0], 0) >= self.MAX_FLOWS_PER_SANDBOX:
+                why = "too many connections of this sandbox being decided"
+                return out + self._refuse_now(p, why)
+            # A SYN's sequence number is the one before the stream's first byte (TCP Fast Open
+            # puts data in it); otherwise the first payload seen starts the stream.
             flow = _Flow((p.seq + 1) % SEQ_MOD if syn else p.seq, now)
             self.flows[key] = flow
+            self._flows_of[p.client[0]] = self._flows_of.get(p.client[0], 0) + 1
         flow.last_at = now
         if flow.verdict:
-            return [(p.packet_id, flow.verdict)]
-        if p.flags & TCP_RST:
-            del self.flows[key]
-            return [(p.packet_id, PASS)]
+            return [*out, (p.packet_id, flow.verdict)]
         offset = (p.seq + (1 if syn else 0) - flow.start_seq) % SEQ_MOD
-        if not p.payload:  # nothing to read (nor to let out)
-            return [(p.packet_id, PASS)]
         if offset >= MAX_PEEK_BYTES:  # data from beyond any first bytes (or a wrapped seq)
-            return self._decide(key, flow, None, extra=[p.packet_id])
-        flow.segments.setdefault(offset, p.payload)
+            return out + self._decide(key, flow, None, extra=[p.packet_id])
+        if offset not in flow.segments:
+            flow.segments[offset] = p.payload
+            flow.held_bytes += len(p.payload)
+            self._held_of[p.client[0]] = self._held_of.get(p.client[0], 0) + len(p.payload)
         flow.held.append(p.packet_id)
         head = self._head(flow)
         got = peek(head)
         if got is NEED_MORE and len(head) < MAX_PEEK_BYTES:
             if now - flow.first_at > self.peek_timeout_s:
-                return self._decide(key, flow, None)
-            return []
-        return self._decide(key, flow, got)  # NEED_MORE after MAX_PEEK_BYTES: no name
+                return out + self._decide(key, flow, None)
+            if self._held_of[p.client[0]] > self.MAX_HELD_BYTES_PER_SANDBOX:
+                why = "too many bytes held for this sandbox's hellos"
+                return out + self._decide(key, flow, None, why=why)
+            return out
+        return out + self._decide(key, flow, got)  # NEED_MORE after MAX_PEEK_BYTES: no name
 
     def sweep(self) -> Verdicts:
         """Refuses connections that held packets past the peek timeout; forgets old ones."""
@@ -185,12 +206,34 @@ class Flows:
         for key, flow in list(self.flows.items()):
             if flow.verdict:
                 if now - flow.last_at > self.DECIDED_KEEP_S:
-                    del self.flows[key]
-            elif flow.held and now - flow.first_at > self.peek_timeout_s:
+                    out += self._forget(key)
+            elif now - flow.first_at > self.peek_timeout_s:  # (an undecided flow holds some)
                 out += self._decide(key, flow, None)
-            elif now - flow.last_at > self.IDLE_KEEP_S:
-                del self.flows[key]
         return out
+
+    def _forget(self, key: _Key) -> Verdicts:
+        """Drops the connection's state; packets it still held are dropped (DROP)."""
+        flow = self.flows.pop(key)
+        client = key[0][0]
+        dropped = [(pid, DROP) for pid in flow.held]
+        self._release(client, flow)
+        if (left := self._flows_of[client] - 1) > 0:
+            self._flows_of[client] = left
+        else:
+            del self._flows_of[client]
+        return dropped
+
+    def _release(self, client: str, flow: _Flow) -> None:
+        if flow.held_bytes:
+            if (left := self._held_of[client] - flow.held_bytes) > 0:
+                self._held_of[client] = left
+            else:
+                del self._held_of[client]
+        flow.held, flow.segments, flow.held_bytes = [], {}, 0
+
+    def _refuse_now(self, p: Packet, why: str) -> Verdicts:
+        self.refused(Attempt(p.client, p.destination, None), why)
+        return [(p.packet_id, REFUSE)]
 
     @staticmethod
     def _head(flow: _Flow) -> bytes:
@@ -210,15 +253,17 @@ class Flows:
         flow: _Flow,
         peeked: Peeked | None,
         extra: list[int] | None = None,
+        why: str | None = None,
     ) -> Verdicts:
         client, destination = key
         attempt = Attempt(client, destination, peeked)
-        why = self.decide(attempt)
+        if why is None:
+            why = self.decide(attempt)
         flow.verdict = ADMIT if why is None else REFUSE
         if why is not None:
             self.refused(attempt, why)
         held = flow.held + (extra or [])
-        flow.held, flow.segments = [], {}
+        self._release(client[0], flow)
         return [(pid, flow.verdict) for pid in held]
 
 
@@ -359,7 +404,7 @@ class NameGate:
                     packet_id = struct.unpack_from("!I", hdr)[0]
                     p = parse_packet(packet_id, bytes(attrs.get(NFQA_PAYLOAD, b"")))
                     if p is None:
-                        out.append((packet_id, -1))  # not IPv4 TCP: not ours to pass
+                        out.append((packet_id, DROP))  # not IPv4 TCP: not ours to pass
                     else:
                         out += self.flows.packet(p)
             off += (length + 3) & ~3
@@ -371,8 +416,10 @@ class NameGate:
             self._message(
                 NFQNL_MSG_VERDICT,
                 0,
-                _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP if m < 0 else NF_ACCEPT, pid))
-                + (_attr(NFQA_MARK, struct.pack("!I", m)) if m >= 0 else b""),
+                _attr(
+                    NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP if m == DROP else NF_ACCEPT, pid)
+                )
+                + (_attr(NFQA_MARK, struct.pack("!I", m)) if m != DROP else b""),
             )
             for pid, m in verdicts
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from edge.network.namegate import ADMIT, PASS, REFUSE, Attempt, Flows, parse_packet
+from edge.network.namegate import ADMIT, DROP, PASS, REFUSE, Attempt, Flows, parse_packet
 from tests.helpers import client_hello
 
 CLIENT = ("10.233.0.7", 40000)
@@ -152,12 +152,41 @@ def test_a_new_connection_on_a_decided_four_tuple_is_decided_anew() -> None:
     assert g.send(ISN + 1, ACK, client_hello("pypi.org")) == [(g.next_id, ADMIT)]
 
 
-def test_decided_and_idle_flows_are_forgotten() -> None:
+def test_decided_flows_are_forgotten_and_bare_packets_make_no_state() -> None:
+    g = Gate()
+    g.handshake()  # SYN, ACK: passed, nothing kept (a SYN flood makes no state)
+    assert not g.flows.flows
+    g.send(ISN + 1, ACK, client_hello("pypi.org"))
+    assert len(g.flows.flows) == 1
+    g.now += Flows.DECIDED_KEEP_S + 1
+    assert g.flows.sweep() == [] and not g.flows.flows
+
+
+def test_a_reset_drops_what_was_held() -> None:
     g = Gate()
     g.handshake()
-    g.send(ISN + 1, ACK, client_hello("pypi.org"))
-    g.handshake(client=(CLIENT[0], 1))  # undecided, idle
-    g.now += Flows.DECIDED_KEEP_S + 1
-    assert g.flows.sweep() == [] and len(g.flows.flows) == 1
-    g.now += Flows.IDLE_KEEP_S
-    assert g.flows.sweep() == [] and not g.flows.flows
+    held = g.next_id + 1
+    assert g.send(ISN + 1, ACK, client_hello("pypi.org")[:50]) == []
+    assert g.send(ISN + 1, RST) == [(held, DROP), (g.next_id, PASS)]  # never let out
+    assert not g.flows.flows and not g.refusals
+
+
+def test_what_one_sandbox_makes_the_gate_keep_is_bounded() -> None:
+    """Past its bounds a sandbox's connection is refused and counted; another sandbox's are
+    decided as before."""
+    g = Gate()
+    g.flows.MAX_FLOWS_PER_SANDBOX = 3  # type: ignore[misc]
+    half = client_hello("pypi.org")[:50]
+    for port in range(3):  # three half hellos, held
+        assert g.send(ISN + 1, ACK, half, client=(CLIENT[0], port)) == []
+    assert g.send(ISN + 1, ACK, half, client=(CLIENT[0], 9)) == [(g.next_id, REFUSE)]
+    assert g.refusals[-1][1] == "too many connections of this sandbox being decided"
+    other = ("10.233.0.8", 40000)
+    assert g.send(ISN + 1, ACK, client_hello("pypi.org"), client=other) == [(g.next_id, ADMIT)]
+    # bytes held: a sandbox's incomplete hellos may hold at most so much
+    g2 = Gate()
+    g2.flows.MAX_HELD_BYTES_PER_SANDBOX = 120  # type: ignore[misc]
+    assert g2.send(ISN + 1, ACK, half, client=(CLIENT[0], 1)) == []
+    assert g2.send(ISN + 1, ACK, half, client=(CLIENT[0], 2)) == []
+    assert g2.send(ISN + 1, ACK, half, client=(CLIENT[0], 3)) == [(g2.next_id, REFUSE)]
+    assert g2.refusals[-1][1] == "too many bytes held for this sandbox's hellos"
