@@ -52,7 +52,9 @@ def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        # (a dict subclass's own attributes too: SandboxInfo.violations.blocked_names)
+        extra = vars(value) if hasattr(value, "__dict__") else {}
+        return {str(k): plain(v) for k, v in [*value.items(), *extra.items()]}
     if isinstance(value, list | tuple | set | frozenset):
         return [plain(v) for v in value]
     if isinstance(value, datetime.datetime):

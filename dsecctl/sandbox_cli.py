@@ -501,10 +501,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def sandbox_record(c: Any, sandbox_id: str) -> dict[str, Any]:
     """Everything GetSandbox says about a sandbox (the SDK's SandboxInfo with its spec, start
     and last-activity times and creator), as JSON-ready data."""
-    info = c.get(sandbox_id).info
-    record = dict(plain(info))
-    record["violations"]["blocked_names"] = dict(info.violations.blocked_names)
-    return record
+    return dict(plain(c.get(sandbox_id).info))
 
 
 def cmd_show(args: argparse.Namespace) -> int:

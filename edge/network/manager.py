@@ -74,9 +74,8 @@ class _Owner:
     #: the member addresses all of whose TCP goes to the gate.
     gate_applied: dict[str, set[tuple[str, int, int]]] = field(default_factory=dict)
     gate_all_applied: set[str] = field(default_factory=set)
-    #: Connections the name gate refused: in all, and by the name asked for (at most
-    #: MAX_BLOCKED_NAMES names, then OTHER_NAMES; NO_NAME: none asked for).
-    gate_refused: int = 0
+    #: Connections the name gate refused, by the name asked for (at most MAX_BLOCKED_NAMES
+    #: names, then OTHER_NAMES; NO_NAME: none asked for).
     gate_refused_names: dict[str, int] = field(default_factory=dict)
 
 
@@ -464,7 +463,7 @@ class NetworkManager:
         if state is None or state.filter is None:
             return None
         try:
-            return state.filter.blocked() + state.gate_refused
+            return state.filter.blocked() + sum(state.gate_refused_names.values())
         except OSError:
             return None
 
@@ -490,8 +489,7 @@ class NetworkManager:
     def _sync_gate(self, state: _Owner) -> None:
         """Brings nftables' redirections to the gate to what the owner's policy and resolved
         names ask for, for each of its members (blocking: nft)."""
-        resolved = {d: list(addrs) for d, addrs in state.resolved.items()}
-        want = gated(state.policy, resolved)
+        want = gated(state.policy, state.resolved)
         everything = state.policy.gates_everything
         for member in list(state.members):
             att = self.attachments.get(member)
@@ -543,13 +541,17 @@ class NetworkManager:
         elif not p.name:
             nameless = f"no name ({p.protocol} without a server name or Host)"
         if policy.mode == MODE_OPEN:
-            for r in policy.rules:
-                if r.allow or r.domain is None or not r.port_min <= port <= r.port_max:
-                    continue
-                if p is not None and p.name and r.matches_name(p.name.lower().rstrip(".")):
-                    return f"name {p.name} is denied by {r.where} {r.text!r}"
-                if nameless and address in state.resolved.get(r.domain, {}):
-                    return f"{nameless}, to {address}, an address of denied {r.text!r}"
+            if p is not None and p.name and (r := policy.name_denied(p.name, port)):
+                return f"name {p.name} is denied by {r.where} {r.text!r}"
+            denied_here = (
+                r
+                for r in policy.domains
+                if not r.allow
+                and r.port_min <= port <= r.port_max
+                and address in state.resolved.get(r.domain or "", {})
+            )
+            if nameless and (r := next(denied_here, None)):
+                return f"{nameless}, to {address}, an address of denied {r.text!r}"
             return None
         if nameless or p is None:
             return nameless
@@ -568,9 +570,8 @@ class NetworkManager:
         names = state.gate_refused_names
         if name not in names and len(names) >= MAX_BLOCKED_NAMES:
             name = OTHER_NAMES  # an agent trying names by the million gets one entry
-        state.gate_refused += 1
         names[name] = names.get(name, 0) + 1
-        log.info(
+        log.debug(  # (counted above: at the gate's rate limit, info would flood the log)
             "name gate refused %s -> %s:%d: %s",
             a.client[0],
             *a.destination,

@@ -117,7 +117,6 @@ class _Flow:
     first_at: float
     segments: dict[int, bytes] = field(default_factory=dict)  # offset -> payload
     held: list[int] = field(default_factory=list)  # ids of packets not yet released
-    held_bytes: int = 0
     verdict: int = 0  # ADMIT / REFUSE once decided
     last_at: float = 0.0
 
@@ -185,7 +184,6 @@ class Flows:
             return out + self._decide(key, flow, None, extra=[p.packet_id])
         if offset not in flow.segments:
             flow.segments[offset] = p.payload
-            flow.held_bytes += len(p.payload)
             self._held_of[p.client[0]] = self._held_of.get(p.client[0], 0) + len(p.payload)
         flow.held.append(p.packet_id)
         head = self._head(flow)
@@ -224,12 +222,12 @@ class Flows:
         return dropped
 
     def _release(self, client: str, flow: _Flow) -> None:
-        if flow.held_bytes:
-            if (left := self._held_of[client] - flow.held_bytes) > 0:
+        if held := sum(map(len, flow.segments.values())):
+            if (left := self._held_of[client] - held) > 0:
                 self._held_of[client] = left
             else:
                 del self._held_of[client]
-        flow.held, flow.segments, flow.held_bytes = [], {}, 0
+        flow.held, flow.segments = [], {}
 
     def _refuse_now(self, p: Packet, why: str) -> Verdicts:
         self.refused(Attempt(p.client, p.destination, None), why)

@@ -135,16 +135,24 @@ class Policy:
         no one resolved for it), so every one not allowed by an IP rule goes to the gate."""
         return self.mode == MODE_OPEN and any(r.domain and not r.allow for r in self.rules)
 
+    def name_denied(self, name: str, port: int) -> Rule | None:
+        """The deny-by-name rule that refuses a TCP connection asking for `name` on `port`."""
+        name = name.lower().rstrip(".")
+        return next(
+            (
+                r
+                for r in self.rules
+                if not r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max
+            ),
+            None,
+        )
+
     def name_allows(self, name: str, port: int) -> tuple[Rule, ...]:
         """The allow rules under which a TCP connection asking for `name` on `port` may go on
         (none if a deny by name matches: deny wins)."""
-        name = name.lower().rstrip(".")
-        if any(
-            r.matches_name(name) and r.port_min <= port <= r.port_max
-            for r in self.rules
-            if not r.allow
-        ):
+        if self.name_denied(name, port) is not None:
             return ()
+        name = name.lower().rstrip(".")
         return tuple(
             r
             for r in self.rules
