@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,6 +31,9 @@ from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
 
 log = logging.getLogger(__name__)
+
+#: This process's incarnation (EdgeInfo.incarnation): the watcher tells a restart by it.
+INCARNATION = secrets.token_hex(8)
 
 
 def check_controls(cfg: EdgeConfig) -> list[Control]:
@@ -105,6 +109,7 @@ def edge_info(
         cpu_millis_capacity=manager.capacity.cpu_millis,
         memory_mb_capacity=manager.capacity.memory_mb,
         version="0.1.0",
+        incarnation=INCARNATION,
     )
 
 

@@ -12,7 +12,11 @@ Failure rules, so that no caller ever hangs:
   simply ended) and the next call opens a new stream;
 - the server says nothing (not even a keepalive, tag 0) for ``idle_timeout_s`` while calls
   wait: the stream is declared stalled (DEADLINE_EXCEEDED, ``STREAM_STALLED``) and dropped;
-- a caller that times out or is cancelled sends a cancel for its tag and goes away.
+- a caller that times out or is cancelled sends a cancel for its tag and goes away;
+- the server ends a new stream before our first request was sent (it refuses the stream at
+  once: a bad token): gRPC may then report the failed send (a generic INTERNAL) instead of the
+  server's status. Nothing reached the server, so the waiting calls are sent again on a new
+  stream (at most ``UNSENT_RESENDS`` times), where the server's own status is seen.
 
 Used by the SDK (to the API server) and by the API server (to each edge).
 """
@@ -40,6 +44,11 @@ from libdsec.errors import (
 MAX_REQUEST_BYTES = 64 * 1024 * 1024 - 64 * 1024
 #: How long a close waits for the server to end an idle stream before cancelling it.
 CLOSE_GRACE_S = 1.0
+#: How often a call is sent again on a new stream when its stream failed before sending
+#: anything (see _unsent). One race in ~500 under CPU load: three in a row do not happen.
+UNSENT_RESENDS = 3
+#: The status details gRPC gives a call whose own send failed in its core (no server said it).
+_CORE_FAILURE = "Internal error from Core"
 
 
 def stream_failed(err: BaseException) -> bool:
@@ -55,6 +64,7 @@ class _Open:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.closed = False
+        self.sent = 0  # requests the call has sent
         self.call: Any = None
         self.reader: asyncio.Task[None] | None = None
         self.writer: asyncio.Task[None] | None = None
@@ -69,12 +79,22 @@ class _Open:
         try:
             while (item := await self.queue.get()) is not None:
                 await self.call.write(item)
+                self.sent += 1
             await self.call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call ended: the reader reports how
         except Exception:
             self.call.cancel()  # the reader reports the cancel to every waiting caller
             raise
+
+
+class _Unsent(Exception):
+    """What a waiting call gets when its stream failed before sending anything: the call
+    is sent again on a new stream (``err`` is what to raise once it may not be)."""
+
+    def __init__(self, err: DSecError) -> None:
+        super().__init__(str(err))
+        self.err = err
 
 
 class TaggedStream:
@@ -125,7 +145,7 @@ class TaggedStream:
             raise  # that job's own answer
 
     async def call(self, request: Any, timeout: float | None) -> Any:
-        tag = request.tag = next(self._tags)
+        request.tag = next(self._tags)  # kept if it is sent again (on a new stream)
         size = request.ByteSize()
         if size > self._max_request_bytes:
             # Refused here: past the channel's message limit gRPC would fail the whole stream,
@@ -134,6 +154,29 @@ class TaggedStream:
                 f"the job is {size} bytes; at most {self._max_request_bytes} per job",
                 reason="JOB_TOO_LARGE",
             )
+        try:
+            async with asyncio.timeout(timeout):
+                for attempt in itertools.count():
+                    try:
+                        msg = await self._send(request)
+                        break
+                    except _Unsent as unsent:
+                        if attempt >= UNSENT_RESENDS:
+                            raise unsent.err from None
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no answer within {timeout:.1f} s", reason="DEADLINE_EXCEEDED"
+            ) from None
+        if msg.error_code:
+            raise status_for(
+                msg.error_code, msg.error_reason, msg.error_message, dict(msg.error_metadata)
+            )
+        return msg
+
+    async def _send(self, request: Any) -> Any:
+        """Sends ``request`` (tagged) on the open stream (opened if need be) and
+        waits for its answer; a caller that stops waiting cancels it on the stream."""
+        tag = request.tag
         st = self._ensure()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
@@ -143,21 +186,10 @@ class TaggedStream:
         if idle is not None and len(st.pending) == 1:  # the first waiter: the clock starts now
             idle.reschedule(loop.time() + self._idle_timeout_s)
         try:
-            async with asyncio.timeout(timeout):
-                msg = await fut
-        except TimeoutError:
-            self._give_up(st, request)
-            raise DeadlineExceeded(
-                f"no answer within {timeout:.1f} s", reason="DEADLINE_EXCEEDED"
-            ) from None
+            return await fut
         except BaseException:
             self._give_up(st, request)
             raise
-        if msg.error_code:
-            raise status_for(
-                msg.error_code, msg.error_reason, msg.error_message, dict(msg.error_metadata)
-            )
-        return msg
 
     @staticmethod
     def _give_up(st: _Open, request: Any) -> None:
@@ -166,6 +198,7 @@ class TaggedStream:
 
     async def _read(self, st: _Open) -> None:
         err: DSecError = Unavailable("the job stream ended", reason="STREAM_CLOSED")
+        unsent = False
         it = st.call.__aiter__()
         try:
             while True:
@@ -194,14 +227,16 @@ class TaggedStream:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
         except grpc.aio.AioRpcError as exc:
-            err = from_rpc_error(await _final_status(st.call, exc))
+            err = from_rpc_error(exc)
+            unsent = _unsent(st, exc)
         except asyncio.CancelledError:
             err = Unavailable("the job stream was closed", reason="STREAM_CLOSED")
             raise
         finally:
-            self._close(st, err)
+            self._close(st, err, unsent)
 
-    def _close(self, st: _Open, err: DSecError) -> None:
+    def _close(self, st: _Open, err: DSecError, unsent: bool = False) -> None:
+        """Ends ``st``: every waiting call gets ``err`` (or is sent again, if ``unsent``)."""
         err.stream_failed = True  # type: ignore[attr-defined]  # see stream_failed()
         if isinstance(err, Unimplemented):
             self.unsupported = True
@@ -211,7 +246,7 @@ class TaggedStream:
         pending, st.pending = st.pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(err)
+                fut.set_exception(_Unsent(err) if unsent else err)
         st.queue.put_nowait(None)  # ends the request iterator
         if st.call is not None:
             st.call.cancel()
@@ -239,22 +274,12 @@ class TaggedStream:
             await asyncio.wait({st.writer})
 
 
-async def _final_status(call: Any, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-    """The call's own final status where the read failed with gRPC's generic INTERNAL: a server
-    that ends the stream at once (a bad token: UNAUTHENTICATED) while our first request is still
-    being sent makes that write fail, and the failure ("Internal error from Core") can reach
-    the reader before the status that explains it (seen once in ~20 full test runs)."""
-    if exc.code() != grpc.StatusCode.INTERNAL or call is None:
-        return exc
-    try:
-        code = await asyncio.wait_for(call.code(), timeout=1.0)
-        if code in (grpc.StatusCode.OK, grpc.StatusCode.INTERNAL):
-            return exc
-        return grpc.aio.AioRpcError(
-            code,
-            await call.initial_metadata(),
-            await call.trailing_metadata(),
-            await call.details(),
-        )
-    except Exception:  # nothing better to say than the original error
-        return exc
+def _unsent(st: _Open, exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the stream failed in gRPC's core before it sent anything of ours: the server
+    ended it at once (a refusal) and the send of our first request failed. gRPC then reports
+    that failure (INTERNAL, "Internal error from Core") rather than the server's status, and
+    keeps it as the call's status. No request reached the server, so sending them again on a
+    new stream is safe, and shows the server's status."""
+    return (
+        st.sent == 0 and exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _CORE_FAILURE
+    )

@@ -125,7 +125,7 @@ class SandboxPoller:
         entry = self.view.edges.get(edge_id)
         if entry is None:
             return
-        stub = self.prober.stub(edge_id, entry.info.address)
+        stub = self.prober.stub(entry)
         since = self.ledger.poll_since(edge_id)
         request = edge_pb2.WatchSandboxesRequest(replay_only=True, summary=True)
         if since is None:
@@ -153,7 +153,7 @@ class SandboxPoller:
         entry = self.view.edges.get(edge_id)
         if not ids or entry is None:
             return
-        stub = self.prober.stub(edge_id, entry.info.address)
+        stub = self.prober.stub(entry)
         log.warning(
             "stopping %d sandboxes that lost edge %s still runs",
             len(ids),

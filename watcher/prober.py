@@ -13,7 +13,7 @@ from common.channels import open_channel
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from watcher.ledger import SandboxLedger
 from watcher.reconciler import Reconciler
-from watcher.view import ClusterView
+from watcher.view import ClusterView, EdgeEntry
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +32,28 @@ class Prober:
         self.timeout_s = timeout_s
         self.reconciler = reconciler
         self.ledger = ledger
-        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        #: edge id -> (address, incarnation, channel)
+        self._channels: dict[str, tuple[str, str, grpc.aio.Channel]] = {}
 
-    def stub(self, edge_id: str, address: str) -> edge_pb2_grpc.EdgeServiceStub:
-        """The edge's stub over this watcher's one channel to it."""
+    def stub(self, entry: EdgeEntry) -> edge_pb2_grpc.EdgeServiceStub:
+        """The edge's stub over this watcher's one channel to it. A restarted edge (another
+        incarnation) gets a new channel: the old one may be waiting out gRPC's reconnect
+        backoff (up to seconds, growing) from while the edge was down, failing every probe
+        of the edge that is back meanwhile."""
+        edge_id, address = entry.edge_id, entry.info.address
         cached = self._channels.get(edge_id)
-        if cached is None or cached[0] != address:
+        if cached is None or cached[:2] != (address, entry.incarnation):
             if cached is not None:
-                asyncio.get_running_loop().create_task(cached[1].close())
-            cached = (address, open_channel(address, "watcher"))
+                asyncio.get_running_loop().create_task(cached[2].close())
+            cached = (address, entry.incarnation, open_channel(address, "watcher"))
             self._channels[edge_id] = cached
-        return edge_pb2_grpc.EdgeServiceStub(cached[1])
+        return edge_pb2_grpc.EdgeServiceStub(cached[2])
 
     async def probe(self, edge_id: str) -> None:
         entry = self.view.edges.get(edge_id)
         if entry is None:
             return
-        stub = self.stub(edge_id, entry.info.address)
+        stub = self.stub(entry)
         with_ids = self.reconciler is not None and self.reconciler.wants_ids(edge_id)
         started_at = time.time()
         start = time.perf_counter()
@@ -85,7 +90,7 @@ class Prober:
                 if edges:
                     await asyncio.gather(*(self.probe(e) for e in edges))
                 for gone in set(self._channels) - set(self.view.edges):
-                    await self._channels.pop(gone)[1].close()
+                    await self._channels.pop(gone)[2].close()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self.view.probe_now.wait(),
@@ -93,5 +98,5 @@ class Prober:
                     )
                 self.view.probe_now.clear()
         finally:
-            for _, ch in self._channels.values():
+            for _, _, ch in self._channels.values():
                 await ch.close()

@@ -81,7 +81,7 @@ class WatcherServicer:
             raise InvalidArgument(f"edge_id {info.edge_id!r} must match [a-z0-9]{{1,16}}")
         if not info.address:
             raise InvalidArgument("address is required")
-        self.view.register(info.edge_id, info)
+        self.view.register(info.edge_id, info, info.incarnation)
         return watcher_pb2.RegisterEdgeResponse(reregister_interval_s=self.reregister_interval_s)
 
     async def GetClusterSnapshot(

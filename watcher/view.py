@@ -7,9 +7,12 @@ watcher is whole again within one re-registration interval.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -17,6 +20,7 @@ class EdgeEntry:
     edge_id: str
     info: Any  # dsec.types.v1.EdgeInfo as last registered (opaque to the view)
     registered_at: float
+    incarnation: str = ""  # of the edge process that registered last ("" from older edges)
     health: str = "HEALTHY"  # HEALTHY, UNHEALTHY, DRAINING
     load: Any = None  # dsec.types.v1.EdgeLoad of the last good probe
     by_project: dict[str, int] = field(default_factory=dict)
@@ -50,15 +54,32 @@ class ClusterView:
             except asyncio.QueueFull:
                 self._subscribers.discard(q)
 
-    def register(self, edge_id: str, info: Any) -> EdgeEntry:
+    def register(self, edge_id: str, info: Any, incarnation: str = "") -> EdgeEntry:
+        """An edge's registration (on start, then on its interval). One from a new process
+        (another incarnation) is a restart: the failed probes counted so far were of the
+        previous process, and would otherwise mark the new one UNHEALTHY moments after it
+        returned (an edge back within ``unhealthy_after`` probes)."""
         now = time.time()
         entry = self.edges.get(edge_id)
         if entry is None:
-            entry = self.edges[edge_id] = EdgeEntry(edge_id, info, now, last_ok_at=now)
+            entry = self.edges[edge_id] = EdgeEntry(
+                edge_id, info, now, incarnation=incarnation, last_ok_at=now
+            )
             self.probe_now.set()
         else:
             entry.info = info
             entry.registered_at = now
+            if incarnation and incarnation != entry.incarnation:
+                if entry.incarnation:
+                    log.info(
+                        "edge %s restarted (%d failed probes of its previous process forgotten)",
+                        edge_id,
+                        entry.consecutive_failures,
+                        extra={"edge_id": edge_id, "incarnation": incarnation},
+                    )
+                entry.incarnation = incarnation
+                entry.consecutive_failures = 0
+                self.probe_now.set()
             if entry.health == "UNHEALTHY":
                 self.probe_now.set()
         self._publish("changed", entry)
@@ -86,6 +107,8 @@ class ClusterView:
         entry.consecutive_failures = 0
         entry.last_error = ""
         entry.probe_latency_ms = latency_ms
+        if entry.health == "UNHEALTHY":
+            log.info("edge %s is HEALTHY again", edge_id, extra={"edge_id": edge_id})
         entry.health = "DRAINING" if draining else "HEALTHY"
         # Published after every probe, changed or not: placement drops the
         # overlay entries a probe has accounted for only when it hears of it.
@@ -104,6 +127,13 @@ class ClusterView:
         entry.consecutive_failures += 1
         entry.last_error = error
         if entry.consecutive_failures >= self.unhealthy_after and entry.health != "UNHEALTHY":
+            log.warning(
+                "edge %s is UNHEALTHY: %d probes failed in a row (the last: %s)",
+                edge_id,
+                entry.consecutive_failures,
+                error,
+                extra={"edge_id": edge_id},
+            )
             entry.health = "UNHEALTHY"
             self._publish("changed", entry)
         if now - max(entry.last_ok_at, entry.registered_at) > self.forget_after_s:

@@ -12,11 +12,12 @@ restarted edge, an edge killed during a burst).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -388,6 +389,61 @@ def test_watcher_down_placement_degrades_then_the_view_is_rebuilt(cp: LocalClust
     wait_for(lambda: health(placement, service=VIEW_HEALTH) == "SERVING", timeout_s=10)
     with Client(cp.apiserver, token=token) as c:
         c.stop_all(task_id="wd")
+
+
+def test_an_edge_back_before_it_was_judged_unhealthy_stays_healthy(tmp_path: Path) -> None:
+    """An edge killed and started again within the watcher's ``unhealthy_after`` probes (3, at
+    0.5 s). The probes that failed while it was down were of its previous process: its new
+    incarnation starts the count again, and the watcher connects to it afresh (its channel to
+    the dead process may be backing off). Before, the edge could turn UNHEALTHY just after it
+    was back, and creates found no eligible edge (a CI failure)."""
+    c = start_cluster(tmp_path, edges=[EdgeSpec(edge_id="ra", runtime="null")])
+    try:
+        for down_s in (0.5, 0.7, 0.9, 1.1):  # where the old process's failures fall varies
+            before = snapshot(c).edges[0].info.incarnation
+            assert before
+            seen = _health_while(c, functools.partial(_restart_after, c, "edge-ra", down_s))
+            old = [h for _, h, inc in seen if inc == before]
+            new = [(at, h) for at, h, inc in seen if inc != before]
+            assert new, seen
+            if old[-1] == "UNHEALTHY":  # down longer than unhealthy_after probes (a slow start)
+                # HEALTHY from the probe its registration triggers, and from then on
+                first = next(i for i, (_, h) in enumerate(new) if h == "HEALTHY")
+                assert new[first][0] - new[0][0] < 1.0, (down_s, seen)
+                new = new[first:]
+            assert {h for _, h in new} == {"HEALTHY"}, (down_s, seen)
+    finally:
+        c.stop()
+
+
+def _restart_after(c: LocalCluster, name: str, down_s: float) -> None:
+    c.kill(name)
+    time.sleep(down_s)
+    c.restart(name)
+    time.sleep(2.0)  # past unhealthy_after probes
+
+
+def _health_while(c: LocalCluster, action: Callable[[], None]) -> list[tuple[float, str, str]]:
+    """The first edge's (time, health, incarnation) as the watcher saw it every 50 ms while
+    ``action`` ran."""
+    seen: list[tuple[float, str, str]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            e = snapshot(c).edges[0]
+            name = watcher_pb2.EdgeHealth.Name(e.health).removeprefix("EDGE_HEALTH_")
+            seen.append((time.monotonic(), name, e.info.incarnation))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        action()
+    finally:
+        stop.set()
+        sampler.join()
+    return seen
 
 
 # ------------------------------------------------------------- edge killed

@@ -272,8 +272,9 @@ class Refusing:
 
 async def test_a_stream_refused_at_once_fails_its_job_with_the_servers_status() -> None:
     """The refusal races the first request being written; whichever comes first, the caller
-    must see the server's status. (A full test run once saw gRPC's generic INTERNAL here, with
-    the API server as a separate process; 900 in-process tries did not reproduce it.)"""
+    must see the server's status. (When the refusal wins, gRPC may report the failed send, a
+    generic INTERNAL, as the call's status: ~1 in 500 here under CPU load. Nothing was sent,
+    so the stream sends the job again on a new one.)"""
     from libdsec.errors import Unauthenticated
 
     s = GrpcServer("test", "127.0.0.1:0")
@@ -283,7 +284,7 @@ async def test_a_stream_refused_at_once_fails_its_job_with_the_servers_status() 
     try:
         async with grpc.aio.insecure_channel(s.address) as ch:
             stub = apiserver_pb2_grpc.FunctionServiceStub(ch)
-            for _ in range(300):
+            for _ in range(1000):
                 stream = TaggedStream(stub.StreamFunctions)
                 try:
                     await stream.call(_request("x"), timeout=10)
@@ -293,4 +294,4 @@ async def test_a_stream_refused_at_once_fails_its_job_with_the_servers_status() 
     finally:
         assert s.server is not None
         await s.server.stop(None)
-    assert seen == {Unauthenticated.__name__: 300}, seen
+    assert seen == {Unauthenticated.__name__: 1000}, seen

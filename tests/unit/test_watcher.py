@@ -64,6 +64,26 @@ def test_a_new_or_returning_edge_is_probed_at_once() -> None:
     assert view.probe_now.is_set()
 
 
+def test_a_restarted_edge_is_not_judged_by_its_previous_process() -> None:
+    """Failed probes count against one edge process: a registration from a new one (another
+    incarnation) starts the count again and is probed at once; the same process
+    re-registering on its interval does neither."""
+    view = ClusterView(unhealthy_after=3, forget_after_s=300)
+    view.register("e1", object(), "inc-1")
+    view.probe_now.clear()
+    view.probe_failed("e1", "UNAVAILABLE")
+    view.probe_failed("e1", "UNAVAILABLE")
+    view.register("e1", object(), "inc-1")  # the same process, on its interval
+    assert view.edges["e1"].consecutive_failures == 2 and not view.probe_now.is_set()
+    view.register("e1", object(), "inc-2")  # back, before it was marked UNHEALTHY
+    assert view.edges["e1"].consecutive_failures == 0 and view.probe_now.is_set()
+    view.probe_failed("e1", "UNAVAILABLE")
+    assert view.edges["e1"].health == "HEALTHY"
+    view.probe_failed("e1", "UNAVAILABLE")
+    view.probe_failed("e1", "UNAVAILABLE")
+    assert view.edges["e1"].health == "UNHEALTHY"  # the new process's own failures count
+
+
 def test_placement_judges_its_view() -> None:
     f = SnapshotFollower(Placer(), "unused")
     assert f.view_state(max_age_s=60) == "STALE"  # never heard from the watcher

@@ -3197,6 +3197,7 @@ class EdgeInfo(_message.Message):
     CPU_MILLIS_CAPACITY_FIELD_NUMBER: _builtins.int
     MEMORY_MB_CAPACITY_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     edge_id: _builtins.str
     """[a-z0-9]{1,16}, unique in the cluster"""
     address: _builtins.str
@@ -3206,6 +3207,10 @@ class EdgeInfo(_message.Message):
     cpu_millis_capacity: _builtins.int
     memory_mb_capacity: _builtins.int
     version: _builtins.str
+    incarnation: _builtins.str
+    """New for every edge process. A registration with another one is a restart: the probes
+    that failed before it were of the previous process, and the watcher connects afresh.
+    """
     @_builtins.property
     def backends(self) -> _containers.RepeatedScalarFieldContainer[Global___Backend.ValueType]: ...
     @_builtins.property
@@ -3224,10 +3229,11 @@ class EdgeInfo(_message.Message):
         cpu_millis_capacity: _builtins.int = ...,
         memory_mb_capacity: _builtins.int = ...,
         version: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "backends", b"backends", "cpu_millis_capacity", b"cpu_millis_capacity", "edge_id", b"edge_id", "gpu_count", b"gpu_count", "hostname", b"hostname", "labels", b"labels", "memory_mb_capacity", b"memory_mb_capacity", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "backends", b"backends", "cpu_millis_capacity", b"cpu_millis_capacity", "edge_id", b"edge_id", "gpu_count", b"gpu_count", "hostname", b"hostname", "incarnation", b"incarnation", "labels", b"labels", "memory_mb_capacity", b"memory_mb_capacity", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
