@@ -19,14 +19,25 @@ DEFAULT_DEADLINE_S = 10.0
 
 
 def open_channel(
-    target: str, caller: str, *, retry_services: list[str] | None = None
+    target: str,
+    caller: str,
+    *,
+    retry_services: list[str] | None = None,
+    own_connection: bool = False,
 ) -> grpc.aio.Channel:
     """An insecure channel to another dsec service (cluster-internal traffic).
 
     ``retry_services`` lists fully-qualified services whose every method is
     idempotent, e.g. ``["dsec.watcher.v1.WatcherService"]``.
+    ``own_connection``: the channel connects on its own. By default gRPC shares a connection
+    (a subchannel) among the process's channels with the same target and options, and with
+    it the reconnect backoff one of them entered while the peer was down: a new channel to a
+    peer that is back would wait that out too.
     """
     config = retry_service_config(retry_services, SERVICE_RETRY) if retry_services else None
+    options = channel_options(config)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     return grpc.aio.insecure_channel(
-        target, options=channel_options(config), interceptors=client_interceptors(caller)
+        target, options=options, interceptors=client_interceptors(caller)
     )

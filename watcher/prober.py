@@ -37,15 +37,16 @@ class Prober:
 
     def stub(self, entry: EdgeEntry) -> edge_pb2_grpc.EdgeServiceStub:
         """The edge's stub over this watcher's one channel to it. A restarted edge (another
-        incarnation) gets a new channel: the old one may be waiting out gRPC's reconnect
-        backoff (up to seconds, growing) from while the edge was down, failing every probe
-        of the edge that is back meanwhile."""
+        incarnation) gets a new channel with a connection of its own: the old one may be
+        waiting out gRPC's reconnect backoff (up to 2 s) from while the edge was down, which
+        fails every probe of the edge that is back meanwhile (at once, with UNAVAILABLE)."""
         edge_id, address = entry.edge_id, entry.info.address
         cached = self._channels.get(edge_id)
         if cached is None or cached[:2] != (address, entry.incarnation):
             if cached is not None:
                 asyncio.get_running_loop().create_task(cached[2].close())
-            cached = (address, entry.incarnation, open_channel(address, "watcher"))
+            channel = open_channel(address, "watcher", own_connection=True)
+            cached = (address, entry.incarnation, channel)
             self._channels[edge_id] = cached
         return edge_pb2_grpc.EdgeServiceStub(cached[2])
 

@@ -126,6 +126,7 @@ class ClusterView:
         entry.last_probe_at = now
         entry.consecutive_failures += 1
         entry.last_error = error
+        log.debug("probe %d of edge %s failed: %s", entry.consecutive_failures, edge_id, error)
         if entry.consecutive_failures >= self.unhealthy_after and entry.health != "UNHEALTHY":
             log.warning(
                 "edge %s is UNHEALTHY: %d probes failed in a row (the last: %s)",
