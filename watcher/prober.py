@@ -32,23 +32,22 @@ class Prober:
         self.timeout_s = timeout_s
         self.reconciler = reconciler
         self.ledger = ledger
-        #: edge id -> (address, incarnation, channel)
-        self._channels: dict[str, tuple[str, str, grpc.aio.Channel]] = {}
+        #: edge id -> ((address, incarnation), channel)
+        self._channels: dict[str, tuple[tuple[str, str], grpc.aio.Channel]] = {}
 
     def stub(self, entry: EdgeEntry) -> edge_pb2_grpc.EdgeServiceStub:
         """The edge's stub over this watcher's one channel to it. A restarted edge (another
         incarnation) gets a new channel with a connection of its own: the old one may be
         waiting out gRPC's reconnect backoff (up to 2 s) from while the edge was down, which
         fails every probe of the edge that is back meanwhile (at once, with UNAVAILABLE)."""
-        edge_id, address = entry.edge_id, entry.info.address
-        cached = self._channels.get(edge_id)
-        if cached is None or cached[:2] != (address, entry.incarnation):
+        key = (entry.info.address, entry.incarnation)
+        cached = self._channels.get(entry.edge_id)
+        if cached is None or cached[0] != key:
             if cached is not None:
-                asyncio.get_running_loop().create_task(cached[2].close())
-            channel = open_channel(address, "watcher", own_connection=True)
-            cached = (address, entry.incarnation, channel)
-            self._channels[edge_id] = cached
-        return edge_pb2_grpc.EdgeServiceStub(cached[2])
+                asyncio.get_running_loop().create_task(cached[1].close())
+            cached = (key, open_channel(key[0], "watcher", own_connection=True))
+            self._channels[entry.edge_id] = cached
+        return edge_pb2_grpc.EdgeServiceStub(cached[1])
 
     async def probe(self, edge_id: str) -> None:
         entry = self.view.edges.get(edge_id)
@@ -91,7 +90,7 @@ class Prober:
                 if edges:
                     await asyncio.gather(*(self.probe(e) for e in edges))
                 for gone in set(self._channels) - set(self.view.edges):
-                    await self._channels.pop(gone)[2].close()
+                    await self._channels.pop(gone)[1].close()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self.view.probe_now.wait(),
@@ -99,5 +98,5 @@ class Prober:
                     )
                 self.view.probe_now.clear()
         finally:
-            for _, _, ch in self._channels.values():
+            for _, ch in self._channels.values():
                 await ch.close()

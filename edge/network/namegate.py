@@ -215,18 +215,11 @@ class Flows:
         client = key[0][0]
         dropped = [(pid, DROP) for pid in flow.held]
         self._release(client, flow)
-        if (left := self._flows_of[client] - 1) > 0:
-            self._flows_of[client] = left
-        else:
-            del self._flows_of[client]
+        _take(self._flows_of, client, 1)
         return dropped
 
     def _release(self, client: str, flow: _Flow) -> None:
-        if held := sum(map(len, flow.segments.values())):
-            if (left := self._held_of[client] - held) > 0:
-                self._held_of[client] = left
-            else:
-                del self._held_of[client]
+        _take(self._held_of, client, sum(map(len, flow.segments.values())))
         flow.held, flow.segments = [], {}
 
     def _refuse_now(self, p: Packet, why: str) -> Verdicts:
@@ -265,6 +258,17 @@ class Flows:
         return [(pid, flow.verdict) for pid in held]
 
 
+def _take(counts: dict[str, int], key: str, n: int) -> None:
+    """``counts[key] -= n``; a count that reaches 0 is removed (the dicts stay as small as
+    the number of sandboxes with something in the gate)."""
+    if not n:
+        return
+    if (left := counts[key] - n) > 0:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
 # ----------------------------------------------------------------------------- NFQUEUE
 
 NETLINK_NETFILTER = 12
@@ -278,7 +282,6 @@ NFQNL_CFG_CMD_BIND, NFQNL_CFG_CMD_UNBIND = 1, 2
 NFQNL_COPY_PACKET = 2
 NFQA_CFG_F_GSO = 0x4  # GSO packets queued whole, not segmented first
 NF_DROP, NF_ACCEPT = 0, 1
-FLAGS = NFQA_CFG_F_GSO
 QUEUE_MAXLEN = 8192
 RCVBUF_BYTES = 16 << 20
 _NLMSG = struct.Struct("=IHHII")
@@ -324,8 +327,8 @@ class NameGate:
             self._config(
                 _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0xFFFF, NFQNL_COPY_PACKET))
                 + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", QUEUE_MAXLEN))
-                + _attr(NFQA_CFG_FLAGS, struct.pack("!I", FLAGS))
-                + _attr(NFQA_CFG_MASK, struct.pack("!I", FLAGS))
+                + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_GSO))
+                + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_GSO))
             )
         except BaseException:
             self._sock = None

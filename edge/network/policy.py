@@ -24,7 +24,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,26 +137,22 @@ class Policy:
 
     def name_denied(self, name: str, port: int) -> Rule | None:
         """The deny-by-name rule that refuses a TCP connection asking for `name` on `port`."""
-        name = name.lower().rstrip(".")
-        return next(
-            (
-                r
-                for r in self.rules
-                if not r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max
-            ),
-            None,
-        )
+        return next(self._by_name(name, port, allow=False), None)
 
     def name_allows(self, name: str, port: int) -> tuple[Rule, ...]:
         """The allow rules under which a TCP connection asking for `name` on `port` may go on
         (none if a deny by name matches: deny wins)."""
         if self.name_denied(name, port) is not None:
             return ()
+        return tuple(self._by_name(name, port, allow=True))
+
+    def _by_name(self, name: str, port: int, *, allow: bool) -> Iterator[Rule]:
+        """The allow (or deny) rules that name `name` on `port`."""
         name = name.lower().rstrip(".")
-        return tuple(
+        return (
             r
             for r in self.rules
-            if r.allow and r.matches_name(name) and r.port_min <= port <= r.port_max
+            if r.allow == allow and r.matches_name(name) and r.port_min <= port <= r.port_max
         )
 
     def name_verdict(self, name: str) -> bool | None:
