@@ -55,6 +55,9 @@ GUEST_ENV = "DSEC_AETHER_GUEST"
 DEVICE_RETRY_S = 0.02
 #: The longest aether waits with nothing due (a safety net: every wait has a reason).
 MAX_IDLE_WAIT_S = 60.0
+#: A loop turn that came back this much later than it asked to was not running: the sandbox
+#: was frozen (pause), or starved (a 0.01-cpu quota, a heavy swap-in). That time is not silence.
+STALL_S = 1.0
 
 
 class DeviceStream:
@@ -206,8 +209,14 @@ class Aether:
             self.chronus_pid,
             self.config.chronus_mode,
         )
+        turn = time.monotonic()
         while self._shutdown_grace is None:
-            for key, events in self.sel.select(self._timeout()):
+            timeout = self._timeout()
+            ready = self.sel.select(timeout)
+            now = time.monotonic()
+            self._credit_stall(now - turn - timeout)
+            turn = now
+            for key, events in ready:
                 tag = key.data
                 if tag == "listen":
                     self._accept()
@@ -222,6 +231,19 @@ class Aether:
             self._update_interest()
         self._shutdown(self._shutdown_grace)
         return 0
+
+    def _credit_stall(self, late_s: float) -> None:
+        """aether only judges the edge's silence over time it was running to hear it: a
+        paused sandbox is frozen (cgroup freezer) for minutes to hours, and CLOCK_MONOTONIC
+        runs on meanwhile. Time a loop turn lost beyond its wait is added to the edge's last
+        frame time, so a thawed aether does not drop the edge (which suspends its own
+        keepalive while the sandbox is paused) for a silence that was its own."""
+        edge = self.edge
+        if late_s < STALL_S or edge is None:
+            return
+        edge.last_rx = min(time.monotonic(), edge.last_rx + late_s)
+        self._ping_sent = False  # a ping sent before the stall is answered or asked again
+        log.info("did not run for %.1fs (paused or starved); the edge's silence restarts", late_s)
 
     def _timeout(self) -> float:
         """Until the next thing `_tick` has to do: an idle sandbox's aether wakes once per

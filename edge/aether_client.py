@@ -9,7 +9,10 @@ matching :class:`~libdsec.errors.DSecError`.
 
 Liveness: a Ping goes out when the channel has been quiet for
 ``ping_interval_s``; no frame at all for ``dead_after_s`` closes the
-connection. When the connection closes every open call fails with
+connection. While the sandbox is paused its aether is frozen and cannot
+answer: ``hold()`` suspends the judgment (and the pings) until ``release()``,
+which starts the silence count afresh and pings at once. Streams stay open
+across a pause. When the connection closes every open call fails with
 UNAVAILABLE (reason ``CHANNEL_CLOSED``) and ``on_close`` runs, so the edge can
 decide whether the sandbox died.
 
@@ -73,6 +76,10 @@ class AetherConnection:
         self._last_tx = time.monotonic()
         self.closed = asyncio.Event()
         self.close_reason = ""
+        #: The sandbox is paused (frozen): its silence means nothing until release().
+        self.held = False
+        self._nonce = 0  # of our Pings; the Pongs awaited by ping()
+        self._pongs: dict[int, asyncio.Future[None]] = {}
 
     # ------------------------------------------------------------ connect
 
@@ -176,7 +183,12 @@ class AetherConnection:
                 if kind == "ping":
                     await self._send(aether_pb2.Frame(pong=aether_pb2.Pong(nonce=frame.ping.nonce)))
                     continue
-                if kind in ("pong", "hello"):
+                if kind == "pong":
+                    answered = self._pongs.get(frame.pong.nonce)
+                    if answered is not None and not answered.done():
+                        answered.set_result(None)
+                    continue
+                if kind == "hello":
                     continue  # a device channel may repeat its Hello (one per Ping of nonce 0)
                 if kind == "claimed":
                     if self._claimed is not None and not self._claimed.done():
@@ -199,10 +211,46 @@ class AetherConnection:
         finally:
             await self._closed(reason)
 
+    def hold(self) -> None:
+        """The sandbox is about to be frozen: stop judging its silence (and pinging it)."""
+        self.held = True
+
+    async def release(self, timeout_s: float) -> None:
+        """The sandbox runs again: its silence counts from now, and it must answer a Ping
+        within ``timeout_s`` (a thawed sandbox may first fault its memory back in). Raises
+        Unavailable (AETHER_UNREACHABLE) if it does not, ChannelClosed if the channel ends."""
+        self.held = False
+        self._last_rx = time.monotonic()
+        await self.ping(timeout_s)
+
+    async def ping(self, timeout_s: float) -> None:
+        """One Ping, answered (Pong) within ``timeout_s``."""
+        self._nonce += 1
+        nonce = self._nonce
+        answered = self._pongs[nonce] = asyncio.get_running_loop().create_future()
+        closing = asyncio.ensure_future(self.closed.wait())
+        try:
+            await self._send(aether_pb2.Frame(ping=aether_pb2.Ping(nonce=nonce)))
+            await asyncio.wait(
+                {answered, closing}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            closing.cancel()
+            self._pongs.pop(nonce, None)
+        if answered.done():
+            return
+        if self.closed.is_set():
+            raise ChannelClosed(f"channel to {self.sandbox_id} closed: {self.close_reason}")
+        raise Unavailable(
+            f"aether of {self.sandbox_id} did not answer a ping within {timeout_s} s",
+            reason="AETHER_UNREACHABLE",
+        )
+
     async def _ping_loop(self) -> None:
-        nonce = 0
         while not self.closed.is_set():
             await asyncio.sleep(self.ping_interval_s / 2)
+            if self.held:
+                continue
             now = time.monotonic()
             if now - self._last_rx > self.dead_after_s:
                 log.warning(
@@ -212,9 +260,9 @@ class AetherConnection:
                     self._writer.close()
                 return
             if now - max(self._last_rx, self._last_tx) >= self.ping_interval_s:
-                nonce += 1
+                self._nonce += 1
                 with contextlib.suppress(Unavailable):
-                    await self._send(aether_pb2.Frame(ping=aether_pb2.Ping(nonce=nonce)))
+                    await self._send(aether_pb2.Frame(ping=aether_pb2.Ping(nonce=self._nonce)))
 
     async def _closed(self, reason: str) -> None:
         if self.closed.is_set():

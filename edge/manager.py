@@ -28,6 +28,7 @@ from edge.backends.contract import (
     NetworkPolicies,
     Pausable,
     PauseOutcome,
+    ResumeFailed,
     SandboxBackend,
     check_declared,
     offers,
@@ -49,6 +50,11 @@ from libdsec.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class AccountingError(RuntimeError):
+    """A release the edge's accounting cannot take (it would go below zero): a bug."""
+
 
 #: The oldest free-space sample admission decides on (see _fresh_disk_sample).
 DISK_SAMPLE_MAX_AGE_S = 0.02
@@ -130,6 +136,10 @@ class SandboxManager:
         #: One pause or resume at a time per sandbox (a burst of calls to a paused sandbox
         #: resumes it once).
         self._transitions: dict[str, asyncio.Lock] = {}
+        #: Sandboxes being ended: the one teardown each (see end()).
+        self._endings: dict[str, asyncio.Task[None]] = {}
+        #: Releases that would have taken the accounting below zero (a bug; see _account).
+        self.accounting_errors = 0
 
     # ------------------------------------------------------------- queries
 
@@ -261,23 +271,35 @@ class SandboxManager:
         """A sandbox starts (+1) or stops (-1) holding capacity: allocation and counts. A
         paused sandbox holds the memory its pause did not give back (released_mb)."""
         spec = rec.spec
-        self._live += sign
-        self._alloc_cpu += sign * spec.cpu_millis
-        self._alloc_mem += sign * (spec.memory_mb - rec.released_mb)
-        self._alloc_gpu += sign * spec.gpu_count
+        live = self._live + sign
+        cpu = self._alloc_cpu + sign * spec.cpu_millis
+        mem = self._alloc_mem + sign * (spec.memory_mb - rec.released_mb)
+        gpu = self._alloc_gpu + sign * spec.gpu_count
+        keys = [
+            (kind, key)
+            for kind, key in (
+                ("backend", spec.backend),
+                ("project", rec.project_id),
+                ("principal", rec.principal_id),
+                ("task", spec.task_id),
+            )
+            if key or kind != "task"
+        ]
         c = self._counts
-        for kind, key in (
-            ("backend", rec.spec.backend),
-            ("project", rec.project_id),
-            ("principal", rec.principal_id),
-            ("task", rec.spec.task_id),
-        ):
-            if key or kind != "task":
-                left = c[kind].get(key, 0) + sign
-                if left > 0:
-                    c[kind][key] = left
-                else:
-                    c[kind].pop(key, None)
+        counts = [c[kind].get(key, 0) + sign for kind, key in keys]
+        if min(live, cpu, mem, gpu, *counts) < 0:
+            # Only a sandbox released twice gets here (a bug): nothing is changed, and the
+            # caller counts it (accounting_errors in GetNodeStatus, 0 in every test).
+            raise AccountingError(
+                f"releasing {rec.sandbox_id} would take the edge's accounting below zero "
+                f"(live {live}, cpu {cpu}, memory {mem}, gpus {gpu}, counts {counts})"
+            )
+        self._live, self._alloc_cpu, self._alloc_mem, self._alloc_gpu = live, cpu, mem, gpu
+        for (kind, key), left in zip(keys, counts, strict=True):
+            if left:
+                c[kind][key] = left
+            else:
+                c[kind].pop(key, None)
 
     async def create(
         self,
@@ -401,7 +423,7 @@ class SandboxManager:
         try:
             await backend.start(rec)
         except asyncio.CancelledError:
-            await self._terminate(rec, "RUNTIME_ERROR", "creation cancelled")
+            await self.end(rec, "RUNTIME_ERROR", "creation cancelled")
             raise
         except Exception as exc:
             log.warning(
@@ -410,7 +432,7 @@ class SandboxManager:
                 exc,
                 extra={"sandbox_id": rec.sandbox_id},
             )
-            await self._terminate(rec, "RUNTIME_ERROR", f"start failed: {exc}")
+            await self.end(rec, "RUNTIME_ERROR", f"start failed: {exc}")
             return
         finally:
             ev = self._ready.pop(rec.sandbox_id, None)
@@ -433,15 +455,7 @@ class SandboxManager:
         if rec.state == TERMINAL:
             return rec
         await self._wait_ready(rec)
-        if rec.state == TERMINAL:
-            return rec
-        self._set_state(rec, "STOPPING")
-        try:
-            await self.backend_of(rec).stop(rec, grace_s)
-        except Exception as exc:
-            log.warning("stop of %s failed: %s", sandbox_id, exc)
-        await self._terminate(rec, reason, message or _default_message(reason))
-        return rec
+        return await self.end(rec, reason, message or _default_message(reason), grace_s=grace_s)
 
     async def delete(self, sandbox_id: str) -> None:
         rec = self.get(sandbox_id)
@@ -514,6 +528,12 @@ class SandboxManager:
             rec.released_mb = 0
             try:
                 await pausable.resume(rec)
+            except ResumeFailed as exc:
+                # Its memory or state cannot come back: retrying would fail the same way.
+                log.warning("resume of %s failed: %s", sandbox_id, exc)
+                await self.end(rec, "RESUME_FAILED", str(exc))
+                self.get_live(sandbox_id)  # SandboxTerminated, with the reason
+                raise  # (not reached)
             except BaseException:
                 if rec.state == "PAUSED":  # still ours to account (not ended meanwhile)
                     self._alloc_mem -= need
@@ -532,6 +552,15 @@ class SandboxManager:
         usage = await require(backend, Pausable).memory_usage(rec)
         if usage is not None:
             rec.memory = {**rec.memory, **_memory_fields(usage)}
+
+    def quiesced(self, sandbox_id: str) -> bool:
+        """Paused, or being paused or resumed: nothing in the sandbox runs now (its streams'
+        silence is the edge's to cover: edge/pause_streams.py)."""
+        rec = self.records.get(sandbox_id)
+        if rec is None or not rec.live:
+            return False
+        lock = self._transitions.get(sandbox_id)
+        return rec.state == "PAUSED" or (lock is not None and lock.locked())
 
     def paused_status(self) -> tuple[int, int, int]:
         """(paused sandboxes, MiB their pauses gave back to the node's admission, bytes of them
@@ -601,35 +630,74 @@ class SandboxManager:
         await self._wait_ready(rec)
         return await require(self.backend_of(rec), ModifiedFiles).modified_files(rec)
 
-    async def _terminate(self, rec: SandboxRecord, reason: str, message: str) -> None:
-        if rec.state == TERMINAL:
-            return
-        try:
-            await self.backend_of(rec).destroy(rec)
-        except Exception as exc:
-            log.error(
-                "destroy of %s failed (will retry at orphan cleanup): %s", rec.sandbox_id, exc
+    async def end(
+        self, rec: SandboxRecord, reason: str, message: str, *, grace_s: float | None = None
+    ) -> SandboxRecord:
+        """The one way a sandbox ends, whatever ends it (a stop, a task stop, TTL, idle, a
+        containment reason, a lost channel, a failed start or resume, the edge's shutdown,
+        a lost edge's return). The first call wins: its reason is the sandbox's, and its
+        teardown (a graceful stop when ``grace_s`` is given, then destroy, then the release
+        of what the sandbox held) runs once, in a task of its own, so a caller that goes
+        away (a cancelled RPC) cannot leave it half done. Every later call waits for that
+        teardown and returns the same record."""
+        ending = self._endings.get(rec.sandbox_id)
+        if ending is None:
+            if rec.state == TERMINAL:
+                return rec
+            rec.termination_reason = reason
+            rec.termination_message = message
+            ending = asyncio.get_running_loop().create_task(
+                self._teardown(rec, grace_s), name=f"end-{rec.sandbox_id}"
             )
-        rec.termination_reason = reason
-        rec.termination_message = message
-        rec.terminated_at = time.time()
-        self._account(rec, -1)
-        rec.released_mb = 0
-        self._transitions.pop(rec.sandbox_id, None)
-        self._set_state(rec, TERMINAL)
-        log.info(
-            "sandbox %s terminated: %s %s",
-            rec.sandbox_id,
-            reason,
-            message,
-            extra={"sandbox_id": rec.sandbox_id, "reason": reason},
-        )
+            self._endings[rec.sandbox_id] = ending
+        elif reason != rec.termination_reason:
+            log.debug(
+                "sandbox %s is already ending (%s); %s comes too late",
+                rec.sandbox_id,
+                rec.termination_reason,
+                reason,
+            )
+        await asyncio.shield(ending)
+        return rec
+
+    async def _teardown(self, rec: SandboxRecord, grace_s: float | None) -> None:
+        sid = rec.sandbox_id
+        try:
+            self._set_state(rec, "STOPPING")
+            backend = self.backend_of(rec)
+            if grace_s is not None:
+                try:
+                    await backend.stop(rec, grace_s)
+                except Exception as exc:
+                    log.warning("stop of %s failed: %s", sid, exc)
+            try:
+                await backend.destroy(rec)
+            except Exception as exc:
+                log.error("destroy of %s failed (will retry at orphan cleanup): %s", sid, exc)
+            rec.terminated_at = time.time()
+            try:
+                self._account(rec, -1)
+            except AccountingError as exc:
+                self.accounting_errors += 1
+                log.error("%s", exc, extra={"sandbox_id": sid})
+            rec.released_mb = 0
+            self._transitions.pop(sid, None)
+            self._set_state(rec, TERMINAL)
+            log.info(
+                "sandbox %s terminated: %s %s",
+                sid,
+                rec.termination_reason,
+                rec.termination_message,
+                extra={"sandbox_id": sid, "reason": rec.termination_reason},
+            )
+        finally:
+            self._endings.pop(sid, None)
 
     async def _on_backend_exit(self, sandbox_id: str, reason: str, message: str) -> None:
         rec = self.records.get(sandbox_id)
-        if rec is None or rec.state in (TERMINAL, "STOPPING"):
+        if rec is None:
             return
-        await self._terminate(rec, reason, message)
+        await self.end(rec, reason, message)
 
     # -------------------------------------------------------------- reaper
 
@@ -761,7 +829,7 @@ class SandboxManager:
                         extra={"sandbox_id": rec.sandbox_id},
                     )
                 else:
-                    await self._terminate(rec, "RUNTIME_ERROR", "lost while the edge was down")
+                    await self.end(rec, "RUNTIME_ERROR", "lost while the edge was down")
         for backend in {id(b): b for b in self.backends.values()}.values():
             removed = await backend.cleanup_orphans(keep)
             if removed:
@@ -909,6 +977,9 @@ class SandboxManager:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        # Teardowns under way finish: a half-destroyed sandbox would be an orphan.
+        if self._endings:
+            await asyncio.gather(*self._endings.values(), return_exceptions=True)
 
 
 def _memory_fields(usage: MemoryUsage) -> dict[str, Any]:

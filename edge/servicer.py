@@ -19,6 +19,7 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
+from edge.pause_streams import SandboxState, across_pauses
 from libdsec.errors import InvalidArgument, Unavailable, code_number
 
 KEEPALIVE_DEFAULT_MS = 5000
@@ -278,6 +279,7 @@ class EdgeServicer:
             fncall=self.fncall.pool_status(),
             controls=self.controls,
             pause=await self._pause_status(),
+            accounting_errors=m.accounting_errors,
         )
 
     async def _pause_status(self) -> edge_pb2.PauseStatus:
@@ -399,6 +401,36 @@ class EdgeServicer:
         async for item in channel.server_stream(call, request):
             yield item
 
+    def _sandbox_state(self, sandbox_id: str) -> SandboxState:
+        m = self.manager
+
+        def channel() -> Any:
+            rec = m.get_live(sandbox_id)
+            return require(m.backend_of(rec), Executes).channel(rec)
+
+        def check_live() -> None:
+            m.get_live(sandbox_id)
+
+        return SandboxState(
+            paused=lambda: m.quiesced(sandbox_id), check_live=check_live, channel=channel
+        )
+
+    async def _across_pauses(
+        self, call: str, request: Any, keepalive: Any, continuation: Any
+    ) -> AsyncIterator[Any]:
+        """A stream out of the sandbox that outlives its pauses (edge/pause_streams.py)."""
+        await self._channel(request.sandbox_id)  # resumes a paused sandbox, as any call does
+        interval_s = (request.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000
+        async for item in across_pauses(
+            self._sandbox_state(request.sandbox_id),
+            call,
+            request,
+            keepalive=lambda: keepalive(keepalive=types_pb2.Keepalive(at=ts(time.time()))),
+            interval_s=interval_s,
+            continuation=continuation,
+        ):
+            yield item
+
     def _count_truncation(self, sandbox_id: str, status: types_pb2.ExitStatus) -> None:
         if status.stdout_truncated or status.stderr_truncated:
             self.manager.note_violation(sandbox_id, "output_truncations")
@@ -412,8 +444,14 @@ class EdgeServicer:
     async def ExecStream(
         self, request: types_pb2.ExecRequest, context: Any
     ) -> AsyncIterator[types_pb2.ExecEvent]:
-        channel, request = await self._exec_channel(request)
-        async for item in channel.server_stream("exec_stream", request):
+        if request.trusted:
+            channel, request = await self._exec_channel(request)
+            items = channel.server_stream("exec_stream", request)
+        else:
+            items = self._across_pauses(
+                "exec_stream", request, types_pb2.ExecEvent, ExecContinuation(request)
+            )
+        async for item in items:
             if item.HasField("exit"):
                 self._count_truncation(request.sandbox_id, item.exit)
             yield item
@@ -439,7 +477,9 @@ class EdgeServicer:
     async def AttachExec(
         self, request: types_pb2.AttachExecRequest, context: Any
     ) -> AsyncIterator[types_pb2.ExecEvent]:
-        async for item in self._stream("attach_exec", request):
+        async for item in self._across_pauses(
+            "attach_exec", request, types_pb2.ExecEvent, ExecContinuation(request)
+        ):
             yield item
 
     async def WaitExec(
@@ -569,7 +609,9 @@ class EdgeServicer:
         """chronus's stream as is; when the channel goes (the sandbox ending: TTL, stop, OOM),
         the stream ends with the sandbox's termination (SANDBOX_TERMINATED and its reason)."""
         try:
-            async for item in self._stream("watch_dir", request):
+            async for item in self._across_pauses(
+                "watch_dir", request, types_pb2.WatchDirResponse, WatchContinuation(request)
+            ):
                 yield item
         except Unavailable as exc:
             await self._raise_if_ended(request.sandbox_id)
@@ -665,3 +707,56 @@ class EdgeServicer:
         self, request: edge_pb2.DeleteEnvironmentRequest, context: Any
     ) -> edge_pb2.DeleteEnvironmentResponse:
         return await self.layers.delete(request)
+
+
+class ExecContinuation:
+    """A command's output stream continued after a pause closed its channel: an attach to
+    the command from the offsets the caller has (chronus keeps its output; the command ran
+    on in the guest's restored memory)."""
+
+    def __init__(self, request: types_pb2.ExecRequest | types_pb2.AttachExecRequest) -> None:
+        self.sandbox_id = request.sandbox_id
+        self.interval_ms = request.keepalive_interval_ms
+        self.exec_id = getattr(request, "exec_id", "")
+        self.stdout = getattr(request, "stdout_offset", 0)
+        self.stderr = getattr(request, "stderr_offset", 0)
+
+    def observe(self, item: types_pb2.ExecEvent) -> None:
+        kind = item.WhichOneof("event")
+        if kind == "started":
+            self.exec_id = item.started.exec_id
+        elif kind == "stdout":
+            self.stdout = item.stdout.offset + len(item.stdout.data)
+        elif kind == "stderr":
+            self.stderr = item.stderr.offset + len(item.stderr.data)
+
+    def reopen(self) -> tuple[str, types_pb2.AttachExecRequest] | None:
+        if not self.exec_id:
+            return None
+        return "attach_exec", types_pb2.AttachExecRequest(
+            sandbox_id=self.sandbox_id,
+            exec_id=self.exec_id,
+            stdout_offset=self.stdout,
+            stderr_offset=self.stderr,
+            keepalive_interval_ms=self.interval_ms,
+        )
+
+    def repeated(self, item: types_pb2.ExecEvent) -> bool:
+        return item.HasField("started")
+
+
+class WatchContinuation:
+    """A directory watch continued after a pause closed its channel: the same watch anew
+    (its `started` not repeated to the caller)."""
+
+    def __init__(self, request: types_pb2.WatchDirRequest) -> None:
+        self.request = request
+
+    def observe(self, item: types_pb2.WatchDirResponse) -> None:
+        pass
+
+    def reopen(self) -> tuple[str, types_pb2.WatchDirRequest]:
+        return "watch_dir", self.request
+
+    def repeated(self, item: types_pb2.WatchDirResponse) -> bool:
+        return item.HasField("started")

@@ -25,6 +25,10 @@ from libdsec.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
+#: How long a running sandbox whose channel went silent has to answer a new connection's Hello
+#: before it is ended (CHANNEL_CLOSED). A merely slow sandbox answers within it.
+RECONNECT_S = 30.0
+
 
 class ChannelHooks(Protocol):
     async def still_running(self, sandbox_id: str) -> bool:
@@ -42,13 +46,18 @@ class ChannelKeeper:
         ready_timeout_s: float,
         *,
         ask_hello: bool = False,
+        reconnect_s: float = RECONNECT_S,
     ) -> None:
         self.address_of = address_of
+        self.reconnect_s = reconnect_s
         #: A device channel (VMs): aether cannot see the host connect; the edge asks for Hello.
         self.ask_hello = ask_hello
         self.hooks = hooks
         self.ready_timeout_s = ready_timeout_s
         self.connections: dict[str, AetherConnection] = {}
+        #: Paused sandboxes: frozen, or with no VMM at all. Their channel's silence is not a
+        #: death, and a channel that closes meanwhile is taken up again at the resume.
+        self.held: set[str] = set()
         self.on_exit: ExitCallback | None = None
 
     def __contains__(self, sandbox_id: str) -> bool:
@@ -89,6 +98,46 @@ class ChannelKeeper:
             self.address_of(sandbox_id), sandbox_id, on_close=on_close, ask_hello=self.ask_hello
         )
 
+    def hold(self, sandbox_id: str) -> None:
+        """The sandbox is being paused: from now until `release`, nothing it does not say
+        ends it (a frozen aether answers no ping; after an edge restart there is no channel
+        at all until the resume)."""
+        self.held.add(sandbox_id)
+        conn = self.connections.get(sandbox_id)
+        if conn is not None:
+            conn.hold()
+
+    async def release(self, sandbox_id: str, timeout_s: float | None = None) -> AetherConnection:
+        """The sandbox runs again: its channel's keepalive restarts, or, if the channel was
+        closed meanwhile (an edge restart, a VMM that exited), a new one is opened. Raises
+        Unavailable (AETHER_UNREACHABLE) if the sandbox does not answer."""
+        # Held until it answers: a channel that closes meanwhile is this call's to judge (a
+        # sandbox killed while it was frozen dies at the thaw), not a lost channel's.
+        timeout_s = timeout_s or self.reconnect_s
+        try:
+            conn = self.connections.get(sandbox_id)
+            if conn is not None and not conn.closed.is_set():
+                try:
+                    await conn.release(timeout_s)
+                    return conn
+                except Unavailable as exc:
+                    log.info(
+                        "%s did not answer after its resume (%s); reconnecting",
+                        sandbox_id,
+                        exc.message,
+                    )
+                    self.connections.pop(sandbox_id, None)
+                    await conn.close()
+            self.connections.pop(sandbox_id, None)
+            if not await self.hooks.still_running(sandbox_id):
+                raise Unavailable(
+                    f"sandbox {sandbox_id} is not running after its resume",
+                    reason="AETHER_UNREACHABLE",
+                )
+            return await self.connect(sandbox_id, timeout_s=timeout_s)
+        finally:
+            self.held.discard(sandbox_id)
+
     def keep(self, sandbox_id: str, conn: AetherConnection) -> None:
         """Make an already connected channel the sandbox's (a claimed warm sandbox)."""
         self.connections[sandbox_id] = conn
@@ -96,6 +145,7 @@ class ChannelKeeper:
     async def drop(self, sandbox_id: str, *, shutdown_grace_s: float | None = None) -> None:
         """Forget and close the channel (the edge ends it: no exit is reported). With a grace,
         aether is asked to shut the sandbox down first."""
+        self.held.discard(sandbox_id)
         conn = self.connections.pop(sandbox_id, None)
         if conn is None:
             return
@@ -121,13 +171,21 @@ class ChannelKeeper:
         if self.connections.get(sandbox_id) is None:
             return  # we closed it ourselves (stop/destroy)
         self.connections.pop(sandbox_id, None)
+        if sandbox_id in self.held:
+            # Paused: a frozen aether cannot be reconnected to now; the resume does it.
+            log.info("channel to paused %s closed (%s); reopened at resume", sandbox_id, reason)
+            return
         if await self.hooks.still_running(sandbox_id):
             log.warning(
                 "channel to %s lost (%s) but the sandbox runs; reconnecting", sandbox_id, reason
             )
             try:
-                await self.connect(sandbox_id, timeout_s=5.0)
+                # A starved sandbox (a tiny cpu quota, a heavy swap-in) answers late: give it
+                # reconnect_s before calling it dead (docs/ARCHITECTURE.md, timers).
+                await self.connect(sandbox_id, timeout_s=self.reconnect_s)
                 return
             except Unavailable as exc:
+                if sandbox_id in self.held:  # paused while we waited: the resume reconnects
+                    return
                 reason = f"reconnect failed: {exc.message}"
         await self.report_exit(sandbox_id, *await self.hooks.why_ended(sandbox_id, reason))

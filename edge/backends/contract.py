@@ -121,13 +121,22 @@ class PauseOutcome:
         return max(0, self.before.resident_bytes - self.after.resident_bytes)
 
 
+class ResumeFailed(Exception):
+    """A paused sandbox cannot come back (its saved memory is gone or corrupt, it cannot be
+    thawed, it does not answer after the thaw). Retrying would fail the same way: the manager
+    ends the sandbox (RESUME_FAILED) with this message."""
+
+
 @runtime_checkable
 class Pausable(Protocol):
     async def pause(self, rec: SandboxRecord) -> PauseOutcome:
         """Stop everything in the sandbox, keep its state, and give its memory back to the
         node where the backend can (the outcome says how much, or why not)."""
 
-    async def resume(self, rec: SandboxRecord) -> None: ...
+    async def resume(self, rec: SandboxRecord) -> None:
+        """Bring the sandbox back with everything it held; its channel answers afterwards.
+        Raises ResumeFailed when that cannot happen, any other error when it may on a
+        retry (the sandbox then stays PAUSED)."""
 
     async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
         """Measured now; None when the backend cannot tell (the sandbox is gone)."""

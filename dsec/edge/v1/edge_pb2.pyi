@@ -989,7 +989,12 @@ class GetNodeStatusResponse(_message.Message):
     FNCALL_FIELD_NUMBER: _builtins.int
     CONTROLS_FIELD_NUMBER: _builtins.int
     PAUSE_FIELD_NUMBER: _builtins.int
+    ACCOUNTING_ERRORS_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
+    accounting_errors: _builtins.int
+    """Releases of a sandbox's capacity that would have taken the edge's accounting below zero
+    (a sandbox released twice: a bug, logged; nothing was changed). 0 on a sound edge.
+    """
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
     @_builtins.property
@@ -1037,10 +1042,11 @@ class GetNodeStatusResponse(_message.Message):
         fncall: _abc.Mapping[_builtins.str, Global___FnCallPoolStatus] | None = ...,
         controls: _abc.Iterable[Global___HostControl] | None = ...,
         pause: Global___PauseStatus | None = ...,
+        accounting_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load", "pause", b"pause"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accounting_errors", b"accounting_errors", "as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

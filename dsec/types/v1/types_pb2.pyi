@@ -134,6 +134,8 @@ class _TerminationReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Ter
     """the owning edge disappeared"""
     TERMINATION_REASON_PREEMPTED: _TerminationReason.ValueType  # 12
     """stopped because its job was preempted (StopTask)"""
+    TERMINATION_REASON_RESUME_FAILED: _TerminationReason.ValueType  # 13
+    """a paused sandbox's memory or state could not come back"""
 
 class TerminationReason(_TerminationReason, metaclass=_TerminationReasonEnumTypeWrapper):
     """Why a sandbox ended. An RL framework treats every reason except STOPPED as a
@@ -165,6 +167,8 @@ TERMINATION_REASON_EDGE_LOST: TerminationReason.ValueType  # 11
 """the owning edge disappeared"""
 TERMINATION_REASON_PREEMPTED: TerminationReason.ValueType  # 12
 """stopped because its job was preempted (StopTask)"""
+TERMINATION_REASON_RESUME_FAILED: TerminationReason.ValueType  # 13
+"""a paused sandbox's memory or state could not come back"""
 Global___TerminationReason: _TypeAlias = TerminationReason  # noqa: Y015
 
 class _QosClass:

@@ -56,6 +56,7 @@ from edge.backends.contract import (
     ExitCallback,
     MemoryUsage,
     PauseOutcome,
+    ResumeFailed,
 )
 from edge.config import EdgeConfig
 from edge.disk_guard import Allocations, sum_allocations
@@ -66,6 +67,7 @@ from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network.manager import NetworkManager
 from edge.runtime import cgroups, mounts
+from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
@@ -567,22 +569,45 @@ class ContainerBackend:
 
     async def pause(self, rec: SandboxRecord) -> PauseOutcome:
         """Freeze (cgroup freezer), then push the frozen sandbox's memory out to the edge's
-        swap area (edge/runtime/pager.py)."""
-        await asyncio.to_thread(self.runtime.pause, rec.sandbox_id)
+        swap area (edge/runtime/pager.py). The channel's keepalive is held first: a frozen
+        aether answers nothing, for as long as the pause lasts."""
+        sid = rec.sandbox_id
+        self.channels.hold(sid)
         try:
-            return await self.reclaim.page_out(self._memory_dir(rec.sandbox_id))
+            await asyncio.to_thread(self.runtime.pause, sid)
+        except BaseException:
+            await self._release(sid)
+            raise
+        try:
+            return await self.reclaim.page_out(self._memory_dir(sid))
         except BaseException:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
+                await asyncio.to_thread(self.runtime.resume, sid)
+            await self._release(sid)
             raise
+
+    async def _release(self, sid: str) -> None:
+        with contextlib.suppress(Unavailable):
+            await self.channels.release(sid)
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Read back what the next command needs, thaw, read the rest in the background
-        (edge/backends/container/pausing.py)."""
+        (edge/backends/container/pausing.py); then the channel's keepalive restarts, or a
+        channel closed during the pause (an edge restart) is opened again. A sandbox that
+        cannot be thawed or does not answer raises ResumeFailed."""
         sid = rec.sandbox_id
-        await self.reclaim.resume(
-            self._memory_dir(sid), lambda: asyncio.to_thread(self.runtime.resume, sid)
-        )
+        try:
+            await self.reclaim.resume(
+                self._memory_dir(sid), lambda: asyncio.to_thread(self.runtime.resume, sid)
+            )
+        except (SandboxRuntimeError, OSError) as exc:
+            raise ResumeFailed(f"the sandbox could not be thawed: {exc}") from exc
+        try:
+            await self.channels.release(sid)
+        except Unavailable as exc:
+            raise ResumeFailed(
+                f"the sandbox did not answer after its resume: {exc.message}"
+            ) from exc
 
     async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
         d = self._memory_dir(rec.sandbox_id)
@@ -591,20 +616,24 @@ class ContainerBackend:
         return await asyncio.to_thread(pausing.usage, d)
 
     async def adopt(self, rec: SandboxRecord) -> bool:
-        """After an edge restart: is the container alive? Then reconnect to its aether."""
+        """After an edge restart: is the container alive? Then reconnect to its aether. A
+        paused one stays frozen, its memory where the pause put it: its channel is opened at
+        the resume (a frozen aether cannot say Hello)."""
         state = await asyncio.to_thread(self.runtime.state, rec.sandbox_id)
-        if state.status == SandboxStatus.PAUSED:
-            await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
-        elif state.status != SandboxStatus.RUNNING:
-            return False
-        try:
-            await self.channels.connect(rec.sandbox_id)
-        except Unavailable as exc:
-            log.warning("cannot reconnect to %s: %s", rec.sandbox_id, exc)
-            return False
-        if state.status == SandboxStatus.PAUSED:
-            # Thawed for aether's Hello: page out again what that brought back.
-            await self.pause(rec)
+        if state.status == SandboxStatus.PAUSED and rec.state == "PAUSED":
+            self.channels.hold(rec.sandbox_id)
+        else:
+            if state.status == SandboxStatus.PAUSED:
+                # Frozen by a pause the previous edge never finished recording: thaw it; the
+                # record says RUNNING, so a caller's next pause will page it out.
+                await asyncio.to_thread(self.runtime.resume, rec.sandbox_id)
+            elif state.status != SandboxStatus.RUNNING:
+                return False
+            try:
+                await self.channels.connect(rec.sandbox_id)
+            except Unavailable as exc:
+                log.warning("cannot reconnect to %s: %s", rec.sandbox_id, exc)
+                return False
         await self.containment.adopt(rec)
         return True
 

@@ -54,6 +54,7 @@ from edge.backends.contract import (
     ExitCallback,
     MemoryUsage,
     PauseOutcome,
+    ResumeFailed,
 )
 from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
@@ -965,6 +966,8 @@ class MicrovmBackend:
                 return
             t0 = time.perf_counter()
             state = self.paused / f"{sid}.vmstate"
+            if not state.is_file():
+                raise ResumeFailed(f"the guest's saved memory {state} is gone")
             try:
                 await self._launch(rec, qemu.Memory("ram"), restore_from=state)
                 conn = await self.channels.connect(sid)
@@ -980,9 +983,10 @@ class MicrovmBackend:
                     vm.console.write(self.logs / f"{sid}.console")
                 if isinstance(exc, Exception):
                     # The saved state is the same on every retry: a sandbox that cannot be
-                    # resumed ends, with why, rather than staying PAUSED for ever.
-                    why = f"resume failed: {getattr(exc, 'message', None) or exc}"
-                    await self.channels.report_exit(sid, "RUNTIME_ERROR", why)
+                    # resumed ends (the manager: RESUME_FAILED), with why, rather than
+                    # staying PAUSED for ever.
+                    why = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+                    raise ResumeFailed(f"the guest could not be restored: {why}") from exc
                 raise
             rec.runtime["paused"] = False
             state.unlink(missing_ok=True)

@@ -1,0 +1,243 @@
+"""Preemption that lasts: pauses of minutes, for every backend that can pause (issue 31).
+
+A GPU job's preemption lasts minutes to hours; every liveness timer between the edge and a
+sandbox is at most 20 s (docs/ARCHITECTURE.md, "Timers"). These scenarios hold pauses for
+several times that, against real clusters (tests/backends/conftest.py), and check what a
+trainer relies on when it resumes: the first ordinary call works, and background commands,
+their attached output, shell sessions, open watches, files and memory are all there.
+
+The hold times are the issue's (90 s, 2 minutes) and run in CI; ``soak`` (README) runs 100
+sandboxes paused for 15 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libdsec import Output, Sandbox
+from libdsec.errors import SandboxTerminated
+from tests.backends.conftest import Target
+from tests.helpers import wait_for
+
+Make = Callable[..., Sandbox]
+
+#: Longer than three times the longest keepalive-style timer (20 s: aether's and the edge's
+#: dead-peer limits) and than the task pause the issue asks for (2 minutes).
+HOLD_S = float(os.environ.get("DSEC_TEST_LONG_PAUSE_S", "125"))
+#: Before and after the edge's restart in the middle of a pause (a pause of 60 s in all).
+HALF_S = min(30.0, HOLD_S / 2)
+
+# Holds random bytes in a shell variable and writes their digest at start (/work/sum0) and
+# each time /work/ask appears (/work/sum1): the same digest after a pause means the memory
+# came back intact. busybox has no python: a shell string (hex, twice the bytes) it is.
+HOLD_MEMORY = (
+    "x=$(head -c {kib}k /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
+    'printf %s "$x" | md5sum > /work/sum0.tmp && mv /work/sum0.tmp /work/sum0; '
+    "while sleep 0.2; do if [ -e /work/ask ]; then rm /work/ask; "
+    'printf %s "$x" | md5sum > /work/sum1.tmp && mv /work/sum1.tmp /work/sum1; fi; done'
+)
+TICKS = (
+    "i=0; while true; do echo tick $i; echo $i > /work/ticks.tmp; mv /work/ticks.tmp /work/ticks; "
+    "i=$((i+1)); sleep 1; done"
+)
+
+
+def _digest_after(sb: Sandbox) -> tuple[str, str]:
+    """(digest at start, digest now) of the HOLD_MEMORY process's bytes."""
+    sb.run("rm -f /work/sum1; touch /work/ask")
+    wait_for(lambda: sb.run("test -s /work/sum1").exit_code == 0, timeout_s=60, interval_s=0.5)
+    return sb.files.read("/work/sum0").decode(), sb.files.read("/work/sum1").decode()
+
+
+class Collector:
+    """Reads an iterator in a thread until it ends; keeps what came and how it ended."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self.items: list[Any] = []
+        self.error: BaseException | None = None
+        self._it = it
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._it:
+                self.items.append(item)
+        except BaseException as exc:  # a stream that ends must say why
+            self.error = exc
+
+
+@contextmanager
+def _edge_log_has_no_silence(target: Target) -> Iterator[None]:
+    """Neither end of any channel may have judged a paused sandbox dead meanwhile."""
+    edge = next(p for p in target.cluster.processes if p.name.startswith("edge"))
+    start = edge.log_path.stat().st_size if edge.log_path.exists() else 0
+    yield
+    with edge.log_path.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    for bad in ("silent for", "reconnect failed", "did not answer"):
+        assert bad not in text, f"edge log: {bad!r} during a pause:\n{text[-3000:]}"
+
+
+def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -> None:
+    """A rollout sandbox (background command with its output attached, a shell session, a
+    client watch, a directory watch, a file in the writable layer, memory it holds) and a
+    task of 16 more, paused by pause_task and held HOLD_S, then resumed: the rollout by an
+    ordinary call, the task by resume_task."""
+    task = f"long-pause-{uuid.uuid4().hex[:8]}"
+    rollout = make(task_id=task + "-r")
+    rollout.files.write("/work/state.txt", "written before the pause")
+    bg = rollout.start(TICKS)
+    session = rollout.session()
+    session.run("cd /tmp && export ROLLOUT_MARK=kept")
+    attached = Collector(iter(bg.attach()))
+    watch = target.client.watch(task_id=task + "-r")
+    changes = Collector(iter(watch))
+    dir_watch = rollout.files.watch("/work")
+    files_seen = Collector(iter(dir_watch))
+    wait_for(lambda: rollout.run("test -s /work/ticks").exit_code == 0)
+
+    members = [make(task_id=task) for _ in range(16)]
+    for i, sb in enumerate(members):
+        sb.files.write("/work/id", str(i))
+        sb.start(HOLD_MEMORY.format(kib=256))
+    for sb in members:
+        wait_for(lambda sb=sb: sb.run("test -s /work/sum0").exit_code == 0, timeout_s=60)
+
+    with _edge_log_has_no_silence(target):
+        rollout.pause()
+        paused = target.client.pause_task(task)
+        assert not paused.failed, [(f.sandbox_id, f.error) for f in paused.failed]
+        assert len(paused.sandboxes) == 16
+        held_from = time.monotonic()
+        time.sleep(HOLD_S)
+        assert rollout.refresh().state == "PAUSED"
+        assert all(s.state == "PAUSED" for s in target.client.list(task_id=task))
+
+        # The rollout resumes on its first ordinary call.
+        first = rollout.run("cat /work/state.txt")
+        assert first.exit_code == 0 and first.text == "written before the pause"
+        assert time.monotonic() - held_from >= HOLD_S
+        resumed = target.client.resume_task(task)
+        assert not resumed.failed, [(f.sandbox_id, f.error) for f in resumed.failed]
+
+    # Session state, the background command and its attached stream came through.
+    assert session.run("pwd; echo $ROLLOUT_MARK").text == "/tmp\nkept\n"
+    assert bg.wait(timeout_s=0.1).running
+    ticks_before = int(rollout.files.read("/work/ticks"))
+    wait_for(lambda: int(rollout.files.read("/work/ticks")) >= ticks_before + 2)
+    wait_for(lambda: _ticks(attached) > ticks_before + 1, timeout_s=15)
+    assert attached.error is None and attached.thread.is_alive()
+    numbers = [int(t) for t in _all_ticks(attached)]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "output lost or doubled"
+
+    # The client watch saw the pause and the resume, and is still open.
+    wait_for(lambda: [c.state for c in changes.items][-1:] == ["RUNNING"], timeout_s=10)
+    states = [c.state for c in changes.items]
+    assert "PAUSED" in states and states.index("PAUSED") < len(states) - 1, states
+    assert changes.error is None and changes.thread.is_alive()
+
+    # The directory watch is still open: it reports a file made after the resume.
+    rollout.run("touch /work/after-resume")
+    wait_for(lambda: any(getattr(e, "name", "") == "after-resume" for e in files_seen.items))
+    assert files_seen.error is None
+
+    # Every task member answers, its memory intact.
+    for i, sb in enumerate(members):
+        assert sb.refresh().state == "RUNNING"
+        assert sb.files.read("/work/id") == str(i).encode()
+        before, after = _digest_after(sb)
+        assert before == after, f"{sb.id}: memory changed across the pause"
+
+    watch.close()
+    dir_watch.close()
+    bg.kill()
+
+
+def _all_ticks(c: Collector) -> list[str]:
+    text = b"".join(e.data for e in c.items if isinstance(e, Output)).decode()
+    return [ln.split()[1] for ln in text.splitlines() if ln.startswith("tick ")]
+
+
+def _ticks(c: Collector) -> int:
+    ticks = _all_ticks(c)
+    return int(ticks[-1]) if ticks else -1
+
+
+def test_an_edge_restart_in_the_middle_of_a_long_pause(make: Make, target: Target) -> None:
+    """SIGKILL of the edge HALF_S (30 s) into a pause, a new edge, HALF_S more: the sandbox comes back
+    with its background command, files and memory, and the new edge never thawed it while
+    it adopted it (its background command made no progress before the resume)."""
+    sb = make()
+    sb.files.write("/work/kept.txt", "before the pause")
+    bg = sb.start(TICKS)
+    sb.start(HOLD_MEMORY.format(kib=256))
+    wait_for(lambda: sb.run("test -s /work/sum0 && test -s /work/ticks").exit_code == 0)
+    sb.pause()
+    time.sleep(HALF_S)
+    edge = next(p.name for p in target.cluster.processes if p.name.startswith("edge"))
+    target.cluster.kill(edge, signal.SIGKILL)
+    target.cluster.restart(edge)
+    wait_for(lambda: sb.refresh().state == "PAUSED", timeout_s=30)
+    time.sleep(HALF_S)
+    assert sb.refresh().state == "PAUSED"
+    ticks = sb.files.read("/work/ticks")  # resumes it: the first call
+    assert sb.refresh().state == "RUNNING"
+    assert sb.files.read("/work/kept.txt") == b"before the pause"
+    assert bg.wait(timeout_s=0.1).running
+    wait_for(lambda: int(sb.files.read("/work/ticks")) > int(ticks))
+    before, after = _digest_after(sb)
+    assert before == after
+
+
+#: How a pause's keeping can be lost, per backend.
+DAMAGES = {"container": ["kill"], "microvm": ["remove", "corrupt"]}
+
+
+def test_a_resume_that_cannot_bring_the_sandbox_back_ends_it(make: Make, target: Target) -> None:
+    """What the pause kept is gone: a microVM's saved memory removed or corrupt, a container
+    whose processes were killed while frozen (the host's OOM killer, an operator). The resume
+    ends the sandbox with RESUME_FAILED and why, in bounded time; every later call gets
+    SandboxTerminated with that reason; the node goes on creating."""
+    for damage in DAMAGES[target.backend.name]:
+        sb = make()
+        sb.pause()
+        _damage(target, sb, damage)
+        t0 = time.monotonic()
+        with pytest.raises(SandboxTerminated) as info:
+            sb.run("true")
+        assert time.monotonic() - t0 < 60, damage
+        assert info.value.metadata.get("termination_reason") == "RESUME_FAILED", damage
+        ended = sb.refresh()
+        assert ended.termination_reason == "RESUME_FAILED", (damage, ended)
+        assert ended.termination_message, (damage, ended)
+        with pytest.raises(SandboxTerminated):
+            sb.files.read("/work")
+    assert make().run("echo fine").text == "fine\n"
+
+
+def _damage(target: Target, sb: Sandbox, damage: str) -> None:
+    if damage == "kill":
+        parent = target.cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
+        procs = Path("/sys/fs/cgroup/pids") / parent / sb.id / "cgroup.procs"
+        for pid in procs.read_text().split():
+            os.kill(int(pid), signal.SIGKILL)  # frozen: they die when thawed
+        return
+    (state,) = (target.cluster.home / "edges").glob(f"**/paused/{sb.id}.vmstate")
+    if damage == "remove":
+        state.unlink()
+    else:
+        with state.open("r+b") as f:
+            f.seek(state.stat().st_size // 3)
+            f.write(os.urandom(1 << 20))
