@@ -136,6 +136,8 @@ class SandboxManager:
         #: One pause or resume at a time per sandbox (a burst of calls to a paused sandbox
         #: resumes it once).
         self._transitions: dict[str, asyncio.Lock] = {}
+        #: Resumes under way: one task each, shared by the callers (see resume()).
+        self._resuming: dict[str, asyncio.Task[SandboxRecord]] = {}
         #: Sandboxes being ended: the one teardown each (see end()).
         self._endings: dict[str, asyncio.Task[None]] = {}
         #: Releases that would have taken the accounting below zero (a bug; see _account).
@@ -504,8 +506,32 @@ class SandboxManager:
 
     async def resume(self, sandbox_id: str) -> SandboxRecord:
         """Thaws a paused sandbox. The memory its pause gave back must fit the node's
-        admission again: if it does not, NodeMemoryFull and the sandbox stays PAUSED."""
+        admission again: if it does not, NodeMemoryFull and the sandbox stays PAUSED.
+
+        The resume runs in a task of its own, shared by every caller that asks meanwhile: a
+        caller that gives up (its deadline, a cancelled RPC) cannot stop it half way (a
+        thawed container still recorded PAUSED, a restored guest killed and restored again
+        by the next call)."""
         rec = self.get_live(sandbox_id)
+        require(self.backend_of(rec), Pausable)
+        task = self._resuming.get(sandbox_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._resume(rec), name=f"resume-{sandbox_id}"
+            )
+            self._resuming[sandbox_id] = task
+
+            def done(t: asyncio.Task[SandboxRecord]) -> None:
+                if self._resuming.get(sandbox_id) is t:
+                    del self._resuming[sandbox_id]
+                if not t.cancelled():
+                    t.exception()  # retrieved here: every caller may have gone
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _resume(self, rec: SandboxRecord) -> SandboxRecord:
+        sandbox_id = rec.sandbox_id
         pausable = require(self.backend_of(rec), Pausable)
         async with self._transition(sandbox_id):
             if rec.state != "PAUSED":
@@ -812,7 +838,12 @@ class SandboxManager:
             if backend is None:
                 continue
             self.records[rec.sandbox_id] = rec
-            if rec.live:
+            if rec.live and rec.state == "STOPPING" and rec.termination_reason:
+                # The previous edge was ending it: the teardown is finished, with that reason
+                # (the first reason wins, across a restart too).
+                self._account(rec, +1)
+                await self.end(rec, rec.termination_reason, rec.termination_message)
+            elif rec.live:
                 self._account(rec, +1)
                 adopted = False
                 try:
@@ -977,9 +1008,11 @@ class SandboxManager:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        # Teardowns under way finish: a half-destroyed sandbox would be an orphan.
-        if self._endings:
-            await asyncio.gather(*self._endings.values(), return_exceptions=True)
+        # Resumes and teardowns under way finish: half done, they leave a sandbox in a state
+        # its record does not say (a thawed container recorded PAUSED, an orphan).
+        pending = [*self._resuming.values(), *self._endings.values()]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _memory_fields(usage: MemoryUsage) -> dict[str, Any]:

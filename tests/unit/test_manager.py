@@ -414,3 +414,83 @@ async def test_act_on_runs_at_most_concurrency_at_a_time(tmp_path: Path) -> None
     results = await m.act_on("PAUSE", task_id="t1", concurrency=4)
     assert len(results) == 20 and all(err is None for _, _, err in results)
     assert SlowPause.peak == 4
+
+
+class SlowDestroyNull(NullBackend):
+    """Destroys slowly and counts its destroys: a race of endings has time to happen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.destroyed: list[str] = []
+        self.stopped: list[str] = []
+
+    async def stop(self, rec, grace_s):  # type: ignore[no-untyped-def]
+        self.stopped.append(rec.sandbox_id)
+        await asyncio.sleep(0.05)
+
+    async def destroy(self, rec):  # type: ignore[no-untyped-def]
+        self.destroyed.append(rec.sandbox_id)
+        await asyncio.sleep(0.1)
+
+
+async def test_a_race_of_endings_ends_the_sandbox_once_with_the_first_reason(
+    tmp_path: Path,
+) -> None:
+    """The incident of issue 31: containment (DISK_QUOTA) ending a sandbox while its owner's
+    stop arrives tore it down twice and took the live count below zero."""
+    backend = SlowDestroyNull()
+    m = manager(tmp_path, backend)
+    spec = SandboxSpec(cpu_millis=500, memory_mb=100, task_id="t")
+    await m.create("sb-e1-aaaaaa01", spec, "root", "p", wait_ready=True)
+    await m.create("sb-e1-aaaaaa02", spec, "root", "p", wait_ready=True)
+    rec = m.get("sb-e1-aaaaaa01")
+    results = await asyncio.gather(
+        m._on_backend_exit(rec.sandbox_id, "DISK_QUOTA", "writable layer full"),
+        m.stop(rec.sandbox_id),
+        m.stop(rec.sandbox_id, reason="TTL"),
+        m.end(rec, "CHANNEL_CLOSED", "gone"),
+        m._on_backend_exit(rec.sandbox_id, "PIDS_EXHAUSTED", "full"),
+    )
+    assert backend.destroyed == [rec.sandbox_id]  # one teardown
+    assert backend.stopped == []  # the first ending (containment) stops nothing gracefully
+    assert rec.state == "TERMINATED" and rec.termination_reason == "DISK_QUOTA"
+    assert all(r is rec for r in results[1:4])
+    load = m.load()
+    assert (load.sandboxes, load.cpu_millis, load.memory_mb) == (1, 500, 100)
+    assert m.live_counts() == ({"root": 1}, {"p": 1}, {"t": 1})
+    assert m.accounting_errors == 0
+    await m.stop("sb-e1-aaaaaa02")
+    load = m.load()
+    assert (load.sandboxes, load.cpu_millis, load.memory_mb, load.by_backend) == (0, 0, 0, {})
+    assert m.live_counts() == ({}, {}, {})
+
+
+async def test_a_release_below_zero_is_refused_and_counted_not_clamped(tmp_path: Path) -> None:
+    from edge.manager import AccountingError
+
+    m = manager(tmp_path)
+    spec = SandboxSpec(cpu_millis=500, memory_mb=100)
+    await m.create("sb-e1-aaaaaa01", spec, "root", "p", wait_ready=True)
+    rec = m.get("sb-e1-aaaaaa01")
+    await m.stop(rec.sandbox_id)
+    with pytest.raises(AccountingError, match="below zero"):
+        m._account(rec, -1)  # a second release: a bug, refused with nothing changed
+    load = m.load()
+    assert (load.sandboxes, load.cpu_millis, load.memory_mb) == (0, 0, 0)
+
+
+async def test_a_stop_cancelled_by_its_caller_still_ends_the_sandbox_once(tmp_path: Path) -> None:
+    backend = SlowDestroyNull()
+    m = manager(tmp_path, backend)
+    await m.create(
+        "sb-e1-aaaaaa01", SandboxSpec(cpu_millis=500, memory_mb=100), "root", "p", wait_ready=True
+    )
+    caller = asyncio.create_task(m.stop("sb-e1-aaaaaa01"))
+    await asyncio.sleep(0.02)
+    caller.cancel()  # an RPC whose client went away
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    rec = m.get("sb-e1-aaaaaa01")
+    await m.end(rec, "TTL", "late")  # waits for the teardown under way
+    assert rec.state == "TERMINATED" and rec.termination_reason == "STOPPED"
+    assert backend.destroyed == ["sb-e1-aaaaaa01"] and m.load().sandboxes == 0

@@ -587,8 +587,12 @@ class ContainerBackend:
             raise
 
     async def _release(self, sid: str) -> None:
-        with contextlib.suppress(Unavailable):
+        """A freeze ends (a failed pause, a pack_diff): the channel's keepalive restarts; a
+        sandbox that does not answer any more ended meanwhile, and is reported as such."""
+        try:
             await self.channels.release(sid)
+        except Unavailable as exc:
+            await self.channels.report_exit(sid, *await self.why_ended(sid, exc.message))
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Read back what the next command needs, thaw, read the rest in the background
@@ -706,18 +710,24 @@ class ContainerBackend:
                     self.runtime.resume(sid)
 
         t0 = time.perf_counter()
-        result = await asyncio.to_thread(
-            self.environments.pack_diff,
-            upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
-            layers=layers,
-            config=config,
-            name=name,
-            source=f"pack_diff:{sid}",
-            exclude=list(exclude),
-            default_excludes=default_excludes,
-            mountpoints=mount_points(sdir / "config.json"),
-            freeze=frozen(),
-        )
+        if running:  # frozen for the copy, which may take minutes: not a dead channel
+            self.channels.hold(sid)
+        try:
+            result = await asyncio.to_thread(
+                self.environments.pack_diff,
+                upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
+                layers=layers,
+                config=config,
+                name=name,
+                source=f"pack_diff:{sid}",
+                exclude=list(exclude),
+                default_excludes=default_excludes,
+                mountpoints=mount_points(sdir / "config.json"),
+                freeze=frozen(),
+            )
+        finally:
+            if running:
+                await self._release(sid)
         log.info(
             "sandbox %s packed as %s in %.1f ms (%d files, %d bytes, %d excluded)",
             sid,

@@ -318,11 +318,14 @@ class Containment:
         """One pass over every running sandbox, its reads in one thread: a thread hop per
         sandbox (two, with the log cap) cost the idle edge ~0.05% of a core per sandbox, half
         a core at 1,000 (bench/bench_density.py)."""
-        due = [
-            (sid, w)
-            for sid, w in self.watched.items()
-            if w.rec.state == "RUNNING" and sid in self.backend.channels
-        ]
+        due = []
+        for sid, w in self.watched.items():
+            if w.rec.state == "RUNNING" and sid in self.backend.channels:
+                due.append((sid, w))
+            else:
+                # Paused (or not running yet): the pids-limit clock measures running time
+                # only; a sandbox at its limit when paused gets the full grace after resume.
+                w.at_pids_limit_since = 0.0
         for sid, w, counters, verdict in await asyncio.to_thread(self._check_all, due):
             if self.watched.get(sid) is not w or w.rec.state != "RUNNING":
                 continue  # stopped, paused or ended meanwhile
