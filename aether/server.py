@@ -297,6 +297,10 @@ class Aether:
         edge = self.edge
         if edge is None:
             return
+        if edge.out:
+            # Frames wait for the edge to read them: it is reading slowly (a slow consumer of
+            # one stream holds its channel), not silent. A dead edge closes the socket.
+            edge.last_rx = max(edge.last_rx, now - self.config.ping_idle_s)
         idle = now - edge.last_rx
         if idle >= self.config.peer_dead_s:
             log.warning("edge silent for %.0fs; dropping the connection", idle)

@@ -17,7 +17,12 @@ the same workload as the same-run baseline.
 Targets (the issue): >= 90% of the sandbox's memory freed; pause <= 1 s and resume -> first
 command <= 0.5 s at 256 MiB.
 
+3. A pause that lasts: one sandbox holding 256 MiB paused and resumed at once (the baseline),
+   then paused for --long-hold-s (120 s: longer than every liveness timer) and resumed by its
+   first command; resume -> first command, the whole set read back, its digest unchanged.
+
 usage: python bench/bench_pause.py [--sets 64,256,1024] [--repeat 3] [--task 200] [--no-docker]
+       [--long-hold-s 120] [--long-set 256]
 """
 
 from __future__ import annotations
@@ -49,11 +54,12 @@ import hashlib, os, sys, time
 data = bytearray({size} << 20)
 for i in range(0, len(data), 1 << 20):  # filled in place: no second copy at the peak
     data[i : i + (1 << 20)] = os.urandom(1 << 20)
+open("{d}/sum0", "w").write(hashlib.sha256(data).hexdigest())
 open("{d}/ready", "w").write("1")
 while True:
     if os.path.exists("{d}/ask"):
         os.remove("{d}/ask")
-        hashlib.sha256(data).hexdigest()
+        open("{d}/sum1", "w").write(hashlib.sha256(data).hexdigest())
         open("{d}/done", "w").write("1")
     time.sleep(0.01)
 """
@@ -120,6 +126,33 @@ def dsec_set(dsec: Client, size: int, repeat: int) -> dict[str, float]:
                 rows.setdefault(k, []).append(v)
         out = {k: statistics.median(v) for k, v in rows.items()}
         out["first_pause_ms"] = rows["pause_ms"][0]  # every page written to swap
+        return out
+    finally:
+        sb.stop(grace_s=0)
+
+
+def dsec_long(dsec: Client, size: int, hold_s: float) -> dict[str, float]:
+    """One pause held ``hold_s`` (a preemption), then the first command (the transparent
+    resume) and the whole working set read back, its digest compared with the one taken
+    before the pause. Immediately-resumed pauses of the same sandbox are the baseline."""
+    sb = dsec.create(image="bookworm", cpu=1, memory_mb=size + 256, ttl_s=3600)
+    try:
+        sb.files.write("/work/hold.py", HOLD.format(size=size, d="/work"))
+        sb.start("python3 /work/hold.py")
+        wait(lambda: sb.files.exists("/work/ready"))
+        out: dict[str, float] = {}
+        for label, hold in (("now", 0.0), ("long", hold_s)):
+            sb.pause()
+            time.sleep(hold)
+            t = time.perf_counter()
+            assert sb.run("true").exit_code == 0  # the transparent resume + a command
+            out[f"{label}_first_ms"] = (time.perf_counter() - t) * 1000
+            sb.run("rm -f /work/done /work/sum1; touch /work/ask")
+            t = time.perf_counter()
+            wait(lambda: sb.files.exists("/work/done"))
+            out[f"{label}_whole_ms"] = (time.perf_counter() - t) * 1000
+            intact = sb.files.read("/work/sum1") == sb.files.read("/work/sum0")
+            out[f"{label}_intact"] = float(intact)
         return out
     finally:
         sb.stop(grace_s=0)
@@ -244,6 +277,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--task", type=int, default=200, help="sandboxes of the preempted task")
     ap.add_argument("--no-docker", action="store_true")
+    ap.add_argument("--long-hold-s", type=float, default=120.0, help="0: no long-pause row")
+    ap.add_argument("--long-set", type=int, default=256, help="MiB held across the long pause")
     args = ap.parse_args()
     sets = [int(x) for x in args.sets.split(",")]
     use_docker = not args.no_docker and docker_available()
@@ -278,6 +313,21 @@ def main() -> int:
                     ]
                 )  # fmt: skip
         table(f"pause/resume, median of {args.repeat} (same run)", cols, rows)
+        if args.long_hold_s:
+            r = dsec_long(dsec, args.long_set, args.long_hold_s)
+            table(
+                f"pause that lasts: {args.long_set} MiB, the same sandbox paused twice",
+                ["pause held", "resume->1st cmd ms", "whole set back ms", "memory intact"],
+                [
+                    [
+                        f"{hold:.0f} s",
+                        round(r[f"{k}_first_ms"]),
+                        round(r[f"{k}_whole_ms"]),
+                        "yes" if r[f"{k}_intact"] else "NO",
+                    ]
+                    for k, hold in (("now", 0.0), ("long", args.long_hold_s))
+                ],
+            )
         if args.task:
             table(
                 f"task preemption: {args.task} sandboxes of one task",

@@ -78,6 +78,8 @@ class AetherConnection:
         self.close_reason = ""
         #: The sandbox is paused (frozen): its silence means nothing until release().
         self.held = False
+        #: The read loop waits for a slow reader's queue: no frame can be read meanwhile.
+        self._backpressure = False
         self._nonce = 0  # of our Pings; the Pongs awaited by ping()
         self._pongs: dict[int, asyncio.Future[None]] = {}
 
@@ -197,10 +199,17 @@ class AetherConnection:
                 q = self._streams.get(frame.stream_id)
                 if q is None:
                     continue  # a stream we abandoned
-                if kind == "response":
-                    await q.put(frame.response)
-                elif kind == "end":
-                    await q.put(frame.end)
+                # A full queue (a slow reader of one stream) holds the whole channel: that
+                # wait is ours, not aether's silence (see _ping_loop).
+                self._backpressure = True
+                try:
+                    if kind == "response":
+                        await q.put(frame.response)
+                    elif kind == "end":
+                        await q.put(frame.end)
+                finally:
+                    self._backpressure = False
+                    self._last_rx = time.monotonic()
         except asyncio.CancelledError:
             reason = "edge closed the channel"
             raise
@@ -249,7 +258,7 @@ class AetherConnection:
     async def _ping_loop(self) -> None:
         while not self.closed.is_set():
             await asyncio.sleep(self.ping_interval_s / 2)
-            if self.held:
+            if self.held or self._backpressure:
                 continue
             now = time.monotonic()
             if now - self._last_rx > self.dead_after_s:

@@ -104,6 +104,17 @@ async def across_pauses(
 _KEEPALIVE = object()
 
 
+async def with_keepalives(
+    stream: AsyncIterator[Any], state: SandboxState, keepalive: Callable[[], Any], interval_s: float
+) -> AsyncIterator[Any]:
+    """A stream that cannot be continued (an interactive command: its input is the
+    caller's), with the edge's keepalives while the sandbox is paused. A container's stays
+    open across the pause; a microVM's ends with its channel (the command runs on: attach to
+    it by its exec id)."""
+    async for item in _quiet_while_paused(stream, state, keepalive, interval_s):
+        yield keepalive() if item is _KEEPALIVE else item
+
+
 async def _quiet_while_paused(
     stream: AsyncIterator[Any], state: SandboxState, keepalive: Callable[[], Any], interval_s: float
 ) -> AsyncIterator[Any]:

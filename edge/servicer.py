@@ -19,7 +19,7 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
-from edge.pause_streams import SandboxState, across_pauses
+from edge.pause_streams import SandboxState, across_pauses, with_keepalives
 from libdsec.errors import InvalidArgument, Unavailable, code_number
 
 KEEPALIVE_DEFAULT_MS = 5000
@@ -462,6 +462,7 @@ class EdgeServicer:
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("input") != "start":
             raise InvalidArgument("the first ExecInput must carry `start`")
+        trusted = first.start.trusted
         channel, start = await self._exec_channel(first.start)
         if start is not first.start:
             first = types_pb2.ExecInput(start=start)
@@ -471,7 +472,15 @@ class EdgeServicer:
             async for item in request_iterator:
                 yield item
 
-        async for item in channel.bidi("exec_input", inputs()):
+        items = channel.bidi("exec_input", inputs())
+        if not trusted:
+            items = with_keepalives(
+                items,
+                self._sandbox_state(start.sandbox_id),
+                lambda: types_pb2.ExecEvent(keepalive=types_pb2.Keepalive(at=ts(time.time()))),
+                (start.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000,
+            )
+        async for item in items:
             yield item
 
     async def AttachExec(

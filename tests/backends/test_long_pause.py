@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from libdsec import Output, Sandbox
+from libdsec import Exited, Output, Sandbox
 from libdsec.errors import SandboxTerminated
 from tests.backends.conftest import Target
 from tests.helpers import wait_for
@@ -46,6 +46,7 @@ HOLD_MEMORY = (
     "while sleep 0.2; do if [ -e /work/ask ]; then rm /work/ask; "
     'printf %s "$x" | md5sum > /work/sum1.tmp && mv /work/sum1.tmp /work/sum1; fi; done'
 )
+STREAMED = "for i in $(seq 1 60); do echo s$i; sleep 0.5; done"
 TICKS = (
     "i=0; while true; do echo tick $i; echo $i > /work/ticks.tmp; mv /work/ticks.tmp /work/ticks; "
     "i=$((i+1)); sleep 1; done"
@@ -106,6 +107,10 @@ def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -
     changes = Collector(iter(watch))
     dir_watch = rollout.files.watch("/work")
     files_seen = Collector(iter(dir_watch))
+    # A foreground command streaming its output when the preemption comes, and a background
+    # one whose timeout (60 s) is longer than its running time but shorter than the pause.
+    streamed = Collector(iter(rollout.stream(STREAMED)))
+    timed = rollout.start("sleep 30; echo done", timeout_s=60)
     wait_for(lambda: rollout.run("test -s /work/ticks").exit_code == 0)
 
     members = [make(task_id=task) for _ in range(16)]
@@ -141,6 +146,18 @@ def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -
     assert attached.error is None and attached.thread.is_alive()
     numbers = [int(t) for t in _all_ticks(attached)]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "output lost or doubled"
+
+    # The foreground stream ran to its end across the pause: every line once, in order.
+    streamed.thread.join(timeout=90)
+    assert streamed.error is None and not streamed.thread.is_alive(), streamed.error
+    lines = b"".join(e.data for e in streamed.items if isinstance(e, Output)).decode().split()
+    assert lines == [f"s{i}" for i in range(1, 61)], lines
+    last = streamed.items[-1]
+    assert isinstance(last, Exited) and last.status.exit_code == 0, last
+    # A command's timeout counts the time it ran, not the time it was frozen.
+    ended = timed.wait(timeout_s=60)
+    assert not ended.running and ended.exit is not None, ended
+    assert not ended.exit.timed_out and ended.exit.exit_code == 0, ended
 
     # The client watch saw the pause and the resume, and is still open.
     wait_for(lambda: [c.state for c in changes.items][-1:] == ["RUNNING"], timeout_s=10)
@@ -241,3 +258,63 @@ def _damage(target: Target, sb: Sandbox, damage: str) -> None:
         with state.open("r+b") as f:
             f.seek(state.stat().st_size // 3)
             f.write(os.urandom(1 << 20))
+
+
+#: The soak's pause (README: `pytest -m soak`).
+SOAK_PAUSE_S = float(os.environ.get("DSEC_SOAK_PAUSE_S", "900"))
+SOAK_SANDBOXES = int(os.environ.get("DSEC_SOAK_SANDBOXES", "100"))
+
+
+@pytest.mark.soak
+def test_soak_a_hundred_sandboxes_paused_for_fifteen_minutes(target: Target) -> None:
+    """SOAK_SANDBOXES sandboxes, each with a file, a background command and memory it holds,
+    paused together by pause_task for SOAK_PAUSE_S, resumed by resume_task: every one
+    answers with all of it. Prints the figures (pause, resume, first command)."""
+    task = f"soak-{uuid.uuid4().hex[:8]}"
+    client = target.client
+    made = client.create_many(
+        SOAK_SANDBOXES,
+        image=target.backend.image,
+        backend=target.backend.name,  # type: ignore[arg-type]
+        memory_mb=target.backend.min_memory_mb,
+        cpu=0.1,
+        task_id=task,
+    )
+    sandboxes = [s for s in made if isinstance(s, Sandbox)]
+    try:
+        assert len(sandboxes) == SOAK_SANDBOXES, [e for e in made if not isinstance(e, Sandbox)][:3]
+        for i, sb in enumerate(sandboxes):
+            sb.files.write("/work/id", str(i))
+            sb.start(TICKS)
+            sb.start(HOLD_MEMORY.format(kib=256))
+        for sb in sandboxes:
+            wait_for(lambda sb=sb: sb.run("test -s /work/sum0").exit_code == 0, timeout_s=120)
+        t0 = time.monotonic()
+        paused = client.pause_task(task, timeout=1800)
+        pause_s = time.monotonic() - t0
+        assert not paused.failed, [(f.sandbox_id, f.error) for f in paused.failed][:5]
+        time.sleep(SOAK_PAUSE_S)
+        assert all(s.state == "PAUSED" for s in client.list(task_id=task))
+        t0 = time.monotonic()
+        resumed = client.resume_task(task, timeout=1800)
+        resume_s = time.monotonic() - t0
+        assert not resumed.failed, [(f.sandbox_id, f.error) for f in resumed.failed][:5]
+        t0 = time.monotonic()
+        firsts = []
+        for i, sb in enumerate(sandboxes):
+            t1 = time.monotonic()
+            assert sb.files.read("/work/id") == str(i).encode()
+            firsts.append(time.monotonic() - t1)
+            before, after = _digest_after(sb)
+            assert before == after, f"{sb.id}: memory changed across the pause"
+            ticks = int(sb.files.read("/work/ticks"))
+            wait_for(lambda sb=sb, t=ticks: int(sb.files.read("/work/ticks")) > t, timeout_s=30)
+        firsts.sort()
+        print(
+            f"\nsoak [{target.backend.name}]: {SOAK_SANDBOXES} sandboxes paused {SOAK_PAUSE_S:.0f} s;"
+            f" pause_task {pause_s:.1f} s, resume_task {resume_s:.1f} s, first call after resume"
+            f" p50 {firsts[len(firsts) // 2] * 1000:.1f} ms p99"
+            f" {firsts[int(len(firsts) * 0.99) - 1] * 1000:.1f} ms; all {SOAK_SANDBOXES} intact"
+        )
+    finally:
+        client.stop_task(task, grace_s=0.2)

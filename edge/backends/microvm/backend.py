@@ -969,8 +969,9 @@ class MicrovmBackend:
             if not state.is_file():
                 raise ResumeFailed(f"the guest's saved memory {state} is gone")
             try:
-                await self._launch(rec, qemu.Memory("ram"), restore_from=state)
-                conn = await self.channels.connect(sid)
+                async with self._starting:  # a burst of resumes takes turns, as starts do
+                    await self._launch(rec, qemu.Memory("ram"), restore_from=state)
+                    conn = await self.channels.connect(sid)
                 await conn.sync_guest(self._sync(rec, bool(rec.runtime.pop("net_pending", 0))))
             except BaseException as exc:
                 await self.channels.drop(sid)
