@@ -496,3 +496,42 @@ def test_a_character_device_as_the_channel(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         os.close(master)
         log.close()
+
+
+def _short_keepalive(tmp_path: Path) -> Sandbox:
+    os.environ["DSEC_AETHER_PING_IDLE_S"] = "0.3"
+    os.environ["DSEC_AETHER_PEER_DEAD_S"] = "1.0"
+    try:
+        return Sandbox(tmp_path)
+    finally:
+        del os.environ["DSEC_AETHER_PING_IDLE_S"], os.environ["DSEC_AETHER_PEER_DEAD_S"]
+
+
+def test_a_frozen_aether_does_not_drop_the_edge_for_a_silence_that_was_its_own(
+    tmp_path: Path,
+) -> None:
+    """Frozen (SIGSTOP of the whole sandbox: what the freezer does, as the clock runs on) for
+    three times its dead-peer limit, aether keeps the edge once thawed (issue 31)."""
+    sb = _short_keepalive(tmp_path)
+    try:
+        edge, _ = sb.connect()
+        assert edge.run("echo before").stdout == b"before\n"
+        os.killpg(sb.proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.killpg(sb.proc.pid, signal.SIGCONT)
+        assert edge.run("echo after").stdout == b"after\n"  # the same connection
+        assert "did not run for" in sb.log_text()
+        assert "edge silent" not in sb.log_text()
+    finally:
+        sb.stop()
+
+
+def test_an_edge_that_is_really_silent_is_still_dropped(tmp_path: Path) -> None:
+    """The control: aether runs and the edge answers nothing for longer than the limit."""
+    sb = _short_keepalive(tmp_path)
+    try:
+        edge, _ = sb.connect()
+        assert wait_for(lambda: "edge silent" in sb.log_text(), timeout=5.0), sb.log_text()
+        edge.close()
+    finally:
+        sb.stop()

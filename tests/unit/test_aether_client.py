@@ -75,3 +75,62 @@ async def test_a_socket_channel_refuses_anything_before_the_hello(tmp_path: Path
     finally:
         await conn.close()
         server.close()
+
+
+class _FrozenPeer:
+    """A socket aether that says Hello, then answers Pings only while not `frozen`."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+
+    async def start(self, path: Path) -> asyncio.Server:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(_frame(hello=aether_pb2.Hello(protocol_version=1, pid=1)))
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    (n,) = _LEN.unpack(await reader.readexactly(4))
+                    frame = aether_pb2.Frame.FromString(await reader.readexactly(n))
+                    while self.frozen:  # a frozen process reads nothing
+                        await asyncio.sleep(0.05)
+                    if frame.WhichOneof("body") == "ping":
+                        writer.write(_frame(pong=aether_pb2.Pong(nonce=frame.ping.nonce)))
+
+        return await asyncio.start_unix_server(serve, path=str(path))
+
+
+async def test_a_held_channel_outlives_a_silence_past_its_dead_limit(tmp_path: Path) -> None:
+    peer = _FrozenPeer()
+    server = await peer.start(tmp_path / "agent")
+    conn = AetherConnection(str(tmp_path / "agent"), "sb-x", ping_interval_s=0.2, dead_after_s=0.6)
+    try:
+        await conn.connect(timeout_s=5)
+        conn.hold()
+        peer.frozen = True
+        await asyncio.sleep(2.0)  # > 3x the dead limit
+        assert not conn.closed.is_set()
+        peer.frozen = False
+        await conn.release(timeout_s=2.0)  # answered: a Pong
+        await asyncio.sleep(1.0)  # and the keepalive runs again
+        assert not conn.closed.is_set()
+    finally:
+        await conn.close()
+        server.close()
+
+
+async def test_an_unheld_silent_channel_closes_and_a_release_unanswered_fails(
+    tmp_path: Path,
+) -> None:
+    peer = _FrozenPeer()
+    server = await peer.start(tmp_path / "agent")
+    conn = AetherConnection(str(tmp_path / "agent"), "sb-x", ping_interval_s=0.2, dead_after_s=0.6)
+    try:
+        await conn.connect(timeout_s=5)
+        conn.hold()
+        peer.frozen = True
+        with pytest.raises(Unavailable, match="did not answer a ping"):
+            await conn.release(timeout_s=0.5)  # still frozen: no Pong
+        await asyncio.wait_for(conn.closed.wait(), timeout=3.0)  # not held: judged dead
+        assert conn.close_reason  # why it closed is kept for the calls it fails
+    finally:
+        await conn.close()
+        server.close()
