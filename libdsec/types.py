@@ -321,7 +321,7 @@ class SandboxInfo:
     expires_at: datetime | None
     termination_reason: (
         str | None
-    )  # STOPPED, PREEMPTED, TTL, IDLE, OOM, CHANNEL_CLOSED, EDGE_LOST, ...
+    )  # STOPPED, PREEMPTED, TTL, IDLE, OOM, CHANNEL_CLOSED, EDGE_LOST, RESUME_FAILED, ...
     termination_message: str
     violations: Violations
     memory: MemoryInfo | None  # None: not measured (terminated, or a backend that cannot)
