@@ -2,7 +2,10 @@
 
 Used by ``dsec up`` and by the integration test harness. Each service gets
 its config through ``DSEC_<SVC>_*`` variables, logs to ``<home>/logs``, and
-is tracked in ``<home>/cluster.json``.
+is tracked in ``<home>/cluster.json`` (addresses and logs, no PIDs: supervisord restarts a
+service under another PID, so a recorded one goes stale and may come to name an unrelated
+process; a service's current PID comes from supervisord or, without it, from the process
+serving its address: ``dsec status --json``).
 
 Two ways to run the processes:
 
@@ -25,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import xmlrpc.client
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -334,10 +338,9 @@ class LocalCluster:
 
     def _stop_supervised(self, keep_sandboxes: bool) -> None:
         if not self.supervisor.pid():
-            # supervisord is gone (killed): what it left running, found by address, since a
-            # service it restarted has another PID than cluster.json's
+            # supervisord is gone (killed): what it left running, found by address
             for p in self.processes:
-                p.pid = find_service_pid(p) or p.pid
+                p.pid = find_service_pid(p)
             self._stop_processes(30.0)
             return
         for name, info in self.supervisor.processes().items():  # the current PIDs
@@ -491,9 +494,9 @@ class LocalCluster:
                 else {}
             ),
             "services": {
+                # No PID: it would go stale at the first restart (see the module doc).
                 p.name: {
                     "address": p.address,
-                    "pid": p.pid,
                     "log": str(p.log_path),
                     "protocol": p.protocol,
                 }
@@ -505,6 +508,8 @@ class LocalCluster:
 
     @classmethod
     def from_state(cls, home: Path) -> LocalCluster | None:
+        """The cluster recorded in ``<home>/cluster.json``, each service with its current PID
+        (0: not running): supervisord's, or without it the process serving its address."""
         path = home / "cluster.json"
         if not path.exists():
             return None
@@ -525,10 +530,16 @@ class LocalCluster:
                     s["address"],
                     {},
                     Path(s["log"]),
-                    s["pid"],
                     protocol=s.get("protocol", "grpc"),
                 )
             )
+        try:
+            supervised = c.supervised_processes()
+        except (OSError, xmlrpc.client.Error):  # supervisord is going away: by address then
+            supervised = {}
+        for p in c.processes:
+            info = supervised.get(p.name)
+            p.pid = info.pid if info is not None else find_service_pid(p)
         return c
 
     def log_tail(self, p: ServiceProcess, lines: int = 30) -> str:
@@ -562,13 +573,15 @@ class LocalCluster:
 def _alive(p: ServiceProcess) -> bool:
     if p.proc is not None:
         return p.proc.poll() is None
+    if p.pid <= 0:  # not running (0 would signal our own process group)
+        return False
     try:
         os.kill(p.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # A PID from cluster.json may have been reused: check it is one of our services.
+    # A PID found earlier may have been reused since: check it is one of our services.
     try:
         cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:

@@ -28,8 +28,8 @@
 Every command that prints data takes --json; a failure exits non-zero with one line on stderr
 naming the command and the error (docs/CLI.md is the reference).
 
-The local cluster lives in $DSEC_HOME (default ~/.dsec): cluster.json,
-token (0600), logs/, and each service's state.
+The local cluster lives in $DSEC_HOME (default ~/.dsec): cluster.json (addresses and logs, no
+PIDs: `dsec status --json` has the current ones), token (0600), logs/, and each service's state.
 """
 
 from __future__ import annotations

@@ -246,7 +246,12 @@ def _create_parser(ssub: Any) -> None:
     sc.add_argument(
         "--disk-mb", type=int, default=None, help="writable-layer limit in MB (default: edge's)"
     )
-    sc.add_argument("--gpus", type=int, default=None, help="whole GPUs, exclusive (default 0)")
+    sc.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="whole GPUs, exclusive (default 0; no backend attaches GPUs yet: refused)",
+    )
     sc.add_argument(
         "--ttl-s", type=int, default=None, help="ended this many seconds after creation (3600)"
     )

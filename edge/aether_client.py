@@ -302,6 +302,11 @@ class AetherConnection:
 
     # -------------------------------------------------------------- calls
 
+    @property
+    def open_calls(self) -> int:
+        """Calls into the sandbox under way on this channel (streams not yet ended)."""
+        return len(self._streams)
+
     def _open(self) -> tuple[int, asyncio.Queue[Any]]:
         sid = next(self._ids)
         q: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.queue_frames)

@@ -52,6 +52,8 @@ class EdgeConfig(ServiceConfig):
     #: The report runs 3,200 per node; 1,000 idle busybox sandboxes are measured on 2 cores
     #: (bench/bench_density.py).
     max_sandboxes: int = 1000
+    #: Whole GPUs advertised to placement. No sandbox backend attaches GPUs yet (a create asking
+    #: for some is refused: BACKEND_CAPABILITY gpus); FnCall's GPU pools find theirs themselves.
     gpus: int = 0
     #: Labels placement can select on, e.g. "location=cloud,zone=a".
     labels: dict[str, str] = field(default_factory=dict)
@@ -71,18 +73,24 @@ class EdgeConfig(ServiceConfig):
     on_shutdown: str = "keep"
     #: Base images / environments (name.erofs or name.rootfs/ per image).
     image_dir: Path = Path("/var/lib/dsec/images")
-    #: Networked sandboxes (policy other than NONE): the node bridge, its subnet (the first
+    #: Networked sandboxes (policy other than NONE): the edge's bridge, its subnet (the first
     #: address is the bridge's: gateway and DNS resolver), and where the resolver forwards
-    #: ("host[:port]"; "" = the host's first resolv.conf nameserver).
-    net_bridge: str = "dsec0"
-    net_subnet: str = "10.231.0.0/16"
+    #: ("host[:port]"; "" = the host's first resolv.conf nameserver). Bridge and subnet ""
+    #: (the default): the first free of dsec0 10.231.0.0/16, dsec1 10.230.0.0/16, ...,
+    #: 10.200.0.0/16 (edge.network.claims: the edges of one node never share a bridge, a
+    #: subnet or a queue; configured ones are checked the same way).
+    net_bridge: str = ""
+    net_subnet: str = ""
+    #: Node-wide: every edge's claim of its bridge, subnet and name-gate queue.
+    net_claim_dir: Path = Path("/run/dsec/net")
     dns_upstream: str = ""
     dns_refresh_s: float = 60.0
     #: The name gate's NFQUEUE number: connections a policy allows only by a domain name are
     #: admitted on the name they ask for (TLS server name, HTTP Host; edge.network.namegate).
-    #: One per bridge, so one per edge; 0 = derived from the bridge's name.
+    #: One per edge; 0 = derived from the bridge's name, unused by the node's other edges.
     net_gate_queue: int = 0
-    #: bpffs directory for the sandboxes' pinned eBPF maps and programs (one subdir per edge).
+    #: bpffs directory for the sandboxes' pinned eBPF maps and programs (one subdir per edge,
+    #: named after its bridge: unique on the node).
     bpf_pin_dir: Path = Path("/sys/fs/bpf/dsec")
     #: Writable-layer limit of a sandbox that asks for none (resources.disk_mb 0). Every
     #: sandbox has one: a sparse ext4 image of that size (it takes only what is written).
@@ -202,14 +210,17 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError("overcommit ratios must be >= 1")
         if self.max_sandboxes < 1:
             raise ConfigError("DSEC_EDGE_MAX_SANDBOXES must be >= 1")
-        try:
-            net = ipaddress.IPv4Network(self.net_subnet)
-        except ValueError as exc:
-            raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r}: {exc}") from None
-        if net.num_addresses < 4:
-            raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r} is too small")
-        if not 1 <= len(self.net_bridge) <= 15:
-            raise ConfigError(f"DSEC_EDGE_NET_BRIDGE={self.net_bridge!r}: 1..15 characters")
+        if self.net_subnet:
+            try:
+                net = ipaddress.IPv4Network(self.net_subnet)
+            except ValueError as exc:
+                raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r}: {exc}") from None
+            if net.num_addresses < 4:
+                raise ConfigError(f"DSEC_EDGE_NET_SUBNET={self.net_subnet!r} is too small")
+        if len(self.net_bridge) > 15:
+            raise ConfigError(
+                f"DSEC_EDGE_NET_BRIDGE={self.net_bridge!r}: at most 15 characters ('' = chosen)"
+            )
         if not MIN_DISK_MB <= self.default_disk_mb <= self.max_disk_mb:
             raise ConfigError(
                 f"DSEC_EDGE_DEFAULT_DISK_MB={self.default_disk_mb}: every sandbox has a disk "

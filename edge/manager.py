@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from edge.backends.contract import (
+    AttachesGpus,
     DiskUsage,
+    Executes,
     MemoryUsage,
     ModifiedFiles,
     NetworkPolicies,
@@ -215,6 +217,10 @@ class SandboxManager:
             )
         if spec.cpu_millis <= 0 or spec.memory_mb <= 0:
             raise InvalidArgument("cpu_millis and memory_mb must be positive")
+        if spec.gpu_count:
+            # Admitted, GPUs would only be counted, never attached: refused until the backend
+            # offers them (UNIMPLEMENTED BACKEND_CAPABILITY, capability gpus).
+            require(self.backends[spec.backend], AttachesGpus)
         reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
         if reserved:
             # aether and chronus take their settings (Landlock on, the channel's fd, ...) from
@@ -747,9 +753,24 @@ class SandboxManager:
                 and rec.state == "RUNNING"
                 and now - rec.last_active_at >= rec.spec.idle_timeout_s
             ):
+                if self._calls_in_flight(rec):
+                    # A call under way (a long command, a stream, an open watch) is activity:
+                    # the idle time counts from its end.
+                    rec.last_active_at = now
+                    continue
                 await self.stop(rec.sandbox_id, reason="IDLE", grace_s=1.0)
                 reaped.append(rec.sandbox_id)
         return reaped
+
+    def _calls_in_flight(self, rec: SandboxRecord) -> bool:
+        backend = self.backend_of(rec)
+        if not offers(backend, Executes):
+            return False
+        try:
+            channel = require(backend, Executes).channel(rec)
+        except DSecError:
+            return False  # no channel now (reconnecting): nothing under way on it
+        return bool(getattr(channel, "open_calls", 0))
 
     async def reap_loop(self) -> None:
         while True:

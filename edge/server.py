@@ -27,6 +27,7 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.fncall.service import FnCallService
 from edge.layers_adapter import LayersAdapter
 from edge.manager import Capacity, SandboxManager
+from edge.network.claims import NetworkClaimError
 from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
 
@@ -149,7 +150,7 @@ async def main() -> None:
         raise SystemExit(2) from None
     try:
         backends, backend_controls = make_backends(cfg)
-    except controls.ControlMissing as exc:
+    except (controls.ControlMissing, NetworkClaimError) as exc:
         log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
         raise SystemExit(2) from None
     host_controls += backend_controls

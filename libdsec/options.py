@@ -54,7 +54,9 @@ class SandboxOptions(TypedDict, total=False):
     pids_max: int | None
     #: writable-layer limit in MB; default: the edge's (``DSEC_EDGE_DEFAULT_DISK_MB``)
     disk_mb: int | None
-    #: GPUs (exclusive); default 0
+    #: whole GPUs, exclusive; default 0. No container or microVM backend attaches GPUs yet:
+    #: a create asking for any is refused (``BackendCapabilityMissing``, capability ``gpus``).
+    #: GPU work runs in FnCall's GPU pools (``dsec fncall``), where the node has GPUs.
     gpus: int | None
     #: ended (reason TTL) this many seconds after creation; default 3600
     ttl_s: int | None

@@ -54,11 +54,13 @@ def start_cluster(home: Path, **kw: object) -> LocalCluster:
 
 
 @contextmanager
-def one_container_edge(home: Path, edge_id: str) -> Iterator[LocalCluster]:
+def one_container_edge(
+    home: Path, edge_id: str, env: dict[str, str] | None = None
+) -> Iterator[LocalCluster]:
     """A cluster of one container edge over the base images (no FnCall pools), always
-    stopped: what most container tests of one feature need."""
+    stopped: what most container tests of one feature need. ``env``: more DSEC_EDGE_*."""
     images = os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images")
-    env = {"DSEC_EDGE_IMAGE_DIR": images, "DSEC_EDGE_FNCALL_POOLS": ""}
+    env = {"DSEC_EDGE_IMAGE_DIR": images, "DSEC_EDGE_FNCALL_POOLS": "", **(env or {})}
     c = start_cluster(home, edges=[EdgeSpec(edge_id=edge_id, runtime="container", extra_env=env)])
     try:
         yield c

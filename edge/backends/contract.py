@@ -84,6 +84,10 @@ class Capability(enum.Enum):
     WARM_CLAIM = "warm_claim"
     DISK_USAGE = "disk_usage"
     LAYER_STORE = "layer_store"
+    #: Whole GPUs attached to a sandbox (resources.gpu_count). No backend offers it yet: a
+    #: container or microVM create asking for GPUs is refused, not admitted without them.
+    #: (FnCall's GPU pools are separate: edge/fncall/gpu.py.)
+    GPUS = "gpus"
     # Later: SNAPSHOT (memory snapshot/restore), DISPLAY (screenshots, input).
 
 
@@ -186,6 +190,13 @@ class LayerStore(Protocol):
     environments: Any
 
 
+@runtime_checkable
+class AttachesGpus(Protocol):
+    def gpu_capacity(self) -> int:
+        """Whole GPUs this backend can give its sandboxes on this node (each sandbox gets
+        resources.gpu_count of them, exclusive, at start)."""
+
+
 PROTOCOLS: dict[Capability, type] = {
     Capability.EXEC: Executes,
     Capability.PAUSE: Pausable,
@@ -196,6 +207,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.WARM_CLAIM: WarmClaims,
     Capability.DISK_USAGE: DiskUsage,
     Capability.LAYER_STORE: LayerStore,
+    Capability.GPUS: AttachesGpus,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

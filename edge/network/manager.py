@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.network import bpf, dns, guest
+from edge.network.claims import NetworkClaim
 from edge.network.enforcer import GuestIdentity, SandboxFilter
 from edge.network.links import NetworkSetupError, NodeNetwork, veth_name
 from edge.network.namegate import Attempt, NameGate
@@ -99,8 +100,12 @@ class NetworkManager:
         dns_timeout_s: float = 2.0,
         refresh_s: float = 60.0,
         gate_queue: int = 0,
+        claim: NetworkClaim | None = None,
     ) -> None:
         self.node = NodeNetwork(bridge, ipaddress.IPv4Network(subnet), gate_queue)
+        #: The edge's hold on its bridge, subnet and queue (edge.network.claims), released at
+        #: close: forgotten when the bridge goes, kept while sandboxes stay on it.
+        self.claim = claim
         self._gate: NameGate | None = None
         up = dns.Upstream.parse(upstream) if upstream else dns.Upstream.from_resolv_conf()
         self.upstream = up
@@ -701,6 +706,11 @@ class NetworkManager:
             with contextlib.suppress(OSError):
                 self.pin_root.rmdir()
         self._node_ready = False
+        if self.claim is not None:
+            bare = (
+                teardown and not self.attachments and not await asyncio.to_thread(self.node.ports)
+            )
+            await asyncio.to_thread(self.claim.release, forget=bare)
 
 
 def _rmtree(path: Path) -> None:

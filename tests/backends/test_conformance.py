@@ -66,6 +66,16 @@ def test_ttl_and_idle_timeout_end_sandboxes_with_their_reason(make: Make) -> Non
     assert _ended(idle)[0] == "IDLE"
 
 
+def test_a_call_longer_than_the_idle_timeout_is_activity(make: Make) -> None:
+    """A command that runs longer than the idle timeout (a slow build, a slow sandbox) does not
+    get its sandbox reaped under it: the idle time counts from the call's end."""
+    sb = make(idle_timeout_s=2)
+    r = sb.run("sleep 5; echo done", timeout_s=30)
+    assert r.exit_code == 0 and r.text == "done\n"
+    assert sb.refresh().state == "RUNNING"
+    assert _ended(sb)[0] == "IDLE"  # and once idle, it is reaped
+
+
 # ------------------------------------------------------------------ exec
 
 

@@ -91,6 +91,7 @@ def _edge_log_has_no_silence(target: Target) -> Iterator[None]:
         assert bad not in text, f"edge log: {bad!r} during a pause:\n{text[-3000:]}"
 
 
+@pytest.mark.timeout(900)
 def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -> None:
     """A rollout sandbox (background command with its output attached, a shell session, a
     client watch, a directory watch, a file in the writable layer, memory it holds) and a
@@ -266,6 +267,7 @@ SOAK_SANDBOXES = int(os.environ.get("DSEC_SOAK_SANDBOXES", "100"))
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_PAUSE_S + 3600)
 def test_soak_a_hundred_sandboxes_paused_for_fifteen_minutes(target: Target) -> None:
     """SOAK_SANDBOXES sandboxes, each with a file, a background command and memory it holds,
     paused together by pause_task for SOAK_PAUSE_S, resumed by resume_task: every one

@@ -166,10 +166,29 @@ def test_a_killed_service_comes_back_by_itself_and_is_counted(up: Up, service: s
             out = up.dsec("status")
             line = next(x for x in out.stdout.splitlines() if x.startswith(service + " "))
             assert "restarts 1" in line, line
+            _no_stale_pid(up, service, old)
             # the sandbox is untouched and works through the restarted tier
             wait_for(lambda: _running(c, sb.id), timeout_s=30)
         finally:
             sb.stop()
+
+
+def _no_stale_pid(up: Up, service: str, old: int) -> None:
+    """After supervisord restarted ``service`` (once ``old``): cluster.json names no PID (a
+    recorded one goes stale at a restart and may come to name an unrelated process), and
+    `dsec status --json` reports every service's live PID, the restarted one's new PID."""
+    state = json.loads((up.home / "cluster.json").read_text())
+    assert all("pid" not in s for s in state["services"].values()), state
+    assert '"pid"' not in (up.home / "cluster.json").read_text()
+    out = up.dsec("status", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    reported = {row["name"]: row["pid"] for row in json.loads(out.stdout)["services"]}
+    live = up.pids()
+    assert reported == live and set(reported) == set(SERVICES), (reported, live)
+    assert live[service] not in (0, old)
+    for name, pid in reported.items():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[1:3] == [b"-m", name.split("-")[0].encode()], (name, cmdline)
 
 
 def test_up_on_a_partly_running_cluster_starts_only_what_is_down(up: Up) -> None:

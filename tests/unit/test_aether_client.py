@@ -81,7 +81,19 @@ class _FrozenPeer:
     """A socket aether that says Hello, then answers Pings only while not `frozen`."""
 
     def __init__(self) -> None:
-        self.frozen = False
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+
+    @property
+    def frozen(self) -> bool:
+        return not self.thawed.is_set()
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        if value:
+            self.thawed.clear()
+        else:
+            self.thawed.set()
 
     async def start(self, path: Path) -> asyncio.Server:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -90,8 +102,7 @@ class _FrozenPeer:
                 while True:
                     (n,) = _LEN.unpack(await reader.readexactly(4))
                     frame = aether_pb2.Frame.FromString(await reader.readexactly(n))
-                    while self.frozen:  # a frozen process reads nothing
-                        await asyncio.sleep(0.05)
+                    await self.thawed.wait()  # a frozen process reads nothing
                     if frame.WhichOneof("body") == "ping":
                         writer.write(_frame(pong=aether_pb2.Pong(nonce=frame.ping.nonce)))
 

@@ -273,10 +273,6 @@ def test_background_grandchild_does_not_hold_the_call(client: ChronusClient) -> 
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 
 
-@pytest.mark.skipif(
-    not (PIDS_ROOT / "cgroup.procs").exists() or os.geteuid() != 0,
-    reason="needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids",
-)
 def _settled_count(path: Path, quiet_s: float = 0.3, timeout_s: float = 5.0) -> int:
     """The value of a counter file once it has not changed for quiet_s."""
     deadline = time.monotonic() + timeout_s
@@ -291,6 +287,10 @@ def _settled_count(path: Path, quiet_s: float = 0.3, timeout_s: float = 5.0) -> 
     return last
 
 
+@pytest.mark.skipif(
+    not (PIDS_ROOT / "cgroup.procs").exists() or os.geteuid() != 0,
+    reason="needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids",
+)
 def test_a_call_at_the_pids_limit_fails_alone(tmp_path: Path) -> None:
     """At the sandbox's pids limit a new call gets no thread: it fails with RESOURCE_EXHAUSTED
     (PIDS_LIMIT) and chronus serves the next one (it used to exit, which ended every stream:

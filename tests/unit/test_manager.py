@@ -174,6 +174,33 @@ async def test_a_capability_the_backend_lacks_is_unimplemented_naming_both(
     assert m.get("sb-e1-aaaaaa01").state == "RUNNING"  # nothing changed
 
 
+async def test_gpus_are_refused_until_a_backend_attaches_them(tmp_path: Path) -> None:
+    """A create asking for GPUs used to be admitted and only counted: no GPU was attached.
+    Now UNIMPLEMENTED BACKEND_CAPABILITY naming the backend and gpus, nothing counted, on
+    create and create_many; a backend that declares the capability gets them admitted."""
+    m = SandboxManager("e1", tmp_path, Capacity(2000, 1024, 10, gpus=2), [NullBackend()])
+    with pytest.raises(BackendCapabilityMissing) as info:
+        await m.create("sb-e1-aaaaaa01", SandboxSpec(gpu_count=1), "root", "p", wait_ready=True)
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.reason == "BACKEND_CAPABILITY"
+    assert info.value.metadata == {"backend": "null", "capability": "gpus"}
+    [(rec, _, err)] = await m.create_many(
+        [("sb-e1-aaaaaa02", SandboxSpec(gpu_count=1))], "root", "p", wait_ready=True
+    )
+    assert rec is None and isinstance(err, BackendCapabilityMissing)
+    assert m.records == {} and m.load().gpus == 0 and m.load().sandboxes == 0
+
+    class WithGpus(NullBackend):
+        capabilities = frozenset({Capability.GPUS})
+
+        def gpu_capacity(self) -> int:
+            return 2
+
+    g = SandboxManager("e1", tmp_path / "g", Capacity(2000, 1024, 10, gpus=2), [WithGpus()])
+    await g.create("sb-e1-aaaaaa03", SandboxSpec(gpu_count=1), "root", "p", wait_ready=True)
+    assert g.load().gpus == 1
+
+
 def test_a_backend_declaring_what_it_does_not_implement_is_refused(tmp_path: Path) -> None:
     class Liar(NullBackend):
         capabilities = frozenset({Capability.PAUSE})  # but no pause()/resume()

@@ -65,6 +65,7 @@ from edge.layers import Environments, LayerRef, LayerSettings, PackResult
 from edge.layers.diff import mount_points
 from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
+from edge.network import claims
 from edge.network.manager import NetworkManager
 from edge.runtime import cgroups, mounts
 from edge.runtime.errors import SandboxRuntimeError
@@ -206,16 +207,7 @@ class ContainerBackend:
                 exclude=tuple(cfg.layer_exclude),
                 collapse_below_bytes=cfg.layer_collapse_below_mb << 20,
             ),
-            network=None
-            if "network" in cfg.disabled_controls
-            else NetworkManager(
-                bridge=cfg.net_bridge,
-                subnet=cfg.net_subnet,
-                upstream=cfg.dns_upstream,
-                pin_root=cfg.bpf_pin_dir / cfg.edge_id,
-                refresh_s=cfg.dns_refresh_s,
-                gate_queue=cfg.net_gate_queue,
-            ),
+            network=None if "network" in cfg.disabled_controls else _network(cfg),
             landlock="landlock" not in cfg.disabled_controls,
             default_disk_mb=cfg.default_disk_mb,
             max_disk_mb=cfg.max_disk_mb,
@@ -795,3 +787,25 @@ def _apply_qos(rec: SandboxRecord, pid: int, cgroup_path: str) -> None:
         qos.set_cgroup_idle(cgroups.controller_dir("cpu", cgroup_path), True)
     elif qos.core_scheduling().available:
         qos.new_core_cookie(pid)
+
+
+def _network(cfg: EdgeConfig) -> NetworkManager:
+    """The edge's sandbox network on the bridge, subnet and gate queue it claims for itself
+    (edge.network.claims: no other edge of the node uses them; NetworkClaimError when none is
+    free). Its eBPF pins go under the bridge's name, unique on the node as well."""
+    claim = claims.claim(
+        cfg.state_dir,
+        bridge=cfg.net_bridge,
+        subnet=cfg.net_subnet,
+        gate_queue=cfg.net_gate_queue,
+        directory=cfg.net_claim_dir,
+    )
+    return NetworkManager(
+        bridge=claim.bridge,
+        subnet=str(claim.subnet),
+        upstream=cfg.dns_upstream,
+        pin_root=cfg.bpf_pin_dir / claim.bridge,
+        refresh_s=cfg.dns_refresh_s,
+        gate_queue=claim.gate_queue,
+        claim=claim,
+    )
