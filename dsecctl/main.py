@@ -228,8 +228,11 @@ def _pool_lines(address: str) -> list[str]:
             resp = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
                 edge_pb2.GetNodeStatusRequest(), timeout=2
             )
-    except grpc.RpcError:
-        return []
+    except grpc.RpcError as exc:
+        # An edge that serves but cannot report its node (a bug): say what it answered.
+        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return [f"node status failed: {code}: {details}"]
     by_state: dict[str, list[str]] = {}
     for c in resp.controls:
         by_state.setdefault(c.state, []).append(c.name)

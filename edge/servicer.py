@@ -20,7 +20,7 @@ from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
-from libdsec.errors import InvalidArgument, Unavailable, code_number
+from libdsec.errors import Internal, InvalidArgument, Unavailable, code_number
 
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
@@ -252,6 +252,24 @@ class EdgeServicer:
         m = self.manager
         load = m.load()
         by_project, by_principal, by_task = m.live_counts()
+        try:
+            return await self._node_status(request, m, load, by_project, by_principal, by_task)
+        except ValueError as exc:  # a count protobuf cannot carry (below zero): a bug, named
+            raise Internal(
+                f"edge {m.edge_id} cannot encode its node status: {exc} (load {load}, "
+                f"accounting errors {m.accounting_errors})",
+                reason="NODE_STATUS_INVALID",
+            ) from exc
+
+    async def _node_status(
+        self,
+        request: edge_pb2.GetNodeStatusRequest,
+        m: SandboxManager,
+        load: Any,
+        by_project: dict[str, int],
+        by_principal: dict[str, int],
+        by_task: dict[str, int],
+    ) -> edge_pb2.GetNodeStatusResponse:
         return edge_pb2.GetNodeStatusResponse(
             info=self.info,
             load=types_pb2.EdgeLoad(
