@@ -14,11 +14,17 @@ Structure:
   sessions  persistent shells driven by a marker protocol (module docstring)
   files     file operations; atomic writes; streamed upload and download
   httpcall  HTTP/1.1 to 127.0.0.1:<port> inside the sandbox
+  clock     the running clock every timer and deadline counts (pauses left out)
 
 Semantics worth knowing:
   * Each command runs in its own session (setsid). A timeout SIGKILLs the
     process group, every process of the session and every descendant, and
     reports exit_code -1, timed_out true (distinct from a non-zero exit).
+  * Timeouts count the time the sandbox ran (`clock`): a command's, a
+    session's interrupt grace and start, WaitExec's, WaitForPort's and each
+    step of an HTTP request. A paused container is frozen while
+    CLOCK_MONOTONIC runs on; a microVM's guest clock stops: both agree.
+    duration_s is wall time (a container's pause is in it).
   * A command that cannot start (argv[0] or cwd missing) reports exit_code
     127 (126: found but not executable) with `error` set, like a shell.
   * Output is capped per stream (max_output_bytes, default 1 MiB): the first

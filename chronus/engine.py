@@ -112,15 +112,19 @@ class Stream:
         cb()
 
     def wait(self, event: Event, timeout: float | None = None) -> bool:
-        """Wait for `event`, for `timeout` seconds at most, unless cancelled."""
-        waited = 0.0
-        while not event.wait(0.25):
-            if self.cancelled:
-                raise Cancelled()
-            waited += 0.25
-            if timeout is not None and waited >= timeout:
-                return event.is_set()
-        return True
+        """Wait for `event`, for `timeout` seconds of running time at most (chronus.clock),
+        unless cancelled."""
+        deadline = None if timeout is None else self.engine.rt.reactor.deadline(timeout)
+        try:
+            while not event.wait(0.25):
+                if self.cancelled:
+                    raise Cancelled()
+                if deadline is not None and deadline.passed:
+                    return event.is_set()
+            return True
+        finally:
+            if deadline is not None:
+                deadline.cancel()
 
 
 class Engine:
@@ -493,12 +497,12 @@ class Engine:
     def _http(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import http_request
 
-        stream.send("http", http_request(req))
+        stream.send("http", http_request(req, self.rt.reactor))
 
     def _wait_for_port(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import wait_for_port
 
-        stream.send("wait_for_port", wait_for_port(req, lambda: stream.cancelled))
+        stream.send("wait_for_port", wait_for_port(req, self.rt.reactor, lambda: stream.cancelled))
 
     def _status(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send(

@@ -158,7 +158,8 @@ class Exec:
         self.exit: dict[str, Any] | None = None
         self.done = threads.Event()
         self.started_at = time.time()
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic()  # duration_s: wall time, pauses included (see finish)
+        self._run0 = rt.reactor.clock.now()  # the timeout: running time (chronus.clock)
         self.subs: list[Subscription] = []
         self.done_callbacks: list[Callable[[], None]] = []
         self.timed_out = False
@@ -386,9 +387,13 @@ class Exec:
         os.close(fd)
 
     def _arm_timeout(self) -> None:
+        """The timeout counts running time from the start: a pause does not count."""
         if self.timeout_s > 0:
-            remaining = self.timeout_s - (time.monotonic() - self._t0)
-            self._timer = self.rt.reactor.call_later(max(0.0, remaining), self._on_timeout)
+            reactor = self.rt.reactor
+            # From the start, unless that read of the clock is ahead of this turn's: taken at a
+            # thaw, before the reactor took the stall off. Then from now.
+            start = min(self._run0, reactor.now)
+            self._timer = reactor.call_at(start + self.timeout_s, self._on_timeout)
 
     def _on_timeout(self) -> None:
         raise NotImplementedError
@@ -411,6 +416,9 @@ class Exec:
             "exit_code": exit_code,
             "signal": sig,
             "timed_out": self.timed_out,
+            # Wall time from start to exit: a container's pause is in it, a microVM's is not
+            # (its guest clock stops). The running clock knows pauses only while a timer is
+            # pending, so it could not say this of every command.
             "duration_s": time.monotonic() - self._t0,
             "stdout_truncated": out.truncated,
             "stderr_truncated": err.truncated,

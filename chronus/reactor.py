@@ -5,6 +5,13 @@ sessions' control fifos, and runs timers (timeouts, lingering). asyncio would
 do this too but costs ~6 MB per process (measured); epoll (`chronus.poller`) costs nothing.
 Other threads talk to the loop only through `call_soon`; callbacks that touch
 shared exec state take the owner's lock themselves.
+
+Timers run on the running clock (`chronus.clock`): the loop takes the time it did not run (a
+paused sandbox's freeze) off it before it runs any callback, so a paused command's timeout, a
+session's interrupt grace or a `Deadline` do not pass over the pause. Callbacks see the time
+of their turn (`now`), read once per phase, as libuv's loop time: a freeze in the middle of a
+phase is the next check's (a time read after it, before that check, would be ahead by the
+freeze, and a timer armed from it late by as much).
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-import time
 from _collections import deque  # not `collections`: see chronus.threads
+from time import monotonic
 
 from aether.log import get_logger
 from chronus import poller, threads
+from chronus.clock import MAX_WAIT_S, Clock
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,6 +46,30 @@ class Timer:
     def cancel(self) -> None:
         self.cancelled = True
 
+    def fire(self) -> None:
+        self.callback()
+
+
+class Deadline(Timer):
+    """`passed` becomes true once `delay` seconds of running time have gone by since it was made
+    (`Reactor.deadline`). Any thread makes, reads and cancels one; only the reactor judges it,
+    having taken a stall off its clock before it fires a timer: a thread that is thawed before
+    the reactor cannot tell a pause from a wait."""
+
+    __slots__ = ("delay", "passed")
+
+    def __init__(self, when: float, delay: float) -> None:
+        super().__init__(when, _nothing)
+        self.delay = delay
+        self.passed = False
+
+    def fire(self) -> None:
+        self.passed = True
+
+
+def _nothing() -> None:
+    pass
+
 
 class Reactor:
     def __init__(self) -> None:
@@ -52,6 +84,8 @@ class Reactor:
         self._readers: dict[int, Callback] = {}
         self._writers: dict[int, Callback] = {}
         self._thread_id = -1
+        self.clock = Clock()  # what every timer and deadline of chronus counts
+        self.now = self.clock.now()  # the running time of this turn (loop thread)
 
     def start(self) -> None:
         self._thread_id = threads.start_thread(self._run)
@@ -67,9 +101,29 @@ class Reactor:
         except BlockingIOError:
             pass  # already awake
 
+    def deadline(self, delay: float) -> Deadline:
+        """A `Deadline` `delay` seconds of running time from now (any thread)."""
+        deadline = Deadline(self.clock.now() + delay, delay)
+        self.call_soon(lambda: self._arm(deadline))
+        return deadline
+
     # ------------------------------------------------ loop thread only
     def call_later(self, delay: float, fn: Callback) -> Timer:
-        timer = Timer(time.monotonic() + delay, fn)
+        """Run fn `delay` seconds of running time after this turn's time."""
+        return self.call_at(self.now + delay, fn)
+
+    def call_at(self, when: float, fn: Callback) -> Timer:
+        """Run fn once the running clock (`clock.now()`, `now`) reaches `when`."""
+        return self._push(Timer(when, fn))
+
+    def _arm(self, deadline: Deadline) -> None:
+        if not deadline.cancelled:
+            # From its making, unless that read of the clock is ahead of this turn's: made at a
+            # thaw, before the stall was taken off. Then from now.
+            deadline.when = min(deadline.when, self.now + deadline.delay)
+            self._push(deadline)
+
+    def _push(self, timer: Timer) -> Timer:
         heapq.heappush(self._timers, (timer.when, next(self._seq), timer))
         return timer
 
@@ -109,13 +163,23 @@ class Reactor:
             self._sel.register(fd, events)
 
     def _run(self) -> None:
+        clock, timers = self.clock, self._timers
+        mark = monotonic()  # where the time since the last check began
         while True:
+            while timers and timers[0][2].cancelled:
+                heapq.heappop(timers)  # so that a cancelled timer keeps no wait short
             timeout: float | None = None
-            if self._timers:
-                timeout = max(0.0, self._timers[0][0] - time.monotonic())
             if self._calls:
-                timeout = 0
-            for key, events in self._sel.select(timeout):
+                timeout = 0.0
+            elif timers:
+                # At most MAX_WAIT_S while a timer is pending: a stall is then found within
+                # that of where it began (see chronus.clock). With none, no wakeups at all.
+                timeout = max(0.0, min(MAX_WAIT_S, timers[0][0] - clock.now()))
+            ready = self._sel.select(timeout)
+            # Two checks a turn, each before callbacks see `now`: the wait (and the previous
+            # timers' callbacks), then the I/O and calls' callbacks, which ask no wait.
+            mark = self._check(mark, timeout)
+            for key, events in ready:
                 fd = key.fd
                 if fd == self._wake_r:
                     try:
@@ -130,11 +194,23 @@ class Reactor:
                     self._guard(self._writers[fd])
             while self._calls:
                 self._guard(self._calls.popleft())
-            now = time.monotonic()
-            while self._timers and self._timers[0][0] <= now:
-                timer = heapq.heappop(self._timers)[2]
+            mark = self._check(mark, 0.0)
+            now = self.now
+            while timers and timers[0][0] <= now:
+                timer = heapq.heappop(timers)[2]
                 if not timer.cancelled:
-                    self._guard(timer.callback)
+                    self._guard(timer.fire)
+
+    def _check(self, mark: float, asked: float | None) -> float:
+        """Takes a stall since `mark` off the clock (none is known after a wait without a bound:
+        then no deadline was pending) and sets this turn's `now`; returns the new mark."""
+        ended = monotonic()
+        if asked is not None:
+            stalled = self.clock.stalled(mark, asked, ended)
+            if stalled:
+                log.info("did not run for %.1fs (paused or starved): timers skip it", stalled)
+        self.now = ended - self.clock.stalled_s
+        return ended
 
     @staticmethod
     def _guard(fn: Callback) -> None:

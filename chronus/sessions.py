@@ -280,8 +280,8 @@ class SessionExec(Exec):
         self.pid = session.pid
         self._files: list[str] = []
         self._pgids_before: set[int] = set()
-        self._interrupt_until = 0.0
         self._interrupt_timer: Timer | None = None
+        self._grace_timer: Timer | None = None
         self._killing = False
         self._stdin_fifo = ""
 
@@ -409,8 +409,9 @@ class SessionExec(Exec):
     def finish(self, exit_code: int, sig: int, error: str = "") -> None:
         if self.exit is not None:
             return
-        if self._interrupt_timer is not None:
-            self._interrupt_timer.cancel()
+        for timer in (self._interrupt_timer, self._grace_timer):
+            if timer is not None:
+                timer.cancel()
         if self.is_pty:
             self.stdin_fd = -1  # the session's master: not ours to close
         super().finish(exit_code, sig, error)
@@ -445,16 +446,23 @@ class SessionExec(Exec):
         if self._killing:
             return
         self._killing = True
-        self._interrupt_until = time.monotonic() + INTERRUPT_GRACE_S
+        # A reactor timer: running time (chronus.clock), so a pause inside the grace does not
+        # close the session.
+        self._grace_timer = self.rt.reactor.call_later(INTERRUPT_GRACE_S, self._give_up)
         self._interrupt()
+
+    def _give_up(self) -> None:
+        with self.rt.lock:
+            s = self.session
+            if self.exit is None and not s.closed:
+                log.warning(
+                    "session %s: shell did not return to its prompt; closing it", s.session_id
+                )
+                s.dispose()
 
     def _interrupt(self) -> None:
         s = self.session
         if self.exit is not None or s.closed:
-            return
-        if time.monotonic() > self._interrupt_until:
-            log.warning("session %s: shell did not return to its prompt; closing it", s.session_id)
-            s.dispose()
             return
         try:
             fg = os.tcgetpgrp(s.master)
