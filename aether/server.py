@@ -369,9 +369,12 @@ class Aether:
 
     def _abandon_streams(self) -> None:
         """Streams of a vanished caller are abandoned; background commands and sessions are
-        not streams and live on."""
+        not streams and live on. A foreground command's stream is cancelled as abandoned:
+        chronus keeps the command for a grace, for the edge to attach to it again (after a
+        microVM's restore, the edge continues the caller's stream that way)."""
+        abandoned = wire.encode("dsec.aether.v1.Cancel", {"abandoned": True})
         for cid in list(self._to_edge):
-            self._to_chronus_frame(cid, F_CANCEL, b"")
+            self._to_chronus_frame(cid, F_CANCEL, abandoned)
         self._to_chronus.clear()
         self._to_edge.clear()
 

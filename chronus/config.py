@@ -29,6 +29,9 @@ class ChronusConfig:
     linger_s = 0.1  # how long an exited command's pipes are still read
     keep_exited = 64  # exited background execs kept for attach/wait
     session_ready_s = 10.0
+    #: A foreground command whose stream was abandoned (its connection went) waits this long
+    #: (running time) for an AttachExec before it is killed (chronus.execs.Execs.orphan).
+    orphan_grace_s = 60.0
 
     def __init__(
         self,
@@ -70,7 +73,7 @@ class ChronusConfig:
         landlock = environ.get("DSEC_CHRONUS_LANDLOCK") or "auto"
         if landlock not in ("auto", "on", "off"):
             raise ValueError("DSEC_CHRONUS_LANDLOCK must be auto, on or off")
-        return cls(
+        cfg = cls(
             workdir=workdir,
             runtime_dir=runtime_dir,
             env=env,
@@ -78,3 +81,9 @@ class ChronusConfig:
             runtime_fd=runtime_fd,
             landlock=landlock,
         )
+        grace = environ.get("DSEC_CHRONUS_ORPHAN_GRACE_S")
+        if grace:
+            cfg.orphan_grace_s = float(grace)
+            if not cfg.orphan_grace_s > 0:
+                raise ValueError("DSEC_CHRONUS_ORPHAN_GRACE_S must be positive")
+        return cfg

@@ -47,6 +47,9 @@ class Stream:
         self.engine = engine
         self.stream_id = stream_id
         self.cancelled = False
+        #: Cancelled because the caller's connection went (aether's Cancel.abandoned), not by
+        #: the caller: a foreground command is orphaned for a grace instead of killed.
+        self.abandoned = False
         self._cond = Condition()
         self._inputs: deque[tuple[Input, int]] = deque()
         self._queued_bytes = 0
@@ -68,9 +71,10 @@ class Stream:
                 return
         handler(req)
 
-    def cancel(self) -> None:
+    def cancel(self, abandoned: bool = False) -> None:
         with self._cond:
             self.cancelled = True
+            self.abandoned = self.abandoned or abandoned
             callbacks = list(self._cancel_callbacks)
             self._cond.notify_all()
         for cb in callbacks:
@@ -223,7 +227,7 @@ class Engine:
                 stream = self._streams.get(stream_id)
             if stream is not None:
                 if "cancel" in frame:
-                    stream.cancel()
+                    stream.cancel(abandoned=bool((frame["cancel"] or {}).get("abandoned")))
                 else:
                     stream.push(None, 0)
         elif "ping" in frame:
@@ -301,7 +305,11 @@ class Engine:
             stream.send("exec_event", self._started(ex))
             self._pump(stream, sub, self._keepalive_s(keepalive_ms))
         except Cancelled:
-            if not ex.background:
+            if ex.background:
+                pass
+            elif stream.abandoned:
+                self.execs.orphan(ex)  # kept for a reattach (orphan_grace_s), then killed
+            else:
                 ex.kill()
             raise
         finally:

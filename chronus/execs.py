@@ -150,6 +150,8 @@ class Exec:
         self.user: str = req.get("user", "")
         self.session_id: str = req.get("session_id", "")
         self.background = background
+        #: A foreground exec whose stream was abandoned: kept for a reattach (Execs.orphan).
+        self.orphaned = False
         self.timeout_s = timeout_s
         self.cap = cap
         self.buffers = (OutputBuffer(cap), OutputBuffer(cap))
@@ -747,12 +749,41 @@ class ExecManager:
         for old in exited[: max(0, len(exited) - self.rt.config.keep_exited)]:
             del self.execs[old.exec_id]
 
+    def orphan(self, ex: Exec) -> None:
+        """A foreground exec whose stream was abandoned (its connection went: an edge restart,
+        a microVM's restore), not cancelled by its caller: kept orphan_grace_s of running time
+        for an AttachExec by its id, and killed if nobody is attached then (checked again
+        each grace while someone is). Any thread."""
+        with self.rt.lock:
+            ex.orphaned = True
+        reactor, grace = self.rt.reactor, self.rt.config.orphan_grace_s
+
+        def arm() -> None:
+            reactor.call_later(grace, lambda: self._orphan_due(ex))
+
+        reactor.call_soon(arm)
+
+    def _orphan_due(self, ex: Exec) -> None:
+        """Reactor thread: an orphan's grace is over."""
+        with self.rt.lock:
+            if ex.exit is not None:
+                return
+            attached = bool(ex.subs)
+        if attached:
+            self.rt.reactor.call_later(self.rt.config.orphan_grace_s, lambda: self._orphan_due(ex))
+            return
+        ex.kill()
+
     def forget(self, ex: Exec) -> None:
         """A foreground exec whose caller has its result (or went away): nobody can ask
         again. One still running (its stream was cancelled, the kill not yet reaped) goes
-        when it exits, so abandoned streams do not grow the table."""
+        when it exits, so abandoned streams do not grow the table. An orphan stays until it
+        exits (it may be attached to meanwhile)."""
         with self.rt.lock:
             if ex.background:
+                return
+            if ex.orphaned and ex.exit is None:
+                ex.done_callbacks.append(lambda: self._drop(ex.exec_id))
                 return
             if ex.exit is not None:
                 self.execs.pop(ex.exec_id, None)

@@ -3,7 +3,7 @@
 message name -> {field number: (name, descriptor type, extra, oneof)}
 extra: (repeated, message type) or for maps (key type, value type, value message)."""
 
-SCHEMA = {'dsec.aether.v1.Cancel': {},
+SCHEMA = {'dsec.aether.v1.Cancel': {1: ('abandoned', 8, (False, ''), '')},
  'dsec.aether.v1.Claim': {1: ('env', 'map', (9, 9, ''), ''),
                           2: ('guest', 11, (False, 'dsec.aether.v1.GuestIdentity'), '')},
  'dsec.aether.v1.Claimed': {1: ('error', 9, (False, ''), '')},

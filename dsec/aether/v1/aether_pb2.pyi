@@ -384,12 +384,21 @@ Global___StreamEnd: _TypeAlias = StreamEnd  # noqa: Y015
 class Cancel(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    ABANDONED_FIELD_NUMBER: _builtins.int
+    abandoned: _builtins.bool
+    """Sent by aether, not the edge: the connection the stream came on is gone (an edge restart, a
+    microVM's restore), not the caller's choice. A foreground command is then kept running for a
+    grace (chronus orphan_grace_s: 60 s of running time) so the edge can attach to it again; one
+    nobody attached to by then is killed, as a cancelled one is at once.
+    """
     def __init__(
         self,
+        *,
+        abandoned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned", b"abandoned"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
