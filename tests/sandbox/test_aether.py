@@ -160,6 +160,21 @@ class Sandbox:
         return (self.tmp / "aether.log").read_text(errors="replace")
 
 
+def sandbox_with(tmp_path: Path, **env: str) -> Sandbox:
+    """A Sandbox whose aether and chronus start with these DSEC_* settings (read from the
+    environment at start; the test's own environment is left as it was)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Sandbox(tmp_path)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Iterator[Sandbox]:
     sb = Sandbox(tmp_path)
@@ -198,11 +213,7 @@ def test_hello_and_commands(sandbox: Sandbox) -> None:
 
 
 def test_ping_pong_both_ways(tmp_path: Path) -> None:
-    os.environ["DSEC_AETHER_PING_IDLE_S"] = "0.3"
-    try:
-        sb = Sandbox(tmp_path)
-    finally:
-        del os.environ["DSEC_AETHER_PING_IDLE_S"]
+    sb = sandbox_with(tmp_path, DSEC_AETHER_PING_IDLE_S="0.3")
     try:
         edge, _ = sb.connect()
         edge.send(A.Frame(ping=A.Ping(nonce=77)))
@@ -260,11 +271,7 @@ def test_a_new_connection_replaces_the_old(tmp_path: Path) -> None:
     """The old connection's foreground streams are abandoned, not cancelled by their callers:
     each command is kept for a grace (DSEC_CHRONUS_ORPHAN_GRACE_S) so the edge can attach to
     it again (a microVM's restore, issue 31); one nobody attaches to is killed after it."""
-    os.environ["DSEC_CHRONUS_ORPHAN_GRACE_S"] = "1.5"
-    try:
-        sb = Sandbox(tmp_path)
-    finally:
-        del os.environ["DSEC_CHRONUS_ORPHAN_GRACE_S"]
+    sb = sandbox_with(tmp_path, DSEC_CHRONUS_ORPHAN_GRACE_S="1.5")
     try:
         edge, _ = sb.connect()
         kept = edge.open(
@@ -545,12 +552,7 @@ def test_a_character_device_as_the_channel(tmp_path: Path) -> None:
 
 
 def _short_keepalive(tmp_path: Path) -> Sandbox:
-    os.environ["DSEC_AETHER_PING_IDLE_S"] = "0.5"
-    os.environ["DSEC_AETHER_PEER_DEAD_S"] = "2.0"
-    try:
-        return Sandbox(tmp_path)
-    finally:
-        del os.environ["DSEC_AETHER_PING_IDLE_S"], os.environ["DSEC_AETHER_PEER_DEAD_S"]
+    return sandbox_with(tmp_path, DSEC_AETHER_PING_IDLE_S="0.5", DSEC_AETHER_PEER_DEAD_S="2.0")
 
 
 def test_a_frozen_aether_does_not_drop_the_edge_for_a_silence_that_was_its_own(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -109,12 +110,22 @@ class _FrozenPeer:
         return await asyncio.start_unix_server(serve, path=str(path))
 
 
-async def test_a_held_channel_outlives_a_silence_past_its_dead_limit(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _connected(tmp_path: Path) -> AsyncIterator[tuple[_FrozenPeer, AetherConnection]]:
+    """A _FrozenPeer and a connection to it with a fast keepalive (0.2 s, dead after 0.6 s)."""
     peer = _FrozenPeer()
     server = await peer.start(tmp_path / "agent")
     conn = AetherConnection(str(tmp_path / "agent"), "sb-x", ping_interval_s=0.2, dead_after_s=0.6)
     try:
         await conn.connect(timeout_s=5)
+        yield peer, conn
+    finally:
+        await conn.close()
+        server.close()
+
+
+async def test_a_held_channel_outlives_a_silence_past_its_dead_limit(tmp_path: Path) -> None:
+    async with _connected(tmp_path) as (peer, conn):
         conn.hold()
         peer.frozen = True
         await asyncio.sleep(2.0)  # > 3x the dead limit
@@ -123,25 +134,15 @@ async def test_a_held_channel_outlives_a_silence_past_its_dead_limit(tmp_path: P
         await conn.release(timeout_s=2.0)  # answered: a Pong
         await asyncio.sleep(1.0)  # and the keepalive runs again
         assert not conn.closed.is_set()
-    finally:
-        await conn.close()
-        server.close()
 
 
 async def test_an_unheld_silent_channel_closes_and_a_release_unanswered_fails(
     tmp_path: Path,
 ) -> None:
-    peer = _FrozenPeer()
-    server = await peer.start(tmp_path / "agent")
-    conn = AetherConnection(str(tmp_path / "agent"), "sb-x", ping_interval_s=0.2, dead_after_s=0.6)
-    try:
-        await conn.connect(timeout_s=5)
+    async with _connected(tmp_path) as (peer, conn):
         conn.hold()
         peer.frozen = True
         with pytest.raises(Unavailable, match="did not answer a ping"):
             await conn.release(timeout_s=0.5)  # still frozen: no Pong
         await asyncio.wait_for(conn.closed.wait(), timeout=3.0)  # not held: judged dead
         assert conn.close_reason  # why it closed is kept for the calls it fails
-    finally:
-        await conn.close()
-        server.close()

@@ -72,6 +72,19 @@ def _keepalive() -> types_pb2.ExecEvent:
     return types_pb2.ExecEvent(keepalive=types_pb2.Keepalive())
 
 
+def _exec_stream(sb: Sandbox, *, continued: bool = True) -> AsyncIterator[Any]:
+    """An exec stream of `sb` across pauses (keepalives every 0.1 s), continued or not."""
+    request = types_pb2.ExecRequest(sandbox_id="sb-x")
+    return across_pauses(
+        sb.state(),
+        "exec_stream",
+        request,
+        keepalive=_keepalive,
+        interval_s=0.1,
+        continuation=ExecContinuation(request) if continued else None,
+    )
+
+
 async def _collect(it: AsyncIterator[Any]) -> list[str]:
     out = []
     async for ev in it:
@@ -85,28 +98,10 @@ async def test_a_paused_sandbox_s_quiet_stream_gets_the_edge_s_keepalives_a_runn
 ):
     channel = Channel({"exec_stream": [STARTED, 0.35, _out("a", 0), EXIT]})
     sb = Sandbox(channel)
-    running = await _collect(
-        across_pauses(
-            sb.state(),
-            "exec_stream",
-            types_pb2.ExecRequest(sandbox_id="sb-x"),
-            keepalive=_keepalive,
-            interval_s=0.1,
-            continuation=ExecContinuation(types_pb2.ExecRequest(sandbox_id="sb-x")),
-        )
-    )
+    running = await _collect(_exec_stream(sb))
     assert running == ["started", "a", "exit"]  # chronus's own keepalives are its business
     sb.paused = True
-    paused = await _collect(
-        across_pauses(
-            sb.state(),
-            "exec_stream",
-            types_pb2.ExecRequest(sandbox_id="sb-x"),
-            keepalive=_keepalive,
-            interval_s=0.1,
-            continuation=None,
-        )
-    )
+    paused = await _collect(_exec_stream(sb, continued=False))
     assert paused[0] == "started" and paused[-2:] == ["a", "exit"]
     assert paused.count("keepalive") >= 2
 
@@ -127,16 +122,7 @@ async def test_a_stream_cut_by_a_pause_continues_from_the_caller_s_offsets() -> 
         sb.paused = False
 
     resumer = asyncio.create_task(resume_later())
-    events = await _collect(
-        across_pauses(
-            sb.state(),
-            "exec_stream",
-            types_pb2.ExecRequest(sandbox_id="sb-x"),
-            keepalive=_keepalive,
-            interval_s=0.1,
-            continuation=ExecContinuation(types_pb2.ExecRequest(sandbox_id="sb-x")),
-        )
-    )
+    events = await _collect(_exec_stream(sb))
     await resumer
     assert [e for e in events if e != "keepalive"] == [
         "started",
@@ -162,32 +148,14 @@ async def test_a_cut_stream_of_a_sandbox_that_ends_instead_ends_with_its_termina
 
     ender = asyncio.create_task(end_later())
     with pytest.raises(SandboxTerminated, match="TTL"):
-        await _collect(
-            across_pauses(
-                sb.state(),
-                "exec_stream",
-                types_pb2.ExecRequest(sandbox_id="sb-x"),
-                keepalive=_keepalive,
-                interval_s=0.1,
-                continuation=ExecContinuation(types_pb2.ExecRequest(sandbox_id="sb-x")),
-            )
-        )
+        await _collect(_exec_stream(sb))
     await ender
 
 
 async def test_a_cut_stream_of_a_running_sandbox_is_not_continued() -> None:
     channel = Channel({"exec_stream": [STARTED, ChannelClosed("the sandbox died")]})
     with pytest.raises(ChannelClosed):
-        await _collect(
-            across_pauses(
-                Sandbox(channel).state(),
-                "exec_stream",
-                types_pb2.ExecRequest(sandbox_id="sb-x"),
-                keepalive=_keepalive,
-                interval_s=0.1,
-                continuation=ExecContinuation(types_pb2.ExecRequest(sandbox_id="sb-x")),
-            )
-        )
+        await _collect(_exec_stream(Sandbox(channel)))
     assert [c for c, _ in channel.calls] == ["exec_stream"]
 
 
