@@ -22,8 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from libdsec import Exited, Output, Sandbox
 from libdsec.errors import SandboxTerminated
 from tests.backends.conftest import Target
@@ -171,7 +173,9 @@ def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -
     wait_for(lambda: any(getattr(e, "name", "") == "after-resume" for e in files_seen.items))
     assert files_seen.error is None
 
-    # Every task member answers, its memory intact.
+    # Every task member answers, its memory intact; the node holds their memory again.
+    pause = _node_status(target).pause
+    assert (pause.paused, pause.released_mb) == (0, 0), pause
     for i, sb in enumerate(members):
         assert sb.refresh().state == "RUNNING"
         assert sb.files.read("/work/id") == str(i).encode()
@@ -181,6 +185,14 @@ def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -
     watch.close()
     dir_watch.close()
     bg.kill()
+
+
+def _node_status(target: Target) -> edge_pb2.GetNodeStatusResponse:
+    edge = next(p for p in target.cluster.processes if p.name.startswith("edge"))
+    with grpc.insecure_channel(edge.address) as ch:
+        return edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+            edge_pb2.GetNodeStatusRequest(), timeout=5
+        )
 
 
 def _all_ticks(c: Collector) -> list[str]:
