@@ -359,6 +359,12 @@ class Engine:
                 self._replay(stream, sub)
             else:
                 self._pump(stream, sub, self._keepalive_s(req.get("keepalive_interval_ms", 0)))
+        except Cancelled:
+            if ex.orphaned and not stream.abandoned:
+                # An orphaned foreground command (the edge attached to it again after its
+                # stream's connection went): its caller leaving now ends it, as it would have.
+                ex.kill()
+            raise
         finally:
             ex.unsubscribe(sub)
 

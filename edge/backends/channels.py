@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 #: How long a running sandbox whose channel went silent has to answer a new connection's Hello
 #: before it is ended (CHANNEL_CLOSED). A merely slow sandbox answers within it.
 RECONNECT_S = 30.0
+#: One try of that reconnect: a Hello within it, or the runtime is asked whether it still runs.
+RECONNECT_TRY_S = 2.0
 
 
 class ChannelHooks(Protocol):
@@ -179,13 +182,20 @@ class ChannelKeeper:
             log.warning(
                 "channel to %s lost (%s) but the sandbox runs; reconnecting", sandbox_id, reason
             )
-            try:
-                # A starved sandbox (a tiny cpu quota, a heavy swap-in) answers late: give it
-                # reconnect_s before calling it dead (docs/ARCHITECTURE.md, timers).
-                await self.connect(sandbox_id, timeout_s=self.reconnect_s)
-                return
-            except Unavailable as exc:
-                if sandbox_id in self.held:  # paused while we waited: the resume reconnects
+            # A starved sandbox (a tiny cpu quota, a heavy swap-in) answers late: it gets
+            # reconnect_s before it is called dead (docs/ARCHITECTURE.md, timers), in tries
+            # of RECONNECT_TRY_S between which the runtime is asked again, so one that died
+            # meanwhile ends at once rather than after the whole budget.
+            deadline = time.monotonic() + self.reconnect_s
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    await self.connect(sandbox_id, timeout_s=max(0.1, min(RECONNECT_TRY_S, left)))
                     return
-                reason = f"reconnect failed: {exc.message}"
+                except Unavailable as exc:
+                    if sandbox_id in self.held:  # paused meanwhile: the resume reconnects
+                        return
+                    reason = f"reconnect failed: {exc.message}"
+                if left <= RECONNECT_TRY_S or not await self.hooks.still_running(sandbox_id):
+                    break
         await self.report_exit(sandbox_id, *await self.hooks.why_ended(sandbox_id, reason))
