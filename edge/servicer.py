@@ -249,27 +249,22 @@ class EdgeServicer:
     async def GetNodeStatus(
         self, request: edge_pb2.GetNodeStatusRequest, context: Any
     ) -> edge_pb2.GetNodeStatusResponse:
-        m = self.manager
-        load = m.load()
-        by_project, by_principal, by_task = m.live_counts()
         try:
-            return await self._node_status(request, m, load, by_project, by_principal, by_task)
+            return await self._node_status(request)
         except ValueError as exc:  # a count protobuf cannot carry (below zero): a bug, named
+            m = self.manager
             raise Internal(
-                f"edge {m.edge_id} cannot encode its node status: {exc} (load {load}, "
+                f"edge {m.edge_id} cannot encode its node status: {exc} (load {m.load()}, "
                 f"accounting errors {m.accounting_errors})",
                 reason="NODE_STATUS_INVALID",
             ) from exc
 
     async def _node_status(
-        self,
-        request: edge_pb2.GetNodeStatusRequest,
-        m: SandboxManager,
-        load: Any,
-        by_project: dict[str, int],
-        by_principal: dict[str, int],
-        by_task: dict[str, int],
+        self, request: edge_pb2.GetNodeStatusRequest
     ) -> edge_pb2.GetNodeStatusResponse:
+        m = self.manager
+        load = m.load()
+        by_project, by_principal, by_task = m.live_counts()
         return edge_pb2.GetNodeStatusResponse(
             info=self.info,
             load=types_pb2.EdgeLoad(
