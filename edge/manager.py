@@ -16,10 +16,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edge.backends.contract import (
     AttachesGpus,
@@ -52,6 +52,7 @@ from libdsec.errors import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AccountingError(RuntimeError):
@@ -520,20 +521,7 @@ class SandboxManager:
         by the next call)."""
         rec = self.get_live(sandbox_id)
         require(self.backend_of(rec), Pausable)
-        task = self._resuming.get(sandbox_id)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(
-                self._resume(rec), name=f"resume-{sandbox_id}"
-            )
-            self._resuming[sandbox_id] = task
-
-            def done(t: asyncio.Task[SandboxRecord]) -> None:
-                if self._resuming.get(sandbox_id) is t:
-                    del self._resuming[sandbox_id]
-                if not t.cancelled():
-                    t.exception()  # retrieved here: every caller may have gone
-
-            task.add_done_callback(done)
+        task = self._shared(self._resuming, sandbox_id, lambda: self._resume(rec))
         return await asyncio.shield(task)
 
     async def _resume(self, rec: SandboxRecord) -> SandboxRecord:
@@ -672,16 +660,11 @@ class SandboxManager:
         of what the sandbox held) runs once, in a task of its own, so a caller that goes
         away (a cancelled RPC) cannot leave it half done. Every later call waits for that
         teardown and returns the same record."""
-        ending = self._endings.get(rec.sandbox_id)
-        if ending is None:
+        if rec.sandbox_id not in self._endings:
             if rec.state == TERMINAL:
                 return rec
             rec.termination_reason = reason
             rec.termination_message = message
-            ending = asyncio.get_running_loop().create_task(
-                self._teardown(rec, grace_s), name=f"end-{rec.sandbox_id}"
-            )
-            self._endings[rec.sandbox_id] = ending
         elif reason != rec.termination_reason:
             log.debug(
                 "sandbox %s is already ending (%s); %s comes too late",
@@ -689,41 +672,63 @@ class SandboxManager:
                 rec.termination_reason,
                 reason,
             )
+        ending = self._shared(self._endings, rec.sandbox_id, lambda: self._teardown(rec, grace_s))
         await asyncio.shield(ending)
         return rec
 
     async def _teardown(self, rec: SandboxRecord, grace_s: float | None) -> None:
         sid = rec.sandbox_id
-        try:
-            self._set_state(rec, "STOPPING")
-            backend = self.backend_of(rec)
-            if grace_s is not None:
-                try:
-                    await backend.stop(rec, grace_s)
-                except Exception as exc:
-                    log.warning("stop of %s failed: %s", sid, exc)
+        self._set_state(rec, "STOPPING")
+        backend = self.backend_of(rec)
+        if grace_s is not None:
             try:
-                await backend.destroy(rec)
+                await backend.stop(rec, grace_s)
             except Exception as exc:
-                log.error("destroy of %s failed (will retry at orphan cleanup): %s", sid, exc)
-            rec.terminated_at = time.time()
-            try:
-                self._account(rec, -1)
-            except AccountingError as exc:
-                self.accounting_errors += 1
-                log.error("%s", exc, extra={"sandbox_id": sid})
-            rec.released_mb = 0
-            self._transitions.pop(sid, None)
-            self._set_state(rec, TERMINAL)
-            log.info(
-                "sandbox %s terminated: %s %s",
-                sid,
-                rec.termination_reason,
-                rec.termination_message,
-                extra={"sandbox_id": sid, "reason": rec.termination_reason},
-            )
-        finally:
-            self._endings.pop(sid, None)
+                log.warning("stop of %s failed: %s", sid, exc)
+        try:
+            await backend.destroy(rec)
+        except Exception as exc:
+            log.error("destroy of %s failed (will retry at orphan cleanup): %s", sid, exc)
+        rec.terminated_at = time.time()
+        try:
+            self._account(rec, -1)
+        except AccountingError as exc:
+            self.accounting_errors += 1
+            log.error("%s", exc, extra={"sandbox_id": sid})
+        rec.released_mb = 0
+        self._transitions.pop(sid, None)
+        self._set_state(rec, TERMINAL)
+        log.info(
+            "sandbox %s terminated: %s %s",
+            sid,
+            rec.termination_reason,
+            rec.termination_message,
+            extra={"sandbox_id": sid, "reason": rec.termination_reason},
+        )
+
+    def _shared(
+        self,
+        table: dict[str, asyncio.Task[T]],
+        sandbox_id: str,
+        make: Callable[[], Coroutine[Any, Any, T]],
+    ) -> asyncio.Task[T]:
+        """The task under way for ``sandbox_id`` in ``table`` (its resume, its ending), or a new
+        one of ``make()``: one per sandbox, awaited (shielded) by every caller, so a caller that
+        goes away cannot cut it short. It leaves the table when done; its exception is
+        retrieved here (every caller may have gone)."""
+        task = table.get(sandbox_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(make(), name=sandbox_id)
+            table[sandbox_id] = task
+
+            def done(t: asyncio.Task[T]) -> None:
+                if table.get(sandbox_id) is t:
+                    del table[sandbox_id]
+                if not t.cancelled():
+                    t.exception()
+
+            task.add_done_callback(done)
+        return task
 
     async def _on_backend_exit(self, sandbox_id: str, reason: str, message: str) -> None:
         rec = self.records.get(sandbox_id)
