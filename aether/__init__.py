@@ -18,7 +18,7 @@ first frame on each connection is Hello. aether answers Ping, pings an idle
 edge after 5 s and drops a silent one after 20 s.
 
 Relay: aether and chronus speak the same frames over a socketpair. aether does
-not decode call bodies: it reads the Frame's top-level fields (`wire.split_frame`)
+not decode call bodies: it reads the Frame's top-level fields (`insandbox.wire.split_frame`)
 and rewrites the stream id, because edge stream ids restart with each
 connection while chronus may still be ending the previous connection's
 streams. Control frames (Ping, Shutdown) are handled by aether itself.
@@ -47,8 +47,12 @@ chronus and never inherited by commands. Commands run confined by chronus
 Why no protobuf library: aether and chronus run in every sandbox, on a
 relocatable interpreter from the toolkit layer, with a budget of a few MB.
 protobuf costs ~10 MB per process and grpc ~20 MB (measured), asyncio ~6 MB.
-`wire` encodes and decodes the contract messages from the generated table
+`insandbox.wire` encodes and decodes the contract messages from the generated table
 `dsec.wire_schema.SCHEMA` with the standard library; the conformance tests
 check it against the real protobuf classes. chronus is forked after every
 module is imported, so the two processes share those pages copy-on-write.
+
+Layering: aether and chronus share their in-sandbox code (the codec, the logger, the security
+helpers, the poller, the process table) through the package `insandbox`; neither imports the
+other. aether knows chronus by name only (`aether.server.ENGINE`): a program it runs.
 """

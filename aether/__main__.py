@@ -13,8 +13,8 @@ import os
 import sys
 
 from aether.config import AetherConfig
-from aether.log import get_logger
-from aether.security import become_subreaper, install_seccomp_from_env, make_undumpable
+from insandbox.log import get_logger
+from insandbox.security import become_subreaper, install_seccomp_from_env, make_undumpable
 
 log = get_logger("aether")
 

@@ -19,7 +19,7 @@ import os
 import struct
 import time
 
-from aether.log import get_logger
+from insandbox.log import get_logger
 
 log = get_logger("aether.guest")
 

@@ -1,11 +1,14 @@
 """aether's loop: init duties, the edge connection, the relay to chronus.
 
-Single-threaded, one epoll loop (`chronus.poller`): the listening socket (containers) or the
+Single-threaded, one epoll loop (`insandbox.poller`): the listening socket (containers) or the
 channel character device (VMs: a virtio-serial port), the edge connection, the chronus channel
 and the signal wake-up socket. Frames are
 relayed without decoding their bodies (`wire.split_frame`); only stream ids
 are rewritten, because the edge's ids restart with each connection while
 chronus may still be winding down streams of the previous one.
+
+chronus is a program aether supervises, named (`ENGINE`) and never imported: aether forks it
+from its own modules or executes it, talks to it over frames, and uses nothing else of it.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ import os
 import sys
 import time
 
-import chronus
-from aether import wire
+import insandbox
 from aether.config import AetherConfig
-from aether.log import get_logger
-from chronus import poller
-from chronus.proc import descendants, kill_quietly, killpg_quietly, proc_table, spawn
+from insandbox import poller, wire
+from insandbox.log import get_logger
+from insandbox.proc import descendants, kill_quietly, killpg_quietly, proc_table
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 log = get_logger("aether")
@@ -58,6 +61,13 @@ MAX_IDLE_WAIT_S = 60.0
 #: A loop turn that came back this much later than it asked to was not running: the sandbox
 #: was frozen (pause), or starved (a 0.01-cpu quota, a heavy swap-in). That time is not silence.
 STALL_S = 1.0
+#: The engine aether runs, by name. Exec mode: the program `python -m chronus --fd 3`. Fork mode
+#: (the default): its module ENGINE_MODULE, loaded into aether before the fork so that chronus
+#: shares every page aether loaded, copy-on-write; the child then calls its
+#: `serve_socket(channel)`. A name, not an import: aether needs nothing else of chronus, and the
+#: two share their code through `insandbox` (tests/unit/test_layering.py keeps it so).
+ENGINE = "chronus"
+ENGINE_MODULE = "chronus.engine"
 
 
 class DeviceStream:
@@ -199,7 +209,7 @@ class Aether:
         if self.warm:
             # A warm sandbox: chronus's modules now (shared with it by fork), chronus itself at
             # the claim, with the sandbox's environment.
-            import chronus.engine  # noqa: F401
+            _load_engine()
         else:
             self._start_chronus()
         self._update_interest()  # the loop below selects on what is registered
@@ -348,7 +358,7 @@ class Aether:
         hello = {
             "protocol_version": PROTOCOL_VERSION,
             "pid": os.getpid(),
-            "chronus_version": chronus.__version__,
+            "chronus_version": insandbox.__version__,
         }
         self.edge.queue(wire.encode(wire.FRAME, {"hello": hello}))
         self.edge.flush()
@@ -493,29 +503,13 @@ class Aether:
             del self._to_chronus[sid]
 
     def _start_chronus(self) -> None:
-        # Imported before the fork, so chronus shares these pages copy-on-write.
-        from chronus.engine import serve_socket
-
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._chronus_started = time.monotonic()
         if self.config.chronus_mode == "exec":
-            argv = [sys.executable, *_interpreter_flags(), "-m", "chronus", "--fd", "3"]
-            env = dict(os.environ)
-            fds = {3: theirs.fileno()}
-            copy = -1
-            if self.runtime_fd >= 0:
-                # A copy numbered above 4: dup2 onto the same number would keep close-on-exec.
-                copy = fcntl.fcntl(self.runtime_fd, fcntl.F_DUPFD_CLOEXEC, 10)
-                fds[4] = copy
-                env["DSEC_CHRONUS_RUNTIME_FD"] = "4"
-            try:
-                self.chronus_pid = spawn(
-                    argv, env, os.getcwd(), stdin=0, stdout=1, stderr=2, extra_fds=fds
-                )
-            finally:
-                if copy >= 0:
-                    os.close(copy)
+            self.chronus_pid = self._exec_chronus(theirs)
         else:
+            # Loaded before the fork, so chronus shares these pages copy-on-write.
+            serve_socket = _load_engine()
             gc.collect()
             gc.freeze()  # the collector must not dirty the shared pages in chronus
             pid = os.fork()
@@ -528,8 +522,38 @@ class Aether:
         self.sel.register(ours, poller.EVENT_READ, self.chronus)
         self.chronus.flush()
 
+    def _exec_chronus(self, theirs: _socket.socket) -> int:
+        """Exec mode: `python -m chronus --fd 3` in a session of its own, with aether's stdio,
+        the channel as fd 3 and chronus's runtime directory (if any) as fd 4; its pid."""
+        argv = [sys.executable, *_interpreter_flags(), "-m", ENGINE, "--fd", "3"]
+        env = dict(os.environ)
+        # Copies numbered above 4: a dup2 onto the same number would keep close-on-exec.
+        copies = [fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)]
+        actions = [(os.POSIX_SPAWN_DUP2, copies[0], 3)]
+        try:
+            if self.runtime_fd >= 0:
+                copies.append(fcntl.fcntl(self.runtime_fd, fcntl.F_DUPFD_CLOEXEC, 10))
+                actions.append((os.POSIX_SPAWN_DUP2, copies[1], 4))
+                env["DSEC_CHRONUS_RUNTIME_FD"] = "4"
+            return os.posix_spawn(
+                sys.executable,
+                argv,
+                env,
+                file_actions=actions,
+                setsid=True,
+                setsigmask=(),
+                # Python ignores these; an ignored disposition survives exec.
+                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ),
+            )
+        finally:
+            for fd in copies:
+                os.close(fd)
+
     def _become_chronus(
-        self, ours: _socket.socket, theirs: _socket.socket, serve_socket: Any
+        self,
+        ours: _socket.socket,
+        theirs: _socket.socket,
+        serve_socket: Callable[[_socket.socket], None],
     ) -> None:
         """In the forked child: drop everything of aether's, serve the channel."""
         code = 0
@@ -672,6 +696,13 @@ class Aether:
                 return
             if pid == 0:
                 return
+
+
+def _load_engine() -> Callable[[_socket.socket], None]:
+    """The engine's entry point `serve_socket`, its module imported by name (see ENGINE)."""
+    __import__(ENGINE_MODULE)  # the builtin: `importlib` is not loaded in the sandbox
+    entry: Callable[[_socket.socket], None] = sys.modules[ENGINE_MODULE].serve_socket
+    return entry
 
 
 def _runtime_fd() -> int:

@@ -1,9 +1,10 @@
 """chronus: command execution, shell sessions, files and HTTP inside a sandbox.
 
 chronus serves the calls of `dsec.chronus.v1.Request` (as dicts, see
-`aether.wire`) arriving as frames from aether over a socketpair. Standard
+`insandbox.wire`) arriving as frames from aether over a socketpair. Standard
 library only (it runs on the toolkit's bare interpreter); see `aether` for the
-process tree and the channel.
+process tree and the channel, and `insandbox` for what the two share (neither imports the
+other: aether starts chronus by name, see `aether.server.ENGINE`).
 
 Structure:
   engine    reads frames; one thread per stream runs the call; one write lock
@@ -48,5 +49,3 @@ Semantics worth knowing:
     chronus's runtime directory (a detached tmpfs in a container), signal
     chronus, aether or another call's processes, or use dangerous ioctls.
 """
-
-__version__ = "0.1.0"

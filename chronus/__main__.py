@@ -11,8 +11,8 @@ import _socket
 import os
 import sys
 
-from aether.security import make_undumpable
 from chronus.engine import serve_socket
+from insandbox.security import make_undumpable
 
 
 def main(argv: list[str] | None = None) -> None:

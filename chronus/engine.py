@@ -14,8 +14,6 @@ import _socket
 import os
 from _collections import deque
 
-from aether import wire
-from aether.log import get_logger
 from chronus import errors
 from chronus.config import ChronusConfig
 from chronus.errors import Cancelled, ChronusError, invalid
@@ -25,6 +23,8 @@ from chronus.proc import grow_fd_table, rss_bytes
 from chronus.sessions import SessionManager
 from chronus.threads import Condition, Event, Lock, start_thread
 from chronus.watchers import Watchers
+from insandbox import wire
+from insandbox.log import get_logger
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
@@ -38,6 +38,30 @@ MAX_QUEUED_INPUT_BYTES = 8 * 1024 * 1024  # client-streamed bytes waiting for a 
 if TYPE_CHECKING:
     Input = dict[str, Any] | None  # a further Request, or None for HalfClose
     Handler = Callable[["Stream", dict[str, Any]], None]
+
+#: The calls chronus serves: the arms of `dsec.chronus.v1.Request`'s oneof `call`, read from the
+#: wire schema, so that a new kind of request is declared once (in the proto). Each is handled by
+#: the Engine method `_call_<arm>`, which answers in the Response arm of its choice.
+CALLS = wire.oneof_fields("dsec.chronus.v1.Request", "call")
+
+
+def handler_table(engine: object, calls: tuple[str, ...] = CALLS) -> dict[str, Handler]:
+    """arm -> `engine._call_<arm>`, for every call; an arm without its method stops chronus at
+    start, naming it (rather than answering UNIMPLEMENTED to the first caller)."""
+    table: dict[str, Handler] = {}
+    missing: list[str] = []
+    for arm in calls:
+        handler = getattr(engine, f"_call_{arm}", None)
+        if callable(handler):
+            table[arm] = handler
+        else:
+            missing.append(arm)
+    if missing:
+        raise TypeError(
+            "chronus has no handler for "
+            + ", ".join(f"Request.{arm} (Engine._call_{arm})" for arm in missing)
+        )
+    return table
 
 
 class Stream:
@@ -143,36 +167,7 @@ class Engine:
         self._send_lock = Lock()
         self._streams: dict[int, Stream] = {}
         self._streams_lock = Lock()
-        self._handlers: dict[str, Handler] = {
-            "exec": self._exec,
-            "exec_stream": self._exec_stream,
-            "exec_input": self._exec_input,
-            "attach_exec": self._attach_exec,
-            "wait_exec": self._wait_exec,
-            "signal_exec": self._signal_exec,
-            "list_execs": self._list_execs,
-            "control_exec": self._control_exec,
-            "create_session": self._create_session,
-            "close_session": self._close_session,
-            "list_sessions": self._list_sessions,
-            "read_file": self._unary("read_file", self.files.read_file),
-            "write_file": self._unary("write_file", self.files.write_file),
-            "list_dir": self._unary("list_dir", self.files.list_dir),
-            "stat_path": self._unary("stat_path", self.files.stat_path),
-            "make_dir": self._unary("make_dir", self.files.make_dir),
-            "remove_path": self._unary("remove_path", self.files.remove_path),
-            "move_path": self._unary("move_path", self.files.move_path),
-            "chmod_path": self._unary("chmod_path", self.files.chmod_path),
-            "upload_file": self._upload_file,
-            "download_file": self._download_file,
-            "create_watcher": self._create_watcher,
-            "watcher_events": self._watcher_events,
-            "remove_watcher": self._remove_watcher,
-            "watch_dir": self._watch_dir,
-            "http": self._http,
-            "wait_for_port": self._wait_for_port,
-            "status": self._status,
-        }
+        self._handlers = handler_table(self)  # at start: every call has its handler
 
     # ------------------------------------------------------------- channel
     def serve(self, sock: _socket.socket) -> None:
@@ -284,7 +279,7 @@ class Engine:
     def _started(self, ex: Exec) -> dict[str, Any]:
         return {"started": {"exec_id": ex.exec_id, "pid": ex.pid}}
 
-    def _exec(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.start(req, mode="sync")
         if ex.background:
             stream.send("exec_result", {"exec_id": ex.exec_id})
@@ -316,14 +311,14 @@ class Engine:
             ex.unsubscribe(sub)
             self.execs.forget(ex)
 
-    def _exec_stream(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_exec_stream(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.start(req, mode="stream")
         if ex.background and not req.get("follow"):
             stream.send("exec_event", self._started(ex))
             return
         self._run_streaming(stream, ex, req.get("keepalive_interval_ms", 0))
 
-    def _exec_input(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_exec_input(self, stream: Stream, req: dict[str, Any]) -> None:
         start = req.get("start")
         if start is None:
             raise invalid("the first ExecInput must carry start")
@@ -350,7 +345,7 @@ class Engine:
             return
         self._run_streaming(stream, ex, start.get("keepalive_interval_ms", 0))
 
-    def _attach_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_attach_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.get(req.get("exec_id", ""))
         sub = ex.subscribe((req.get("stdout_offset", 0), req.get("stderr_offset", 0)))
         try:
@@ -383,7 +378,7 @@ class Engine:
                 return
             stream.send("exec_event", {ev[0]: {"data": ev[2], "offset": ev[1]}})
 
-    def _wait_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_wait_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.get(req.get("exec_id", ""))
         timeout = float(req.get("timeout_s", 0)) or None
         stream.wait(ex.done, timeout)
@@ -391,38 +386,55 @@ class Engine:
             info = ex.info()
         stream.send("wait_exec", {"info": info})
 
-    def _signal_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_signal_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         delivered = self.execs.signal(req.get("exec_id", ""), int(req.get("signal", 0)))
         stream.send("signal_exec", {"delivered": delivered})
 
-    def _list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send("list_execs", {"execs": self.execs.list_infos()})
 
-    def _control_exec(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_control_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         self.execs.get(req.get("exec_id", "")).control(req)
         stream.send("control_exec", {})
 
     # ------------------------------------------------------------ sessions
-    def _create_session(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_create_session(self, stream: Stream, req: dict[str, Any]) -> None:
         session = self.sessions.create(req)
         stream.send("create_session", {"session": session.info()})
 
-    def _close_session(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_close_session(self, stream: Stream, req: dict[str, Any]) -> None:
         self.sessions.close(req.get("session_id", ""))
         stream.send("close_session", {})
 
-    def _list_sessions(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_list_sessions(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send("list_sessions", {"sessions": self.sessions.list_infos()})
 
     # --------------------------------------------------------------- files
-    @staticmethod
-    def _unary(arm: str, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Handler:
-        def handler(stream: Stream, req: dict[str, Any]) -> None:
-            stream.send(arm, fn(req))
+    def _call_read_file(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("read_file", self.files.read_file(req))
 
-        return handler
+    def _call_write_file(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("write_file", self.files.write_file(req))
 
-    def _upload_file(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_list_dir(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("list_dir", self.files.list_dir(req))
+
+    def _call_stat_path(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("stat_path", self.files.stat_path(req))
+
+    def _call_make_dir(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("make_dir", self.files.make_dir(req))
+
+    def _call_remove_path(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("remove_path", self.files.remove_path(req))
+
+    def _call_move_path(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("move_path", self.files.move_path(req))
+
+    def _call_chmod_path(self, stream: Stream, req: dict[str, Any]) -> None:
+        stream.send("chmod_path", self.files.chmod_path(req))
+
+    def _call_upload_file(self, stream: Stream, req: dict[str, Any]) -> None:
         header = req.get("header")
         if header is None:
             raise invalid("the first UploadFileRequest must carry header")
@@ -439,16 +451,16 @@ class Engine:
 
         stream.send("upload_file", self.files.upload(header, chunks()))
 
-    def _download_file(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_download_file(self, stream: Stream, req: dict[str, Any]) -> None:
         for part in self.files.download(req):
             stream.send("download_chunk", part)
 
     # ------------------------------------------------------------ watchers
-    def _create_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_create_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
         w = self.watchers.create(req)
         stream.send("create_watcher", {"watcher_id": w.watcher_id})
 
-    def _watcher_events(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_watcher_events(self, stream: Stream, req: dict[str, Any]) -> None:
         events, overflowed = self.watchers.get(req.get("watcher_id", "")).drain()
         stream.send(
             "watcher_events",
@@ -458,11 +470,11 @@ class Engine:
             },
         )
 
-    def _remove_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_remove_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
         self.watchers.remove(req.get("watcher_id", ""))
         stream.send("remove_watcher", {})
 
-    def _watch_dir(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_watch_dir(self, stream: Stream, req: dict[str, Any]) -> None:
         """`started`, then each event as it comes, keepalives when idle; ends (with an
         error) only once the watched directory is gone. Cancelling removes the watcher."""
         w = self.watchers.create(req)
@@ -508,17 +520,23 @@ class Engine:
                 pass  # already removed
 
     # ---------------------------------------------------------------- misc
-    def _http(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_http(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import http_request
 
         stream.send("http", http_request(req, self.rt.reactor))
 
-    def _wait_for_port(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_wait_for_port(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import wait_for_port
 
         stream.send("wait_for_port", wait_for_port(req, self.rt.reactor, lambda: stream.cancelled))
 
-    def _status(self, stream: Stream, req: dict[str, Any]) -> None:
+    def _call_modified_files(self, stream: Stream, req: dict[str, Any]) -> None:
+        """Served by the edge: a walk of the sandbox's writable upper layer, outside it."""
+        raise ChronusError(
+            errors.UNIMPLEMENTED, "UNIMPLEMENTED", "modified_files is not implemented"
+        )
+
+    def _call_status(self, stream: Stream, req: dict[str, Any]) -> None:
         stream.send(
             "status",
             {

@@ -16,7 +16,6 @@ import os
 import time
 from _collections import deque
 
-from aether.log import get_logger
 from chronus import threads
 from chronus.config import ChronusConfig
 from chronus.errors import (
@@ -29,17 +28,12 @@ from chronus.errors import (
 )
 from chronus.landlock import Sandboxing
 from chronus.output import OutputBuffer
-from chronus.proc import (
-    SpawnError,
-    decode_status,
-    kill_session,
-    killpg_quietly,
-    set_winsize,
-    spawn,
-)
+from chronus.proc import SpawnError, decode_status, set_winsize, spawn
 from chronus.reactor import Drain, Reactor, Timer
 from chronus.threads import RLock
 from chronus.users import resolve_user
+from insandbox.log import get_logger
+from insandbox.proc import kill_session, killpg_quietly
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ before exec (in `dsec-confine`, chronus/confine.c, or a forked child: chronus/pr
   keeps another session's FIFOs (open in its shell) unreachable, although root could otherwise
   open /proc/<pid>/fd/N of any dumpable process with the same uid. Measured too: it does NOT
   stop reading /proc/<pid>/{environ,maps} of a dumpable process of the same uid; aether and
-  chronus are non-dumpable (`aether.security`), which refuses those to root without
+  chronus are non-dumpable (`insandbox.security`), which refuses those to root without
   CAP_SYS_PTRACE.
 
 Pathname Unix sockets are not covered by Landlock ABI 7 (connect() is not an access right); the
@@ -38,8 +38,9 @@ import ctypes
 import os
 import struct
 
-from aether.log import get_logger
 from chronus import seccomp
+from insandbox.log import get_logger
+from insandbox.security import Filter
 
 log = get_logger("chronus.landlock")
 
@@ -100,7 +101,7 @@ class Sandboxing:
         self._exec_ruleset = -1
         self._lock = _thread.allocate_lock()
         # The second seccomp filter (dangerous ioctls, io_uring): for every command as well.
-        self.filter = seccomp.Filter()
+        self.filter = Filter(seccomp.program())
         if mode == "auto" and not self.enabled:
             log.warning("Landlock unavailable: commands run without file/socket/signal isolation")
         elif self.enabled:

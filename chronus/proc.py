@@ -1,8 +1,9 @@
-"""Process primitives: spawning commands in their own session, killing trees.
+"""Process primitives of chronus: spawning commands in their own session, confined.
 
 Every command starts in a new session (setsid), so it leads its own process
 group and everything it forks stays findable by session id even after it
-changes process group. chronus forks directly instead of importing
+changes process group (finding and killing those trees: `insandbox.proc`, shared
+with aether). chronus forks directly instead of importing
 `subprocess` (~0.9 MB per process): the child only calls C-level `os`
 functions before exec, which is safe in a threaded parent.
 """
@@ -15,12 +16,13 @@ import fcntl
 import os
 import struct
 
+from chronus.landlock import enforce
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any
 
-    from chronus import seccomp
+    from insandbox.security import Filter
 
     Credentials = tuple[int, int, list[int]]  # uid, gid, supplementary gids
 
@@ -49,7 +51,7 @@ def spawn(
     ctty: int = -1,
     extra_fds: dict[int, int] | None = None,
     ruleset_fd: int = -1,
-    syscall_filter: seccomp.Filter | None = None,
+    syscall_filter: Filter | None = None,
     creds: Credentials | None = None,
 ) -> int:
     """Fork and exec `argv` in a new session; return its pid.
@@ -80,11 +82,6 @@ def spawn(
             confine, argv, env, cwd, stdin, stdout, stderr, ctty, extra_fds, ruleset_fd,
             syscall_filter, creds,
         )  # fmt: skip
-    enforce: Callable[[int], None] | None = None
-    if ruleset_fd >= 0:
-        # Imported here (in the parent, before the fork), not at module level: aether imports
-        # this module before its Hello and must not pay for ctypes there.
-        from chronus.landlock import enforce
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: only C-level calls until exec
@@ -101,7 +98,7 @@ def spawn(
                 os.dup2(source, target)
             for sig in _RESET_SIGNALS:
                 _signal.signal(sig, _signal.SIG_DFL)
-            if enforce is not None:
+            if ruleset_fd >= 0:
                 step, detail = "landlock", "restrict"
                 enforce(ruleset_fd)
             if creds is not None:
@@ -169,7 +166,7 @@ def _spawn_confined(
     ctty: int,
     extra_fds: dict[int, int] | None,
     ruleset_fd: int,
-    syscall_filter: seccomp.Filter | None,
+    syscall_filter: Filter | None,
     creds: Credentials | None,
 ) -> int:
     """posix_spawn of `dsec-confine ERR RULESET FILTER CWD CRED NENV ENV... argv...` with an empty
@@ -265,78 +262,6 @@ def decode_status(status: int) -> tuple[int, int]:
     if os.WIFEXITED(status):
         return os.WEXITSTATUS(status), 0
     return -1, 0
-
-
-class ProcEntry:
-    __slots__ = ("pgid", "pid", "ppid", "sid")
-
-    def __init__(self, pid: int, ppid: int, pgid: int, sid: int) -> None:
-        self.pid = pid
-        self.ppid = ppid
-        self.pgid = pgid
-        self.sid = sid
-
-
-def proc_table() -> list[ProcEntry]:
-    """Every visible process (in a sandbox: every process of the sandbox)."""
-    table: list[ProcEntry] = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                raw = fh.read()
-        except OSError:
-            continue  # exited while we looked
-        # The command name may contain spaces and parentheses: split after the last ')'.
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        table.append(ProcEntry(int(name), int(fields[1]), int(fields[2]), int(fields[3])))
-    return table
-
-
-def descendants(roots: set[int], table: list[ProcEntry]) -> set[int]:
-    """Pids below `roots` in the parent tree (excluding the roots)."""
-    children: dict[int, list[int]] = {}
-    for p in table:
-        children.setdefault(p.ppid, []).append(p.pid)
-    found: set[int] = set()
-    todo = list(roots)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def kill_quietly(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def killpg_quietly(pgid: int, sig: int) -> bool:
-    if pgid <= 1:
-        return False  # never signal init's group or "every process"
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def kill_session(sid: int, root: int, sig: int = _signal.SIGKILL) -> int:
-    """Signal the process group `sid`, every process of session `sid` and
-    every descendant of `root`: the stragglers that left the group or forked
-    away still die. Returns how many processes were signalled."""
-    killpg_quietly(sid, sig)
-    table = proc_table()
-    me = os.getpid()
-    targets = {p.pid for p in table if p.sid == sid} | descendants({root}, table)
-    targets.discard(me)
-    return sum(kill_quietly(pid, sig) for pid in targets)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

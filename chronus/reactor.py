@@ -2,7 +2,7 @@
 
 One thread watches every command's pipes, pty masters, pidfds and the shell
 sessions' control fifos, and runs timers (timeouts, lingering). asyncio would
-do this too but costs ~6 MB per process (measured); epoll (`chronus.poller`) costs nothing.
+do this too but costs ~6 MB per process (measured); epoll (`insandbox.poller`) costs nothing.
 Other threads talk to the loop only through `call_soon`; callbacks that touch
 shared exec state take the owner's lock themselves.
 
@@ -22,9 +22,10 @@ import os
 from _collections import deque  # not `collections`: see chronus.threads
 from time import monotonic
 
-from aether.log import get_logger
-from chronus import poller, threads
+from chronus import threads
 from chronus.clock import MAX_WAIT_S, Clock
+from insandbox import poller
+from insandbox.log import get_logger
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -15,13 +15,12 @@ adds this small classic-BPF filter to each command, just before exec (after Land
                                                         Landlock has no hook for prlimit)
     anything else                                    -> allowed (Docker's profile still applies)
 
-for x86_64, x32 and i386 system calls.
+for x86_64, x32 and i386 system calls. `program()` builds it; `insandbox.security.Filter`
+installs it (the same installer aether uses for the sandbox's profile).
 """
 
 from __future__ import annotations
 
-import _thread
-import ctypes
 import struct
 
 # ioctl request numbers (low 32 bits) refused with EPERM.
@@ -58,10 +57,6 @@ _JEQ_K = 0x15
 _RET_K = 0x06
 _OFF_NR, _OFF_ARCH, _OFF_ARG1_LO = 0, 4, 24
 _OFF_ARG0_LO, _OFF_ARG2_LO, _OFF_ARG2_HI = 16, 32, 36
-
-_PR_SET_SECCOMP = 22
-_PR_SET_NO_NEW_PRIVS = 38
-_SECCOMP_MODE_FILTER = 2
 
 
 def _insn(code: int, jt: int = 0, jf: int = 0, k: int = 0) -> bytes:
@@ -122,45 +117,3 @@ def program() -> bytes:
         _insn(_JEQ_K, len(x86), len(x86) + len(i386), _AUDIT_ARCH_I386),
     ]
     return b"".join(head + x86 + i386 + [_insn(_RET_K, k=_RET_ALLOW)])
-
-
-class Filter:
-    """A program in memory (default: this module's), ready for `install` in a forked child;
-    aether installs the sandbox's whole profile through it too (aether.security)."""
-
-    def __init__(self, code: bytes | None = None) -> None:
-        code = program() if code is None else code
-        self._code = ctypes.create_string_buffer(code, len(code))
-        self._fprog = ctypes.create_string_buffer(
-            struct.pack("<H6xQ", len(code) // 8, ctypes.addressof(self._code)), 16
-        )
-        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
-        self._code_bytes = code
-        self._memfd = -1
-        self._memfd_lock = _thread.allocate_lock()  # request threads spawn concurrently
-
-    def memfd(self) -> int:
-        """The program in a sealed, close-on-exec memfd (for dsec-confine), made once."""
-        with self._memfd_lock:
-            if self._memfd < 0:
-                import fcntl
-                import os
-
-                fd = os.memfd_create("dsec-cmd-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                try:
-                    if os.write(fd, self._code_bytes) != len(self._code_bytes):
-                        raise OSError(5, "short write of the seccomp program")
-                    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_WRITE)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._memfd = fd
-            return self._memfd
-
-    def install(self) -> None:
-        """In a forked child, before exec."""
-        if self._prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if self._prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self._fprog, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

@@ -46,20 +46,12 @@ import os
 import termios
 import time
 
-from aether.log import get_logger
 from chronus.errors import FAILED_PRECONDITION, NOT_FOUND, ChronusError, invalid
 from chronus.execs import STDERR, STDOUT, Exec, Runtime, shell_quote, timestamp
-from chronus.proc import (
-    SpawnError,
-    decode_status,
-    kill_quietly,
-    kill_session,
-    killpg_quietly,
-    proc_table,
-    set_winsize,
-    spawn,
-)
+from chronus.proc import SpawnError, decode_status, set_winsize, spawn
 from chronus.reactor import Timer
+from insandbox.log import get_logger
+from insandbox.proc import kill_quietly, kill_session, killpg_quietly, proc_table
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:

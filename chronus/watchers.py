@@ -22,7 +22,6 @@ import os
 import stat
 from _collections import deque  # not `collections`: see chronus.threads
 
-from aether.log import get_logger
 from chronus.errors import (
     INVALID_ARGUMENT,
     NOT_FOUND,
@@ -31,6 +30,7 @@ from chronus.errors import (
     from_os_error,
 )
 from chronus.threads import Condition
+from insandbox.log import get_logger
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:

@@ -3,8 +3,9 @@
 aether and chronus must run in ANY image, including one with no libc, no python and no /bin/sh.
 So the toolkit carries its own: Debian's /usr/bin/python3.11, its dynamic loader and every shared
 library the interpreter and the kept stdlib extension modules need (ldd), the stdlib, and the app
-code (aether/, chronus/, and of the generated dsec package only dsec/__init__.py and
-dsec/wire_schema.py: no protobuf/grpc inside sandboxes, DESIGN.md "every megabyte counts").
+code (aether/, chronus/, insandbox/ -- what the two share --, and of the generated dsec package
+only dsec/__init__.py and dsec/wire_schema.py: no protobuf/grpc inside sandboxes, DESIGN.md
+"every megabyte counts").
 
 Launch trick (`toolkit_argv`): pid 1 is the toolkit's own loader, asked to run the interpreter:
 
@@ -64,7 +65,8 @@ PY_VERSION = "3.11"
 DEFAULT_PYTHON = Path("/usr/bin/python3.11")
 DEFAULT_OUT_DIR = Path("/var/lib/dsec/toolkit")
 
-APP_PACKAGES = ("aether", "chronus")
+#: The in-sandbox agents and the library they share (each one a directory at the repo root).
+APP_PACKAGES = ("aether", "chronus", "insandbox")
 APP_FILES = ("dsec/__init__.py", "dsec/wire_schema.py")
 
 # Top-level stdlib entries not shipped: tests, GUI, installers, build-time files, 2to3, docs data,

@@ -1,5 +1,5 @@
 """Writes dsec/wire_schema.py: the contracts as a compact table for the
-pure-Python codec the in-sandbox agents use (aether/wire.py).
+pure-Python codec the in-sandbox agents use (insandbox/wire.py).
 
 usage: gen_wire_schema.py DESCRIPTOR_SET OUTPUT
 """

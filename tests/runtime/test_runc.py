@@ -400,7 +400,7 @@ def test_toolkit_python_runs_in_any_image(
     log = tmp_path / "py.log"
     code = (
         "import os, sys, json, subprocess, ssl, sqlite3, ctypes, asyncio, decimal\n"
-        "import aether, chronus, dsec.wire_schema\n"
+        "import aether, chronus, insandbox, dsec.wire_schema\n"
         "child = None\n"
         "if os.path.exists('/bin/busybox'):\n"
         "    child = subprocess.run(['/bin/busybox', 'env'], capture_output=True, text=True).stdout\n"
@@ -510,7 +510,7 @@ def test_seccomp_installed_by_init_matches_runcs_own(
         "import ctypes, errno, json, os, sys\n"
         "sys.path.insert(0, '/.dsec/lib/python3.11')\n"
         "if os.environ.get('DSEC_AETHER_SECCOMP_FD'):\n"
-        "    from aether.security import install_seccomp_from_env\n"
+        "    from insandbox.security import install_seccomp_from_env\n"
         "    assert install_seccomp_from_env() is None\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "libc.syscall.restype = ctypes.c_long\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
+from edge.toolkit import APP_PACKAGES, build_toolkit, toolkit_argv, toolkit_image
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def small_repo(tmp_path: Path) -> Path:
     """A repo root with just what the toolkit takes from it."""
     root = tmp_path / "repo"
-    for pkg in ("aether", "chronus"):
+    for pkg in APP_PACKAGES:
         shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "dsec").mkdir()
     for f in ("__init__.py", "wire_schema.py"):
@@ -46,7 +46,8 @@ def test_layout(toolkit_dir: Path) -> None:
                     "pydoc_data", "distutils", "site-packages", "dist-packages"):  # fmt: skip
         assert not (py / dropped).exists(), dropped
     assert not list(py.glob("lib-dynload/_test*"))
-    assert (py / "aether").is_dir() and (py / "chronus").is_dir()
+    for pkg in ("aether", "chronus", "insandbox"):
+        assert (py / pkg / "__init__.py").is_file(), pkg
     assert sorted(p.name for p in (py / "dsec").glob("*.py")) == ["__init__.py", "wire_schema.py"]
     manifest = json.loads((toolkit_dir / "toolkit.json").read_text())
     assert manifest["sha256"].startswith(toolkit_dir.name)

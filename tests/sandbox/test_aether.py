@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from aether import wire
 from aether.memory import memory_of, pss_of
-from chronus.proc import descendants, proc_table
 from dsec.aether.v1 import aether_pb2 as A
 from dsec.chronus.v1 import chronus_pb2 as C
 from dsec.types.v1 import types_pb2 as T
+from insandbox import wire
+from insandbox.proc import descendants, proc_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

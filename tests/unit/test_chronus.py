@@ -1,5 +1,5 @@
 """chronus, the real engine, as a subprocess (`python -m chronus --fd N`)
-driven over its framed socket with aether.wire (dict form)."""
+driven over its framed socket with insandbox.wire (dict form)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from aether import wire
-from chronus.proc import descendants, proc_table
+from insandbox import wire
+from insandbox.proc import descendants, proc_table
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -801,6 +801,23 @@ def test_status_and_unimplemented(client: ChronusClient) -> None:
     with pytest.raises(CallError) as exc:
         client.run("true", trusted=True)
     assert exc.value.code == 12
+
+
+def test_every_request_kind_has_its_handler_and_a_missing_one_is_refused_at_start() -> None:
+    """chronus's handler table is derived from Request's oneof (the wire schema), in the proto's
+    order; an arm without its `Engine._call_<arm>` stops chronus at start, naming the arm."""
+    from chronus.engine import CALLS, Engine, handler_table
+    from dsec.chronus.v1 import chronus_pb2 as C
+
+    declared = sorted(C.Request.DESCRIPTOR.oneofs_by_name["call"].fields, key=lambda f: f.number)
+    assert CALLS == tuple(f.name for f in declared)
+    assert list(handler_table(Engine)) == list(CALLS)
+    with pytest.raises(
+        TypeError, match=r"no handler for Request\.teleport \(Engine\._call_teleport\)"
+    ):
+        handler_table(Engine, (*CALLS, "teleport"))
+    with pytest.raises(ValueError, match="no oneof 'calls'"):  # wire.WireError
+        wire.oneof_fields("dsec.chronus.v1.Request", "calls")
 
 
 def test_commands_inherit_no_descriptors(client: ChronusClient) -> None:

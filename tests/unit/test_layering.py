@@ -31,6 +31,7 @@ SERVER_PACKAGES = {
     "edge",
     "aether",
     "chronus",
+    "insandbox",
     "dsecctl",
 }
 
@@ -62,25 +63,60 @@ def test_sdk_imports_no_server_code() -> None:
         assert not bad, f"{path} imports {sorted(bad)}"
 
 
+IN_SANDBOX = ("aether", "chronus", "insandbox")
+
+
 def test_in_sandbox_agents_use_only_the_standard_library() -> None:
     """aether/chronus run in any image from a minimal toolkit: stdlib + the wire schema only."""
     import sys
 
-    for pkg in ("aether", "chronus"):
+    for pkg in IN_SANDBOX:
         for path in (ROOT / pkg).rglob("*.py"):
             for m in imports(path):
                 top = m.split(".")[0]
                 assert (
-                    top in sys.stdlib_module_names
-                    or top in {"aether", "chronus"}
-                    or m == "dsec.wire_schema"
+                    top in sys.stdlib_module_names or top in IN_SANDBOX or m == "dsec.wire_schema"
                 ), f"{path} imports {m}"
+
+
+# Which in-sandbox packages each one may not import: aether and chronus share their code through
+# insandbox, which depends on neither. aether starts chronus by name (`aether.server.ENGINE`).
+FORBIDDEN_IN_SANDBOX = {
+    "aether": {"chronus"},
+    "chronus": {"aether"},
+    "insandbox": {"aether", "chronus"},
+}
+
+
+@pytest.mark.parametrize("pkg", sorted(FORBIDDEN_IN_SANDBOX))
+def test_aether_and_chronus_do_not_import_each_other(pkg: str) -> None:
+    """Every import statement, at module level or inside a function or TYPE_CHECKING block."""
+    forbidden = FORBIDDEN_IN_SANDBOX[pkg]
+    paths = sorted((ROOT / pkg).rglob("*.py"))
+    assert paths, f"no modules under {pkg}/"
+    bad = {
+        f"{path.relative_to(ROOT)} imports {m}"
+        for path in paths
+        for m in imports(path)
+        if m.split(".")[0] in forbidden
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_layering_check_sees_function_level_imports(tmp_path: Path) -> None:
+    """The rule above would be empty if `imports` missed the lazy imports the agents use to keep
+    their start cheap (aether used to import chronus.engine inside a method)."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def start():\n    from chronus.engine import serve_socket\n    import chronus.proc\n"
+    )
+    assert imports(module) == {"chronus.engine", "chronus.proc"}
 
 
 def test_in_sandbox_agents_load_no_heavy_stdlib_modules() -> None:
     """Every module aether and chronus import is paid by every sandbox's start (CPU before its
     first command, memory for its life). These pull in collections/functools/... (~4 ms of CPU
-    here) and have C-level stand-ins (`chronus.threads`, `chronus.poller`, `_queue`,
+    here) and have C-level stand-ins (`chronus.threads`, `insandbox.poller`, `_queue`,
     `_collections`); a fresh interpreter, as in the sandbox, must not load them."""
     import subprocess
     import sys
@@ -89,7 +125,7 @@ def test_in_sandbox_agents_load_no_heavy_stdlib_modules() -> None:
     heavy += ["dataclasses", "re", "enum", "signal", "socket", "subprocess", "asyncio"]
     code = (
         "import sys\n"
-        "import ctypes, aether.security, aether.server, chronus.engine, chronus.httpcall\n"
+        "import ctypes, insandbox.security, aether.server, chronus.engine, chronus.httpcall\n"
         f"print(' '.join(m for m in {heavy!r} if m in sys.modules))\n"
     )
     out = subprocess.run(

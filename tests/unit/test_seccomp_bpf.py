@@ -1,5 +1,5 @@
 """The edge's one-time compilation of the sandbox seccomp profile (edge/runtime/seccomp_bpf.py)
-and aether's installation of it (aether/security.py), on this machine's real libseccomp and kernel:
+and aether's installation of it (insandbox/security.py), on this machine's real libseccomp and kernel:
 each program is loaded into a forked child, which then makes the system calls."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from aether.security import SECCOMP_FD_ENV, install_seccomp_from_env
 from edge.runtime import seccomp_bpf
 from edge.runtime.bundle import hardened_seccomp
+from insandbox.security import SECCOMP_FD_ENV, install_seccomp_from_env
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long

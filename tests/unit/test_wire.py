@@ -1,4 +1,4 @@
-"""Conformance of aether.wire against the real protobuf classes.
+"""Conformance of insandbox.wire against the real protobuf classes.
 
 Every case goes both ways: encoded by protobuf and decoded by wire.py, and
 encoded by wire.py and parsed by protobuf; both must give the same message.
@@ -15,11 +15,11 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from aether import wire
 from dsec.aether.v1 import aether_pb2 as A
 from dsec.chronus.v1 import chronus_pb2 as C
 from dsec.types.v1 import types_pb2 as T
 from dsec.wire_schema import SCHEMA
+from insandbox import wire
 
 
 def to_dict(msg: Message) -> dict[str, Any]:

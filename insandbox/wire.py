@@ -430,6 +430,16 @@ def decode(msg_name: str, data: bytes | bytearray | memoryview) -> dict[str, Any
     return _decode_from(_message(msg_name), buf, 0, len(buf))
 
 
+def oneof_fields(msg_name: str, oneof: str) -> tuple[str, ...]:
+    """The field names of the oneof `oneof` of `msg_name`, in field-number order (as the
+    proto declares them): what a dispatcher must handle."""
+    fields = _message(msg_name).by_number
+    names = tuple(fields[n].name for n in sorted(fields) if fields[n].oneof == oneof)
+    if not names:
+        raise WireError(f"{msg_name} has no oneof {oneof!r}")
+    return names
+
+
 # -------------------------------------------------------- frames, raw relay
 
 
