@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,10 @@ from qemu.qmp import ConnectError, ExecInterruptedError, ExecuteError, QMPClient
 from qemu.qmp.message import Message
 
 from libdsec.errors import Unavailable
+
+# Every QMP failure reaches the edge as a QmpError naming its cause; the library would also log
+# one ERROR line per failed connect (the edge retries every 5 ms until QEMU listens).
+logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 #: The default migration bandwidth (128 MiB/s) would throttle a save; this is "unlimited".
 MAX_BANDWIDTH = 100 << 30
