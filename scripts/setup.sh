@@ -56,8 +56,8 @@ if [[ ${#missing[@]} -gt 0 ]]; then
         chmod 755 "$policy_rc"
         trap 'rm -f "$policy_rc"' EXIT
     fi
-    # The postgresql package would create (and start) a "main" cluster; dsec's tests run their own
-    # initdb. createcluster.d drop-ins override createcluster.conf.
+    # The postgresql package would create (and start) a "main" cluster; dsec's tests make their own
+    # (tests/pgserver.py, pg_createcluster). createcluster.d drop-ins override createcluster.conf.
     if [[ -z ${installed[postgresql]:-} ]]; then
         mkdir -p /etc/postgresql-common/createcluster.d
         echo 'create_main_cluster = false' >/etc/postgresql-common/createcluster.d/dsec-no-main-cluster.conf

@@ -1,10 +1,12 @@
-"""A real, throwaway PostgreSQL server for tests, from the Debian package's binaries.
+"""A real, throwaway PostgreSQL server for tests, made by Debian's cluster tools.
 
-``initdb`` refuses to run as root, so the cluster belongs to the ``postgres``
-OS user (``runuser``). It listens on a Unix socket in its own temp dir only (no
-TCP port), trusts local connections, and runs with ``fsync=off`` (a test
-database need not survive a power cut). :meth:`PostgresServer.stop` ends it with
-``pg_ctl stop -m immediate`` and removes every file.
+``pg_createcluster`` builds and starts the cluster and ``pg_dropcluster --stop`` ends it; they
+run the server as the ``postgres`` OS user when the tests run as root (PostgreSQL refuses to
+run as root) and as the caller otherwise. ``PG_CLUSTER_CONF_ROOT`` points the tools at a config
+directory inside the test's own temp dir, so nothing is written under /etc/postgresql and
+systemd is not involved. The server listens on a Unix socket in that temp dir only (no TCP
+port), trusts local connections, and runs with ``fsync=off`` (a test database need not
+survive a power cut).
 """
 
 from __future__ import annotations
@@ -17,87 +19,60 @@ from pathlib import Path
 
 import pytest
 
-BIN = Path("/usr/lib/postgresql/15/bin")
+VERSION = "15"
 
 
 def available() -> str | None:
     """None when a server can be started here, else why not."""
-    if not (BIN / "initdb").exists():
-        return f"{BIN}/initdb not found (apt-get install postgresql)"
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        return "runuser not found"
+    if not Path(f"/usr/lib/postgresql/{VERSION}/bin/postgres").exists():
+        return f"PostgreSQL {VERSION} not found (apt-get install postgresql)"
+    if shutil.which("pg_createcluster") is None:
+        return "pg_createcluster not found (apt-get install postgresql-common)"
     return None
 
 
 class PostgresServer:
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="dsec-pg-"))
-        self.data = self.root / "data"
         self.socket_dir = self.root / "sock"
         self.log = self.root / "postgres.log"
+        self.cluster = f"dsec{os.getpid()}"  # also names its pid file in /run/postgresql
         self.port = 5432  # only names the socket file: listen_addresses is empty
-        self.user = "postgres"
+        self.user = "postgres" if os.geteuid() == 0 else os.environ.get("USER", "postgres")
         self.started = False
         self._databases = 0
-
-    def _as_owner(self, *cmd: str) -> list[str]:
-        if os.geteuid() == 0:
-            return ["runuser", "-u", "postgres", "--", *cmd]
-        return list(cmd)
+        self._env = {**os.environ, "PG_CLUSTER_CONF_ROOT": str(self.root / "etc")}
 
     def start(self) -> None:
         self.socket_dir.mkdir()
-        self.log.touch()
         if os.geteuid() == 0:
-            shutil.chown(self.root, "postgres", "postgres")
-            shutil.chown(self.socket_dir, "postgres", "postgres")
-            shutil.chown(self.log, "postgres", "postgres")
             os.chmod(self.root, 0o755)
-        else:
-            self.user = os.environ.get("USER", "postgres")
-        subprocess.run(
-            self._as_owner(
-                str(BIN / "initdb"),
-                "-D",
-                str(self.data),
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--locale=C",
-                "-U",
-                self.user,
-            ),
-            check=True,
-            capture_output=True,
+            shutil.chown(self.socket_dir, "postgres", "postgres")
+        # fmt: off
+        create = [
+            "pg_createcluster", VERSION, self.cluster,
+            "-d", str(self.root / "data"), "-s", str(self.socket_dir), "-p", str(self.port),
+            "-l", str(self.log), "--locale=C", "--encoding=UTF8", "--", "--auth=trust",
+        ]
+        # fmt: on
+        self.started = True  # stop() drops whatever part of the cluster was made
+        self._run(create)
+        (self.root / "etc" / VERSION / self.cluster / "conf.d" / "test.conf").write_text(
+            "listen_addresses = ''\nfsync = off\nsynchronous_commit = off\n"
+            "full_page_writes = off\nmax_connections = 200\n"
         )
-        options = (
-            f"-k {self.socket_dir} -c listen_addresses='' -p {self.port} -c fsync=off"
-            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-        )
-        subprocess.run(
-            self._as_owner(
-                str(BIN / "pg_ctl"),
-                "-D",
-                str(self.data),
-                "-l",
-                str(self.log),
-                "-o",
-                options,
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ),
-            check=True,
-            capture_output=True,
-        )
-        self.started = True
+        self._run(["pg_ctlcluster", VERSION, self.cluster, "start"])
+
+    def _run(self, cmd: list[str]) -> None:
+        done = subprocess.run(cmd, env=self._env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed: {done.stderr.strip()}\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.started:
             subprocess.run(
-                self._as_owner(
-                    str(BIN / "pg_ctl"), "-D", str(self.data), "stop", "-m", "immediate", "-w"
-                ),
+                ["pg_dropcluster", "--stop", VERSION, self.cluster],
+                env=self._env,
                 capture_output=True,
             )
             self.started = False

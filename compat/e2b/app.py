@@ -19,6 +19,9 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
 from connectrpc.errors import ConnectError
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from compat.clients import ClientPool
 from compat.config import CompatConfig
@@ -31,19 +34,10 @@ from compat.e2b.envd.gen.filesystem.filesystem_connect import FilesystemASGIAppl
 from compat.e2b.envd.gen.process.process_connect import ProcessASGIApplication
 from compat.e2b.envd.process import ProcessService
 from compat.e2b.errors import gone_message, http_status
-from compat.e2b.http import (
-    ClientDisconnected,
-    Message,
-    Receive,
-    Request,
-    Scope,
-    Send,
-    send_empty,
-    send_error,
-    send_json,
-)
+from compat.e2b.http import INTERNAL, Request, error, internal_error
 from compat.e2b.ports import PortProxy
-from compat.e2b.routing import Route, access_token, envd_user, route
+from compat.e2b.routing import Target, access_token, envd_user, route
+from compat.http import ClientDisconnect, Message, Receive, Scope, Send, without_trailing_slash
 from libdsec.errors import DSecError, NotFound
 
 log = logging.getLogger(__name__)
@@ -91,6 +85,18 @@ class E2bApp:
             ProcessService(config.max_output_bytes), codecs=codecs()
         )
         self.filesystem = FilesystemASGIApplication(FilesystemService(), codecs=codecs())
+        #: envd's routes, served with the call's client leased (`envd`).
+        self.envd_app = Starlette(
+            routes=[
+                Route(PROCESS_PREFIX + "{method}", self.process),
+                Route(FILESYSTEM_PREFIX + "{method}", self.filesystem),
+                Route("/health", self.health, methods=ANY_METHOD),
+                Route("/files", self.files.download, methods=["GET"]),
+                Route("/files", self.files.upload, methods=["POST"]),
+                *(Route(p, _not_supported, methods=ANY_METHOD) for p in FILES_UNSUPPORTED),
+            ],
+            exception_handlers={404: _no_route, 405: _no_route, 500: internal_error},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,23 +114,26 @@ class E2bApp:
         r = route(request)
         try:
             if r.kind == "control":
-                await self.control.handle(request, tracked)
+                await self.control.handle(scope, receive, tracked)
             elif r.kind == "port":
-                await self.ports.handle(r, request, tracked)
+                response = await self.ports.handle(r, request)
+                await response(scope, receive, tracked)
             else:
                 await self.envd(r, request, tracked)
-        except ClientDisconnected:
+        except ClientDisconnect:
             return
         except Exception:
-            log.exception("e2b: %s %s failed", request.method, request.path)
+            log.exception("e2b: %s %s failed", request.method, request.url.path)
             if not started:
-                await send_error(tracked, 500, "internal error in dsec's E2B front end")
+                await error(500, INTERNAL)(scope, receive, tracked)
 
-    async def envd(self, r: Route, request: Request, send: Send) -> None:
-        path = request.path
+    async def envd(self, r: Target, request: Request, send: Send) -> None:
+        path = request.url.path
         is_rpc = path.startswith((PROCESS_PREFIX, FILESYSTEM_PREFIX))
         try:
-            interval = float(request.header("keepalive-ping-interval") or DEFAULT_KEEPALIVE_S)
+            interval = float(
+                request.headers.get("keepalive-ping-interval", "") or DEFAULT_KEEPALIVE_S
+            )
         except ValueError:
             interval = DEFAULT_KEEPALIVE_S
         try:
@@ -134,14 +143,8 @@ class E2bApp:
                 )
                 token = CALL.set(call)
                 try:
-                    if path.startswith(PROCESS_PREFIX):
-                        await self.process(request.scope, request.receive, send)
-                    elif path.startswith(FILESYSTEM_PREFIX):
-                        await self.filesystem(request.scope, request.receive, send)
-                    elif path.rstrip("/") == "/health":
-                        await self.health(call, send)
-                    else:
-                        await self.files.handle(call, request, send)
+                    scope = without_trailing_slash(request.scope)
+                    await self.envd_app(scope, request.receive, send)
                 finally:
                     CALL.reset(token)
         except DSecError as exc:  # the lease: a missing or bad token
@@ -149,21 +152,35 @@ class E2bApp:
             message = f"invalid access token (the API key, a dsec token): {exc.message}"
             if is_rpc:
                 code = "unauthenticated" if status == 401 else "unavailable"
-                await send_json(send, status, {"code": code, "message": message})
+                response: Response = JSONResponse({"code": code, "message": message}, status)
             else:
-                await send_error(send, status, message)
+                response = error(status, message)
+            await response(request.scope, request.receive, send)
 
-    async def health(self, call: EnvdCall, send: Send) -> None:
+    async def health(self, request: Request) -> Response:
         """envd's 204, or what E2B's proxy says for a sandbox that is not running (502)."""
+        call = CALL.get()
         try:
             info = (await call.client.get(call.sandbox_id)).info
         except NotFound:
-            await send_error(send, 502, gone_message(call.sandbox_id))
-            return
+            return error(502, gone_message(call.sandbox_id))
         if info.state in ("RUNNING", "STARTING", "PENDING"):
-            await send_empty(send, 204)
-        else:
-            await send_error(send, 502, gone_message(call.sandbox_id))
+            return Response(status_code=204)
+        return error(502, gone_message(call.sandbox_id))
+
+
+#: envd's REST paths dsec does not serve: 501.
+FILES_UNSUPPORTED = ("/files/compose", "/metrics", "/envs")
+#: Every method (routes that answer whatever they are asked with).
+ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+async def _not_supported(request: Request) -> Response:
+    return error(501, f"{request.url.path} is not supported by dsec")
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    return error(404, f"{request.method} {request.url.path}: no such route")
 
 
 __all__ = ["E2bApp", "mapping"]

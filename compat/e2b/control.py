@@ -20,20 +20,25 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b import dsec, mapping
 from compat.e2b.errors import http_status
-from compat.e2b.http import HttpError, Request, Send, send_empty, send_error, send_json
+from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
+from compat.http import Receive, Scope, Send, without_trailing_slash
 from libdsec import AsyncClient, NetworkPolicy, SandboxInfo
 from libdsec.errors import DSecError, ImageNotFound, NotFound, SandboxTerminated
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[AsyncClient, str, Request, Send, re.Match[str]], Awaitable[None]]
-
-_ID = r"(?P<id>[^/]+)"
+#: A route's handler: the leased client, the caller's key, the request.
+Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 
 #: What E2B has and dsec does not do: answered 501 with the reason.
 _UNSUPPORTED = [
@@ -47,59 +52,65 @@ _UNSUPPORTED = [
     (r"/teams(/.*)?", "teams (dsec has projects)"),
 ]
 
+#: Every method: ``/health`` answers whatever it is asked with.
+_ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
 
 class ControlApi:
     def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
         self.config = config
         self.pool = pool
-        self.routes: list[tuple[str, re.Pattern[str], Handler]] = [
-            ("POST", re.compile(r"/(v2/)?sandboxes"), self.create),
-            ("GET", re.compile(r"/v2/sandboxes"), self.list_v2),
-            ("GET", re.compile(r"/sandboxes"), self.list_v1),
-            ("GET", re.compile(rf"/sandboxes/{_ID}"), self.get),
-            ("DELETE", re.compile(rf"/sandboxes/{_ID}"), self.kill),
-            ("POST", re.compile(rf"/sandboxes/{_ID}/timeout"), self.set_timeout),
-            ("POST", re.compile(rf"/sandboxes/{_ID}/refreshes"), self.refresh),
-            ("POST", re.compile(rf"/sandboxes/{_ID}/pause"), self.pause),
-            ("POST", re.compile(rf"/sandboxes/{_ID}/resume"), self.resume),
-            ("POST", re.compile(rf"/(v2/)?sandboxes/{_ID}/connect"), self.connect),
-            ("PUT", re.compile(rf"/sandboxes/{_ID}/network"), self.update_network),
+        routes = [
+            Route("/health", self.health, methods=_ANY),
+            Route("/sandboxes", self._leased(self.create), methods=["POST"]),
+            Route("/v2/sandboxes", self._leased(self.create), methods=["POST"]),
+            Route("/v2/sandboxes", self._leased(self.list_v2), methods=["GET"]),
+            Route("/sandboxes", self._leased(self.list_v1), methods=["GET"]),
+            Route("/sandboxes/{id}", self._leased(self.get), methods=["GET"]),
+            Route("/sandboxes/{id}", self._leased(self.kill), methods=["DELETE"]),
+            Route("/sandboxes/{id}/timeout", self._leased(self.set_timeout), methods=["POST"]),
+            Route("/sandboxes/{id}/refreshes", self._leased(self.refresh), methods=["POST"]),
+            Route("/sandboxes/{id}/pause", self._leased(self.pause), methods=["POST"]),
+            Route("/sandboxes/{id}/resume", self._leased(self.resume), methods=["POST"]),
+            Route("/sandboxes/{id}/connect", self._leased(self.connect), methods=["POST"]),
+            Route("/v2/sandboxes/{id}/connect", self._leased(self.connect), methods=["POST"]),
+            Route("/sandboxes/{id}/network", self._leased(self.update_network), methods=["PUT"]),
         ]
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={
+                404: self._no_route,
+                405: self._no_route,
+                HttpError: _http_error,
+                DSecError: _dsec_error,
+                500: internal_error,
+            },
+        )
 
-    async def handle(self, request: Request, send: Send) -> None:
-        path = request.path.rstrip("/") or "/"
-        if path == "/health":
-            await send_json(send, 200, {"status": "ok"})
-            return
-        found = self._match(request.method, path)
-        if found is None:
-            for pattern_text, what in _UNSUPPORTED:
-                if re.fullmatch(pattern_text, path):
-                    await send_error(send, 501, f"{what}: not supported by dsec")
-                    return
-            known = any(p.fullmatch(path) for _, p, _ in self.routes)
-            await send_error(send, 405 if known else 404, f"{request.method} {path}: no such route")
-            return
-        handler, m = found
-        key = api_key(request)
-        try:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(without_trailing_slash(scope), receive, send)
+
+    def _leased(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        """The route's endpoint: the handler with a client leased for the caller's key."""
+
+        async def endpoint(request: Request) -> Response:
+            key = api_key(request)
             async with self.pool.lease(key) as client:
-                await handler(client, key, request, send, m)
-        except HttpError as exc:
-            await send_error(send, exc.status, exc.message)
-        except DSecError as exc:
-            status = http_status(exc)
-            if status == 401:
-                await send_error(send, 401, f"invalid API key (a dsec token): {exc.message}")
-            else:
-                await send_error(send, status, exc.message)
+                return await handler(client, key, request)
 
-    def _match(self, method: str, path: str) -> tuple[Handler, re.Match[str]] | None:
-        for route_method, pattern, handler in self.routes:
-            m = pattern.fullmatch(path)
-            if m and route_method == method:
-                return handler, m
-        return None
+        return endpoint
+
+    async def _no_route(self, request: Request, exc: Exception) -> Response:
+        """501 for what E2B has and dsec does not do, else 405 (a known path) or 404."""
+        path = request.url.path
+        for pattern_text, what in _UNSUPPORTED:
+            if re.fullmatch(pattern_text, path):
+                return error(501, f"{what}: not supported by dsec")
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        return error(status, f"{request.method} {path}: no such route")
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
 
     # ------------------------------------------------------------------ helpers
 
@@ -122,10 +133,8 @@ class ControlApi:
 
     # ------------------------------------------------------------------- routes
 
-    async def create(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def create(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         template = body.get("templateID")
         if not isinstance(template, str):
             raise HttpError(400, "templateID is required")
@@ -153,47 +162,39 @@ class ControlApi:
         network = mapping.network_for(body, self.config)
         if network is not None:
             options["network"] = network
-        if request.header("idempotency-key"):
-            options["idempotency_key"] = request.header("idempotency-key")
+        if request.headers.get("idempotency-key"):
+            options["idempotency_key"] = request.headers.get("idempotency-key")
         try:
             sb = await client.create(**options)
         except ImageNotFound:
             raise HttpError(404, f"template {template!r} not found") from None
-        await send_json(send, 201, mapping.sandbox_json(sb.info, key, self.config))
+        return JSONResponse(mapping.sandbox_json(sb.info, key, self.config), 201)
 
-    async def get(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        info = await self._live(client, m["id"])
-        await send_json(send, 200, mapping.detail_json(info, key, self.config))
+    async def get(self, client: AsyncClient, key: str, request: Request) -> Response:
+        info = await self._live(client, request.path_params["id"])
+        return JSONResponse(mapping.detail_json(info, key, self.config))
 
-    async def kill(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        await self._live(client, m["id"])
-        await dsec.sandbox(client, m["id"]).stop(grace_s=0.5)
-        await send_empty(send, 204)
+    async def kill(self, client: AsyncClient, key: str, request: Request) -> Response:
+        await self._live(client, request.path_params["id"])
+        await dsec.sandbox(client, request.path_params["id"]).stop(grace_s=0.5)
+        return Response(status_code=204)
 
-    async def set_timeout(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def set_timeout(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         timeout = body.get("timeout")
         if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
             raise HttpError(400, "timeout must be a non-negative integer (seconds)")
-        await self._live(client, m["id"])
-        await self._set_timeout(client, m["id"], timeout)
-        await send_empty(send, 204)
+        await self._live(client, request.path_params["id"])
+        await self._set_timeout(client, request.path_params["id"], timeout)
+        return Response(status_code=204)
 
-    async def refresh(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def refresh(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         duration = body.get("duration", self.config.default_timeout_s)
         if not isinstance(duration, int) or not 0 <= duration <= 3600:
             raise HttpError(400, "duration must be an integer in 0..3600 (seconds)")
-        await self._extend(client, await self._live(client, m["id"]), duration)
-        await send_empty(send, 204)
+        await self._extend(client, await self._live(client, request.path_params["id"]), duration)
+        return Response(status_code=204)
 
     async def _extend(self, client: AsyncClient, info: SandboxInfo, seconds: int) -> None:
         """E2B's connect/refresh semantics: the timeout only ever grows."""
@@ -201,46 +202,40 @@ class ControlApi:
         if info.expires_at is None or wanted > info.expires_at:
             await self._set_timeout(client, info.id, seconds)
 
-    async def pause(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def pause(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         if body.get("memory") is False:
             raise HttpError(
                 400, "memory=false (filesystem-only pause) is not supported: dsec keeps memory"
             )
-        info = await self._live(client, m["id"])
+        info = await self._live(client, request.path_params["id"])
         if info.state == "PAUSED":
             raise HttpError(409, f"sandbox {info.id!r} is already paused")
         await dsec.sandbox(client, info.id).pause()
-        await send_empty(send, 204)
+        return Response(status_code=204)
 
     async def _resume_if_paused(self, client: AsyncClient, info: SandboxInfo) -> SandboxInfo:
         if info.state == "PAUSED":
             return await dsec.sandbox(client, info.id).resume()
         return info
 
-    async def resume(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def resume(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         if body.get("autoPause"):
             raise HttpError(400, "autoPause is not supported: a dsec sandbox ends at its timeout")
-        info = await self._live(client, m["id"])
+        info = await self._live(client, request.path_params["id"])
         if info.state != "PAUSED":
             raise HttpError(409, f"sandbox {info.id!r} is already running")
         info = await self._resume_if_paused(client, info)
         if body.get("timeout"):
             await self._set_timeout(client, info.id, mapping.timeout_for(body, self.config))
-        await send_json(send, 201, mapping.sandbox_json(info, key, self.config))
+        return JSONResponse(mapping.sandbox_json(info, key, self.config), 201)
 
-    async def connect(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def connect(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         if body.get("memory") is False:
             raise HttpError(400, "memory=false (reboot on resume) is not supported by dsec")
-        info = await self._live(client, m["id"])
+        info = await self._live(client, request.path_params["id"])
         was_paused = info.state == "PAUSED"
         info = await self._resume_if_paused(client, info)
         timeout = body.get("timeout")
@@ -248,41 +243,51 @@ class ControlApi:
             if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
                 raise HttpError(400, "timeout must be a non-negative integer (seconds)")
             await self._extend(client, info, timeout)
-        await send_json(
-            send, 201 if was_paused else 200, mapping.sandbox_json(info, key, self.config)
+        return JSONResponse(
+            mapping.sandbox_json(info, key, self.config), 201 if was_paused else 200
         )
 
-    async def update_network(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        body = await request.json(self.config.max_json_bytes)
+    async def update_network(self, client: AsyncClient, key: str, request: Request) -> Response:
+        body = await read_json(request, self.config.max_json_bytes)
         policy = mapping.network_for({"network": body, **body}, self.config)
-        await self._live(client, m["id"])
-        await dsec.sandbox(client, m["id"]).update_network_policy(policy or NetworkPolicy())
-        await send_empty(send, 204)
+        await self._live(client, request.path_params["id"])
+        await dsec.sandbox(client, request.path_params["id"]).update_network_policy(
+            policy or NetworkPolicy()
+        )
+        return Response(status_code=204)
 
-    async def list_v2(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
+    async def list_v2(self, client: AsyncClient, key: str, request: Request) -> Response:
         q = mapping.parse_list_query(
-            metadata=request.query("metadata"),
-            states=request.query_all("state"),
-            template=request.query("template"),
-            started_after=request.query("startedAfter"),
-            order=request.query("order"),
-            limit=request.query("limit"),
-            next_token=request.query("nextToken"),
+            metadata=request.query_params.get("metadata"),
+            states=request.query_params.getlist("state"),
+            template=request.query_params.get("template"),
+            started_after=request.query_params.get("startedAfter"),
+            order=request.query_params.get("order"),
+            limit=request.query_params.get("limit"),
+            next_token=request.query_params.get("nextToken"),
         )
         infos = await client.list(labels=q.metadata, states=q.states)
         items, token, running = mapping.page(infos, q)
-        headers = [("X-Total-Running", str(running))]
+        headers = {"X-Total-Running": str(running)}
         if token:
-            headers.append(("X-Next-Token", token))
-        await send_json(send, 200, [mapping.listed_json(i) for i in items], headers=headers)
+            headers["X-Next-Token"] = token
+        return JSONResponse([mapping.listed_json(i) for i in items], headers=headers)
 
-    async def list_v1(
-        self, client: AsyncClient, key: str, request: Request, send: Send, m: re.Match[str]
-    ) -> None:
-        metadata = mapping.parse_metadata_query(request.query("metadata"))
+    async def list_v1(self, client: AsyncClient, key: str, request: Request) -> Response:
+        metadata = mapping.parse_metadata_query(request.query_params.get("metadata"))
         infos = await client.list(labels=metadata, states=("RUNNING",))
-        await send_json(send, 200, [mapping.listed_json(i) for i in infos])
+        return JSONResponse([mapping.listed_json(i) for i in infos])
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpError)
+    return error(exc.status, exc.message)
+
+
+async def _dsec_error(request: Request, exc: Exception) -> Response:
+    """dsec's refusal as E2B's status; a bad key says what the key is."""
+    assert isinstance(exc, DSecError)
+    status = http_status(exc)
+    if status == 401:
+        return error(401, f"invalid API key (a dsec token): {exc.message}")
+    return error(status, exc.message)

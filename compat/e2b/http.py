@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-from compat.http import (
-    ClientDisconnected,
-    HttpError,
-    Message,
-    Receive,
-    Request,
-    Scope,
-    Send,
-    send_bytes,
-    send_empty,
-    send_json,
-)
+from starlette.responses import JSONResponse, Response
 
-__all__ = [
-    "ClientDisconnected",
-    "HttpError",
-    "Message",
-    "Receive",
-    "Request",
-    "Scope",
-    "Send",
-    "send_bytes",
-    "send_empty",
-    "send_error",
-    "send_json",
-]
+from compat.http import HttpError, Request, read_body, read_json
+
+__all__ = ["INTERNAL", "HttpError", "Request", "error", "internal_error", "read_body", "read_json"]
+
+INTERNAL = "internal error in dsec's E2B front end"
 
 
-async def send_error(send: Send, status: int, message: str) -> None:
+def error(status: int, message: str) -> JSONResponse:
     """E2B's error body ``{"code": status, "message": ...}`` (the SDK reads ``message`` and
     maps ``status`` to its exception classes)."""
-    await send_json(send, status, {"code": status, "message": message})
+    return JSONResponse({"code": status, "message": message}, status)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """The 500 of an exception of ours (Starlette re-raises it; ``E2bApp`` logs it)."""
+    return error(500, INTERNAL)

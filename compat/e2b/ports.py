@@ -9,12 +9,14 @@ and streamed responses are not forwarded.
 
 from __future__ import annotations
 
+from starlette.responses import Response
+
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b import dsec
 from compat.e2b.errors import gone_message, http_status, sandbox_gone
-from compat.e2b.http import Request, Send, send_bytes, send_error
-from compat.e2b.routing import Route, traffic_token
+from compat.e2b.http import Request, error, read_body
+from compat.e2b.routing import Target, traffic_token
 from libdsec.errors import DSecError, Unavailable
 
 #: Not forwarded either way: hop-by-hop, routing and our own credentials.
@@ -40,13 +42,17 @@ class PortProxy:
         self.config = config
         self.pool = pool
 
-    async def handle(self, route: Route, request: Request, send: Send) -> None:
+    async def handle(self, route: Target, request: Request) -> Response:
         if not 1 <= route.port <= 65535:
-            await send_error(send, 400, f"port {route.port} is not a port")
-            return
-        body = await request.body(self.config.max_port_body_bytes)
-        path = request.path + (f"?{request.raw_query}" if request.raw_query else "")
-        headers = {k: v for k, v in request.headers if k.lower() not in _DROP}
+            return error(400, f"port {route.port} is not a port")
+        body = await read_body(request, self.config.max_port_body_bytes)
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        path = request.scope["path"] + (f"?{query}" if query else "")
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in request.headers.raw
+            if k.decode("latin-1").lower() not in _DROP
+        }
         try:
             async with self.pool.lease(traffic_token(request)) as client:
                 resp = await dsec.sandbox(client, route.sandbox_id).http(
@@ -54,17 +60,19 @@ class PortProxy:
                 )
         except DSecError as exc:
             if sandbox_gone(exc):
-                await send_error(send, 502, gone_message(route.sandbox_id))
-            elif isinstance(exc, Unavailable):
-                await send_error(
-                    send,
-                    502,
-                    f"The sandbox is running but port {route.port} is not open: {exc.message}",
+                return error(502, gone_message(route.sandbox_id))
+            if isinstance(exc, Unavailable):
+                return error(
+                    502, f"The sandbox is running but port {route.port} is not open: {exc.message}"
                 )
-            elif http_status(exc) == 401:
-                await send_error(send, 401, "a traffic access token (the API key) is required")
-            else:
-                await send_error(send, http_status(exc), exc.message)
-            return
-        out = [(k, v) for k, v in resp.headers if k.lower() not in _DROP]
-        await send_bytes(send, resp.status, resp.body, headers=out)
+            if http_status(exc) == 401:
+                return error(401, "a traffic access token (the API key) is required")
+            return error(http_status(exc), exc.message)
+        response = Response(resp.body, resp.status)
+        # The sandbox's headers as it sent them (repeated ones too), before content-length.
+        response.raw_headers[:0] = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in resp.headers
+            if k.lower() not in _DROP
+        ]
+        return response

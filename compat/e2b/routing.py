@@ -27,48 +27,49 @@ _HOST = re.compile(r"^(\d{1,5})-([a-z0-9-]+)\.")
 
 
 @dataclass(frozen=True)
-class Route:
+class Target:
     kind: str  # "control", "envd" or "port"
     sandbox_id: str = ""
     port: int = 0
 
 
-def route(request: Request) -> Route:
-    sandbox_id = request.header("e2b-sandbox-id")
+def route(request: Request) -> Target:
+    sandbox_id = request.headers.get("e2b-sandbox-id", "")
     if sandbox_id:
-        port_text = request.header("e2b-sandbox-port") or str(ENVD_PORT)
+        port_text = request.headers.get("e2b-sandbox-port", "") or str(ENVD_PORT)
         port = int(port_text) if port_text.isdigit() else -1
-        return Route("envd" if port == ENVD_PORT else "port", sandbox_id, port)
-    m = _HOST.match(request.header("host").lower())
+        return Target("envd" if port == ENVD_PORT else "port", sandbox_id, port)
+    m = _HOST.match(request.headers.get("host", "").lower())
     if m:
         port = int(m.group(1))
-        return Route("envd" if port == ENVD_PORT else "port", m.group(2), port)
-    return Route("control")
+        return Target("envd" if port == ENVD_PORT else "port", m.group(2), port)
+    return Target("control")
 
 
 def api_key(request: Request) -> str:
-    key = request.header("x-api-key")
+    key = request.headers.get("x-api-key", "")
     if key:
         return key.strip()
-    auth = request.header("authorization")
+    auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
     return ""
 
 
 def access_token(request: Request) -> str:
-    return request.header("x-access-token").strip()
+    return request.headers.get("x-access-token", "").strip()
 
 
 def traffic_token(request: Request) -> str:
     return (
-        request.header("e2b-traffic-access-token").strip() or request.header("x-access-token")
+        request.headers.get("e2b-traffic-access-token", "").strip()
+        or request.headers.get("x-access-token", "")
     ).strip()
 
 
 def envd_user(request: Request) -> str:
     """The user of ``Authorization: Basic base64("<user>:")``; "" when none is named."""
-    auth = request.header("authorization")
+    auth = request.headers.get("authorization", "")
     if auth[:6].lower() != "basic ":
         return ""
     try:

@@ -27,20 +27,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
 
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.http import (
-    ClientDisconnected,
+    ClientDisconnect,
     HttpError,
-    Message,
     Receive,
     Request,
     Scope,
     Send,
-    send_json,
+    read_body,
+    without_trailing_slash,
 )
 from compat.sandboxfusion import mapping
 from compat.sandboxfusion.models import (
@@ -77,26 +83,23 @@ UNSUPPORTED = {
 #: Added to a job's own limits for the call's deadline: queueing for a container, transfer.
 DEADLINE_MARGIN_S = 60.0
 
-Handler = Callable[[AsyncClient, Request, Send], Awaitable[None]]
-
-
-def split_token(path: str) -> tuple[str, str]:
-    """``/t/<token>/rest`` -> (token, "/rest"); any other path -> ("", path)."""
-    if not path.startswith("/t/"):
-        return "", path
-    token, _, rest = path[3:].partition("/")
-    return token, "/" + rest
+#: The token of a ``/t/<token>/...`` path (for logs, which never show it).
+_TOKEN = re.compile(r"^/t/[^/]*")
+#: A route's handler: the client leased for the request's token, the request.
+Handler = Callable[[AsyncClient, Request], Awaitable[Response]]
+#: Every method (the 501 routes answer whatever they are asked with).
+ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 def bearer(request: Request) -> str:
-    value = request.header("authorization")
+    value = request.headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-async def send_detail(send: Send, status: int, detail: Any) -> None:
+def detail(status: int, value: Any) -> JSONResponse:
     """FastAPI's error body, which the reference's clients print."""
-    await send_json(send, status, {"detail": detail})
+    return JSONResponse({"detail": value}, status)
 
 
 class SandboxFusionApp:
@@ -104,82 +107,68 @@ class SandboxFusionApp:
         self.config = config
         self.pool = pool
         self.default_token = default_token
-        self.routes: dict[str, tuple[str, Handler]] = {
-            "/run_code": ("POST", self.run_code),
-            "/run_code_batch": ("POST", self.run_code_batch),
-        }
+        routes = [
+            Route("/v1/ping", self.ping, methods=["GET", "HEAD"]),
+            Route("/run_code", self._with_token(self.run_code), methods=["POST"]),
+            Route("/run_code_batch", self._with_token(self.run_code_batch), methods=["POST"]),
+            *(
+                Route(path, _unsupported(what), methods=ANY_METHOD)
+                for path, what in UNSUPPORTED.items()
+            ),
+        ]
+        self.app = Starlette(
+            # Each route also under /t/<token>/ (the token in the URL, for header-less clients).
+            routes=[Mount("/t/{token}", routes=routes), *routes],
+            exception_handlers={
+                404: _status_detail,
+                405: _status_detail,
+                HttpError: _http_error,
+                RequestInvalid: _request_invalid,
+                Unauthenticated: _refused,
+                PermissionDenied: _refused,
+                500: _internal,
+            },
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        request = Request(scope, receive)
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        path_token, path = split_token(request.path)
         try:
-            await self.dispatch(request, path_token, path, tracked)
-        except ClientDisconnected:
+            await self.app(without_trailing_slash(scope), receive, send)
+        except ClientDisconnect:
             return
-        except Exception:
-            log.exception("sandbox-fusion: %s %s failed", request.method, path)
-            if not started:
-                await send_detail(tracked, 500, "internal error in dsec's SandboxFusion front end")
+        except Exception:  # answered 500 by `_internal` (unless the answer had begun)
+            path = _TOKEN.sub("/t/<token>", str(scope["path"]))  # tokens are never logged
+            log.exception("sandbox-fusion: %s %s failed", scope["method"], path)
 
-    async def dispatch(self, request: Request, path_token: str, path: str, send: Send) -> None:
-        path = path.rstrip("/") or "/"
-        if path == "/v1/ping" and request.method in ("GET", "HEAD"):
-            if path_token:  # with a token: say whether it works
-                await self._with_token(path_token, self.ping, request, send)
-            else:
-                await self.ping(None, request, send)
-            return
-        if path in UNSUPPORTED:
-            await send_detail(
-                send, 501, f"dsec's SandboxFusion front end does not serve {UNSUPPORTED[path]}"
-            )
-            return
-        route = self.routes.get(path)
-        if route is None:
-            await send_detail(send, 404, "Not Found")
-            return
-        method, handler = route
-        if request.method != method:
-            await send_detail(send, 405, "Method Not Allowed")
-            return
-        token = path_token or bearer(request) or self.default_token
-        if not token:
-            await send_detail(
-                send,
-                401,
-                "no dsec token: post to http://<host>:<port>/t/<token>/run_code (or send "
-                "Authorization: Bearer <token>); a token comes from `dsec token create NAME`",
-            )
-            return
-        await self._with_token(token, handler, request, send)
+    def _with_token(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        """The route's endpoint: the handler with a client leased for the request's token:
+        the URL's, else ``Authorization: Bearer``, else the token file's; none is a 401."""
 
-    async def _with_token(self, token: str, handler: Handler, request: Request, send: Send) -> None:
-        try:
+        async def endpoint(request: Request) -> Response:
+            token = request.path_params.get("token") or bearer(request) or self.default_token
+            if not token:
+                return detail(
+                    401,
+                    "no dsec token: post to http://<host>:<port>/t/<token>/run_code (or send "
+                    "Authorization: Bearer <token>); a token comes from `dsec token create NAME`",
+                )
             async with self.pool.lease(token) as client:
-                await handler(client, request, send)
-        except (Unauthenticated, PermissionDenied) as exc:
-            status = 401 if isinstance(exc, Unauthenticated) else 403
-            await send_detail(send, status, f"dsec refused the token: {exc.message}")
-        except HttpError as exc:
-            await send_detail(send, exc.status, exc.message)
-        except RequestInvalid as exc:
-            await send_detail(send, 422, exc.detail)
+                return await handler(client, request)
+
+        return endpoint
 
     # -------------------------------------------------------------- routes
 
-    async def ping(self, client: AsyncClient | None, request: Request, send: Send) -> None:
-        await send_json(send, 200, "pong")
+    async def ping(self, request: Request) -> Response:
+        """ "pong"; with a token in the URL, once the token has been checked."""
+        token = request.path_params.get("token")
+        if token:
+            async with self.pool.lease(token):
+                pass
+        return JSONResponse("pong")
 
     def _job(self, req: RunCodeRequest, stdin: str | None) -> FunctionJob:
         c = self.config
@@ -202,9 +191,9 @@ class SandboxFusionApp:
         return compile_s + req.run_timeout + DEADLINE_MARGIN_S
 
     async def _body(self, request: Request) -> bytes:
-        return await request.body(self.config.sandbox_fusion_max_body_bytes)
+        return await read_body(request, self.config.sandbox_fusion_max_body_bytes)
 
-    async def run_code(self, client: AsyncClient, request: Request, send: Send) -> None:
+    async def run_code(self, client: AsyncClient, request: Request) -> Response:
         req = parse(RunCodeRequest, await self._body(request))
         job = self._job(req, req.stdin)
 
@@ -224,10 +213,10 @@ class SandboxFusionApp:
             return mapping.run_code_response(r)
 
         answer = await self._answer(request, call)
-        if answer is not None:
-            await send_json(send, 200, answer)
+        # None: the client went away; uvicorn drops an answer to nobody.
+        return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
-    async def run_code_batch(self, client: AsyncClient, request: Request, send: Send) -> None:
+    async def run_code_batch(self, client: AsyncClient, request: Request) -> Response:
         req = parse(RunCodeBatchRequest, await self._body(request))
         if len(req.cases) > self.config.sandbox_fusion_max_batch:
             raise HttpError(
@@ -247,8 +236,8 @@ class SandboxFusionApp:
             return {"status": mapping.batch_status(results), "message": "", "results": results}
 
         answer = await self._answer(request, call)
-        if answer is not None:
-            await send_json(send, 200, answer)
+        # None: the client went away; uvicorn drops an answer to nobody.
+        return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
     async def _answer(
         self, request: Request, call: Callable[[], Awaitable[dict[str, Any]]]
@@ -302,3 +291,35 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _unsupported(what: str) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return detail(501, f"dsec's SandboxFusion front end does not serve {what}")
+
+    return endpoint
+
+
+async def _status_detail(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return detail(exc.status_code, exc.detail)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpError)
+    return detail(exc.status, exc.message)
+
+
+async def _request_invalid(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestInvalid)
+    return detail(422, exc.detail)
+
+
+async def _refused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, DSecError)
+    status = 401 if isinstance(exc, Unauthenticated) else 403
+    return detail(status, f"dsec refused the token: {exc.message}")
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    return detail(500, "internal error in dsec's SandboxFusion front end")

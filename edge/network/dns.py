@@ -1,4 +1,4 @@
-"""The edge's DNS: a small wire-format codec, a resolver client and the sandboxes' resolver.
+"""The edge's DNS: a resolver client and the sandboxes' resolver (messages through dnspython).
 
 Every networked sandbox's resolv.conf names its edge (the bridge address), and its eBPF policy
 refuses port 53 anywhere else, so this resolver sees every name a sandbox looks up. For each
@@ -13,138 +13,57 @@ query it decides from the sandbox's policy (`Policy.name_verdict`):
 - any other name: forwarded in OPEN mode, REFUSED in ALLOWLIST mode (no DNS tunnelling out
   through the edge).
 
-The codec handles what that needs (header, question, answer records with compression); it is
-not a general DNS library.
+Messages are decoded and built with dnspython; a forwarded query and its answer are relayed as
+the bytes they arrived as. Names are compared as lower-case text without the final dot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import random
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdatatype
 
 log = logging.getLogger(__name__)
 
-TYPE_A = 1
-TYPE_CNAME = 5
-TYPE_AAAA = 28
-RCODE_NOERROR = 0
-RCODE_SERVFAIL = 2
-RCODE_NXDOMAIN = 3
-RCODE_REFUSED = 5
 MAX_UDP = 4096
 
-
-class DnsError(Exception):
-    pass
-
-
-@dataclass
-class Message:
-    id: int
-    flags: int
-    questions: list[tuple[str, int, int]] = field(default_factory=list)  # (name, type, class)
-    answers: list[tuple[str, int, int, bytes]] = field(
-        default_factory=list
-    )  # (name, type, ttl, rdata)
-
-    @property
-    def rcode(self) -> int:
-        return self.flags & 0xF
-
-    def addresses(self) -> list[tuple[str, int]]:
-        """(address, ttl) of every A/AAAA record."""
-        out = []
-        for _name, rtype, ttl, rdata in self.answers:
-            if rtype == TYPE_A and len(rdata) == 4:
-                out.append((str(ipaddress.IPv4Address(rdata)), ttl))
-            elif rtype == TYPE_AAAA and len(rdata) == 16:
-                out.append((str(ipaddress.IPv6Address(rdata)), ttl))
-        return out
+#: Any malformed message (dnspython's base error).
+DnsError = dns.exception.DNSException
 
 
-def _read_name(data: bytes, off: int, depth: int = 0) -> tuple[str, int]:
-    labels = []
-    while True:
-        if off >= len(data):
-            raise DnsError("truncated name")
-        n = data[off]
-        if n & 0xC0 == 0xC0:
-            if depth > 16 or off + 1 >= len(data):
-                raise DnsError("bad compression pointer")
-            ptr = ((n & 0x3F) << 8) | data[off + 1]
-            rest, _ = _read_name(data, ptr, depth + 1)
-            if rest:
-                labels.append(rest)
-            return ".".join(labels), off + 2
-        off += 1
-        if n == 0:
-            return ".".join(labels), off
-        if off + n > len(data):
-            raise DnsError("truncated label")
-        labels.append(data[off : off + n].decode("ascii", "replace"))
-        off += n
+def name_text(name: dns.name.Name) -> str:
+    """How the policy sees a name: lower case, no final dot ("" for the root)."""
+    return "" if name == dns.name.root else name.to_text(omit_final_dot=True).lower()
 
 
-def parse(data: bytes) -> Message:
-    if len(data) < 12:
-        raise DnsError("short message")
-    mid, flags, qd, an, _ns, _ar = struct.unpack_from("!6H", data)
-    msg = Message(mid, flags)
-    off = 12
-    for _ in range(qd):
-        name, off = _read_name(data, off)
-        if off + 4 > len(data):
-            raise DnsError("truncated question")
-        qtype, qclass = struct.unpack_from("!HH", data, off)
-        off += 4
-        msg.questions.append((name.lower(), qtype, qclass))
-    for _ in range(an):
-        name, off = _read_name(data, off)
-        if off + 10 > len(data):
-            raise DnsError("truncated record")
-        rtype, _rclass, ttl, rdlen = struct.unpack_from("!HHIH", data, off)
-        off += 10
-        msg.answers.append((name.lower(), rtype, ttl, data[off : off + rdlen]))
-        off += rdlen
-    return msg
+def addresses(msg: dns.message.Message) -> list[tuple[str, int]]:
+    """(address, ttl) of every A/AAAA record of the answer section."""
+    return [
+        (rdata.address, rrset.ttl)
+        for rrset in msg.answer
+        if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)
+        for rdata in rrset
+    ]
 
 
-def encode_name(name: str) -> bytes:
-    out = b""
-    for label in name.rstrip(".").split("."):
-        if label:
-            raw = label.encode("ascii")
-            if len(raw) > 63:
-                raise DnsError(f"label too long in {name!r}")
-            out += bytes([len(raw)]) + raw
-    return out + b"\0"
-
-
-def query(name: str, qtype: int, qid: int | None = None) -> bytes:
-    qid = random.getrandbits(16) if qid is None else qid
-    return (
-        struct.pack("!6H", qid, 0x0100, 1, 0, 0, 0)
-        + encode_name(name)
-        + struct.pack("!HH", qtype, 1)
-    )
-
-
-def reply(request: bytes, rcode: int) -> bytes:
+def reply(request: dns.message.Message, rcode: dns.rcode.Rcode) -> bytes:
     """A header-and-question-only answer to `request` with `rcode` (NXDOMAIN, REFUSED, ...)."""
-    mid, flags, qd = struct.unpack_from("!3H", request)
-    end = 12
-    for _ in range(qd):
-        _, end = _read_name(request, end)
-        end += 4
-    flags = 0x8000 | (flags & 0x0100) | 0x0080 | rcode  # QR, RD copied, RA
-    return struct.pack("!6H", mid, flags, qd, 0, 0, 0) + request[12:end]
+    out = dns.message.make_response(request)
+    out.flags |= dns.flags.RA
+    out.use_edns(False)
+    out.set_rcode(rcode)
+    return out.to_wire()
 
 
 # ------------------------------------------------------------------------ resolving
@@ -194,18 +113,19 @@ class Unresolvable(Exception):
 def resolve(upstream: Upstream, name: str, timeout_s: float = 2.0) -> list[str]:
     """A and AAAA addresses of `name` (blocking). Raises Unresolvable, or OSError when the
     resolver does not answer."""
-    addresses: list[str] = []
+    found: list[str] = []
     nx = True
-    for qtype in (TYPE_A, TYPE_AAAA):
-        msg = parse(exchange(upstream, query(name, qtype), timeout_s))
-        if msg.rcode == RCODE_NOERROR:
+    for qtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+        request = dns.message.make_query(name, qtype)
+        msg = dns.message.from_wire(exchange(upstream, request.to_wire(), timeout_s))
+        if msg.rcode() == dns.rcode.NOERROR:
             nx = False
-            addresses += [a for a, _ in msg.addresses()]
-        elif msg.rcode not in (RCODE_NXDOMAIN,):
-            raise OSError(f"resolver {upstream.host} answered rcode {msg.rcode} for {name}")
-    if nx or not addresses:
+            found += [a for a, _ in addresses(msg)]
+        elif msg.rcode() != dns.rcode.NXDOMAIN:
+            raise OSError(f"resolver {upstream.host} answered rcode {msg.rcode()} for {name}")
+    if nx or not found:
         raise Unresolvable(name)
-    return addresses
+    return found
 
 
 # -------------------------------------------------------------------------- the stub
@@ -260,40 +180,41 @@ class Resolver:
 
     async def handle(self, request: bytes, client: str) -> bytes | None:
         try:
-            msg = parse(request)
+            msg = dns.message.from_wire(request)
         except DnsError:
             return None
-        if not msg.questions or msg.flags & 0x8000:
+        if not msg.question or msg.flags & dns.flags.QR:
             return None
-        name = msg.questions[0][0]
+        name = name_text(msg.question[0].name)
         verdict = self.decide(client, name)
         if verdict is None:
             self.refused[client] = self.refused.get(client, 0) + 1
-            return reply(request, RCODE_REFUSED)
+            return reply(msg, dns.rcode.REFUSED)
         if verdict is False:
             self.refused[client] = self.refused.get(client, 0) + 1
-            return reply(request, RCODE_NXDOMAIN)
+            return reply(msg, dns.rcode.NXDOMAIN)
         try:
             answer = await asyncio.wait_for(
                 asyncio.to_thread(exchange, self.upstream, request, self.timeout_s),
                 self.timeout_s + 0.5,
             )
-            parsed = parse(answer)
+            parsed = dns.message.from_wire(answer)
         except (OSError, TimeoutError, DnsError) as exc:
             log.info("upstream resolver failed for %s: %s", name, exc)
-            return reply(request, RCODE_SERVFAIL)
+            return reply(msg, dns.rcode.SERVFAIL)
         # A CNAME chain into a denied name is refused like the name itself.
-        for rname, rtype, _ttl, _rdata in parsed.answers:
+        for rrset in parsed.answer:
+            rname = name_text(rrset.name)
             if (
-                rtype in (TYPE_CNAME, TYPE_A, TYPE_AAAA)
+                rrset.rdtype in (dns.rdatatype.CNAME, dns.rdatatype.A, dns.rdatatype.AAAA)
                 and rname != name
                 and self.decide(client, rname) is False
             ):
                 self.refused[client] = self.refused.get(client, 0) + 1
-                return reply(request, RCODE_NXDOMAIN)
-        addresses = parsed.addresses()
-        if addresses:
-            await self.learn(client, name, addresses)
+                return reply(msg, dns.rcode.NXDOMAIN)
+        learned = addresses(parsed)
+        if learned:
+            await self.learn(client, name, learned)
         return answer
 
     async def _answer_udp(self, data: bytes, addr: tuple[str, int]) -> None:

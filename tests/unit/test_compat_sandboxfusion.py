@@ -1,19 +1,23 @@
 """The SandboxFusion front end's pure parts: request validation in the reference's 422 shape,
-dsec verdicts in SandboxFusion's vocabulary, token routing, configuration."""
+dsec verdicts in SandboxFusion's vocabulary, routing (token prefix, error bodies), configuration."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
-from typing import Any, get_args
+from collections.abc import AsyncIterator
+from typing import Any, cast, get_args
 
+import httpx
 import pytest
 
 from common.config import ConfigError
+from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.sandboxfusion import mapping
-from compat.sandboxfusion.app import split_token
+from compat.sandboxfusion.app import SandboxFusionApp
 from compat.sandboxfusion.models import (
     Language,
     RequestInvalid,
@@ -272,10 +276,42 @@ def test_batch_status_is_the_worst() -> None:
 # ------------------------------------------------------------------ routing, config
 
 
-def test_token_prefix() -> None:
-    assert split_token("/t/dsec_ab_cd/run_code") == ("dsec_ab_cd", "/run_code")
-    assert split_token("/run_code") == ("", "/run_code")
-    assert split_token("/t/tok") == ("tok", "/")
+class _Pool:
+    """Leases record the token they were asked for (no API server behind them)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lease(self, token: str) -> AsyncIterator[object]:
+        self.tokens.append(token)
+        yield object()
+
+
+async def test_routes_token_prefix_and_error_bodies() -> None:
+    """Each route also under /t/<token>/, a trailing slash ignored, the token from the URL
+    before the bearer header, and FastAPI's bodies for 404, 405, 401, 422 and the 501s."""
+    pool = _Pool()
+    app = SandboxFusionApp(CompatConfig(), cast(ClientPool, pool), default_token="")
+    bearer = {"Authorization": "Bearer b"}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sf") as http:
+        r = await http.get("/v1/ping")
+        assert r.json() == "pong" and pool.tokens == []
+        r = await http.get("/t/dsec_ab_cd/v1/ping/")
+        assert r.json() == "pong" and pool.tokens == ["dsec_ab_cd"]
+        r = await http.post("/t/tok/run_code", content=b"{}", headers=bearer)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "code"]
+        r = await http.post("/run_code_batch/", content=b"{}", headers=bearer)
+        assert r.status_code == 422 and pool.tokens == ["dsec_ab_cd", "tok", "b"]
+        r = await http.post("/run_code", content=_body())
+        assert r.status_code == 401 and "/t/<token>/run_code" in r.json()["detail"]
+        r = await http.get("/t/tok/run_jupyter")
+        assert r.status_code == 501 and "Jupyter" in r.json()["detail"]
+        r = await http.get("/run_code")
+        assert (r.status_code, r.json()) == (405, {"detail": "Method Not Allowed"})
+        r = await http.get("/t/tok/nothing")
+        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
 
 
 def test_token_file_needs_a_loopback_listener() -> None:

@@ -1,6 +1,6 @@
 """Network policies without sockets or eBPF: parsing, errors naming the rule, compilation into
 the tables the kernel programs read (checked by evaluating them here exactly as the program
-does: longest-prefix match, then first matching rule), and the DNS codec."""
+does: longest-prefix match, then first matching rule), and the sandboxes' DNS resolver."""
 
 from __future__ import annotations
 
@@ -232,25 +232,69 @@ def test_programs_assemble_within_limits() -> None:
     assert lpm_key(24, bytes([10, 1, 2, 0])) == struct.pack("<I", 24) + bytes([10, 1, 2, 0])
 
 
-def test_dns_codec_round_trip() -> None:
-    q = dns.query("PyPI.org", dns.TYPE_A, qid=0x1234)
-    msg = dns.parse(q)
-    assert (msg.id, msg.questions) == (0x1234, [("pypi.org", dns.TYPE_A, 1)])
-    nx = dns.parse(dns.reply(q, dns.RCODE_NXDOMAIN))
-    assert nx.id == 0x1234 and nx.rcode == dns.RCODE_NXDOMAIN and nx.flags & 0x8000
-    # An answer with a compressed name and a CNAME chain.
-    answer = (
+def _answer(query: bytes) -> bytes:
+    """An upstream answer to `query` with a compressed name and a CNAME chain."""
+    return (
         struct.pack("!6H", 0x1234, 0x8180, 1, 2, 0, 0)
-        + q[12:]
+        + query[12:]
         + b"\xc0\x0c"
-        + struct.pack("!HHIH", dns.TYPE_CNAME, 1, 60, 6)
+        + struct.pack("!HHIH", 5, 1, 60, 6)  # CNAME
         + b"\x03cdn\xc0\x11"
         + b"\xc0\x26"
-        + struct.pack("!HHIH", dns.TYPE_A, 1, 30, 4)
+        + struct.pack("!HHIH", 1, 1, 30, 4)  # A
         + socket.inet_aton("192.0.2.10")
     )
-    parsed = dns.parse(answer)
-    assert [r[0] for r in parsed.answers] == ["pypi.org", "cdn.org"]
-    assert parsed.addresses() == [("192.0.2.10", 30)]
-    with pytest.raises(dns.DnsError):
-        dns.parse(b"\x00\x01")
+
+
+async def test_dns_resolver_answers_refuses_and_learns() -> None:
+    """The sandboxes' resolver: a denied name gets NXDOMAIN, an unlisted one REFUSED (both a
+    header-and-question reply), an allowed one is relayed as upstream sent it after its
+    addresses were learned, and a CNAME chain into a denied name is refused like the name."""
+    import asyncio
+
+    import dns.flags as dns_flags
+    import dns.message as dns_message
+    import dns.rcode as dns_rcode
+
+    query = dns_message.make_query("PyPI.org", "A", id=0x1234).to_wire()
+    answer = _answer(query)
+
+    class _Upstream(asyncio.DatagramProtocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: Any) -> None:
+            self.transport.sendto(data[:2] + answer[2:], addr)
+
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(_Upstream, local_addr=("127.0.0.1", 0))
+    port = transport.get_extra_info("sockname")[1]
+    verdicts: dict[str, bool | None] = {"pypi.org": True, "cdn.org": True}
+    learned: list[tuple[str, str, list[tuple[str, int]]]] = []
+
+    async def learn(client: str, name: str, addrs: list[tuple[str, int]]) -> None:
+        learned.append((client, name, addrs))
+
+    resolver = dns.Resolver(
+        dns.Upstream("127.0.0.1", port), lambda _c, n: verdicts.get(n), learn, timeout_s=2.0
+    )
+    try:
+        assert await resolver.handle(query, "10.0.0.2") == answer
+        assert learned == [("10.0.0.2", "pypi.org", [("192.0.2.10", 30)])]
+        for verdict, rcode in ((False, dns_rcode.NXDOMAIN), (None, dns_rcode.REFUSED)):
+            verdicts["pypi.org"] = verdict
+            out = await resolver.handle(query, "10.0.0.2")
+            assert out is not None
+            reply = dns_message.from_wire(out)
+            assert (reply.id, reply.rcode(), reply.answer) == (0x1234, rcode, [])
+            assert (
+                reply.flags & dns_flags.QR
+                and reply.question == dns_message.from_wire(query).question
+            )
+        verdicts["pypi.org"], verdicts["cdn.org"] = True, False
+        out = await resolver.handle(query, "10.0.0.2")
+        assert out is not None and dns_message.from_wire(out).rcode() == dns_rcode.NXDOMAIN
+        assert resolver.refused == {"10.0.0.2": 3}
+        assert await resolver.handle(b"\x00\x01", "10.0.0.2") is None  # malformed: dropped
+    finally:
+        transport.close()

@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from compat.e2b.envd.call import EnvdCall
+from compat.e2b.envd.call import CALL, EnvdCall
 from compat.e2b.errors import gone_message, http_status, sandbox_gone
-from compat.e2b.http import HttpError, Request, Send, send_empty, send_error, send_json
+from compat.e2b.http import HttpError, Request, error
 from libdsec.errors import DSecError, FailedPrecondition, NotFound
 
 #: Chunks queued between the HTTP body and the upload (each up to ~64 KiB from the server).
@@ -74,7 +75,7 @@ class BodyPipe:
 
 
 def _user_call(call: EnvdCall, request: Request) -> EnvdCall:
-    user = request.query("username")
+    user = request.query_params.get("username")
     return replace(call, user=user) if user else call
 
 
@@ -82,69 +83,59 @@ def _written(path: str) -> dict[str, str]:
     return {"path": path, "name": posixpath.basename(path), "type": "file"}
 
 
-async def _send_dsec_error(send: Send, call: EnvdCall, path: str, exc: DSecError) -> None:
+def _dsec_error(call: EnvdCall, path: str, exc: DSecError) -> Response:
     if sandbox_gone(exc):
-        await send_error(send, 502, gone_message(call.sandbox_id))
-    elif isinstance(exc, NotFound):
-        await send_error(send, 404, f"path '{path}' does not exist")
-    elif isinstance(exc, FailedPrecondition) and exc.reason == "IS_A_DIRECTORY":
-        await send_error(send, 400, f"path '{path}' is a directory")
-    elif exc.reason in ("NO_SPACE", "DISK_QUOTA_EXCEEDED"):
-        await send_error(send, 507, "not enough disk space available")
-    else:
-        await send_error(send, http_status(exc), exc.message)
+        return error(502, gone_message(call.sandbox_id))
+    if isinstance(exc, NotFound):
+        return error(404, f"path '{path}' does not exist")
+    if isinstance(exc, FailedPrecondition) and exc.reason == "IS_A_DIRECTORY":
+        return error(400, f"path '{path}' is a directory")
+    if exc.reason in ("NO_SPACE", "DISK_QUOTA_EXCEEDED"):
+        return error(507, "not enough disk space available")
+    return error(http_status(exc), exc.message)
 
 
 class FilesRest:
-    async def handle(self, call: EnvdCall, request: Request, send: Send) -> None:
-        path = request.path.rstrip("/") or "/"
-        if path == "/health":
-            await send_empty(send, 204)
-        elif path == "/files" and request.method == "GET":
-            await self.download(_user_call(call, request), request, send)
-        elif path == "/files" and request.method == "POST":
-            await self.upload(_user_call(call, request), request, send)
-        elif path in ("/files/compose", "/metrics", "/envs"):
-            await send_error(send, 501, f"{path} is not supported by dsec")
-        else:
-            await send_error(send, 404, f"{request.method} {path}: no such route")
+    """The two routes; each acts as the envd call of the request (``CALL``), as the user
+    ``?username=`` names if it does."""
 
-    async def download(self, call: EnvdCall, request: Request, send: Send) -> None:
-        raw = request.query("path")
+    async def download(self, request: Request) -> Response:
+        call = _user_call(CALL.get(), request)
+        raw = request.query_params.get("path")
         if not raw:
-            await send_error(send, 400, "path is required")
-            return
+            return error(400, "path is required")
         path = call.resolve(raw)
-        chunks = call.sandbox.files.iter_download(path)
-        try:
-            try:  # the first chunk (or the error) before the status line is sent
-                first: bytes | None = await anext(chunks)
-            except StopAsyncIteration:
-                first = None
-            except DSecError as exc:
-                await _send_dsec_error(send, call, path, exc)
-                return
-            name = posixpath.basename(path).replace('"', "")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"application/octet-stream"),
-                        (b"content-disposition", f'attachment; filename="{name}"'.encode()),
-                    ],
-                }
-            )
-            if first is not None:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+        # an async generator (its annotation says AsyncIterator): closed when done with
+        chunks = cast(AsyncGenerator[bytes, None], call.sandbox.files.iter_download(path))
+        try:  # the first chunk (or the error) before the status line is sent
+            first: bytes | None = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        except BaseException as exc:
+            await chunks.aclose()
+            if isinstance(exc, DSecError):
+                return _dsec_error(call, path, exc)
+            raise
 
-    async def upload(self, call: EnvdCall, request: Request, send: Send) -> None:
-        ctype, params = parse_options_header(request.header("content-type"))
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if first is not None:
+                    yield first
+                    async for chunk in chunks:
+                        yield chunk
+            finally:
+                await chunks.aclose()
+
+        name = posixpath.basename(path).replace('"', "")
+        return StreamingResponse(
+            body(),
+            media_type="application/octet-stream",
+            headers={"content-disposition": f'attachment; filename="{name}"'},
+        )
+
+    async def upload(self, request: Request) -> Response:
+        call = _user_call(CALL.get(), request)
+        ctype, params = parse_options_header(request.headers.get("content-type", ""))
         try:
             if ctype == b"multipart/form-data":
                 boundary = params.get(b"boundary")
@@ -152,19 +143,17 @@ class FilesRest:
                     raise HttpError(400, "multipart/form-data without a boundary")
                 written = await self._multipart(call, request, boundary)
             else:
-                raw = request.query("path")
+                raw = request.query_params.get("path")
                 if not raw:
                     raise HttpError(400, "path is required for an application/octet-stream upload")
                 path = call.resolve(raw)
                 await self._upload_one(call, path, request.stream())
                 written = [_written(path)]
         except HttpError as exc:
-            await send_error(send, exc.status, exc.message)
-            return
+            return error(exc.status, exc.message)
         except _UploadFailed as exc:
-            await _send_dsec_error(send, call, exc.path, exc.error)
-            return
-        await send_json(send, 200, written)
+            return _dsec_error(call, exc.path, exc.error)
+        return JSONResponse(written)
 
     async def _upload_one(self, call: EnvdCall, path: str, body: AsyncIterator[bytes]) -> None:
         pipe = BodyPipe(asyncio.get_running_loop())
@@ -210,7 +199,7 @@ class FilesRest:
                 "on_part_end": lambda: events.append(("end", None)),
             },
         )
-        query_path = request.query("path")
+        query_path = request.query_params.get("path")
         written: list[dict[str, str]] = []
         pipe: BodyPipe | None = None
         task: asyncio.Task[Any] | None = None

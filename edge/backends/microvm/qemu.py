@@ -19,13 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qemu.qmp import ConnectError, ExecInterruptedError, ExecuteError, QMPClient, StateError
+from qemu.qmp.message import Message
+
 from libdsec.errors import Unavailable
+
+# Every QMP failure reaches the edge as a QmpError naming its cause; the library would also log
+# one ERROR line per failed connect (the edge retries every 5 ms until QEMU listens).
+logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 #: The default migration bandwidth (128 MiB/s) would throttle a save; this is "unlimited".
 MAX_BANDWIDTH = 100 << 30
@@ -145,65 +152,59 @@ class QmpError(Unavailable):
         super().__init__(message, reason="QMP_ERROR")
 
 
+class _Client(QMPClient):
+    """QEMU's own QMP client, keeping only the last few events (for diagnosis) instead of
+    queueing every event for a reader the edge does not run."""
+
+    def __init__(self) -> None:
+        super().__init__(readbuflen=1 << 20)
+        self.recent: list[dict[str, Any]] = []
+
+    async def _event_dispatch(self, msg: Message) -> None:
+        self.recent = [*self.recent[-15:], dict(msg)]
+
+
 class Qmp:
-    """A QMP connection: one command at a time, events kept (the last few) for diagnosis."""
+    """A QMP connection (`qemu.qmp`, QEMU's own asyncio client) with the edge's conventions:
+    connecting retries until QEMU listens, every command has a deadline, and every failure is a
+    `QmpError` (an `Unavailable`)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._lock = asyncio.Lock()
-        self.events: list[dict[str, Any]] = []
+        self._client = _Client()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The last few events QEMU sent."""
+        return self._client.recent
 
     async def connect(self, timeout_s: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             try:
-                self._reader, self._writer = await asyncio.open_unix_connection(
-                    self.address, limit=1 << 20
-                )
-                break
-            except (ConnectionError, FileNotFoundError) as exc:
+                # The greeting and capability negotiation are part of connect().
+                await asyncio.wait_for(self._client.connect(self.address), timeout_s)
+                return
+            except (ConnectError, TimeoutError) as exc:
                 if loop.time() > deadline:
                     raise QmpError(f"QMP at {self.address} unreachable: {exc}") from exc
                 await asyncio.sleep(0.005)
-        await asyncio.wait_for(self._read(), timeout_s)  # the greeting
-        await self.execute("qmp_capabilities")
-
-    async def _read(self) -> dict[str, Any]:
-        assert self._reader is not None
-        line = await self._reader.readline()
-        if not line:
-            raise QmpError("QMP connection closed")
-        msg: dict[str, Any] = json.loads(line)
-        return msg
 
     async def execute(self, command: str, timeout_s: float = 30.0, **arguments: Any) -> Any:
-        async with self._lock:
-            if self._writer is None:
-                raise QmpError("QMP not connected")
-            msg: dict[str, Any] = {"execute": command}
-            if arguments:
-                msg["arguments"] = arguments
-            self._writer.write(json.dumps(msg).encode() + b"\n")
-            await self._writer.drain()
+        try:
             async with asyncio.timeout(timeout_s):
-                while True:
-                    reply = await self._read()
-                    if "event" in reply:
-                        self.events = [*self.events[-15:], reply]
-                        continue
-                    if "error" in reply:
-                        raise QmpError(f"{command}: {reply['error'].get('desc', reply['error'])}")
-                    return reply.get("return")
+                return await self._client.execute(command, arguments or None)
+        except ExecuteError as exc:
+            raise QmpError(f"{command}: {exc}") from exc
+        except StateError as exc:
+            raise QmpError(f"{command}: QMP not connected") from exc
+        except ExecInterruptedError as exc:
+            raise QmpError(f"{command}: QMP connection closed") from exc
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-            self._writer = None
+        with contextlib.suppress(Exception):
+            await self._client.disconnect()
 
 
 async def save(qmp: Qmp, path: Path, *, ignore_shared: bool, timeout_s: float = 120.0) -> None:
