@@ -102,6 +102,12 @@ class AsyncClient:
         )
         self._watches: set[AsyncWatch] = set()
 
+    @property
+    def transport(self) -> Transport:
+        """The channel, token and stubs this client calls through (what its sandboxes' handles
+        use: :class:`~libdsec._transport.Link`)."""
+        return self._rpc
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
