@@ -20,6 +20,8 @@ from libdsec.errors import DSecError
 if TYPE_CHECKING:
     from libdsec import Client
 
+MIB = 1024 * 1024
+
 
 def client() -> Client:
     """A :class:`libdsec.Client` for $DSEC_TARGET / $DSEC_TOKEN (default: the local cluster)."""
