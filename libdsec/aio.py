@@ -559,7 +559,9 @@ class AsyncClient:
         req = apiserver_pb2.ImportImageRequest(
             source=source,
             name=name,
-            kind=types_pb2.LayerKind.Value("LAYER_KIND_" + kind.upper()) if kind else 0,  # type: ignore[arg-type]
+            kind=types_pb2.LayerKind.Value("LAYER_KIND_" + kind.upper())
+            if kind
+            else types_pb2.LAYER_KIND_UNSPECIFIED,
             base=base,
             all_root=all_root,
         )
