@@ -111,6 +111,8 @@ class AsyncProcess:
         return bool(resp.delivered)
 
     async def _control(self, **action: Any) -> None:
+        """Sends one ``ControlExecRequest`` action (``stdin=``, ``close_stdin=`` or ``resize=``,
+        the request's own fields: private, its three callers below are the typed surface)."""
         c = self.sandbox.client
         await c.transport.unary(
             c.transport.exec.ControlExec,
