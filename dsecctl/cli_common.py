@@ -8,19 +8,56 @@ import dataclasses
 import datetime
 import enum
 import json
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from libdsec.errors import DSecError
 
-
-def client() -> Any:
-    """A :class:`libdsec.Client` for $DSEC_TARGET / $DSEC_TOKEN (default: the local cluster)."""
+if TYPE_CHECKING:
     from libdsec import Client
 
+MIB = 1024 * 1024
+
+
+def client() -> Client:
+    """A :class:`libdsec.Client` for $DSEC_TARGET / $DSEC_TOKEN (default: the local cluster)."""
+    from libdsec import Client  # here: a command that needs no client starts faster
+
     return Client()
+
+
+def _what(args: argparse.Namespace) -> str:
+    """The command that failed, for its error line: ``dsec sandbox exec``."""
+    words = [getattr(args, "topic", ""), getattr(args, "action", "")]
+    return " ".join(["dsec", *(w for w in words if isinstance(w, str) and w)])
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs the parsed command (``args.fn``) and turns what it raises into the CLI's exit
+    status and one line on stderr: the one place ``dsec`` and ``python -m dsecctl.grpc_cli``
+    end a command."""
+    try:
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`dsec sandbox list | head`): stop quietly, as a tool killed by
+        # SIGPIPE would (exit 141); stdout is pointed at /dev/null so that Python's own flush
+        # at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except DSecError as err:
+        print(f"{_what(args)}: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr)
+        return 2
+    except (TimeoutError, RuntimeError, OSError) as err:
+        print(f"{_what(args)}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 def key_value(item: str) -> tuple[str, str]:

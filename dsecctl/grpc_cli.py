@@ -45,6 +45,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from dsec.types.v1 import types_pb2
+from dsecctl.cli_common import run_command
 from libdsec._config import resolve
 from libdsec.errors import ERROR_TRAILER, DSecError
 
@@ -626,10 +627,12 @@ def cmd_grpc(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dsecctl.grpc_cli ARGS`` is ``dsec grpc ARGS``."""
-    from dsecctl.main import main as dsec_main  # imports this module: not at the top
-
-    return dsec_main(["grpc", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m dsecctl.grpc_cli ARGS`` is ``dsec grpc ARGS``: the same subcommand parser
+    (under a ``dsec`` parser, so its usage and errors read the same) and the same ending."""
+    parser = argparse.ArgumentParser(prog="dsec")
+    add_parser(parser.add_subparsers(dest="topic", required=True, metavar="COMMAND"))
+    args = parser.parse_args(["grpc", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -51,6 +50,7 @@ from dsecctl.cli_common import (
     print_env,
     print_json,
     progress,
+    run_command,
     size_text,
 )
 from dsecctl.cluster import EdgeSpec, LocalCluster
@@ -59,7 +59,6 @@ from dsecctl.grpc_cli import add_parser as add_grpc_parser
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
-from libdsec.errors import DSecError
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -360,10 +359,10 @@ def cmd_token(args: argparse.Namespace) -> int:
             if args.json:
                 print_json(tokens)
                 return 0
-            for t in tokens:
+            for info in tokens:
                 print(
-                    f"{t.token_id}  {t.name:<24} {t.project_id:<30} {t.kind.lower():<6} {t.role.lower():<6}"
-                    f"{' revoked' if t.revoked else ''}"
+                    f"{info.token_id}  {info.name:<24} {info.project_id:<30} {info.kind.lower():<6} {info.role.lower():<6}"
+                    f"{' revoked' if info.revoked else ''}"
                 )
         else:
             c.revoke_token(args.token_id)
@@ -698,32 +697,8 @@ def _env_parsers(sub: Any) -> None:
     env.set_defaults(fn=cmd_env)
 
 
-def _what(args: argparse.Namespace) -> str:
-    """The command that failed, for its error line: ``dsec sandbox exec``."""
-    words = [getattr(args, "topic", ""), getattr(args, "action", "")]
-    return " ".join(["dsec", *(w for w in words if isinstance(w, str) and w)])
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        code = int(args.fn(args))
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
-        return code
-    except BrokenPipeError:
-        # The reader went away (`dsec sandbox list | head`): stop quietly, as a tool killed by
-        # SIGPIPE would (exit 141); stdout is pointed at /dev/null so that Python's own flush
-        # at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
-    except DSecError as err:
-        print(f"{_what(args)}: {type(err).__name__} [{err.reason}]: {err.message}", file=sys.stderr)
-        return 2
-    except (TimeoutError, RuntimeError, OSError) as err:
-        print(f"{_what(args)}: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

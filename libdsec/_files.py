@@ -16,7 +16,7 @@ import builtins
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import grpc
 
@@ -24,14 +24,13 @@ from dsec.types.v1 import types_pb2
 from libdsec._transport import (
     STREAM_IDLE_TIMEOUT_S,
     STREAM_KEEPALIVE_INTERVAL_S,
+    Link,
+    Transport,
     stalled,
     stream_error,
 )
 from libdsec.errors import NotFound, Unavailable
 from libdsec.types import FileEvent, FileInfo
-
-if TYPE_CHECKING:
-    from libdsec._sandbox import AsyncSandbox
 
 #: Bytes per message of an upload or download.
 CHUNK = 1024 * 1024
@@ -40,13 +39,17 @@ CHUNK = 1024 * 1024
 class AsyncFiles:
     """Filesystem operations inside a sandbox."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
-        self.sandbox = sandbox
+    def __init__(self, client: Link, sandbox_id: str) -> None:
+        self.client = client
+        self.sandbox_id = sandbox_id
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        c = self.sandbox.client
-        rpc = c._rpc
-        return rpc.unary(getattr(rpc.files, method), request, timeout=c._t(timeout))
+        rpc = self.client.transport
+        return rpc.unary(
+            getattr(rpc.files, method),
+            request,
+            timeout=self.client.timeout if timeout is None else timeout,
+        )
 
     async def read(self, path: str, *, offset: int = 0, length: int = 0) -> bytes:
         """A whole small file (or a slice); use :meth:`download` for big ones."""
@@ -56,7 +59,7 @@ class AsyncFiles:
         resp = await self._call(
             "ReadFile",
             types_pb2.ReadFileRequest(
-                sandbox_id=self.sandbox.id, path=path, offset=offset, length=length
+                sandbox_id=self.sandbox_id, path=path, offset=offset, length=length
             ),
         )
         return bytes(resp.data)
@@ -76,7 +79,7 @@ class AsyncFiles:
         resp = await self._call(
             "WriteFile",
             types_pb2.WriteFileRequest(
-                sandbox_id=self.sandbox.id,
+                sandbox_id=self.sandbox_id,
                 path=path,
                 data=raw,
                 mode=mode,
@@ -90,7 +93,7 @@ class AsyncFiles:
         resp = await self._call(
             "ListDir",
             types_pb2.ListDirRequest(
-                sandbox_id=self.sandbox.id, path=path, max_entries=max_entries
+                sandbox_id=self.sandbox_id, path=path, max_entries=max_entries
             ),
         )
         return [FileInfo.from_pb(e) for e in resp.entries]
@@ -99,7 +102,7 @@ class AsyncFiles:
         resp = await self._call(
             "StatPath",
             types_pb2.StatPathRequest(
-                sandbox_id=self.sandbox.id, path=path, follow_symlinks=follow_symlinks
+                sandbox_id=self.sandbox_id, path=path, follow_symlinks=follow_symlinks
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -115,7 +118,7 @@ class AsyncFiles:
         resp = await self._call(
             "MakeDir",
             types_pb2.MakeDirRequest(
-                sandbox_id=self.sandbox.id, path=path, mode=mode, parents=parents
+                sandbox_id=self.sandbox_id, path=path, mode=mode, parents=parents
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -123,14 +126,14 @@ class AsyncFiles:
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._call(
             "RemovePath",
-            types_pb2.RemovePathRequest(sandbox_id=self.sandbox.id, path=path, recursive=recursive),
+            types_pb2.RemovePathRequest(sandbox_id=self.sandbox_id, path=path, recursive=recursive),
         )
 
     async def move(self, source: str, destination: str, *, overwrite: bool = False) -> FileInfo:
         resp = await self._call(
             "MovePath",
             types_pb2.MovePathRequest(
-                sandbox_id=self.sandbox.id,
+                sandbox_id=self.sandbox_id,
                 source=source,
                 destination=destination,
                 overwrite=overwrite,
@@ -141,7 +144,7 @@ class AsyncFiles:
     async def chmod(self, path: str, mode: int) -> FileInfo:
         resp = await self._call(
             "ChmodPath",
-            types_pb2.ChmodPathRequest(sandbox_id=self.sandbox.id, path=path, mode=mode),
+            types_pb2.ChmodPathRequest(sandbox_id=self.sandbox_id, path=path, mode=mode),
         )
         return FileInfo.from_pb(resp.info)
 
@@ -173,7 +176,7 @@ class AsyncFiles:
         async def parts() -> AsyncIterator[types_pb2.UploadFileRequest]:
             yield types_pb2.UploadFileRequest(
                 header=types_pb2.UploadHeader(
-                    sandbox_id=self.sandbox.id,
+                    sandbox_id=self.sandbox_id,
                     path=path,
                     mode=mode,
                     make_parents=make_parents,
@@ -191,7 +194,7 @@ class AsyncFiles:
                         break
                     yield types_pb2.UploadFileRequest(chunk=block)
 
-        rpc = self.sandbox.client._rpc
+        rpc = self.client.transport
         try:
             resp = await rpc.unary(rpc.files.UploadFile, parts(), timeout=3600)
         finally:
@@ -207,9 +210,9 @@ class AsyncFiles:
         self, path: str, *, offset: int = 0, chunk_bytes: int = CHUNK
     ) -> AsyncIterator[bytes]:
         """The file's bytes in chunks, streamed (never whole in memory)."""
-        rpc = self.sandbox.client._rpc
+        rpc = self.client.transport
         request = types_pb2.DownloadFileRequest(
-            sandbox_id=self.sandbox.id, path=path, offset=offset, chunk_bytes=chunk_bytes
+            sandbox_id=self.sandbox_id, path=path, offset=offset, chunk_bytes=chunk_bytes
         )
         async for msg in rpc.stream(rpc.files.DownloadFile, request):
             if msg.chunk:
@@ -246,7 +249,7 @@ class AsyncFiles:
         resp = await self._call(
             "CreateWatcher",
             types_pb2.CreateWatcherRequest(
-                sandbox_id=self.sandbox.id, path=path, recursive=recursive
+                sandbox_id=self.sandbox_id, path=path, recursive=recursive
             ),
             timeout,
         )
@@ -265,7 +268,7 @@ class AsyncFiles:
         """
         resp = await self._call(
             "GetWatcherEvents",
-            types_pb2.GetWatcherEventsRequest(sandbox_id=self.sandbox.id, watcher_id=watcher_id),
+            types_pb2.GetWatcherEventsRequest(sandbox_id=self.sandbox_id, watcher_id=watcher_id),
             timeout,
         )
         return [FileEvent.from_pb(e) for e in resp.events]
@@ -274,7 +277,7 @@ class AsyncFiles:
         """Stops a watcher and forgets its events. An unknown id: ``NotFound``."""
         await self._call(
             "RemoveWatcher",
-            types_pb2.RemoveWatcherRequest(sandbox_id=self.sandbox.id, watcher_id=watcher_id),
+            types_pb2.RemoveWatcherRequest(sandbox_id=self.sandbox_id, watcher_id=watcher_id),
             timeout,
         )
 
@@ -291,9 +294,9 @@ class AsyncFiles:
                     print(ev.type, ev.name)
         """
         w = AsyncDirWatch(
-            self.sandbox.client._rpc,
+            self.client.transport,
             types_pb2.WatchDirRequest(
-                sandbox_id=self.sandbox.id,
+                sandbox_id=self.sandbox_id,
                 path=path,
                 recursive=recursive,
                 keepalive_interval_ms=round(STREAM_KEEPALIVE_INTERVAL_S * 1000),
@@ -313,7 +316,7 @@ class AsyncDirWatch:
     could not deliver because this reader fell behind."""
 
     def __init__(
-        self, rpc: Any, request: types_pb2.WatchDirRequest, *, idle_timeout_s: float = 0.0
+        self, rpc: Transport, request: types_pb2.WatchDirRequest, *, idle_timeout_s: float = 0.0
     ) -> None:
         self._rpc = rpc
         self._request = request

@@ -12,13 +12,14 @@ background command), :class:`AsyncSession` (a persistent shell).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._files import AsyncFiles
-from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
+from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link
 from libdsec.errors import DSecError, Unavailable
+from libdsec.options import SessionRunOptions, SessionStreamOptions
 from libdsec.types import (
     Environment,
     ExecEvent,
@@ -31,9 +32,6 @@ from libdsec.types import (
     SandboxInfo,
     event_from_pb,
 )
-
-if TYPE_CHECKING:
-    from libdsec.aio import AsyncClient
 
 
 def _exec_request(
@@ -90,7 +88,7 @@ class AsyncProcess:
 
     async def wait(self, timeout_s: float | None = None) -> ExecInfo:
         """Waits for exit (or ``timeout_s``; then ``.running`` is still True)."""
-        rpc = self.sandbox.client._rpc
+        rpc = self.sandbox.client.transport
         resp = await rpc.unary(
             rpc.exec.WaitExec,
             types_pb2.WaitExecRequest(
@@ -103,8 +101,8 @@ class AsyncProcess:
     async def kill(self, signal: int = 9) -> bool:
         """Signals the command's whole process group; False if it had already exited."""
         c = self.sandbox.client
-        resp = await c._rpc.unary(
-            c._rpc.exec.SignalExec,
+        resp = await c.transport.unary(
+            c.transport.exec.SignalExec,
             types_pb2.SignalExecRequest(
                 sandbox_id=self.sandbox.id, exec_id=self.exec_id, signal=signal
             ),
@@ -113,9 +111,11 @@ class AsyncProcess:
         return bool(resp.delivered)
 
     async def _control(self, **action: Any) -> None:
+        """Sends one ``ControlExecRequest`` action (``stdin=``, ``close_stdin=`` or ``resize=``,
+        the request's own fields: private, its three callers below are the typed surface)."""
         c = self.sandbox.client
-        await c._rpc.unary(
-            c._rpc.exec.ControlExec,
+        await c.transport.unary(
+            c.transport.exec.ControlExec,
             types_pb2.ControlExecRequest(
                 sandbox_id=self.sandbox.id, exec_id=self.exec_id, **action
             ),
@@ -147,7 +147,7 @@ class AsyncProcess:
         """Output from the given offsets (what is still held), then live, then the exit.
         ``follow=False``: only what is held now (a log read); it ends with the exit if the
         command has ended, without one if it still runs."""
-        rpc = self.sandbox.client._rpc
+        rpc = self.sandbox.client.transport
         request = types_pb2.AttachExecRequest(
             sandbox_id=self.sandbox.id,
             exec_id=self.exec_id,
@@ -168,16 +168,18 @@ class AsyncSession:
         self.sandbox = sandbox
         self.session_id = session_id
 
-    async def run(self, cmd: str, **kw: Any) -> ExecResult:
-        return await self.sandbox.run(cmd, session=self.session_id, **kw)
+    async def run(self, cmd: str, **options: Unpack[SessionRunOptions]) -> ExecResult:
+        """Runs ``cmd`` in this session (see :meth:`AsyncSandbox.run` for the options)."""
+        return await self.sandbox.run(cmd, session=self.session_id, **options)
 
-    def stream(self, cmd: str, **kw: Any) -> AsyncIterator[ExecEvent]:
-        return self.sandbox.stream(cmd, session=self.session_id, **kw)
+    def stream(self, cmd: str, **options: Unpack[SessionStreamOptions]) -> AsyncIterator[ExecEvent]:
+        """Streams ``cmd`` in this session (see :meth:`AsyncSandbox.stream`)."""
+        return self.sandbox.stream(cmd, session=self.session_id, **options)
 
     async def close(self) -> None:
         c = self.sandbox.client
-        await c._rpc.unary(
-            c._rpc.exec.CloseSession,
+        await c.transport.unary(
+            c.transport.exec.CloseSession,
             types_pb2.CloseSessionRequest(sandbox_id=self.sandbox.id, session_id=self.session_id),
             timeout=c.timeout,
         )
@@ -192,10 +194,11 @@ class AsyncSession:
 class AsyncSandbox:
     """A sandbox: run commands, use files, stop it. An async context manager that stops on exit."""
 
-    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+    def __init__(self, client: Link, info: SandboxInfo) -> None:
+        #: The client that made this handle (an :class:`~libdsec.aio.AsyncClient`).
         self.client = client
         self.info = info
-        self.files = AsyncFiles(self)
+        self.files = AsyncFiles(client, info.id)
 
     @property
     def id(self) -> str:
@@ -214,7 +217,13 @@ class AsyncSandbox:
             pass  # already gone: nothing to clean up
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self.client._info(self.id)
+        rpc = self.client.transport
+        resp = await rpc.unary(
+            rpc.sandboxes.GetSandbox,
+            apiserver_pb2.GetSandboxRequest(sandbox_id=self.id),
+            timeout=self.client.timeout,
+        )
+        self.info = SandboxInfo.from_pb(resp.sandbox)
         return self.info
 
     async def run(
@@ -267,7 +276,9 @@ class AsyncSandbox:
             labels=labels,
         )
         deadline = (timeout_s or 600.0) + 60.0
-        return ExecResult.from_pb(await c._rpc.unary(c._rpc.exec.Exec, req, timeout=deadline))
+        return ExecResult.from_pb(
+            await c.transport.unary(c.transport.exec.Exec, req, timeout=deadline)
+        )
 
     async def stream(
         self,
@@ -322,7 +333,7 @@ class AsyncSandbox:
         )
         req.keepalive_interval_ms = round(STREAM_KEEPALIVE_INTERVAL_S * 1000)
         exited = False
-        async for ev in c._rpc.stream(c._rpc.exec.ExecStream, req):
+        async for ev in c.transport.stream(c.transport.exec.ExecStream, req):
             e = event_from_pb(ev)
             if e is not None:
                 exited = exited or isinstance(e, Exited)
@@ -373,7 +384,7 @@ class AsyncSandbox:
             labels=labels,
             user=user,
         )
-        async for ev in c._rpc.stream(c._rpc.exec.ExecStream, req):
+        async for ev in c.transport.stream(c.transport.exec.ExecStream, req):
             if ev.WhichOneof("event") == "started":
                 return AsyncProcess(self, ev.started.exec_id, ev.started.pid)
         raise Unavailable("background start returned no exec id", reason="STREAM_ENDED_EARLY")
@@ -384,8 +395,10 @@ class AsyncSandbox:
 
     async def processes(self) -> list[ExecInfo]:
         c = self.client
-        resp = await c._rpc.unary(
-            c._rpc.exec.ListExecs, types_pb2.ListExecsRequest(sandbox_id=self.id), timeout=c.timeout
+        resp = await c.transport.unary(
+            c.transport.exec.ListExecs,
+            types_pb2.ListExecsRequest(sandbox_id=self.id),
+            timeout=c.timeout,
         )
         return [ExecInfo.from_pb(i) for i in resp.execs]
 
@@ -394,8 +407,8 @@ class AsyncSandbox:
     ) -> AsyncSession:
         """Opens a persistent shell session (several may be open at once)."""
         c = self.client
-        resp = await c._rpc.unary(
-            c._rpc.exec.CreateSession,
+        resp = await c.transport.unary(
+            c.transport.exec.CreateSession,
             types_pb2.CreateSessionRequest(
                 sandbox_id=self.id, shell=shell, cwd=cwd, env=dict(env or {})
             ),
@@ -432,7 +445,7 @@ class AsyncSandbox:
             timeout_s=timeout_s,
         )
         return HttpResponse.from_pb(
-            await c._rpc.unary(c._rpc.exec.SendHttp, req, timeout=timeout_s + 30)
+            await c.transport.unary(c.transport.exec.SendHttp, req, timeout=timeout_s + 30)
         )
 
     async def wait_for_port(self, port: int, *, timeout_s: float = 30.0) -> float:
@@ -446,12 +459,12 @@ class AsyncSandbox:
             sb.wait_for_port(8000, timeout_s=10)
         """
         req = types_pb2.WaitForPortRequest(sandbox_id=self.id, port=port, timeout_s=timeout_s)
-        rpc = self.client._rpc
+        rpc = self.client.transport
         resp = await rpc.unary(rpc.exec.WaitForPort, req, timeout=timeout_s + 30)
         return float(resp.waited_s)
 
     async def _lifecycle(self, method: str, request: Any, timeout: float) -> SandboxInfo:
-        rpc = self.client._rpc
+        rpc = self.client.transport
         resp = await rpc.unary(getattr(rpc.sandboxes, method), request, timeout=timeout)
         self.info = SandboxInfo.from_pb(resp.sandbox)
         return self.info
@@ -511,7 +524,7 @@ class AsyncSandbox:
 
             env = await sb.pack_diff("my-env:v2")
         """
-        rpc = self.client._rpc
+        rpc = self.client.transport
         resp = await rpc.unary(
             rpc.sandboxes.PackDiff,
             apiserver_pb2.PackDiffRequest(
@@ -532,7 +545,7 @@ class AsyncSandbox:
 
             await sb.update_network_policy(NetworkPolicy(allow=["pypi.org:443"]))
         """
-        rpc = self.client._rpc
+        rpc = self.client.transport
         resp = await rpc.unary(
             rpc.sandboxes.UpdateNetworkPolicy,
             apiserver_pb2.UpdateNetworkPolicyRequest(sandbox_id=self.id, policy=policy.to_pb()),
@@ -544,7 +557,7 @@ class AsyncSandbox:
     async def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
         """Files of the image's read-only layers this sandbox modified or deleted (from its
         writable layer); new files are not listed. For checking an agent's trajectory."""
-        rpc = self.client._rpc
+        rpc = self.client.transport
         resp = await rpc.unary(
             rpc.sandboxes.GetModifiedFiles,
             apiserver_pb2.GetModifiedFilesRequest(sandbox_id=self.id),
@@ -553,7 +566,7 @@ class AsyncSandbox:
         return [ModifiedFile(f.path, f.deleted) for f in resp.files]
 
     async def delete(self) -> None:
-        rpc = self.client._rpc
+        rpc = self.client.transport
         await rpc.unary(
             rpc.sandboxes.DeleteSandbox,
             apiserver_pb2.DeleteSandboxRequest(sandbox_id=self.id),

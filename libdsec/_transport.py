@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -333,3 +333,20 @@ class Transport:
                 f"the client of the API server at {self.target} was closed; open a new one "
                 "(the sandboxes live on: client.get(sandbox_id))"
             )
+
+
+class Link(Protocol):
+    """What the sandbox and files handles (``_sandbox.py``, ``_files.py``) need of the client
+    that made them: its :class:`Transport` (the stubs, calls with the token, retries, stream
+    stall timeouts, typed errors) and its default deadline. :class:`~libdsec.aio.AsyncClient`
+    is one; the handles depend on this, not on the client's module (no import circle)."""
+
+    @property
+    def transport(self) -> Transport:
+        """The client's channel to the API servers."""
+        ...
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of a unary call, in seconds."""
+        ...

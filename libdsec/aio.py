@@ -102,6 +102,12 @@ class AsyncClient:
         )
         self._watches: set[AsyncWatch] = set()
 
+    @property
+    def transport(self) -> Transport:
+        """The channel, token and stubs this client calls through (what its sandboxes' handles
+        use: :class:`~libdsec._transport.Link`)."""
+        return self._rpc
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -553,7 +559,9 @@ class AsyncClient:
         req = apiserver_pb2.ImportImageRequest(
             source=source,
             name=name,
-            kind=types_pb2.LayerKind.Value("LAYER_KIND_" + kind.upper()) if kind else 0,  # type: ignore[arg-type]
+            kind=types_pb2.LayerKind.Value("LAYER_KIND_" + kind.upper())
+            if kind
+            else types_pb2.LAYER_KIND_UNSPECIFIED,
             base=base,
             all_root=all_root,
         )

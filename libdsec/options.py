@@ -1,4 +1,7 @@
-"""The options of a sandbox create, defined once for both clients.
+"""The keyword options of the SDK's calls, defined once for both clients.
+
+A sandbox create first (below), then the calls into a sandbox (run, stream, files, ...) and
+the client's other calls (further down, "call options").
 
 :class:`SandboxOptions` is what a sandbox is (its environment, resources, lifetime, labels,
 ...); :class:`CreateOptions` adds the per-item idempotency key. ``Client.create`` and
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Literal, TypedDict, Unpack, cast
+from typing import Literal, Required, TypedDict, Unpack, cast
 
 from dsec.types.v1 import types_pb2
 from libdsec.errors import InvalidArgument
-from libdsec.types import NetworkPolicy
+from libdsec.types import NetworkPolicy, Quota
 
 #: Where a sandbox runs: a container (default), a warm FnCall pool, a microVM, a full VM.
 Backend = Literal["container", "fncall", "microvm", "vm"]
@@ -162,4 +165,357 @@ def make_spec(**options: Unpack[SandboxOptions]) -> types_pb2.SandboxSpec:
     return spec
 
 
-__all__ = ["Backend", "CreateOptions", "SandboxOptions", "make_spec"]
+# ------------------------------------------------------------------ call options
+#
+# The options of the other calls, one TypedDict per option set. The async client and its
+# handles spell each option set out as keyword-only parameters (their defaults are there);
+# the sync client and its handles take ``**options: Unpack[<the set>]`` and pass them on, so
+# a type checker checks every keyword of both (mypy checks the passing on against the async
+# signature) and a keyword left out keeps the async side's default. A misspelt keyword is a
+# type error, and a TypeError at run time, in both clients.
+
+
+class ExecOptions(TypedDict, total=False):
+    """What ``run``, ``stream`` and ``start`` share (see :meth:`AsyncSandbox.run`)."""
+
+    #: the command's wall clock (its process group is killed after it)
+    timeout_s: float | None
+    #: working directory; default: the sandbox's
+    cwd: str | None
+    #: environment variables added to the sandbox's
+    env: Mapping[str, str] | None
+    #: the command's whole input (a str is UTF-8)
+    stdin: bytes | str | None
+    #: output kept per stream (head and tail beyond it)
+    max_output_bytes: int | None
+    #: run as this user of the sandbox's ``/etc/passwd`` (name or uid)
+    user: str
+    #: tags of the command (:attr:`ExecInfo.labels`)
+    labels: Mapping[str, str] | None
+
+
+class SessionRunOptions(ExecOptions, total=False):
+    """The keywords of ``Session.run``: those of ``Sandbox.run`` but ``session``."""
+
+    #: run under a terminal
+    pty: bool
+    #: the evaluation step: from the image's read-only layers, unseen by the agent
+    trusted: bool
+
+
+class RunOptions(SessionRunOptions, total=False):
+    """The keywords of ``Sandbox.run``."""
+
+    #: the id of a persistent shell session to run in
+    session: str
+
+
+class SessionStreamOptions(ExecOptions, total=False):
+    """The keywords of ``Session.stream``: those of ``Sandbox.stream`` but ``session``."""
+
+    #: run under a terminal, True (24x80) or ``(rows, cols)``
+    pty: bool | tuple[int, int]
+    #: the evaluation step (see :class:`SessionRunOptions`)
+    trusted: bool
+    #: the command outlives the stream (reattach with ``sb.process(exec_id)``)
+    background: bool
+    #: keep its stdin open for ``send_stdin``
+    stdin_open: bool
+
+
+class StreamOptions(SessionStreamOptions, total=False):
+    """The keywords of ``Sandbox.stream``."""
+
+    #: the id of a persistent shell session to run in
+    session: str
+
+
+class StartOptions(ExecOptions, total=False):
+    """The keywords of ``Sandbox.start`` (a background command)."""
+
+    #: the id of a persistent shell session to run in
+    session: str
+    #: keep its stdin open for ``send_stdin``
+    stdin_open: bool
+    #: run under a terminal, True (24x80) or ``(rows, cols)``; its input stays open
+    pty: bool | tuple[int, int]
+
+
+class AttachOptions(TypedDict, total=False):
+    """The keywords of ``Process.attach``."""
+
+    #: replay stdout from this byte offset; default 0
+    stdout_offset: int
+    #: replay stderr from this byte offset; default 0
+    stderr_offset: int
+    #: then follow live output to the exit (default) or end with what is held now
+    follow: bool
+
+
+class SessionOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.session`` (a persistent shell)."""
+
+    #: the shell; default: the sandbox's
+    shell: str
+    #: its first working directory
+    cwd: str
+    #: environment variables added to the sandbox's
+    env: Mapping[str, str] | None
+
+
+class HttpOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.http``."""
+
+    #: default ``"GET"``
+    method: str
+    headers: Mapping[str, str] | None
+    #: the request body (a str is UTF-8)
+    body: bytes | str
+    #: the request's deadline; default 30
+    timeout_s: float
+    #: first wait this long for the server to listen; default 0 (send at once)
+    wait_s: float
+
+
+class WaitForPortOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.wait_for_port``."""
+
+    #: give up after this long; default 30
+    timeout_s: float
+
+
+class StopOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.stop``."""
+
+    #: SIGTERM, then SIGKILL after this long; default 2
+    grace_s: float
+
+
+class PackDiffOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.pack_diff``."""
+
+    #: absolute path globs left out besides the default ones
+    exclude: Iterable[str]
+    #: leave out build residue (``/tmp``, caches, ...); default True
+    default_excludes: bool
+    #: the call's deadline; default 1800
+    timeout: float
+
+
+class ReadOptions(TypedDict, total=False):
+    """The keywords of ``Files.read``: a slice (default: the whole file)."""
+
+    offset: int
+    #: 0: to the end
+    length: int
+
+
+class WriteOptions(TypedDict, total=False):
+    """The keywords of ``Files.write``."""
+
+    #: permission bits; 0 (default): the server's
+    mode: int
+    append: bool
+    #: create missing parent directories; default True
+    make_parents: bool
+
+
+class ListDirOptions(TypedDict, total=False):
+    """The keywords of ``Files.list``."""
+
+    #: 0: all
+    max_entries: int
+
+
+class StatOptions(TypedDict, total=False):
+    """The keywords of ``Files.stat``."""
+
+    #: default True
+    follow_symlinks: bool
+
+
+class MkdirOptions(TypedDict, total=False):
+    """The keywords of ``Files.mkdir``."""
+
+    #: permission bits; 0 (default): the server's
+    mode: int
+    #: create missing parents; default True
+    parents: bool
+
+
+class RemoveOptions(TypedDict, total=False):
+    """The keywords of ``Files.remove``."""
+
+    #: a directory with what it holds; default False
+    recursive: bool
+
+
+class MoveOptions(TypedDict, total=False):
+    """The keywords of ``Files.move``."""
+
+    #: replace an existing destination; default False
+    overwrite: bool
+
+
+class UploadOptions(TypedDict, total=False):
+    """The keywords of ``Files.upload``."""
+
+    #: permission bits; 0 (default): the server's
+    mode: int
+    #: create missing parent directories; default True
+    make_parents: bool
+    #: bytes per message; default 1 MiB
+    chunk_bytes: int
+
+
+class DownloadOptions(TypedDict, total=False):
+    """The keywords of ``Files.iter_download``."""
+
+    #: start at this byte; default 0
+    offset: int
+    #: bytes per message; default 1 MiB
+    chunk_bytes: int
+
+
+class ListOptions(TypedDict, total=False):
+    """The keywords of ``Client.list``."""
+
+    task_id: str
+    #: all must match
+    labels: Mapping[str, str] | None
+    #: e.g. ``["running", "paused"]``; default: any
+    states: Iterable[str]
+    include_subprojects: bool
+    timeout: float | None
+
+
+class StopAllOptions(TypedDict, total=False):
+    """The keywords of ``Client.stop_all``."""
+
+    task_id: str
+    labels: Mapping[str, str] | None
+    #: default 120
+    timeout: float | None
+
+
+class FunctionOptions(TypedDict, total=False):
+    """The keywords of ``Client.fncall`` (see :meth:`AsyncClient.fncall`)."""
+
+    language: str
+    code: str
+    stdin: bytes | str
+    time_limit_s: float
+    cpu_limit_s: float
+    memory_mb: int
+    max_output_bytes: int
+    files: Mapping[str, bytes | str] | None
+    command: Iterable[str]
+    environment: str
+    job_id: str
+    compile_time_limit_s: float
+    fetch_files: Iterable[str]
+    timeout: float | None
+
+
+class FunctionBatchOptions(TypedDict, total=False):
+    """The keywords of ``Client.fncall_many``."""
+
+    #: jobs run at once; 0: the server's choice
+    parallelism: int
+
+
+class ImportOptions(TypedDict, total=False):
+    """The keywords of ``Client.import_image``."""
+
+    #: the layer's kind for a ``dir:`` or ``tar:`` source: base, workspace or toolkit
+    kind: str
+    #: the environment it goes on top of
+    base: str
+    all_root: bool
+    #: default 3600
+    timeout: float | None
+
+
+class ComposeOptions(TypedDict, total=False):
+    """The keywords of ``Client.compose_environment`` (``base`` is required)."""
+
+    base: Required[str]
+    workspace: str
+    toolkits: Iterable[str]
+    timeout: float | None
+
+
+class ProjectOptions(TypedDict, total=False):
+    """The keywords of ``Client.create_project``."""
+
+    #: default: this token's project
+    parent: str
+    quota: Quota | None
+    #: return an existing project of that name as it is
+    exist_ok: bool
+    timeout: float | None
+
+
+class ListProjectsOptions(TypedDict, total=False):
+    """The keywords of ``Client.list_projects``."""
+
+    recursive: bool
+    timeout: float | None
+
+
+class TokenOptions(TypedDict, total=False):
+    """The keywords of ``Client.create_token``."""
+
+    #: default: this token's project
+    project: str
+    agent: bool
+    admin: bool
+    #: 0: never expires
+    ttl_s: int
+    timeout: float | None
+
+
+class ListTokensOptions(TypedDict, total=False):
+    """The keywords of ``Client.list_tokens``."""
+
+    include_revoked: bool
+    timeout: float | None
+
+
+__all__ = [
+    "AttachOptions",
+    "Backend",
+    "ComposeOptions",
+    "CreateOptions",
+    "DownloadOptions",
+    "ExecOptions",
+    "FunctionBatchOptions",
+    "FunctionOptions",
+    "HttpOptions",
+    "ImportOptions",
+    "ListDirOptions",
+    "ListOptions",
+    "ListProjectsOptions",
+    "ListTokensOptions",
+    "MkdirOptions",
+    "MoveOptions",
+    "PackDiffOptions",
+    "ProjectOptions",
+    "ReadOptions",
+    "RemoveOptions",
+    "RunOptions",
+    "SandboxOptions",
+    "SessionOptions",
+    "SessionRunOptions",
+    "SessionStreamOptions",
+    "StartOptions",
+    "StatOptions",
+    "StopAllOptions",
+    "StopOptions",
+    "StreamOptions",
+    "TokenOptions",
+    "UploadOptions",
+    "WaitForPortOptions",
+    "WriteOptions",
+    "make_spec",
+]

@@ -21,10 +21,11 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterator,
-    Awaitable,
     Coroutine,
     Iterable,
     Iterator,
@@ -44,7 +45,40 @@ from libdsec.aio import (
     AsyncWatch,
 )
 from libdsec.errors import ClientClosed, DSecError
-from libdsec.options import CreateOptions, SandboxOptions
+from libdsec.options import (
+    AttachOptions,
+    ComposeOptions,
+    CreateOptions,
+    DownloadOptions,
+    FunctionBatchOptions,
+    FunctionOptions,
+    HttpOptions,
+    ImportOptions,
+    ListDirOptions,
+    ListOptions,
+    ListProjectsOptions,
+    ListTokensOptions,
+    MkdirOptions,
+    MoveOptions,
+    PackDiffOptions,
+    ProjectOptions,
+    ReadOptions,
+    RemoveOptions,
+    RunOptions,
+    SandboxOptions,
+    SessionOptions,
+    SessionRunOptions,
+    SessionStreamOptions,
+    StartOptions,
+    StatOptions,
+    StopAllOptions,
+    StopOptions,
+    StreamOptions,
+    TokenOptions,
+    UploadOptions,
+    WaitForPortOptions,
+    WriteOptions,
+)
 from libdsec.types import (
     Environment,
     ExecEvent,
@@ -80,25 +114,26 @@ class _Loop:
         )
         self.thread.start()
 
-    def run(self, coro: Awaitable[T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.loop.is_closed():  # a handle kept past its Client's close
-            if isinstance(coro, Coroutine):
-                coro.close()  # never to run: no "coroutine was never awaited" warning
+            coro.close()  # never to run: no "coroutine was never awaited" warning
             raise ClientClosed(
                 "the Client this handle belongs to was closed; open a new Client (the "
                 "sandboxes live on: client.get(sandbox_id))"
             )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        """Steps the async generator ``agen`` on the loop; closes it however the loop ends."""
         try:
             while True:
                 try:
-                    yield self.run(agen.__anext__())
+                    yield self.run(_next(agen))
                 except StopAsyncIteration:
                     return
         finally:
-            self.run(agen.aclose())  # type: ignore[attr-defined]
+            if isinstance(agen, AsyncGenerator):
+                self.run(agen.aclose())
 
     def close(self) -> None:
         # As asyncio.run ends: what is still pending (gRPC's own per-call tasks, after the
@@ -109,6 +144,11 @@ class _Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
+
+
+async def _next(it: AsyncIterator[T]) -> T:
+    """``it``'s next item, as a coroutine (what ``run_coroutine_threadsafe`` takes)."""
+    return await it.__anext__()
 
 
 async def _finish_tasks(grace_s: float = 1.0) -> None:
@@ -152,8 +192,8 @@ class Client:
             self._loop.run(self._async.close())
             self._loop.close()
 
-    def whoami(self, **kw: Any) -> Principal:
-        return self._loop.run(self._async.whoami(**kw))
+    def whoami(self, *, timeout: float | None = None) -> Principal:
+        return self._loop.run(self._async.whoami(timeout=timeout))
 
     def create(
         self,
@@ -193,15 +233,20 @@ class Client:
         )
         return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
 
-    def get(self, sandbox_id: str, **kw: Any) -> Sandbox:
+    def get(self, sandbox_id: str, *, timeout: float | None = None) -> Sandbox:
         """Reattaches to an existing sandbox (e.g. one created by another process)."""
-        return Sandbox(self, self._loop.run(self._async.get(sandbox_id, **kw)))
+        return Sandbox(self, self._loop.run(self._async.get(sandbox_id, timeout=timeout)))
 
-    def list(self, **kw: Any) -> list[SandboxInfo]:
-        return self._loop.run(self._async.list(**kw))
+    def list(self, **options: Unpack[ListOptions]) -> list[SandboxInfo]:
+        """Sandboxes of this project, filtered (see :meth:`AsyncClient.list`)::
 
-    def stop_all(self, **kw: Any) -> builtins.list[str]:
-        return self._loop.run(self._async.stop_all(**kw))
+        running = dsec.list(task_id="swe-123", states=["running"])
+        """
+        return self._loop.run(self._async.list(**options))
+
+    def stop_all(self, **options: Unpack[StopAllOptions]) -> builtins.list[str]:
+        """See :meth:`AsyncClient.stop_all`: ``dsec.stop_all(task_id="swe-123")``."""
+        return self._loop.run(self._async.stop_all(**options))
 
     def pause_task(
         self,
@@ -289,7 +334,7 @@ class Client:
             raise
         return Watch(self, w)
 
-    def fncall(self, **kw: Any) -> FunctionResult:
+    def fncall(self, **options: Unpack[FunctionOptions]) -> FunctionResult:
         """Runs one short job in a warm pool (see :meth:`AsyncClient.fncall`).
 
         Example: ``dsec.fncall(language="python", code="print(input()[::-1])", stdin="abc")``
@@ -298,57 +343,71 @@ class Client:
         wall clock, C/C++; 0 = 30 s) and ``fetch_files=[...]`` (files returned after the run in
         ``r.files``, the others with a reason in ``r.fetch_errors``) included.
         """
-        return self._loop.run(self._async.fncall(**kw))
+        return self._loop.run(self._async.fncall(**options))
 
     def fncall_many(
-        self, jobs: Iterable[FunctionJob | Mapping[str, Any]], **kw: Any
+        self,
+        jobs: Iterable[FunctionJob | Mapping[str, Any]],
+        **options: Unpack[FunctionBatchOptions],
     ) -> Iterator[FunctionResult]:
         """Many jobs in one call, results as they finish; see :meth:`AsyncClient.fncall_many`."""
-        return self._loop.iterate(self._async.fncall_many(jobs, **kw))
+        return self._loop.iterate(self._async.fncall_many(jobs, **options))
 
-    def list_environments(self, prefix: str = "", **kw: Any) -> builtins.list[Environment]:
+    def list_environments(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> builtins.list[Environment]:
         """See :meth:`AsyncClient.list_environments`."""
-        return self._loop.run(self._async.list_environments(prefix, **kw))
+        return self._loop.run(self._async.list_environments(prefix, timeout=timeout))
 
-    def get_environment(self, name: str, **kw: Any) -> Environment:
-        return self._loop.run(self._async.get_environment(name, **kw))
+    def get_environment(self, name: str, *, timeout: float | None = None) -> Environment:
+        return self._loop.run(self._async.get_environment(name, timeout=timeout))
 
-    def list_layers(self, **kw: Any) -> builtins.list[Layer]:
-        return self._loop.run(self._async.list_layers(**kw))
+    def list_layers(self, *, timeout: float | None = None) -> builtins.list[Layer]:
+        return self._loop.run(self._async.list_layers(timeout=timeout))
 
-    def import_image(self, source: str, name: str = "", **kw: Any) -> Environment:
+    def import_image(
+        self, source: str, name: str = "", **options: Unpack[ImportOptions]
+    ) -> Environment:
         """See :meth:`AsyncClient.import_image`: ``dsec.import_image("docker:python:3.11")``."""
-        return self._loop.run(self._async.import_image(source, name, **kw))
+        return self._loop.run(self._async.import_image(source, name, **options))
 
-    def compose_environment(self, name: str, **kw: Any) -> Environment:
-        return self._loop.run(self._async.compose_environment(name, **kw))
+    def compose_environment(self, name: str, **options: Unpack[ComposeOptions]) -> Environment:
+        """See :meth:`AsyncClient.compose_environment`:
+        ``dsec.compose_environment("swe-123:py", base="bookworm", toolkits=["py-tools"])``."""
+        return self._loop.run(self._async.compose_environment(name, **options))
 
-    def delete_environment(self, name: str, **kw: Any) -> bool:
-        return self._loop.run(self._async.delete_environment(name, **kw))
+    def delete_environment(self, name: str, *, timeout: float | None = None) -> bool:
+        return self._loop.run(self._async.delete_environment(name, timeout=timeout))
 
-    def create_project(self, name: str, **kw: Any) -> Project:
-        return self._loop.run(self._async.create_project(name, **kw))
+    def create_project(self, name: str, **options: Unpack[ProjectOptions]) -> Project:
+        """See :meth:`AsyncClient.create_project`."""
+        return self._loop.run(self._async.create_project(name, **options))
 
-    def get_project(self, project_id: str = "", **kw: Any) -> Project:
-        return self._loop.run(self._async.get_project(project_id, **kw))
+    def get_project(self, project_id: str = "", *, timeout: float | None = None) -> Project:
+        return self._loop.run(self._async.get_project(project_id, timeout=timeout))
 
-    def list_projects(self, parent: str = "", **kw: Any) -> builtins.list[Project]:
-        return self._loop.run(self._async.list_projects(parent, **kw))
+    def list_projects(
+        self, parent: str = "", **options: Unpack[ListProjectsOptions]
+    ) -> builtins.list[Project]:
+        return self._loop.run(self._async.list_projects(parent, **options))
 
-    def set_quota(self, project_id: str, quota: Quota, **kw: Any) -> Project:
-        return self._loop.run(self._async.set_quota(project_id, quota, **kw))
+    def set_quota(self, project_id: str, quota: Quota, *, timeout: float | None = None) -> Project:
+        return self._loop.run(self._async.set_quota(project_id, quota, timeout=timeout))
 
-    def delete_project(self, project_id: str, **kw: Any) -> None:
-        self._loop.run(self._async.delete_project(project_id, **kw))
+    def delete_project(self, project_id: str, *, timeout: float | None = None) -> None:
+        self._loop.run(self._async.delete_project(project_id, timeout=timeout))
 
-    def create_token(self, name: str, **kw: Any) -> NewToken:
-        return self._loop.run(self._async.create_token(name, **kw))
+    def create_token(self, name: str, **options: Unpack[TokenOptions]) -> NewToken:
+        """See :meth:`AsyncClient.create_token`."""
+        return self._loop.run(self._async.create_token(name, **options))
 
-    def list_tokens(self, project: str = "", **kw: Any) -> builtins.list[TokenInfo]:
-        return self._loop.run(self._async.list_tokens(project, **kw))
+    def list_tokens(
+        self, project: str = "", **options: Unpack[ListTokensOptions]
+    ) -> builtins.list[TokenInfo]:
+        return self._loop.run(self._async.list_tokens(project, **options))
 
-    def revoke_token(self, token_id: str, **kw: Any) -> None:
-        self._loop.run(self._async.revoke_token(token_id, **kw))
+    def revoke_token(self, token_id: str, *, timeout: float | None = None) -> None:
+        self._loop.run(self._async.revoke_token(token_id, timeout=timeout))
 
 
 class _SyncStream(Generic[T]):
@@ -412,8 +471,9 @@ class Process:
     def kill(self, signal: int = 9) -> bool:
         return self._c._loop.run(self._p.kill(signal))
 
-    def attach(self, **kw: Any) -> Iterator[ExecEvent]:
-        return self._c._loop.iterate(self._p.attach(**kw))
+    def attach(self, **options: Unpack[AttachOptions]) -> Iterator[ExecEvent]:
+        """See :meth:`AsyncProcess.attach`."""
+        return self._c._loop.iterate(self._p.attach(**options))
 
     def send_stdin(self, data: bytes | str) -> None:
         """See :meth:`AsyncProcess.send_stdin`."""
@@ -437,11 +497,13 @@ class Session:
     def session_id(self) -> str:
         return self._s.session_id
 
-    def run(self, cmd: str, **kw: Any) -> ExecResult:
-        return self._c._loop.run(self._s.run(cmd, **kw))
+    def run(self, cmd: str, **options: Unpack[SessionRunOptions]) -> ExecResult:
+        """Runs ``cmd`` in this session (the options of :meth:`Sandbox.run` but ``session``)."""
+        return self._c._loop.run(self._s.run(cmd, **options))
 
-    def stream(self, cmd: str, **kw: Any) -> Iterator[ExecEvent]:
-        return self._c._loop.iterate(self._s.stream(cmd, **kw))
+    def stream(self, cmd: str, **options: Unpack[SessionStreamOptions]) -> Iterator[ExecEvent]:
+        """Streams ``cmd`` in this session (see :meth:`Sandbox.stream`)."""
+        return self._c._loop.iterate(self._s.stream(cmd, **options))
 
     def close(self) -> None:
         self._c._loop.run(self._s.close())
@@ -460,53 +522,64 @@ class Files:
         self._c = client
         self._f = files
 
-    def read(self, path: str, **kw: Any) -> bytes:
-        return self._c._loop.run(self._f.read(path, **kw))
+    def read(self, path: str, **options: Unpack[ReadOptions]) -> bytes:
+        return self._c._loop.run(self._f.read(path, **options))
 
-    def write(self, path: str, data: bytes | str, **kw: Any) -> FileInfo:
-        return self._c._loop.run(self._f.write(path, data, **kw))
+    def write(self, path: str, data: bytes | str, **options: Unpack[WriteOptions]) -> FileInfo:
+        """See :meth:`AsyncFiles.write`: ``sb.files.write("/work/run.sh", "ls", mode=0o755)``."""
+        return self._c._loop.run(self._f.write(path, data, **options))
 
-    def list(self, path: str, **kw: Any) -> list[FileInfo]:
-        return self._c._loop.run(self._f.list(path, **kw))
+    def list(self, path: str, **options: Unpack[ListDirOptions]) -> list[FileInfo]:
+        return self._c._loop.run(self._f.list(path, **options))
 
-    def stat(self, path: str, **kw: Any) -> FileInfo:
-        return self._c._loop.run(self._f.stat(path, **kw))
+    def stat(self, path: str, **options: Unpack[StatOptions]) -> FileInfo:
+        return self._c._loop.run(self._f.stat(path, **options))
 
     def exists(self, path: str) -> bool:
         return self._c._loop.run(self._f.exists(path))
 
-    def mkdir(self, path: str, **kw: Any) -> FileInfo:
-        return self._c._loop.run(self._f.mkdir(path, **kw))
+    def mkdir(self, path: str, **options: Unpack[MkdirOptions]) -> FileInfo:
+        return self._c._loop.run(self._f.mkdir(path, **options))
 
-    def remove(self, path: str, **kw: Any) -> None:
-        self._c._loop.run(self._f.remove(path, **kw))
+    def remove(self, path: str, **options: Unpack[RemoveOptions]) -> None:
+        self._c._loop.run(self._f.remove(path, **options))
 
-    def move(self, source: str, destination: str, **kw: Any) -> FileInfo:
-        return self._c._loop.run(self._f.move(source, destination, **kw))
+    def move(self, source: str, destination: str, **options: Unpack[MoveOptions]) -> FileInfo:
+        return self._c._loop.run(self._f.move(source, destination, **options))
 
     def chmod(self, path: str, mode: int) -> FileInfo:
         return self._c._loop.run(self._f.chmod(path, mode))
 
-    def upload(self, source: Any, path: str, **kw: Any) -> FileInfo:
-        return self._c._loop.run(self._f.upload(source, path, **kw))
+    def upload(
+        self,
+        source: bytes | str | os.PathLike[str] | IO[bytes],
+        path: str,
+        **options: Unpack[UploadOptions],
+    ) -> FileInfo:
+        """See :meth:`AsyncFiles.upload`: ``sb.files.upload("data.tar", "/work/data.tar")``."""
+        return self._c._loop.run(self._f.upload(source, path, **options))
 
-    def download(self, path: str, destination: str | IO[bytes] | Any) -> int:
+    def download(self, path: str, destination: str | os.PathLike[str] | IO[bytes]) -> int:
         return self._c._loop.run(self._f.download(path, destination))
 
-    def iter_download(self, path: str, **kw: Any) -> Iterator[bytes]:
-        return self._c._loop.iterate(self._f.iter_download(path, **kw))
+    def iter_download(self, path: str, **options: Unpack[DownloadOptions]) -> Iterator[bytes]:
+        return self._c._loop.iterate(self._f.iter_download(path, **options))
 
-    def create_watcher(self, path: str, recursive: bool = False, **kw: Any) -> str:
+    def create_watcher(
+        self, path: str, recursive: bool = False, *, timeout: float | None = None
+    ) -> str:
         """See :meth:`AsyncFiles.create_watcher`."""
-        return self._c._loop.run(self._f.create_watcher(path, recursive, **kw))
+        return self._c._loop.run(self._f.create_watcher(path, recursive, timeout=timeout))
 
-    def watcher_events(self, watcher_id: str, **kw: Any) -> builtins.list[FileEvent]:
+    def watcher_events(
+        self, watcher_id: str, *, timeout: float | None = None
+    ) -> builtins.list[FileEvent]:
         """See :meth:`AsyncFiles.watcher_events`."""
-        return self._c._loop.run(self._f.watcher_events(watcher_id, **kw))
+        return self._c._loop.run(self._f.watcher_events(watcher_id, timeout=timeout))
 
-    def remove_watcher(self, watcher_id: str, **kw: Any) -> None:
+    def remove_watcher(self, watcher_id: str, *, timeout: float | None = None) -> None:
         """See :meth:`AsyncFiles.remove_watcher`."""
-        self._c._loop.run(self._f.remove_watcher(watcher_id, **kw))
+        self._c._loop.run(self._f.remove_watcher(watcher_id, timeout=timeout))
 
     def watch(self, path: str, recursive: bool = False) -> DirWatch:
         """Changes of the directory ``path`` as they happen (see :meth:`AsyncFiles.watch`):
@@ -560,14 +633,23 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         return self._c._loop.run(self._s.refresh())
 
-    def run(self, cmd: str | list[str], **kw: Any) -> ExecResult:
-        return self._c._loop.run(self._s.run(cmd, **kw))
+    def run(self, cmd: str | list[str], **options: Unpack[RunOptions]) -> ExecResult:
+        """Runs a command to completion (see :meth:`AsyncSandbox.run`)::
 
-    def stream(self, cmd: str | list[str], **kw: Any) -> Iterator[ExecEvent]:
-        return self._c._loop.iterate(self._s.stream(cmd, **kw))
+        r = sb.run("pytest -q", cwd="/work", timeout_s=600)
+        """
+        return self._c._loop.run(self._s.run(cmd, **options))
 
-    def start(self, cmd: str | list[str], **kw: Any) -> Process:
-        return Process(self._c, self._c._loop.run(self._s.start(cmd, **kw)))
+    def stream(self, cmd: str | list[str], **options: Unpack[StreamOptions]) -> Iterator[ExecEvent]:
+        """Started, Output... then Exited, as produced (see :meth:`AsyncSandbox.stream`)."""
+        return self._c._loop.iterate(self._s.stream(cmd, **options))
+
+    def start(self, cmd: str | list[str], **options: Unpack[StartOptions]) -> Process:
+        """A background command (see :meth:`AsyncSandbox.start`)::
+
+        server = sb.start("python3 -m http.server 8000", labels={"role": "server"})
+        """
+        return Process(self._c, self._c._loop.run(self._s.start(cmd, **options)))
 
     def process(self, exec_id: str) -> Process:
         return Process(self._c, self._c._loop.run(self._s.process(exec_id)))
@@ -575,18 +657,21 @@ class Sandbox:
     def processes(self) -> list[ExecInfo]:
         return self._c._loop.run(self._s.processes())
 
-    def session(self, **kw: Any) -> Session:
-        return Session(self._c, self._c._loop.run(self._s.session(**kw)))
+    def session(self, **options: Unpack[SessionOptions]) -> Session:
+        """A persistent shell (see :meth:`AsyncSandbox.session`)."""
+        return Session(self._c, self._c._loop.run(self._s.session(**options)))
 
-    def http(self, port: int, path: str = "/", **kw: Any) -> HttpResponse:
-        return self._c._loop.run(self._s.http(port, path, **kw))
+    def http(self, port: int, path: str = "/", **options: Unpack[HttpOptions]) -> HttpResponse:
+        """See :meth:`AsyncSandbox.http`: ``sb.http(8000, "/health", wait_s=10)``."""
+        return self._c._loop.run(self._s.http(port, path, **options))
 
-    def wait_for_port(self, port: int, **kw: Any) -> float:
+    def wait_for_port(self, port: int, **options: Unpack[WaitForPortOptions]) -> float:
         """See :meth:`AsyncSandbox.wait_for_port`: ``sb.wait_for_port(8000, timeout_s=10)``."""
-        return self._c._loop.run(self._s.wait_for_port(port, **kw))
+        return self._c._loop.run(self._s.wait_for_port(port, **options))
 
-    def stop(self, **kw: Any) -> SandboxInfo:
-        return self._c._loop.run(self._s.stop(**kw))
+    def stop(self, **options: Unpack[StopOptions]) -> SandboxInfo:
+        """Stops the sandbox (see :meth:`AsyncSandbox.stop`): ``sb.stop(grace_s=0.5)``."""
+        return self._c._loop.run(self._s.stop(**options))
 
     def pause(self) -> SandboxInfo:
         return self._c._loop.run(self._s.pause())
@@ -598,17 +683,19 @@ class Sandbox:
         """See :meth:`AsyncSandbox.set_timeout`: ``sb.set_timeout(3600)``."""
         return self._c._loop.run(self._s.set_timeout(seconds))
 
-    def pack_diff(self, name: str, **kw: Any) -> Environment:
+    def pack_diff(self, name: str, **options: Unpack[PackDiffOptions]) -> Environment:
         """See :meth:`AsyncSandbox.pack_diff`: ``env = sb.pack_diff("my-env:v2")``."""
-        return self._c._loop.run(self._s.pack_diff(name, **kw))
+        return self._c._loop.run(self._s.pack_diff(name, **options))
 
-    def update_network_policy(self, policy: NetworkPolicy, **kw: Any) -> SandboxInfo:
+    def update_network_policy(
+        self, policy: NetworkPolicy, *, timeout: float | None = None
+    ) -> SandboxInfo:
         """See :meth:`AsyncSandbox.update_network_policy`."""
-        return self._c._loop.run(self._s.update_network_policy(policy, **kw))
+        return self._c._loop.run(self._s.update_network_policy(policy, timeout=timeout))
 
-    def modified_files(self, **kw: Any) -> list[ModifiedFile]:
+    def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
         """See :meth:`AsyncSandbox.modified_files`."""
-        return self._c._loop.run(self._s.modified_files(**kw))
+        return self._c._loop.run(self._s.modified_files(timeout=timeout))
 
     def delete(self) -> None:
         self._c._loop.run(self._s.delete())

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from dsecctl.main import build_parser
-from dsecctl.sandbox_cli import _remote, _split_command
+from dsecctl.sandbox_exec import _split_command
+from dsecctl.sandbox_files import _remote
 
 
 def _walk(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
