@@ -32,9 +32,9 @@ from libdsec.errors import (
     SandboxNotFound,
     SandboxTerminated,
     Unavailable,
-    code_number,
     from_rpc_error,
-    status_for,
+    item_error,
+    item_status,
 )
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,7 @@ class SandboxServicer(_Forwarder):
                 r.sandbox.CopyFrom(sb)
                 created += 1
             elif err is not None:
-                r.error_code = code_number(err.code)
-                r.error_reason = err.reason
-                r.error_message = err.message
-                r.error_metadata.update(err.metadata)
+                item_status(err, r.error)
                 failed += 1
         out.created, out.failed = created, failed
         return out
@@ -285,9 +282,8 @@ class SandboxServicer(_Forwarder):
             skip_terminated=True,
         )
         for r in results:
-            if r.error_code:
-                info = r.error_info
-                raise status_for(r.error_code, info.reason, r.error_message, info.metadata)
+            if r.error.code:
+                raise item_error(r.error)
         ids = [r.sandbox_id for r in results]
         return apiserver_pb2.StopSandboxesResponse(stopped=len(ids), sandbox_ids=ids)
 

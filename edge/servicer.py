@@ -24,7 +24,7 @@ from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
-from libdsec.errors import Internal, InvalidArgument, Unavailable, code_number
+from libdsec.errors import Internal, InvalidArgument, Unavailable, item_status
 
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
@@ -155,10 +155,7 @@ class EdgeServicer:
         for g, (rec, existed, err) in zip(group_of, results, strict=True):
             r = out.results.add()
             if err is not None:
-                r.error_code = code_number(err.code)
-                r.error_reason = err.reason
-                r.error_message = err.message
-                r.error_metadata.update(err.metadata)
+                item_status(err, r.error)
                 continue
             assert rec is not None
             r.already_existed = existed
@@ -241,10 +238,7 @@ class EdgeServicer:
         for sid, rec, err in results:
             r = out.results.add(sandbox_id=sid)
             if err is not None:
-                r.error_code = code_number(err.code)
-                r.error_message = err.message
-                r.error_info.reason = err.reason
-                r.error_info.metadata.update(err.metadata)
+                item_status(err, r.error)
             else:
                 assert rec is not None
                 r.sandbox.CopyFrom(sandbox_pb(rec))
