@@ -149,7 +149,7 @@ class _Forwarder:
         who = await self.gw.caller(bearer_token(context))
         key = route.opener
         first = await anext(requests, None)
-        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
+        if first is None or first.WhichOneof(route.oneof) != key:
             raise InvalidArgument(f"the first message must carry `{key}`")
         sandbox_id = getattr(first, key).sandbox_id
         try:

@@ -49,9 +49,11 @@ class Route:
     client_streaming: bool
     server_streaming: bool
     deadline: Deadline | None = None
-    #: A client stream's opening field: the oneof member of the first message that names
-    #: the sandbox (``start`` of ExecInput, ``header`` of UploadFileRequest).
+    #: A client stream's opening field: the member of the first message's oneof (``oneof``)
+    #: that names the sandbox (``start`` of ExecInput's ``input``, ``header`` of
+    #: UploadFileRequest's ``part``).
     opener: str = ""
+    oneof: str = ""
 
 
 def snake_case(name: str) -> str:
@@ -59,15 +61,18 @@ def snake_case(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def _opener(method: MethodDescriptor) -> str:
-    """The oneof member of a client stream's request that carries the sandbox id."""
+def _opener(method: MethodDescriptor) -> tuple[str, str]:
+    """The oneof member of a client stream's request that carries the sandbox id, and its
+    oneof's name."""
+    if not method.client_streaming:
+        return "", ""
     for field in method.input_type.fields:
         if (
             field.containing_oneof is not None
             and field.message_type is not None
             and "sandbox_id" in field.message_type.fields_by_name
         ):
-            return str(field.name)
+            return str(field.name), str(field.containing_oneof.name)
     raise TypeError(f"{method.full_name}: no opening message names the sandbox")
 
 
@@ -91,6 +96,7 @@ def routes(
     for name, m in methods.items():
         if name in skip or m.input_type.file.package != SANDBOX_PACKAGE:
             continue
+        opener, oneof = _opener(m)
         out[name] = Route(
             method=name,
             target=target(name),
@@ -98,7 +104,8 @@ def routes(
             client_streaming=m.client_streaming,
             server_streaming=m.server_streaming,
             deadline=deadlines.pop(name, None),
-            opener=_opener(m) if m.client_streaming else "",
+            opener=opener,
+            oneof=oneof,
         )
     if deadlines:
         raise ValueError(f"{service.full_name}: deadlines for skipped methods {sorted(deadlines)}")

@@ -422,7 +422,7 @@ class EdgeServicer:
     ) -> Message:
         first = await anext(requests, None)
         key = route.opener
-        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
+        if first is None or first.WhichOneof(route.oneof) != key:
             raise InvalidArgument(f"the first {route.request_name} must carry `{key}`")
         channel = await self._channel(getattr(first, key).sandbox_id)
 

@@ -32,7 +32,7 @@ def test_the_api_server_forwards_every_sandbox_call_of_its_contract() -> None:
             assert inspect.isasyncgenfunction(fn) == m.server_streaming, m.name
             assert table[m.name].target == m.name  # the edge's method of the same name
     assert EXEC_ROUTES["ExecInteractive"].opener == "start"
-    assert FILE_ROUTES["UploadFile"].opener == "header"
+    assert (FILE_ROUTES["UploadFile"].opener, FILE_ROUTES["UploadFile"].oneof) == ("header", "part")
     exec_req = types_pb2.ExecRequest(timeout_s=5)
     assert EXEC_ROUTES["Exec"].deadline is not None
     assert EXEC_ROUTES["Exec"].deadline(exec_req) == 35.0
