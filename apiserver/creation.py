@@ -57,7 +57,7 @@ from libdsec.errors import (
     NoEligibleEdge,
     SandboxNotFound,
     Unavailable,
-    status_for,
+    item_error,
 )
 
 log = logging.getLogger(__name__)
@@ -98,13 +98,6 @@ class CreateItem:
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
-
-
-def item_error(code: int, reason: str, message: str, metadata: Any = None) -> DSecError:
-    err = status_for(code, reason, message)
-    if metadata:
-        err.metadata.update(metadata)
-    return err
 
 
 class CreationPipeline:
@@ -216,9 +209,7 @@ class CreationPipeline:
             if len(indexes) < len(group):
                 for it in group[len(indexes) :]:
                     # A retry that runs out of edges reports why the tried ones failed.
-                    it.error = it.last_error or item_error(
-                        gp.error_code, gp.error_reason, gp.error_message, gp.error_metadata
-                    )
+                    it.error = it.last_error or item_error(gp.error)
 
     # ------------------------------------------------------------------ IAM
 
@@ -243,10 +234,8 @@ class CreationPipeline:
         for r in resp.results:
             it = items[r.index]
             it.existing = ""
-            if r.error_code:
-                it.error = item_error(
-                    r.error_code, r.error_reason, r.error_message, r.error_metadata
-                )
+            if r.error.code:
+                it.error = item_error(r.error)
             elif r.existing_sandbox_id:
                 it.existing = r.existing_sandbox_id
                 it.existing_reserved = r.existing_reserved
@@ -307,12 +296,12 @@ class CreationPipeline:
         not_created: list[str] = []
         capacity: EdgeCapacity | None = None
         for it, r in zip(ordered, resp.results, strict=True):
-            if not r.error_code:
+            if not r.error.code:
                 it.result = r.sandbox
                 self.remember_owner(it.sandbox_id, it.who.project_id)
                 continue
             not_created.append(it.sandbox_id)
-            refusal = item_error(r.error_code, r.error_reason, r.error_message, r.error_metadata)
+            refusal = item_error(r.error)
             if isinstance(refusal, EdgeCapacity):
                 capacity = refusal
                 refused.append(it)

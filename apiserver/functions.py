@@ -48,7 +48,7 @@ from libdsec.errors import (
     NoEligibleEdge,
     Unavailable,
     from_rpc_error,
-    status_for,
+    item_error,
 )
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,8 @@ class FunctionRouter:
             "placement",
         )
         p = resp.placement
-        if p.error_code:
-            err = status_for(p.error_code, p.error_reason, p.error_message, p.error_metadata)
+        if p.error.code:
+            err = item_error(p.error)
             if isinstance(err, NoEligibleEdge) and selector:
                 # Nobody advertises it: let an edge say what is wrong with the job.
                 return await self._candidates(who, {}, exclude)

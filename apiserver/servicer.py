@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from apiserver.creation import Caller
 from apiserver.functions import FunctionRouter
@@ -15,8 +16,10 @@ from apiserver.gateway import Gateway
 from apiserver.routing import downstream
 from apiserver.tasks import TaskOperations
 from apiserver.watch import SandboxWatch
+from common import forwarding
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
+from common.forwarding import Route
 from common.grpc_server import internal_error
 from common.tagged import serve_tagged
 from dsec.apiserver.v1 import apiserver_pb2
@@ -29,9 +32,9 @@ from libdsec.errors import (
     SandboxNotFound,
     SandboxTerminated,
     Unavailable,
-    code_number,
     from_rpc_error,
-    status_for,
+    item_error,
+    item_status,
 )
 
 log = logging.getLogger(__name__)
@@ -42,10 +45,6 @@ PACK_DIFF_DEADLINE_S = 1800.0
 #: Sync exec: the call may take the command's timeout plus this margin.
 EXEC_MARGIN_S = 30.0
 EXEC_DEFAULT_TIMEOUT_S = 600.0
-
-
-def _exec_deadline(request: types_pb2.ExecRequest) -> float:
-    return (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
 
 
 class _Forwarder:
@@ -91,19 +90,25 @@ class _Forwarder:
         who = await self.gw.caller(bearer_token(context))
         return await self._to_edge(who, sandbox_id, method, request, timeout=timeout)
 
-    async def _unary(
-        self, method: str, request: Any, context: Any, timeout: float = DEFAULT_DEADLINE_S
-    ) -> Any:
-        return await self._call(context, request.sandbox_id, method, request, timeout=timeout)
+    # The hops of common/forwarding.py, one per call shape.
 
-    async def _stream(self, method: str, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def forward_unary(self, route: Route, request: Any, context: Any) -> Message:
+        timeout = DEFAULT_DEADLINE_S if route.deadline is None else route.deadline(request)
+        result: Message = await self._call(
+            context, request.sandbox_id, route.target, request, timeout=timeout
+        )
+        return result
+
+    async def forward_server_stream(
+        self, route: Route, request: Any, context: Any
+    ) -> AsyncIterator[Message]:
         who = await self.gw.caller(bearer_token(context))
         try:
             stub = await self.gw.edge_for(who, request.sandbox_id)
         except (SandboxNotFound, Unavailable) as err:
             await self._raise_explained(who, request.sandbox_id, err)
             raise
-        call = getattr(stub, method)(request)
+        call = getattr(stub, route.target)(request)
         try:
             async for item in call:
                 yield item
@@ -114,12 +119,37 @@ class _Forwarder:
         finally:
             call.cancel()
 
-    async def _client_stream(
-        self, method: str, requests: AsyncIterator[Any], context: Any, key: str
+    async def forward_client_stream(
+        self, route: Route, requests: AsyncIterator[Any], context: Any
+    ) -> Message:
+        call = await self._open_client_stream(route, requests, context)
+        try:
+            result: Message = await call
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return result
+
+    async def forward_bidi_stream(
+        self, route: Route, requests: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Message]:
+        call = await self._open_client_stream(route, requests, context)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+
+    async def _open_client_stream(
+        self, route: Route, requests: AsyncIterator[Any], context: Any
     ) -> Any:
+        """The edge's call for a client stream, its first message (which must name the
+        sandbox, in ``route.opener``) put back in front."""
         who = await self.gw.caller(bearer_token(context))
+        key = route.opener
         first = await anext(requests, None)
-        if first is None or first.WhichOneof(first.DESCRIPTOR.oneofs[0].name) != key:
+        if first is None or first.WhichOneof(route.oneof) != key:
             raise InvalidArgument(f"the first message must carry `{key}`")
         sandbox_id = getattr(first, key).sandbox_id
         try:
@@ -133,7 +163,7 @@ class _Forwarder:
             async for item in requests:
                 yield item
 
-        return stub, getattr(stub, method)(all_requests())
+        return getattr(stub, route.target)(all_requests())
 
 
 class SandboxServicer(_Forwarder):
@@ -161,10 +191,7 @@ class SandboxServicer(_Forwarder):
                 r.sandbox.CopyFrom(sb)
                 created += 1
             elif err is not None:
-                r.error_code = code_number(err.code)
-                r.error_reason = err.reason
-                r.error_message = err.message
-                r.error_metadata.update(err.metadata)
+                item_status(err, r.error)
                 failed += 1
         out.created, out.failed = created, failed
         return out
@@ -255,9 +282,8 @@ class SandboxServicer(_Forwarder):
             skip_terminated=True,
         )
         for r in results:
-            if r.error_code:
-                info = r.error_info
-                raise status_for(r.error_code, info.reason, r.error_message, info.metadata)
+            if r.error.code:
+                raise item_error(r.error)
         ids = [r.sandbox_id for r in results]
         return apiserver_pb2.StopSandboxesResponse(stopped=len(ids), sandbox_ids=ids)
 
@@ -412,158 +438,36 @@ class SandboxServicer(_Forwarder):
 
 
 class ExecServicer(_Forwarder):
-    async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
-        return await self._unary("Exec", request, context, timeout=_exec_deadline(request))  # type: ignore[no-any-return]
-
-    async def ExecStream(
-        self, request: types_pb2.ExecRequest, context: Any
-    ) -> AsyncIterator[types_pb2.ExecEvent]:
-        async for item in self._stream("ExecStream", request, context):
-            yield item
-
-    async def ExecInteractive(
-        self, request_iterator: AsyncIterator[types_pb2.ExecInput], context: Any
-    ) -> AsyncIterator[types_pb2.ExecEvent]:
-        _, call = await self._client_stream("ExecInteractive", request_iterator, context, "start")
-        try:
-            async for item in call:
-                yield item
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
-        finally:
-            call.cancel()
-
-    async def AttachExec(
-        self, request: types_pb2.AttachExecRequest, context: Any
-    ) -> AsyncIterator[types_pb2.ExecEvent]:
-        async for item in self._stream("AttachExec", request, context):
-            yield item
-
-    async def WaitExec(
-        self, request: types_pb2.WaitExecRequest, context: Any
-    ) -> types_pb2.WaitExecResponse:
-        timeout = (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
-        return await self._unary("WaitExec", request, context, timeout=timeout)  # type: ignore[no-any-return]
-
-    async def SignalExec(
-        self, request: types_pb2.SignalExecRequest, context: Any
-    ) -> types_pb2.SignalExecResponse:
-        return await self._unary("SignalExec", request, context)  # type: ignore[no-any-return]
-
-    async def ControlExec(
-        self, request: types_pb2.ControlExecRequest, context: Any
-    ) -> types_pb2.ControlExecResponse:
-        return await self._unary("ControlExec", request, context)  # type: ignore[no-any-return]
-
-    async def ListExecs(
-        self, request: types_pb2.ListExecsRequest, context: Any
-    ) -> types_pb2.ListExecsResponse:
-        return await self._unary("ListExecs", request, context)  # type: ignore[no-any-return]
-
-    async def CreateSession(
-        self, request: types_pb2.CreateSessionRequest, context: Any
-    ) -> types_pb2.CreateSessionResponse:
-        return await self._unary("CreateSession", request, context)  # type: ignore[no-any-return]
-
-    async def CloseSession(
-        self, request: types_pb2.CloseSessionRequest, context: Any
-    ) -> types_pb2.CloseSessionResponse:
-        return await self._unary("CloseSession", request, context)  # type: ignore[no-any-return]
-
-    async def ListSessions(
-        self, request: types_pb2.ListSessionsRequest, context: Any
-    ) -> types_pb2.ListSessionsResponse:
-        return await self._unary("ListSessions", request, context)  # type: ignore[no-any-return]
-
-    async def SendHttp(
-        self, request: types_pb2.HttpRequest, context: Any
-    ) -> types_pb2.HttpResponse:
-        timeout = (request.timeout_s or 30.0) + EXEC_MARGIN_S
-        return await self._unary("SendHttp", request, context, timeout=timeout)  # type: ignore[no-any-return]
-
-    async def WaitForPort(
-        self, request: types_pb2.WaitForPortRequest, context: Any
-    ) -> types_pb2.WaitForPortResponse:
-        timeout = (request.timeout_s or 30.0) + EXEC_MARGIN_S
-        return await self._unary("WaitForPort", request, context, timeout=timeout)  # type: ignore[no-any-return]
+    """ExecService: every call forwarded to the sandbox's owning edge (EXEC_ROUTES)."""
 
 
 class FileServicer(_Forwarder):
-    async def ReadFile(
-        self, request: types_pb2.ReadFileRequest, context: Any
-    ) -> types_pb2.ReadFileResponse:
-        return await self._unary("ReadFile", request, context)  # type: ignore[no-any-return]
+    """FileService: every call forwarded to the sandbox's owning edge (FILE_ROUTES)."""
 
-    async def WriteFile(
-        self, request: types_pb2.WriteFileRequest, context: Any
-    ) -> types_pb2.WriteFileResponse:
-        return await self._unary("WriteFile", request, context)  # type: ignore[no-any-return]
 
-    async def ListDir(
-        self, request: types_pb2.ListDirRequest, context: Any
-    ) -> types_pb2.ListDirResponse:
-        return await self._unary("ListDir", request, context)  # type: ignore[no-any-return]
+def _exec_deadline(request: types_pb2.ExecRequest | types_pb2.WaitExecRequest) -> float:
+    """A command's call may take its timeout plus a margin."""
+    return (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
 
-    async def StatPath(
-        self, request: types_pb2.StatPathRequest, context: Any
-    ) -> types_pb2.StatPathResponse:
-        return await self._unary("StatPath", request, context)  # type: ignore[no-any-return]
 
-    async def MakeDir(
-        self, request: types_pb2.MakeDirRequest, context: Any
-    ) -> types_pb2.MakeDirResponse:
-        return await self._unary("MakeDir", request, context)  # type: ignore[no-any-return]
+def _port_deadline(request: types_pb2.HttpRequest | types_pb2.WaitForPortRequest) -> float:
+    return (request.timeout_s or 30.0) + EXEC_MARGIN_S
 
-    async def RemovePath(
-        self, request: types_pb2.RemovePathRequest, context: Any
-    ) -> types_pb2.RemovePathResponse:
-        return await self._unary("RemovePath", request, context)  # type: ignore[no-any-return]
 
-    async def MovePath(
-        self, request: types_pb2.MovePathRequest, context: Any
-    ) -> types_pb2.MovePathResponse:
-        return await self._unary("MovePath", request, context)  # type: ignore[no-any-return]
-
-    async def ChmodPath(
-        self, request: types_pb2.ChmodPathRequest, context: Any
-    ) -> types_pb2.ChmodPathResponse:
-        return await self._unary("ChmodPath", request, context)  # type: ignore[no-any-return]
-
-    async def UploadFile(
-        self, request_iterator: AsyncIterator[types_pb2.UploadFileRequest], context: Any
-    ) -> types_pb2.UploadFileResponse:
-        _, call = await self._client_stream("UploadFile", request_iterator, context, "header")
-        try:
-            return await call  # type: ignore[no-any-return]
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
-
-    async def DownloadFile(
-        self, request: types_pb2.DownloadFileRequest, context: Any
-    ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
-        async for item in self._stream("DownloadFile", request, context):
-            yield item
-
-    async def CreateWatcher(
-        self, request: types_pb2.CreateWatcherRequest, context: Any
-    ) -> types_pb2.CreateWatcherResponse:
-        return await self._unary("CreateWatcher", request, context)  # type: ignore[no-any-return]
-
-    async def GetWatcherEvents(
-        self, request: types_pb2.GetWatcherEventsRequest, context: Any
-    ) -> types_pb2.GetWatcherEventsResponse:
-        return await self._unary("GetWatcherEvents", request, context)  # type: ignore[no-any-return]
-
-    async def RemoveWatcher(
-        self, request: types_pb2.RemoveWatcherRequest, context: Any
-    ) -> types_pb2.RemoveWatcherResponse:
-        return await self._unary("RemoveWatcher", request, context)  # type: ignore[no-any-return]
-
-    async def WatchDir(
-        self, request: types_pb2.WatchDirRequest, context: Any
-    ) -> AsyncIterator[types_pb2.WatchDirResponse]:
-        async for item in self._stream("WatchDir", request, context):
-            yield item
+_SERVICES = apiserver_pb2.DESCRIPTOR.services_by_name
+#: The sandbox calls, as the edge names them (the same methods there), with their deadlines.
+EXEC_ROUTES = forwarding.routes(
+    _SERVICES["ExecService"],
+    deadlines={
+        "Exec": _exec_deadline,
+        "WaitExec": _exec_deadline,
+        "SendHttp": _port_deadline,
+        "WaitForPort": _port_deadline,
+    },
+)
+FILE_ROUTES = forwarding.routes(_SERVICES["FileService"])
+forwarding.install(ExecServicer, EXEC_ROUTES)
+forwarding.install(FileServicer, FILE_ROUTES)
 
 
 class ProjectServicer:

@@ -19,7 +19,7 @@ from apiserver.gateway import Caller, Gateway
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, InvalidArgument, SandboxTerminated, code_number
+from libdsec.errors import DSecError, InvalidArgument, SandboxTerminated, item_status
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TaskOperations:
             if isinstance(answer, DSecError):
                 log.warning("task operation: edge %s did not answer: %s", edge_id, answer)
                 failed = apiserver_pb2.TaskEdgeError(edge_id=edge_id)
-                _set_error(failed, answer)
+                item_status(answer, failed.error)
                 edge_errors.append(failed)
                 continue
             for r in answer.results:
@@ -83,13 +83,11 @@ class TaskOperations:
                     apiserver_pb2.TaskSandboxResult(
                         sandbox_id=r.sandbox_id,
                         edge_id=edge_id,
-                        sandbox=r.sandbox if not r.error_code else None,
-                        error_code=r.error_code,
-                        error_message=r.error_message,
-                        error_info=r.error_info,
+                        sandbox=r.sandbox if not r.error.code else None,
+                        error=r.error if r.error.code else None,
                     )
                 )
-                if not r.error_code:
+                if not r.error.code:
                     self.gw.owners.put(r.sandbox_id, r.sandbox.project_id)
         if not skip_terminated:
             results += await self._lost(who, request, {r.sandbox_id for r in results})
@@ -117,21 +115,12 @@ class TaskOperations:
             if request.action == edge_pb2.SANDBOX_ACTION_STOP:
                 r.sandbox.CopyFrom(sb)
             else:
-                _set_error(
-                    r,
+                item_status(
                     SandboxTerminated(
                         f"sandbox {sb.id} has terminated (EDGE_LOST: {sb.termination.message})",
                         metadata={"termination_reason": "EDGE_LOST", "state": "TERMINATED"},
                     ),
+                    r.error,
                 )
             out.append(r)
         return out
-
-
-def _set_error(
-    out: apiserver_pb2.TaskSandboxResult | apiserver_pb2.TaskEdgeError, err: DSecError
-) -> None:
-    out.error_code = code_number(err.code)
-    out.error_message = err.message
-    out.error_info.reason = err.reason
-    out.error_info.metadata.update(err.metadata)

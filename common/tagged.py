@@ -17,7 +17,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from libdsec.errors import DSecError, InvalidArgument, ResourceExhausted, Unavailable
+from libdsec.errors import DSecError, InvalidArgument, ResourceExhausted, Unavailable, item_status
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,8 @@ _CLOSED = object()
 
 
 def error_fields(err: DSecError) -> dict[str, Any]:
-    """The response fields that carry ``err`` (as in the batch results' per-item errors)."""
-    return {
-        "error_code": int(err.code.value[0]),
-        "error_reason": err.reason,
-        "error_message": err.message,
-        "error_metadata": dict(err.metadata),
-    }
+    """The response fields that carry ``err`` (the per-item status, as in batch results)."""
+    return {"error": item_status(err)}
 
 
 async def serve_tagged(

@@ -8,7 +8,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from google.protobuf.message import Message
+
+from common import forwarding
 from common.convert import ts
+from common.forwarding import Route
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.backends.container.pausing import PauseReclaim
@@ -20,7 +24,7 @@ from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
-from libdsec.errors import Internal, InvalidArgument, Unavailable, code_number
+from libdsec.errors import Internal, InvalidArgument, Unavailable, item_status
 
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
@@ -151,10 +155,7 @@ class EdgeServicer:
         for g, (rec, existed, err) in zip(group_of, results, strict=True):
             r = out.results.add()
             if err is not None:
-                r.error_code = code_number(err.code)
-                r.error_reason = err.reason
-                r.error_message = err.message
-                r.error_metadata.update(err.metadata)
+                item_status(err, r.error)
                 continue
             assert rec is not None
             r.already_existed = existed
@@ -237,10 +238,7 @@ class EdgeServicer:
         for sid, rec, err in results:
             r = out.results.add(sandbox_id=sid)
             if err is not None:
-                r.error_code = code_number(err.code)
-                r.error_message = err.message
-                r.error_info.reason = err.reason
-                r.error_info.metadata.update(err.metadata)
+                item_status(err, r.error)
             else:
                 assert rec is not None
                 r.sandbox.CopyFrom(sandbox_pb(rec))
@@ -405,14 +403,36 @@ class EdgeServicer:
         plain.trusted = False
         return channel, plain
 
-    async def _unary(self, call: str, request: Any) -> Any:
-        channel = await self._channel(request.sandbox_id)
-        return await channel.unary(call, request)
+    # The hops of common/forwarding.py (EDGE_ROUTES): chronus's call of the same name.
 
-    async def _stream(self, call: str, request: Any) -> AsyncIterator[Any]:
+    async def forward_unary(self, route: Route, request: Any, context: Any) -> Message:
         channel = await self._channel(request.sandbox_id)
-        async for item in channel.server_stream(call, request):
+        result: Message = await channel.unary(route.target, request)
+        return result
+
+    async def forward_server_stream(
+        self, route: Route, request: Any, context: Any
+    ) -> AsyncIterator[Message]:
+        channel = await self._channel(request.sandbox_id)
+        async for item in channel.server_stream(route.target, request):
             yield item
+
+    async def forward_client_stream(
+        self, route: Route, requests: AsyncIterator[Any], context: Any
+    ) -> Message:
+        first = await anext(requests, None)
+        key = route.opener
+        if first is None or first.WhichOneof(route.oneof) != key:
+            raise InvalidArgument(f"the first {route.request_name} must carry `{key}`")
+        channel = await self._channel(getattr(first, key).sandbox_id)
+
+        async def parts() -> AsyncIterator[Any]:
+            yield first
+            async for item in requests:
+                yield item
+
+        result: Message = await channel.client_stream(route.target, parts())
+        return result
 
     def _sandbox_state(self, sandbox_id: str) -> SandboxState:
         m = self.manager
@@ -503,127 +523,6 @@ class EdgeServicer:
             "attach_exec", request, types_pb2.ExecEvent, ExecContinuation(request)
         ):
             yield item
-
-    async def WaitExec(
-        self, request: types_pb2.WaitExecRequest, context: Any
-    ) -> types_pb2.WaitExecResponse:
-        return await self._unary("wait_exec", request)  # type: ignore[no-any-return]
-
-    async def SignalExec(
-        self, request: types_pb2.SignalExecRequest, context: Any
-    ) -> types_pb2.SignalExecResponse:
-        return await self._unary("signal_exec", request)  # type: ignore[no-any-return]
-
-    async def ControlExec(
-        self, request: types_pb2.ControlExecRequest, context: Any
-    ) -> types_pb2.ControlExecResponse:
-        return await self._unary("control_exec", request)  # type: ignore[no-any-return]
-
-    async def ListExecs(
-        self, request: types_pb2.ListExecsRequest, context: Any
-    ) -> types_pb2.ListExecsResponse:
-        return await self._unary("list_execs", request)  # type: ignore[no-any-return]
-
-    async def CreateSession(
-        self, request: types_pb2.CreateSessionRequest, context: Any
-    ) -> types_pb2.CreateSessionResponse:
-        return await self._unary("create_session", request)  # type: ignore[no-any-return]
-
-    async def CloseSession(
-        self, request: types_pb2.CloseSessionRequest, context: Any
-    ) -> types_pb2.CloseSessionResponse:
-        return await self._unary("close_session", request)  # type: ignore[no-any-return]
-
-    async def ListSessions(
-        self, request: types_pb2.ListSessionsRequest, context: Any
-    ) -> types_pb2.ListSessionsResponse:
-        return await self._unary("list_sessions", request)  # type: ignore[no-any-return]
-
-    async def SendHttp(
-        self, request: types_pb2.HttpRequest, context: Any
-    ) -> types_pb2.HttpResponse:
-        return await self._unary("http", request)  # type: ignore[no-any-return]
-
-    async def WaitForPort(
-        self, request: types_pb2.WaitForPortRequest, context: Any
-    ) -> types_pb2.WaitForPortResponse:
-        return await self._unary("wait_for_port", request)  # type: ignore[no-any-return]
-
-    async def ReadFile(
-        self, request: types_pb2.ReadFileRequest, context: Any
-    ) -> types_pb2.ReadFileResponse:
-        return await self._unary("read_file", request)  # type: ignore[no-any-return]
-
-    async def WriteFile(
-        self, request: types_pb2.WriteFileRequest, context: Any
-    ) -> types_pb2.WriteFileResponse:
-        return await self._unary("write_file", request)  # type: ignore[no-any-return]
-
-    async def ListDir(
-        self, request: types_pb2.ListDirRequest, context: Any
-    ) -> types_pb2.ListDirResponse:
-        return await self._unary("list_dir", request)  # type: ignore[no-any-return]
-
-    async def StatPath(
-        self, request: types_pb2.StatPathRequest, context: Any
-    ) -> types_pb2.StatPathResponse:
-        return await self._unary("stat_path", request)  # type: ignore[no-any-return]
-
-    async def MakeDir(
-        self, request: types_pb2.MakeDirRequest, context: Any
-    ) -> types_pb2.MakeDirResponse:
-        return await self._unary("make_dir", request)  # type: ignore[no-any-return]
-
-    async def RemovePath(
-        self, request: types_pb2.RemovePathRequest, context: Any
-    ) -> types_pb2.RemovePathResponse:
-        return await self._unary("remove_path", request)  # type: ignore[no-any-return]
-
-    async def MovePath(
-        self, request: types_pb2.MovePathRequest, context: Any
-    ) -> types_pb2.MovePathResponse:
-        return await self._unary("move_path", request)  # type: ignore[no-any-return]
-
-    async def ChmodPath(
-        self, request: types_pb2.ChmodPathRequest, context: Any
-    ) -> types_pb2.ChmodPathResponse:
-        return await self._unary("chmod_path", request)  # type: ignore[no-any-return]
-
-    async def UploadFile(
-        self, request_iterator: AsyncIterator[types_pb2.UploadFileRequest], context: Any
-    ) -> types_pb2.UploadFileResponse:
-        first = await anext(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidArgument("the first UploadFileRequest must carry `header`")
-        channel = await self._channel(first.header.sandbox_id)
-
-        async def parts() -> AsyncIterator[types_pb2.UploadFileRequest]:
-            yield first
-            async for item in request_iterator:
-                yield item
-
-        return await channel.client_stream("upload_file", parts())  # type: ignore[no-any-return]
-
-    async def DownloadFile(
-        self, request: types_pb2.DownloadFileRequest, context: Any
-    ) -> AsyncIterator[types_pb2.DownloadFileResponse]:
-        async for item in self._stream("download_file", request):
-            yield item
-
-    async def CreateWatcher(
-        self, request: types_pb2.CreateWatcherRequest, context: Any
-    ) -> types_pb2.CreateWatcherResponse:
-        return await self._unary("create_watcher", request)  # type: ignore[no-any-return]
-
-    async def GetWatcherEvents(
-        self, request: types_pb2.GetWatcherEventsRequest, context: Any
-    ) -> types_pb2.GetWatcherEventsResponse:
-        return await self._unary("watcher_events", request)  # type: ignore[no-any-return]
-
-    async def RemoveWatcher(
-        self, request: types_pb2.RemoveWatcherRequest, context: Any
-    ) -> types_pb2.RemoveWatcherResponse:
-        return await self._unary("remove_watcher", request)  # type: ignore[no-any-return]
 
     async def WatchDir(
         self, request: types_pb2.WatchDirRequest, context: Any
@@ -729,6 +628,18 @@ class EdgeServicer:
         self, request: edge_pb2.DeleteEnvironmentRequest, context: Any
     ) -> edge_pb2.DeleteEnvironmentResponse:
         return await self.layers.delete(request)
+
+
+#: chronus's names for the calls it does not name as the contract does.
+_CHRONUS_NAMES = {"SendHttp": "http", "GetWatcherEvents": "watcher_events"}
+#: The sandbox calls the edge passes to chronus unchanged (the others, written above, also
+#: choose a trusted channel, count truncations or outlive pauses).
+EDGE_ROUTES = forwarding.routes(
+    edge_pb2.DESCRIPTOR.services_by_name["EdgeService"],
+    skip={"Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir"},
+    target=lambda name: _CHRONUS_NAMES.get(name) or forwarding.snake_case(name),
+)
+forwarding.install(EdgeServicer, EDGE_ROUTES)
 
 
 class ExecContinuation:

@@ -10,7 +10,7 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from iam.domain import Iam, Principal
 from iam.store import ProjectRecord, Quota, Reservation, TokenRecord
-from libdsec.errors import InvalidArgument, code_number
+from libdsec.errors import InvalidArgument, item_status
 
 #: Items per ReserveQuotas call.
 MAX_BATCH = 100_000
@@ -220,10 +220,7 @@ class IamServicer:
                 existing_reserved=out.existing_reserved,
             )
             if out.error is not None:
-                r.error_code = code_number(out.error.code)
-                r.error_reason = out.error.reason
-                r.error_message = out.error.message
-                r.error_metadata.update(out.error.metadata)
+                item_status(out.error, r.error)
         resp.reserved = reserved
         return resp
 

@@ -37,7 +37,7 @@ from libdsec.errors import (
     Unavailable,
     Unimplemented,
     from_rpc_error,
-    status_for,
+    item_error,
 )
 
 #: The largest job sent: the channels' message limit (64 MiB) minus room for the envelope.
@@ -103,7 +103,7 @@ class TaggedStream:
     ``open_call(None)`` starts the bidirectional call (e.g. ``stub.StreamFunctions``) in gRPC's
     reader/writer style: the requests are written here.
     A request is a message with ``tag`` (set here) and ``cancel`` fields. The answer is the
-    response message; one that carries an error (``error_code`` != 0) is raised as its typed
+    response message; one that carries an error (``error``, an ItemStatus) is raised as its typed
     :class:`DSecError`. ``unsupported`` turns true once the server answered the stream itself
     with UNIMPLEMENTED (an older server): callers then use their unary call instead.
     """
@@ -167,10 +167,8 @@ class TaggedStream:
             raise DeadlineExceeded(
                 f"no answer within {timeout:.1f} s", reason="DEADLINE_EXCEEDED"
             ) from None
-        if msg.error_code:
-            raise status_for(
-                msg.error_code, msg.error_reason, msg.error_message, dict(msg.error_metadata)
-            )
+        if msg.error.code:
+            raise item_error(msg.error)
         return msg
 
     async def _send(self, request: Any) -> Any:

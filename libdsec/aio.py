@@ -44,7 +44,7 @@ from libdsec.errors import (
     DSecError,
     InvalidArgument,
     SandboxTerminated,
-    status_for,
+    item_error,
 )
 from libdsec.options import (
     CreateOptions,
@@ -322,10 +322,8 @@ class AsyncClient:
         resp = await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req, timeout=timeout)
         out: list[AsyncSandbox | DSecError] = []
         for r in resp.results:
-            if r.error_code:
-                out.append(
-                    status_for(r.error_code, r.error_reason, r.error_message, r.error_metadata)
-                )
+            if r.error.code:
+                out.append(item_error(r.error))
             else:
                 out.append(AsyncSandbox(self, SandboxInfo.from_pb(r.sandbox)))
         return out

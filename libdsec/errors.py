@@ -45,8 +45,9 @@ Tree::
 Mapping a status to a class and back, for code that makes or handles gRPC calls
 itself (the services and the SDK use the same functions, so both sides agree):
 :func:`from_rpc_error` turns a failed call into its class, :func:`error_trailer` is the trailing metadata a server sends with an error,
-:func:`status_for` rebuilds an error from a numeric code carried in a message
-(per-item batch results), :func:`code_number` is the number of a code.
+:func:`item_status` is the ``dsec.types.v1.ItemStatus`` one item of a batch result carries
+(its error), :func:`item_error` reads it back as its class, :func:`status_for` rebuilds an error
+from a numeric code carried in a message, :func:`code_number` is the number of a code.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ __all__ = [
     "error_class_for",
     "error_trailer",
     "from_rpc_error",
+    "item_error",
+    "item_status",
     "status_for",
 ]
 
@@ -351,6 +354,31 @@ def status_for(
     """
     code = _CODES.get(code_value, grpc.StatusCode.UNKNOWN)
     return error_class_for(code, reason or None)(message, reason=reason or None, metadata=metadata)
+
+
+def item_status(err: DSecError, out: types_pb2.ItemStatus | None = None) -> types_pb2.ItemStatus:
+    """The per-item status that carries ``err`` in a batch result (the one encoder of every
+    batch's per-item errors); written into ``out`` if given (a result's own field, no copy)::
+
+        item_status(err, result.error)
+    """
+    if out is None:
+        out = types_pb2.ItemStatus()
+    out.code = int(err.code.value[0])
+    out.reason = err.reason
+    out.message = err.message
+    out.metadata.update(err.metadata)
+    return out
+
+
+def item_error(status: types_pb2.ItemStatus) -> DSecError:
+    """The most specific error for a per-item status (the one decoder; see
+    :func:`item_status`). Only for a status that carries an error (``code`` != 0)::
+
+        if r.error.code:
+            raise item_error(r.error)
+    """
+    return status_for(status.code, status.reason, status.message, status.metadata)
 
 
 def code_number(code: grpc.StatusCode) -> int:

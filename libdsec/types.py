@@ -9,7 +9,7 @@ from typing import Any
 
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, status_for
+from libdsec.errors import DSecError, item_error
 
 
 def _dt(ts: Any) -> datetime | None:
@@ -372,12 +372,6 @@ class SandboxInfo:
         return self.state == "TERMINATED"
 
 
-def _error(pb: Any) -> DSecError:
-    """The error a per-item result carries (error_code, error_message, error_info)."""
-    info = pb.error_info
-    return status_for(pb.error_code, info.reason, pb.error_message, dict(info.metadata))
-
-
 @dataclass(frozen=True)
 class TaskSandboxResult:
     """One sandbox's outcome of a task-level operation (:meth:`AsyncClient.pause_task`,
@@ -392,8 +386,8 @@ class TaskSandboxResult:
 
     @classmethod
     def from_pb(cls, r: Any) -> TaskSandboxResult:
-        if r.error_code:
-            return cls(r.sandbox_id, r.edge_id, None, _error(r))
+        if r.error.code:
+            return cls(r.sandbox_id, r.edge_id, None, item_error(r.error))
         return cls(r.sandbox_id, r.edge_id, SandboxInfo.from_pb(r.sandbox), None)
 
     @property
@@ -416,7 +410,7 @@ class TaskEdgeError:
 
     @classmethod
     def from_pb(cls, e: Any) -> TaskEdgeError:
-        return cls(e.edge_id, _error(e))
+        return cls(e.edge_id, item_error(e.error))
 
 
 @dataclass(frozen=True)

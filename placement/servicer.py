@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 from common.config import WATCHER_WARMUP_S
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
-from libdsec.errors import DSecError, InvalidArgument, Unavailable
+from libdsec.errors import DSecError, InvalidArgument, Unavailable, item_status
 from placement.follower import SnapshotFollower
 from placement.policy import Placer, Request
 
@@ -107,12 +107,7 @@ class PlacementServicer:
         try:
             cands = self.placer.place(_request(item))
         except DSecError as err:
-            return placement_pb2.Placement(
-                error_code=err.code.value[0],
-                error_reason=err.reason,
-                error_message=err.message,
-                error_metadata=err.metadata,
-            )
+            return placement_pb2.Placement(error=item_status(err))
         return placement_pb2.Placement(
             candidates=[
                 placement_pb2.Candidate(edge_id=c.edge_id, address=c.address, cloud=c.cloud)
@@ -156,10 +151,7 @@ class PlacementServicer:
             gp = resp.placements.add()
             gp.edge_indexes.extend([mapping[i] for i in chosen])
             if err is not None:
-                gp.error_code = err.code.value[0]
-                gp.error_reason = err.reason
-                gp.error_message = err.message
-                gp.error_metadata.update(err.metadata)
+                item_status(err, gp.error)
         return resp
 
     async def GetPlacementStatus(

@@ -193,11 +193,11 @@ async def test_the_protocol_refuses_bad_tags_and_ends_when_every_job_answered(
         await call.write(apiserver_pb2.StreamFunctionsRequest(tag=0, job=job))
         await call.done_writing()
         answers = [msg async for msg in call]  # ends after job 7: the caller closed its side
-        real = [m for m in answers if m.tag or m.error_code]
-        reasons = sorted(m.error_reason for m in real if m.error_code)
+        real = [m for m in answers if m.tag or m.error.code]
+        reasons = sorted(m.error.reason for m in real if m.error.code)
         assert reasons == ["BAD_TAG", "TAG_IN_USE"]
-        assert all(m.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for m in real[:2])
-        assert [m.result.stdout for m in real if not m.error_code] == [b"sleep:0.3"]
+        assert all(m.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for m in real[:2])
+        assert [m.result.stdout for m in real if not m.error.code] == [b"sleep:0.3"]
 
 
 async def test_an_idle_stream_is_not_stalled_and_the_clock_starts_with_the_first_waiter(

@@ -15,16 +15,20 @@ def _response() -> apiserver_pb2.PauseTaskResponse:
     ok.sandbox.state = types_pb2.SANDBOX_STATE_PAUSED
     ok.sandbox.spec.task_id = "job"
     ok.sandbox.spec.labels["episode"] = "0"
-    ended = resp.results.add(
+    resp.results.add(
         sandbox_id="sb-e1-aaaaaa02",
         edge_id="e1",
-        error_code=9,  # FAILED_PRECONDITION
-        error_message="sandbox sb-e1-aaaaaa02 has terminated (STOPPED: stopped by request)",
+        error=types_pb2.ItemStatus(
+            code=9,  # FAILED_PRECONDITION
+            reason="SANDBOX_TERMINATED",
+            message="sandbox sb-e1-aaaaaa02 has terminated (STOPPED: stopped by request)",
+            metadata={"state": "TERMINATED", "termination_reason": "STOPPED"},
+        ),
     )
-    ended.error_info.reason = "SANDBOX_TERMINATED"
-    ended.error_info.metadata.update({"state": "TERMINATED", "termination_reason": "STOPPED"})
-    edge = resp.edge_errors.add(edge_id="e2", error_code=14, error_message="edge: unreachable")
-    edge.error_info.reason = "EDGE_UNAVAILABLE"
+    resp.edge_errors.add(
+        edge_id="e2",
+        error=types_pb2.ItemStatus(code=14, reason="EDGE_UNAVAILABLE", message="edge: unreachable"),
+    )
     return resp
 
 

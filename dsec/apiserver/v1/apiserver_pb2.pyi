@@ -111,57 +111,26 @@ class CreateSandboxResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     INDEX_FIELD_NUMBER: _builtins.int
     SANDBOX_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = OK"""
-    error_reason: _builtins.str
-    """stable reason, as in ErrorInfo"""
-    error_message: _builtins.str
     @_builtins.property
     def sandbox(self) -> _types_pb2.Sandbox: ...
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """as in ErrorInfo, e.g. "project" of QUOTA_EXCEEDED"""
+    def error(self) -> _types_pb2.ItemStatus:
+        """unset = OK; e.g. "project" of QUOTA_EXCEEDED"""
 
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
         sandbox: _types_pb2.Sandbox | None = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "index", b"index", "sandbox", b"sandbox"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "index", b"index", "sandbox", b"sandbox"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,21 +443,16 @@ class TaskSandboxResult(_message.Message):
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     EDGE_ID_FIELD_NUMBER: _builtins.int
     SANDBOX_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     edge_id: _builtins.str
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = OK"""
-    error_message: _builtins.str
     @_builtins.property
     def sandbox(self) -> _types_pb2.Sandbox:
-        """as the operation left it; set when error_code is 0"""
+        """as the operation left it; set when error is unset"""
 
     @_builtins.property
-    def error_info(self) -> _types_pb2.ErrorInfo:
-        """stable reason and metadata, as in "dsec-error-bin" """
+    def error(self) -> _types_pb2.ItemStatus:
+        """unset = OK"""
 
     def __init__(
         self,
@@ -496,13 +460,11 @@ class TaskSandboxResult(_message.Message):
         sandbox_id: _builtins.str = ...,
         edge_id: _builtins.str = ...,
         sandbox: _types_pb2.Sandbox | None = ...,
-        error_code: _builtins.int = ...,
-        error_message: _builtins.str = ...,
-        error_info: _types_pb2.ErrorInfo | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info", "sandbox", b"sandbox"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error", b"error", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -517,26 +479,19 @@ class TaskEdgeError(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EDGE_ID_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     edge_id: _builtins.str
-    error_code: _builtins.int
-    """google.rpc.Code"""
-    error_message: _builtins.str
     @_builtins.property
-    def error_info(self) -> _types_pb2.ErrorInfo: ...
+    def error(self) -> _types_pb2.ItemStatus: ...
     def __init__(
         self,
         *,
         edge_id: _builtins.str = ...,
-        error_code: _builtins.int = ...,
-        error_message: _builtins.str = ...,
-        error_info: _types_pb2.ErrorInfo | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "error", b"error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1499,58 +1454,29 @@ Global___StreamFunctionsRequest: _TypeAlias = StreamFunctionsRequest  # noqa: Y0
 class StreamFunctionsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     TAG_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     tag: _builtins.int
     """0: a keepalive"""
-    error_code: _builtins.int
-    """google.rpc.Code of this job's error; 0 = OK"""
-    error_reason: _builtins.str
-    """stable reason, as in ErrorInfo"""
-    error_message: _builtins.str
     @_builtins.property
     def result(self) -> _types_pb2.FunctionResult:
-        """when error_code is 0"""
+        """when error is unset"""
 
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def error(self) -> _types_pb2.ItemStatus:
+        """this job's error; unset = OK"""
+
     def __init__(
         self,
         *,
         tag: _builtins.int = ...,
         result: _types_pb2.FunctionResult | None = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "result", b"result", "tag", b"tag"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "tag", b"tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

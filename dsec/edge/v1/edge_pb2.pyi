@@ -170,59 +170,28 @@ Global___CreateSandboxesRequest: _TypeAlias = CreateSandboxesRequest  # noqa: Y0
 class CreateSandboxesResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     SANDBOX_FIELD_NUMBER: _builtins.int
     ALREADY_EXISTED_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     already_existed: _builtins.bool
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = admitted"""
-    error_reason: _builtins.str
-    """e.g. "EDGE_CAPACITY" """
-    error_message: _builtins.str
     @_builtins.property
     def sandbox(self) -> _types_pb2.Sandbox:
-        """unset when not admitted (see error_*)"""
+        """unset when not admitted (see error)"""
 
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """as in ErrorInfo, e.g. "image" of IMAGE_NOT_FOUND"""
+    def error(self) -> _types_pb2.ItemStatus:
+        """Unset when admitted; e.g. "EDGE_CAPACITY", or "image" of IMAGE_NOT_FOUND."""
 
     def __init__(
         self,
         *,
         sandbox: _types_pb2.Sandbox | None = ...,
         already_existed: _builtins.bool = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_existed", b"already_existed", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "sandbox", b"sandbox"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_existed", b"already_existed", "error", b"error", "sandbox", b"sandbox"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -644,33 +613,26 @@ class SandboxActionResult(_message.Message):
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     SANDBOX_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_INFO_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = OK"""
-    error_message: _builtins.str
     @_builtins.property
     def sandbox(self) -> _types_pb2.Sandbox:
-        """set when error_code is 0"""
+        """set when error is unset"""
 
     @_builtins.property
-    def error_info(self) -> _types_pb2.ErrorInfo:
-        """stable reason and metadata (e.g. "state")"""
+    def error(self) -> _types_pb2.ItemStatus:
+        """unset = OK; metadata e.g. "state" """
 
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         sandbox: _types_pb2.Sandbox | None = ...,
-        error_code: _builtins.int = ...,
-        error_message: _builtins.str = ...,
-        error_info: _types_pb2.ErrorInfo | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error_info", b"error_info", "sandbox", b"sandbox"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_info", b"error_info", "error_message", b"error_message", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sandbox", b"sandbox", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1482,57 +1444,29 @@ Global___StreamFunctionsRequest: _TypeAlias = StreamFunctionsRequest  # noqa: Y0
 class StreamFunctionsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     TAG_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     tag: _builtins.int
     """0: a keepalive"""
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = OK"""
-    error_reason: _builtins.str
-    error_message: _builtins.str
     @_builtins.property
     def result(self) -> _types_pb2.FunctionResult:
-        """when error_code is 0"""
+        """when error is unset"""
 
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def error(self) -> _types_pb2.ItemStatus:
+        """this job's error; unset = OK"""
+
     def __init__(
         self,
         *,
         tag: _builtins.int = ...,
         result: _types_pb2.FunctionResult | None = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "result", b"result", "tag", b"tag"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "tag", b"tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

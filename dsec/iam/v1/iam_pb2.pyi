@@ -1045,64 +1045,33 @@ class ReserveQuotaResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     INDEX_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     ALREADY_RESERVED_FIELD_NUMBER: _builtins.int
     EXISTING_SANDBOX_ID_FIELD_NUMBER: _builtins.int
     EXISTING_RESERVED_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """into ReserveQuotasRequest.items"""
-    error_code: _builtins.int
-    """google.rpc.Code; 0 = no error"""
-    error_reason: _builtins.str
-    """e.g. "QUOTA_EXCEEDED" """
-    error_message: _builtins.str
     already_reserved: _builtins.bool
     existing_sandbox_id: _builtins.str
     """the idempotency key is bound to this sandbox"""
     existing_reserved: _builtins.bool
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """e.g. "project": the limiting project"""
+    def error(self) -> _types_pb2.ItemStatus:
+        """Unset = no error; e.g. "QUOTA_EXCEEDED", metadata "project": the limiting project."""
 
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
         already_reserved: _builtins.bool = ...,
         existing_sandbox_id: _builtins.str = ...,
         existing_reserved: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason", "existing_reserved", b"existing_reserved", "existing_sandbox_id", b"existing_sandbox_id", "index", b"index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved", "error", b"error", "existing_reserved", b"existing_reserved", "existing_sandbox_id", b"existing_sandbox_id", "index", b"index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

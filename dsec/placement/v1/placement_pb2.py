@@ -25,55 +25,47 @@ _sym_db = _symbol_database.Default()
 from dsec.types.v1 import types_pb2 as dsec_dot_types_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!dsec/placement/v1/placement.proto\x12\x11\x64sec.placement.v1\x1a\x19\x64sec/types/v1/types.proto\"d\n\rPlacementItem\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.dsec.types.v1.SandboxSpec\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x15\n\rexclude_edges\x18\x03 \x03(\t\"<\n\tCandidate\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x63loud\x18\x03 \x01(\x08\"\xfd\x01\n\tPlacement\x12\x30\n\ncandidates\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Candidate\x12\x12\n\nerror_code\x18\x02 \x01(\x05\x12\x14\n\x0c\x65rror_reason\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12G\n\x0e\x65rror_metadata\x18\x05 \x03(\x0b\x32/.dsec.placement.v1.Placement.ErrorMetadataEntry\x1a\x34\n\x12\x45rrorMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x13PlaceSandboxRequest\x12.\n\x04item\x18\x01 \x01(\x0b\x32 .dsec.placement.v1.PlacementItem\"G\n\x14PlaceSandboxResponse\x12/\n\tplacement\x18\x01 \x01(\x0b\x32\x1c.dsec.placement.v1.Placement\"H\n\x15PlaceSandboxesRequest\x12/\n\x05items\x18\x01 \x03(\x0b\x32 .dsec.placement.v1.PlacementItem\"J\n\x16PlaceSandboxesResponse\x12\x30\n\nplacements\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Placement\"\xb3\x01\n\x14ReportOutcomeRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12+\n\x07outcome\x18\x02 \x01(\x0e\x32\x1a.dsec.placement.v1.Outcome\x12\x12\n\ncpu_millis\x18\x03 \x01(\x04\x12\x11\n\tmemory_mb\x18\x04 \x01(\x04\x12\'\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x16.dsec.types.v1.Backend\x12\r\n\x05\x63ount\x18\x06 \x01(\r\"\x17\n\x15ReportOutcomeResponse\"^\n\x0ePlacementGroup\x12.\n\x04item\x18\x01 \x01(\x0b\x32 .dsec.placement.v1.PlacementItem\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05\x63lump\x18\x03 \x01(\r\"N\n\x19PlaceSandboxGroupsRequest\x12\x31\n\x06groups\x18\x01 \x03(\x0b\x32!.dsec.placement.v1.PlacementGroup\"\xeb\x01\n\x0eGroupPlacement\x12\x14\n\x0c\x65\x64ge_indexes\x18\x01 \x03(\r\x12\x12\n\nerror_code\x18\x02 \x01(\x05\x12\x14\n\x0c\x65rror_reason\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12L\n\x0e\x65rror_metadata\x18\x05 \x03(\x0b\x32\x34.dsec.placement.v1.GroupPlacement.ErrorMetadataEntry\x1a\x34\n\x12\x45rrorMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x80\x01\n\x1aPlaceSandboxGroupsResponse\x12+\n\x05\x65\x64ges\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Candidate\x12\x35\n\nplacements\x18\x02 \x03(\x0b\x32!.dsec.placement.v1.GroupPlacement\"\x1b\n\x19GetPlacementStatusRequest\"\xee\x01\n\x1aGetPlacementStatusResponse\x12\x30\n\nview_state\x18\x01 \x01(\x0e\x32\x1c.dsec.placement.v1.ViewState\x12\x19\n\x11watcher_connected\x18\x02 \x01(\x08\x12\x12\n\nview_age_s\x18\x03 \x01(\x01\x12\x1a\n\x12snapshot_max_age_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x64ges\x18\x05 \x01(\r\x12\x15\n\rhealthy_edges\x18\x06 \x01(\r\x12\x17\n\x0foverlay_entries\x18\x07 \x01(\r\x12\x14\n\x0cplaced_total\x18\x08 \x01(\x04*{\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x14\n\x10OUTCOME_ADMITTED\x10\x01\x12\x14\n\x10OUTCOME_REJECTED\x10\x02\x12\x17\n\x13OUTCOME_UNREACHABLE\x10\x03\x12\x12\n\x0eOUTCOME_UNUSED\x10\x04*l\n\tViewState\x12\x1a\n\x16VIEW_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10VIEW_STATE_FRESH\x10\x01\x12\x17\n\x13VIEW_STATE_DEGRADED\x10\x02\x12\x14\n\x10VIEW_STATE_STALE\x10\x03\x32\xa4\x04\n\x10PlacementService\x12_\n\x0cPlaceSandbox\x12&.dsec.placement.v1.PlaceSandboxRequest\x1a\'.dsec.placement.v1.PlaceSandboxResponse\x12\x65\n\x0ePlaceSandboxes\x12(.dsec.placement.v1.PlaceSandboxesRequest\x1a).dsec.placement.v1.PlaceSandboxesResponse\x12\x62\n\rReportOutcome\x12\'.dsec.placement.v1.ReportOutcomeRequest\x1a(.dsec.placement.v1.ReportOutcomeResponse\x12q\n\x12PlaceSandboxGroups\x12,.dsec.placement.v1.PlaceSandboxGroupsRequest\x1a-.dsec.placement.v1.PlaceSandboxGroupsResponse\x12q\n\x12GetPlacementStatus\x12,.dsec.placement.v1.GetPlacementStatusRequest\x1a-.dsec.placement.v1.GetPlacementStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!dsec/placement/v1/placement.proto\x12\x11\x64sec.placement.v1\x1a\x19\x64sec/types/v1/types.proto\"d\n\rPlacementItem\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.dsec.types.v1.SandboxSpec\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x15\n\rexclude_edges\x18\x03 \x03(\t\"<\n\tCandidate\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x63loud\x18\x03 \x01(\x08\"\xb8\x01\n\tPlacement\x12\x30\n\ncandidates\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Candidate\x12(\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x19.dsec.types.v1.ItemStatusJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\nerror_codeR\x0c\x65rror_reasonR\rerror_messageR\x0e\x65rror_metadata\"E\n\x13PlaceSandboxRequest\x12.\n\x04item\x18\x01 \x01(\x0b\x32 .dsec.placement.v1.PlacementItem\"G\n\x14PlaceSandboxResponse\x12/\n\tplacement\x18\x01 \x01(\x0b\x32\x1c.dsec.placement.v1.Placement\"H\n\x15PlaceSandboxesRequest\x12/\n\x05items\x18\x01 \x03(\x0b\x32 .dsec.placement.v1.PlacementItem\"J\n\x16PlaceSandboxesResponse\x12\x30\n\nplacements\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Placement\"\xb3\x01\n\x14ReportOutcomeRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12+\n\x07outcome\x18\x02 \x01(\x0e\x32\x1a.dsec.placement.v1.Outcome\x12\x12\n\ncpu_millis\x18\x03 \x01(\x04\x12\x11\n\tmemory_mb\x18\x04 \x01(\x04\x12\'\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x16.dsec.types.v1.Backend\x12\r\n\x05\x63ount\x18\x06 \x01(\r\"\x17\n\x15ReportOutcomeResponse\"^\n\x0ePlacementGroup\x12.\n\x04item\x18\x01 \x01(\x0b\x32 .dsec.placement.v1.PlacementItem\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05\x63lump\x18\x03 \x01(\r\"N\n\x19PlaceSandboxGroupsRequest\x12\x31\n\x06groups\x18\x01 \x03(\x0b\x32!.dsec.placement.v1.PlacementGroup\"\xa1\x01\n\x0eGroupPlacement\x12\x14\n\x0c\x65\x64ge_indexes\x18\x01 \x03(\r\x12(\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x19.dsec.types.v1.ItemStatusJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\nerror_codeR\x0c\x65rror_reasonR\rerror_messageR\x0e\x65rror_metadata\"\x80\x01\n\x1aPlaceSandboxGroupsResponse\x12+\n\x05\x65\x64ges\x18\x01 \x03(\x0b\x32\x1c.dsec.placement.v1.Candidate\x12\x35\n\nplacements\x18\x02 \x03(\x0b\x32!.dsec.placement.v1.GroupPlacement\"\x1b\n\x19GetPlacementStatusRequest\"\xee\x01\n\x1aGetPlacementStatusResponse\x12\x30\n\nview_state\x18\x01 \x01(\x0e\x32\x1c.dsec.placement.v1.ViewState\x12\x19\n\x11watcher_connected\x18\x02 \x01(\x08\x12\x12\n\nview_age_s\x18\x03 \x01(\x01\x12\x1a\n\x12snapshot_max_age_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x64ges\x18\x05 \x01(\r\x12\x15\n\rhealthy_edges\x18\x06 \x01(\r\x12\x17\n\x0foverlay_entries\x18\x07 \x01(\r\x12\x14\n\x0cplaced_total\x18\x08 \x01(\x04*{\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x14\n\x10OUTCOME_ADMITTED\x10\x01\x12\x14\n\x10OUTCOME_REJECTED\x10\x02\x12\x17\n\x13OUTCOME_UNREACHABLE\x10\x03\x12\x12\n\x0eOUTCOME_UNUSED\x10\x04*l\n\tViewState\x12\x1a\n\x16VIEW_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10VIEW_STATE_FRESH\x10\x01\x12\x17\n\x13VIEW_STATE_DEGRADED\x10\x02\x12\x14\n\x10VIEW_STATE_STALE\x10\x03\x32\xa4\x04\n\x10PlacementService\x12_\n\x0cPlaceSandbox\x12&.dsec.placement.v1.PlaceSandboxRequest\x1a\'.dsec.placement.v1.PlaceSandboxResponse\x12\x65\n\x0ePlaceSandboxes\x12(.dsec.placement.v1.PlaceSandboxesRequest\x1a).dsec.placement.v1.PlaceSandboxesResponse\x12\x62\n\rReportOutcome\x12\'.dsec.placement.v1.ReportOutcomeRequest\x1a(.dsec.placement.v1.ReportOutcomeResponse\x12q\n\x12PlaceSandboxGroups\x12,.dsec.placement.v1.PlaceSandboxGroupsRequest\x1a-.dsec.placement.v1.PlaceSandboxGroupsResponse\x12q\n\x12GetPlacementStatus\x12,.dsec.placement.v1.GetPlacementStatusRequest\x1a-.dsec.placement.v1.GetPlacementStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsec.placement.v1.placement_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLACEMENT_ERRORMETADATAENTRY']._loaded_options = None
-  _globals['_PLACEMENT_ERRORMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_GROUPPLACEMENT_ERRORMETADATAENTRY']._loaded_options = None
-  _globals['_GROUPPLACEMENT_ERRORMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_OUTCOME']._serialized_start=1819
-  _globals['_OUTCOME']._serialized_end=1942
-  _globals['_VIEWSTATE']._serialized_start=1944
-  _globals['_VIEWSTATE']._serialized_end=2052
+  _globals['_OUTCOME']._serialized_start=1676
+  _globals['_OUTCOME']._serialized_end=1799
+  _globals['_VIEWSTATE']._serialized_start=1801
+  _globals['_VIEWSTATE']._serialized_end=1909
   _globals['_PLACEMENTITEM']._serialized_start=83
   _globals['_PLACEMENTITEM']._serialized_end=183
   _globals['_CANDIDATE']._serialized_start=185
   _globals['_CANDIDATE']._serialized_end=245
   _globals['_PLACEMENT']._serialized_start=248
-  _globals['_PLACEMENT']._serialized_end=501
-  _globals['_PLACEMENT_ERRORMETADATAENTRY']._serialized_start=449
-  _globals['_PLACEMENT_ERRORMETADATAENTRY']._serialized_end=501
-  _globals['_PLACESANDBOXREQUEST']._serialized_start=503
-  _globals['_PLACESANDBOXREQUEST']._serialized_end=572
-  _globals['_PLACESANDBOXRESPONSE']._serialized_start=574
-  _globals['_PLACESANDBOXRESPONSE']._serialized_end=645
-  _globals['_PLACESANDBOXESREQUEST']._serialized_start=647
-  _globals['_PLACESANDBOXESREQUEST']._serialized_end=719
-  _globals['_PLACESANDBOXESRESPONSE']._serialized_start=721
-  _globals['_PLACESANDBOXESRESPONSE']._serialized_end=795
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=798
-  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=977
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=979
-  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=1002
-  _globals['_PLACEMENTGROUP']._serialized_start=1004
-  _globals['_PLACEMENTGROUP']._serialized_end=1098
-  _globals['_PLACESANDBOXGROUPSREQUEST']._serialized_start=1100
-  _globals['_PLACESANDBOXGROUPSREQUEST']._serialized_end=1178
-  _globals['_GROUPPLACEMENT']._serialized_start=1181
-  _globals['_GROUPPLACEMENT']._serialized_end=1416
-  _globals['_GROUPPLACEMENT_ERRORMETADATAENTRY']._serialized_start=449
-  _globals['_GROUPPLACEMENT_ERRORMETADATAENTRY']._serialized_end=501
-  _globals['_PLACESANDBOXGROUPSRESPONSE']._serialized_start=1419
-  _globals['_PLACESANDBOXGROUPSRESPONSE']._serialized_end=1547
-  _globals['_GETPLACEMENTSTATUSREQUEST']._serialized_start=1549
-  _globals['_GETPLACEMENTSTATUSREQUEST']._serialized_end=1576
-  _globals['_GETPLACEMENTSTATUSRESPONSE']._serialized_start=1579
-  _globals['_GETPLACEMENTSTATUSRESPONSE']._serialized_end=1817
-  _globals['_PLACEMENTSERVICE']._serialized_start=2055
-  _globals['_PLACEMENTSERVICE']._serialized_end=2603
+  _globals['_PLACEMENT']._serialized_end=432
+  _globals['_PLACESANDBOXREQUEST']._serialized_start=434
+  _globals['_PLACESANDBOXREQUEST']._serialized_end=503
+  _globals['_PLACESANDBOXRESPONSE']._serialized_start=505
+  _globals['_PLACESANDBOXRESPONSE']._serialized_end=576
+  _globals['_PLACESANDBOXESREQUEST']._serialized_start=578
+  _globals['_PLACESANDBOXESREQUEST']._serialized_end=650
+  _globals['_PLACESANDBOXESRESPONSE']._serialized_start=652
+  _globals['_PLACESANDBOXESRESPONSE']._serialized_end=726
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_start=729
+  _globals['_REPORTOUTCOMEREQUEST']._serialized_end=908
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_start=910
+  _globals['_REPORTOUTCOMERESPONSE']._serialized_end=933
+  _globals['_PLACEMENTGROUP']._serialized_start=935
+  _globals['_PLACEMENTGROUP']._serialized_end=1029
+  _globals['_PLACESANDBOXGROUPSREQUEST']._serialized_start=1031
+  _globals['_PLACESANDBOXGROUPSREQUEST']._serialized_end=1109
+  _globals['_GROUPPLACEMENT']._serialized_start=1112
+  _globals['_GROUPPLACEMENT']._serialized_end=1273
+  _globals['_PLACESANDBOXGROUPSRESPONSE']._serialized_start=1276
+  _globals['_PLACESANDBOXGROUPSRESPONSE']._serialized_end=1404
+  _globals['_GETPLACEMENTSTATUSREQUEST']._serialized_start=1406
+  _globals['_GETPLACEMENTSTATUSREQUEST']._serialized_end=1433
+  _globals['_GETPLACEMENTSTATUSRESPONSE']._serialized_start=1436
+  _globals['_GETPLACEMENTSTATUSRESPONSE']._serialized_end=1674
+  _globals['_PLACEMENTSERVICE']._serialized_start=1912
+  _globals['_PLACEMENTSERVICE']._serialized_end=2460
 # @@protoc_insertion_point(module_scope)

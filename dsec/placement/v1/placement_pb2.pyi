@@ -139,59 +139,28 @@ Global___Candidate: _TypeAlias = Candidate  # noqa: Y015
 class Placement(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     CANDIDATES_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
-    error_code: _builtins.int
-    """google.rpc.Code: RESOURCE_EXHAUSTED ("NO_ELIGIBLE_EDGE") if no edge fits now,
-    FAILED_PRECONDITION ("BACKEND_NOT_OFFERED") if no registered edge offers the backend.
-    """
-    error_reason: _builtins.str
-    """e.g. "NO_ELIGIBLE_EDGE" """
-    error_message: _builtins.str
-    """why nothing fits, e.g. "no healthy edge offers BACKEND_VM" """
+    ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
         """best first; at most max_attempts"""
 
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """as in ErrorInfo, e.g. "backend" """
+    def error(self) -> _types_pb2.ItemStatus:
+        """Why nothing fits (unset when candidates were found): RESOURCE_EXHAUSTED
+        ("NO_ELIGIBLE_EDGE") if no edge fits now, FAILED_PRECONDITION ("BACKEND_NOT_OFFERED",
+        metadata "backend") if no registered edge offers the backend.
+        """
 
     def __init__(
         self,
         *,
         candidates: _abc.Iterable[Global___Candidate] | None = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "error", b"error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,58 +355,27 @@ Global___PlaceSandboxGroupsRequest: _TypeAlias = PlaceSandboxGroupsRequest  # no
 class GroupPlacement(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class ErrorMetadataEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     EDGE_INDEXES_FIELD_NUMBER: _builtins.int
-    ERROR_CODE_FIELD_NUMBER: _builtins.int
-    ERROR_REASON_FIELD_NUMBER: _builtins.int
-    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
-    ERROR_METADATA_FIELD_NUMBER: _builtins.int
-    error_code: _builtins.int
-    """google.rpc.Code, set when some were not placed"""
-    error_reason: _builtins.str
-    """e.g. "NO_ELIGIBLE_EDGE" """
-    error_message: _builtins.str
+    ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def edge_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """One entry per sandbox placed: an index into PlaceSandboxGroupsResponse.edges.
-        The group's other (count - len) sandboxes were not placed: see error_*.
+        The group's other (count - len) sandboxes were not placed: see error.
         """
 
     @_builtins.property
-    def error_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """as in ErrorInfo, e.g. "backend" """
+    def error(self) -> _types_pb2.ItemStatus:
+        """set when some were not placed, e.g. "NO_ELIGIBLE_EDGE" """
 
     def __init__(
         self,
         *,
         edge_indexes: _abc.Iterable[_builtins.int] | None = ...,
-        error_code: _builtins.int = ...,
-        error_reason: _builtins.str = ...,
-        error_message: _builtins.str = ...,
-        error_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _types_pb2.ItemStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_indexes", b"edge_indexes", "error_code", b"error_code", "error_message", b"error_message", "error_metadata", b"error_metadata", "error_reason", b"error_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_indexes", b"edge_indexes", "error", b"error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
