@@ -39,15 +39,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
-from edge.backends import qos
+from edge.backends import pausing, qos
 from edge.backends.channels import ChannelKeeper
-from edge.backends.container import pausing
-from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
-from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import (
     BackgroundLoop,
     Capability,
@@ -61,15 +58,18 @@ from edge.backends.microvm.accel import Verdict, probe, tsc_khz
 from edge.backends.microvm.console import Console
 from edge.backends.microvm.guest import GuestKit, build_guest
 from edge.backends.microvm.templates import Templates
+from edge.backends.registry import Built
+from edge.backends.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
+from edge.backends.warm import template as warm_template
 from edge.config import MIN_DISK_MB, EdgeConfig
 from edge.controls import ABSENT, DISABLED, ENFORCED, Control, ControlMissing
 from edge.disk_guard import Allocations
-from edge.images import ImageResolver, ResolvedImage
+from edge.images import ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network import guest as guest_net
-from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
 from edge.network.policy import parse as parse_policy
+from edge.node import NodeServices
 from edge.runtime import cgroups, mounts
 from edge.runtime.disk import blank_image, sparse_copy
 from edge.runtime.mounts import LayerImage
@@ -78,9 +78,6 @@ from libdsec.errors import (
     InvalidArgument,
     Unavailable,
 )
-
-if TYPE_CHECKING:
-    from edge.backends.container.backend import ContainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +159,9 @@ class MicrovmBackend:
 
     def __init__(
         self,
+        node: NodeServices,
         state_dir: Path,
         *,
-        images: ImageResolver,
-        toolkit_image: Path,
         kit: GuestKit,
         accel: str,
         cache_dir: Path,
@@ -182,7 +178,6 @@ class MicrovmBackend:
         qemu_binary: str = "qemu-system-x86_64",
         warm_pool: dict[str, int] | None = None,
         warm_memory_mb: int = 512,
-        network: NetworkManager | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.sockets = state_dir / "sockets"
@@ -191,14 +186,16 @@ class MicrovmBackend:
         self.logs = state_dir / "logs"
         #: Every guest's network namespace (its tap; a veth onto the node bridge when networked).
         self.netns_dir = state_dir / "netns"
-        #: The edge's one NetworkManager, shared with containers (one resolver, one bridge).
-        self.network = network
+        #: The node's one NetworkManager, shared with containers (one resolver, one bridge).
+        self.network = node.network
         for d in (self.sockets, self.disks, self.paused, self.logs, self.netns_dir):
             d.mkdir(parents=True, exist_ok=True)
         mounts.mount_volatile(self.sockets, "16m")
         self._sockets_fd = os.open(self.sockets, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.images = images
-        self.toolkit_image = toolkit_image
+        #: The node's image resolver (the layer store's EROFS files are the guest's disks).
+        self.images = node.images
+        #: The toolkit's EROFS image, attached as a disk (edge/node.py).
+        self.toolkit_image = node.toolkit.image
         self.kit = kit
         self.accel = accel
         self.use_templates = templates
@@ -232,20 +229,20 @@ class MicrovmBackend:
             self.capabilities = self.capabilities | {Capability.WARM_CLAIM}
 
     @classmethod
-    def from_config(
-        cls, cfg: EdgeConfig, container: ContainerBackend
-    ) -> tuple[MicrovmBackend | None, Control]:
-        """The backend when guests boot here (the accelerator probe), and the `microvm` entry
-        of the edge's controls saying which accelerator, or why microVMs are not offered.
-        Raises ControlMissing when DSEC_EDGE_MICROVM=on and no guest boots."""
+    def from_config(cls, cfg: EdgeConfig, node: NodeServices) -> Built:
+        """The backend's registry factory (edge/backends/registry.py): the backend when guests
+        boot here (the accelerator probe), and the `microvm` entry of the edge's controls
+        saying which accelerator, or why microVMs are not offered (a status line of its own
+        in `dsec status`). Raises ControlMissing when DSEC_EDGE_MICROVM=on and no guest
+        boots."""
         if cfg.microvm == "off":
-            return None, Control("microvm", DISABLED, "DSEC_EDGE_MICROVM=off")
+            return Built(None, (_control(DISABLED, "DSEC_EDGE_MICROVM=off"),))
         try:
             kit = build_guest(cfg.microvm_cache_dir / "guest")
             verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel, cfg.microvm_qemu)
         except (FailedPrecondition, OSError) as exc:
             kit, verdict = None, Verdict("", str(exc))
-        network = container.containment.network
+        network = node.network
         if network is not None and not os.path.exists("/dev/net/tun"):
             # every guest's NIC is a tap (the network path needs one even without a policy)
             verdict = Verdict("", "/dev/net/tun is missing (the guests' taps)")
@@ -254,11 +251,10 @@ class MicrovmBackend:
             if cfg.microvm == "on":
                 raise ControlMissing(why + "; DSEC_EDGE_MICROVM=on requires them")
             log.warning("%s", why)
-            return None, Control("microvm", ABSENT, why)
+            return Built(None, (_control(ABSENT, why),))
         backend = cls(
+            node,
             cfg.state_dir / "microvm",
-            images=container.images,
-            toolkit_image=container.toolkit_erofs,
             kit=kit,
             accel=verdict.accel,
             cache_dir=cfg.microvm_cache_dir,
@@ -273,11 +269,10 @@ class MicrovmBackend:
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
             warm_memory_mb=cfg.microvm_warm_memory_mb,
-            network=network,
             qemu_binary=cfg.microvm_qemu,
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
-        return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
+        return Built(backend, (_control(ENFORCED, f"{verdict.accel}: {verdict.why}"),))
 
     # ------------------------------------------------------------- contract
 
@@ -1148,6 +1143,11 @@ class MicrovmWarmPool(WarmPool):
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _control(state: str, detail: str) -> Control:
+    """The `microvm` control: which accelerator runs guests, or why there are none."""
+    return Control("microvm", state, detail, status_line=True)
 
 
 def _write_back(path: Path) -> None:
