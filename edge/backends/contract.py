@@ -11,8 +11,10 @@ capability only through :func:`require`, which answers a missing one in one plac
 UNIMPLEMENTED, reason ``BACKEND_CAPABILITY``, naming the backend and the capability.
 
 A new runtime plugs in here: one package under ``edge/backends/`` implementing the contract,
-listed in ``edge.server.make_backends``, and passing the conformance suite in
-``tests/backends/``.
+one line in ``edge.backends.registry.REGISTRY`` (its factory receives the node's services,
+``edge.node.NodeServices``), its settings in ``edge.config``, and one entry in
+``tests/backends/targets.py`` so the conformance suite runs against it (docs/ARCHITECTURE.md,
+"Adding a backend").
 """
 
 from __future__ import annotations
