@@ -7,13 +7,15 @@ of ``edge.config.EdgeConfig`` it reads, beside the node's). A factory takes the 
 configuration and the node's services (``edge.node.NodeServices``, built once) and returns a
 :class:`Built`: the backend, or None when the node cannot offer it (the controls say why).
 
-At edge start (:func:`build`) a name registered twice, a factory that is not there, and a
-backend whose declared capabilities do not match its methods (``contract.check_declared``) are
+At edge start (:func:`build`) a name registered twice, a factory that is not there, a config
+section EdgeConfig does not have, and a backend whose declared capabilities do not match its
+methods (``contract.check_declared``) are
 refused with a :class:`BackendRefused` naming it; the edge exits 2, as for a missing control.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -67,6 +69,20 @@ def check_names(registry: Iterable[Registration]) -> None:
         seen.add(reg.name)
 
 
+def check_section(reg: Registration) -> None:
+    """The config section a line names is the prefix of settings EdgeConfig has."""
+    from edge.config import EdgeConfig
+
+    if reg.section and not any(
+        f.name == reg.section or f.name.startswith(reg.section + "_")
+        for f in dataclasses.fields(EdgeConfig)
+    ):
+        raise BackendRefused(
+            f"backend {reg.name}: its config section {reg.section!r} names no setting of "
+            "edge.config.EdgeConfig"
+        )
+
+
 def factory_of(reg: Registration) -> Factory:
     """The registration's factory, imported now."""
     module, _, attr = reg.factory.partition(":")
@@ -107,6 +123,7 @@ def build(
     backends: list[SandboxBackend] = []
     controls: list[Control] = []
     for reg in registry:
+        check_section(reg)
         built = factory_of(reg)(cfg, node)
         controls += built.controls
         if built.backend is not None:

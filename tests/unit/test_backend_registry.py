@@ -75,9 +75,16 @@ def test_a_factory_that_cannot_be_loaded_or_builds_another_backend_is_refused() 
         registry.build(EdgeConfig(), NODE, [renamed])  # type: ignore[arg-type]
 
 
+def test_a_config_section_the_edge_config_lacks_is_refused() -> None:
+    unknown = Registration("null", f"{HERE}:make_null", "hypervisor")
+    with pytest.raises(BackendRefused, match="backend null: its config section 'hypervisor'"):
+        registry.build(EdgeConfig(), NODE, [unknown])  # type: ignore[arg-type]
+
+
 def test_the_registry_lines_load_and_name_distinct_backends() -> None:
     registry.check_names(REGISTRY)
     for reg in REGISTRY:
+        registry.check_section(reg)
         assert callable(registry.factory_of(reg)), reg.name
 
 

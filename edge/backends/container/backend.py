@@ -97,7 +97,6 @@ class ContainerBackend:
             Capability.MODIFIED_FILES,
             Capability.WARM_CLAIM,
             Capability.DISK_USAGE,
-            Capability.LAYER_STORE,
         }
     )
 
