@@ -511,6 +511,7 @@ class ContainerBackend:
     async def destroy(self, rec: SandboxRecord) -> None:
         await self.settled(rec.sandbox_id)
         await self.channels.drop(rec.sandbox_id)
+        self.containment.unwatch(rec.sandbox_id)
         await self.trusted.destroy(rec.sandbox_id)
         await self.containment.destroyed(rec)  # network, counters
         await asyncio.to_thread(self.runtime.destroy, rec.sandbox_id)

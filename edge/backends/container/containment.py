@@ -231,9 +231,14 @@ class Containment:
 
     # ------------------------------------------------------------------ teardown
 
+    def unwatch(self, sandbox_id: str) -> None:
+        """The sandbox is being destroyed: the watchdog reports nothing of it any more."""
+        self.watched.pop(sandbox_id, None)
+
     async def destroyed(self, rec: SandboxRecord) -> None:
+        """After its trusted sibling went (its network is attached as the sandbox's)."""
         sid = rec.sandbox_id
-        self.watched.pop(sid, None)
+        self.unwatch(sid)
         if self.network is not None:
             await self.network.detach(sid)
         self.denials.forget(self._cgroup2(sid))
