@@ -42,11 +42,11 @@ HERE = __name__
 NULL = Registration("null", f"{HERE}:make_null", "")
 LIAR = Registration("liar", f"{HERE}:make_liar", "")
 ABSENT = Registration("absent", f"{HERE}:make_absent", "")
-NODE = SimpleNamespace(disk_guard=None)  # the factories above need no node service
+NODE: Any = SimpleNamespace(disk_guard=None)  # the factories above need no node service
 
 
 def test_backends_are_built_in_registry_order_with_their_controls() -> None:
-    backends, controls = registry.build(EdgeConfig(), NODE, [NULL, ABSENT])  # type: ignore[arg-type]
+    backends, controls = registry.build(EdgeConfig(), NODE, [NULL, ABSENT])
     assert [b.name for b in backends] == ["null"]  # absent offers no backend, only its control
     assert [c.name for c in controls] == ["null", "absent"]
     assert controls[0].status_line and not controls[1].status_line
@@ -55,12 +55,12 @@ def test_backends_are_built_in_registry_order_with_their_controls() -> None:
 def test_a_backend_registered_twice_is_refused_by_name() -> None:
     twice = [NULL, ABSENT, Registration("null", f"{HERE}:make_null", "other")]
     with pytest.raises(BackendRefused, match="backend null is registered twice"):
-        registry.build(EdgeConfig(), NODE, twice)  # type: ignore[arg-type]
+        registry.build(EdgeConfig(), NODE, twice)
 
 
 def test_a_backend_declaring_a_capability_it_lacks_is_refused_by_name() -> None:
     with pytest.raises(BackendRefused) as info:
-        registry.build(EdgeConfig(), NODE, [NULL, LIAR])  # type: ignore[arg-type]
+        registry.build(EdgeConfig(), NODE, [NULL, LIAR])
     assert str(info.value) == (
         "backend liar refused: backend liar declares pause but does not implement Pausable"
     )
@@ -69,16 +69,16 @@ def test_a_backend_declaring_a_capability_it_lacks_is_refused_by_name() -> None:
 def test_a_factory_that_cannot_be_loaded_or_builds_another_backend_is_refused() -> None:
     missing = Registration("ghost", f"{HERE}:no_such_factory", "")
     with pytest.raises(BackendRefused, match=r"backend ghost: its factory .* cannot be loaded"):
-        registry.build(EdgeConfig(), NODE, [missing])  # type: ignore[arg-type]
+        registry.build(EdgeConfig(), NODE, [missing])
     renamed = Registration("other", f"{HERE}:make_null", "")
     with pytest.raises(BackendRefused, match=r"backend other: its factory built .*'null'"):
-        registry.build(EdgeConfig(), NODE, [renamed])  # type: ignore[arg-type]
+        registry.build(EdgeConfig(), NODE, [renamed])
 
 
 def test_a_config_section_the_edge_config_lacks_is_refused() -> None:
     unknown = Registration("null", f"{HERE}:make_null", "hypervisor")
     with pytest.raises(BackendRefused, match="backend null: its config section 'hypervisor'"):
-        registry.build(EdgeConfig(), NODE, [unknown])  # type: ignore[arg-type]
+        registry.build(EdgeConfig(), NODE, [unknown])
 
 
 def test_the_registry_lines_load_and_name_distinct_backends() -> None:
