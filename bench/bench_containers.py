@@ -11,7 +11,7 @@ measured in the same run on the same busybox image.
 5. create-to-first-command again with the B burst sandboxes still running, against section 1's
    idle-node figure of the same run.
 6. create-to-first-command on a second edge of the same machine that keeps W warm sandboxes
-   (edge/backends/container/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
+   (edge/backends/warm.py, DSEC_EDGE_WARM_POOL), against section 1 (cold) and Docker.
 7. a burst of B on that edge (W of them warm at the start, the rest cold), against section 3.
 8. the cost of the writable-layer limit every sandbox has (template copy + loop + mount + unmount of
    the default 10 GiB sparse image, from a template formatted once), measured directly, against section 1.
@@ -102,7 +102,7 @@ def main() -> int:
         max_sandboxes=args.burst + 50,
         extra_env=env,
     )
-    # The same machine, with warm sandboxes of the image (edge/backends/container/warm.py): sections 6 and 7.
+    # The same machine, with warm sandboxes of the image (edge/backends/warm.py): sections 6 and 7.
     warm_edge = EdgeSpec(
         edge_id="warm",
         runtime="container",

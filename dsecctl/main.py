@@ -236,14 +236,13 @@ def _pool_lines(address: str) -> list[str]:
     for c in resp.controls:
         by_state.setdefault(c.state, []).append(c.name)
     controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
-    # The microVM backend's line says which accelerator runs guests, or why there are none;
-    # core scheduling's, whether latency-sensitive sandboxes get cookies, or why not.
-    microvm = [
-        f"{c.name}: {c.detail}" for c in resp.controls if c.name in ("microvm", "core_scheduling")
-    ]
+    # A line of their own for the controls that declare one (the microVM backend's says which
+    # accelerator runs guests, or why there are none; core scheduling's, whether
+    # latency-sensitive sandboxes get cookies).
+    detailed = [f"{c.name}: {c.detail}" for c in resp.controls if c.status_line]
     return (
         controls
-        + microvm
+        + detailed
         + _pause_line(resp.pause)
         + [
             f"warm {image}: {w.ready}/{w.target} ready, {w.claimed} claimed, {w.missed} missed"

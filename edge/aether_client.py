@@ -417,7 +417,7 @@ class AetherConnection:
         timeout_s: float = 10.0,
     ) -> None:
         """Hands a warm sandbox to its owner: aether takes `env` as the sandbox's whole
-        environment and starts chronus with it (edge/backends/container/warm.py). With a VM
+        environment and starts chronus with it (edge/backends/warm.py). With a VM
         guest's identity, waits for aether's answer and raises Unavailable (GUEST_SETUP) on
         what it could not apply."""
         if guest is None:

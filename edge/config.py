@@ -140,7 +140,7 @@ class EdgeConfig(ServiceConfig):
     layer_collapse_below_mb: int = 0
     #: Warm container sandboxes kept started per image, image=count, e.g. "busybox=64"
     #: ("" = none): a create that one can serve claims it instead of starting a container
-    #: (edge/backends/container/warm.py). Each costs an idle aether (~6 MB) and is not counted in admission.
+    #: (edge/backends/warm.py). Each costs an idle aether (~6 MB) and is not counted in admission.
     warm_pool: dict[str, str] = field(default_factory=dict)
     #: FnCall warm pools of a container edge, environment=containers, e.g.
     #: "python=4,cpp=2,bash=2" ("" = none: the edge does not offer FNCALL).

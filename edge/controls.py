@@ -51,6 +51,9 @@ class Control:
     name: str
     state: str  # enforced | disabled | absent
     detail: str
+    #: `dsec status` prints "<name>: <detail>" on a line of its own (what a backend or an
+    #: optional control has to say beyond its state: the microVM accelerator, ...).
+    status_line: bool = False
 
 
 class ControlMissing(RuntimeError):
@@ -149,7 +152,14 @@ def check(*, disabled: Iterable[str], bpf_pin_dir: Path, apparmor: bool) -> list
         else Control("apparmor", ABSENT, "the host has no AppArmor (Landlock holds the file rules)")
     )
     core = qos.core_scheduling()
-    controls.append(Control("core_scheduling", ENFORCED if core.available else ABSENT, core.detail))
+    controls.append(
+        Control(
+            "core_scheduling",
+            ENFORCED if core.available else ABSENT,
+            core.detail,
+            status_line=True,  # whether latency-sensitive sandboxes get cookies, or why not
+        )
+    )
     if missing:
         turnable = [m.split(" ")[0] for m in missing if m.split(" ")[0] in DISABLEABLE]
         hint = (

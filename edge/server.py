@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
 
 import grpc
 
@@ -17,9 +18,9 @@ from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descript
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from edge import controls
-from edge.backends import NullBackend, SandboxBackend
-from edge.backends.container.pausing import PauseReclaim
-from edge.backends.contract import DiskUsage, LayerStore, offers, require
+from edge.backends import NullBackend, SandboxBackend, registry
+from edge.backends.contract import DiskUsage, offers, require
+from edge.backends.registry import BackendRefused
 from edge.config import EdgeConfig
 from edge.controls import Control
 from edge.disk_guard import DiskGuard
@@ -28,6 +29,7 @@ from edge.fncall.service import FnCallService
 from edge.layers_adapter import LayersAdapter
 from edge.manager import Capacity, SandboxManager
 from edge.network.claims import NetworkClaimError
+from edge.node import NodeServices
 from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
 
@@ -51,30 +53,20 @@ def check_controls(cfg: EdgeConfig) -> list[Control]:
     )
 
 
-def make_backends(cfg: EdgeConfig) -> tuple[list[SandboxBackend], list[Control]]:
-    """The edge's runtimes, and what to report of those that depend on the host (microVMs)."""
-    if cfg.runtime == "null":
+def make_backends(
+    cfg: EdgeConfig, node: NodeServices | None
+) -> tuple[list[SandboxBackend], list[Control]]:
+    """The edge's backends, from the registry (edge/backends/registry.py), and what to report
+    of them and of the node's services. The null runtime starts nothing: no node services, one
+    NullBackend. Raises BackendRefused, ControlMissing."""
+    if node is None:
         return [NullBackend()], []
-    # needs runc; imported only when used
-    from edge.backends.container.backend import ContainerBackend
-    from edge.backends.microvm.backend import MicrovmBackend
-
-    container = ContainerBackend.from_config(cfg)
-    microvm, control = MicrovmBackend.from_config(cfg, container)
-    backends: list[SandboxBackend] = [container, *([microvm] if microvm is not None else [])]
-    return backends, [container.reclaim.control(), control]
-
-
-def make_disk_guard(cfg: EdgeConfig, backends: list[SandboxBackend]) -> DiskGuard:
-    """The free-space reserve over every filesystem the edge writes: its state (records,
-    writable layers, logs, layer metadata, FnCall pools) and the layer store it builds into."""
-    paths = [cfg.state_dir]
-    for b in backends:
+    backends, backend_controls = registry.build(cfg, node)
+    for b in backends:  # the reserve watches what the backends write too
         if offers(b, DiskUsage):
-            paths += require(b, DiskUsage).disk_paths()
-        if offers(b, LayerStore):
-            paths.append(require(b, LayerStore).environments.settings.store_root)
-    return DiskGuard(paths, cfg.disk_reserve_mb << 20)
+            for path in require(b, DiskUsage).disk_paths():
+                node.disk_guard.watch(path)
+    return backends, node.controls() + backend_controls
 
 
 def make_fncall(cfg: EdgeConfig) -> tuple[FnCallService | None, str]:
@@ -134,7 +126,14 @@ async def register_loop(cfg: EdgeConfig, info: types_pb2.EdgeInfo) -> None:
         await channel.close()
 
 
+def start_refused(cfg: EdgeConfig, exc: Exception) -> NoReturn:
+    """A start refusal (a missing control, no free network, a backend refused): logged, exit 2."""
+    log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
+    raise SystemExit(2) from None
+
+
 async def main() -> None:
+    """config -> controls -> node services -> backends -> manager -> servicer -> server."""
     cfg = load(EdgeConfig, "EDGE")
     setup_logging(f"edge-{cfg.edge_id}", cfg.log_level, cfg.log_format)
     setup_tracing("edge", cfg.otlp_endpoint)
@@ -145,16 +144,10 @@ async def main() -> None:
     )
     try:
         host_controls = check_controls(cfg)
-    except controls.ControlMissing as exc:
-        log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
-        raise SystemExit(2) from None
-    try:
-        backends, backend_controls = make_backends(cfg)
-    except (controls.ControlMissing, NetworkClaimError) as exc:
-        log.critical("edge %s cannot start: %s", cfg.edge_id, exc)
-        raise SystemExit(2) from None
-    host_controls += backend_controls
-    guard = make_disk_guard(cfg, backends)
+        node = None if cfg.runtime == "null" else NodeServices.build(cfg)
+        backends, backend_controls = make_backends(cfg, node)
+    except (controls.ControlMissing, NetworkClaimError, BackendRefused) as exc:
+        start_refused(cfg, exc)
     manager = SandboxManager(
         cfg.edge_id,
         cfg.state_dir,
@@ -164,45 +157,52 @@ async def main() -> None:
         backends,
         terminated_retention_s=cfg.terminated_retention_s,
         reap_interval_s=cfg.reap_interval_s,
-        disk_guard=guard,
+        disk_guard=node.disk_guard
+        if node is not None
+        else DiskGuard([cfg.state_dir], cfg.disk_reserve_mb << 20),
         disk_check_interval_s=cfg.disk_check_interval_s,
     )
     await manager.recover()
     server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    # The address is known only once bound; EdgeInfo is filled in after start.
-    info = types_pb2.EdgeInfo()
+    info = types_pb2.EdgeInfo()  # filled in once the address is bound (register below)
     fncall, no_fncall = make_fncall(cfg)
-    # The layer store comes with the container runtime (it composes the layered rootfs).
-    environments = next(
-        (require(b, LayerStore).environments for b in backends if offers(b, LayerStore)), None
+    servicer = EdgeServicer(
+        manager,
+        info,
+        fncall=FnCallAdapter(fncall, no_fncall),
+        layers=LayersAdapter(node.environments if node is not None else None, manager),
+        controls=host_controls + backend_controls,
+        pause_reclaim=node.pause_reclaim if node is not None else None,
     )
-    server.add(
-        EdgeServicer(
-            manager,
-            info,
-            fncall=FnCallAdapter(fncall, no_fncall),
-            layers=LayersAdapter(environments, manager),
-            controls=host_controls,
-            pause_reclaim=next(
-                (r for b in backends if isinstance(r := getattr(b, "reclaim", None), PauseReclaim)),
-                None,
-            ),
-        ),
-        "dsec.edge.v1.EdgeService",
-    )
-    server.background(manager.reap_loop)
-    server.background(manager.disk_guard_loop)
+    server.add(servicer, "dsec.edge.v1.EdgeService")
+    serve_in_background(cfg, server, manager, node, backends, fncall, info)
+    await server.run()
+
+
+def serve_in_background(
+    cfg: EdgeConfig,
+    server: GrpcServer,
+    manager: SandboxManager,
+    node: NodeServices | None,
+    backends: list[SandboxBackend],
+    fncall: FnCallService | None,
+    info: types_pb2.EdgeInfo,
+) -> None:
+    """The edge's loops (reaper, disk guard, the node's and the backends' own, FnCall pools,
+    registration) and what runs at shutdown, in reverse order of registration: sandboxes
+    stop (on_shutdown=stop), the manager, the backends, then the node's services close."""
+    loops = [manager.reap_loop, manager.disk_guard_loop]
+    loops += [*(node.background_loops() if node is not None else ())]
+    loops += [loop for b in backends for loop in b.background_loops()]
+    if node is not None:
+        server.on_close(node.close)
     if fncall is not None:
-        server.background(fncall.run_pools)
+        loops.append(fncall.run_pools)
         server.on_close(fncall.close)
-    for b in backends:
-        for loop in b.background_loops():
-            server.background(loop)
     for b in backends:
         server.on_close(b.close)
     server.on_close(manager.close)
     if cfg.on_shutdown == "stop":
-        # on_close runs in reverse order: sandboxes stop before backends close.
         server.on_close(lambda: manager.stop_all("the edge shut down"))
 
     async def register() -> None:
@@ -211,7 +211,8 @@ async def main() -> None:
         if cfg.watcher:
             await register_loop(cfg, info)
 
-    server.background(register)
+    loops.append(register)
     if cfg.iam:
-        server.background(QuotaReleaser(manager, cfg.iam).run)
-    await server.run()
+        loops.append(QuotaReleaser(manager, cfg.iam).run)
+    for loop in loops:
+        server.background(loop)

@@ -15,8 +15,8 @@ from common.convert import ts
 from common.forwarding import Route
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
-from edge.backends.container.pausing import PauseReclaim
 from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
+from edge.backends.pausing import PauseReclaim
 from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
 from edge.fncall.adapter import FnCallAdapter
@@ -111,7 +111,9 @@ class EdgeServicer:
         self.manager = manager
         self.pause_reclaim = pause_reclaim
         self.controls = [
-            edge_pb2.HostControl(name=c.name, state=c.state, detail=c.detail)
+            edge_pb2.HostControl(
+                name=c.name, state=c.state, detail=c.detail, status_line=c.status_line
+            )
             for c in controls or []
         ]
         self.info = info

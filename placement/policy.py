@@ -13,7 +13,7 @@ placements, so a decision costs O(edges) however many placements are pending;
 a burst (:meth:`Placer.place_group`) is decided in one pass over arrays.
 
 Warm sandboxes: an edge reports how many warm container sandboxes of each image it has ready
-(edge/backends/container/warm.py). A create such a sandbox can serve (``Request.warm_image``) is placed by the same
+(edge/backends/warm.py). A create such a sandbox can serve (``Request.warm_image``) is placed by the same
 power-of-k rule, but among the eligible edges that still have one of its image, counting down
 this instance's own placements since each edge's probe; only when none has one does it fall back
 to all eligible edges. A claimed warm sandbox starts ~3x faster than a cold one here.

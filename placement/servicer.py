@@ -38,7 +38,7 @@ def _request(item: placement_pb2.PlacementItem) -> Request:
         if spec.backend
         else "CONTAINER"
     )
-    # What an edge's warm sandboxes can serve (edge/backends/container/warm.py: no toolkit layers, no network
+    # What an edge's warm sandboxes can serve (edge/backends/warm.py: no toolkit layers, no network
     # policy, no disk quota): such a create prefers an edge that has one of its image ready.
     warm_image = (
         spec.image

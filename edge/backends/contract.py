@@ -11,8 +11,10 @@ capability only through :func:`require`, which answers a missing one in one plac
 UNIMPLEMENTED, reason ``BACKEND_CAPABILITY``, naming the backend and the capability.
 
 A new runtime plugs in here: one package under ``edge/backends/`` implementing the contract,
-listed in ``edge.server.make_backends``, and passing the conformance suite in
-``tests/backends/``.
+one line in ``edge.backends.registry.REGISTRY`` (its factory receives the node's services,
+``edge.node.NodeServices``), its settings in ``edge.config``, and one entry in
+``tests/backends/targets.py`` so the conformance suite runs against it (docs/ARCHITECTURE.md,
+"Adding a backend").
 """
 
 from __future__ import annotations
@@ -83,7 +85,6 @@ class Capability(enum.Enum):
     MODIFIED_FILES = "modified_files"
     WARM_CLAIM = "warm_claim"
     DISK_USAGE = "disk_usage"
-    LAYER_STORE = "layer_store"
     #: Whole GPUs attached to a sandbox (resources.gpu_count). No backend offers it yet: a
     #: container or microVM create asking for GPUs is refused, not admitted without them.
     #: (FnCall's GPU pools are separate: edge/fncall/gpu.py.)
@@ -185,12 +186,6 @@ class DiskUsage(Protocol):
 
 
 @runtime_checkable
-class LayerStore(Protocol):
-    #: edge.layers.Environments: the layer store this backend composes sandboxes from.
-    environments: Any
-
-
-@runtime_checkable
 class AttachesGpus(Protocol):
     def gpu_capacity(self) -> int:
         """Whole GPUs this backend can give its sandboxes on this node (each sandbox gets
@@ -206,7 +201,6 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.MODIFIED_FILES: ModifiedFiles,
     Capability.WARM_CLAIM: WarmClaims,
     Capability.DISK_USAGE: DiskUsage,
-    Capability.LAYER_STORE: LayerStore,
     Capability.GPUS: AttachesGpus,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}

@@ -1,8 +1,9 @@
 """The backend conformance suite's fixtures: one real cluster per backend under test.
 
-Every scenario in this directory runs against each backend in BACKENDS: the container backend
-(runc) now; the microVM and VM backends join by adding an entry (the edge runtime, what image
-to use, the capabilities the backend declares). A new backend is done when it passes the suite.
+Every scenario in this directory runs against each backend in targets.BACKENDS (the container
+and microVM backends); a new backend joins by adding its entry there (the edge runtime, what
+image to use, the capabilities it declares, how to reach its runtime from the host). A new
+backend is done when it passes the suite.
 The clusters are module-scoped and shared by the scenarios (a VM guest boots under TCG here:
 boot once per module, and microVMs are restored from a template per shape); each test's
 sandboxes are labelled with the test id and always stopped.
@@ -12,54 +13,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Sandbox
+from tests.backends.targets import BACKENDS, BackendUnderTest
 from tests.conftest import print_log_tails, start_cluster
 from tests.helpers import sandbox_factory
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-
-
-@dataclass(frozen=True)
-class BackendUnderTest:
-    name: str  # the SDK's backend= value
-    runtime: str  # DSEC_EDGE_RUNTIME of its edge
-    image: str  # an image every scenario can use (a POSIX shell, coreutils)
-    #: What the backend declares beyond the contract (edge.backends.contract.Capability values).
-    capabilities: frozenset[str]
-    extra_env: dict[str, str] = field(default_factory=dict)
-    #: The smallest memory limit it takes (the memory-bomb scenario runs at it).
-    min_memory_mb: int = 64
-    #: How a sandbox ends when its runtime process is killed from the host.
-    runtime_death: str = "CHANNEL_CLOSED"
-
-
-BACKENDS = [
-    BackendUnderTest(
-        name="container",
-        runtime="container",
-        image="busybox",
-        capabilities=frozenset(
-            {"exec", "pause", "pack_diff", "trusted_exec", "network_policy", "modified_files"}
-        ),
-    ),
-    # QEMU microvm guests on the same edge (guests boot under TCG here: the cluster is shared
-    # by the module, and the guests are restored from one template per shape).
-    BackendUnderTest(
-        name="microvm",
-        runtime="container",
-        image="busybox",
-        capabilities=frozenset({"exec", "pause", "network_policy"}),
-        extra_env={"DSEC_EDGE_MICROVM": "on"},
-        min_memory_mb=256,
-        runtime_death="RUNTIME_ERROR",
-    ),
-]
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """One suite, every real backend: lifecycle, exec, files, limits, restart, failure and the
-declared capabilities, through the public SDK against a real cluster (see conftest.BACKENDS).
+declared capabilities, through the public SDK against a real cluster (see targets.BACKENDS).
 
-Backend-specific knowledge is confined to `_init_pids` (how the test finds the sandbox's
-runtime process from the host, to kill it); everything else is what any caller sees.
+Backend-specific knowledge is confined to each backend's entry in targets.py (how the test finds
+the sandbox's runtime process from the host, to kill it); everything else is what any caller
+sees.
 """
 
 from __future__ import annotations
@@ -32,16 +33,6 @@ Make = Callable[..., Sandbox]
 def _ended(sb: Sandbox, timeout_s: float = 30.0) -> tuple[str | None, str]:
     info = wait_for(lambda: (i := sb.refresh()).state == "TERMINATED" and i, timeout_s=timeout_s)
     return info.termination_reason, info.termination_message
-
-
-def _init_pids(target: Target, sb: Sandbox) -> list[int]:
-    """Host pids of the sandbox's runtime (what dies when the runtime dies): the container's
-    init, or the microVM's QEMU; both backends put it first in the sandbox's pids cgroup."""
-    if target.backend.name in ("container", "microvm"):
-        parent = target.cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
-        procs = Path("/sys/fs/cgroup/pids") / parent / sb.id / "cgroup.procs"
-        return [int(p) for p in procs.read_text().split()[:1]]
-    raise NotImplementedError(target.backend.name)
 
 
 # ------------------------------------------------------------------ lifecycle
@@ -212,7 +203,7 @@ def test_a_dying_runtime_ends_the_sandbox_and_every_stream(make: Make, target: T
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
     wait_for(lambda: any(isinstance(e, Output) for e in events), timeout_s=10)
-    for pid in _init_pids(target, sb):
+    for pid in target.backend.init_pids(target.cluster, sb.id):
         os.kill(pid, signal.SIGKILL)
     reader.join(timeout=30)
     assert not reader.is_alive(), "the stream of a dead sandbox hung"

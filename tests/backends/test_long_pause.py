@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -231,19 +230,15 @@ def test_an_edge_restart_in_the_middle_of_a_long_pause(make: Make, target: Targe
     assert before == after
 
 
-#: How a pause's keeping can be lost, per backend.
-DAMAGES = {"container": ["kill"], "microvm": ["remove", "corrupt"]}
-
-
 def test_a_resume_that_cannot_bring_the_sandbox_back_ends_it(make: Make, target: Target) -> None:
     """What the pause kept is gone: a microVM's saved memory removed or corrupt, a container
     whose processes were killed while frozen (the host's OOM killer, an operator). The resume
     ends the sandbox with RESUME_FAILED and why, in bounded time; every later call gets
     SandboxTerminated with that reason; the node goes on creating."""
-    for damage in DAMAGES[target.backend.name]:
+    for damage, do_damage in target.backend.pause_damages.items():
         sb = make()
         sb.pause()
-        _damage(target, sb, damage)
+        do_damage(target.cluster, sb.id)
         t0 = time.monotonic()
         with pytest.raises(SandboxTerminated) as info:
             sb.run("true")
@@ -255,22 +250,6 @@ def test_a_resume_that_cannot_bring_the_sandbox_back_ends_it(make: Make, target:
         with pytest.raises(SandboxTerminated):
             sb.files.read("/work")
     assert make().run("echo fine").text == "fine\n"
-
-
-def _damage(target: Target, sb: Sandbox, damage: str) -> None:
-    if damage == "kill":
-        parent = target.cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
-        procs = Path("/sys/fs/cgroup/pids") / parent / sb.id / "cgroup.procs"
-        for pid in procs.read_text().split():
-            os.kill(int(pid), signal.SIGKILL)  # frozen: they die when thawed
-        return
-    (state,) = (target.cluster.home / "edges").glob(f"**/paused/{sb.id}.vmstate")
-    if damage == "remove":
-        state.unlink()
-    else:
-        with state.open("r+b") as f:
-            f.seek(state.stat().st_size // 3)
-            f.write(os.urandom(1 << 20))
 
 
 #: The soak's pause (README: `pytest -m soak`).

@@ -1,4 +1,4 @@
-"""Warm sandboxes (edge/backends/container/warm.py) against real runc: a create claims a started sandbox, which then
+"""Warm sandboxes (edge/backends/warm.py) against real runc: a create claims a started sandbox, which then
 behaves as one created cold; the pool refills, discards a broken one, and an edge restart keeps
 the claimed sandboxes and replaces the warm ones."""
 

@@ -62,8 +62,12 @@ def _watched(tmp_path: Path) -> tuple[Containment, _Watch, Path]:
     (cg / "cgroup.procs").write_text("")
     (cg / "cpuacct.usage").write_text("1000\n")
     runtime = SimpleNamespace(writable_dir=lambda sid: tmp_path / "rw", cgroup_path=lambda sid: "x")
-    backend = SimpleNamespace(runtime=runtime, logs=tmp_path)
-    c = Containment(backend, None)  # type: ignore[arg-type]
+
+    async def settled(sid: str) -> None:
+        return None
+
+    channels = SimpleNamespace()  # the checks under test do not touch the channels
+    c = Containment(runtime, None, channels, logs=tmp_path, settled=settled)  # type: ignore[arg-type]
     w = _Watch(SandboxRecord("sb-x", "p", "u", SandboxSpec(pids_max=64), "e"))
     w.files = _CgroupFiles(
         str(cg / "memory.oom_control"),

@@ -1073,6 +1073,7 @@ class HostControl(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    STATUS_LINE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """cgroup_cpu, cgroup_memory, cgroup_pids, cgroup_freezer, memory_swap,"""
     state: _builtins.str
@@ -1081,16 +1082,21 @@ class HostControl(_message.Message):
     """
     detail: _builtins.str
     """e.g. "ABI 7", "cgroup v1 at /sys/fs/cgroup/memory" """
+    status_line: _builtins.bool
+    """`dsec status` prints "<name>: <detail>" on a line of its own (set by whoever reports the
+    control: the microvm backend's accelerator, core scheduling's verdict, ...).
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         state: _builtins.str = ...,
         detail: _builtins.str = ...,
+        status_line: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "name", b"name", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "name", b"name", "state", b"state", "status_line", b"status_line"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,20 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import qos
+from edge.backends import pausing, qos
 from edge.backends.channels import ChannelKeeper
-from edge.backends.container import pausing
 from edge.backends.container.containment import Containment
-from edge.backends.container.pausing import PauseReclaim
 from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
-from edge.backends.container.warm import (
-    WARM_ENV,
-    WarmPool,
-    WarmSandbox,
-    new_warm_id,
-    on_warm_close,
-)
-from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import (
     BackgroundLoop,
     Capability,
@@ -58,20 +48,28 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
 )
+from edge.backends.registry import Built
+from edge.backends.warm import (
+    WARM_ENV,
+    WarmPool,
+    WarmSandbox,
+    new_warm_id,
+    on_warm_close,
+)
+from edge.backends.warm import template as warm_template
 from edge.config import EdgeConfig
 from edge.disk_guard import Allocations, sum_allocations
-from edge.images import ImageResolver, ResolvedImage
-from edge.layers import Environments, LayerRef, LayerSettings, PackResult
+from edge.images import ResolvedImage
+from edge.layers import LayerRef, PackResult
 from edge.layers.diff import mount_points
 from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
-from edge.network import claims
-from edge.network.manager import NetworkManager
+from edge.node import NodeServices
 from edge.runtime import cgroups, mounts
 from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
-from edge.toolkit import build_toolkit, toolkit_argv, toolkit_image
+from edge.toolkit import toolkit_argv
 from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
@@ -99,33 +97,32 @@ class ContainerBackend:
             Capability.MODIFIED_FILES,
             Capability.WARM_CLAIM,
             Capability.DISK_USAGE,
-            Capability.LAYER_STORE,
         }
     )
 
     def __init__(
         self,
+        node: NodeServices,
         state_dir: Path,
-        image_dir: Path,
         *,
-        default_image: str = "bookworm",
         ready_timeout_s: float = 30.0,
-        layers: LayerSettings | None = None,
-        network: NetworkManager | None = None,
         default_disk_mb: int = 10240,
         max_disk_mb: int = 204800,
         log_max_bytes: int = 1 << 20,
-        layer_gc_interval_s: float = 300.0,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
         landlock: bool = True,
-        pause_reclaim: PauseReclaim | None = None,
     ) -> None:
         self.state_dir = state_dir
-        #: Where a pause pushes a sandbox's memory (edge/backends/container/pausing.py).
-        self.reclaim = pause_reclaim or PauseReclaim(None, "no swap area configured")
+        #: The node's layer store, image resolver, network, toolkit and swap area (edge/node.py).
+        self.node = node
+        self.environments = node.environments
+        self.images = node.images
+        self.toolkit_dir = node.toolkit.mount
+        #: Where a pause pushes a sandbox's memory (edge/backends/pausing.py).
+        self.reclaim = node.pause_reclaim
         self.sockets = state_dir / "sockets"
         self.logs = state_dir / "logs"
         for d in (self.sockets, self.logs):
@@ -138,32 +135,26 @@ class ContainerBackend:
         self.runtime = RuncRuntime(
             state_dir / "runtime", cgroup_parent=cgroup_parent, volatile_state=True
         )
-        self.environments = Environments(
-            layers
-            or LayerSettings(
-                store_root=state_dir / "store",
-                cache_dir=state_dir / "layer-cache",
-                image_dir=image_dir,
-                default_image=default_image,
-            )
-        )
-        self.images = ImageResolver(self.environments)
-        self.toolkit_dir = self._mount_toolkit()
+        # Containers left running keep the node's toolkit mount, swap area and network.
+        node.hold_while(lambda: bool(self.runtime.list_ids()))
         self.ready_timeout_s = ready_timeout_s
         #: chronus must put every command in a Landlock domain (refusing to run without one)
         #: unless the operator turned the control off (edge/controls.py).
         self.landlock = landlock
-        self.layer_gc_interval_s = layer_gc_interval_s
         # Channels to every sandbox's aether; a closed one is diagnosed by still_running /
         # why_ended below.
         self.channels = ChannelKeeper(self._socket_address, self, ready_timeout_s)
         self._renaming: dict[str, asyncio.Future[None]] = {}  # claimed, cgroup2 still moving
         self._warm_starting: set[asyncio.Future[WarmSandbox]] = set()
         self._warm_unclaimed: dict[str, WarmSandbox] = {}  # every warm sandbox not yet claimed
-        # Network policy, private runtime dir, disk quota, watchdog, trusted execution.
+        # Network policy, private runtime dir, disk quota, watchdog (edge/backends/container/
+        # containment.py): given what it acts on, it never reaches back into the backend.
         self.containment = Containment(
-            self,
-            network,
+            self.runtime,
+            node.network,
+            self.channels,
+            logs=self.logs,
+            settled=self.settled,
             default_disk_mb=default_disk_mb,
             max_disk_mb=max_disk_mb,
             log_max_bytes=log_max_bytes,
@@ -180,62 +171,31 @@ class ContainerBackend:
                 socket_path=self._socket_path,
             ),
             self.runtime,
-            network,
+            node.network,
             state_dir / "trusted",
             ready_timeout_s,
         )
-        # Started sandboxes waiting for their owner (edge/backends/container/warm.py); None when none are kept.
+        # Started sandboxes waiting for their owner (edge/backends/warm.py); None when none are kept.
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
             self.warm = WarmPool(warm_pool, self._start_warm, self._discard_warm)
 
     @classmethod
-    def from_config(cls, cfg: EdgeConfig) -> ContainerBackend:
-        state = cfg.state_dir / "container"
-        return cls(
-            state,
-            cfg.image_dir,
-            layers=LayerSettings(
-                store_root=cfg.layer_store,
-                cache_dir=state / "layer-cache",
-                node_id=cfg.edge_id,
-                verify=cfg.layer_verify,
-                erofs_chunk_size=cfg.layer_chunk_kb * 1024,
-                gc_grace_s=cfg.layer_gc_grace_s,
-                store_timeout_s=cfg.layer_store_timeout_s,
-                image_dir=cfg.image_dir,
-                exclude=tuple(cfg.layer_exclude),
-                collapse_below_bytes=cfg.layer_collapse_below_mb << 20,
-            ),
-            network=None if "network" in cfg.disabled_controls else _network(cfg),
+    def from_config(cls, cfg: EdgeConfig, node: NodeServices) -> Built:
+        """The backend's registry factory (edge/backends/registry.py)."""
+        backend = cls(
+            node,
+            cfg.state_dir / "container",
             landlock="landlock" not in cfg.disabled_controls,
             default_disk_mb=cfg.default_disk_mb,
             max_disk_mb=cfg.max_disk_mb,
             log_max_bytes=cfg.sandbox_log_max_kb * 1024,
-            layer_gc_interval_s=cfg.layer_gc_interval_s,
             watch_interval_s=cfg.watch_interval_s,
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.warm_pool.items()},
-            pause_reclaim=PauseReclaim.make(
-                cfg.state_dir / "swap" / "pause.swap", cfg.pause_swap_mb, cfg.disk_reserve_mb
-            ),
         )
-
-    def _mount_toolkit(self) -> Path:
-        """Builds the toolkit if its inputs changed, and mounts its EROFS image once per node.
-
-        One mount shared by every sandbox means one copy of the interpreter's
-        pages in memory (the per-sandbox cost is only private memory).
-        """
-        built = build_toolkit(self.state_dir.parent / "toolkit")
-        #: The toolkit's EROFS image (a microVM attaches it as a disk).
-        self.toolkit_erofs = toolkit_image(built)
-        target = self.state_dir / "toolkit-mnt" / built.name
-        target.mkdir(parents=True, exist_ok=True)
-        if not mounts.is_mountpoint(target):
-            mounts.mount(toolkit_image(built), target, "erofs", mounts.MS_RDONLY)
-        return target
+        return Built(backend)
 
     def set_exit_callback(self, callback: ExitCallback) -> None:
         self.channels.on_exit = callback
@@ -370,7 +330,7 @@ class ContainerBackend:
     # ------------------------------------------------------------- warm sandboxes
 
     async def _start_warm(self, image_name: str) -> WarmSandbox:
-        """Start a sandbox nobody owns yet (see edge/backends/container/warm.py), up to aether's Hello.
+        """Start a sandbox nobody owns yet (see edge/backends/warm.py), up to aether's Hello.
 
         The start runs on even if the pool's loop is cancelled (edge shutdown): runc would
         finish in its thread anyway, and `close` waits for it and removes what it made."""
@@ -521,7 +481,6 @@ class ContainerBackend:
 
     def background_loops(self) -> list[BackgroundLoop]:
         return [
-            lambda: self.maintain_layers(self.layer_gc_interval_s),  # leases, gc, verification
             self.warm_loop,  # started sandboxes waiting for their owner
             self.watch_loop,  # containment: counters, limits, kernel faults, log caps
         ]
@@ -530,7 +489,7 @@ class ContainerBackend:
         return self.warm.status() if self.warm is not None else {}
 
     def disk_paths(self) -> list[Path]:
-        return [self.runtime.rw_dir, self.logs, self.state_dir / "layer-cache"]
+        return [self.runtime.rw_dir, self.logs]  # (the layer cache is the node's)
 
     def disk_allocations(self) -> Allocations:
         """Bytes each sandbox holds on disk: its writable layer's image and its log."""
@@ -552,7 +511,9 @@ class ContainerBackend:
     async def destroy(self, rec: SandboxRecord) -> None:
         await self.settled(rec.sandbox_id)
         await self.channels.drop(rec.sandbox_id)
-        await self.containment.destroyed(rec)  # trusted sibling, network, counters
+        self.containment.unwatch(rec.sandbox_id)
+        await self.trusted.destroy(rec.sandbox_id)
+        await self.containment.destroyed(rec)  # network, counters
         await asyncio.to_thread(self.runtime.destroy, rec.sandbox_id)
         self._socket_path(rec.sandbox_id).unlink(missing_ok=True)
 
@@ -588,7 +549,7 @@ class ContainerBackend:
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Read back what the next command needs, thaw, read the rest in the background
-        (edge/backends/container/pausing.py); then the channel's keepalive restarts, or a
+        (edge/backends/pausing.py); then the channel's keepalive restarts, or a
         channel closed during the pause (an edge restart) is opened again. A sandbox that
         cannot be thawed or does not answer raises ResumeFailed."""
         sid = rec.sandbox_id
@@ -654,7 +615,8 @@ class ContainerBackend:
         removed: list[str] = await asyncio.to_thread(self.runtime.cleanup_orphans, keep)
         removed += await self.trusted.cleanup_orphans()
         removed += await self.containment.cleanup_orphans(keep)
-        # Layer store leftovers of a crash: temporary mounts, scratch trees, own staging.
+        # The node's layer store: leftovers of a crash (temporary mounts, scratch trees, own
+        # staging), recovered at start by its one user that mounts layers.
         removed += await asyncio.to_thread(self.environments.recover)
         for sock in self.sockets.glob("*.sock"):
             if sock.stem not in keep:
@@ -732,22 +694,6 @@ class ContainerBackend:
         )
         return result
 
-    async def maintain_layers(self, interval_s: float) -> None:
-        """Background loop: layer leases, garbage collection, background verification."""
-        while True:
-            try:
-                report = await asyncio.to_thread(self.environments.maintain)
-                if report is not None and (report.removed_layers or report.removed_tmp):
-                    log.info(
-                        "layer gc: removed %d layers (%d bytes), %d staging dirs",
-                        len(report.removed_layers),
-                        report.freed_bytes,
-                        len(report.removed_tmp),
-                    )
-            except Exception:
-                log.exception("layer store maintenance failed")
-            await asyncio.sleep(interval_s)
-
     async def close(self) -> None:
         if self.warm is not None:
             await self.warm.close()  # ours alone: nobody would re-adopt them
@@ -762,14 +708,9 @@ class ContainerBackend:
         # containers (if any are left) keep running and are re-adopted later.
         await self.channels.close_all()
         if self.runtime.release():
-            # Nothing runs: leave no mount (and no swap area) behind. With sandboxes left
-            # running, paused ones may have pages in it: it stays for the next edge.
-            await asyncio.to_thread(self.reclaim.release)
-            mounts.umount_quiet(self.toolkit_dir)
+            # Nothing runs: leave no mount behind (the node's toolkit mount and swap area go
+            # with it: edge/node.py).
             mounts.umount_quiet(self.sockets)
-            with contextlib.suppress(OSError):
-                self.toolkit_dir.rmdir()
-        self.environments.close()
 
 
 def _apply_qos(rec: SandboxRecord, pid: int, cgroup_path: str) -> None:
@@ -787,25 +728,3 @@ def _apply_qos(rec: SandboxRecord, pid: int, cgroup_path: str) -> None:
         qos.set_cgroup_idle(cgroups.controller_dir("cpu", cgroup_path), True)
     elif qos.core_scheduling().available:
         qos.new_core_cookie(pid)
-
-
-def _network(cfg: EdgeConfig) -> NetworkManager:
-    """The edge's sandbox network on the bridge, subnet and gate queue it claims for itself
-    (edge.network.claims: no other edge of the node uses them; NetworkClaimError when none is
-    free). Its eBPF pins go under the bridge's name, unique on the node as well."""
-    claim = claims.claim(
-        cfg.state_dir,
-        bridge=cfg.net_bridge,
-        subnet=cfg.net_subnet,
-        gate_queue=cfg.net_gate_queue,
-        directory=cfg.net_claim_dir,
-    )
-    return NetworkManager(
-        bridge=claim.bridge,
-        subnet=str(claim.subnet),
-        upstream=cfg.dns_upstream,
-        pin_root=cfg.bpf_pin_dir / claim.bridge,
-        refresh_s=cfg.dns_refresh_s,
-        gate_queue=claim.gate_queue,
-        claim=claim,
-    )

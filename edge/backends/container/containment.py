@@ -30,11 +30,12 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from edge.backends.channels import ChannelKeeper
 from edge.backends.container.trusted import init_pid
 from edge.config import MIN_DISK_MB
 from edge.model import SandboxRecord, SandboxSpec
@@ -44,10 +45,8 @@ from edge.network.policy import Policy
 from edge.runtime import apparmor, cgroups, disk, integrity
 from edge.runtime.bundle import rewrite_in_place
 from edge.runtime.detached import detached_tmpfs
+from edge.runtime.runc import RuncRuntime
 from libdsec.errors import FailedPrecondition, InvalidArgument
-
-if TYPE_CHECKING:
-    from edge.backends.container.backend import ContainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +108,29 @@ class _CgroupFiles:
 
 
 class Containment:
+    """What the edge adds to the container backend's runc sandboxes. It is handed what it acts
+    on (the runtime, the node's network, the channels, the logs directory, and how to wait
+    for a claimed sandbox's cgroup to settle) and never reaches back into the backend."""
+
     def __init__(
         self,
-        backend: ContainerBackend,
+        runtime: RuncRuntime,
         network: NetworkManager | None,
+        channels: ChannelKeeper,
         *,
+        logs: Path,
+        settled: Callable[[str], Awaitable[None]],
         default_disk_mb: int = 10240,
         max_disk_mb: int = 204800,
         log_max_bytes: int = 1 << 20,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
     ) -> None:
-        self.backend = backend
+        self.runtime = runtime
         self.network = network
+        self.channels = channels
+        self.logs = logs
+        self.settled = settled
         self.default_disk_mb = default_disk_mb
         self.max_disk_mb = max_disk_mb
         self.log_max_bytes = log_max_bytes
@@ -211,7 +220,7 @@ class Containment:
         net = rec.runtime.get("net")
         if net and self.network is not None:
             policy, _ = await asyncio.to_thread(self._policy_lenient, rec.spec.network)
-            cg = self.backend.runtime.cgroup_path(rec.sandbox_id)
+            cg = self.runtime.cgroup_path(rec.sandbox_id)
             if not await self.network.adopt(rec.sandbox_id, net, policy, cg):
                 log.warning("could not take back the network policy of %s", rec.sandbox_id)
 
@@ -222,10 +231,14 @@ class Containment:
 
     # ------------------------------------------------------------------ teardown
 
+    def unwatch(self, sandbox_id: str) -> None:
+        """The sandbox is being destroyed: the watchdog reports nothing of it any more."""
+        self.watched.pop(sandbox_id, None)
+
     async def destroyed(self, rec: SandboxRecord) -> None:
+        """After its trusted sibling went (its network is attached as the sandbox's)."""
         sid = rec.sandbox_id
-        self.watched.pop(sid, None)
-        await self.backend.trusted.destroy(sid)
+        self.unwatch(sid)
         if self.network is not None:
             await self.network.detach(sid)
         self.denials.forget(self._cgroup2(sid))
@@ -239,18 +252,16 @@ class Containment:
     async def close(self) -> None:
         self.denials.close()
         self._kmsg.close()
-        idle = not self.backend.runtime.list_ids()
-        if self.network is not None:
-            await self.network.close(teardown=idle)
-        if idle:
-            await asyncio.to_thread(_remove_empty_cgroup_parent, self.backend.runtime.cgroup_parent)
+        # (The network is the node's: edge/node.py closes it after every backend.)
+        if not self.runtime.list_ids():
+            await asyncio.to_thread(_remove_empty_cgroup_parent, self.runtime.cgroup_parent)
 
     # ------------------------------------------------------------------ policies
 
     async def update_network(self, rec: SandboxRecord, raw: Mapping[str, Any]) -> None:
         """Replace a running sandbox's policy; the next connection sees it."""
         sid = rec.sandbox_id
-        await self.backend.settled(sid)  # its cgroup2 directory, where the programs attach
+        await self.settled(sid)  # its cgroup2 directory, where the programs attach
         net = self.network
         if net is None:
             from edge.network.policy import parse
@@ -268,17 +279,17 @@ class Containment:
         policy, resolved = await asyncio.to_thread(net.check, raw)
         if policy.networked:
             pid = int(rec.runtime.get("pid") or 0)
-            cg = self.backend.runtime.cgroup_path(sid)
+            cg = self.runtime.cgroup_path(sid)
             rec.runtime["net"] = await net.attach(sid, pid, cg, policy, resolved)
             # DNS through the edge from now on (the file is bind-mounted: rewrite in place).
-            resolv = self.backend.runtime.sandbox_dir(sid) / "etc" / "resolv.conf"
+            resolv = self.runtime.sandbox_dir(sid) / "etc" / "resolv.conf"
             await asyncio.to_thread(rewrite_in_place, resolv, f"nameserver {net.gateway}\n")
         rec.spec.network = dict(raw)
 
     # ------------------------------------------------------------------ integrity
 
     async def modified_files(self, rec: SandboxRecord) -> list[integrity.ModifiedFile]:
-        sdir = self.backend.runtime.sandbox_dir(rec.sandbox_id)
+        sdir = self.runtime.sandbox_dir(rec.sandbox_id)
         pid = init_pid(rec)
 
         def scan() -> list[integrity.ModifiedFile]:
@@ -295,7 +306,7 @@ class Containment:
 
     def _cgroup2(self, sid: str) -> Path:
         root = cgroups.hierarchies().get("unified", Path("/sys/fs/cgroup/unified"))
-        return root / self.backend.runtime.cgroup_path(sid).lstrip("/")
+        return root / self.runtime.cgroup_path(sid).lstrip("/")
 
     async def watch_loop(self) -> None:
         """The watchdog, and the periodic re-resolution of the policies' domain names."""
@@ -320,7 +331,7 @@ class Containment:
         a core at 1,000 (bench/bench_density.py)."""
         due = []
         for sid, w in self.watched.items():
-            if w.rec.state == "RUNNING" and sid in self.backend.channels:
+            if w.rec.state == "RUNNING" and sid in self.channels:
                 due.append((sid, w))
             else:
                 # Paused (or not running yet): the pids-limit clock measures running time
@@ -340,7 +351,7 @@ class Containment:
                     "sandbox %s contained: %s (%s)", sid, reason, message, extra={"sandbox_id": sid}
                 )
                 self.watched.pop(sid, None)
-                await self.backend.channels.report_exit(sid, reason, message)
+                await self.channels.report_exit(sid, reason, message)
 
     def _check_all(
         self, due: list[tuple[str, _Watch]]
@@ -363,7 +374,7 @@ class Containment:
         """Keep the sandbox's aether/chronus log below log_max_bytes: past it, cut it back to
         its head (how the sandbox started) plus a marker; what follows is appended after it
         (the writers' descriptor is O_APPEND). Blocking."""
-        path = self.backend.logs / f"{sid}.log"
+        path = self.logs / f"{sid}.log"
         try:
             size = os.stat(path).st_size
             if size <= self.log_max_bytes:
@@ -383,7 +394,7 @@ class Containment:
     ) -> tuple[dict[str, int], tuple[str, str] | None]:
         """(counters read now, (reason, message) if the sandbox must end). Blocking."""
         if w.files is None:
-            w.files = _CgroupFiles.of(self.backend.runtime.cgroup_path(sid))
+            w.files = _CgroupFiles.of(self.runtime.cgroup_path(sid))
         # Nothing of the sandbox ran since its last check (its CPU time is the same): what the
         # rest reads cannot have moved either (a write, a fork, an allocation, a connect, a
         # log line all take CPU), so the check is skipped, unless a time-based verdict is
@@ -424,7 +435,7 @@ class Containment:
         self, sid: str, w: _Watch, faults: set[int], v: dict[str, int], files: _CgroupFiles
     ) -> tuple[str, str] | None:
         rec = w.rec
-        rt = self.backend.runtime
+        rt = self.runtime
         pids_hits = v.get("pids_limit_hits", 0)
         max_blocked = int((rec.spec.network or {}).get("max_blocked_connects", 0) or 0)
         if max_blocked and v.get("blocked_connects", 0) > max_blocked:

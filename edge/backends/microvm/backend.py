@@ -20,34 +20,29 @@ A sandbox's guest (see docs/ARCHITECTURE.md, "MicroVM sandboxes"):
 
 How a guest ends is told by its console (console.py): a kernel panic is KERNEL_FAULT, running
 out of memory OOM, aether exiting CHANNEL_CLOSED, QEMU dying RUNTIME_ERROR.
+
+This module is the sandbox's life (start, claim, stop, pause to disk, restart); the pieces it
+drives are beside it: host.py (QEMU processes, their sockets and cgroups), vm.py (a running
+guest's host side), guest_channel.py (what the guest is told at claim and restore),
+templates.py (template snapshots), warm_pool.py (warm guests), qemu.py (QMP, command lines).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
-import secrets
 import signal
-import socket
-import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
-from edge.backends import qos
+from edge.backends import pausing, qos
 from edge.backends.channels import ChannelKeeper
-from edge.backends.container import pausing
-from edge.backends.container.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
-from edge.backends.container.warm import template as warm_template
 from edge.backends.contract import (
     BackgroundLoop,
     Capability,
@@ -56,21 +51,34 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
 )
-from edge.backends.microvm import qemu
+from edge.backends.microvm import guest_channel, qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
-from edge.backends.microvm.console import Console
 from edge.backends.microvm.guest import GuestKit, build_guest
-from edge.backends.microvm.templates import Templates
+from edge.backends.microvm.host import QemuHost
+from edge.backends.microvm.templates import Templates, build_template, template_key
+from edge.backends.microvm.vm import (
+    Shape,
+    Vm,
+    is_our_qemu,
+    mac_of,
+    our_qemus,
+    write_back,
+)
+from edge.backends.microvm.vm import disk_id as disk_id_of
+from edge.backends.microvm.warm_pool import MicrovmWarmPool
+from edge.backends.registry import Built
+from edge.backends.warm import WarmPool, WarmSandbox, new_warm_id, on_warm_close
+from edge.backends.warm import template as warm_template
 from edge.config import MIN_DISK_MB, EdgeConfig
 from edge.controls import ABSENT, DISABLED, ENFORCED, Control, ControlMissing
 from edge.disk_guard import Allocations
-from edge.images import ImageResolver, ResolvedImage
+from edge.images import ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network import guest as guest_net
-from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
 from edge.network.policy import parse as parse_policy
-from edge.runtime import cgroups, mounts
+from edge.node import NodeServices
+from edge.runtime import cgroups
 from edge.runtime.disk import blank_image, sparse_copy
 from edge.runtime.mounts import LayerImage
 from libdsec.errors import (
@@ -78,9 +86,6 @@ from libdsec.errors import (
     InvalidArgument,
     Unavailable,
 )
-
-if TYPE_CHECKING:
-    from edge.backends.container.backend import ContainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -91,64 +96,6 @@ MMIO_SLOTS = 24
 FIXED_DEVICES = 4
 #: The QEMU cgroups' cpu period (us).
 CPU_PERIOD_US = 100_000
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What must match between a template and its clones."""
-
-    vcpus: int
-    memory_mb: int
-    disk_mb: int
-
-
-@dataclass
-class Vm:
-    """A running guest's host side."""
-
-    sandbox_id: str
-    rec: SandboxRecord | None  # None for a template's guest
-    pid: int
-    qmp: qemu.Qmp
-    console: Console
-    child: subprocess.Popen[bytes] | None  # None after an edge restart (not our child)
-    qemu_name: str = ""  # the id in QEMU's -name: the sandbox's, or the warm guest's it was
-    exit_status: int | None = None  # known for our children only
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def watch(self) -> None:
-        """Set `exited` when the process ends (a pidfd is readable then), child or not."""
-        try:
-            fd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            self._ended()
-            return
-        loop = asyncio.get_running_loop()
-
-        def ready() -> None:
-            loop.remove_reader(fd)
-            os.close(fd)
-            self._ended()
-
-        loop.add_reader(fd, ready)
-
-    def _ended(self) -> None:
-        if self.child is not None:
-            self.exit_status = self.child.wait()
-        self.exited.set()
-
-    @property
-    def alive(self) -> bool:
-        """Not exited: the pidfd event may lag the sockets' EOF, so /proc decides too."""
-        if self.exited.is_set():
-            return False
-        return _is_our_qemu(self.pid, self.qemu_name or self.sandbox_id, None)
-
-    async def wait(self, timeout_s: float) -> bool:
-        """True once the process has ended, False if it still runs after `timeout_s`."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.exited.wait(), timeout_s)
-        return self.exited.is_set()
 
 
 class MicrovmBackend:
@@ -162,10 +109,9 @@ class MicrovmBackend:
 
     def __init__(
         self,
+        node: NodeServices,
         state_dir: Path,
         *,
-        images: ImageResolver,
-        toolkit_image: Path,
         kit: GuestKit,
         accel: str,
         cache_dir: Path,
@@ -182,23 +128,34 @@ class MicrovmBackend:
         qemu_binary: str = "qemu-system-x86_64",
         warm_pool: dict[str, int] | None = None,
         warm_memory_mb: int = 512,
-        network: NetworkManager | None = None,
     ) -> None:
         self.state_dir = state_dir
-        self.sockets = state_dir / "sockets"
         self.disks = state_dir / "rw"
         self.paused = state_dir / "paused"
-        self.logs = state_dir / "logs"
-        #: Every guest's network namespace (its tap; a veth onto the node bridge when networked).
-        self.netns_dir = state_dir / "netns"
-        #: The edge's one NetworkManager, shared with containers (one resolver, one bridge).
-        self.network = network
-        for d in (self.sockets, self.disks, self.paused, self.logs, self.netns_dir):
+        for d in (self.disks, self.paused):
             d.mkdir(parents=True, exist_ok=True)
-        mounts.mount_volatile(self.sockets, "16m")
-        self._sockets_fd = os.open(self.sockets, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.images = images
-        self.toolkit_image = toolkit_image
+        #: The node's one NetworkManager, shared with containers (one resolver, one bridge).
+        self.network = node.network
+        #: QEMU processes, their sockets and cgroups (host.py).
+        self.host = QemuHost(
+            state_dir,
+            kit=kit,
+            accel=accel,
+            append=f"console=ttyS0 tsc_early_khz={tsc_khz()} quiet panic=-1",
+            qemu_binary=qemu_binary,
+            cgroup_parent=cgroup_parent,
+            overhead_mb=overhead_mb,
+            network=node.network,
+        )
+        self.sockets, self.logs, self.netns_dir = (
+            self.host.sockets,
+            self.host.logs,
+            self.host.netns_dir,
+        )
+        #: The node's image resolver (the layer store's EROFS files are the guest's disks).
+        self.images = node.images
+        #: The toolkit's EROFS image, attached as a disk (edge/node.py).
+        self.toolkit_image = node.toolkit.image
         self.kit = kit
         self.accel = accel
         self.use_templates = templates
@@ -208,14 +165,10 @@ class MicrovmBackend:
         self.min_memory_mb = min_memory_mb
         self.max_memory_mb = max_memory_mb
         self.max_vcpus = max_vcpus or os.cpu_count() or 1
-        self.overhead_mb = overhead_mb
-        self.cgroup_parent = cgroup_parent
         self.ready_timeout_s = ready_timeout_s
-        self.qemu_binary = qemu_binary
-        self.append = f"console=ttyS0 tsc_early_khz={tsc_khz()} quiet panic=-1"
-        #: In every QEMU's -name: whose it is (orphan cleanup kills only this edge's guests).
-        self.tag = hashlib.sha256(os.fsencode(state_dir.resolve())).hexdigest()[:10]
-        self.channels = ChannelKeeper(self._address_of_agent, self, ready_timeout_s, ask_hello=True)
+        self.channels = ChannelKeeper(
+            self.host.address_of_agent, self, ready_timeout_s, ask_hello=True
+        )
         self.vms: dict[str, Vm] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/stop in turn
         self._adopted: set[str] = set()  # QEMU names and disk ids taken back after a restart
@@ -232,20 +185,20 @@ class MicrovmBackend:
             self.capabilities = self.capabilities | {Capability.WARM_CLAIM}
 
     @classmethod
-    def from_config(
-        cls, cfg: EdgeConfig, container: ContainerBackend
-    ) -> tuple[MicrovmBackend | None, Control]:
-        """The backend when guests boot here (the accelerator probe), and the `microvm` entry
-        of the edge's controls saying which accelerator, or why microVMs are not offered.
-        Raises ControlMissing when DSEC_EDGE_MICROVM=on and no guest boots."""
+    def from_config(cls, cfg: EdgeConfig, node: NodeServices) -> Built:
+        """The backend's registry factory (edge/backends/registry.py): the backend when guests
+        boot here (the accelerator probe), and the `microvm` entry of the edge's controls
+        saying which accelerator, or why microVMs are not offered (a status line of its own
+        in `dsec status`). Raises ControlMissing when DSEC_EDGE_MICROVM=on and no guest
+        boots."""
         if cfg.microvm == "off":
-            return None, Control("microvm", DISABLED, "DSEC_EDGE_MICROVM=off")
+            return Built(None, (_control(DISABLED, "DSEC_EDGE_MICROVM=off"),))
         try:
             kit = build_guest(cfg.microvm_cache_dir / "guest")
             verdict = probe(kit, cfg.microvm_cache_dir, cfg.microvm_accel, cfg.microvm_qemu)
         except (FailedPrecondition, OSError) as exc:
             kit, verdict = None, Verdict("", str(exc))
-        network = container.containment.network
+        network = node.network
         if network is not None and not os.path.exists("/dev/net/tun"):
             # every guest's NIC is a tap (the network path needs one even without a policy)
             verdict = Verdict("", "/dev/net/tun is missing (the guests' taps)")
@@ -254,11 +207,10 @@ class MicrovmBackend:
             if cfg.microvm == "on":
                 raise ControlMissing(why + "; DSEC_EDGE_MICROVM=on requires them")
             log.warning("%s", why)
-            return None, Control("microvm", ABSENT, why)
+            return Built(None, (_control(ABSENT, why),))
         backend = cls(
+            node,
             cfg.state_dir / "microvm",
-            images=container.images,
-            toolkit_image=container.toolkit_erofs,
             kit=kit,
             accel=verdict.accel,
             cache_dir=cfg.microvm_cache_dir,
@@ -273,11 +225,10 @@ class MicrovmBackend:
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
             warm_memory_mb=cfg.microvm_warm_memory_mb,
-            network=network,
             qemu_binary=cfg.microvm_qemu,
         )
         log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
-        return backend, Control("microvm", ENFORCED, f"{verdict.accel}: {verdict.why}")
+        return Built(backend, (_control(ENFORCED, f"{verdict.accel}: {verdict.why}"),))
 
     # ------------------------------------------------------------- contract
 
@@ -413,7 +364,7 @@ class MicrovmBackend:
         rec.runtime = {
             "shape": shape.__dict__,
             "disks": [[d.serial, str(d.path), d.readonly] for d in disks],
-            "mac": _mac(sid),
+            "mac": mac_of(sid),
             "accel": self.accel,
             # The disk keeps the name it was made under (a claimed warm guest's): QEMU reopens
             # a drive by its file name when a save inactivates it.
@@ -422,9 +373,18 @@ class MicrovmBackend:
         try:
             rw.unlink(missing_ok=True)  # a new inode: never one a QEMU still holds
             if self.use_templates:
+                readonly = disks[1:]  # the toolkit and the layers
                 tmpl = await self.templates.get(
-                    self._template_key(shape, layers),
-                    lambda d: self._build_template(d, shape, layers),
+                    template_key(self.kit.digest, self.accel, shape, readonly),
+                    lambda d: build_template(
+                        d,
+                        shape,
+                        readonly,
+                        host=self.host,
+                        channels=self.channels,
+                        blank_dir=self.disks / ".templates",
+                        ready_timeout_s=self.ready_timeout_s,
+                    ),
                 )
                 rec.runtime["from"] = "template " + tmpl.key
                 await asyncio.to_thread(sparse_copy, tmpl.rw, rw)
@@ -453,17 +413,6 @@ class MicrovmBackend:
                 rec.sandbox_id, self.netns_dir, policy, resolved
             )
 
-    def _guest_network(self, rec: SandboxRecord) -> aether_pb2.GuestNetwork | None:
-        net = rec.runtime.get("net")
-        if not net:
-            return None
-        return aether_pb2.GuestNetwork(
-            mac=net["mac"],
-            address=net["address"],
-            prefix_len=int(net["prefix_len"]),
-            gateway=net["gateway"],
-        )
-
     async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
         """Replace a running guest's policy (the next connection sees it); a guest without a
         network gets one: its link, filter and the guest's own configuration (a GuestSync)."""
@@ -484,17 +433,8 @@ class MicrovmBackend:
                     if was_paused:
                         rec.runtime["net_pending"] = True  # the guest learns it at resume
                     else:
-                        await self.channels.channel(sid).sync_guest(self._sync(rec, True))
+                        await self.channels.channel(sid).sync_guest(guest_channel.sync(rec, True))
         rec.spec.network = dict(policy)
-
-    def _sync(self, rec: SandboxRecord, network_changed: bool) -> aether_pb2.GuestSync:
-        """Clock, entropy, and the network config when the guest does not have it yet."""
-        sync = _sync()
-        network = self._guest_network(rec) if network_changed else None
-        if network is not None:
-            sync.network.CopyFrom(network)
-            sync.resolv_conf = f"nameserver {rec.runtime['net']['dns']}\n"
-        return sync
 
     # ------------------------------------------------------------- warm microVMs
 
@@ -536,7 +476,7 @@ class MicrovmBackend:
         sid, wid = rec.sandbox_id, w.cid
         vm: Vm = w.proc
         try:
-            await asyncio.to_thread(self._rename, wid, sid)
+            await asyncio.to_thread(self.host.rename, wid, sid)
         except OSError as exc:
             log.warning("claiming warm microVM %s failed: %s", wid, exc)
             return False
@@ -546,13 +486,13 @@ class MicrovmBackend:
         rec.runtime = runtime
         self.vms.pop(wid, None)
         vm.sandbox_id, vm.rec, vm.qemu_name = sid, rec, wid
-        vm.qmp.address = self._address(sid, "qmp")
+        vm.qmp.address = self.host.address(sid, "qmp")
         self.vms[sid] = vm
         w.conn.sandbox_id = sid
         self.channels.keep(sid, w.conn)
         t1 = time.perf_counter()
         try:
-            await asyncio.to_thread(self._set_cpu, sid, rec.spec)
+            await asyncio.to_thread(self.host.set_cpu, sid, rec.spec)
             if rec.spec.qos == "BEST_EFFORT":  # a running QEMU: each of its threads
                 await asyncio.to_thread(qos.set_idle_all_threads, vm.pid)
             await self._claim(w.conn, rec, image)
@@ -561,40 +501,6 @@ class MicrovmBackend:
             raise
         self._log_start(rec, t0, {"claim_ms": (time.perf_counter() - t1) * 1000})
         return True
-
-    def _rename(self, old: str, new: str) -> None:
-        """Every host-side name of guest `old` becomes `new`'s, or none does (rolled back)."""
-        pairs = [
-            *((self.sockets / self._name(old, k), self.sockets / self._name(new, k))
-              for k in ("agent", "qmp", "console")),
-        ]  # fmt: skip
-        done: list[tuple[Path, Path]] = []
-        try:
-            for a, b in pairs:
-                if b.exists():
-                    raise FileExistsError(f"{b} exists")
-                os.rename(a, b)
-                done.append((a, b))
-            cgroups.rename(self._cgroup(old), self._cgroup(new))  # v1 only: no cgroup2 dir
-            if self.network is not None:
-                guest_net.move_netns(self.netns_dir, old, new)
-            os.replace(self.logs / f"{old}.qemu", self.logs / f"{new}.qemu")
-        except OSError:
-            for a, b in reversed(done):
-                with contextlib.suppress(OSError):
-                    os.rename(b, a)
-            with contextlib.suppress(OSError):
-                cgroups.rename(self._cgroup(new), self._cgroup(old))
-            raise
-
-    def _set_cpu(self, sid: str, spec: SandboxSpec) -> None:
-        """A claimed warm guest's cpu quota: the request's (its shape, vCPUs, is the pool's)."""
-        d = cgroups.controller_dir("cpu", self._cgroup(sid))
-        if d is None:
-            raise FileNotFoundError("no cgroup v1 cpu hierarchy")
-        (d / "cpu.cfs_quota_us").write_text(str(_cpu_quota_us(spec)))
-        (d / "cpu.shares").write_text(str(max(2, spec.cpu_millis * 1024 // 1000)))
-        qos.set_cgroup_idle(d, spec.qos == "BEST_EFFORT")
 
     def warm_status(self) -> dict[str, tuple[int, int, int, int]]:
         """Per image (as "<image>@microvm"): (target, ready, claimed, missed)."""
@@ -607,121 +513,10 @@ class MicrovmBackend:
     ) -> None:
         """The guest becomes the sandbox of `rec`: its environment and identity, applied."""
         await conn.claim(
-            self.sandbox_env(rec, image), guest=self._identity(rec), timeout_s=self.ready_timeout_s
+            guest_channel.sandbox_env(rec, image),
+            guest=guest_channel.identity(rec),
+            timeout_s=self.ready_timeout_s,
         )
-
-    def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
-        env = {
-            "PATH": DEFAULT_PATH,
-            "HOME": "/root",
-            "LANG": "C.UTF-8",
-            **image.env,
-            **rec.spec.env,
-        }
-        env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
-        # The VM is the boundary: chronus needs no Landlock domain inside it.
-        env["DSEC_CHRONUS_LANDLOCK"] = "off"
-        return env
-
-    def _identity(self, rec: SandboxRecord) -> aether_pb2.GuestIdentity:
-        host = rec.sandbox_id[:63]
-        files = {
-            "/etc/hostname": host + "\n",
-            "/etc/hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{host}\n",
-        }
-        network = self._guest_network(rec)
-        if network is not None:
-            files["/etc/resolv.conf"] = f"nameserver {rec.runtime['net']['dns']}\n"
-        return aether_pb2.GuestIdentity(
-            hostname=host, files=files, pids_max=rec.spec.pids_max, sync=_sync(), network=network
-        )
-
-    def _template_key(self, shape: Shape, layers: list[qemu.Disk]) -> str:
-        h = hashlib.sha256(json.dumps([Templates.FORMAT, self.kit.digest, self.accel]).encode())
-        h.update(json.dumps(shape.__dict__).encode())
-        for d in [qemu.Disk("tk", self.toolkit_image, True), *layers]:
-            st = d.path.stat()
-            h.update(f"{d.serial}\0{d.path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        return h.hexdigest()[:20]
-
-    async def _build_template(self, d: Path, shape: Shape, layers: list[qemu.Disk]) -> None:
-        """Boot a guest to "aether ready" in `d` and save it with x-ignore-shared: `d/ram` is
-        its memory, `d/vmstate` its devices, `d/rw.img` its writable disk at that moment."""
-        tid = "tmpl-" + d.name[-12:]
-        rw = d / "rw.img"
-        await asyncio.to_thread(blank_image, rw, shape.disk_mb, self.disks / ".templates")
-        disks = [qemu.Disk("rw", rw, False), qemu.Disk("tk", self.toolkit_image, True), *layers]
-        proc = await self._spawn(
-            tid, shape, disks, qemu.Memory("file", d / "ram", share=True), _mac(tid)
-        )
-        q = qemu.Qmp(self._address(tid, "qmp"))
-        try:
-            await q.connect()
-            conn = self.channels.new_connection(tid)
-            await conn.connect(timeout_s=self.ready_timeout_s)
-            # Saved while the edge is connected: a clone's aether wakes up holding an open
-            # channel device and answers the first Ping at once (closing first left it
-            # waiting to reopen the port, ~0.2 s more per create).
-            await qemu.save(q, d / "vmstate", ignore_shared=True)
-            await q.execute("quit")
-            await conn.close()
-        finally:
-            await q.close()
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await asyncio.to_thread(proc.wait)
-            self._unlink_sockets(tid)
-
-    async def _spawn(
-        self,
-        vm_id: str,
-        shape: Shape,
-        disks: list[qemu.Disk],
-        memory: qemu.Memory,
-        mac: str,
-        *,
-        incoming: bool = False,
-        tap_fd: int | None = None,
-        best_effort: bool = False,
-    ) -> subprocess.Popen[bytes]:
-        """Start QEMU with the edge's listening sockets for its agent port, QMP and console
-        (and the guest's tap: the edge's copies are closed once QEMU has them). A best-effort
-        guest's QEMU is SCHED_IDLE from before its exec: every thread it starts inherits it."""
-        listeners = [self._listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
-        try:
-            machine = qemu.Machine(
-                vcpus=shape.vcpus,
-                memory_mb=shape.memory_mb,
-                kernel=self.kit.kernel,
-                initrd=self.kit.initrd,
-                append=self.append,
-                disks=disks,
-                memory=memory,
-                agent_fd=listeners[0].fileno(),
-                qmp_fd=listeners[1].fileno(),
-                console_fd=listeners[2].fileno(),
-                mac=mac,
-                accel=self.accel,
-                incoming=incoming,
-                tap_fd=tap_fd,
-                extra=["-name", f"dsec:{self.tag}:{vm_id}"],
-            )
-            with open(self.logs / f"{vm_id}.qemu", "ab") as err:
-                return await asyncio.to_thread(
-                    subprocess.Popen,
-                    machine.argv(self.qemu_binary),
-                    pass_fds=machine.fds(),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    start_new_session=True,
-                    preexec_fn=_sched_idle if best_effort else None,
-                )
-        finally:
-            for s in listeners:
-                s.close()
-            if tap_fd is not None:
-                os.close(tap_fd)
 
     async def _launch(
         self,
@@ -740,7 +535,7 @@ class MicrovmBackend:
         if self.network is not None:  # every guest has its namespace and tap, networked or not
             netns = await asyncio.to_thread(guest_net.create_netns, self.netns_dir, sid)
             tap = await asyncio.to_thread(guest_net.open_tap, netns)
-        proc = await self._spawn(
+        proc = await self.host.spawn(
             sid,
             shape,
             disks,
@@ -753,9 +548,9 @@ class MicrovmBackend:
         rec.runtime["pid"] = proc.pid
         rec.runtime["qemu_name"] = sid
         try:
-            await asyncio.to_thread(self._confine, sid, proc.pid, rec.spec, shape)
-            qmp = qemu.Qmp(self._address(sid, "qmp"))
-            vm = Vm(sid, rec, proc.pid, qmp, self._console(sid), proc)
+            await asyncio.to_thread(self.host.confine, sid, proc.pid, rec.spec, shape)
+            qmp = qemu.Qmp(self.host.address(sid, "qmp"))
+            vm = Vm(sid, rec, proc.pid, qmp, self.host.console(sid), proc)
             vm.watch()
             self.vms[sid] = vm
             await vm.qmp.connect()
@@ -765,63 +560,6 @@ class MicrovmBackend:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise
-
-    def _console(self, vm_id: str) -> Console:
-        c = Console(self._address(vm_id, "console"))
-        c.start()
-        return c
-
-    def _confine(self, sid: str, pid: int, spec: SandboxSpec, shape: Shape) -> None:
-        """QEMU into the sandbox's cgroups: cpu quota, guest RAM + overhead, pids; a best-effort
-        guest's cpu cgroup is idle (see edge/backends/qos.py)."""
-        path = self._cgroup(sid)
-        for controller in ("cpu", "memory", "pids"):
-            d = cgroups.controller_dir(controller, path)
-            if d is None:
-                raise FileNotFoundError(f"no cgroup v1 {controller} hierarchy")
-            d.mkdir(parents=True, exist_ok=True)
-        memory = (shape.memory_mb + self.overhead_mb) << 20
-        # A resume's cgroup is the paused guest's: an idle one refuses cpu.shares (qos.py).
-        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), False)
-        cgroups.set_limits(
-            path,
-            cpu_quota_us=_cpu_quota_us(spec),
-            cpu_shares=max(2, spec.cpu_millis * 1024 // 1000),
-            memory_bytes=memory,
-            pids_max=256 + 2 * shape.vcpus,  # QEMU's own threads (I/O workers, vCPUs)
-        )
-        qos.set_cgroup_idle(cgroups.controller_dir("cpu", path), spec.qos == "BEST_EFFORT")
-        for controller in ("cpu", "memory", "pids"):
-            d = cgroups.controller_dir(controller, path)
-            assert d is not None
-            (d / "cgroup.procs").write_text(str(pid))
-
-    def _cgroup(self, sid: str) -> str:
-        return f"{self.cgroup_parent}/{sid}"
-
-    # ------------------------------------------------------------- sockets
-
-    def _name(self, vm_id: str, kind: str) -> str:
-        return f"{vm_id}.{kind}"
-
-    def _address(self, vm_id: str, kind: str) -> str:
-        return f"/proc/self/fd/{self._sockets_fd}/{self._name(vm_id, kind)}"
-
-    def _address_of_agent(self, vm_id: str) -> str:
-        return self._address(vm_id, "agent")
-
-    def _listen(self, vm_id: str, kind: str) -> socket.socket:
-        path = self.sockets / self._name(vm_id, kind)
-        path.unlink(missing_ok=True)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(self._address(vm_id, kind))
-        os.chmod(path, 0o600)
-        s.listen(4)
-        return s
-
-    def _unlink_sockets(self, vm_id: str) -> None:
-        for kind in ("agent", "qmp", "console"):
-            (self.sockets / self._name(vm_id, kind)).unlink(missing_ok=True)
 
     # ------------------------------------------------------------- ending
 
@@ -847,15 +585,7 @@ class MicrovmBackend:
             how = f"exited with status {status}"
         else:
             how = "exited"
-        return "RUNTIME_ERROR", f"QEMU (pid {vm.pid}) {how}{self._qemu_error(sandbox_id)}"
-
-    def _qemu_error(self, vm_id: str) -> str:
-        with contextlib.suppress(OSError):
-            text = (self.logs / f"{vm_id}.qemu").read_text(errors="replace").strip()
-            lines = [ln for ln in text.splitlines() if "warning: hub" not in ln]
-            if lines:
-                return ": " + lines[-1][-300:]
-        return ""
+        return "RUNTIME_ERROR", f"QEMU (pid {vm.pid}) {how}{self.host.qemu_error(sandbox_id)}"
 
     async def stop(self, rec: SandboxRecord, grace_s: float) -> None:
         async with self._lock(rec.sandbox_id):
@@ -881,12 +611,12 @@ class MicrovmBackend:
             self._kill_recorded(rec)
         if self.network is not None:
             await self.network.detach_guest(sid, self.netns_dir)
-        await asyncio.to_thread(self._remove_files, sid, _disk_id(rec))
+        await asyncio.to_thread(self._remove_files, sid, disk_id_of(rec))
         self._locks.pop(sid, None)
 
     def _kill_recorded(self, rec: SandboxRecord) -> None:
         pid = int(rec.runtime.get("pid") or 0)
-        if pid and _is_our_qemu(pid, rec.runtime.get("qemu_name", rec.sandbox_id), self.tag):
+        if pid and is_our_qemu(pid, rec.runtime.get("qemu_name", rec.sandbox_id), self.host.tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -897,8 +627,8 @@ class MicrovmBackend:
                 raise ValueError(f"not a microVM id: {name!r}")  # never the parent cgroup
         (self.disks / f"{disk_id}.img").unlink(missing_ok=True)
         (self.paused / f"{sid}.vmstate").unlink(missing_ok=True)
-        self._unlink_sockets(sid)
-        cgroups.remove(self._cgroup(sid))
+        self.host.unlink_sockets(sid)
+        cgroups.remove(self.host.cgroup(sid))
 
     # ------------------------------------------------------------- pause
 
@@ -932,7 +662,7 @@ class MicrovmBackend:
             # QEMU's `cat` wrote the state through the page cache, charged to the sandbox's
             # memory cgroup: written back and dropped, the memory is really the host's again
             # (measured: 22-47% of the cgroup's charge stayed otherwise).
-            await asyncio.to_thread(_write_back, state)
+            await asyncio.to_thread(write_back, state)
             rec.runtime["paused"] = True
             rec.runtime.pop("pid", None)
             log.info(
@@ -953,7 +683,7 @@ class MicrovmBackend:
             state = self.paused / f"{sid}.vmstate"
             saved = state.stat().st_size if state.exists() else 0
             return MemoryUsage(0, saved)
-        d = cgroups.controller_dir("memory", self._cgroup(sid))
+        d = cgroups.controller_dir("memory", self.host.cgroup(sid))
         if d is None or not d.is_dir():
             return None
         return await asyncio.to_thread(pausing.usage, d)
@@ -972,7 +702,9 @@ class MicrovmBackend:
                 async with self._starting:  # a burst of resumes takes turns, as starts do
                     await self._launch(rec, qemu.Memory("ram"), restore_from=state)
                     conn = await self.channels.connect(sid)
-                await conn.sync_guest(self._sync(rec, bool(rec.runtime.pop("net_pending", 0))))
+                await conn.sync_guest(
+                    guest_channel.sync(rec, bool(rec.runtime.pop("net_pending", 0)))
+                )
             except BaseException as exc:
                 await self.channels.drop(sid)
                 vm = self.vms.pop(sid, None)
@@ -1002,16 +734,24 @@ class MicrovmBackend:
 
     async def adopt(self, rec: SandboxRecord) -> bool:
         sid = rec.sandbox_id
-        self._adopted.add(_disk_id(rec))
+        self._adopted.add(disk_id_of(rec))
         if not await self._adopt_network(rec):
             return False
         if rec.runtime.get("paused"):
             return (self.paused / f"{sid}.vmstate").exists()
         pid = int(rec.runtime.get("pid") or 0)
         name = str(rec.runtime.get("qemu_name", sid))
-        if not pid or not _is_our_qemu(pid, name, self.tag):
+        if not pid or not is_our_qemu(pid, name, self.host.tag):
             return False
-        vm = Vm(sid, rec, pid, qemu.Qmp(self._address(sid, "qmp")), self._console(sid), None, name)
+        vm = Vm(
+            sid,
+            rec,
+            pid,
+            qemu.Qmp(self.host.address(sid, "qmp")),
+            self.host.console(sid),
+            None,
+            name,
+        )
         self._adopted.add(name)
         vm.watch()
         self.vms[sid] = vm
@@ -1039,7 +779,7 @@ class MicrovmBackend:
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """QEMU processes, disks, saved states and sockets of sandboxes no record keeps."""
         removed = []
-        for pid, vm_id in _our_qemus(self.tag):
+        for pid, vm_id in our_qemus(self.host.tag):
             if vm_id not in keep and vm_id not in self._adopted:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -1116,106 +856,15 @@ class MicrovmBackend:
         out: Allocations = {}
         for sid, vm in list(self.vms.items()):
             with contextlib.suppress(OSError):
-                disk_id = _disk_id(vm.rec) if vm.rec is not None else sid
+                disk_id = disk_id_of(vm.rec) if vm.rec is not None else sid
                 st = (self.disks / f"{disk_id}.img").stat()
                 out[sid] = (st.st_dev, st.st_blocks * 512)
         return out
 
 
-class MicrovmWarmPool(WarmPool):
-    """Warm microVMs serve creates of the pool's shape only (the guest's vCPUs, RAM and disk
-    cannot change under it): 1 vCPU, `memory_mb` of RAM, the default disk."""
-
-    def __init__(
-        self,
-        targets: dict[str, int],
-        start: Callable[[str], Awaitable[WarmSandbox]],
-        discard: Callable[[WarmSandbox], Awaitable[None]],
-        shape_of: Callable[[SandboxSpec], Shape],
-        memory_mb: int,
-    ) -> None:
-        super().__init__(targets, start, discard)
-        self.shape_of = shape_of
-        self.memory_mb = memory_mb
-
-    def spec(self, image: str) -> SandboxSpec:
-        """What a warm guest of `image` is started as."""
-        return SandboxSpec(backend="MICROVM", image=image, memory_mb=self.memory_mb)
-
-    def eligible(self, rec: SandboxRecord) -> bool:
-        pool = self.shape_of(self.spec(rec.spec.image))
-        return super().eligible(rec) and self.shape_of(rec.spec) == pool
-
-
 # ----------------------------------------------------------------- helpers
 
 
-def _write_back(path: Path) -> None:
-    """Write a file's dirty pages to disk and drop its pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _sched_idle() -> None:
-    """In QEMU's process between fork and exec (see _spawn)."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
-def _disk_id(rec: SandboxRecord) -> str:
-    return str(rec.runtime.get("disk_id") or rec.sandbox_id)
-
-
-def _cpu_quota_us(spec: SandboxSpec) -> int:
-    return max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000)
-
-
-def _mac(vm_id: str) -> str:
-    """A locally administered unicast MAC, stable per sandbox."""
-    b = hashlib.sha256(vm_id.encode()).digest()[:5]
-    return "02:" + ":".join(f"{x:02x}" for x in b)
-
-
-def _sync() -> aether_pb2.GuestSync:
-    return aether_pb2.GuestSync(clock_unix_ns=time.time_ns(), entropy=secrets.token_bytes(64))
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _is_our_qemu(pid: int, vm_id: str, tag: str | None) -> bool:
-    """`pid` is alive and is the QEMU of `vm_id` (not a reused pid, not a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-        return False
-    name = _name_of(_cmdline(pid))
-    return name is not None and name[1] == vm_id and tag in (None, name[0])
-
-
-def _name_of(argv: list[str]) -> tuple[str, str] | None:
-    """(edge tag, vm id) from a QEMU command line of this backend's."""
-    if "-name" not in argv:
-        return None
-    parts = argv[argv.index("-name") + 1].split(":")
-    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "dsec" else None
-
-
-def _our_qemus(tag: str) -> list[tuple[int, str]]:
-    """(pid, vm id) of every QEMU of the edge with `tag` on the node."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            name = _name_of(_cmdline(int(d.name)))
-            if name is not None and name[0] == tag:
-                out.append((int(d.name), name[1]))
-    return out
+def _control(state: str, detail: str) -> Control:
+    """The `microvm` control: which accelerator runs guests, or why there are none."""
+    return Control("microvm", state, detail, status_line=True)

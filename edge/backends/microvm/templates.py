@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +29,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from edge.backends.channels import ChannelKeeper
+from edge.backends.microvm import qemu
+from edge.backends.microvm.host import QemuHost
+from edge.backends.microvm.vm import Shape, mac_of
+from edge.runtime.disk import blank_image
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +145,56 @@ class Templates:
             log.info("removing microVM template %s (least recently used)", d.name)
             shutil.rmtree(d, ignore_errors=True)
             (self.root / f".{d.name}.lock").unlink(missing_ok=True)
+
+
+def template_key(kit_digest: str, accel: str, shape: Shape, disks: list[qemu.Disk]) -> str:
+    """The key of the template of `shape` over `disks` (the toolkit first, then the image's
+    layers): a changed file, kernel or accelerator is a new key."""
+    h = hashlib.sha256(json.dumps([Templates.FORMAT, kit_digest, accel]).encode())
+    h.update(json.dumps(shape.__dict__).encode())
+    for d in disks:
+        st = d.path.stat()
+        h.update(f"{d.serial}\0{d.path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:20]
+
+
+async def build_template(
+    d: Path,
+    shape: Shape,
+    disks: list[qemu.Disk],
+    *,
+    host: QemuHost,
+    channels: ChannelKeeper,
+    blank_dir: Path,
+    ready_timeout_s: float,
+) -> None:
+    """Boot a guest to "aether ready" in `d` and save it with x-ignore-shared: `d/ram` is
+    its memory, `d/vmstate` its devices, `d/rw.img` its writable disk at that moment. `disks`
+    are the guest's read-only ones (toolkit, layers)."""
+    tid = "tmpl-" + d.name[-12:]
+    rw = d / "rw.img"
+    await asyncio.to_thread(blank_image, rw, shape.disk_mb, blank_dir)
+    proc = await host.spawn(
+        tid,
+        shape,
+        [qemu.Disk("rw", rw, False), *disks],
+        qemu.Memory("file", d / "ram", share=True),
+        mac_of(tid),
+    )
+    q = qemu.Qmp(host.address(tid, "qmp"))
+    try:
+        await q.connect()
+        conn = channels.new_connection(tid)
+        await conn.connect(timeout_s=ready_timeout_s)
+        # Saved while the edge is connected: a clone's aether wakes up holding an open
+        # channel device and answers the first Ping at once (closing first left it
+        # waiting to reopen the port, ~0.2 s more per create).
+        await qemu.save(q, d / "vmstate", ignore_shared=True)
+        await q.execute("quit")
+        await conn.close()
+    finally:
+        await q.close()
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.to_thread(proc.wait)
+        host.unlink_sockets(tid)

@@ -1,4 +1,8 @@
-"""Warm sandboxes: container sandboxes started before anyone asks, handed out at create.
+"""Warm sandboxes: sandboxes started before anyone asks, handed out at create.
+
+Shared by the backends (beside the contract, not in a backend's folder): the container backend
+keeps a `WarmPool` of runc sandboxes, the microVM backend one of restored guests
+(`microvm/warm_pool.py` adds its fixed shape). What follows is the container's story.
 
 A cold create is bounded by the runtime: `runc run -d` (~35 ms here), aether's interpreter and
 imports (~14 ms) and chronus's fork. A warm sandbox has done all of that: the edge keeps

@@ -1,5 +1,7 @@
 """Pause that gives a container's memory back: the edge's swap area and the page-out of a
-frozen sandbox (the mechanics are edge/runtime/pager.py).
+frozen sandbox (the mechanics are edge/runtime/pager.py), and the memory sampling every
+backend reports `memory_usage` with (`usage`). The swap area is the node's: built once by
+edge/node.py and handed to the backends and to the servicer (`GetNodeStatus.pause`).
 
 Without a swap area (``DSEC_EDGE_PAUSE_SWAP_MB=0``, or one that cannot be made: no room
 within the disk reserve, a filesystem swap files do not work on, the host's table of swap

@@ -1,0 +1,69 @@
+"""What the edge tells a guest over its agent channel (aether's Claim and GuestSync): the
+sandbox's environment and identity when a restored guest becomes a sandbox, and the clock,
+fresh entropy and (when it changed) the network after every restore. Plain functions of the
+sandbox's record: the backend sends them."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from dsec.aether.v1 import aether_pb2
+from edge.images import ResolvedImage
+from edge.model import SandboxRecord
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def sandbox_env(rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
+    env = {
+        "PATH": DEFAULT_PATH,
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        **image.env,
+        **rec.spec.env,
+    }
+    env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
+    # The VM is the boundary: chronus needs no Landlock domain inside it.
+    env["DSEC_CHRONUS_LANDLOCK"] = "off"
+    return env
+
+
+def identity(rec: SandboxRecord) -> aether_pb2.GuestIdentity:
+    host = rec.sandbox_id[:63]
+    files = {
+        "/etc/hostname": host + "\n",
+        "/etc/hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{host}\n",
+    }
+    network = guest_network(rec)
+    if network is not None:
+        files["/etc/resolv.conf"] = f"nameserver {rec.runtime['net']['dns']}\n"
+    return aether_pb2.GuestIdentity(
+        hostname=host, files=files, pids_max=rec.spec.pids_max, sync=fresh_sync(), network=network
+    )
+
+
+def guest_network(rec: SandboxRecord) -> aether_pb2.GuestNetwork | None:
+    net = rec.runtime.get("net")
+    if not net:
+        return None
+    return aether_pb2.GuestNetwork(
+        mac=net["mac"],
+        address=net["address"],
+        prefix_len=int(net["prefix_len"]),
+        gateway=net["gateway"],
+    )
+
+
+def sync(rec: SandboxRecord, network_changed: bool) -> aether_pb2.GuestSync:
+    """Clock, entropy, and the network config when the guest does not have it yet."""
+    out = fresh_sync()
+    network = guest_network(rec) if network_changed else None
+    if network is not None:
+        out.network.CopyFrom(network)
+        out.resolv_conf = f"nameserver {rec.runtime['net']['dns']}\n"
+    return out
+
+
+def fresh_sync() -> aether_pb2.GuestSync:
+    return aether_pb2.GuestSync(clock_unix_ns=time.time_ns(), entropy=secrets.token_bytes(64))
