@@ -72,7 +72,7 @@ from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStat
 from edge.toolkit import toolkit_argv
 from libdsec.errors import FailedPrecondition, Unavailable
 
-#: Where aether finds the precompiled seccomp program (aether/security.py reads the same name).
+#: Where aether finds the precompiled seccomp program (insandbox/security.py reads the same name).
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
 #: LD_<X> of a sandbox's environment travels to chronus as this prefix + <X> (chronus/config.py).
 CHRONUS_LD_PREFIX = "DSEC_CHRONUS_ENV_LD_"
