@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOMAIN_MODULES = [
     "iam/domain.py",
     "iam/store.py",
+    "iam/store_sqlite.py",
     "iam/store_pg.py",
     "placement/policy.py",
     "watcher/view.py",
