@@ -669,3 +669,7 @@ def main() -> None:  # pragma: no cover - inside the container
     except OSError as exc:
         if exc.errno != errno.EBADF:
             raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
