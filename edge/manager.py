@@ -1,30 +1,34 @@
-"""The edge's sandbox manager: final admission, lifecycle, TTL/idle, events.
+"""The edge's sandbox manager: each sandbox's lifecycle, its events, and the facade over them.
 
-It decides locally and never waits on the control plane: admission against
-this node's capacity (with overcommit), TTL and idle timeouts enforced here
-(so a sandbox is reclaimed even when every central service is down), and
-re-adoption of running sandboxes from on-disk records after a restart.
+It decides locally and never waits on the control plane. The servicer calls this class alone;
+it delegates to small collaborators, each one idea:
+
+- :mod:`edge.admission` (:class:`Admission`): whether a create fits this node (validation,
+  capacity with overcommit, the disk reserve) and what the live sandboxes hold (accounting);
+- :mod:`edge.records` (:class:`RecordStore`): the records on disk, from which a restarted edge
+  re-adopts its running sandboxes (:meth:`SandboxManager.recover`);
+- :mod:`edge.reaper` (:class:`Reaper`): TTL and idle timeouts and the disk reserve, enforced
+  here (so a sandbox is reclaimed even when every central service is down).
+
+What stays here is the lifecycle itself: create and start, pause and resume (one transition
+at a time per sandbox, one shared resume task), the one ending per sandbox (:meth:`end`),
+recovery, task-level operations, and the events subscribers watch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import copy
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from edge.admission import AccountingError, Admission, Capacity, Load
 from edge.backends.contract import (
-    AttachesGpus,
-    DiskUsage,
-    Executes,
     MemoryUsage,
     ModifiedFiles,
     NetworkPolicies,
@@ -36,53 +40,30 @@ from edge.backends.contract import (
     offers,
     require,
 )
-from edge.disk_guard import Allocations, DiskGuard
-from edge.model import EDGE_ID, LIVE_STATES, SANDBOX_ID, TERMINAL, SandboxRecord, SandboxSpec
+from edge.disk_guard import DiskGuard
+from edge.model import EDGE_ID, LIVE_STATES, TERMINAL, SandboxRecord, SandboxSpec
+from edge.reaper import Reaper
+from edge.records import RecordStore
 from libdsec.errors import (
     DSecError,
-    EdgeCapacity,
     FailedPrecondition,
     Internal,
     InvalidArgument,
-    NodeDiskLow,
-    NodeMemoryFull,
     SandboxNotFound,
     SandboxTerminated,
     Unavailable,
 )
 
+#: What other modules import from here (Capacity and AccountingError live in edge.admission).
+__all__ = ["ACTIONS", "ACT_CONCURRENCY", "AccountingError", "Capacity", "Load", "SandboxManager"]
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class AccountingError(RuntimeError):
-    """A release the edge's accounting cannot take (it would go below zero): a bug."""
-
-
-#: The oldest free-space sample admission decides on (see _fresh_disk_sample).
-DISK_SAMPLE_MAX_AGE_S = 0.02
 
 #: What act_on does to each sandbox of a task-level operation.
 ACTIONS = ("PAUSE", "RESUME", "STOP")
 #: Sandboxes one act_on works on at a time (each pause or stop is its own runtime call).
 ACT_CONCURRENCY = 8
-
-
-@dataclass(frozen=True)
-class Capacity:
-    cpu_millis: int
-    memory_mb: int
-    max_sandboxes: int
-    gpus: int = 0
-
-
-@dataclass(frozen=True)
-class Load:
-    sandboxes: int
-    cpu_millis: int
-    memory_mb: int
-    gpus: int
-    by_backend: dict[str, int]
 
 
 class SandboxManager:
@@ -101,17 +82,24 @@ class SandboxManager:
         if not EDGE_ID.match(edge_id):
             raise ValueError(f"edge id {edge_id!r} must match [a-z0-9]{{1,16}}")
         self.edge_id = edge_id
-        self.records_dir = state_dir / "sandboxes"
-        self.records_dir.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
+        #: The records on disk (recovery reads them back).
+        self.store = RecordStore(state_dir / "sandboxes")
         self.backends: dict[str, SandboxBackend] = {}
         for b in backends:
             check_declared(b)
             for kind in b.serves:
                 self.backends.setdefault(kind, b)
             b.set_exit_callback(self._on_backend_exit)
-        self.retention_s = terminated_retention_s
-        self.reap_interval_s = reap_interval_s
+        #: Capacity, accounting and the rules of a create.
+        self.admission = Admission(edge_id, capacity, self.backends, disk_guard)
+        #: TTL, idle and disk-reserve endings.
+        self.reaper = Reaper(
+            self,
+            terminated_retention_s=terminated_retention_s,
+            reap_interval_s=reap_interval_s,
+            disk_guard=disk_guard,
+            disk_check_interval_s=disk_check_interval_s,
+        )
         self.records: dict[str, SandboxRecord] = {}
         self._ready: dict[str, asyncio.Event] = {}
         self._subscribers: set[asyncio.Queue[SandboxRecord]] = set()
@@ -119,23 +107,6 @@ class SandboxManager:
         # the hot path of a burst does not copy records for them.
         self._end_subscribers: set[asyncio.Queue[SandboxRecord]] = set()
         self._background: set[asyncio.Task[None]] = set()
-        self._alloc_cpu = 0
-        self._alloc_mem = 0
-        self._alloc_gpu = 0
-        self._live = 0  # admitted and not yet terminated
-        # Live sandboxes per backend, project, principal and task.
-        self._counts: dict[str, dict[str, int]] = {
-            "backend": {},
-            "project": {},
-            "principal": {},
-            "task": {},
-        }
-        self.draining = False
-        #: Free-space reserve of the filesystems the edge writes (None: not watched).
-        self.disk_guard = disk_guard
-        self.disk_check_interval_s = disk_check_interval_s
-        self._disk_passes = 0
-        self._persist_failures = 0
         #: One pause or resume at a time per sandbox (a burst of calls to a paused sandbox
         #: resumes it once).
         self._transitions: dict[str, asyncio.Lock] = {}
@@ -143,20 +114,31 @@ class SandboxManager:
         self._resuming: dict[str, asyncio.Task[SandboxRecord]] = {}
         #: Sandboxes being ended: the one teardown each (see end()).
         self._endings: dict[str, asyncio.Task[None]] = {}
-        #: Releases that would have taken the accounting below zero (a bug; see _account).
+        #: Releases that would have taken the accounting below zero (a bug; see
+        #: Admission.account).
         self.accounting_errors = 0
+
+    @property
+    def capacity(self) -> Capacity:
+        return self.admission.capacity
+
+    @property
+    def draining(self) -> bool:
+        """A draining edge admits nothing new."""
+        return self.admission.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.admission.draining = value
 
     # ------------------------------------------------------------- queries
 
     def load(self) -> Load:
-        by_backend = dict(self._counts["backend"])
-        return Load(self._live, self._alloc_cpu, self._alloc_mem, self._alloc_gpu, by_backend)
+        return self.admission.load()
 
     def live_counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-        """Live sandboxes per project, per principal and per task (kept as they
-        change: the watcher asks twice a second, and an edge may hold thousands)."""
-        c = self._counts
-        return dict(c["project"]), dict(c["principal"]), dict(c["task"])
+        """Live sandboxes per project, per principal and per task (see Admission)."""
+        return self.admission.live_counts()
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         rec = self.records.get(sandbox_id)
@@ -205,111 +187,6 @@ class SandboxManager:
 
     # ----------------------------------------------------------- lifecycle
 
-    def _validate(self, sandbox_id: str, spec: SandboxSpec) -> None:
-        m = SANDBOX_ID.match(sandbox_id)
-        if not m or m.group(1) != self.edge_id:
-            raise InvalidArgument(
-                f"sandbox id {sandbox_id!r} does not belong to edge {self.edge_id}"
-            )
-        if spec.backend not in self.backends:
-            raise InvalidArgument(
-                f"edge {self.edge_id} does not offer backend {spec.backend}",
-                reason="BACKEND_NOT_OFFERED",
-            )
-        if spec.cpu_millis <= 0 or spec.memory_mb <= 0:
-            raise InvalidArgument("cpu_millis and memory_mb must be positive")
-        if spec.gpu_count:
-            # Admitted, GPUs would only be counted, never attached: refused until the backend
-            # offers them (UNIMPLEMENTED BACKEND_CAPABILITY, capability gpus).
-            require(self.backends[spec.backend], AttachesGpus)
-        reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
-        if reserved:
-            # aether and chronus take their settings (Landlock on, the channel's fd, ...) from
-            # DSEC_* variables: a caller must not be able to turn a control off through them.
-            raise InvalidArgument(
-                f"env {', '.join(reserved)}: names beginning with DSEC_ are reserved",
-                reason="RESERVED_ENV",
-                metadata={"field": "env"},
-            )
-
-    def _admit(self, spec: SandboxSpec) -> None:
-        self._check_disk()
-        cap = self.capacity
-        live = self._live
-        short = []
-        if self.draining:
-            short.append("edge is draining")
-        if live + 1 > cap.max_sandboxes:
-            short.append(f"sandboxes {live}+1 > {cap.max_sandboxes}")
-        if self._alloc_cpu + spec.cpu_millis > cap.cpu_millis:
-            short.append(f"cpu_millis {self._alloc_cpu}+{spec.cpu_millis} > {cap.cpu_millis}")
-        if self._alloc_mem + spec.memory_mb > cap.memory_mb:
-            short.append(f"memory_mb {self._alloc_mem}+{spec.memory_mb} > {cap.memory_mb}")
-        if self._alloc_gpu + spec.gpu_count > cap.gpus:
-            short.append(f"gpus {self._alloc_gpu}+{spec.gpu_count} > {cap.gpus}")
-        if short:
-            raise EdgeCapacity(
-                f"edge {self.edge_id} is full: " + "; ".join(short), metadata={"edge": self.edge_id}
-            )
-
-    async def _fresh_disk_sample(self) -> None:
-        """Admission decides on free space at most DISK_SAMPLE_MAX_AGE_S old (the guard's loop
-        samples every 0.25 s: a disk filled in between would admit a create that then fails
-        to start with ENOSPC). One statvfs per watched filesystem, in a thread."""
-        guard = self.disk_guard
-        if guard is not None and time.monotonic() - guard.sampled_at > DISK_SAMPLE_MAX_AGE_S:
-            await asyncio.to_thread(guard.sample)
-
-    def _check_disk(self) -> None:
-        guard = self.disk_guard
-        fs = guard.low() if guard is not None else None
-        if guard is not None and fs is not None:
-            reserve_mb = guard.reserve_bytes >> 20
-            raise NodeDiskLow(
-                f"edge {self.edge_id}: {fs.path} has {fs.free_mb} MiB free, below the "
-                f"reserve of {reserve_mb} MiB",
-                metadata={
-                    "edge": self.edge_id,
-                    "path": str(fs.path),
-                    "free_mb": str(fs.free_mb),
-                    "reserve_mb": str(reserve_mb),
-                },
-            )
-
-    def _account(self, rec: SandboxRecord, sign: int) -> None:
-        """A sandbox starts (+1) or stops (-1) holding capacity: allocation and counts. A
-        paused sandbox holds the memory its pause did not give back (released_mb)."""
-        spec = rec.spec
-        live = self._live + sign
-        cpu = self._alloc_cpu + sign * spec.cpu_millis
-        mem = self._alloc_mem + sign * (spec.memory_mb - rec.released_mb)
-        gpu = self._alloc_gpu + sign * spec.gpu_count
-        keys = [
-            (kind, key)
-            for kind, key in (
-                ("backend", spec.backend),
-                ("project", rec.project_id),
-                ("principal", rec.principal_id),
-                ("task", spec.task_id),
-            )
-            if key or kind != "task"
-        ]
-        c = self._counts
-        counts = [c[kind].get(key, 0) + sign for kind, key in keys]
-        if min(live, cpu, mem, gpu, *counts) < 0:
-            # Only a sandbox released twice gets here (a bug): nothing is changed, and the
-            # caller counts it (accounting_errors in GetNodeStatus, 0 in every test).
-            raise AccountingError(
-                f"releasing {rec.sandbox_id} would take the edge's accounting below zero "
-                f"(live {live}, cpu {cpu}, memory {mem}, gpus {gpu}, counts {counts})"
-            )
-        self._live, self._alloc_cpu, self._alloc_mem, self._alloc_gpu = live, cpu, mem, gpu
-        for (kind, key), left in zip(keys, counts, strict=True):
-            if left:
-                c[kind][key] = left
-            else:
-                c[kind].pop(key, None)
-
     async def create(
         self,
         sandbox_id: str,
@@ -325,18 +202,18 @@ class SandboxManager:
             if wait_ready:
                 await self._wait_ready(existing)
             return existing, True
-        self._validate(sandbox_id, spec)
+        self.admission.validate(sandbox_id, spec)
         # e.g. an unknown image fails here, fast
         await asyncio.to_thread(self.backends[spec.backend].validate, spec)
-        await self._fresh_disk_sample()
+        await self.admission.fresh_disk_sample()
         if sandbox_id in self.records:  # a concurrent retry got in first
             return await self.create(
                 sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
             )
-        self._admit(spec)
+        self.admission.admit(spec)
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
-        self._account(rec, +1)
+        self.admission.account(rec, +1)
         self._ready[sandbox_id] = asyncio.Event()
         self._changed(rec)
         task = asyncio.create_task(self._start(rec))
@@ -377,7 +254,7 @@ class SandboxManager:
                         await asyncio.to_thread(backend.validate, spec)
                     except DSecError as exc:
                         validated[key] = exc
-        await self._fresh_disk_sample()
+        await self.admission.fresh_disk_sample()
         for sandbox_id, spec in items:
             rec = self.records.get(sandbox_id)
             if rec is not None:
@@ -387,8 +264,8 @@ class SandboxManager:
             refusal = validated[id(spec)]
             if refusal is None:
                 try:
-                    self._validate(sandbox_id, spec)
-                    self._admit(spec)
+                    self.admission.validate(sandbox_id, spec)
+                    self.admission.admit(spec)
                 except DSecError as exc:
                     refusal = exc
             if refusal is not None:
@@ -398,7 +275,7 @@ class SandboxManager:
             # network policy), and must not change its batch-mates'.
             rec = SandboxRecord(sandbox_id, project_id, principal_id, copy.copy(spec), self.edge_id)
             self.records[sandbox_id] = rec
-            self._account(rec, +1)
+            self.admission.account(rec, +1)
             self._ready[sandbox_id] = asyncio.Event()
             self._changed(rec)
             fresh.append(rec)
@@ -471,7 +348,7 @@ class SandboxManager:
         if rec.live:
             await self.stop(sandbox_id, reason="STOPPED", message="deleted")
         self.records.pop(sandbox_id, None)
-        self._forget_file(sandbox_id)
+        self.store.forget(sandbox_id)
 
     def _transition(self, sandbox_id: str) -> asyncio.Lock:
         return self._transitions.setdefault(sandbox_id, asyncio.Lock())
@@ -502,8 +379,7 @@ class SandboxManager:
     def _paused(self, rec: SandboxRecord, outcome: PauseOutcome) -> None:
         held_mb = math.ceil(outcome.after.resident_bytes / (1 << 20))
         released = 0 if outcome.frozen_only else max(0, rec.spec.memory_mb - held_mb)
-        self._alloc_mem -= released
-        rec.released_mb = released
+        self.admission.give_back(rec, released)
         rec.memory = {
             **_memory_fields(outcome.after),
             "freed_bytes": outcome.freed_bytes,
@@ -530,22 +406,9 @@ class SandboxManager:
         async with self._transition(sandbox_id):
             if rec.state != "PAUSED":
                 return rec
-            need = rec.released_mb
-            free = self.capacity.memory_mb - self._alloc_mem
-            if need > free:
-                raise NodeMemoryFull(
-                    f"sandbox {sandbox_id} cannot resume on edge {self.edge_id} now: it needs "
-                    f"{need} MiB of memory back and the node's admission has {max(free, 0)} "
-                    f"MiB free; it stays PAUSED (nothing is lost)",
-                    metadata={
-                        "edge": self.edge_id,
-                        "need_mb": str(need),
-                        "free_mb": str(max(free, 0)),
-                    },
-                )
-            # Taken before the backend call, so concurrent resumes of others see it.
-            self._alloc_mem += need
-            rec.released_mb = 0
+            # Taken before the backend call, so concurrent resumes of others see it (if it
+            # does not fit: NodeMemoryFull, and the sandbox stays PAUSED).
+            need = self.admission.take_back(rec)
             try:
                 await pausable.resume(rec)
             except ResumeFailed as exc:
@@ -556,8 +419,7 @@ class SandboxManager:
                 raise  # (not reached)
             except BaseException:
                 if rec.state == "PAUSED":  # still ours to account (not ended meanwhile)
-                    self._alloc_mem -= need
-                    rec.released_mb = need
+                    self.admission.give_back(rec, need)
                 raise
             rec.memory = {}
             rec.last_active_at = time.time()
@@ -691,7 +553,7 @@ class SandboxManager:
             log.error("destroy of %s failed (will retry at orphan cleanup): %s", sid, exc)
         rec.terminated_at = time.time()
         try:
-            self._account(rec, -1)
+            self.admission.account(rec, -1)
         except AccountingError as exc:
             self.accounting_errors += 1
             log.error("%s", exc, extra={"sandbox_id": sid})
@@ -736,130 +598,28 @@ class SandboxManager:
             return
         await self.end(rec, reason, message)
 
-    # -------------------------------------------------------------- reaper
+    # ------------------------------------------- TTL, idle, disk reserve (edge.reaper)
 
     async def reap_once(self, now: float | None = None) -> builtins.list[str]:
         """Stops sandboxes past TTL or idle timeout; forgets old terminated records."""
-        now = time.time() if now is None else now
-        reaped = []
-        for rec in list(self.records.values()):
-            if rec.state == TERMINAL:
-                if rec.terminated_at and now - rec.terminated_at > self.retention_s:
-                    self.records.pop(rec.sandbox_id, None)
-                    self._forget_file(rec.sandbox_id)
-                continue
-            if rec.state not in ("RUNNING", "PAUSED"):
-                continue
-            if now >= rec.expires_at:
-                await self.stop(rec.sandbox_id, reason="TTL", grace_s=1.0)
-                reaped.append(rec.sandbox_id)
-            elif (
-                rec.spec.idle_timeout_s
-                and rec.state == "RUNNING"
-                and now - rec.last_active_at >= rec.spec.idle_timeout_s
-            ):
-                if self._calls_in_flight(rec):
-                    # A call under way (a long command, a stream, an open watch) is activity:
-                    # the idle time counts from its end.
-                    rec.last_active_at = now
-                    continue
-                await self.stop(rec.sandbox_id, reason="IDLE", grace_s=1.0)
-                reaped.append(rec.sandbox_id)
-        return reaped
-
-    def _calls_in_flight(self, rec: SandboxRecord) -> bool:
-        backend = self.backend_of(rec)
-        if not offers(backend, Executes):
-            return False
-        try:
-            channel = require(backend, Executes).channel(rec)
-        except DSecError:
-            return False  # no channel now (reconnecting): nothing under way on it
-        return bool(getattr(channel, "open_calls", 0))
+        return await self.reaper.reap_once(now)
 
     async def reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.reap_interval_s)
-            await self.reap_once()
-
-    # ------------------------------------------------------------ disk reserve
-
-    def _disk_allocations(self) -> Allocations:
-        """Per live sandbox, the bytes it holds on which filesystem (blocking)."""
-        out: Allocations = {}
-        for b in {id(b): b for b in self.backends.values()}.values():
-            if offers(b, DiskUsage):
-                out.update(require(b, DiskUsage).disk_allocations())
-        return out
+        await self.reaper.reap_loop()
 
     async def disk_guard_once(self) -> str | None:
-        """One pass of the free-space reserve (see edge.disk_guard): returns the sandbox it
-        ended, if any."""
-        guard = self.disk_guard
-        if guard is None:
-            return None
-        filesystems = await asyncio.to_thread(guard.sample)
-        fs = guard.low()
-        self._disk_passes += 1
-        near = any(f.free_bytes < 2 * guard.reserve_bytes for f in filesystems)
-        if fs is None and not near and self._disk_passes % 8:
-            return None  # allocations are sampled every 8th pass while there is room
-        allocations = await asyncio.to_thread(self._disk_allocations)
-        if fs is None:
-            guard.remember(allocations)
-            return None
-        sid = guard.fastest_writer(fs, allocations)
-        if sid is None or sid not in self.records or not self.records[sid].live:
-            if self._disk_passes % 40 == 1:
-                log.warning(
-                    "%s has %d MiB free, below the reserve of %d MiB, and no sandbox is "
-                    "writing there: creates are refused until space is back",
-                    fs.path,
-                    fs.free_mb,
-                    guard.reserve_bytes >> 20,
-                )
-            return None
-        used_mb = allocations[sid][1] >> 20
-        log.warning(
-            "%s below its reserve (%d MiB free): ending %s, the fastest writer (%d MiB)",
-            fs.path,
-            fs.free_mb,
-            sid,
-            used_mb,
-            extra={"sandbox_id": sid, "reason": "DISK_QUOTA"},
-        )
-        await self.stop(
-            sid,
-            reason="DISK_QUOTA",
-            message=(
-                f"the node's disk ({fs.path}) fell below its free-space reserve "
-                f"({fs.free_mb} MiB free) while this sandbox was writing fastest "
-                f"({used_mb} MiB in its writable layer)"
-            ),
-            grace_s=0.0,
-        )
-        await asyncio.to_thread(guard.sample)  # its space is back: admission sees it at once
-        return sid
+        """One pass of the free-space reserve: returns the sandbox it ended, if any."""
+        return await self.reaper.disk_guard_once()
 
     async def disk_guard_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.disk_check_interval_s)
-            try:
-                await self.disk_guard_once()
-            except Exception:
-                log.exception("disk guard pass failed")
+        await self.reaper.disk_guard_loop()
 
     # ------------------------------------------------------------ recovery
 
     async def recover(self) -> None:
         """After a restart: re-adopt live sandboxes from disk, clean up orphans."""
         keep: set[str] = set()
-        for path in sorted(self.records_dir.glob("*.json")):
-            try:
-                rec = SandboxRecord.from_json(path.read_text())
-            except Exception as exc:
-                log.error("unreadable sandbox record %s: %s", path, exc)
-                continue
+        for rec in self.store.read_all():
             backend = self.backends.get(rec.spec.backend)
             if backend is None:
                 continue
@@ -867,10 +627,10 @@ class SandboxManager:
             if rec.live and rec.state == "STOPPING" and rec.termination_reason:
                 # The previous edge was ending it: the teardown is finished, with that reason
                 # (the first reason wins, across a restart too).
-                self._account(rec, +1)
+                self.admission.account(rec, +1)
                 await self.end(rec, rec.termination_reason, rec.termination_message)
             elif rec.live:
-                self._account(rec, +1)
+                self.admission.account(rec, +1)
                 adopted = False
                 try:
                     adopted = await backend.adopt(rec)
@@ -902,7 +662,7 @@ class SandboxManager:
         # STARTING is not written: recovery treats it as PENDING (no runtime state yet either
         # way), and each write is a new inode (tmp + rename) in the event loop's thread.
         if self.backend_of(rec).persistent and rec.state != "STARTING":
-            self._persist(rec)
+            self.store.write(rec)
         subscribers = self._subscribers
         if rec.state == TERMINAL and self._end_subscribers:
             subscribers = subscribers | self._end_subscribers
@@ -916,37 +676,6 @@ class SandboxManager:
                 # A subscriber that cannot keep up is dropped, not waited on.
                 self._subscribers.discard(q)
                 self._end_subscribers.discard(q)
-
-    def _persist(self, rec: SandboxRecord) -> None:
-        """Write the record (tmp + rename). Never raises: on a full disk (or any write error)
-        the sandbox's life goes on — a teardown above all — with the record as it was; a
-        terminated sandbox whose record cannot be written loses its file instead, so that
-        recovery never re-adopts what was torn down (orphan cleanup removes any leftovers)."""
-        path = self.records_dir / f"{rec.sandbox_id}.json"
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(rec.to_json())
-            os.replace(tmp, path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            if rec.state == TERMINAL:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            self._persist_failures += 1
-            if self._persist_failures in (1, 10, 100) or self._persist_failures % 1000 == 0:
-                log.error(
-                    "cannot write the record of %s (%s; %d failed writes so far): going on "
-                    "without it",
-                    rec.sandbox_id,
-                    exc.strerror or exc,
-                    self._persist_failures,
-                    extra={"sandbox_id": rec.sandbox_id},
-                )
-
-    def _forget_file(self, sandbox_id: str) -> None:
-        with contextlib.suppress(OSError):
-            (self.records_dir / f"{sandbox_id}.json").unlink(missing_ok=True)
 
     def subscribe(
         self, maxsize: int = 10_000, *, terminal_only: bool = False

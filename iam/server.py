@@ -11,18 +11,7 @@ from dsec.iam.v1 import iam_pb2  # noqa: F401  (registers the service descriptor
 from iam.config import IamConfig
 from iam.domain import Iam
 from iam.servicer import IamServicer
-from iam.store import IamStore, SqliteIamStore
-
-
-def open_store(database: str) -> IamStore:
-    """The store for ``DSEC_IAM_DATABASE``: ``sqlite:<path>`` or ``postgresql://...``."""
-    if database.startswith("sqlite:"):
-        return SqliteIamStore(database.removeprefix("sqlite:"))
-    if database.startswith(("postgresql://", "postgres://")):
-        from iam.store_pg import PostgresIamStore  # psycopg is needed only here
-
-        return PostgresIamStore(database)
-    raise ValueError(f"unsupported IAM database {database!r}")
+from iam.store import open_store
 
 
 def build(cfg: IamConfig) -> tuple[GrpcServer, Iam]:

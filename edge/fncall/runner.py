@@ -1,15 +1,29 @@
 """The FnCall runner: pid 1 of a warm-pool container. Standard library only.
 
 It runs on the image's own Python (``/usr/bin/python3 -B /.dsec/runner.py``; the edge mounts
-this file and ``wire.py`` read-only at /.dsec) and talks to the edge over the socket the edge
-passed as fd 3. No aether, no chronus: one request at a time, each a job.
+the runner kit, this file and the modules it imports, read-only at /.dsec) and talks to the edge
+over the socket the edge passed as fd 3. No aether, no chronus: one request at a time, each a job.
+
+The kit (``edge.fncall.service.KIT_FILES``), one idea per module:
+
+- ``runner.py``: the channel, the warm-up, and each job's cycle (prepare, run under its limits,
+  clean up) below;
+- ``runner_spares.py``: the job processes forked ahead of their jobs, from this lean
+  interpreter or from the zygote that imported the preloads;
+- ``runner_job.py``: what a spare does from its fork to the job's code;
+- ``runner_files.py``: the job directory's files, emptied and read back without following a
+  link;
+- ``wire.py``: the frames on the channel.
+
+(Named ``runner_*`` so as not to hide a job's own modules: a Python job runs in this
+interpreter, whose ``sys.modules`` holds ours.)
 
 Per job:
 
 1. an empty job directory ``/job`` (mode 0700, owned by the job uid) with the job's files;
 2. the job's process was forked before the job came (a "spare"; several are forked back to
-   back, see SPARES): its own session, stdio and RLIMIT_CORE 0, still root while it waits.
-   On the job's parameters (and its stdin, in a memfd) it takes oom_score_adj 1000 (the
+   back, see runner_spares.SPARES): its own session, stdio and RLIMIT_CORE 0, still root while
+   it waits. On the job's parameters (and its stdin, in a memfd) it takes oom_score_adj 1000 (the
    kernel's OOM killer picks the job, never the runner or an idle spare), the unprivileged
    job uid (RLIMIT_NPROC applies, nothing outside /job and the scratch dirs is writable),
    RLIMIT_FSIZE and RLIMIT_STACK, joins the step's memory cgroup (the job's memory limit),
@@ -22,8 +36,8 @@ Per job:
 5. afterwards, before answering: SIGKILL, as root, to every process in the container but the
    runner and the idle spares (the job's, orphans included) until none is left, reap,
    read the files the job asked back (``fetch``: regular files only, never through a
-   symlink, bounded; see `_fetch`), empty /job and the world-writable scratch dirs, and
-   check that no SysV IPC object survived. Anything unexpected is reported as an `anomaly`
+   symlink, bounded; see `runner_files.fetch`), empty /job and the world-writable scratch
+   dirs, and check that no SysV IPC object survived. Anything unexpected is reported as an `anomaly`
    and the edge recycles the container. When the spares are used up, the next batch is
    forked.
 
@@ -38,33 +52,33 @@ not counted in it.
 from __future__ import annotations
 
 import atexit
-import builtins
 import contextlib
 import errno
 import fcntl
 import gc
-import json
 import os
-import resource
 import select
 import signal
 import socket
 import stat
 import sys
 import time
-import types
-
-try:  # the edge imports this module from the package; the container runs it from /.dsec
-    from edge.fncall import wire
-except ImportError:  # pragma: no cover - inside the container
-    import wire  # type: ignore[no-redef]
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what mypy reads: the package
     from typing import Any
 
+    from edge.fncall import runner_files, runner_job, runner_spares, wire
+else:
+    try:  # the edge imports these from the package; the container runs them from /.dsec
+        from edge.fncall import runner_files, runner_job, runner_spares, wire
+    except ImportError:  # pragma: no cover - inside the container
+        import runner_files
+        import runner_job
+        import runner_spares
+        import wire
+
 CONTROL_FD = 3
-JOB_DIR = "/job"
 CPUACCT = "/sys/fs/cgroup/cpuacct/cpuacct.usage"
 #: Tasks in the container's pids cgroup: after a job, the runner and the idle spares alone
 #: mean no process of the job is left, and /proc need not be listed.
@@ -77,27 +91,11 @@ DRAIN_GRACE_S = 0.05
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm", "/dev/mqueue")
 SYSV_IPC = ("/proc/sysvipc/shm", "/proc/sysvipc/sem", "/proc/sysvipc/msg")
 READ_CHUNK = 65536
-#: Spares forked back to back. After a fork, every page the runner writes is a copy-on-write
-#: fault (measured: ~300 per job cycle, about half the runner's CPU per job). Those faults
-#: come once per fork *batch*, not per job: the runner's working set is copied once, and the
-#: next forks come only when the batch is used up. Each idle spare costs a pids slot (the edge
-#: adds them to the container's limit) and little memory (its pages are shared).
-SPARES = 4
-#: The step memory cgroups (their `tasks` files, passed by the edge as the channel's first
-#: message) in the order of the "cgroups" message; a step's process joins the one its request
-#: names. The runner keeps them at descriptors >= CGROUP_FD_MIN, a spare at fds 4 and 5 until
-#: it has joined (then closes them: the job never holds them).
-STEP_CGROUPS = ("job", "compile")
-CGROUP_FD_MIN = 900
-SPARE_CGROUP_FD = 4
-#: A spare that could not join its step's memory cgroup says so on its control socket (and
-#: exits 127 without running anything): the runner reports it as an anomaly.
-CGROUP_REFUSED = b"!cgroup "
-#: Sent by the edge (from the host) to pid 1 when the caller of the running job went away.
-ABORT_SIGNAL = signal.SIGUSR1
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-MADV_COLLAPSE = 25
+JOB_DIR = runner_job.JOB_DIR
+STEP_CGROUPS = runner_job.STEP_CGROUPS
+#: Sent by the edge (from the host) to pid 1 when the caller of the running job went away
+#: (edge.fncall.pool imports it from here).
+ABORT_SIGNAL = runner_job.ABORT_SIGNAL
 
 
 class Runner:
@@ -119,13 +117,13 @@ class Runner:
         self.aborted = False
         # The edge's "the caller gave up": kill the running job now, free the container.
         signal.signal(ABORT_SIGNAL, self._abort)
-        self.spare_count = SPARES
+        self.spare_count = runner_spares.SPARES
         #: Spares forked from this (lean) interpreter: jobs that need none of the preloads,
         #: and every exec()ed program.
-        self.lean = _LocalSpares(self)
+        self.lean = runner_spares.LocalSpares(self)
         #: The spares of the warm interpreter with the environment's preloads (the zygote, a
         #: child of ours), for Python jobs whose sources name a preloaded module.
-        self.warm_spares: _ZygoteSpares | None = None
+        self.warm_spares: runner_spares.ZygoteSpares | None = None
         self.preload_names: tuple[bytes, ...] = ()
         # /job stays; only its contents come and go (the edge mounts a tmpfs there; without
         # one it is a directory of the overlay, where creating and removing a directory per
@@ -133,10 +131,10 @@ class Runner:
         # busy: measured rmdir 0.6-11 ms).
         if os.path.ismount(JOB_DIR):
             for name in os.listdir(JOB_DIR):
-                _remove_tree(f"{JOB_DIR}/{name}")
+                runner_files.remove_tree(f"{JOB_DIR}/{name}")
             os.chmod(JOB_DIR, 0o700)
         else:
-            _remove_tree(JOB_DIR)
+            runner_files.remove_tree(JOB_DIR)
             os.mkdir(JOB_DIR, 0o700)
         self.cpuacct = _open_quietly(CPUACCT)
         self.pids_current = _open_quietly(PIDS_CURRENT)
@@ -194,7 +192,7 @@ class Runner:
             if len(fds) != len(STEP_CGROUPS):
                 raise wire.WireError(f"{len(fds)} step cgroups, not {len(STEP_CGROUPS)}")
             self.cgroup_fds = tuple(
-                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, CGROUP_FD_MIN) for fd in fds
+                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, runner_job.CGROUP_FD_MIN) for fd in fds
             )
         finally:
             for fd in fds:
@@ -244,7 +242,7 @@ class Runner:
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # a file past RLIMIT_FSIZE kills the job
         sys.stdout.flush()
         sys.stderr.flush()
-        stdio = _make_stdio()
+        stdio = runner_job.make_stdio()
         sys.stdin, sys.stdout, sys.stderr = stdio
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio  # type: ignore[misc]
         atexit._clear()  # a job starts with no exit handlers, like python3
@@ -259,9 +257,9 @@ class Runner:
             # loaded 0.40 + 0.82 ms per job, without 0.16 + 0.47 ms), and most Python jobs
             # never import the preloads. So this runner stays lean and a child of it, the
             # zygote, imports them and forks the spares of the jobs that name them.
-            zygote, ready = _Zygote.start(preload, self.job_uid, self.cgroup_fds)
+            zygote, ready = runner_spares.Zygote.start(preload, self.job_uid, self.cgroup_fds)
             if zygote is not None:
-                self.warm_spares = _ZygoteSpares(self, zygote)
+                self.warm_spares = runner_spares.ZygoteSpares(self, zygote)
                 self.preload_names = tuple({n.split(".")[0].encode() for n in preload})
         self.fork_spares()
         ready["warm_s"] = time.perf_counter() - t0
@@ -269,7 +267,7 @@ class Runner:
 
     # ---------------------------------------------------------------- run
 
-    def _spares_for(self, req: dict[str, Any]) -> _Spares:
+    def _spares_for(self, req: dict[str, Any]) -> runner_spares.Spares:
         """The zygote's spares for a Python job whose .py files name a preloaded module (even
         in a comment: a false positive costs a little, a miss only the module's import; data
         files are not searched)."""
@@ -292,7 +290,7 @@ class Runner:
             spare = self._spares_for(req).take()
             data = req.get("stdin", b"")
             if data:
-                _write_all(spare.stdin, data)
+                runner_files.write_all(spare.stdin, data)
                 os.lseek(spare.stdin, 0, os.SEEK_SET)  # the offset is shared with the job's fd 0
         except Exception as exc:  # a broken container, not a broken job
             self._drop_spares()
@@ -337,7 +335,7 @@ class Runner:
             path = f"{JOB_DIR}/{rel}"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                _write_all(fd, req.get(f"file{i}", b""))
+                runner_files.write_all(fd, req.get(f"file{i}", b""))
                 os.fchown(fd, uid, uid)
                 os.fchmod(fd, int(f.get("mode", 0o644)) & 0o777)
             finally:
@@ -346,7 +344,7 @@ class Runner:
     # -------------------------------------------------------------- spare
 
     def fork_spares(self) -> None:
-        """Refills every kind of spare whose batch is used up (see _LocalSpares)."""
+        """Refills every kind of spare whose batch is used up (see runner_spares.LocalSpares)."""
         self.lean.fork_batch()
         if self.warm_spares is not None:
             self.warm_spares.fork_batch()
@@ -356,11 +354,11 @@ class Runner:
         if self.warm_spares is not None:
             self.warm_spares.drop()
 
-    def _all_spares(self) -> list[Spare]:
+    def _all_spares(self) -> list[runner_spares.Spare]:
         warm = self.warm_spares.spares if self.warm_spares is not None else []
         return [*self.lean.spares, *warm]
 
-    def _execute(self, req: dict[str, Any], spare: Spare) -> dict[str, Any]:
+    def _execute(self, req: dict[str, Any], spare: runner_spares.Spare) -> dict[str, Any]:
         wall_s = float(req["wall_s"])
         cpu_s = float(req["cpu_s"])
         limit = int(req["max_output"])
@@ -464,7 +462,9 @@ class Runner:
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 127:
             with contextlib.suppress(OSError):
                 note = spare.sock.recv(512, socket.MSG_DONTWAIT)
-                if note.startswith(CGROUP_REFUSED):  # it ran nothing: the platform failed
+                if note.startswith(
+                    runner_job.CGROUP_REFUSED
+                ):  # it ran nothing: the platform failed
                     return {"anomaly": note[1:].decode(errors="replace")}
         if self.aborted and not killed:
             killed = "cancelled"
@@ -485,7 +485,7 @@ class Runner:
             result["full"] = _full_tmpfs()
         collect = req.get("collect")
         if collect and not killed and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            result["artifact"] = _read_regular(
+            result["artifact"] = runner_files.read_regular(
                 f"{JOB_DIR}/{collect}", int(req.get("collect_max", 64 << 20))
             )
         return result
@@ -505,7 +505,7 @@ class Runner:
             if not left:
                 break
             for pid in left:
-                _kill_quietly(pid)
+                runner_spares.kill_quietly(pid)
             if time.monotonic() > deadline:
                 problems.append("processes survived SIGKILL for 2 s")
                 break
@@ -518,11 +518,11 @@ class Runner:
                     p: "the job's processes could not be stopped" for p in fetch
                 }
             else:
-                _fetch(fetch, req, result)
+                runner_files.fetch(JOB_DIR, fetch, req, result)
         try:
             os.chmod(JOB_DIR, 0o700)  # the job may have made it unreadable even for us
             for name in os.listdir(JOB_DIR):
-                _remove_tree(f"{JOB_DIR}/{name}")
+                runner_files.remove_tree(f"{JOB_DIR}/{name}")
         except OSError as exc:
             problems.append(f"cannot empty {JOB_DIR}: {exc}")
         for d, keep in self.scratch.items():
@@ -536,7 +536,7 @@ class Runner:
                 if name in keep:
                     continue
                 try:
-                    _remove_tree(f"{d}/{name}")
+                    runner_files.remove_tree(f"{d}/{name}")
                 except OSError as exc:
                     problems.append(f"cannot remove {d}/{name}: {exc}")
         for fd in self.sysv_fds:
@@ -586,498 +586,6 @@ class Runner:
         return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in mine]
 
 
-class _Spares:
-    """Forked job processes waiting for a job, of one parent; refilled a batch at a time."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self.spares: list[Spare] = []  # forked, waiting for a job; taken from the front
-
-    def fork_batch(self) -> None:
-        raise NotImplementedError
-
-    def reap(self, pid: int) -> tuple[int, Any]:
-        """The wait status and rusage of spare `pid`, once it has exited."""
-        raise NotImplementedError
-
-    def _bury(self, spare: Spare) -> None:
-        """A dead or dropped spare is gone from the list: its zombie is its parent's."""
-
-    def take(self) -> Spare:
-        while self.spares:
-            spare = self.spares.pop(0)
-            if not select.select([spare.pidfd], [], [], 0)[0]:
-                return spare
-            # It died (the OOM killer? killed from outside?): the next one.
-            spare.close()
-            self._bury(spare)
-        self.fork_batch()
-        return self.spares.pop(0)
-
-    def drop(self) -> None:
-        spares, self.spares = self.spares, []
-        for spare in spares:
-            _kill_quietly(spare.pid)
-            spare.close()
-            self._bury(spare)
-
-
-class _LocalSpares(_Spares):
-    """Spares forked from the runner itself, in batches (see SPARES). Dead ones are reaped
-    with the job's orphans after each job (we are their parent)."""
-
-    def fork_batch(self) -> None:
-        """Fork the next jobs' processes now, while no job waits: fork itself (copying the
-        interpreter's page tables) and the job-independent set-up (session, limits, stdio)
-        then cost the next job no latency. Only when the last batch is used up, and
-        `spare_count` at once (see SPARES). Each waits for its job on a socketpair; its stdin
-        is a memfd the runner fills when the job comes."""
-        if self.spares:
-            return
-        ends = _spare_ends(self.runner.spare_count)
-        # The spares must not inherit the runner's handler (its Python code would run in the
-        # job): with the default disposition they start without it, and the signal, if the
-        # edge sends it now, is dropped by the kernel (pid 1 of a pid namespace, no handler):
-        # no job is running, so it has nothing to abort.
-        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)
-        pids: list[int] = []
-        try:
-            pids = _fork_batch(
-                [e.child_fds() for e in ends],
-                self.runner.job_uid,
-                None,
-                False,
-                self.runner.cgroup_fds,
-            )
-        finally:
-            signal.signal(ABORT_SIGNAL, self.runner._abort)
-            self.spares += _keep(ends, pids, self)
-
-    def reap(self, pid: int) -> tuple[int, Any]:
-        _, status, rusage = os.wait4(pid, 0)
-        return status, rusage
-
-
-class _Usage:
-    """The fields of a struct rusage the runner uses, as the zygote reports them."""
-
-    def __init__(self, utime: float, stime: float, maxrss: int) -> None:
-        self.ru_utime, self.ru_stime, self.ru_maxrss = utime, stime, maxrss
-
-
-class _Zygote:
-    """The runner's child that imported the environment's preloads and forks spares from
-    that warm interpreter on request. Its spares are its children, so it reaps them and
-    reports how each ended. The channel is a SOCK_SEQPACKET socketpair (one JSON message
-    each way per request; a fork request carries the spares' descriptors)."""
-
-    def __init__(self, pid: int, sock: socket.socket) -> None:
-        self.pid = pid
-        self.sock = sock
-
-    @classmethod
-    def start(
-        cls, preload: list[str], uid: int, cgroup_fds: tuple[int, ...]
-    ) -> tuple[_Zygote | None, dict[str, Any]]:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child never returns
-            mine.close()
-            _zygote_main(theirs, preload, uid, cgroup_fds)
-        theirs.close()
-        zygote = cls(pid, mine)
-        try:
-            ready = zygote.receive()
-        except (OSError, ValueError) as exc:
-            ready = {"ok": False, "error": f"the warm interpreter did not start: {exc!r}"}
-        if not ready.get("ok"):
-            _kill_quietly(pid)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            mine.close()
-            return None, ready
-        return zygote, ready
-
-    def request(self, message: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
-        data = json.dumps(message).encode()
-        try:
-            if fds:
-                socket.send_fds(self.sock, [data], fds)
-            else:
-                self.sock.send(data)
-        except OSError as exc:
-            raise ConnectionError(f"the warm interpreter (zygote) is gone: {exc}") from exc
-        return self.receive()
-
-    def receive(self) -> dict[str, Any]:
-        try:
-            data = self.sock.recv(65536)
-        except OSError as exc:
-            raise ConnectionError(f"the warm interpreter (zygote) is gone: {exc}") from exc
-        if not data:
-            raise ConnectionError("the warm interpreter (zygote) is gone")
-        reply = json.loads(data)
-        if not isinstance(reply, dict):
-            raise ValueError("bad reply from the zygote")
-        return reply
-
-
-class _ZygoteSpares(_Spares):
-    """Spares forked by the zygote (the same batches as _LocalSpares), reaped through it."""
-
-    def __init__(self, runner: Runner, zygote: _Zygote) -> None:
-        super().__init__(runner)
-        self.zygote = zygote
-
-    def fork_batch(self) -> None:
-        if self.spares:
-            return
-        ends = _spare_ends(self.runner.spare_count)
-        pids: list[int] = []
-        try:
-            reply = self.zygote.request({"op": "fork"}, [fd for e in ends for fd in e.child_fds()])
-            pids = [int(p) for p in reply.get("pids", [])]
-            if not pids:
-                raise OSError(errno.EAGAIN, f"the zygote forked nothing: {reply.get('error')}")
-        finally:
-            self.spares += _keep(ends, pids, self)
-
-    def reap(self, pid: int) -> tuple[int, Any]:
-        r = self.zygote.request({"op": "reap", "pid": pid})
-        if r.get("status") is None:
-            raise ChildProcessError(f"the zygote has no child {pid}")
-        return int(r["status"]), _Usage(float(r["utime"]), float(r["stime"]), int(r["maxrss"]))
-
-    def _bury(self, spare: Spare) -> None:
-        with contextlib.suppress(OSError, ValueError):  # ChildProcessError is an OSError
-            self.reap(spare.pid)
-
-
-def _spare_ends(n: int) -> list[_SpareEnds]:
-    """Descriptors for up to `n` spares (at least one, or OSError): made before any fork."""
-    ends = []
-    try:
-        for _ in range(n):
-            ends.append(_SpareEnds())
-    except OSError:
-        if not ends:
-            raise
-    return ends
-
-
-def _keep(ends: list[_SpareEnds], pids: list[int], source: _Spares) -> list[Spare]:
-    """After a batch: drop our copies of the child ends (the spare holds its own: EOF when
-    it is done) and make the Spares of the forked ones; close the rest."""
-    out = []
-    for i, e in enumerate(ends):
-        e.close_child_ends()
-        if i < len(pids):
-            out.append(e.spare(pids[i], source))
-        else:
-            e.close()
-    return out
-
-
-def _fork_batch(
-    children: list[tuple[int, int, int, int]],
-    uid: int,
-    seeder: _NumpySeeder | None,
-    reseed_numpy: bool,
-    cgroup_fds: tuple[int, ...],
-) -> list[int]:
-    """Forks one spare per (ctl, stdin, stdout, stderr) back to back; their pids (fewer
-    than asked when a fork fails after the first, e.g. at the pids limit).
-
-    Everything the batch needs is made before the first fork: after a fork every page this
-    process writes is a copy, so between two forks it writes as few as it can."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if seeder is not None:
-        seeder.prepare(len(children))
-    lean = _lean_after_fork()
-    pids: list[int] = []
-    try:
-        for i, (ctl, stdin, out_w, err_w) in enumerate(children):
-            if seeder is not None:
-                seeder.seed(i)
-            try:
-                pid = os.fork()
-            except OSError:
-                if not pids:
-                    raise
-                break  # e.g. the pids limit: run with what we have
-            if pid == 0:  # pragma: no cover - the child never returns
-                _spare(ctl, stdin, out_w, err_w, uid, reseed_numpy, cgroup_fds)
-            pids.append(pid)
-    finally:
-        if lean:
-            _real_after_fork()
-    return pids
-
-
-def _zygote_main(
-    sock: socket.socket, preload: list[str], uid: int, cgroup_fds: tuple[int, ...]
-) -> None:  # pragma: no cover
-    """The zygote: import the preloads once, then fork spares and reap them on request.
-
-    It runs as little Python as it can between forks (its pages are the spares' pages: each
-    one it writes is a copy), and nothing of the job: the runner does all the rest."""
-    try:
-        signal.signal(ABORT_SIGNAL, signal.SIG_DFL)  # the edge signals the runner, not us
-        # Of the runner's descriptors only stdio stays: above all not its channel to the edge
-        # (the edge must see EOF when the runner dies).
-        # The step cgroups' descriptors stay (its spares join one), at CGROUP_FD_MIN and up.
-        os.closerange(3, sock.fileno())
-        os.closerange(sock.fileno() + 1, CGROUP_FD_MIN)
-        os.closerange(max(cgroup_fds, default=CGROUP_FD_MIN - 1) + 1, 1 << 20)
-        failed = []
-        for name in preload:
-            try:
-                __import__(name)
-            except Exception as exc:  # reported; the edge decides whether the pool is usable
-                failed.append(f"{name}: {exc!r}")
-        seeder = _NumpySeeder.for_numpy()
-        reseed = seeder is None and "numpy.random" in sys.modules
-        gc.collect()
-        gc.freeze()
-        huge = _use_huge_pages()
-        sock.send(
-            json.dumps(
-                {
-                    "ok": not failed,
-                    "error": "; ".join(failed),
-                    "modules": len(sys.modules),
-                    "huge_pages": huge,
-                }
-            ).encode()
-        )
-        while True:
-            data, fds, _, _ = socket.recv_fds(sock, 65536, 4 * 32)
-            if not data:
-                break
-            req = json.loads(data)
-            reply: dict[str, Any]
-            if req.get("op") == "fork":
-                groups = [tuple(fds[i : i + 4]) for i in range(0, len(fds) - 3, 4)]
-                try:
-                    reply = {"pids": _fork_batch(groups, uid, seeder, reseed, cgroup_fds)}  # type: ignore[arg-type]
-                except OSError as exc:
-                    reply = {"pids": [], "error": str(exc)}
-            elif req.get("op") == "reap":
-                try:
-                    _, status, ru = os.wait4(int(req["pid"]), 0)
-                    reply = {
-                        "status": status,
-                        "utime": ru.ru_utime,
-                        "stime": ru.ru_stime,
-                        "maxrss": ru.ru_maxrss,
-                    }
-                except ChildProcessError:
-                    reply = {"status": None}
-            else:
-                reply = {"error": f"unknown op {req.get('op')!r}"}
-            for fd in fds:
-                _close_quietly(fd)
-            sock.send(json.dumps(reply).encode())
-    except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            print(f"fncall zygote: {exc!r}", file=sys.stderr)
-    os._exit(0)
-
-
-class _SpareEnds:
-    """The descriptors of one spare to be: its stdio pipes, stdin memfd and control socket.
-    Every spare closes all it inherits but its own (closerange) before it waits for a job."""
-
-    def __init__(self) -> None:
-        fds: list[int] = []
-        try:
-            self.out_r, self.out_w = os.pipe2(os.O_CLOEXEC)
-            fds += [self.out_r, self.out_w]
-            self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
-            fds += [self.err_r, self.err_w]
-            self.stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
-            fds.append(self.stdin)
-            self.mine, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError:
-            for fd in fds:
-                os.close(fd)
-            raise
-
-    def close_child_ends(self) -> None:
-        for fd in (self.out_w, self.err_w):
-            _close_quietly(fd)
-        self.theirs.close()
-
-    def child_fds(self) -> tuple[int, int, int, int]:
-        """What the spare keeps: its control socket, stdin, stdout and stderr."""
-        return self.theirs.fileno(), self.stdin, self.out_w, self.err_w
-
-    def spare(self, pid: int, source: _Spares) -> Spare:
-        return Spare(pid, os.pidfd_open(pid), self.mine, self.stdin, self.out_r, self.err_r, source)
-
-    def close(self) -> None:
-        for fd in (self.out_r, self.err_r, self.stdin):
-            _close_quietly(fd)
-        self.mine.close()
-
-
-class Spare:
-    """The pre-forked process of the next job and the runner's ends of its stdio."""
-
-    def __init__(
-        self,
-        pid: int,
-        pidfd: int,
-        sock: socket.socket,
-        stdin: int,
-        out_r: int,
-        err_r: int,
-        source: _Spares,
-    ) -> None:
-        self.source = source  # who forked it, and so who reaps it
-        self.pid = pid
-        self.pidfd = pidfd
-        self.sock = sock
-        self.stdin = stdin
-        self.out_r = out_r
-        self.err_r = err_r
-
-    def close(self) -> None:
-        for fd in (self.pidfd, self.stdin, self.out_r, self.err_r):
-            _close_quietly(fd)
-        self.sock.close()
-
-
-# ---------------------------------------------------------------- the child
-
-
-def _spare(
-    ctl: int,
-    stdin: int,
-    out_w: int,
-    err_w: int,
-    uid: int,
-    reseed_numpy: bool,
-    cgroup_fds: tuple[int, ...],
-) -> None:  # pragma: no cover
-    """The next job's process: set up what does not depend on the job, wait, then run it.
-
-    Lean on purpose: every Python object made or page written here is a copy-on-write fault
-    (~2-3 us each here; and every module it imports is loaded anew: hence all imports at the
-    top of this file). What can be done once for all spares is done by the runner: the job's
-    sys.stdin/stdout/stderr objects, no atexit handlers, the default disposition of the
-    runner's abort signal, numpy's RNG state (a new one written before each fork), and at
-    the job's start its oom_score_adj.
-    """
-    try:
-        _real_after_fork()  # see _lean_after_fork: the job's own forks get the real hook
-        if reseed_numpy:  # the runner could not give us our own state (_NumpySeeder)
-            sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
-        os.setsid()
-        os.dup2(stdin, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(ctl, 3)
-        # The step cgroups' tasks files at 4 and 5 (from >= CGROUP_FD_MIN: no clash), every
-        # other inherited descriptor closed: the channel to the edge above all, and the other
-        # spares'.
-        for i, fd in enumerate(cgroup_fds):
-            os.dup2(fd, SPARE_CGROUP_FD + i)
-        os.closerange(SPARE_CGROUP_FD + len(cgroup_fds), 1 << 20)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        chunks = []
-        while True:  # the runner ends its message with a shutdown: read to EOF
-            chunk = os.read(3, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        msg = b"".join(chunks)
-        if not msg:
-            os._exit(0)  # the runner dropped us
-        parts = msg.split(b"\0")
-        # Into the step's memory cgroup before anything of the job runs: "0" moves this
-        # (single-threaded) process alone, without the cgroup threadgroup lock that moving
-        # another pid takes (an RCU grace period: 5-13 ms measured, vs ~30 us). Pages it
-        # already has stay charged where they are: the job's own come after.
-        try:
-            os.write(SPARE_CGROUP_FD + int(parts[3]), b"0")
-        except (OSError, ValueError) as exc:
-            with contextlib.suppress(OSError):
-                os.write(3, CGROUP_REFUSED + f"cannot join the step cgroup: {exc}".encode())
-            os._exit(127)
-        os.close(3)
-        os.closerange(SPARE_CGROUP_FD, SPARE_CGROUP_FD + len(cgroup_fds))
-        # Only now, with a job: idle spares stay root (a job cannot signal, trace or read them).
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        # No RLIMIT_CPU: the runner enforces the job's CPU limit (all its processes), and an
-        # armed process CPU timer makes the kernel sample the process's CPU clock at tick
-        # granularity: time.process_time() would jump by up to a tick (measured: a 10 ms
-        # busy loop ran 11-13.5 ms).
-        fsize = int(parts[1])
-        if fsize:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        stack = int(parts[2])
-        if stack:
-            hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
-            if hard != resource.RLIM_INFINITY:
-                stack = min(stack, hard)
-            resource.setrlimit(resource.RLIMIT_STACK, (stack, hard))
-        os.chdir(JOB_DIR)
-        os.umask(0o022)
-        args = [p.decode() for p in parts[5:]]
-        if parts[4]:
-            _run_python(parts[4].decode(), args)  # never returns
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # an ignored signal stays so across exec
-        os.execvp(args[0], args)
-    except BaseException as exc:
-        try:
-            os.write(2, f"dsec fncall: cannot start the job: {exc}\n".encode())
-        except OSError:
-            pass
-    os._exit(127)
-
-
-#: threading's at-fork hook and its real code, once _lean_after_fork has swapped it.
-_AFTER_FORK: tuple[Any, Any] | None = None
-
-
-def _noop() -> None:  # pragma: no cover - replaces threading._after_fork in spares
-    pass
-
-
-def _lean_after_fork() -> bool:
-    """Lets the next forks skip threading's after-fork hook, when that is exact: the hook
-    rebuilds the threading module's state for a child forked from a multi-threaded parent
-    (new locks, the other threads marked stopped), and on this interpreter touches ~130
-    pages, each a copy-on-write fault in every job (measured: 0.37 ms per fork). The
-    runner has one thread (checked here, kernel threads included) and forks outside any
-    threading call, so the child's threading state is already right. Each spare puts the
-    real hook back first thing, so a job's own forks get it."""
-    threading = sys.modules.get("threading")
-    if threading is None or len(os.listdir("/proc/self/task")) != 1:
-        return False
-    if threading.active_count() != 1 or threading._limbo:  # type: ignore[attr-defined]
-        return False
-    global _AFTER_FORK
-    hook = threading._after_fork  # type: ignore[attr-defined]
-    if _AFTER_FORK is None:
-        _AFTER_FORK = (hook, hook.__code__)
-    hook.__code__ = _noop.__code__
-    return True
-
-
-def _real_after_fork() -> None:
-    """Puts threading's after-fork hook back (after the batch in the runner, first thing in
-    each spare)."""
-    if _AFTER_FORK is not None:
-        _AFTER_FORK[0].__code__ = _AFTER_FORK[1]
-
-
 def _start_job(pid: int) -> float:
     """Marks spare `pid` as the running job's (oom_score_adj 1000: the OOM killer's first
     choice) and returns the CPU seconds it has used so far (its fork and set-up)."""
@@ -1094,168 +602,6 @@ def _start_job(pid: int) -> float:
             os.close(fd)
     except (OSError, ValueError, IndexError):
         return 0.0  # it died: the job is a runtime error, reported as such
-
-
-class _NumpySeeder:
-    """Gives numpy's global RNG a new state before each fork of a batch, so every job starts
-    with its own, as a fresh python3 seeds it from the OS: 624 random words and pos = 624
-    (the next draw regenerates the block), written straight into the state through
-    /proc/self/mem: one pwrite. (The runner shares its pages with the spares: seeding
-    through numpy's Python API cost each job ~70 page copies, a ctypes call ~18.)"""
-
-    def __init__(self, address: int, size: int, mem: int) -> None:
-        self.address, self.size, self.mem = address, size, mem
-        self.batch: list[bytes] = []
-
-    @classmethod
-    def for_numpy(cls) -> _NumpySeeder | None:
-        """One for numpy's global legacy RandomState (`numpy.random.rand` & co.) if its
-        state is where this expects it and /proc/self/mem can write it; else None (and the
-        spares reseed numpy themselves, through its API)."""
-        try:
-            bitgen = sys.modules["numpy.random.mtrand"]._rand._bit_generator
-            if type(bitgen).__name__ != "MT19937":
-                return None
-            address = int(bitgen.ctypes.state_address)
-            mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)  # spares close it
-        except Exception:
-            return None
-        return cls(address, 624 * 4 + 4, mem)  # uint32 key[624], int pos
-
-    def prepare(self, n: int) -> None:
-        """The states of the next `n` forks, made before the first (between two forks every
-        object the runner makes is a page copy)."""
-        words = self.size - 4
-        blob = os.urandom(words * n)
-        pos = (624).to_bytes(4, sys.byteorder)
-        self.batch = [blob[i * words : (i + 1) * words] + pos for i in range(n)]
-
-    def seed(self, i: int) -> None:
-        if os.pwrite(self.mem, self.batch[i], self.address) != self.size:
-            raise OSError(errno.EIO, "short write of numpy's RNG state")
-
-
-def _use_huge_pages() -> int:
-    """Backs the warm heap with transparent huge pages where whole 2 MiB ranges allow it
-    (MADV_COLLAPSE, Linux >= 6.1): a fork then copies one entry per 2 MiB instead of 512,
-    and each job's exit unmaps as few. Best effort; the number of huge pages made."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open("/proc/self/maps") as fh:
-            lines = fh.read().splitlines()
-    except (OSError, AttributeError):
-        return 0
-    made = 0
-    for line in lines:
-        f = line.split()
-        if f[1] != "rw-p" or (len(f) > 5 and f[5] != "[heap]"):
-            continue  # private writable anonymous memory only
-        lo, hi = (int(x, 16) for x in f[0].split("-"))
-        start = (lo + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-        end = hi & ~(HUGE_PAGE - 1)
-        if end <= start:
-            continue
-        libc.madvise(start, end - start, MADV_HUGEPAGE)
-        if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
-            made += (end - start) // HUGE_PAGE
-    return made
-
-
-def _make_stdio() -> tuple[Any, Any, Any]:
-    """sys.stdin/stdout/stderr of a job, as python3 makes them, on fds 0, 1 and 2."""
-    import io
-
-    return (
-        io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8"),
-        io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8"),
-        io.TextIOWrapper(
-            io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-            encoding="utf-8",
-            errors="backslashreplace",
-            line_buffering=True,
-        ),
-    )
-
-
-def _run_python(main: str, args: list[str]) -> None:  # pragma: no cover
-    """Runs /job/<main> as `python3 main.py args...` would, in this (forked, warm) interpreter."""
-    path = f"{JOB_DIR}/{main}"
-    sys.argv = [main, *args]
-    sys.path[0] = JOB_DIR
-    module = types.ModuleType("__main__")
-    module.__file__ = path
-    module.__builtins__ = builtins  # type: ignore[attr-defined]
-    sys.modules["__main__"] = module
-    code = 0
-    try:
-        with open(path, "rb") as fh:
-            source = fh.read()
-        try:
-            compiled = compile(source, path, "exec", dont_inherit=True)
-        except SyntaxError as exc:
-            import traceback
-
-            traceback.print_exception(type(exc), exc, None)
-            code = 1
-        else:
-            exec(compiled, module.__dict__)
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except BaseException as exc:
-        # Drop our own frame: the traceback starts at the job's code, as in python3.
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-        try:
-            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        except BaseException:
-            pass
-        code = 1
-    os._exit(_finish(code))
-
-
-def _exit_code(exc: SystemExit) -> int:  # pragma: no cover
-    c = exc.code
-    if c is None:
-        return 0
-    if isinstance(c, int):
-        return c & 0xFF
-    try:
-        print(c, file=sys.stderr)
-    except BaseException:
-        pass
-    return 1
-
-
-def _finish(code: int) -> int:  # pragma: no cover
-    """Interpreter shutdown as far as a job can observe it: threads, atexit, flushed stdio.
-
-    With no exit handler of either kind and no non-daemon thread, threading's shutdown would
-    only mark the main thread stopped, which nothing runs after to see: skipped (it touched
-    ~40 pages of the warm heap, each a copy in every job)."""
-    try:
-        threading = sys.modules.get("threading")
-        if threading is not None and (
-            atexit._ncallbacks()
-            or threading._shutdown_locks  # type: ignore[attr-defined]
-            or threading._threading_atexits  # type: ignore[attr-defined]
-        ):
-            threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except BaseException:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            code = code or 120  # what python3 exits with when flushing stdout fails
-    return code
-
-
-# ---------------------------------------------------------------- helpers
 
 
 def _open_quietly(path: str) -> int:
@@ -1298,21 +644,7 @@ def _full_tmpfs() -> str:
 
 def _kill_group(pid: int) -> None:
     for target in (pid, -pid):  # the main process, then its process group
-        _kill_quietly(target)
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
+        runner_spares.kill_quietly(target)
 
 
 def _reap() -> None:
@@ -1324,181 +656,6 @@ def _reap() -> None:
             return
         if pid == 0:
             return
-
-
-def _remove_tree(path: str) -> None:
-    """rm -rf as root, never following symlinks; a job may chmod 000 its own directories."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(path)
-        return
-    try:
-        entries = os.listdir(path)
-    except PermissionError:
-        os.chmod(path, 0o700)
-        entries = os.listdir(path)
-    for name in entries:
-        _remove_tree(f"{path}/{name}")
-    os.rmdir(path)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _fetch(paths: list[str], req: dict[str, Any], result: dict[str, Any]) -> None:
-    """Reads the job's files `paths` (relative to /job) into `result`: ``fetched`` lists those
-    read, in order, each in a blob ``fetch<i>``; ``fetch_errors`` maps the others to why.
-
-    Called once every process of the job is gone (nothing changes the files any more) and
-    before /job is emptied. We are root and the job owned /job, so it may have planted
-    symlinks (to /etc/shadow, to /proc/1/mem, ...) or FIFOs: each path is walked a component
-    at a time from a descriptor of /job, never following a symlink (O_NOFOLLOW, directories
-    with O_DIRECTORY), the file opened non-blocking and kept only if fstat says it is a
-    regular file (a hard link can only name a file of /job's own tmpfs, which the job wrote
-    anyway). In all at most ``fetch_max`` bytes, and less if the job's output leaves
-    less of ``result_max``: a file that does not fit what is left is refused, not cut."""
-    limit = int(req.get("fetch_max", 0))
-    left, why_less = limit, ""
-    result_max = int(req.get("result_max", 0))
-    output = len(result.get("stdout", b"")) + len(result.get("stderr", b""))
-    if result_max and result_max - output < limit:
-        left = max(result_max - output, 0)
-        why_less = f" (the output took {_mib(output)} of the result's {_mib(result_max)})"
-    fetched: list[str] = []
-    errors: dict[str, str] = {}
-    try:
-        root = os.open(JOB_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        root = -1
-        for path in paths:
-            errors[path] = f"cannot open {JOB_DIR}: {exc.strerror}"
-    if root >= 0:
-        try:
-            for path in paths:
-                try:
-                    got = _read_job_file(root, str(path), left)
-                except _TooLarge as big:
-                    a, b = _mib(big.size), _mib(left)
-                    if a == b:  # rounded alike: say it exactly
-                        a, b = f"{big.size} bytes", f"{left} bytes"
-                    errors[path] = f"{a}, larger than the {b} left of the {_mib(limit)} limit"
-                    errors[path] += why_less
-                    continue
-                if isinstance(got, str):
-                    errors[path] = got
-                    continue
-                result[f"fetch{len(fetched)}"] = got
-                fetched.append(path)
-                left -= len(got)
-        finally:
-            os.close(root)
-    result["fetched"] = fetched
-    result["fetch_errors"] = errors
-
-
-class _TooLarge(Exception):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-
-def _read_job_file(root: int, rel: str, left: int) -> bytes | str:
-    """The content of the regular file `rel` under the directory `root`, or why not;
-    _TooLarge if it has more than `left` bytes."""
-    parts = rel.split("/")
-    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        return "not a path inside the job directory"
-    fds: list[int] = []
-    try:
-        d = root
-        for i, name in enumerate(parts[:-1]):
-            try:
-                d = os.open(
-                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d
-                )
-            except OSError as exc:
-                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-                    with contextlib.suppress(OSError):
-                        if stat.S_ISLNK(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
-                            exc = OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-                return _fetch_error(exc, "/".join(parts[: i + 1]))
-            fds.append(d)
-        try:
-            fd = os.open(
-                parts[-1],
-                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
-                dir_fd=d,
-            )
-        except OSError as exc:
-            return _fetch_error(exc, "")
-        fds.append(fd)
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return "not a regular file: a directory"
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
-        if st.st_size > left:
-            raise _TooLarge(st.st_size)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            # One read for the whole file (tmpfs), +1 byte to see it grow past its size.
-            chunk = os.read(fd, max(st.st_size - size, 0) + 1)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > left:
-                raise _TooLarge(size)
-            chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    except OSError as exc:
-        return _fetch_error(exc, "")
-    finally:
-        for opened in reversed(fds):
-            os.close(opened)
-
-
-def _fetch_error(exc: OSError, directory: str) -> str:
-    """Why a fetch path could not be opened; `directory`: the component that failed, if one
-    on the way (else the file itself)."""
-    if exc.errno == errno.ENOENT:
-        return "no such file"
-    if exc.errno == errno.ELOOP:
-        if directory:
-            return f"{directory!r} is a symbolic link (not followed)"
-        return "not a regular file: a symbolic link (not followed)"
-    if exc.errno == errno.ENOTDIR:
-        return f"{directory!r} is not a directory" if directory else "a parent is not a directory"
-    if exc.errno == errno.ENXIO:  # a socket
-        return "not a regular file"
-    return (exc.strerror or str(exc)).lower()
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f}".rstrip("0").rstrip(".") + " MiB"
-
-
-def _read_regular(path: str, max_bytes: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            return b""
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:  # pragma: no cover - inside the container

@@ -55,7 +55,8 @@ from libdsec.errors import DSecError, FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-KIT_FILES = ("runner.py", "wire.py")
+#: The runner and the modules it imports, all standard library only.
+KIT_FILES = ("runner.py", "runner_files.py", "runner_job.py", "runner_spares.py", "wire.py")
 #: How long past its wall limit a job's answer may take (runner cleanup, output drain).
 ANSWER_MARGIN_S = 15.0
 #: How often the edge repeats its abort signal until a given-up job's answer comes.
@@ -84,7 +85,7 @@ class Compiled:
 
 
 def build_kit(root: Path) -> Path:
-    """The runner kit (runner.py + wire.py), content-addressed under `root`; idempotent."""
+    """The runner kit (KIT_FILES), content-addressed under `root`; idempotent."""
     src = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for name in KIT_FILES:

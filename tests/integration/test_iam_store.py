@@ -22,9 +22,9 @@ from iam.store import (
     IamStore,
     Quota,
     Reservation,
-    SqliteIamStore,
     TokenRecord,
 )
+from iam.store_sqlite import SqliteIamStore
 from libdsec.errors import AlreadyExists, FailedPrecondition, NotFound, QuotaExceeded
 from tests.pgserver import PostgresServer
 

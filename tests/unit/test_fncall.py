@@ -17,7 +17,7 @@ from apiserver.functions import _selector
 from common.config import ConfigError, load
 from dsec.types.v1 import types_pb2
 from edge.config import EdgeConfig
-from edge.fncall import gpu, runner, wire
+from edge.fncall import gpu, runner_files, wire
 from edge.fncall.adapter import job_from_pb, result_pb
 from edge.fncall.environments import FnCallSettings, environments, parse_pools
 from edge.fncall.jobs import (
@@ -37,7 +37,7 @@ from edge.fncall.jobs import (
     plan,
 )
 from edge.fncall.pool import Pool
-from edge.fncall.service import FnCallService, build_kit
+from edge.fncall.service import KIT_FILES, FnCallService, build_kit
 from libdsec import CompileInfo as SdkCompileInfo
 from libdsec import FunctionJob, FunctionResult
 from libdsec.errors import EdgeCapacity, InvalidArgument
@@ -82,14 +82,19 @@ def _imports(path: Path) -> set[str]:
 
 def test_runner_uses_only_the_standard_library() -> None:
     """It runs on the pool image's own Python, from /.dsec, with nothing else installed."""
-    for name in ("runner.py", "wire.py"):
+    for name in KIT_FILES:
         for m in _imports(ROOT / "edge" / "fncall" / name):
             top = m.split(".")[0]
-            assert top in sys.stdlib_module_names or m in ("edge.fncall", "wire"), (name, m)
+            ours = (
+                "edge.fncall",
+                "edge.fncall.runner",
+                *(f.removesuffix(".py") for f in KIT_FILES),
+            )
+            assert top in sys.stdlib_module_names or m in ours, (name, m)
 
 
 def test_fncall_domain_modules_import_no_grpc() -> None:
-    for name in ("jobs.py", "environments.py", "gpu.py", "pool.py", "service.py", "runner.py"):
+    for name in ("jobs.py", "environments.py", "gpu.py", "pool.py", "service.py", *KIT_FILES):
         bad = {
             m
             for m in _imports(ROOT / "edge" / "fncall" / name)
@@ -98,9 +103,7 @@ def test_fncall_domain_modules_import_no_grpc() -> None:
         assert not bad, (name, bad)
 
 
-def test_runner_fetches_regular_files_and_never_follows_a_link(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_runner_fetches_regular_files_and_never_follows_a_link(tmp_path: Path) -> None:
     """The runner's fetch on a real directory a job could have left: files, nested files, an
     empty one; symlinks to a secret (as the file, and as a directory on the way), a FIFO (an
     open would block without O_NONBLOCK), a directory, a missing file, and one over the budget
@@ -116,13 +119,12 @@ def test_runner_fetches_regular_files_and_never_follows_a_link(
     (job / "link").symlink_to(secret)
     (job / "linkdir").symlink_to(tmp_path)
     os.mkfifo(job / "fifo")
-    monkeypatch.setattr(runner, "JOB_DIR", str(job))
     ask = ["out.txt", "d/e/deep.bin", "empty", "link", "linkdir/secret", "fifo", "d", "nope"]
     ask += ["d/nope/x", "out.txt/x", "big"]
     result: dict[str, Any] = {"stdout": b"o" * MIB, "stderr": b""}
     # 4 MiB in all, 5 MiB for the whole result: the 1 MiB of output leaves 4 MiB; the first
     # files take ~0.002 MiB of them.
-    runner._fetch(ask, {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result)
+    runner_files.fetch(str(job), ask, {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result)
     files = {p: result[f"fetch{i}"] for i, p in enumerate(result["fetched"])}
     assert files == {
         "out.txt": b"hello\n",
@@ -140,14 +142,18 @@ def test_runner_fetches_regular_files_and_never_follows_a_link(
     assert "not a directory" in errors["out.txt/x"]
     # The budget: what is left after the files before, and what the output took.
     result = {"stdout": b"o" * (2 * MIB), "stderr": b""}
-    runner._fetch(["out.txt", "big"], {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result)
+    runner_files.fetch(
+        str(job), ["out.txt", "big"], {"fetch_max": 4 * MIB, "result_max": 5 * MIB}, result
+    )
     assert result["fetched"] == ["out.txt"]
     assert result["fetch_errors"]["big"] == (
         f"{3 * MIB} bytes, larger than the {3 * MIB - 6} bytes left of the 4 MiB limit"
         " (the output took 2 MiB of the result's 5 MiB)"
     ), result["fetch_errors"]
     result = {"stdout": b"", "stderr": b""}
-    runner._fetch(["big", "out.txt"], {"fetch_max": 2 * MIB, "result_max": 5 * MIB}, result)
+    runner_files.fetch(
+        str(job), ["big", "out.txt"], {"fetch_max": 2 * MIB, "result_max": 5 * MIB}, result
+    )
     assert result["fetched"] == ["out.txt"]  # a file refused leaves the budget to the next
     assert result["fetch_errors"] == {"big": "3 MiB, larger than the 2 MiB left of the 2 MiB limit"}
 
@@ -155,8 +161,9 @@ def test_runner_fetches_regular_files_and_never_follows_a_link(
 def test_runner_kit_is_content_addressed_and_idempotent(tmp_path: Path) -> None:
     a = build_kit(tmp_path)
     b = build_kit(tmp_path)
-    assert a == b and sorted(p.name for p in a.iterdir()) == ["runner.py", "wire.py"]
-    assert (a / "runner.py").read_bytes() == (ROOT / "edge/fncall/runner.py").read_bytes()
+    assert a == b and sorted(p.name for p in a.iterdir()) == sorted(KIT_FILES)
+    for name in KIT_FILES:
+        assert (a / name).read_bytes() == (ROOT / "edge/fncall" / name).read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == [a.name]
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from iam.domain import ACTION_MANAGE_PROJECTS, ROLE_ADMIN, ROLE_MEMBER, Iam, Principal
-from iam.store import Quota, Reservation, SqliteIamStore
+from iam.store import Quota, Reservation
+from iam.store_sqlite import SqliteIamStore
 from libdsec.errors import NotFound, PermissionDenied, QuotaExceeded, Unauthenticated
 
 

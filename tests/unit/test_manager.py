@@ -501,7 +501,7 @@ async def test_a_release_below_zero_is_refused_and_counted_not_clamped(tmp_path:
     rec = m.get("sb-e1-aaaaaa01")
     await m.stop(rec.sandbox_id)
     with pytest.raises(AccountingError, match="below zero"):
-        m._account(rec, -1)  # a second release: a bug, refused with nothing changed
+        m.admission.account(rec, -1)  # a second release: a bug, refused with nothing changed
     load = m.load()
     assert (load.sandboxes, load.cpu_millis, load.memory_mb) == (0, 0, 0)
 

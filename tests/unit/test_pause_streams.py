@@ -164,7 +164,7 @@ async def test_a_node_status_that_cannot_be_encoded_is_an_error_naming_why(tmp_p
     await m.create("sb-e1-aaaaaa01", SandboxSpec(), "root", "p", wait_ready=True)
     s = EdgeServicer(m, types_pb2.EdgeInfo(edge_id="e1"))
     assert (await s.GetNodeStatus(edge_pb2.GetNodeStatusRequest(), None)).load.sandboxes == 1
-    m._live = -1  # what a double release did before one ending per sandbox
+    m.admission._live = -1  # what a double release did before one ending per sandbox
     with pytest.raises(Internal) as info:
         await s.GetNodeStatus(edge_pb2.GetNodeStatusRequest(), None)
     assert info.value.reason == "NODE_STATUS_INVALID"

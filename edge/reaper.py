@@ -1,0 +1,163 @@
+"""The edge's own reasons to end a sandbox: its TTL, its idle timeout, the node's disk reserve.
+
+Enforced on the edge (so a sandbox is reclaimed even when every central service is down), by
+two loops the edge server runs: the reaper (every ``reap_interval_s``: TTL and idle timeouts,
+and terminated records forgotten after ``terminated_retention_s``) and the disk guard (every
+``disk_check_interval_s``: below a filesystem's free-space reserve, the sandbox writing there
+fastest ends, DISK_QUOTA). Either ends a sandbox through the manager's one ending
+(:meth:`edge.manager.SandboxManager.stop`); this module only decides which and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from edge.backends.contract import DiskUsage, Executes, offers, require
+from edge.disk_guard import Allocations, DiskGuard
+from edge.model import TERMINAL, SandboxRecord
+from libdsec.errors import DSecError
+
+if TYPE_CHECKING:
+    from edge.manager import SandboxManager
+
+log = logging.getLogger(__name__)
+
+
+class Reaper:
+    """TTL, idle and disk-reserve endings of one manager's sandboxes."""
+
+    def __init__(
+        self,
+        manager: SandboxManager,
+        *,
+        terminated_retention_s: float,
+        reap_interval_s: float,
+        disk_guard: DiskGuard | None,
+        disk_check_interval_s: float,
+    ) -> None:
+        self.manager = manager
+        self.retention_s = terminated_retention_s
+        self.reap_interval_s = reap_interval_s
+        #: Free-space reserve of the filesystems the edge writes (None: not watched).
+        self.disk_guard = disk_guard
+        self.disk_check_interval_s = disk_check_interval_s
+        self._disk_passes = 0
+
+    # ------------------------------------------------------------ TTL, idle
+
+    async def reap_once(self, now: float | None = None) -> builtins.list[str]:
+        """Stops sandboxes past TTL or idle timeout; forgets old terminated records."""
+        m = self.manager
+        now = time.time() if now is None else now
+        reaped = []
+        for rec in list(m.records.values()):
+            if rec.state == TERMINAL:
+                if rec.terminated_at and now - rec.terminated_at > self.retention_s:
+                    m.records.pop(rec.sandbox_id, None)
+                    m.store.forget(rec.sandbox_id)
+                continue
+            if rec.state not in ("RUNNING", "PAUSED"):
+                continue
+            if now >= rec.expires_at:
+                await m.stop(rec.sandbox_id, reason="TTL", grace_s=1.0)
+                reaped.append(rec.sandbox_id)
+            elif (
+                rec.spec.idle_timeout_s
+                and rec.state == "RUNNING"
+                and now - rec.last_active_at >= rec.spec.idle_timeout_s
+            ):
+                if self._calls_in_flight(rec):
+                    # A call under way (a long command, a stream, an open watch) is activity:
+                    # the idle time counts from its end.
+                    rec.last_active_at = now
+                    continue
+                await m.stop(rec.sandbox_id, reason="IDLE", grace_s=1.0)
+                reaped.append(rec.sandbox_id)
+        return reaped
+
+    def _calls_in_flight(self, rec: SandboxRecord) -> bool:
+        backend = self.manager.backend_of(rec)
+        if not offers(backend, Executes):
+            return False
+        try:
+            channel = require(backend, Executes).channel(rec)
+        except DSecError:
+            return False  # no channel now (reconnecting): nothing under way on it
+        return bool(getattr(channel, "open_calls", 0))
+
+    async def reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            await self.reap_once()
+
+    # ------------------------------------------------------------ disk reserve
+
+    def _disk_allocations(self) -> Allocations:
+        """Per live sandbox, the bytes it holds on which filesystem (blocking)."""
+        out: Allocations = {}
+        for b in {id(b): b for b in self.manager.backends.values()}.values():
+            if offers(b, DiskUsage):
+                out.update(require(b, DiskUsage).disk_allocations())
+        return out
+
+    async def disk_guard_once(self) -> str | None:
+        """One pass of the free-space reserve (see edge.disk_guard): returns the sandbox it
+        ended, if any."""
+        guard = self.disk_guard
+        if guard is None:
+            return None
+        filesystems = await asyncio.to_thread(guard.sample)
+        fs = guard.low()
+        self._disk_passes += 1
+        near = any(f.free_bytes < 2 * guard.reserve_bytes for f in filesystems)
+        if fs is None and not near and self._disk_passes % 8:
+            return None  # allocations are sampled every 8th pass while there is room
+        allocations = await asyncio.to_thread(self._disk_allocations)
+        if fs is None:
+            guard.remember(allocations)
+            return None
+        sid = guard.fastest_writer(fs, allocations)
+        records = self.manager.records
+        if sid is None or sid not in records or not records[sid].live:
+            if self._disk_passes % 40 == 1:
+                log.warning(
+                    "%s has %d MiB free, below the reserve of %d MiB, and no sandbox is "
+                    "writing there: creates are refused until space is back",
+                    fs.path,
+                    fs.free_mb,
+                    guard.reserve_bytes >> 20,
+                )
+            return None
+        used_mb = allocations[sid][1] >> 20
+        log.warning(
+            "%s below its reserve (%d MiB free): ending %s, the fastest writer (%d MiB)",
+            fs.path,
+            fs.free_mb,
+            sid,
+            used_mb,
+            extra={"sandbox_id": sid, "reason": "DISK_QUOTA"},
+        )
+        await self.manager.stop(
+            sid,
+            reason="DISK_QUOTA",
+            message=(
+                f"the node's disk ({fs.path}) fell below its free-space reserve "
+                f"({fs.free_mb} MiB free) while this sandbox was writing fastest "
+                f"({used_mb} MiB in its writable layer)"
+            ),
+            grace_s=0.0,
+        )
+        await asyncio.to_thread(guard.sample)  # its space is back: admission sees it at once
+        return sid
+
+    async def disk_guard_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.disk_check_interval_s)
+            try:
+                await self.disk_guard_once()
+            except Exception:
+                log.exception("disk guard pass failed")

@@ -1,0 +1,398 @@
+""":class:`~iam.store.IamStore` on SQLite: the default, for one IAM process on one machine.
+
+WAL mode, one connection, one writer at a time: every method is one ``BEGIN IMMEDIATE``
+transaction under a lock, so quota is exact under concurrency (the single writer lock
+serializes reservations). A batch is decided by the same :class:`~iam.store.ReservationPlan`
+as PostgreSQL, on the rows loaded inside the transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from iam.store import (
+    KEY_TTL_S,
+    KeyBinding,
+    ProjectRecord,
+    Quota,
+    Reservation,
+    ReservationPlan,
+    ReserveOutcome,
+    TokenRecord,
+    Usage,
+    chains_of,
+    project_row,
+    raise_outcome,
+    release_deltas,
+    token_row,
+)
+from libdsec.errors import AlreadyExists, FailedPrecondition, NotFound
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS projects (
+    project_id TEXT PRIMARY KEY,
+    parent_id TEXT NOT NULL,
+    quota_json TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS usage (
+    project_id TEXT PRIMARY KEY,
+    cpu_millis INTEGER NOT NULL DEFAULT 0,
+    memory_mb INTEGER NOT NULL DEFAULT 0,
+    sandboxes INTEGER NOT NULL DEFAULT 0,
+    by_backend_json TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    token_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    project_id TEXT NOT NULL,
+    kind INTEGER NOT NULL,
+    role INTEGER NOT NULL,
+    secret_hash TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    revoked INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS tokens_project ON tokens(project_id);
+CREATE TABLE IF NOT EXISTS reservations (
+    sandbox_id TEXT PRIMARY KEY,
+    project_id TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    cpu_millis INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    edge_id TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS reservations_edge ON reservations(edge_id);
+CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project_id);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    project_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (project_id, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_sandbox ON idempotency_keys(sandbox_id);
+CREATE INDEX IF NOT EXISTS idempotency_keys_created ON idempotency_keys(created_at);
+"""
+
+
+T = TypeVar("T")
+
+
+def chunked(seq: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(seq), size):
+        yield seq[i : i + size]
+
+
+class SqliteIamStore:
+    """:class:`IamStore` on SQLite (WAL mode, one connection, one writer at a time)."""
+
+    #: Host parameters per statement (SQLite's limit is 32766 since 3.32; stay well below).
+    CHUNK = 900
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # ------------------------------------------------------------ projects
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM projects").fetchone()[0] == 0  # type: ignore[no-any-return]
+
+    def create_project(self, project_id: str, parent_id: str, quota: Quota) -> ProjectRecord:
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM projects WHERE project_id=?", (project_id,)).fetchone():
+                raise AlreadyExists(f"project {project_id} exists", reason="PROJECT_EXISTS")
+            if (
+                parent_id
+                and not db.execute(
+                    "SELECT 1 FROM projects WHERE project_id=?", (parent_id,)
+                ).fetchone()
+            ):
+                raise NotFound(f"parent project {parent_id} not found", reason="PROJECT_NOT_FOUND")
+            now = time.time()
+            db.execute(
+                "INSERT INTO projects VALUES (?,?,?,?)",
+                (project_id, parent_id, quota.to_json(), now),
+            )
+            db.execute("INSERT INTO usage(project_id) VALUES (?)", (project_id,))
+        return ProjectRecord(project_id, parent_id, quota, Usage(), now)
+
+    def _project(self, db: sqlite3.Connection, project_id: str) -> ProjectRecord | None:
+        row = db.execute(
+            "SELECT p.project_id, p.parent_id, p.quota_json, p.created_at, u.cpu_millis, u.memory_mb,"
+            " u.sandboxes, u.by_backend_json FROM projects p JOIN usage u USING (project_id)"
+            " WHERE p.project_id=?",
+            (project_id,),
+        ).fetchone()
+        return project_row(row) if row is not None else None
+
+    def get_project(self, project_id: str) -> ProjectRecord | None:
+        with self._lock:
+            return self._project(self._db, project_id)
+
+    def list_projects(self, parent_id: str, recursive: bool) -> list[ProjectRecord]:
+        with self._lock:
+            if recursive:
+                rows = self._db.execute(
+                    "SELECT project_id FROM projects WHERE project_id LIKE ? ORDER BY project_id",
+                    (parent_id + "/%",),
+                ).fetchall()
+            else:
+                rows = self._db.execute(
+                    "SELECT project_id FROM projects WHERE parent_id=? ORDER BY project_id",
+                    (parent_id,),
+                ).fetchall()
+            out = [self._project(self._db, r[0]) for r in rows]
+        return [p for p in out if p is not None]
+
+    def set_quota(self, project_id: str, quota: Quota) -> ProjectRecord:
+        with self._tx() as db:
+            if (
+                db.execute(
+                    "UPDATE projects SET quota_json=? WHERE project_id=?",
+                    (quota.to_json(), project_id),
+                ).rowcount
+                == 0
+            ):
+                raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
+            rec = self._project(db, project_id)
+        assert rec is not None
+        return rec
+
+    def delete_project(self, project_id: str) -> None:
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM projects WHERE parent_id=?", (project_id,)).fetchone():
+                raise FailedPrecondition(
+                    f"project {project_id} has subprojects", reason="PROJECT_NOT_EMPTY"
+                )
+            if db.execute(
+                "SELECT 1 FROM reservations WHERE project_id=?", (project_id,)
+            ).fetchone():
+                raise FailedPrecondition(
+                    f"project {project_id} has sandboxes", reason="PROJECT_NOT_EMPTY"
+                )
+            if db.execute("DELETE FROM projects WHERE project_id=?", (project_id,)).rowcount == 0:
+                raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
+            db.execute("DELETE FROM usage WHERE project_id=?", (project_id,))
+            db.execute("DELETE FROM idempotency_keys WHERE project_id=?", (project_id,))
+            db.execute("UPDATE tokens SET revoked=1 WHERE project_id=?", (project_id,))
+
+    # -------------------------------------------------------------- tokens
+
+    def add_token(self, rec: TokenRecord) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO tokens VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    rec.token_id,
+                    rec.name,
+                    rec.project_id,
+                    rec.kind,
+                    rec.role,
+                    rec.secret_hash,
+                    rec.created_at,
+                    rec.expires_at,
+                    int(rec.revoked),
+                ),
+            )
+
+    def get_token(self, token_id: str) -> TokenRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM tokens WHERE token_id=?", (token_id,)).fetchone()
+        return token_row(row) if row else None
+
+    def list_tokens(self, project_id: str, include_revoked: bool) -> list[TokenRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM tokens WHERE project_id=? AND (revoked=0 OR ?) ORDER BY created_at",
+                (project_id, int(include_revoked)),
+            ).fetchall()
+        return [token_row(r) for r in rows]
+
+    def revoke_token(self, token_id: str) -> None:
+        with self._tx() as db:
+            if (
+                db.execute("UPDATE tokens SET revoked=1 WHERE token_id=?", (token_id,)).rowcount
+                == 0
+            ):
+                raise NotFound(f"token {token_id} not found", reason="TOKEN_NOT_FOUND")
+
+    # --------------------------------------------------------------- quota
+
+    def reserve(self, res: Reservation) -> bool:
+        """Reserves quota for a sandbox in its project and every ancestor.
+
+        Returns False when this sandbox id already holds a reservation (a
+        retry). Raises QuotaExceeded naming the limiting project.
+        """
+        return raise_outcome(self.reserve_many([res])[0])
+
+    def reserve_many(self, items: Sequence[Reservation]) -> list[ReserveOutcome]:
+        if not items:
+            return []
+        with self._tx() as db:
+            ids = [r.sandbox_id for r in items]
+            reserved: set[str] = set()
+            for chunk in chunked(ids, self.CHUNK):
+                reserved.update(
+                    r[0]
+                    for r in db.execute(
+                        f"SELECT sandbox_id FROM reservations WHERE sandbox_id IN ({_marks(chunk)})",
+                        chunk,
+                    )
+                )
+            keys = self._keys(db, items)
+            projects: dict[str, ProjectRecord] = {}
+            for pid in chains_of({r.project_id for r in items}):
+                rec = self._project(db, pid)
+                if rec is not None:
+                    projects[pid] = rec
+            now = time.time()
+            plan = ReservationPlan(projects, reserved, keys, now)
+            outcomes = plan.run(items)
+            db.executemany(
+                "INSERT INTO reservations VALUES (?,?,?,?,?,?,?)",
+                [
+                    (
+                        r.sandbox_id,
+                        r.project_id,
+                        r.backend,
+                        r.cpu_millis,
+                        r.memory_mb,
+                        r.edge_id,
+                        now,
+                    )
+                    for r in plan.new
+                ],
+            )
+            for pid in sorted(plan.touched):
+                u = projects[pid].usage
+                db.execute(
+                    "UPDATE usage SET cpu_millis=?, memory_mb=?, sandboxes=?, by_backend_json=?"
+                    " WHERE project_id=?",
+                    (
+                        u.cpu_millis,
+                        u.memory_mb,
+                        u.sandboxes,
+                        json.dumps(u.sandboxes_by_backend),
+                        pid,
+                    ),
+                )
+            db.executemany(
+                "INSERT OR REPLACE INTO idempotency_keys VALUES (?,?,?,?)",
+                [(p, k, s, now) for p, k, s in plan.key_writes],
+            )
+        return outcomes
+
+    def _keys(
+        self, db: sqlite3.Connection, items: Sequence[Reservation]
+    ) -> dict[tuple[str, str], KeyBinding]:
+        wanted: dict[str, list[str]] = {}
+        for r in items:
+            if r.idempotency_key:
+                wanted.setdefault(r.project_id, []).append(r.idempotency_key)
+        out: dict[tuple[str, str], KeyBinding] = {}
+        for project_id, keys in wanted.items():
+            for chunk in chunked(keys, self.CHUNK):
+                rows = db.execute(
+                    "SELECT k.key, k.sandbox_id, k.created_at, r.sandbox_id IS NOT NULL"
+                    " FROM idempotency_keys k LEFT JOIN reservations r ON r.sandbox_id = k.sandbox_id"
+                    f" WHERE k.project_id=? AND k.key IN ({_marks(chunk)})",
+                    (project_id, *chunk),
+                )
+                for key, sid, created, held in rows:
+                    out[(project_id, key)] = KeyBinding(sid, created, bool(held))
+        return out
+
+    def release(self, sandbox_ids: Sequence[str], not_created: bool = False) -> int:
+        if not sandbox_ids:
+            return 0
+        ids = list(dict.fromkeys(sandbox_ids))
+        with self._tx() as db:
+            rows: list[tuple[str, str, int, int]] = []
+            for chunk in chunked(ids, self.CHUNK):
+                rows += db.execute(
+                    "SELECT project_id, backend, cpu_millis, memory_mb FROM reservations"
+                    f" WHERE sandbox_id IN ({_marks(chunk)})",
+                    chunk,
+                ).fetchall()
+                db.execute(f"DELETE FROM reservations WHERE sandbox_id IN ({_marks(chunk)})", chunk)
+                if not_created:
+                    db.execute(
+                        f"DELETE FROM idempotency_keys WHERE sandbox_id IN ({_marks(chunk)})", chunk
+                    )
+            for pid, delta in sorted(release_deltas(rows).items()):
+                rec = self._project(db, pid)
+                if rec is None:
+                    continue
+                u = delta.apply(rec.usage)
+                db.execute(
+                    "UPDATE usage SET cpu_millis=?, memory_mb=?, sandboxes=?, by_backend_json=?"
+                    " WHERE project_id=?",
+                    (
+                        u.cpu_millis,
+                        u.memory_mb,
+                        u.sandboxes,
+                        json.dumps(u.sandboxes_by_backend),
+                        pid,
+                    ),
+                )
+        return len(rows)
+
+    def reservations_of_edge(self, edge_id: str, older_than: float) -> list[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sandbox_id FROM reservations WHERE edge_id=? AND created_at < ?",
+                (edge_id, older_than),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def reserved_edges(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT edge_id, COUNT(*) FROM reservations GROUP BY edge_id"
+            ).fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
+    def purge_expired_keys(self, now: float | None = None) -> int:
+        cutoff = (time.time() if now is None else now) - KEY_TTL_S
+        with self._tx() as db:
+            return db.execute(
+                "DELETE FROM idempotency_keys WHERE created_at < ?", (cutoff,)
+            ).rowcount
+
+
+def _marks(chunk: Sequence[Any]) -> str:
+    return ",".join("?" * len(chunk))
