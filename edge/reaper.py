@@ -14,17 +14,30 @@ import asyncio
 import builtins
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from edge.backends.contract import DiskUsage, Executes, offers, require
+from edge.backends.contract import DiskUsage, Executes, SandboxBackend, offers, require
 from edge.disk_guard import Allocations, DiskGuard
 from edge.model import TERMINAL, SandboxRecord
+from edge.records import RecordStore
 from libdsec.errors import DSecError
 
-if TYPE_CHECKING:
-    from edge.manager import SandboxManager
-
 log = logging.getLogger(__name__)
+
+
+class Sandboxes(Protocol):
+    """What the reaper reads and calls of the manager (edge.manager.SandboxManager): its
+    records, its backends, and its one way to end a sandbox."""
+
+    records: dict[str, SandboxRecord]
+    backends: dict[str, SandboxBackend]
+    store: RecordStore
+
+    def backend_of(self, rec: SandboxRecord) -> SandboxBackend: ...
+
+    async def stop(
+        self, sandbox_id: str, *, reason: str = ..., message: str = ..., grace_s: float = ...
+    ) -> SandboxRecord: ...
 
 
 class Reaper:
@@ -32,7 +45,7 @@ class Reaper:
 
     def __init__(
         self,
-        manager: SandboxManager,
+        manager: Sandboxes,
         *,
         terminated_retention_s: float,
         reap_interval_s: float,

@@ -11,7 +11,19 @@ from dsec.iam.v1 import iam_pb2  # noqa: F401  (registers the service descriptor
 from iam.config import IamConfig
 from iam.domain import Iam
 from iam.servicer import IamServicer
-from iam.store import open_store
+from iam.store import IamStore
+from iam.store_sqlite import SqliteIamStore
+
+
+def open_store(database: str) -> IamStore:
+    """The store for ``DSEC_IAM_DATABASE``: ``sqlite:<path>`` or ``postgresql://...``."""
+    if database.startswith("sqlite:"):
+        return SqliteIamStore(database.removeprefix("sqlite:"))
+    if database.startswith(("postgresql://", "postgres://")):
+        from iam.store_pg import PostgresIamStore  # psycopg is needed only here
+
+        return PostgresIamStore(database)
+    raise ValueError(f"unsupported IAM database {database!r}")
 
 
 def build(cfg: IamConfig) -> tuple[GrpcServer, Iam]:

@@ -3,7 +3,7 @@
 The store is an interface (:class:`IamStore`) with two implementations:
 ``iam.store_sqlite.SqliteIamStore`` (the default, one machine) and
 ``iam.store_pg.PostgresIamStore`` (a cluster; several IAM processes may share
-it). :func:`open_store` picks one from ``DSEC_IAM_DATABASE``. Every method is
+it). ``iam.server.open_store`` (the composition root) picks one from ``DSEC_IAM_DATABASE``. Every method is
 one transaction, and quota is exact under concurrency: a reservation reads and
 updates the usage rows of its project and every ancestor while holding them
 (SQLite: the single writer lock; PostgreSQL: ``SELECT ... FOR UPDATE`` in a
@@ -175,22 +175,6 @@ class IamStore(Protocol):
     def reservations_of_edge(self, edge_id: str, older_than: float) -> list[str]: ...
     def reserved_edges(self) -> dict[str, int]: ...
     def purge_expired_keys(self, now: float | None = None) -> int: ...
-
-
-def open_store(database: str) -> IamStore:
-    """The store for ``DSEC_IAM_DATABASE``: ``sqlite:<path>`` or ``postgresql://...``.
-
-    Each implementation is imported when picked: it imports this module's records (so not
-    at the top), and psycopg is needed only for PostgreSQL."""
-    if database.startswith("sqlite:"):
-        from iam.store_sqlite import SqliteIamStore
-
-        return SqliteIamStore(database.removeprefix("sqlite:"))
-    if database.startswith(("postgresql://", "postgres://")):
-        from iam.store_pg import PostgresIamStore
-
-        return PostgresIamStore(database)
-    raise ValueError(f"unsupported IAM database {database!r}")
 
 
 class ReservationPlan:

@@ -24,10 +24,19 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # what mypy reads: the package
-    from typing import Any
+    from typing import Any, Protocol
 
     from edge.fncall import runner_job
-    from edge.fncall.runner import Runner
+
+    class Runner(Protocol):
+        """What spares read of the runner that forks them (edge.fncall.runner.Runner)."""
+
+        spare_count: int
+        job_uid: int
+        cgroup_fds: tuple[int, ...]
+
+        def _abort(self, signum: int, frame: object) -> None: ...
+
 else:
     try:  # the edge imports these from the package; the container runs them from /.dsec
         from edge.fncall import runner_job
