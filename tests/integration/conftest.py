@@ -27,60 +27,40 @@ labelled with the test id, every one stopped afterwards, also on failure; defaul
 ``sandbox`` → ``running`` → ``paused`` → ``resumed`` (each the same busybox sandbox, one step on).
 
 Images: a module (or test) that uses the base images says which with
-``pytest.mark.images("busybox", ...)``. When one is missing the test FAILS, naming the missing
-images and the command that builds them: ``make test`` builds them first, so a machine without
-them is broken, not a reason to run green with the real runtimes untested. A skip remains only
-for missing hardware (a GPU), and names it.
+``pytest.mark.images("busybox", ...)`` (the check is in tests/conftest.py). When one is missing the
+test FAILS, naming the missing images and the command that builds them: ``make test`` builds them
+first, so a machine without them is broken, not a reason to run green with the real runtimes
+untested. A skip remains only for missing hardware (a GPU), and names it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Sandbox
-from tests.conftest import start_cluster
+from tests.conftest import IMAGES, require_images, start_cluster
 from tests.helpers import sandbox_factory, wait_for
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-#: What scripts/build-base-images.sh builds (its ALL_IMAGES).
-BASE_IMAGES = ("busybox", "bookworm", "python")
 #: The edge of the session's shared container cluster.
 SHARED_EDGE = "ctr0"
 
-#: ``cluster_with(name, *, edges=None, edge_env=None, **cluster_kw)``: see the module docstring.
-ClusterWith = Callable[..., AbstractContextManager[LocalCluster]]
 
+class ClusterWith(Protocol):
+    """The type of the ``cluster_with`` fixture (see it and the module docstring)."""
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "images(*names): the test runs sandboxes of these base images (fails if missing)"
-    )
-
-
-def require_images(*names: str) -> None:
-    """Fails the calling test when a base image is missing, naming it and how to build it."""
-    missing = [n for n in names or BASE_IMAGES if not (IMAGES / f"{n}.erofs").exists()]
-    if missing:
-        pytest.fail(
-            f"base images missing from {IMAGES}: {', '.join(m + '.erofs' for m in missing)}; "
-            "build them with `make setup` (scripts/build-base-images.sh; `make test` runs it)",
-            pytrace=False,
-        )
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    # Before any fixture: a module-scoped cluster must not start over images that are not there.
-    marker = item.get_closest_marker("images")
-    if marker is not None:
-        require_images(*marker.args)
+    def __call__(
+        self,
+        name: str,
+        *,
+        edges: Sequence[EdgeSpec] | None = None,
+        edge_env: dict[str, str] | None = None,
+        **cluster_kw: Any,
+    ) -> AbstractContextManager[LocalCluster]: ...
 
 
 def container_edge(edge_id: str, env: dict[str, str] | None = None, **spec: Any) -> EdgeSpec:
@@ -95,7 +75,7 @@ def cluster_with(tmp_path_factory: pytest.TempPathFactory) -> ClusterWith:
     """The cluster factory: ``with cluster_with(name, ...) as c:`` starts a cluster under a
     fresh home named after ``name`` and stops it on exit. Without ``edges`` the cluster has one
     container edge whose id is ``name`` and whose environment adds ``edge_env``; ``cluster_kw``
-    goes to LocalCluster (apiservers, extra_env, compat, ...)."""
+    goes to LocalCluster (apiservers, extra_env, compat, ...) or its start (timeout_s)."""
 
     @contextmanager
     def start(
