@@ -436,6 +436,12 @@ def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sand
     assert proc.wait(timeout_s=0.1).running
 
 
+def test_a_paused_then_resumed_sandbox_answers(resumed: Sandbox) -> None:
+    """The suite's lifecycle fixtures (sandbox -> running -> paused -> resumed) end to end."""
+    assert resumed.refresh().state == "RUNNING"
+    assert resumed.run("echo back").text == "back\n"
+
+
 #: Every thread of every process in the sandbox's pid namespace: "pid tid comm policy" lines
 #: (policy is field 41 of /proc/<pid>/task/<tid>/stat: 0 SCHED_OTHER, 5 SCHED_IDLE; comm may
 #: hold spaces, so the fields are counted after its closing parenthesis).
