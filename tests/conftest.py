@@ -1,21 +1,58 @@
 """Shared fixtures: real dsec services as subprocesses, always stopped.
 
 ``cluster`` (session) runs iam, watcher, placement, one null-runtime edge and
-an API server on Unix sockets under a temp dir. When a test that used it
-fails, the tail of every service's log is printed.
+an API server on Unix sockets under a temp dir. When a test that used it (or any
+other cluster) fails, the tail of every service's log is printed. Container
+clusters, the cluster factory and the sandbox factory of the integration suite
+are in tests/integration/conftest.py.
+
+A test that runs the base images says which with ``pytest.mark.images(...)``:
+one missing FAILS the test before any fixture starts, naming it and the command
+that builds it (``make test`` builds them first; their absence is a broken
+machine, not a skip).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from tests.pgserver import PostgresServer, start_postgres
+
+IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+#: What scripts/build-base-images.sh builds (its ALL_IMAGES).
+BASE_IMAGES = ("busybox", "bookworm", "python")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "images(*names): the test runs sandboxes of these base images (fails if missing)"
+    )
+
+
+def require_images(*names: str) -> None:
+    """Fails the calling test when a base image is missing (no names: any of them), naming it
+    and how to build it."""
+    missing = [n for n in names or BASE_IMAGES if not (IMAGES / f"{n}.erofs").exists()]
+    if missing:
+        pytest.fail(
+            f"base images missing from {IMAGES}: {', '.join(m + '.erofs' for m in missing)}; "
+            "build them with `make setup` (scripts/build-base-images.sh; `make test` runs it)",
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before any fixture: a module-scoped cluster must not start over images that are not there.
+    marker = item.get_closest_marker("images")
+    if marker is not None:
+        require_images(*marker.args)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -32,11 +69,11 @@ def print_log_tails(cluster: LocalCluster, header: str) -> None:
         print(cluster.log_tail(p, 40))
 
 
-def start_cluster(home: Path, **kw: object) -> LocalCluster:
+def start_cluster(home: Path, timeout_s: float = 60, **kw: Any) -> LocalCluster:
     # Each test edge gets a cgroup parent of its own: an edge removes every child of its
     # parent it does not know as an orphan, so test clusters sharing "dsec" (or a local
     # cluster's) would kill each other's sandboxes.
-    for e in kw.get("edges") or []:  # type: ignore[attr-defined]
+    for e in kw.get("edges") or []:
         if isinstance(e, EdgeSpec) and e.runtime == "container":
             e.extra_env.setdefault(
                 "DSEC_EDGE_CGROUP_PARENT", f"dsec-test-{os.getpid()}-{e.edge_id}"
@@ -48,24 +85,9 @@ def start_cluster(home: Path, **kw: object) -> LocalCluster:
         transport="unix",
         log_level="DEBUG" if os.environ.get("DSEC_TEST_DEBUG") else "INFO",
         **kw,
-    )  # type: ignore[arg-type]
-    c.start(timeout_s=60)
+    )
+    c.start(timeout_s=timeout_s)
     return c
-
-
-@contextmanager
-def one_container_edge(
-    home: Path, edge_id: str, env: dict[str, str] | None = None
-) -> Iterator[LocalCluster]:
-    """A cluster of one container edge over the base images (no FnCall pools), always
-    stopped: what most container tests of one feature need. ``env``: more DSEC_EDGE_*."""
-    images = os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images")
-    env = {"DSEC_EDGE_IMAGE_DIR": images, "DSEC_EDGE_FNCALL_POOLS": "", **(env or {})}
-    c = start_cluster(home, edges=[EdgeSpec(edge_id=edge_id, runtime="container", extra_env=env)])
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client
-from tests.conftest import start_cluster
-
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-HAVE_IMAGES = (IMAGES / "bookworm.erofs").exists()
+from tests.integration.conftest import ClusterWith, container_edge
 
 
 @dataclass(frozen=True)
@@ -26,23 +22,12 @@ class E2bTarget:
 
 
 @contextmanager
-def e2b_cluster(home: Path) -> Iterator[E2bTarget]:
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="e2b0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
+def e2b_cluster(cluster_with: ClusterWith, name: str) -> Iterator[E2bTarget]:
+    """A cluster of one container edge (e2b0) with the compat front end, always stopped."""
+    with cluster_with(name, edges=[container_edge("e2b0")]) as c:
         with Client(c.apiserver, token=c.token) as admin:
             key = admin.create_token("e2b-tests", agent=True).secret
         yield E2bTarget(c, c.compat_url, key)
-    finally:
-        c.stop()
 
 
 @contextmanager

@@ -21,41 +21,27 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Quota
 from libdsec.errors import DSecError
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith, container_edge
 from tests.rollouts import BACKGROUND, COUNT, Rollouts
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.images("busybox")]
 
-IMAGES = os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images")
 EDGE = "chaos"
 #: Killed in this order, each once, while the rollouts run.
 VICTIMS = ["iam", "apiserver", "placement", "watcher", f"edge-{EDGE}"]
 
 
 @pytest.fixture(scope="module")
-def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("chaos")
-    env = {
-        "DSEC_EDGE_IMAGE_DIR": IMAGES,
-        "DSEC_EDGE_FNCALL_POOLS": "",
-        "DSEC_EDGE_PAUSE_SWAP_MB": "256",
-    }
-    c = LocalCluster(
-        home,
-        transport="unix",
-        edges=[EdgeSpec(edge_id=EDGE, runtime="container", extra_env=env)],
-        compat=False,
-        supervised=True,
-    )
-    c.start(timeout_s=120)
-    try:
+def supervised(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own, under supervisord (its services are killed)."""
+    edge = container_edge(EDGE, {"DSEC_EDGE_PAUSE_SWAP_MB": "256"})
+    with cluster_with("chaos", edges=[edge], compat=False, supervised=True, timeout_s=120) as c:
         yield c
-    finally:
-        c.stop()
-        assert str(home) not in Path("/proc/self/mountinfo").read_text()
+    assert str(c.home) not in Path("/proc/self/mountinfo").read_text()
 
 
 def _project(c: LocalCluster, name: str) -> tuple[str, str]:

@@ -23,41 +23,21 @@ from typing import IO, Any
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client
 from libdsec.errors import DSecError
-from tests.conftest import start_cluster
 from tests.helpers import sandbox_factory
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 ROOT = Path(__file__).resolve().parents[2]
-needs_images = pytest.mark.skipif(
-    not all((IMAGES / f"{n}.erofs").exists() for n in ("busybox", "python")),
-    reason="images busybox/python missing: run scripts/setup.sh (make test does)",
-)
+needs_images = pytest.mark.images("busybox", "python")
 
 
 @pytest.fixture(scope="module")
-def cli_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cli_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """A container edge with a small python FnCall pool: everything the demo shows."""
-    home = tmp_path_factory.mktemp("clicluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="cli0",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "python=1",
-                },
-            )
-        ],
-    )
-    try:
+    with cluster_with("cli0", edge_env={"DSEC_EDGE_FNCALL_POOLS": "python=1"}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def cli_env(target: str, token: str, home: Path) -> dict[str, str]:

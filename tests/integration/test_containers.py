@@ -7,19 +7,18 @@ test labels its sandboxes with its node id and stops them, also on failure.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import AsyncClient, Client, Exited, Output, Sandbox, Started
 from libdsec.errors import (
     BackendNotOffered,
@@ -33,48 +32,10 @@ from libdsec.errors import (
     SandboxTerminated,
     Unavailable,
 )
-from tests.conftest import start_cluster
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
-
-
-@pytest.fixture(scope="module")
-def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("ccluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="ctr0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def client(container_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(container_cluster.apiserver, token=container_cluster.token) as c:
-        yield c
-
-
-@pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    """Factory: sandboxes labelled with the test id, always stopped afterwards."""
-    with sandbox_factory(client, request.node.nodeid, memory_mb=256, grace_s=0.5) as make:
-        yield make
+pytestmark = pytest.mark.images("busybox", "bookworm")
 
 
 # ------------------------------------------------------------------ commands
@@ -417,18 +378,9 @@ def test_memory_bomb_is_contained(make_sandbox: Callable[..., Sandbox]) -> None:
 # ------------------------------------------------------- edge restart, orphans
 
 
-def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> None:
-    cluster = start_cluster(
-        tmp_path,
-        edges=[
-            EdgeSpec(
-                edge_id="rst",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
+def test_edge_restart_readopts_sandboxes_and_cleans_orphans(cluster_with: ClusterWith) -> None:
+    with cluster_with("rst") as cluster:
+        home = cluster.home
         with Client(cluster.apiserver, token=cluster.token) as c:
             kept = c.create(image="busybox", cpu=0.2, memory_mb=64)
             orphan = c.create(image="busybox", cpu=0.2, memory_mb=64)
@@ -440,7 +392,7 @@ def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> N
             cluster.kill(
                 "edge-rst", signal.SIGKILL
             )  # a crash: nothing is cleaned up on the way out
-            state = tmp_path / "edges" / "rst"
+            state = home / "edges" / "rst"
             (state / "sandboxes" / f"{orphan.id}.json").unlink()  # the edge will not know this one
             cluster.restart("edge-rst")
             info = wait_for(
@@ -461,10 +413,8 @@ def test_edge_restart_readopts_sandboxes_and_cleans_orphans(tmp_path: Path) -> N
             assert orphan.id not in mounts
             assert not (state / "container" / "runtime" / "sandboxes" / orphan.id).exists()
             kept.stop()
-    finally:
-        cluster.stop()
-    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text().replace(
-        str(tmp_path / "edges" / "rst" / "container" / "toolkit-mnt"), ""
+    assert str(home) not in Path("/proc/self/mountinfo").read_text().replace(
+        str(home / "edges" / "rst" / "container" / "toolkit-mnt"), ""
     )
 
 
@@ -484,6 +434,12 @@ def test_pause_keeps_state_and_any_call_resumes(make_sandbox: Callable[..., Sand
     assert sb.run("cat /work/kept.txt").text == "state"  # resumed transparently
     assert sb.refresh().state == "RUNNING"
     assert proc.wait(timeout_s=0.1).running
+
+
+def test_a_paused_then_resumed_sandbox_answers(resumed: Sandbox) -> None:
+    """The suite's lifecycle fixtures (sandbox -> running -> paused -> resumed) end to end."""
+    assert resumed.refresh().state == "RUNNING"
+    assert resumed.run("echo back").text == "back\n"
 
 
 #: Every thread of every process in the sandbox's pid namespace: "pid tid comm policy" lines

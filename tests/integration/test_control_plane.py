@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -38,8 +37,9 @@ from libdsec.errors import (
     SandboxTerminated,
     Unauthenticated,
 )
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import print_log_tails
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 from tests.pgserver import PostgresServer
 
 #: Fast reconciliation so the tests see it within seconds.
@@ -53,10 +53,10 @@ VIEW_HEALTH = "dsec.placement.v1.ClusterView"
 
 
 @pytest.fixture(scope="module")
-def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cp(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """Two API servers, three null edges (one small, labelled zone=z)."""
-    c = start_cluster(
-        tmp_path_factory.mktemp("cp"),
+    with cluster_with(
+        "cp",
         edges=[
             EdgeSpec(edge_id="cpa", runtime="null", **BIG),  # type: ignore[arg-type]
             EdgeSpec(edge_id="cpb", runtime="null", **BIG),  # type: ignore[arg-type]
@@ -64,11 +64,8 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         ],
         apiservers=2,
         extra_env=FAST_RECONCILE,
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def apis(c: LocalCluster) -> list[str]:
@@ -391,14 +388,15 @@ def test_watcher_down_placement_degrades_then_the_view_is_rebuilt(cp: LocalClust
         c.stop_all(task_id="wd")
 
 
-def test_an_edge_back_before_it_was_judged_unhealthy_stays_healthy(tmp_path: Path) -> None:
+def test_an_edge_back_before_it_was_judged_unhealthy_stays_healthy(
+    cluster_with: ClusterWith,
+) -> None:
     """An edge killed and started again within the watcher's ``unhealthy_after`` probes (3, at
     0.5 s). The probes that failed while it was down were of its previous process: its new
     incarnation starts the count again, and the watcher connects to it afresh (its channel to
     the dead process may be backing off). Before, the edge could turn UNHEALTHY just after it
     was back, and creates found no eligible edge (a CI failure)."""
-    c = start_cluster(tmp_path, edges=[EdgeSpec(edge_id="ra", runtime="null")])
-    try:
+    with cluster_with("ra", edges=[EdgeSpec(edge_id="ra", runtime="null")]) as c:
         for down_s in (0.5, 0.7, 0.9, 1.1):  # where the old process's failures fall varies
             before = snapshot(c).edges[0].info.incarnation
             assert before
@@ -411,8 +409,6 @@ def test_an_edge_back_before_it_was_judged_unhealthy_stays_healthy(tmp_path: Pat
             first = next((i for i, (_, h) in enumerate(new) if h == "HEALTHY"), None)
             assert first is not None and new[first][0] - new[0][0] < 1.0, (down_s, seen)
             assert {h for _, h in new[first:]} == {"HEALTHY"}, (down_s, seen)
-    finally:
-        c.stop()
 
 
 def _restart_after(c: LocalCluster, name: str, down_s: float) -> None:
@@ -448,101 +444,100 @@ def _health_while(c: LocalCluster, action: Callable[[], None]) -> list[tuple[flo
 # ------------------------------------------------------------- edge killed
 
 
-def test_edge_killed_during_a_burst_leaks_no_quota(tmp_path: Path) -> None:
+def test_edge_killed_during_a_burst_leaks_no_quota(cluster_with: ClusterWith) -> None:
     """An edge frozen (SIGSTOP) and then killed (SIGKILL) while a burst is being
     created on it: its share is retried on the other edges, every item is created,
     and IAM's usage comes back to exactly the number of live sandboxes (the
     killed edge's admitted sandboxes and unknown-outcome reservations are
     released once it is gone)."""
-    c = start_cluster(
-        tmp_path,
+    with cluster_with(
+        "burst",
         edges=[EdgeSpec(edge_id=f"k{i}", runtime="null", **BIG) for i in range(4)],  # type: ignore[arg-type]
         extra_env=FAST_RECONCILE,
-    )
-    try:
-        project, token = project_with_token(c, "burst")
-        with Client(c.apiserver, token=token) as cl:
-            before = cl.create_many(200, image="busybox", cpu=0.1, memory_mb=16, task_id="kb")
-            assert not any(isinstance(s, Exception) for s in before)
-            on_victim = sum(1 for s in before if s.info.edge_id == "k3")  # type: ignore[union-attr]
-            assert on_victim > 0
-            victim = c.process("edge-k3")
-            os.kill(victim.pid, signal.SIGSTOP)  # placement still sees it healthy for ~1.5 s
-            killer = threading.Timer(0.5, lambda: c.kill("edge-k3"))
-            killer.start()
-            try:
-                out = cl.create_many(2000, image="busybox", cpu=0.1, memory_mb=16, task_id="kb")
-            finally:
-                killer.join()
-            failed = [o for o in out if isinstance(o, Exception)]
-            assert not failed, failed[:3]
-            assert all(s.info.edge_id != "k3" for s in out)  # type: ignore[union-attr]
-            expected = 2200 - on_victim
-            wait_for(lambda: usage(c, project) == expected, timeout_s=30)
-            assert len(live(c, token, "kb")) == expected
-            time.sleep(2)  # and it stays exact (nothing released twice)
-            assert usage(c, project) == expected
-            cl.stop_all(task_id="kb")
-        wait_for(lambda: usage(c, project) == 0, timeout_s=15)
-    except BaseException:
-        print_log_tails(c, "edge killed during a burst")
-        raise
-    finally:
-        c.stop()
+    ) as c:
+        try:
+            project, token = project_with_token(c, "burst")
+            with Client(c.apiserver, token=token) as cl:
+                before = cl.create_many(200, image="busybox", cpu=0.1, memory_mb=16, task_id="kb")
+                assert not any(isinstance(s, Exception) for s in before)
+                on_victim = sum(1 for s in before if s.info.edge_id == "k3")  # type: ignore[union-attr]
+                assert on_victim > 0
+                victim = c.process("edge-k3")
+                os.kill(victim.pid, signal.SIGSTOP)  # placement still sees it healthy for ~1.5 s
+                killer = threading.Timer(0.5, lambda: c.kill("edge-k3"))
+                killer.start()
+                try:
+                    out = cl.create_many(2000, image="busybox", cpu=0.1, memory_mb=16, task_id="kb")
+                finally:
+                    killer.join()
+                failed = [o for o in out if isinstance(o, Exception)]
+                assert not failed, failed[:3]
+                assert all(s.info.edge_id != "k3" for s in out)  # type: ignore[union-attr]
+                expected = 2200 - on_victim
+                wait_for(lambda: usage(c, project) == expected, timeout_s=30)
+                assert len(live(c, token, "kb")) == expected
+                time.sleep(2)  # and it stays exact (nothing released twice)
+                assert usage(c, project) == expected
+                cl.stop_all(task_id="kb")
+            wait_for(lambda: usage(c, project) == 0, timeout_s=15)
+        except BaseException:
+            print_log_tails(c, "edge killed during a burst")
+            raise
 
 
 # ------------------------------------------------------------- PostgreSQL
 
 
-def test_cluster_with_iam_on_postgresql(postgres: PostgresServer, tmp_path: Path) -> None:
+def test_cluster_with_iam_on_postgresql(
+    postgres: PostgresServer, cluster_with: ClusterWith
+) -> None:
     """The same control plane with IAM on a real PostgreSQL server: projects,
     tokens, quotas, bursts, durable idempotency keys across API servers, quota
     release on stop, and exactness under racing clients."""
-    c = LocalCluster(
-        tmp_path,
-        transport="unix",
+    with cluster_with(
+        "pg",
         edges=[EdgeSpec(edge_id=f"pg{i}", runtime="null", **BIG) for i in range(2)],  # type: ignore[arg-type]
         apiservers=2,
         extra_env=FAST_RECONCILE,
         iam_database=postgres.create_database("cluster"),
-    )
-    c.start(timeout_s=60)
-    try:
-        a, b = apis(c)
-        team, _ = project_with_token(c, "team", Quota(sandboxes=30))
-        subs = [project_with_token(c, f"r{i}", Quota(sandboxes=20), parent=team) for i in range(2)]
-        with Client(a, token=subs[0][1]) as ca, Client(b, token=subs[0][1]) as cb:
-            assert ca.whoami().project_id == subs[0][0]
-            x = ca.create(image="busybox", cpu=0.1, memory_mb=16, idempotency_key="pg-1")
-            assert (
-                cb.create(image="busybox", cpu=0.1, memory_mb=16, idempotency_key="pg-1").id == x.id
-            )
-            x.stop()
-        wait_for(lambda: usage(c, team) == 0)
+    ) as c:
+        try:
+            a, b = apis(c)
+            team, _ = project_with_token(c, "team", Quota(sandboxes=30))
+            subs = [
+                project_with_token(c, f"r{i}", Quota(sandboxes=20), parent=team) for i in range(2)
+            ]
+            with Client(a, token=subs[0][1]) as ca, Client(b, token=subs[0][1]) as cb:
+                assert ca.whoami().project_id == subs[0][0]
+                x = ca.create(image="busybox", cpu=0.1, memory_mb=16, idempotency_key="pg-1")
+                assert (
+                    cb.create(image="busybox", cpu=0.1, memory_mb=16, idempotency_key="pg-1").id
+                    == x.id
+                )
+                x.stop()
+            wait_for(lambda: usage(c, team) == 0)
 
-        created: list[str] = []
-        lock = threading.Lock()
+            created: list[str] = []
+            lock = threading.Lock()
 
-        def racer(i: int) -> None:
-            _, token = subs[i % 2]
-            with Client(apis(c)[i % 2], token=token) as cl:
-                out = cl.create_many(8, image="busybox", cpu=0.1, memory_mb=16, task_id="pgr")
-                with lock:
-                    created.extend(s.id for s in out if not isinstance(s, Exception))
-                    assert all(
-                        isinstance(s, QuotaExceeded) for s in out if isinstance(s, Exception)
-                    )
+            def racer(i: int) -> None:
+                _, token = subs[i % 2]
+                with Client(apis(c)[i % 2], token=token) as cl:
+                    out = cl.create_many(8, image="busybox", cpu=0.1, memory_mb=16, task_id="pgr")
+                    with lock:
+                        created.extend(s.id for s in out if not isinstance(s, Exception))
+                        assert all(
+                            isinstance(s, QuotaExceeded) for s in out if isinstance(s, Exception)
+                        )
 
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(racer, range(8)))
-        assert len(created) == 30 and usage(c, team) == 30
-        assert all(usage(c, p) <= 20 for p, _ in subs)
-        with Client(a, token=c.token) as admin:
-            admin.stop_all(task_id="pgr")
-        wait_for(lambda: usage(c, team) == 0)
-    except BaseException:
-        print_log_tails(c, "cluster on PostgreSQL")
-        print(postgres.log_tail())
-        raise
-    finally:
-        c.stop()
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(racer, range(8)))
+            assert len(created) == 30 and usage(c, team) == 30
+            assert all(usage(c, p) <= 20 for p, _ in subs)
+            with Client(a, token=c.token) as admin:
+                admin.stop_all(task_id="pgr")
+            wait_for(lambda: usage(c, team) == 0)
+        except BaseException:
+            print_log_tails(c, "cluster on PostgreSQL")
+            print(postgres.log_tail())
+            raise

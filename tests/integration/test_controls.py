@@ -8,7 +8,6 @@ that is not bpffs, so the network control cannot work on that edge.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import grpc
@@ -19,28 +18,15 @@ from dsecctl.cluster import EdgeSpec
 from edge import controls
 from libdsec import Client, NetworkPolicy
 from libdsec.errors import FailedPrecondition
-from tests.conftest import start_cluster
 from tests.helpers import dsec_status
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 
 def _edge(tmp: Path, **env: str) -> EdgeSpec:
-    return EdgeSpec(
-        edge_id="ctl0",
-        runtime="container",
-        extra_env={
-            "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-            "DSEC_EDGE_FNCALL_POOLS": "",
-            # a directory on the test's tmp filesystem: not bpffs
-            "DSEC_EDGE_BPF_PIN_DIR": str(tmp / "not-bpffs" / "dsec"),
-            **env,
-        },
-    )
+    # a directory on the test's tmp filesystem: not bpffs
+    return container_edge("ctl0", {"DSEC_EDGE_BPF_PIN_DIR": str(tmp / "not-bpffs" / "dsec"), **env})
 
 
 def test_this_host_enforces_every_required_control() -> None:
@@ -74,20 +60,22 @@ def test_only_controls_with_a_defined_effect_can_be_turned_off() -> None:
         controls.check(disabled=("seccomp",), bpf_pin_dir=Path("/sys/fs/bpf/dsec"), apparmor=False)
 
 
-def test_an_edge_missing_a_control_refuses_to_start_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError) as info:
-        start_cluster(tmp_path / "home", edges=[_edge(tmp_path)])
+def test_an_edge_missing_a_control_refuses_to_start_naming_it(
+    tmp_path: Path, cluster_with: ClusterWith
+) -> None:
+    with pytest.raises(RuntimeError) as info, cluster_with("ctl0", edges=[_edge(tmp_path)]):
+        pass
     text = str(info.value)
     assert "edge-ctl0 exited with 2" in text
     assert "refuses to run half-confined" in text and "network (needs bpffs at" in text
     assert "DSEC_EDGE_DISABLED_CONTROLS=network" in text
 
 
-def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -> None:
-    c = start_cluster(
-        tmp_path / "home", edges=[_edge(tmp_path, DSEC_EDGE_DISABLED_CONTROLS="network")]
-    )
-    try:
+def test_a_control_turned_off_is_shown_and_its_feature_refused(
+    tmp_path: Path, cluster_with: ClusterWith
+) -> None:
+    spec = _edge(tmp_path, DSEC_EDGE_DISABLED_CONTROLS="network")
+    with cluster_with("ctl0", edges=[spec]) as c:
         edge = next(p for p in c.processes if p.name.startswith("edge"))
         with grpc.insecure_channel(edge.address) as ch:
             status = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
@@ -113,5 +101,3 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(tmp_path: Path) -
         assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
         assert "controls absent: apparmor, core_scheduling" in status
         assert "core_scheduling: this kernel has no core scheduling" in status
-    finally:
-        c.stop()

@@ -5,11 +5,10 @@ SDK), bounds, typed errors, and a stream that ends with the sandbox's reason."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -22,34 +21,14 @@ from libdsec.errors import (
     ResourceExhausted,
     SandboxTerminated,
 )
-from tests.conftest import one_container_edge
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
-
-
-@pytest.fixture(scope="module")
-def watch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with one_container_edge(tmp_path_factory.mktemp("wcluster"), "wch0") as c:
-        yield c
+pytestmark = pytest.mark.images("busybox")
 
 
 @pytest.fixture
-def client(watch_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(watch_cluster.apiserver, token=watch_cluster.token) as c:
-        yield c
-
-
-@pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.5) as make:
-        yield make
+def sandbox_defaults() -> dict[str, Any]:
+    return {"memory_mb": 128, "grace_s": 0.5}
 
 
 def poll_until(sb: Sandbox, watcher_id: str, want: set[FileEvent]) -> list[FileEvent]:
@@ -153,12 +132,12 @@ def test_watch_streams_events_and_closing_removes_the_watch(
 
 
 def test_async_watch_is_established_when_returned(
-    watch_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb_id = make_sandbox().id
 
     async def main() -> list[FileEvent]:
-        async with AsyncClient(watch_cluster.apiserver, token=watch_cluster.token) as c:
+        async with AsyncClient(container_cluster.apiserver, token=container_cluster.token) as c:
             sb = await c.get(sb_id)
             await sb.files.mkdir("/work/a")
             w = await sb.files.watch("/work", recursive=True)

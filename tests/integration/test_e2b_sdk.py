@@ -29,18 +29,17 @@ from e2b.sandbox.commands.command_handle import PtySize
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from tests.helpers import wait_for
-from tests.integration.e2b_support import HAVE_IMAGES, E2bTarget, e2b_cluster, e2b_environment
+from tests.integration.conftest import ClusterWith
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
-pytestmark = pytest.mark.skipif(
-    not HAVE_IMAGES, reason="base images missing: run scripts/setup.sh (make test does)"
-)
+pytestmark = pytest.mark.images("busybox", "bookworm")
 
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bTarget]:
-    with e2b_cluster(tmp_path_factory.mktemp("e2b")) as t, e2b_environment(t):
+def target(cluster_with: ClusterWith) -> Iterator[E2bTarget]:
+    with e2b_cluster(cluster_with, "e2b") as t, e2b_environment(t):
         yield t
 
 

@@ -16,11 +16,10 @@ import pytest
 
 from libdsec import Client
 from tests.helpers import wait_for
-from tests.integration.e2b_support import HAVE_IMAGES, E2bTarget, e2b_cluster, e2b_environment
+from tests.integration.conftest import ClusterWith
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
-pytestmark = pytest.mark.skipif(
-    not HAVE_IMAGES, reason="base images missing: run scripts/setup.sh (make test does)"
-)
+pytestmark = pytest.mark.images("busybox", "bookworm")
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_SDK_PYTHON = ROOT / ".venv-e2b-old" / "bin" / "python"
@@ -29,8 +28,8 @@ MISSING = "sb-e2b0-0000000000000000"
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bTarget]:
-    with e2b_cluster(tmp_path_factory.mktemp("e2bwire")) as t, e2b_environment(t):
+def target(cluster_with: ClusterWith) -> Iterator[E2bTarget]:
+    with e2b_cluster(cluster_with, "e2bwire") as t, e2b_environment(t):
         yield t
 
 

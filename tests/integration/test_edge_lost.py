@@ -20,8 +20,8 @@ from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
 from libdsec.errors import SandboxNotFound, SandboxTerminated, Unavailable
-from tests.conftest import start_cluster
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 from tests.integration.test_control_plane import project_with_token, usage
 from tests.integration.test_watch import watching
 
@@ -36,20 +36,16 @@ SPEC = {"cpu": 0.1, "memory_mb": 32, "task_id": "lost-task"}
 
 
 @pytest.fixture(scope="module")
-def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def lc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """Three null edges: lx (to be killed), lz (to be frozen) and ly (stays)."""
-    c = start_cluster(
-        tmp_path_factory.mktemp("lost"),
-        edges=[EdgeSpec(edge_id=e, runtime="null", labels={"node": e}) for e in ("lx", "ly", "lz")],
-        extra_env=GONE_FAST,
-    )
-    try:
-        yield c
-    finally:
-        for p in c.processes:  # a frozen edge cannot take its SIGTERM
-            if p.pid and p.proc is not None and p.proc.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        c.stop()
+    edges = [EdgeSpec(edge_id=e, runtime="null", labels={"node": e}) for e in ("lx", "ly", "lz")]
+    with cluster_with("lost", edges=edges, extra_env=GONE_FAST) as c:
+        try:
+            yield c
+        finally:
+            for p in c.processes:  # a frozen edge cannot take its SIGTERM
+                if p.pid and p.proc is not None and p.proc.poll() is None:
+                    os.kill(p.pid, signal.SIGCONT)
 
 
 def reported(c: LocalCluster, edge_id: str) -> int:

@@ -19,16 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import EdgeSpec
 from libdsec import Client, NetworkPolicy, Sandbox
 from tests.adversarial.netlab import NetLab
-from tests.conftest import start_cluster
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 INDEX = 200 + os.getpid() % 50  # the adversarial suite and test_readme use 100..199
 PYPI = f"10.199.{INDEX}.3"
 CLAIMS = Path("/run/dsec/net")
@@ -43,18 +39,9 @@ def internet() -> Iterator[NetLab]:
         lab.close()
 
 
-def _cluster(home: Path, dns: str, *edge_ids: str) -> LocalCluster:
-    env = {
-        "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-        "DSEC_EDGE_FNCALL_POOLS": "",
-        "DSEC_EDGE_MICROVM": "off",
-        "DSEC_EDGE_DNS_UPSTREAM": dns,
-    }
-    edges = [
-        EdgeSpec(edge_id=e, runtime="container", labels={"node": e}, extra_env=dict(env))
-        for e in edge_ids
-    ]
-    return start_cluster(home, edges=edges)
+def _edges(dns: str, *edge_ids: str) -> list[EdgeSpec]:
+    env = {"DSEC_EDGE_MICROVM": "off", "DSEC_EDGE_DNS_UPSTREAM": dns}
+    return [container_edge(e, env, labels={"node": e}) for e in edge_ids]
 
 
 def _claims_of(home: Path) -> dict[str, dict[str, str]]:
@@ -75,13 +62,10 @@ def _nc(sb: Sandbox, host: str, port: int) -> tuple[int, bytes]:
 
 
 def test_edges_of_two_clusters_network_sandboxes_at_once(
-    internet: NetLab, tmp_path_factory: pytest.TempPathFactory
+    internet: NetLab, cluster_with: ClusterWith
 ) -> None:
-    homes = [tmp_path_factory.mktemp("nodeone"), tmp_path_factory.mktemp("nodetwo")]
-    first = _cluster(homes[0], internet.dns, "nodea")
-    try:
-        second = _cluster(homes[1], internet.dns, "nodeb", "nodec")
-        try:
+    with cluster_with("nodeone", edges=_edges(internet.dns, "nodea")) as first:
+        with cluster_with("nodetwo", edges=_edges(internet.dns, "nodeb", "nodec")) as second:
             placed = [(first, "nodea"), (second, "nodeb"), (second, "nodec")]
             gateways = set()
             for cluster, edge in placed:
@@ -104,17 +88,13 @@ def test_edges_of_two_clusters_network_sandboxes_at_once(
                     finally:
                         sb.stop()
             assert len(gateways) == 3, gateways  # three resolvers, one per edge's bridge
-            claims = {**_claims_of(homes[0]), **_claims_of(homes[1])}
+            claims = {**_claims_of(first.home), **_claims_of(second.home)}
             assert sorted(claims) == ["nodea", "nodeb", "nodec"], claims
             assert len({d["bridge"] for d in claims.values()}) == 3, claims
             assert len({d["gate_queue"] for d in claims.values()}) == 3, claims
             nets = [ipaddress.IPv4Network(d["subnet"]) for d in claims.values()]
             assert not any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1 :])
             assert {str(next(n.hosts())) for n in nets} == gateways
-        finally:
-            second.stop()
-        assert not _claims_of(homes[1])  # released with their bridges
-        assert _claims_of(homes[0])  # the other cluster's is untouched
-    finally:
-        first.stop()
-    assert not _claims_of(homes[0])
+        assert not _claims_of(second.home)  # released with their bridges
+        assert _claims_of(first.home)  # the other cluster's is untouched
+    assert not _claims_of(first.home)

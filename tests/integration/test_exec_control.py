@@ -4,63 +4,37 @@ end to end: SDK -> apiserver -> edge -> runc -> aether -> chronus, in real conta
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import LocalCluster
-from libdsec import Client, Exited, Output, Sandbox, Started
+from libdsec import Exited, Output, Sandbox, Started
 from libdsec.errors import FailedPrecondition, InvalidArgument, NotFound
-from tests.conftest import one_container_edge
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
-
-
-@pytest.fixture(scope="module")
-def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with one_container_edge(tmp_path_factory.mktemp("execctl"), "ctr0") as c:
-        yield c
-
-
-@pytest.fixture
-def client(container_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(container_cluster.apiserver, token=container_cluster.token) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(client: Client, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
-    with sandbox_factory(client, request.node.nodeid, memory_mb=256, grace_s=0.5) as make:
-        yield make(image="busybox")
+pytestmark = pytest.mark.images("busybox")
 
 
 def stdout_of(proc_events: Iterator[object]) -> bytes:
     return b"".join(e.data for e in proc_events if isinstance(e, Output) and e.stream == "stdout")
 
 
-def test_labels_and_exec_info(sb: Sandbox) -> None:
-    proc = sb.start("sleep 30", labels={"role": "server"}, env={"PORT": "8000"}, cwd="/tmp")
+def test_labels_and_exec_info(sandbox: Sandbox) -> None:
+    proc = sandbox.start("sleep 30", labels={"role": "server"}, env={"PORT": "8000"}, cwd="/tmp")
     try:
-        (info,) = [i for i in sb.processes() if i.exec_id == proc.exec_id]
+        (info,) = [i for i in sandbox.processes() if i.exec_id == proc.exec_id]
         assert info.running and info.labels == {"role": "server"}
         assert info.argv == ["/bin/sh", "-c", "sleep 30"]
         assert (info.cwd, info.env, info.pty, info.user) == ("/tmp", {"PORT": "8000"}, False, "")
     finally:
         proc.kill()
     with pytest.raises(InvalidArgument) as exc:
-        sb.run("true", labels={"bad key": "v"})
+        sandbox.run("true", labels={"bad key": "v"})
     assert exc.value.reason == "INVALID_LABEL" and "'bad key'" in exc.value.message
 
 
-def test_send_stdin_in_order_then_close(sb: Sandbox) -> None:
-    proc = sb.start("cat", stdin_open=True)
+def test_send_stdin_in_order_then_close(sandbox: Sandbox) -> None:
+    proc = sandbox.start("cat", stdin_open=True)
     parts = [f"{i}," for i in range(100)]
     for part in parts:
         proc.send_stdin(part)
@@ -73,11 +47,11 @@ def test_send_stdin_in_order_then_close(sb: Sandbox) -> None:
     assert exc.value.reason == "EXEC_EXITED"
 
 
-def test_control_errors(sb: Sandbox) -> None:
+def test_control_errors(sandbox: Sandbox) -> None:
     with pytest.raises(NotFound) as missing:
-        sb.process("ex-nope").send_stdin("x")
+        sandbox.process("ex-nope").send_stdin("x")
     assert missing.value.reason == "EXEC_NOT_FOUND"
-    proc = sb.start("sleep 30")
+    proc = sandbox.start("sleep 30")
     try:
         with pytest.raises(FailedPrecondition) as closed:
             proc.send_stdin("x")
@@ -89,8 +63,8 @@ def test_control_errors(sb: Sandbox) -> None:
         proc.kill()
 
 
-def test_pty_input_and_resize(sb: Sandbox) -> None:
-    shell = sb.start(
+def test_pty_input_and_resize(sandbox: Sandbox) -> None:
+    shell = sandbox.start(
         "read x; echo got:$x; trap 'stty size; exit 0' WINCH; echo armed; "
         "while :; do sleep 0.05; done",
         pty=(20, 30),
@@ -109,14 +83,14 @@ def test_pty_input_and_resize(sb: Sandbox) -> None:
     assert b"7 9" in stdout_of(shell.attach())
 
 
-def test_background_stream_leaves_the_command_running(sb: Sandbox) -> None:
-    events = sb.stream("echo first; sleep 0.5; echo second; sleep 30", background=True)
+def test_background_stream_leaves_the_command_running(sandbox: Sandbox) -> None:
+    events = sandbox.stream("echo first; sleep 0.5; echo second; sleep 30", background=True)
     started = next(events)
     assert isinstance(started, Started) and started.pid > 0
     first = next(e for e in events if isinstance(e, Output))
     assert first.data == b"first\n"
     events.close()  # the client goes away: the command stays
-    proc = sb.process(started.exec_id)
+    proc = sandbox.process(started.exec_id)
     try:
         assert proc.wait(timeout_s=1).running
         rest = b""
@@ -130,30 +104,30 @@ def test_background_stream_leaves_the_command_running(sb: Sandbox) -> None:
         proc.kill()
     wait_for(lambda: not proc.wait(timeout_s=1).running)
     # run to the end, a followed background stream ends with the exit like a foreground one
-    last = list(sb.stream("echo done; exit 3", background=True))[-1]
+    last = list(sandbox.stream("echo done; exit 3", background=True))[-1]
     assert isinstance(last, Exited) and last.status.exit_code == 3
 
 
-def test_run_as_a_user(sb: Sandbox) -> None:
-    setup = sb.run(
+def test_run_as_a_user(sandbox: Sandbox) -> None:
+    setup = sandbox.run(
         "echo 'alice:x:1000:1000::/home/alice:/bin/sh' >> /etc/passwd && "
         "printf 'alice:x:1000:\\ndev:x:2000:bob,alice\\n' >> /etc/group && "
         "mkdir -p /home/alice && chown 1000:1000 /home/alice && "
         "mkdir /root-only && chmod 700 /root-only"
     )
     assert setup.ok, setup.stderr
-    r = sb.run('id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"; pwd', user="alice")
+    r = sandbox.run('id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"; pwd', user="alice")
     assert r.text.splitlines() == ["1000", "1000", "1000 2000", "/home/alice alice alice",
                                    "/home/alice"]  # fmt: skip
-    assert sb.run("id -u", user="1000").text == "1000\n"
-    denied = sb.run("ls /root-only", user="alice")  # root's DAC_OVERRIDE is gone
+    assert sandbox.run("id -u", user="1000").text == "1000\n"
+    denied = sandbox.run("ls /root-only", user="alice")  # root's DAC_OVERRIDE is gone
     assert denied.exit_code != 0 and "Permission denied" in denied.stderr.decode()
-    proc = sb.start("sleep 30", user="alice", labels={"who": "alice"})
+    proc = sandbox.start("sleep 30", user="alice", labels={"who": "alice"})
     try:
-        (info,) = [i for i in sb.processes() if i.exec_id == proc.exec_id]
+        (info,) = [i for i in sandbox.processes() if i.exec_id == proc.exec_id]
         assert (info.user, info.cwd, info.labels) == ("alice", "/home/alice", {"who": "alice"})
     finally:
         proc.kill()
     with pytest.raises(InvalidArgument) as exc:
-        sb.run("true", user="mallory")
+        sandbox.run("true", user="mallory")
     assert exc.value.reason == "USER_NOT_FOUND"

@@ -24,46 +24,30 @@ import grpc
 import pytest
 
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import AsyncClient, Client, CompileInfo, FunctionJob
 from libdsec.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
-from tests.conftest import start_cluster
 from tests.helpers import dsec_status
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not all((IMAGES / f"{n}.erofs").exists() for n in ("bookworm", "python")),
-    reason="images bookworm/python missing: run scripts/build-base-images.sh (make test does)",
-)
+pytestmark = pytest.mark.images("bookworm", "python")
 JOBS_PER_CONTAINER = 40
 
 
 @pytest.fixture(scope="module")
-def fncall_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("fncluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="fn0",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "python=2,cpp=1,bash=1",
-                    "DSEC_EDGE_FNCALL_JOBS_PER_CONTAINER": str(JOBS_PER_CONTAINER),
-                },
-            )
-        ],
-    )
-    try:
+def fncall_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: an edge with FnCall pools (tests read their figures)."""
+    env = {
+        "DSEC_EDGE_FNCALL_POOLS": "python=2,cpp=1,bash=1",
+        "DSEC_EDGE_FNCALL_JOBS_PER_CONTAINER": str(JOBS_PER_CONTAINER),
+    }
+    with cluster_with("fn0", edge_env=env) as c:
         with Client(c.apiserver, token=c.token) as client:
             r = client.fncall(language="python", code="print('warm')")  # waits for the pool
             assert r.ok, r
         yield c
-    finally:
-        c.stop()
-        left = subprocess.run(["mount"], capture_output=True, text=True).stdout
-        assert str(home) not in left, "mounts left behind"
+    left = subprocess.run(["mount"], capture_output=True, text=True).stdout
+    assert str(c.home) not in left, "mounts left behind"
 
 
 @pytest.fixture
@@ -1070,19 +1054,13 @@ def test_cli(fncall_cluster: LocalCluster, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ several edges
 
 
-def test_bursts_and_batches_spread_over_the_edges(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
+def test_bursts_and_batches_spread_over_the_edges(cluster_with: ClusterWith) -> None:
     """Two edges with two Python containers each: a burst of concurrent jobs right after one
     job (the API server still holds that placement answer) runs on both edges together, not
     queued on the first candidate while the other idles; a large batch is split over both."""
-    home = tmp_path_factory.mktemp("fn2cluster")
-    env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": "python=2"}
-    c = start_cluster(
-        home,
-        edges=[EdgeSpec(edge_id=e, runtime="container", extra_env=dict(env)) for e in ("fa", "fb")],
-    )
-    try:
+    env = {"DSEC_EDGE_FNCALL_POOLS": "python=2"}
+    specs = [container_edge(e, env) for e in ("fa", "fb")]
+    with cluster_with("fn2cluster", edges=specs) as c:
 
         async def burst() -> list[str]:
             async with AsyncClient(c.apiserver, token=c.token) as ac:
@@ -1121,37 +1099,19 @@ def test_bursts_and_batches_spread_over_the_edges(
                 list(client.fncall_many(jobs))
             assert "jobs[71]" in bad.value.message and bad.value.reason == "UNKNOWN_LANGUAGE"
             assert bad.value.metadata.get("job_index") == "71", bad.value.metadata
-    finally:
-        c.stop()
 
 
 # ------------------------------------------------------------------ GPU
 
 
-def test_gpu_pool(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_gpu_pool(cluster_with: ClusterWith) -> None:
     if shutil.which("nvidia-smi") is None:
         pytest.skip("no NVIDIA GPU on this machine (nvidia-smi not found): GPU pools untestable")
     if shutil.which("nvidia-container-cli") is None:
         pytest.skip("GPU present but nvidia-container-cli (libnvidia-container) is not installed")
-    home = tmp_path_factory.mktemp("gpucluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="gpu0",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "python-gpu=1",
-                },
-            )
-        ],
-    )
-    try:
+    with cluster_with("gpu0", edge_env={"DSEC_EDGE_FNCALL_POOLS": "python-gpu=1"}) as c:
         with Client(c.apiserver, token=c.token) as client:
             r = client.fncall(
                 command=["nvidia-smi", "-L"], environment="python-gpu", time_limit_s=30
             )
             assert r.verdict == "OK" and b"GPU" in r.stdout, r
-    finally:
-        c.stop()

@@ -5,9 +5,7 @@ says it has GPUs (so placement sends it the create). FnCall's GPU pools are sepa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,20 +15,16 @@ from dsec.types.v1 import types_pb2
 from dsecctl.cluster import LocalCluster
 from libdsec import Client
 from libdsec.errors import BackendCapabilityMissing
-from tests.conftest import one_container_edge
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 EDGE = "gpu0"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    env = {"DSEC_EDGE_GPUS": "2", "DSEC_EDGE_MICROVM": "auto"}
-    with one_container_edge(tmp_path_factory.mktemp("gpus"), EDGE, env) as c:
+def cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: an edge that says it has GPUs."""
+    with cluster_with(EDGE, edge_env={"DSEC_EDGE_GPUS": "2", "DSEC_EDGE_MICROVM": "auto"}) as c:
         yield c
 
 

@@ -15,68 +15,48 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from edge.runtime import mounts
 from libdsec import Client, Sandbox
 from libdsec.errors import ImageNotFound, LayerCorrupt, LayerNotFound, Unavailable
-from tests.conftest import start_cluster
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 EDGE = "lay0"
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 
 @pytest.fixture(scope="module")
-def layer_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("lcluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id=EDGE,
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_LAYER_STORE": str(home / "store"),
-                    "DSEC_EDGE_LAYER_GC_INTERVAL_S": "0.5",
-                    "DSEC_EDGE_LAYER_GC_GRACE_S": "1",
-                    "DSEC_EDGE_LAYER_CHUNK_KB": "64",
-                    "DSEC_EDGE_FNCALL_POOLS": "",
-                },
-            )
-        ],
-    )
-    try:
-        yield c
-    finally:
-        c.stop()
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The edge's private layer store."""
+    return tmp_path_factory.mktemp("store")
 
 
 @pytest.fixture(scope="module")
-def store(layer_cluster: LocalCluster) -> Path:
-    return layer_cluster.home / "store"
-
-
-@pytest.fixture
-def client(layer_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(layer_cluster.apiserver, token=layer_cluster.token) as c:
+def layer_cluster(cluster_with: ClusterWith, store: Path) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: a private layer store, a fast layer GC, a restart."""
+    env = {
+        "DSEC_EDGE_LAYER_STORE": str(store),
+        "DSEC_EDGE_LAYER_GC_INTERVAL_S": "0.5",
+        "DSEC_EDGE_LAYER_GC_GRACE_S": "1",
+        "DSEC_EDGE_LAYER_CHUNK_KB": "64",
+    }
+    with cluster_with(EDGE, edge_env=env) as c:
         yield c
 
 
+@pytest.fixture(scope="module")
+def container_cluster(layer_cluster: LocalCluster) -> LocalCluster:
+    return layer_cluster
+
+
 @pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    """Factory: sandboxes labelled with the test id, always stopped afterwards."""
-    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.2) as make:
-        yield make
+def sandbox_defaults() -> dict[str, Any]:
+    return {"memory_mb": 128, "grace_s": 0.2}
 
 
 def files(root: Path, content: dict[str, str]) -> Path:

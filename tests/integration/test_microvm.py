@@ -41,14 +41,11 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Output, Sandbox
 from libdsec.errors import DSecError, InvalidArgument
-from tests.conftest import print_log_tails, start_cluster
-from tests.helpers import dsec_status, wait_for
+from tests.conftest import print_log_tails
+from tests.helpers import dsec_status, sandbox_factory, wait_for
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 TEMPLATED, COLD = "mvt", "mvc"
 MAX_MEMORY_MB, MAX_VCPUS = 2048, 2
@@ -74,36 +71,25 @@ class Lab:
 
 
 def _edge(edge_id: str, pool: str, **env: str) -> EdgeSpec:
-    return EdgeSpec(
-        edge_id=edge_id,
-        runtime="container",
-        labels={"pool": pool},
-        extra_env={
-            "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-            "DSEC_EDGE_FNCALL_POOLS": "",
-            "DSEC_EDGE_MICROVM": "on",
-            "DSEC_EDGE_MICROVM_MAX_MEMORY_MB": str(MAX_MEMORY_MB),
-            "DSEC_EDGE_MICROVM_MAX_VCPUS": str(MAX_VCPUS),
-            **env,
-        },
-    )
+    microvm = {
+        "DSEC_EDGE_MICROVM": "on",
+        "DSEC_EDGE_MICROVM_MAX_MEMORY_MB": str(MAX_MEMORY_MB),
+        "DSEC_EDGE_MICROVM_MAX_VCPUS": str(MAX_VCPUS),
+    }
+    return container_edge(edge_id, {**microvm, **env}, labels={"pool": pool})
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    home = tmp_path_factory.mktemp("microvm")
-    cluster = start_cluster(
-        home,
-        edges=[
-            _edge(TEMPLATED, "templates"),
-            _edge(COLD, "cold", DSEC_EDGE_MICROVM_TEMPLATES="false"),
-        ],
-    )
-    try:
-        with Client(cluster.apiserver, token=cluster.token) as client:
-            yield Lab(cluster, client)
-    finally:
-        cluster.stop()
+def lab(cluster_with: ClusterWith) -> Iterator[Lab]:
+    edges = [
+        _edge(TEMPLATED, "templates"),
+        _edge(COLD, "cold", DSEC_EDGE_MICROVM_TEMPLATES="false"),
+    ]
+    with (
+        cluster_with("microvm", edges=edges) as cluster,
+        Client(cluster.apiserver, token=cluster.token) as client,
+    ):
+        yield Lab(cluster, client)
 
 
 @pytest.fixture
@@ -112,27 +98,16 @@ def make(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Make]:
     `node_selector` says otherwise, labelled with the test id, always stopped. On failure: the
     services' log tails and the console of every guest the test made."""
     made: list[Sandbox] = []
-    label = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    with sandbox_factory(lab.client, request.node.nodeid, memory_mb=256, grace_s=0.5) as factory:
 
-    def make_one(**kw: Any) -> Sandbox:
-        kw.setdefault("image", "busybox")
-        kw.setdefault("backend", "microvm")
-        kw.setdefault("cpu", 0.5)
-        kw.setdefault("memory_mb", 256)
-        kw.setdefault("node_selector", {"pool": "templates"})
-        kw["labels"] = {**kw.get("labels", {}), "test": label}
-        sb = lab.client.create(**kw)
-        made.append(sb)
-        return sb
+        def make_one(**kw: Any) -> Sandbox:
+            kw.setdefault("backend", "microvm")
+            kw.setdefault("node_selector", {"pool": "templates"})
+            sb = factory(**kw)
+            made.append(sb)
+            return sb
 
-    try:
         yield make_one
-    finally:
-        for sb in made:
-            try:
-                sb.stop(grace_s=0.5)
-            except DSecError:
-                pass  # already gone (or its edge is)
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print_log_tails(lab.cluster, request.node.nodeid)

@@ -4,43 +4,30 @@ DSEC_EDGE_MICROVM=on refuses to start. The failing QEMU is real: a binary that i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec
 from libdsec import Client
 from libdsec.errors import BackendNotOffered
-from tests.conftest import start_cluster
 from tests.helpers import dsec_status
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 
-def _edge(tmp: Path, mode: str) -> EdgeSpec:
-    return EdgeSpec(
-        edge_id="mvo0",
-        runtime="container",
-        extra_env={
-            "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-            "DSEC_EDGE_FNCALL_POOLS": "",
-            "DSEC_EDGE_MICROVM": mode,
-            "DSEC_EDGE_MICROVM_QEMU": "/bin/false",  # boots nothing, under any accelerator
-            "DSEC_EDGE_MICROVM_CACHE_DIR": str(tmp / "microvm"),
-        },
-    )
+def _env(tmp: Path, mode: str) -> dict[str, str]:
+    return {
+        "DSEC_EDGE_MICROVM": mode,
+        "DSEC_EDGE_MICROVM_QEMU": "/bin/false",  # boots nothing, under any accelerator
+        "DSEC_EDGE_MICROVM_CACHE_DIR": str(tmp / "microvm"),
+    }
 
 
 def test_an_edge_that_boots_no_guest_does_not_offer_microvms_and_says_why(
-    tmp_path: Path,
+    tmp_path: Path, cluster_with: ClusterWith
 ) -> None:
-    c = start_cluster(tmp_path / "home", edges=[_edge(tmp_path, "auto")])
-    try:
+    with cluster_with("mvo0", edge_env=_env(tmp_path, "auto")) as c:
         status = dsec_status(c.home)
         line = next(x for x in status.splitlines() if "microvm:" in x)
         assert "no guest boots here" in line and "tcg: QEMU exited 1" in line, line
@@ -50,12 +37,12 @@ def test_an_edge_that_boots_no_guest_does_not_offer_microvms_and_says_why(
                 assert sb.run("echo containers-still").text == "containers-still\n"
             with pytest.raises(BackendNotOffered):
                 client.create(backend="microvm", image="busybox", memory_mb=256)
-    finally:
-        c.stop()
 
 
-def test_an_edge_told_to_offer_microvms_refuses_to_start_without_them(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError) as info:
-        start_cluster(tmp_path / "home", edges=[_edge(tmp_path, "on")])
+def test_an_edge_told_to_offer_microvms_refuses_to_start_without_them(
+    tmp_path: Path, cluster_with: ClusterWith
+) -> None:
+    with pytest.raises(RuntimeError) as info, cluster_with("mvo0", edge_env=_env(tmp_path, "on")):
+        pass
     text = str(info.value)
     assert "edge-mvo0 exited with 2" in text and "DSEC_EDGE_MICROVM=on requires them" in text

@@ -18,17 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.errors import DSecError, InvalidArgument, NodeDiskLow, SandboxNotFound
-from tests.conftest import start_cluster
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 FS_MB = 448  # the node's "disk"
 RESERVE_MB = 64
@@ -72,37 +68,16 @@ def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def disk_cluster(
-    small_disk: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("diskcluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="dsk0",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "",
-                    "DSEC_EDGE_STATE_DIR": str(small_disk / "edge"),
-                    "DSEC_EDGE_DEFAULT_DISK_MB": "1024",  # more than the whole "disk"
-                    "DSEC_EDGE_MAX_DISK_MB": "2048",
-                    "DSEC_EDGE_DISK_RESERVE_MB": str(RESERVE_MB),
-                    "DSEC_EDGE_REAP_INTERVAL_S": "0.5",
-                },
-            )
-        ],
-    )
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def client(disk_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(disk_cluster.apiserver, token=disk_cluster.token) as c:
+def container_cluster(small_disk: Path, cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: its edge's state on a small disk the tests fill."""
+    env = {
+        "DSEC_EDGE_STATE_DIR": str(small_disk / "edge"),
+        "DSEC_EDGE_DEFAULT_DISK_MB": "1024",  # more than the whole "disk"
+        "DSEC_EDGE_MAX_DISK_MB": "2048",
+        "DSEC_EDGE_DISK_RESERVE_MB": str(RESERVE_MB),
+        "DSEC_EDGE_REAP_INTERVAL_S": "0.5",
+    }
+    with cluster_with("dsk0", edge_env=env) as c:
         yield c
 
 
@@ -186,21 +161,21 @@ def _try_create(client: Client) -> Sandbox | None:
 
 
 def test_the_edge_shuts_down_cleanly_on_a_full_disk(
-    disk_cluster: LocalCluster, client: Client, small_disk: Path
+    container_cluster: LocalCluster, client: Client, small_disk: Path
 ) -> None:
     """Last in this module: it stops the cluster. With the disk full, the edge's shutdown
     (on_shutdown=stop) still ends every sandbox and exits 0, leaving no process behind."""
     sandboxes = [client.create(image="busybox", cpu=0.25, memory_mb=64) for _ in range(2)]
-    cgroup_parent = disk_cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
+    cgroup_parent = container_cluster.edges[0].extra_env["DSEC_EDGE_CGROUP_PARENT"]
     cgroups = [Path("/sys/fs/cgroup/pids") / cgroup_parent / sb.id for sb in sandboxes]
     assert all(cg.is_dir() for cg in cgroups)
     inits = [int((cg / "cgroup.procs").read_text().split()[0]) for cg in cgroups]
     filler = _fill(small_disk)
     try:
-        edge = next(p for p in disk_cluster.processes if p.name.startswith("edge"))
+        edge = next(p for p in container_cluster.processes if p.name.startswith("edge"))
         assert edge.proc is not None
-        disk_cluster.stop(grace_s=30)
-        assert edge.proc.returncode == 0, disk_cluster.log_tail(edge)
+        container_cluster.stop(grace_s=30)
+        assert edge.proc.returncode == 0, container_cluster.log_tail(edge)
     finally:
         filler.unlink(missing_ok=True)
     assert not any(Path(f"/proc/{pid}").exists() for pid in inits)

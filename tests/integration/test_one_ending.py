@@ -11,7 +11,6 @@ node's counts back at zero and no accounting error.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
@@ -21,7 +20,6 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -30,14 +28,10 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import LocalCluster
 from libdsec import Client, NetworkPolicy, Sandbox
 from libdsec.errors import DSecError
-from tests.conftest import one_container_edge
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 EDGE = "oneend"
 PER_GROUP = 40
 #: What may end each group: the race's two sides (a SIGKILLed edge may lose one in flight).
@@ -53,8 +47,9 @@ LOST = {"RUNTIME_ERROR", "CHANNEL_CLOSED"}  # "lost while the edge was down", a 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with one_container_edge(tmp_path_factory.mktemp("oneend"), EDGE) as c:
+def cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: its tests count the node's sandboxes and kill its edge."""
+    with cluster_with(EDGE) as c:
         yield c
 
 

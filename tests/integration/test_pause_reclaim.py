@@ -17,17 +17,13 @@ import grpc
 import pytest
 
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.errors import FailedPrecondition, NodeMemoryFull, ResourceExhausted
-from tests.conftest import start_cluster
 from tests.helpers import dsec_status, sandbox_factory, wait_for
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "bookworm.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox", "bookworm")
 MiB = 1 << 20
 #: Node memory offered for admission: three sandboxes of 512 MiB do not fit, two do.
 NODE_MEMORY_MB = 1280
@@ -49,48 +45,30 @@ while True:
 
 
 @pytest.fixture(scope="module")
-def pause_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("pcluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="pr0",
-                runtime="container",
-                memory_mb=NODE_MEMORY_MB,
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "",
-                    "DSEC_EDGE_MEMORY_OVERCOMMIT": "1",
-                },
-            )
-        ],
-    )
-    try:
-        yield c
-    finally:
-        with Client(c.apiserver, token=c.token) as client:
-            for s in client.list():
-                if not s.terminated:
-                    client.get(s.id).stop(grace_s=0)
-        c.stop()
-
-
-@pytest.fixture
-def client(pause_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(pause_cluster.apiserver, token=pause_cluster.token) as c:
-        yield c
+def container_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: a small node (tests fill it and read its figures), a
+    restart of its edge."""
+    edge = container_edge("pr0", {"DSEC_EDGE_MEMORY_OVERCOMMIT": "1"}, memory_mb=NODE_MEMORY_MB)
+    with cluster_with("pr0", edges=[edge]) as c:
+        try:
+            yield c
+        finally:
+            with Client(c.apiserver, token=c.token) as client:
+                for s in client.list():
+                    if not s.terminated:
+                        client.get(s.id).stop(grace_s=0)
 
 
 @pytest.fixture
 def make_sandbox(
-    pause_cluster: LocalCluster, client: Client, request: pytest.FixtureRequest
+    container_cluster: LocalCluster, client: Client, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
+    """The suite's factory (512 MB sandboxes), then a wait for the node to be empty."""
     with sandbox_factory(client, request.node.nodeid, memory_mb=512, grace_s=0.2) as make:
         yield make
     # The node is small (tests fill it): the next test starts once placement's view of the
     # edge (the watcher probes every 0.5 s) has this test's sandboxes gone.
-    wait_for(lambda: node_status(pause_cluster).load.sandboxes == 0, 15)
+    wait_for(lambda: node_status(container_cluster).load.sandboxes == 0, 15)
     time.sleep(1.2)
 
 
@@ -117,13 +95,13 @@ def digest_now(sb: Sandbox) -> str:
 
 
 def test_pause_pages_the_memory_out_and_resume_brings_every_page_back(
-    pause_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox(image="bookworm")
     sha = holding(sb)
     before = sb.refresh().memory
     assert before is not None and before.resident_bytes > 200 * MiB, before
-    load0 = node_status(pause_cluster).load.memory_mb_allocated
+    load0 = node_status(container_cluster).load.memory_mb_allocated
 
     paused = sb.pause()
     assert paused.state == "PAUSED"
@@ -134,7 +112,7 @@ def test_pause_pages_the_memory_out_and_resume_brings_every_page_back(
     assert m.swapped_bytes >= 190 * MiB, m
     assert m.freed_bytes >= 0.9 * before.resident_bytes, m
     assert m.released_mb >= 512 - (m.resident_bytes // MiB) - 1, m
-    st = node_status(pause_cluster)
+    st = node_status(container_cluster)
     assert st.pause.paused == 1 and st.pause.released_mb == m.released_mb
     assert st.pause.swapped_bytes == m.swapped_bytes
     # (swap_used_bytes is the area's use by anyone: another edge of this machine's area may
@@ -145,8 +123,8 @@ def test_pause_pages_the_memory_out_and_resume_brings_every_page_back(
 
     assert digest_now(sb) == sha  # transparently resumed: every byte is back
     assert sb.refresh().state == "RUNNING"
-    assert node_status(pause_cluster).load.memory_mb_allocated == load0
-    assert "pause: 0 paused" in dsec_status(pause_cluster.home)
+    assert node_status(container_cluster).load.memory_mb_allocated == load0
+    assert "pause: 0 paused" in dsec_status(container_cluster.home)
 
 
 def test_twenty_pause_cycles_lose_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
@@ -227,16 +205,16 @@ def test_ttl_counts_while_paused_and_the_idle_timeout_does_not(
 
 
 def test_a_paused_sandbox_stops_normally_and_its_swap_is_freed(
-    pause_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox(image="bookworm")
     holding(sb)
     swap0 = _host_swap_used()
     sb.pause()
-    assert node_status(pause_cluster).pause.swapped_bytes >= 190 * MiB
+    assert node_status(container_cluster).pause.swapped_bytes >= 190 * MiB
     end = sb.stop(grace_s=1)
     assert end.state == "TERMINATED" and end.termination_reason == "STOPPED"
-    st = node_status(pause_cluster).pause
+    st = node_status(container_cluster).pause
     assert st.paused == 0 and st.swapped_bytes == 0
     # The host's swap (all areas) has its pages back (others on this machine may swap too).
     assert _host_swap_used() - swap0 < 64 * MiB
@@ -245,13 +223,13 @@ def test_a_paused_sandbox_stops_normally_and_its_swap_is_freed(
 
 
 def test_a_paused_sandbox_survives_an_edge_crash_paged_out(
-    pause_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox(image="bookworm")
     sha = holding(sb)
     sb.pause()
-    pause_cluster.kill("edge-pr0")
-    pause_cluster.restart("edge-pr0")
+    container_cluster.kill("edge-pr0")
+    container_cluster.restart("edge-pr0")
     info = wait_for(lambda: _get(sb), 30)
     assert info.state == "PAUSED"
     m = sb.refresh().memory
@@ -286,28 +264,15 @@ def _http_ok(sb: Sandbox) -> bool:
 
 
 def test_without_room_for_a_swap_area_the_edge_says_so_and_pause_only_freezes(
-    tmp_path: Path,
+    tmp_path: Path, cluster_with: ClusterWith
 ) -> None:
     """A swap area larger than the disk's free space minus the reserve is refused at start:
     the edge reports why and pauses by freezing only, saying so on each paused sandbox."""
     free_mb = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize >> 20
-    c = start_cluster(
-        tmp_path,
-        edges=[
-            EdgeSpec(
-                edge_id="nosw",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "",
-                    "DSEC_EDGE_PAUSE_SWAP_MB": str(free_mb + 1024),
-                },
-            )
-        ],
-    )
-    try:
+    env = {"DSEC_EDGE_PAUSE_SWAP_MB": str(free_mb + 1024)}
+    with cluster_with("nosw", edge_env=env) as c:
         assert "freeze only (no room for a" in dsec_status(c.home)
-        assert not (tmp_path / "edges" / "nosw" / "swap" / "pause.swap").exists()
+        assert not (c.home / "edges" / "nosw" / "swap" / "pause.swap").exists()
         with Client(c.apiserver, token=c.token) as client:
             with client.create(image="busybox", cpu=0.1, memory_mb=128) as sb:
                 sb.files.write("/work/kept", "kept")
@@ -316,5 +281,3 @@ def test_without_room_for_a_swap_area_the_edge_says_so_and_pause_only_freezes(
                 assert m is not None and m.frozen_only.startswith("no room for a"), m
                 assert m.released_mb == 0 and m.swapped_bytes == 0
                 assert sb.files.read("/work/kept") == b"kept"  # resumed, nothing lost
-    finally:
-        c.stop()

@@ -52,10 +52,7 @@ BLOCK_TIMEOUT_S = 600
 #: Variables bash sets for itself: not carried from one shell block to the next.
 SHELL_OWN = frozenset({"_", "SHLVL", "PWD", "OLDPWD", "BASH_EXECUTION_STRING"})
 
-pytestmark = pytest.mark.skipif(
-    not all((IMAGES / f"{n}.erofs").exists() for n in ("busybox", "bookworm", "python")),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox", "bookworm", "python")
 
 
 @dataclass(frozen=True)

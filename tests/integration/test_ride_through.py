@@ -11,14 +11,12 @@ task) of its own and stops its sandboxes, also when it fails.
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,15 +26,11 @@ from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.errors import Unavailable
-from tests.conftest import one_container_edge
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 from tests.integration.test_control_plane import project_with_token, usage
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 EDGE = "rt0"
 SPEC: dict[str, Any] = {"image": "busybox", "cpu": 0.2, "memory_mb": 64}
 #: How long the API server stays down before the restart begins (it serves ~1 s later).
@@ -44,8 +38,9 @@ DOWN_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with one_container_edge(tmp_path_factory.mktemp("ride"), EDGE) as c:
+def rt(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: its tests kill the API server."""
+    with cluster_with(EDGE) as c:
         yield c
 
 
@@ -59,11 +54,8 @@ def client(rt: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Client]
 
 
 @pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    with sandbox_factory(client, request.node.nodeid, memory_mb=64) as make:
-        yield make
+def sandbox_defaults() -> dict[str, Any]:
+    return {"memory_mb": 64, "grace_s": 0.5}
 
 
 @contextmanager

@@ -16,30 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import Client
-from tests.conftest import start_cluster
+from tests.integration.conftest import ClusterWith, container_edge
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 ROOT = Path(__file__).resolve().parents[2]
 EPISODES, TURNS, PREEMPT_AFTER = 4, 6, 3
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 
 
 @pytest.fixture(scope="module")
-def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""}
-    c = start_cluster(
-        tmp_path_factory.mktemp("rollout"),
-        edges=[EdgeSpec(edge_id=e, runtime="container", extra_env=dict(env)) for e in ("ra", "rb")],
-    )
-    try:
+def rc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: two edges (a preempted episode resumes on either)."""
+    with cluster_with("rollout", edges=[container_edge("ra"), container_edge("rb")]) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def driver(rc: LocalCluster, home: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -26,17 +26,13 @@ from typing import Any
 import pytest
 import sandbox_fusion
 
-from dsecctl.cluster import EdgeSpec, LocalCluster, free_port
+from dsecctl.cluster import LocalCluster, free_port
 from libdsec import Client
-from tests.conftest import start_cluster
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 from tests.verl_support import load_verl_sandbox_fusion
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not all((IMAGES / f"{n}.erofs").exists() for n in ("bookworm", "python")),
-    reason="images bookworm/python missing: run scripts/build-base-images.sh (make test does)",
-)
+pytestmark = pytest.mark.images("bookworm", "python")
 
 PY_SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 PY_WRONG = "a, b = map(int, input().split())\nprint(a - b)\n"
@@ -53,26 +49,12 @@ CASES = {"inputs": ["1 2\n", "40 2\n", "-5 5\n", "100 200\n"], "outputs": ["3", 
 
 
 @pytest.fixture(scope="module")
-def fusion_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(
-        tmp_path_factory.mktemp("fusion"),
-        edges=[
-            EdgeSpec(
-                edge_id="sf0",
-                runtime="container",
-                extra_env={
-                    "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
-                    "DSEC_EDGE_FNCALL_POOLS": "python=2,cpp=1,bash=1",
-                },
-            )
-        ],
-    )
-    try:
+def fusion_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: an edge with FnCall pools."""
+    with cluster_with("sf0", edge_env={"DSEC_EDGE_FNCALL_POOLS": "python=2,cpp=1,bash=1"}) as c:
         with Client(c.apiserver, token=c.token) as client:
             assert client.fncall(language="python", code="print('warm')").ok  # pools are up
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

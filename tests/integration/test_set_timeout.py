@@ -4,11 +4,10 @@ restart."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,35 +15,23 @@ from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.aio import AsyncSandbox
 from libdsec.errors import InvalidArgument, SandboxNotFound, SandboxTerminated
-from tests.conftest import one_container_edge
-from tests.helpers import sandbox_factory, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 MAX_TTL_S = 7 * 24 * 3600  # apiserver's default max_ttl_s
 
 
 @pytest.fixture(scope="module")
-def ttl_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with one_container_edge(tmp_path_factory.mktemp("tcluster"), "ttl0") as c:
+def container_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: a test kills and restarts its edge."""
+    with cluster_with("ttl0") as c:
         yield c
 
 
 @pytest.fixture
-def client(ttl_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(ttl_cluster.apiserver, token=ttl_cluster.token) as c:
-        yield c
-
-
-@pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    with sandbox_factory(client, request.node.nodeid, memory_mb=128, grace_s=0.5) as make:
-        yield make
+def sandbox_defaults() -> dict[str, Any]:
+    return {"memory_mb": 128, "grace_s": 0.5}
 
 
 def test_a_long_ttl_cut_to_two_seconds_ends_with_the_ttl_reason(
@@ -91,12 +78,12 @@ def test_an_ended_sandbox_is_a_precondition(make_sandbox: Callable[..., Sandbox]
 
 
 def test_another_projects_sandbox_is_not_found(
-    ttl_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox(ttl_s=600)
     project = client.create_project("ttl-other")
     token = client.create_token("ttl-other-agent", project=project.project_id, agent=True)
-    with Client(ttl_cluster.apiserver, token=token.secret) as other:
+    with Client(container_cluster.apiserver, token=token.secret) as other:
         theirs = Sandbox(other, AsyncSandbox(other._async, sb.info))
         with pytest.raises(SandboxNotFound):
             theirs.set_timeout(1)
@@ -104,12 +91,12 @@ def test_another_projects_sandbox_is_not_found(
 
 
 def test_the_new_deadline_survives_an_edge_restart(
-    ttl_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
+    container_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox(ttl_s=3600)
     deadline = sb.set_timeout(12).expires_at
-    ttl_cluster.kill("edge-ttl0", signal.SIGKILL)
-    ttl_cluster.restart("edge-ttl0")
+    container_cluster.kill("edge-ttl0", signal.SIGKILL)
+    container_cluster.restart("edge-ttl0")
     info = wait_for(lambda: (i := client.get(sb.id).info).state == "RUNNING" and i, timeout_s=30)
     assert info.expires_at == deadline
     ended = wait_for(lambda: (i := client.get(sb.id).info).terminated and i, timeout_s=30)

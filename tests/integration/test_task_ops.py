@@ -28,27 +28,23 @@ from libdsec.errors import (
     SandboxTerminated,
     Unauthenticated,
 )
-from tests.conftest import start_cluster
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith, container_edge
 from tests.integration.test_control_plane import project_with_token
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ("ta", "tb", "tc")
 SPEC = {"image": "busybox", "cpu": 0.1, "memory_mb": 32}
 
 
 @pytest.fixture(scope="module")
-def tc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def tc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """Three null edges, each labelled node=<its id> (sandboxes go where a test puts them)."""
-    c = start_cluster(
-        tmp_path_factory.mktemp("tasks"),
+    with cluster_with(
+        "tasks",
         edges=[EdgeSpec(edge_id=e, runtime="null", labels={"node": e}) for e in NODES],
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def spread(c: Client, task_id: str, per_edge: int = 2, **labels: str) -> list[Sandbox]:
@@ -277,22 +273,11 @@ def test_dsec_task_prints_a_line_per_sandbox_and_fails_if_one_failed(
 
 
 @pytest.fixture(scope="module")
-def cc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """Two container edges (ca, cb), labelled node=<id>."""
-    if not (IMAGES / "busybox.erofs").exists():
-        pytest.skip("base images missing: run scripts/setup.sh (make test does)")
-    env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""}
-    c = start_cluster(
-        tmp_path_factory.mktemp("ctasks"),
-        edges=[
-            EdgeSpec(edge_id=e, runtime="container", labels={"node": e}, extra_env=dict(env))
-            for e in ("ca", "cb")
-        ],
-    )
-    try:
+    edges = [container_edge(e, labels={"node": e}) for e in ("ca", "cb")]
+    with cluster_with("ctasks", edges=edges) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_paused_task_resumes_and_its_sandboxes_answer_with_their_files(

@@ -10,16 +10,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import EdgeSpec
 from libdsec import Client
-from tests.conftest import start_cluster
 from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -60,7 +59,7 @@ def collector() -> Iterator[tuple[Collector, str]]:
 
 
 def test_spans_are_exported_and_share_a_trace_across_services(
-    collector: tuple[Collector, str], tmp_path: Path
+    collector: tuple[Collector, str], cluster_with: ClusterWith
 ) -> None:
     sink, endpoint = collector
     env = {
@@ -68,10 +67,9 @@ def test_spans_are_exported_and_share_a_trace_across_services(
         for svc in ("IAM", "APISERVER", "PLACEMENT", "WATCHER", "EDGE")
     }
     env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # export batches every 100 ms
-    cluster: LocalCluster = start_cluster(
-        tmp_path, edges=[EdgeSpec(edge_id="tr", runtime="null")], extra_env=env
-    )
-    try:
+    with cluster_with(
+        "tr", edges=[EdgeSpec(edge_id="tr", runtime="null")], extra_env=env
+    ) as cluster:
         with Client(cluster.apiserver, token=cluster.token) as c:
             c.create(image="busybox", cpu=0.1, memory_mb=32).stop()
 
@@ -90,5 +88,3 @@ def test_spans_are_exported_and_share_a_trace_across_services(
 
         services = wait_for(create_trace, timeout_s=20)
         assert "dsec-apiserver" in services
-    finally:
-        cluster.stop()

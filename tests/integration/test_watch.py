@@ -29,8 +29,8 @@ from libdsec.errors import (
     Unavailable,
     from_rpc_error,
 )
-from tests.conftest import start_cluster
 from tests.helpers import sandbox_factory, wait_for
+from tests.integration.conftest import ClusterWith
 from tests.integration.test_control_plane import project_with_token, snapshot
 
 STATES = types_pb2.SandboxState
@@ -38,19 +38,16 @@ LIFECYCLE = ["PENDING", "STARTING", "RUNNING", "STOPPING", "TERMINATED"]
 
 
 @pytest.fixture(scope="module")
-def wc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def wc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """Two null edges, labelled zone=a and zone=b."""
-    c = start_cluster(
-        tmp_path_factory.mktemp("watch"),
+    with cluster_with(
+        "watch",
         edges=[
             EdgeSpec(edge_id="wa", runtime="null", labels={"zone": "a"}),
             EdgeSpec(edge_id="wb", runtime="null", labels={"zone": "b"}),
         ],
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 class Watch:

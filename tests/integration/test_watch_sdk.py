@@ -10,46 +10,23 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec import AsyncClient, Client, Sandbox, SandboxInfo, Watch
 from libdsec.errors import DeadlineExceeded, InvalidArgument
-from tests.conftest import start_cluster
-from tests.helpers import sandbox_factory
+from tests.integration.conftest import ClusterWith
 
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
+pytestmark = pytest.mark.images("busybox")
 LIVE = {"PENDING", "STARTING", "RUNNING"}
 
 
 @pytest.fixture(scope="module")
-def watch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    home = tmp_path_factory.mktemp("wcluster")
-    c = start_cluster(
-        home,
-        edges=[
-            EdgeSpec(
-                edge_id="w0",
-                runtime="container",
-                extra_env={"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": ""},
-            )
-        ],
-    )
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def client(watch_cluster: LocalCluster) -> Iterator[Client]:
-    with Client(watch_cluster.apiserver, token=watch_cluster.token) as c:
+def container_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    """A cluster of the module's own: a test stops (SIGSTOP) its API server."""
+    with cluster_with("w0") as c:
         yield c
 
 
@@ -60,11 +37,8 @@ def task(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_sandbox(
-    client: Client, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., Sandbox]]:
-    with sandbox_factory(client, request.node.nodeid, memory_mb=64, grace_s=0.2) as make:
-        yield make
+def sandbox_defaults() -> dict[str, Any]:
+    return {"memory_mb": 64, "grace_s": 0.2}
 
 
 def until(changes: Watch, done: Callable[[SandboxInfo], bool]) -> list[SandboxInfo]:
@@ -137,9 +111,9 @@ def test_keepalives_are_skipped_and_a_quiet_watch_ends_at_its_timeout(
 
 
 def test_a_silent_server_raises_stream_stalled(
-    watch_cluster: LocalCluster, client: Client, task: str
+    container_cluster: LocalCluster, client: Client, task: str
 ) -> None:
-    apiserver = watch_cluster.process("apiserver")
+    apiserver = container_cluster.process("apiserver")
     changes = client.watch(task_id=task, keepalive_interval_s=0.2)
     os.kill(apiserver.pid, signal.SIGSTOP)  # the process still holds the connection, says nothing
     try:
@@ -156,9 +130,9 @@ def test_a_silent_server_raises_stream_stalled(
 
 
 def test_closing_the_client_ends_an_iteration_in_another_thread(
-    watch_cluster: LocalCluster, task: str
+    container_cluster: LocalCluster, task: str
 ) -> None:
-    c = Client(watch_cluster.apiserver, token=watch_cluster.token)
+    c = Client(container_cluster.apiserver, token=container_cluster.token)
     changes = c.watch(task_id=task)
     outcome: list[object] = []
 
@@ -184,10 +158,12 @@ def test_close_ends_a_watch_and_it_stays_ended(client: Client, task: str) -> Non
     assert list(changes) == []
 
 
-async def test_the_async_watch_from_entry_to_close(watch_cluster: LocalCluster, task: str) -> None:
+async def test_the_async_watch_from_entry_to_close(
+    container_cluster: LocalCluster, task: str
+) -> None:
     import asyncio
 
-    async with AsyncClient(watch_cluster.apiserver, token=watch_cluster.token) as dsec:
+    async with AsyncClient(container_cluster.apiserver, token=container_cluster.token) as dsec:
         async with dsec.watch(task_id=task, timeout=60) as changes:
             sb = await dsec.create(image="busybox", cpu=0.2, memory_mb=64, task_id=task)
             try:
