@@ -21,14 +21,8 @@ from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.errors import DSecError
 from tests.adversarial.netlab import NetLab, remove_bridge
-from tests.conftest import start_cluster
+from tests.conftest import IMAGES, require_images, start_cluster
 from tests.helpers import client_hello, sandbox_factory
-
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
-pytestmark = pytest.mark.skipif(
-    not (IMAGES / "busybox.erofs").exists(),
-    reason="base images missing: run scripts/setup.sh (make test does)",
-)
 
 INDEX = 100 + os.getpid() % 100  # keeps parallel runs of the suite apart
 PYPI = f"10.199.{INDEX}.3"
@@ -53,6 +47,7 @@ class Lab:
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    require_images("busybox")
     net = NetLab(
         INDEX,
         {

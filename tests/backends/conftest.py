@@ -11,20 +11,16 @@ sandboxes are labelled with the test id and always stopped.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, Sandbox
 from tests.backends.targets import BACKENDS, BackendUnderTest
-from tests.conftest import print_log_tails, start_cluster
+from tests.conftest import IMAGES, print_log_tails, require_images, start_cluster
 from tests.helpers import sandbox_factory
-
-IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
 
 
 @dataclass
@@ -40,8 +36,7 @@ def target(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Target]:
     b: BackendUnderTest = request.param
-    if not (IMAGES / "busybox.erofs").exists():
-        pytest.skip("base images missing: run scripts/setup.sh (make test does)")
+    require_images("busybox")
     home = tmp_path_factory.mktemp(f"conformance-{b.name}")
     edge_id = "conf" + b.name[:4]
     cluster = start_cluster(
