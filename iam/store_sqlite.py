@@ -298,18 +298,7 @@ class SqliteIamStore:
                 ],
             )
             for pid in sorted(plan.touched):
-                u = projects[pid].usage
-                db.execute(
-                    "UPDATE usage SET cpu_millis=?, memory_mb=?, sandboxes=?, by_backend_json=?"
-                    " WHERE project_id=?",
-                    (
-                        u.cpu_millis,
-                        u.memory_mb,
-                        u.sandboxes,
-                        json.dumps(u.sandboxes_by_backend),
-                        pid,
-                    ),
-                )
+                _write_usage(db, pid, projects[pid].usage)
             db.executemany(
                 "INSERT OR REPLACE INTO idempotency_keys VALUES (?,?,?,?)",
                 [(p, k, s, now) for p, k, s in plan.key_writes],
@@ -357,18 +346,7 @@ class SqliteIamStore:
                 rec = self._project(db, pid)
                 if rec is None:
                     continue
-                u = delta.apply(rec.usage)
-                db.execute(
-                    "UPDATE usage SET cpu_millis=?, memory_mb=?, sandboxes=?, by_backend_json=?"
-                    " WHERE project_id=?",
-                    (
-                        u.cpu_millis,
-                        u.memory_mb,
-                        u.sandboxes,
-                        json.dumps(u.sandboxes_by_backend),
-                        pid,
-                    ),
-                )
+                _write_usage(db, pid, delta.apply(rec.usage))
         return len(rows)
 
     def reservations_of_edge(self, edge_id: str, older_than: float) -> list[str]:
@@ -396,3 +374,12 @@ class SqliteIamStore:
 
 def _marks(chunk: Sequence[Any]) -> str:
     return ",".join("?" * len(chunk))
+
+
+def _write_usage(db: sqlite3.Connection, project_id: str, u: Usage) -> None:
+    """A project's subtree usage row, as a reservation or a release left it."""
+    db.execute(
+        "UPDATE usage SET cpu_millis=?, memory_mb=?, sandboxes=?, by_backend_json=?"
+        " WHERE project_id=?",
+        (u.cpu_millis, u.memory_mb, u.sandboxes, json.dumps(u.sandboxes_by_backend), project_id),
+    )
