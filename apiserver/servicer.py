@@ -147,23 +147,13 @@ class _Forwarder:
         """The edge's call for a client stream, its first message (which must name the
         sandbox, in ``route.opener``) put back in front."""
         who = await self.gw.caller(bearer_token(context))
-        key = route.opener
-        first = await anext(requests, None)
-        if first is None or first.WhichOneof(route.oneof) != key:
-            raise InvalidArgument(f"the first message must carry `{key}`")
-        sandbox_id = getattr(first, key).sandbox_id
+        sandbox_id, whole = await forwarding.opened(route, requests)
         try:
             stub = await self.gw.edge_for(who, sandbox_id)
         except (SandboxNotFound, Unavailable) as err:
             await self._raise_explained(who, sandbox_id, err)
             raise
-
-        async def all_requests() -> AsyncIterator[Any]:
-            yield first
-            async for item in requests:
-                yield item
-
-        return getattr(stub, route.target)(all_requests())
+        return getattr(stub, route.target)(whole)
 
 
 class SandboxServicer(_Forwarder):

@@ -31,6 +31,8 @@ from typing import Any
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
+from libdsec.errors import InvalidArgument
+
 #: The package of the messages a sandbox call carries (its request names the sandbox).
 SANDBOX_PACKAGE = "dsec.types.v1"
 
@@ -110,6 +112,22 @@ def routes(
     if deadlines:
         raise ValueError(f"{service.full_name}: deadlines for skipped methods {sorted(deadlines)}")
     return out
+
+
+async def opened(route: Route, requests: AsyncIterator[Any]) -> tuple[str, AsyncIterator[Any]]:
+    """A client stream's sandbox, read from its first message (which must carry
+    ``route.opener``; InvalidArgument otherwise), and the whole stream to pass on, that first
+    message put back in front."""
+    first = await anext(requests, None)
+    if first is None or first.WhichOneof(route.oneof) != route.opener:
+        raise InvalidArgument(f"the first {route.request_name} must carry `{route.opener}`")
+
+    async def whole() -> AsyncIterator[Any]:
+        yield first
+        async for item in requests:
+            yield item
+
+    return getattr(first, route.opener).sandbox_id, whole()
 
 
 def _method(cls: type, route: Route) -> Callable[..., Any]:

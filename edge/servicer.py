@@ -422,18 +422,9 @@ class EdgeServicer:
     async def forward_client_stream(
         self, route: Route, requests: AsyncIterator[Any], context: Any
     ) -> Message:
-        first = await anext(requests, None)
-        key = route.opener
-        if first is None or first.WhichOneof(route.oneof) != key:
-            raise InvalidArgument(f"the first {route.request_name} must carry `{key}`")
-        channel = await self._channel(getattr(first, key).sandbox_id)
-
-        async def parts() -> AsyncIterator[Any]:
-            yield first
-            async for item in requests:
-                yield item
-
-        result: Message = await channel.client_stream(route.target, parts())
+        sandbox_id, whole = await forwarding.opened(route, requests)
+        channel = await self._channel(sandbox_id)
+        result: Message = await channel.client_stream(route.target, whole)
         return result
 
     def _sandbox_state(self, sandbox_id: str) -> SandboxState:

@@ -17,7 +17,7 @@ from typing import Any, Unpack
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._files import AsyncFiles
-from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link
+from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link, Transport
 from libdsec.errors import DSecError, Unavailable
 from libdsec.options import SessionRunOptions, SessionStreamOptions
 from libdsec.types import (
@@ -191,6 +191,16 @@ class AsyncSession:
         await self.close()
 
 
+async def sandbox_info(rpc: Transport, sandbox_id: str, timeout: float) -> SandboxInfo:
+    """A sandbox's state now (GetSandbox): what ``AsyncClient.get`` and ``refresh`` read."""
+    resp = await rpc.unary(
+        rpc.sandboxes.GetSandbox,
+        apiserver_pb2.GetSandboxRequest(sandbox_id=sandbox_id),
+        timeout=timeout,
+    )
+    return SandboxInfo.from_pb(resp.sandbox)
+
+
 class AsyncSandbox:
     """A sandbox: run commands, use files, stop it. An async context manager that stops on exit."""
 
@@ -217,13 +227,7 @@ class AsyncSandbox:
             pass  # already gone: nothing to clean up
 
     async def refresh(self) -> SandboxInfo:
-        rpc = self.client.transport
-        resp = await rpc.unary(
-            rpc.sandboxes.GetSandbox,
-            apiserver_pb2.GetSandboxRequest(sandbox_id=self.id),
-            timeout=self.client.timeout,
-        )
-        self.info = SandboxInfo.from_pb(resp.sandbox)
+        self.info = await sandbox_info(self.client.transport, self.id, self.client.timeout)
         return self.info
 
     async def run(

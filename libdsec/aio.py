@@ -30,7 +30,7 @@ from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._files import CHUNK, AsyncDirWatch, AsyncFiles
-from libdsec._sandbox import AsyncProcess, AsyncSandbox, AsyncSession
+from libdsec._sandbox import AsyncProcess, AsyncSandbox, AsyncSession, sandbox_info
 from libdsec._tagged import TaggedStream
 from libdsec._transport import (
     CHANNEL_OPTIONS,
@@ -333,12 +333,7 @@ class AsyncClient:
         return AsyncSandbox(self, await self._info(sandbox_id, timeout))
 
     async def _info(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo:
-        resp = await self._rpc.unary(
-            self._rpc.sandboxes.GetSandbox,
-            apiserver_pb2.GetSandboxRequest(sandbox_id=sandbox_id),
-            timeout=self._t(timeout),
-        )
-        return SandboxInfo.from_pb(resp.sandbox)
+        return await sandbox_info(self._rpc, sandbox_id, self._t(timeout))
 
     async def list(
         self,

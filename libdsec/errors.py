@@ -364,7 +364,7 @@ def item_status(err: DSecError, out: types_pb2.ItemStatus | None = None) -> type
     """
     if out is None:
         out = types_pb2.ItemStatus()
-    out.code = int(err.code.value[0])
+    out.code = code_number(err.code)
     out.reason = err.reason
     out.message = err.message
     out.metadata.update(err.metadata)
