@@ -629,7 +629,11 @@ _CHRONUS_NAMES = {"SendHttp": "http", "GetWatcherEvents": "watcher_events"}
 #: choose a trusted channel, count truncations or outlive pauses).
 EDGE_ROUTES = forwarding.routes(
     edge_pb2.DESCRIPTOR.services_by_name["EdgeService"],
-    skip={"Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir"},
+    skip={
+        "Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir",
+        # the backend's, not chronus's (edge/display.py)
+        "GetDisplayInfo", "Screenshot", "DisplayInput", "VncStream",
+    },  # fmt: skip
     target=lambda name: _CHRONUS_NAMES.get(name) or forwarding.snake_case(name),
 )
 forwarding.install(EdgeServicer, EDGE_ROUTES)

@@ -89,7 +89,9 @@ class Capability(enum.Enum):
     #: container or microVM create asking for GPUs is refused, not admitted without them.
     #: (FnCall's GPU pools are separate: edge/fncall/gpu.py.)
     GPUS = "gpus"
-    # Later: SNAPSHOT (memory snapshot/restore), DISPLAY (screenshots, input).
+    #: A screen: screenshots, input events, a VNC stream (the vm backend's desktop images).
+    DISPLAY = "display"
+    # Later: SNAPSHOT (memory snapshot/restore).
 
 
 @runtime_checkable
@@ -192,6 +194,28 @@ class AttachesGpus(Protocol):
         resources.gpu_count of them, exclusive, at start)."""
 
 
+@runtime_checkable
+class Displays(Protocol):
+    """A sandbox's screen, driven from the host (computer use). Each method raises
+    BackendCapabilityMissing for a sandbox of this backend that has no display (an image
+    without one), UNAVAILABLE while it is not running. `actions` are checked already
+    (edge/display.py: coordinates on the screen, known key names)."""
+
+    async def display_size(self, rec: SandboxRecord) -> tuple[int, int]:
+        """(width, height) of the screen now, pixels."""
+
+    async def screenshot(self, rec: SandboxRecord) -> tuple[bytes, int, int]:
+        """The whole screen as PNG bytes, with its width and height."""
+
+    async def send_input(self, rec: SandboxRecord, actions: Sequence[Any]) -> int:
+        """Deliver `actions` (edge.display.Action) as real input events, in order; returns
+        the number of input events sent."""
+
+    async def open_vnc(self, rec: SandboxRecord) -> tuple[Any, Any]:
+        """An (asyncio.StreamReader, asyncio.StreamWriter) connected to the screen's VNC
+        server; the caller closes the writer."""
+
+
 PROTOCOLS: dict[Capability, type] = {
     Capability.EXEC: Executes,
     Capability.PAUSE: Pausable,
@@ -202,6 +226,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.WARM_CLAIM: WarmClaims,
     Capability.DISK_USAGE: DiskUsage,
     Capability.GPUS: AttachesGpus,
+    Capability.DISPLAY: Displays,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

@@ -2072,6 +2072,220 @@ class FileService:
             _registered_method=True)
 
 
+class DisplayServiceStub:
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetDisplayInfo = channel.unary_unary(
+                '/dsec.apiserver.v1.DisplayService/GetDisplayInfo',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.FromString,
+                _registered_method=True)
+        self.Screenshot = channel.unary_unary(
+                '/dsec.apiserver.v1.DisplayService/Screenshot',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.FromString,
+                _registered_method=True)
+        self.DisplayInput = channel.unary_unary(
+                '/dsec.apiserver.v1.DisplayService/DisplayInput',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.FromString,
+                _registered_method=True)
+        self.VncStream = channel.stream_stream(
+                '/dsec.apiserver.v1.DisplayService/VncStream',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
+                _registered_method=True)
+
+
+class DisplayServiceServicer:
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    def GetDisplayInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Screenshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DisplayInput(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VncStream(self, request_iterator, context):
+        """The screen as VNC (RFB), for a viewer (the API server's /view page bridges it to noVNC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DisplayServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetDisplayInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDisplayInfo,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.SerializeToString,
+            ),
+            'Screenshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Screenshot,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.SerializeToString,
+            ),
+            'DisplayInput': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisplayInput,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.SerializeToString,
+            ),
+            'VncStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VncStream,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.apiserver.v1.DisplayService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.apiserver.v1.DisplayService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DisplayService:
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    @staticmethod
+    def GetDisplayInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.DisplayService/GetDisplayInfo',
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Screenshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.DisplayService/Screenshot',
+            dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisplayInput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.DisplayService/DisplayInput',
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VncStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.apiserver.v1.DisplayService/VncStream',
+            dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class EnvironmentServiceStub:
     """----------------------------------------------------------- environments
 

@@ -663,6 +663,76 @@ class FileServiceServicer(metaclass=_abc_1.ABCMeta):
 
 def add_FileServiceServicer_to_server(servicer: FileServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
+class DisplayServiceStub:
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> DisplayServiceAsyncStub: ...
+    GetDisplayInfo: _grpc.UnaryUnaryMultiCallable[_types_pb2.DisplayInfoRequest, _types_pb2.DisplayInfoResponse]
+    Screenshot: _grpc.UnaryUnaryMultiCallable[_types_pb2.ScreenshotRequest, _types_pb2.ScreenshotResponse]
+    DisplayInput: _grpc.UnaryUnaryMultiCallable[_types_pb2.DisplayInputRequest, _types_pb2.DisplayInputResponse]
+    VncStream: _grpc.StreamStreamMultiCallable[_types_pb2.VncData, _types_pb2.VncData]
+    """The screen as VNC (RFB), for a viewer (the API server's /view page bridges it to noVNC)."""
+
+@_typing.type_check_only
+class DisplayServiceAsyncStub(DisplayServiceStub):
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    GetDisplayInfo: _aio.UnaryUnaryMultiCallable[_types_pb2.DisplayInfoRequest, _types_pb2.DisplayInfoResponse]  # type: ignore[assignment]
+    Screenshot: _aio.UnaryUnaryMultiCallable[_types_pb2.ScreenshotRequest, _types_pb2.ScreenshotResponse]  # type: ignore[assignment]
+    DisplayInput: _aio.UnaryUnaryMultiCallable[_types_pb2.DisplayInputRequest, _types_pb2.DisplayInputResponse]  # type: ignore[assignment]
+    VncStream: _aio.StreamStreamMultiCallable[_types_pb2.VncData, _types_pb2.VncData]  # type: ignore[assignment]
+    """The screen as VNC (RFB), for a viewer (the API server's /view page bridges it to noVNC)."""
+
+class DisplayServiceServicer(metaclass=_abc_1.ABCMeta):
+    """------------------------------------------------------------------ display
+
+    Computer use on a sandbox with a display (see dsec.types.v1, "display"); forwarded to the
+    sandbox's edge like ExecService. UNIMPLEMENTED (BACKEND_CAPABILITY) for any other sandbox.
+    """
+
+    @_abc_1.abstractmethod
+    def GetDisplayInfo(
+        self,
+        request: _types_pb2.DisplayInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.DisplayInfoResponse, _abc.Awaitable[_types_pb2.DisplayInfoResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Screenshot(
+        self,
+        request: _types_pb2.ScreenshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ScreenshotResponse, _abc.Awaitable[_types_pb2.ScreenshotResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DisplayInput(
+        self,
+        request: _types_pb2.DisplayInputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.DisplayInputResponse, _abc.Awaitable[_types_pb2.DisplayInputResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def VncStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_types_pb2.VncData],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_types_pb2.VncData], _abc.AsyncIterator[_types_pb2.VncData]]:
+        """The screen as VNC (RFB), for a viewer (the API server's /view page bridges it to noVNC)."""
+
+def add_DisplayServiceServicer_to_server(servicer: DisplayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
 class EnvironmentServiceStub:
     """----------------------------------------------------------- environments"""
 

@@ -245,6 +245,26 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
                 _registered_method=True)
+        self.GetDisplayInfo = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/GetDisplayInfo',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.FromString,
+                _registered_method=True)
+        self.Screenshot = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/Screenshot',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.FromString,
+                _registered_method=True)
+        self.DisplayInput = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/DisplayInput',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.FromString,
+                _registered_method=True)
+        self.VncStream = channel.stream_stream(
+                '/dsec.edge.v1.EdgeService/VncStream',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
+                _registered_method=True)
         self.RunFunction = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/RunFunction',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.RunFunctionRequest.SerializeToString,
@@ -563,6 +583,31 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDisplayInfo(self, request, context):
+        """Display (computer use): the backend's, not chronus's (edge/display.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Screenshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DisplayInput(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VncStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RunFunction(self, request, context):
         """FnCall warm pools on this node.
         """
@@ -836,6 +881,26 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.WatchDir,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.SerializeToString,
+            ),
+            'GetDisplayInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDisplayInfo,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.SerializeToString,
+            ),
+            'Screenshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Screenshot,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.SerializeToString,
+            ),
+            'DisplayInput': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisplayInput,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.SerializeToString,
+            ),
+            'VncStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VncStream,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
             ),
             'RunFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.RunFunction,
@@ -2017,6 +2082,114 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/WatchDir',
             dsec_dot_types_dot_v1_dot_types__pb2.WatchDirRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.WatchDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDisplayInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/GetDisplayInfo',
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Screenshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/Screenshot',
+            dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ScreenshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisplayInput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/DisplayInput',
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.DisplayInputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VncStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.edge.v1.EdgeService/VncStream',
+            dsec_dot_types_dot_v1_dot_types__pb2.VncData.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.VncData.FromString,
             options,
             channel_credentials,
             insecure,

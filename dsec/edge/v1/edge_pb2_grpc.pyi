@@ -102,6 +102,11 @@ class EdgeServiceStub:
     GetWatcherEvents: _grpc.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]
     RemoveWatcher: _grpc.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]
     WatchDir: _grpc.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]
+    GetDisplayInfo: _grpc.UnaryUnaryMultiCallable[_types_pb2.DisplayInfoRequest, _types_pb2.DisplayInfoResponse]
+    """Display (computer use): the backend's, not chronus's (edge/display.py)."""
+    Screenshot: _grpc.UnaryUnaryMultiCallable[_types_pb2.ScreenshotRequest, _types_pb2.ScreenshotResponse]
+    DisplayInput: _grpc.UnaryUnaryMultiCallable[_types_pb2.DisplayInputRequest, _types_pb2.DisplayInputResponse]
+    VncStream: _grpc.StreamStreamMultiCallable[_types_pb2.VncData, _types_pb2.VncData]
     RunFunction: _grpc.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]
     """FnCall warm pools on this node."""
     RunFunctions: _grpc.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]
@@ -187,6 +192,11 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     GetWatcherEvents: _aio.UnaryUnaryMultiCallable[_types_pb2.GetWatcherEventsRequest, _types_pb2.GetWatcherEventsResponse]  # type: ignore[assignment]
     RemoveWatcher: _aio.UnaryUnaryMultiCallable[_types_pb2.RemoveWatcherRequest, _types_pb2.RemoveWatcherResponse]  # type: ignore[assignment]
     WatchDir: _aio.UnaryStreamMultiCallable[_types_pb2.WatchDirRequest, _types_pb2.WatchDirResponse]  # type: ignore[assignment]
+    GetDisplayInfo: _aio.UnaryUnaryMultiCallable[_types_pb2.DisplayInfoRequest, _types_pb2.DisplayInfoResponse]  # type: ignore[assignment]
+    """Display (computer use): the backend's, not chronus's (edge/display.py)."""
+    Screenshot: _aio.UnaryUnaryMultiCallable[_types_pb2.ScreenshotRequest, _types_pb2.ScreenshotResponse]  # type: ignore[assignment]
+    DisplayInput: _aio.UnaryUnaryMultiCallable[_types_pb2.DisplayInputRequest, _types_pb2.DisplayInputResponse]  # type: ignore[assignment]
+    VncStream: _aio.StreamStreamMultiCallable[_types_pb2.VncData, _types_pb2.VncData]  # type: ignore[assignment]
     RunFunction: _aio.UnaryUnaryMultiCallable[_edge_pb2.RunFunctionRequest, _edge_pb2.RunFunctionResponse]  # type: ignore[assignment]
     """FnCall warm pools on this node."""
     RunFunctions: _aio.UnaryStreamMultiCallable[_edge_pb2.RunFunctionsRequest, _edge_pb2.RunFunctionsResponse]  # type: ignore[assignment]
@@ -521,6 +531,35 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.WatchDirRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.WatchDirResponse], _abc.AsyncIterator[_types_pb2.WatchDirResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetDisplayInfo(
+        self,
+        request: _types_pb2.DisplayInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.DisplayInfoResponse, _abc.Awaitable[_types_pb2.DisplayInfoResponse]]:
+        """Display (computer use): the backend's, not chronus's (edge/display.py)."""
+
+    @_abc_1.abstractmethod
+    def Screenshot(
+        self,
+        request: _types_pb2.ScreenshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ScreenshotResponse, _abc.Awaitable[_types_pb2.ScreenshotResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DisplayInput(
+        self,
+        request: _types_pb2.DisplayInputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.DisplayInputResponse, _abc.Awaitable[_types_pb2.DisplayInputResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def VncStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_types_pb2.VncData],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_types_pb2.VncData], _abc.AsyncIterator[_types_pb2.VncData]]: ...
 
     @_abc_1.abstractmethod
     def RunFunction(

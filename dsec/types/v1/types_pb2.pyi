@@ -371,6 +371,23 @@ VERDICT_SYSTEM_ERROR: Verdict.ValueType  # 7
 """the platform failed, not the program; retry"""
 Global___Verdict: _TypeAlias = Verdict  # noqa: Y015
 
+class _MouseButton:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MouseButtonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MouseButton.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MOUSE_BUTTON_LEFT: _MouseButton.ValueType  # 0
+    MOUSE_BUTTON_MIDDLE: _MouseButton.ValueType  # 1
+    MOUSE_BUTTON_RIGHT: _MouseButton.ValueType  # 2
+
+class MouseButton(_MouseButton, metaclass=_MouseButtonEnumTypeWrapper): ...
+
+MOUSE_BUTTON_LEFT: MouseButton.ValueType  # 0
+MOUSE_BUTTON_MIDDLE: MouseButton.ValueType  # 1
+MOUSE_BUTTON_RIGHT: MouseButton.ValueType  # 2
+Global___MouseButton: _TypeAlias = MouseButton  # noqa: Y015
+
 @_typing.final
 class Resources(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -3354,3 +3371,433 @@ class ItemStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ItemStatus: _TypeAlias = ItemStatus  # noqa: Y015
+
+@_typing.final
+class DisplayInfoRequest(_message.Message):
+    """------------------------------------------------------------------ display (computer use)
+
+    A sandbox with a display (backend "vm", an image whose manifest says display: the `desktop`
+    image): screenshots taken by the host from the VM's screen, input delivered by the host as
+    real input events (a USB tablet and keyboard), a VNC stream of the screen. Any other sandbox
+    answers UNIMPLEMENTED, reason BACKEND_CAPABILITY. Coordinates are screen pixels, (0, 0) top
+    left; one outside the screen is INVALID_ARGUMENT naming it (metadata field: "x" or "y").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplayInfoRequest: _TypeAlias = DisplayInfoRequest  # noqa: Y015
+
+@_typing.final
+class DisplayInfoResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    width: _builtins.int
+    height: _builtins.int
+    def __init__(
+        self,
+        *,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplayInfoResponse: _TypeAlias = DisplayInfoResponse  # noqa: Y015
+
+@_typing.final
+class ScreenshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScreenshotRequest: _TypeAlias = ScreenshotRequest  # noqa: Y015
+
+@_typing.final
+class ScreenshotResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PNG_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    TAKEN_MS_FIELD_NUMBER: _builtins.int
+    png: _builtins.bytes
+    """the whole screen, PNG"""
+    width: _builtins.int
+    height: _builtins.int
+    taken_ms: _builtins.float
+    """host-side time to take and encode it"""
+    def __init__(
+        self,
+        *,
+        png: _builtins.bytes = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        taken_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "png", b"png", "taken_ms", b"taken_ms", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScreenshotResponse: _TypeAlias = ScreenshotResponse  # noqa: Y015
+
+@_typing.final
+class PointerMove(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    X_FIELD_NUMBER: _builtins.int
+    Y_FIELD_NUMBER: _builtins.int
+    x: _builtins.int
+    y: _builtins.int
+    def __init__(
+        self,
+        *,
+        x: _builtins.int = ...,
+        y: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["x", b"x", "y", b"y"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PointerMove: _TypeAlias = PointerMove  # noqa: Y015
+
+@_typing.final
+class PointerClick(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    X_FIELD_NUMBER: _builtins.int
+    Y_FIELD_NUMBER: _builtins.int
+    BUTTON_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    x: _builtins.int
+    """both or neither: neither clicks where the pointer is"""
+    y: _builtins.int
+    button: Global___MouseButton.ValueType
+    count: _builtins.int
+    """0 = 1; 2 = a double click; at most 3"""
+    def __init__(
+        self,
+        *,
+        x: _builtins.int | None = ...,
+        y: _builtins.int | None = ...,
+        button: Global___MouseButton.ValueType = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_x", b"_x", "_y", b"_y", "x", b"x", "y", b"y"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_x", b"_x", "_y", b"_y", "button", b"button", "count", b"count", "x", b"x", "y", b"y"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__x: _TypeAlias = _typing.Literal["x"]  # noqa: Y015
+    _WhichOneofArgType__x: _TypeAlias = _typing.Literal["_x", b"_x"]  # noqa: Y015
+    _WhichOneofReturnType__y: _TypeAlias = _typing.Literal["y"]  # noqa: Y015
+    _WhichOneofArgType__y: _TypeAlias = _typing.Literal["_y", b"_y"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__x) -> _WhichOneofReturnType__x | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__y) -> _WhichOneofReturnType__y | None: ...
+
+Global___PointerClick: _TypeAlias = PointerClick  # noqa: Y015
+
+@_typing.final
+class PointerScroll(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    X_FIELD_NUMBER: _builtins.int
+    Y_FIELD_NUMBER: _builtins.int
+    DY_FIELD_NUMBER: _builtins.int
+    DX_FIELD_NUMBER: _builtins.int
+    x: _builtins.int
+    """both or neither: neither scrolls where the pointer is"""
+    y: _builtins.int
+    dy: _builtins.int
+    """wheel notches: > 0 down, < 0 up; |dy| <= 100"""
+    dx: _builtins.int
+    """> 0 right, < 0 left"""
+    def __init__(
+        self,
+        *,
+        x: _builtins.int | None = ...,
+        y: _builtins.int | None = ...,
+        dy: _builtins.int = ...,
+        dx: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_x", b"_x", "_y", b"_y", "x", b"x", "y", b"y"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_x", b"_x", "_y", b"_y", "dx", b"dx", "dy", b"dy", "x", b"x", "y", b"y"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__x: _TypeAlias = _typing.Literal["x"]  # noqa: Y015
+    _WhichOneofArgType__x: _TypeAlias = _typing.Literal["_x", b"_x"]  # noqa: Y015
+    _WhichOneofReturnType__y: _TypeAlias = _typing.Literal["y"]  # noqa: Y015
+    _WhichOneofArgType__y: _TypeAlias = _typing.Literal["_y", b"_y"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__x) -> _WhichOneofReturnType__x | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__y) -> _WhichOneofReturnType__y | None: ...
+
+Global___PointerScroll: _TypeAlias = PointerScroll  # noqa: Y015
+
+@_typing.final
+class PointerDrag(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_X_FIELD_NUMBER: _builtins.int
+    FROM_Y_FIELD_NUMBER: _builtins.int
+    TO_X_FIELD_NUMBER: _builtins.int
+    TO_Y_FIELD_NUMBER: _builtins.int
+    BUTTON_FIELD_NUMBER: _builtins.int
+    from_x: _builtins.int
+    from_y: _builtins.int
+    to_x: _builtins.int
+    to_y: _builtins.int
+    button: Global___MouseButton.ValueType
+    def __init__(
+        self,
+        *,
+        from_x: _builtins.int = ...,
+        from_y: _builtins.int = ...,
+        to_x: _builtins.int = ...,
+        to_y: _builtins.int = ...,
+        button: Global___MouseButton.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["button", b"button", "from_x", b"from_x", "from_y", b"from_y", "to_x", b"to_x", "to_y", b"to_y"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PointerDrag: _TypeAlias = PointerDrag  # noqa: Y015
+
+@_typing.final
+class PointerButton(_message.Message):
+    """press or release alone (drag by hand)"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUTTON_FIELD_NUMBER: _builtins.int
+    DOWN_FIELD_NUMBER: _builtins.int
+    button: Global___MouseButton.ValueType
+    down: _builtins.bool
+    def __init__(
+        self,
+        *,
+        button: Global___MouseButton.ValueType = ...,
+        down: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["button", b"button", "down", b"down"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PointerButton: _TypeAlias = PointerButton  # noqa: Y015
+
+@_typing.final
+class KeyType(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """printable ASCII, "\\n" and "\\t"; at most 4096 characters"""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyType: _TypeAlias = KeyType  # noqa: Y015
+
+@_typing.final
+class KeyPress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    keys: _builtins.str
+    """a chord: "ctrl+l", "enter", "alt+f4", "shift+tab"; names in docs"""
+    def __init__(
+        self,
+        *,
+        keys: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyPress: _TypeAlias = KeyPress  # noqa: Y015
+
+@_typing.final
+class DisplayAction(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVE_FIELD_NUMBER: _builtins.int
+    CLICK_FIELD_NUMBER: _builtins.int
+    SCROLL_FIELD_NUMBER: _builtins.int
+    DRAG_FIELD_NUMBER: _builtins.int
+    BUTTON_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    PRESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def move(self) -> Global___PointerMove: ...
+    @_builtins.property
+    def click(self) -> Global___PointerClick: ...
+    @_builtins.property
+    def scroll(self) -> Global___PointerScroll: ...
+    @_builtins.property
+    def drag(self) -> Global___PointerDrag: ...
+    @_builtins.property
+    def button(self) -> Global___PointerButton: ...
+    @_builtins.property
+    def type(self) -> Global___KeyType: ...
+    @_builtins.property
+    def press(self) -> Global___KeyPress: ...
+    def __init__(
+        self,
+        *,
+        move: Global___PointerMove | None = ...,
+        click: Global___PointerClick | None = ...,
+        scroll: Global___PointerScroll | None = ...,
+        drag: Global___PointerDrag | None = ...,
+        button: Global___PointerButton | None = ...,
+        type: Global___KeyType | None = ...,
+        press: Global___KeyPress | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "button", b"button", "click", b"click", "drag", b"drag", "move", b"move", "press", b"press", "scroll", b"scroll", "type", b"type"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "button", b"button", "click", b"click", "drag", b"drag", "move", b"move", "press", b"press", "scroll", b"scroll", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["move", "click", "scroll", "drag", "button", "type", "press"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___DisplayAction: _TypeAlias = DisplayAction  # noqa: Y015
+
+@_typing.final
+class DisplayInputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DisplayAction]:
+        """in order; all are checked before any is sent"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        actions: _abc.Iterable[Global___DisplayAction] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplayInputRequest: _TypeAlias = DisplayInputRequest  # noqa: Y015
+
+@_typing.final
+class DisplayInputResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    events: _builtins.int
+    """input events delivered"""
+    def __init__(
+        self,
+        *,
+        events: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplayInputResponse: _TypeAlias = DisplayInputResponse  # noqa: Y015
+
+@_typing.final
+class VncOpen(_message.Message):
+    """The display's VNC (RFB) byte stream, both ways. The first request is `open` (naming the
+    sandbox); later requests carry the viewer's bytes, responses the server's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VncOpen: _TypeAlias = VncOpen  # noqa: Y015
+
+@_typing.final
+class VncData(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def open(self) -> Global___VncOpen: ...
+    def __init__(
+        self,
+        *,
+        open: Global___VncOpen | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "data"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___VncData: _TypeAlias = VncData  # noqa: Y015
