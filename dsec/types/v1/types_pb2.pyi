@@ -3406,17 +3406,23 @@ class DisplayInfoResponse(_message.Message):
 
     WIDTH_FIELD_NUMBER: _builtins.int
     HEIGHT_FIELD_NUMBER: _builtins.int
+    VIEWER_URL_FIELD_NUMBER: _builtins.int
     width: _builtins.int
     height: _builtins.int
+    viewer_url: _builtins.str
+    """Set by the API server: its live-view page of this sandbox (noVNC); open it with
+    "?token=<the owner's token>" appended. Empty when the API server serves no viewer.
+    """
     def __init__(
         self,
         *,
         width: _builtins.int = ...,
         height: _builtins.int = ...,
+        viewer_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "viewer_url", b"viewer_url", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
