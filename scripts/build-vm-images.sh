@@ -68,8 +68,9 @@ EOF
     cat >"$root/etc/systemd/system/dsec-aether.service" <<'EOF'
 [Unit]
 Description=dsec in-sandbox agent (aether) on the virtio-serial port dsec.aether
-Requires=.dsec.mount dev-virtio\x2dports-dsec.aether.device
-After=.dsec.mount dev-virtio\x2dports-dsec.aether.device
+RequiresMountsFor=/.dsec
+Requires=dev-virtio\x2dports-dsec.aether.device
+After=dev-virtio\x2dports-dsec.aether.device
 DefaultDependencies=no
 
 [Service]
@@ -128,9 +129,16 @@ build_desktop_root() {
     [[ -d $IMAGE_DIR/.bookworm.root ]] || die "the desktop image builds on bookworm's root: build bookworm first"
     cp -a "$IMAGE_DIR/.bookworm.root" "$root"
     log "installing the desktop (${#DESKTOP_PACKAGES[@]} packages, takes a few minutes)"
-    in_root "$root" apt-get update -qq >/dev/null
+    # With this host's resolver and apt sources (bookworm, its updates and security: Chromium
+    # comes from there), removed again before the image is made.
+    cp /etc/resolv.conf "$root/etc/resolv.conf"
+    mkdir -p "$root/etc/apt/sources.list.d"
+    cp /etc/apt/sources.list.d/*.sources "$root/etc/apt/sources.list.d/" 2>/dev/null || true
+    in_root "$root" apt-get update -qq >"$root.apt.log" 2>&1 ||
+        { tail -n 30 "$root.apt.log" >&2; die "apt-get update failed"; }
     in_root "$root" apt-get install -y -qq --no-install-recommends "${DESKTOP_PACKAGES[@]}" \
-        >"$root.apt.log" 2>&1 || { tail -n 30 "$root.apt.log" >&2; die "apt-get install failed"; }
+        >>"$root.apt.log" 2>&1 || { tail -n 30 "$root.apt.log" >&2; die "apt-get install failed"; }
+    rm -f "$root"/etc/apt/sources.list.d/*.sources
     # The e2b-desktop SDK runs noVNC from /opt/noVNC (utils/novnc_proxy).
     ln -sfn /usr/share/novnc "$root/opt/noVNC"
     # Xorg as root on the VM's display (:0, no access control: the display is reachable only
@@ -164,7 +172,22 @@ Restart=always
 [Install]
 WantedBy=graphical.target
 EOF
-    chroot "$root" systemctl enable dsec-xorg.service dsec-desktop.service >/dev/null 2>&1
+    # "The desktop is up" on the serial console: the edge saves a desktop template only then.
+    cat >"$root/etc/systemd/system/dsec-desktop-ready.service" <<'EOF'
+[Unit]
+Description=Tell the host (serial console) when the Xfce desktop is up
+After=dsec-desktop.service
+Requires=dsec-desktop.service
+
+[Service]
+Type=oneshot
+ExecStart=/bin/sh -c 'until pgrep -x xfwm4 && pgrep -x xfdesktop && pgrep -x xfce4-panel; do sleep 0.5; done >/dev/null; sleep 3; echo DSEC-DESKTOP-READY >/dev/ttyS0'
+
+[Install]
+WantedBy=graphical.target
+EOF
+    chroot "$root" systemctl enable dsec-xorg.service dsec-desktop.service dsec-desktop-ready.service \
+        >/dev/null 2>&1
     chroot "$root" systemctl set-default graphical.target >/dev/null 2>&1
     printf 'allowed_users=anybody\n' >"$root/etc/X11/Xwrapper.config"
     # Chromium runs as root in the sandbox when an agent asks: no sandbox, no first-run.
@@ -197,7 +220,7 @@ make_disk() { # root dir -> out dir with disk.qcow2, vmlinuz, initrd.img, image.
     cp "$root/boot/initrd.img-$release" "$out/initrd.img"
     used=$(du -sm --apparent-size "$root" | cut -f1)
     size=$(((used * 13 / 10 + 512) / 256 * 256)) # MB: 30% free + 512 MB, whole 256 MB
-    mkfs.ext4 -q -L dsecroot -d "$root" -E lazy_itable_init=0 "$out/root.img" "${size}M"
+    mkfs.ext4 -q -L dsecroot -d "$root" -E lazy_itable_init=0 "$out/root.img" "${size}M" >/dev/null
     qemu-img convert -O qcow2 "$out/root.img" "$out/disk.qcow2"
     rm -f "$out/root.img"
     printf '{"name": "%s", "kernel_release": "%s", "root_mb": %d, "display": %s, "recipe": "%s", "built": %d}\n' \

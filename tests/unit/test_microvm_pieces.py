@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from edge.backends.guest_console import Console
 from edge.backends.microvm import guest, qemu
-from edge.backends.microvm.console import Console
 
 PANIC_TAIL = b"""[    4.38] Kernel panic - not syncing: sysrq triggered crash\r
 [    4.38] CPU: 0 PID: 131 Comm: sh Not tainted 6.1.0-57-cloud-amd64\r

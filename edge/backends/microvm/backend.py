@@ -18,12 +18,12 @@ A sandbox's guest (see docs/ARCHITECTURE.md, "MicroVM sandboxes"):
   guest RAM + QEMU's overhead, pids), outliving an edge restart: the edge takes it back from its
   record (pid, sockets) and cleans up QEMU processes, disks and cgroups no record owns.
 
-How a guest ends is told by its console (console.py): a kernel panic is KERNEL_FAULT, running
+How a guest ends is told by its console (edge/backends/guest_console.py): a kernel panic is KERNEL_FAULT, running
 out of memory OOM, aether exiting CHANNEL_CLOSED, QEMU dying RUNTIME_ERROR.
 
 This module is the sandbox's life (start, claim, stop, pause to disk, restart); the pieces it
 drives are beside it: host.py (QEMU processes, their sockets and cgroups), vm.py (a running
-guest's host side), guest_channel.py (what the guest is told at claim and restore),
+guest's host side), edge/backends/guest_channel.py (what the guest is told at claim and restore, shared with the vm backend),
 templates.py (template snapshots), warm_pool.py (warm guests), qemu.py (QMP, command lines).
 """
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import pausing, qos
+from edge.backends import guest_channel, pausing, qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.contract import (
     BackgroundLoop,
@@ -51,7 +51,7 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
 )
-from edge.backends.microvm import guest_channel, qemu
+from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
 from edge.backends.microvm.guest import GuestKit, build_guest
 from edge.backends.microvm.host import QemuHost

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 from edge.backends import qos
+from edge.backends.guest_console import Console
 from edge.backends.microvm import qemu
-from edge.backends.microvm.console import Console
 from edge.backends.microvm.guest import GuestKit
 from edge.backends.microvm.vm import Shape, cpu_quota_us, sched_idle
 from edge.model import SandboxSpec

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,16 +30,14 @@ from edge.backends.channels import ChannelKeeper
 from edge.backends.microvm import qemu
 from edge.backends.microvm.host import QemuHost
 from edge.backends.microvm.vm import Shape, mac_of
+from edge.backends.template_cache import CachedTemplate, TemplateCache
 from edge.runtime.disk import blank_image
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Template:
-    key: str
-    dir: Path
-
+class Template(CachedTemplate):
     @property
     def ram(self) -> Path:
         return self.dir / "ram"
@@ -57,94 +51,24 @@ class Template:
         return self.dir / "rw.img"
 
 
-def _read_ahead(path: Path) -> None:
+def _read_ahead(t: Template) -> None:
     """A template's RAM file into the page cache, charged to the edge: a clone's first write
     to a page would otherwise read it in charged to that clone's memory cgroup (and leave it
     there after the clone's pause: measured, 11% of a paused 256 MB clone's charge)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(t.ram, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
 
 
-class Templates:
+class Templates(TemplateCache[Template]):
     FORMAT = "dsec-microvm-template/2"
 
     def __init__(self, root: Path, max_templates: int = 8) -> None:
-        self.root = root
-        self.max_templates = max(1, max_templates)
-        root.mkdir(parents=True, exist_ok=True)
-        self._building: dict[str, asyncio.Future[Template]] = {}
-        self.built = 0  # by this edge (tests and the bench read it)
-        self._read_ahead: set[str] = set()
-
-    def ready(self, key: str) -> Template | None:
-        t = Template(key, self.root / key)
-        if (t.dir / "ready").exists():
-            with contextlib.suppress(OSError):
-                os.utime(t.dir / "ready")  # recently used
-                if key not in self._read_ahead:
-                    self._read_ahead.add(key)
-                    _read_ahead(t.ram)
-            return t
-        return None
-
-    async def get(self, key: str, build: Callable[[Path], Awaitable[None]]) -> Template:
-        """The template of `key`, built by `build(directory)` if there is none yet."""
-        t = self.ready(key)
-        if t is not None:
-            return t
-        running = self._building.get(key)
-        if running is None:
-            running = asyncio.ensure_future(self._build(key, build))
-            self._building[key] = running
-            running.add_done_callback(lambda _: self._building.pop(key, None))
-        return await asyncio.shield(running)
-
-    async def _build(self, key: str, build: Callable[[Path], Awaitable[None]]) -> Template:
-        lock = await asyncio.to_thread(self._lock, key)
-        try:
-            t = self.ready(key)
-            if t is not None:
-                return t  # another edge of the node built it meanwhile
-            work = self.root / f".{key}.{os.getpid()}"
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir()
-            t0 = time.perf_counter()
-            try:
-                await build(work)
-                (work / "ready").write_text(
-                    json.dumps({"format": self.FORMAT, "built": time.time()})
-                )
-                final = self.root / key
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(work, final)
-            except BaseException:
-                shutil.rmtree(work, ignore_errors=True)
-                raise
-            self.built += 1
-            log.info("microVM template %s built in %.2f s", key, time.perf_counter() - t0)
-            await asyncio.to_thread(self._evict, keep=key)
-            return Template(key, final)
-        finally:
-            os.close(lock)
-
-    def _lock(self, key: str) -> int:
-        fd = os.open(self.root / f".{key}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
-
-    def _evict(self, keep: str) -> None:
-        ready = sorted(
-            (p.stat().st_mtime, p.parent)
-            for p in self.root.glob("*/ready")
-            if p.parent.name != keep
+        super().__init__(
+            root, Template, max_templates=max_templates, label="microVM", first_use=_read_ahead
         )
-        for _, d in ready[: max(0, len(ready) + 1 - self.max_templates)]:
-            log.info("removing microVM template %s (least recently used)", d.name)
-            shutil.rmtree(d, ignore_errors=True)
-            (self.root / f".{d.name}.lock").unlink(missing_ok=True)
 
 
 def template_key(kit_digest: str, accel: str, shape: Shape, disks: list[qemu.Disk]) -> str:

@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge.backends.guest_console import Console
 from edge.backends.microvm import qemu
-from edge.backends.microvm.console import Console
 from edge.model import SandboxRecord, SandboxSpec
 
 #: The QEMU cgroups' cpu period (us).
