@@ -98,7 +98,9 @@ def test_the_api_server_answers_unimplemented_for_each_rpc(
     with pytest.raises(grpc.RpcError) as info:
         list(vnc)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    _no_display(from_rpc_error(info.value))  # type: ignore[arg-type]
+    err = from_rpc_error(info.value)
+    assert isinstance(err, BackendCapabilityMissing)
+    _no_display(err)
 
 
 def test_a_vnc_stream_must_open_with_its_sandbox(stub: tuple[Any, Any]) -> None:
