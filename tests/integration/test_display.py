@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from dsecctl.cluster import LocalCluster
 from libdsec import AsyncClient, Client, Sandbox
 from libdsec.errors import BackendCapabilityMissing, InvalidArgument, from_rpc_error
 from tests.helpers import wait_for
+from tests.integration.test_cli import cli_env, dsec
 
 pytestmark = pytest.mark.images("busybox")
 
@@ -138,3 +140,17 @@ def test_the_async_sdk_answers_the_same(
                 await sb.display.press("enter")
 
     asyncio.run(main())
+
+
+def test_the_cli_says_a_container_has_no_display(
+    make_sandbox: Callable[..., Sandbox], container_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    sid = make_sandbox(image="busybox").id
+    env = cli_env(container_cluster.apiserver, container_cluster.token, tmp_path)
+    out = tmp_path / "shot.png"
+    for args in (["screenshot", sid, "-o", str(out)], ["view", sid]):
+        r = dsec("sandbox", *args, env=env, timeout=60)
+        assert r.returncode == 2, r
+        assert "BackendCapabilityMissing [BACKEND_CAPABILITY]" in r.stderr
+        assert r.stdout == ""
+    assert not out.exists()
