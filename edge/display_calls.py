@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import NoReturn
 
 from dsec.types.v1 import types_pb2
 from edge import display
@@ -78,6 +79,13 @@ class DisplayCalls:
         events = await displays.send_input(rec, actions)
         return types_pb2.DisplayInputResponse(events=events)
 
+    async def _screen_closed(self, sandbox_id: str) -> NoReturn:
+        """The screen's side of a VNC stream closed (the VM stopped or ended): raises why."""
+        await self.raise_if_ended(sandbox_id)
+        raise Unavailable(
+            f"the display of sandbox {sandbox_id} closed its VNC connection", reason="VNC_CLOSED"
+        )
+
     async def vnc(
         self, requests: AsyncIterator[types_pb2.VncData]
     ) -> AsyncGenerator[types_pb2.VncData]:
@@ -88,37 +96,45 @@ class DisplayCalls:
         displays, rec = await self._display(sandbox_id)
         reader, writer = await displays.open_vnc(rec)
 
-        async def viewer_to_screen() -> None:
+        async def viewer_to_screen() -> bool:
+            """True when the viewer ended its side; False when the screen's side went."""
             async for msg in requests:
                 if msg.WhichOneof("kind") != "data":
                     raise InvalidArgument(
                         "after `open`, a VncData carries `data`", metadata={"field": "data"}
                     )
                 rec.last_active_at = time.time()  # a person driving the screen is activity
-                writer.write(msg.data)
-                await writer.drain()
+                try:
+                    writer.write(msg.data)
+                    await writer.drain()
+                except ConnectionError:
+                    return False
+            return True
+
+        async def screen_read() -> bytes:
+            try:
+                return await reader.read(VNC_CHUNK)
+            except ConnectionError:
+                return b""
 
         upstream = asyncio.create_task(viewer_to_screen())
         read: asyncio.Task[bytes] | None = None
         try:
             while True:
                 if read is None:
-                    read = asyncio.create_task(reader.read(VNC_CHUNK))
+                    read = asyncio.create_task(screen_read())
                 done, _ = await asyncio.wait(
                     {read, upstream}, timeout=VNC_LIVENESS_S, return_when=asyncio.FIRST_COMPLETED
                 )
                 if read in done:
                     chunk = read.result()
                     read = None
-                    if not chunk:  # the screen's side closed: the VM stopped or ended
-                        await self.raise_if_ended(sandbox_id)
-                        raise Unavailable(
-                            f"the display of sandbox {sandbox_id} closed its VNC connection",
-                            reason="VNC_CLOSED",
-                        )
+                    if not chunk:
+                        await self._screen_closed(sandbox_id)
                     yield types_pb2.VncData(data=chunk)
                 elif upstream in done:
-                    upstream.result()  # the viewer's bad message, if that ended it
+                    if not upstream.result():  # raises the viewer's bad message, if that
+                        await self._screen_closed(sandbox_id)
                     return  # the viewer closed its side: the stream ends
                 elif not self.manager.get(sandbox_id).live:
                     self.manager.get_live(sandbox_id)  # SandboxTerminated with the reason
