@@ -7,6 +7,7 @@ from apiserver.environments import EnvironmentServicer
 from apiserver.gateway import Gateway
 from apiserver.routing import EdgeDirectory
 from apiserver.servicer import (
+    DisplayServicer,
     ExecServicer,
     FileServicer,
     FunctionServicer,
@@ -39,6 +40,7 @@ async def main() -> None:
     server.add(SandboxServicer(gw), "dsec.apiserver.v1.SandboxService")
     server.add(ExecServicer(gw), "dsec.apiserver.v1.ExecService")
     server.add(FileServicer(gw), "dsec.apiserver.v1.FileService")
+    server.add(DisplayServicer(gw), "dsec.apiserver.v1.DisplayService")
     server.add(ProjectServicer(gw, iam, cfg.instance_name), "dsec.apiserver.v1.ProjectService")
     functions = FunctionServicer(gw)
     server.add(functions, "dsec.apiserver.v1.FunctionService")

@@ -46,6 +46,9 @@ PACK_DIFF_DEADLINE_S = 1800.0
 EXEC_MARGIN_S = 30.0
 EXEC_DEFAULT_TIMEOUT_S = 600.0
 
+#: Screenshots and display input (see DISPLAY_ROUTES).
+DISPLAY_DEADLINE_S = 60.0
+
 
 class _Forwarder:
     """Calls to the sandbox's owning edge: the caller's token, the owner check, the edge's stub
@@ -435,6 +438,11 @@ class FileServicer(_Forwarder):
     """FileService: every call forwarded to the sandbox's owning edge (FILE_ROUTES)."""
 
 
+class DisplayServicer(_Forwarder):
+    """DisplayService (computer use): every call forwarded to the sandbox's owning edge
+    (DISPLAY_ROUTES), whose backend answers it (edge/display_calls.py)."""
+
+
 def _exec_deadline(request: types_pb2.ExecRequest | types_pb2.WaitExecRequest) -> float:
     """A command's call may take its timeout plus a margin."""
     return (request.timeout_s or EXEC_DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
@@ -456,8 +464,20 @@ EXEC_ROUTES = forwarding.routes(
     },
 )
 FILE_ROUTES = forwarding.routes(_SERVICES["FileService"])
+#: A display call may resume a paused VM first (its memory read back from disk) and then
+#: take and encode a screenshot, or type a long text key by key: a minute. A VNC stream has
+#: no deadline (a person watching); it ends with the viewer or the sandbox.
+DISPLAY_ROUTES = forwarding.routes(
+    _SERVICES["DisplayService"],
+    deadlines={
+        "GetDisplayInfo": lambda request: DISPLAY_DEADLINE_S,
+        "Screenshot": lambda request: DISPLAY_DEADLINE_S,
+        "DisplayInput": lambda request: DISPLAY_DEADLINE_S,
+    },
+)
 forwarding.install(ExecServicer, EXEC_ROUTES)
 forwarding.install(FileServicer, FILE_ROUTES)
+forwarding.install(DisplayServicer, DISPLAY_ROUTES)
 
 
 class ProjectServicer:

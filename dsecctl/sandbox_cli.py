@@ -11,6 +11,8 @@
     dsec sandbox pause|resume|stop ID
     dsec sandbox watch [--task T] [--label K=V]   one line per change until Ctrl-C
     dsec sandbox pack ID NAME                     its writable layer as a new environment
+    dsec sandbox screenshot ID [-o FILE]          a desktop sandbox's screen as PNG
+    dsec sandbox view ID                          the URL of its live view (with your token)
 
 Every command that prints data takes ``--json``. A failure exits non-zero with one line on
 stderr naming the command and the error; ``exec`` and ``shell`` exit with the command's own
@@ -23,6 +25,7 @@ import argparse
 from typing import Any
 
 from dsecctl.cli_common import json_option, key_value, label_option
+from dsecctl.sandbox_display import add_display_parsers
 from dsecctl.sandbox_exec import cmd_exec, cmd_shell, exec_options
 from dsecctl.sandbox_files import cmd_cp
 from dsecctl.sandbox_inspect import cmd_list, cmd_logs, cmd_ps, cmd_show
@@ -198,6 +201,8 @@ def add_parser(sub: Any) -> None:
     )
     json_option(sp, "print the environment as one JSON object")
     sp.set_defaults(fn=cmd_pack)
+
+    add_display_parsers(ssub)
 
 
 __all__ = ["add_parser"]

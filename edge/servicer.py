@@ -19,6 +19,7 @@ from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offer
 from edge.backends.pausing import PauseReclaim
 from edge.controls import Control
 from edge.convert import network_from_pb, sandbox_pb, sandbox_pb_fast, spec_from_pb
+from edge.display_calls import DisplayCalls
 from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
@@ -119,6 +120,7 @@ class EdgeServicer:
         self.info = info
         self.fncall = fncall or FnCallAdapter(None)
         self.layers = layers or LayersAdapter(None, manager)
+        self.display = DisplayCalls(manager, self._raise_if_ended)
 
     # ----------------------------------------------------------- lifecycle
 
@@ -547,6 +549,31 @@ class EdgeServicer:
                 return
             await asyncio.sleep(0.1)
 
+    # ------------------------------------------------------------ display
+
+    async def GetDisplayInfo(
+        self, request: types_pb2.DisplayInfoRequest, context: Any
+    ) -> types_pb2.DisplayInfoResponse:
+        return await self.display.info(request)
+
+    async def Screenshot(
+        self, request: types_pb2.ScreenshotRequest, context: Any
+    ) -> types_pb2.ScreenshotResponse:
+        return await self.display.screenshot(request)
+
+    async def DisplayInput(
+        self, request: types_pb2.DisplayInputRequest, context: Any
+    ) -> types_pb2.DisplayInputResponse:
+        return await self.display.send_input(request)
+
+    async def VncStream(
+        self, request_iterator: AsyncIterator[types_pb2.VncData], context: Any
+    ) -> AsyncIterator[types_pb2.VncData]:
+        stream = self.display.vnc(request_iterator)
+        async with contextlib.aclosing(stream):  # its VNC connection closes with the call
+            async for item in stream:
+                yield item
+
     # ------------------------------------------------------------- fncall
 
     async def RunFunction(
@@ -630,10 +657,17 @@ _CHRONUS_NAMES = {"SendHttp": "http", "GetWatcherEvents": "watcher_events"}
 EDGE_ROUTES = forwarding.routes(
     edge_pb2.DESCRIPTOR.services_by_name["EdgeService"],
     skip={
-        "Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir",
-        # the backend's, not chronus's (edge/display.py)
-        "GetDisplayInfo", "Screenshot", "DisplayInput", "VncStream",
-    },  # fmt: skip
+        "Exec",
+        "ExecStream",
+        "ExecInteractive",
+        "AttachExec",
+        "WatchDir",
+        # the backend's, not chronus's (edge/display_calls.py)
+        "GetDisplayInfo",
+        "Screenshot",
+        "DisplayInput",
+        "VncStream",
+    },
     target=lambda name: _CHRONUS_NAMES.get(name) or forwarding.snake_case(name),
 )
 forwarding.install(EdgeServicer, EDGE_ROUTES)

@@ -14,6 +14,7 @@ bound to one gRPC status code and a stable ``reason``.
 from libdsec.aio import (
     AsyncClient,
     AsyncDirWatch,
+    AsyncDisplay,
     AsyncFiles,
     AsyncProcess,
     AsyncSandbox,
@@ -22,7 +23,7 @@ from libdsec.aio import (
 )
 from libdsec.errors import DSecError
 from libdsec.options import CreateOptions, SandboxOptions
-from libdsec.sync import Client, DirWatch, Files, Process, Sandbox, Session, Watch
+from libdsec.sync import Client, DirWatch, Display, Files, Process, Sandbox, Session, Watch
 from libdsec.types import (
     CompileInfo,
     Environment,
@@ -57,6 +58,7 @@ from libdsec.types import (
 __all__ = [
     "AsyncClient",
     "AsyncDirWatch",
+    "AsyncDisplay",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSandbox",
@@ -67,6 +69,7 @@ __all__ = [
     "CreateOptions",
     "DSecError",
     "DirWatch",
+    "Display",
     "Environment",
     "ExecInfo",
     "ExecResult",

@@ -16,6 +16,7 @@ from typing import Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.types.v1 import types_pb2
+from libdsec._display import AsyncDisplay
 from libdsec._files import AsyncFiles
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link, Transport
 from libdsec.errors import DSecError, Unavailable
@@ -209,6 +210,8 @@ class AsyncSandbox:
         self.client = client
         self.info = info
         self.files = AsyncFiles(client, info.id)
+        #: The screen, for a sandbox with a display (backend "vm", the ``desktop`` image).
+        self.display = AsyncDisplay(client, info.id)
 
     @property
     def id(self) -> str:

@@ -118,6 +118,7 @@ SDK_IDEMPOTENT: Mapping[str, tuple[str, ...]] = {
     ),
     "dsec.apiserver.v1.ExecService": ("WaitExec", "ListExecs", "ListSessions", "WaitForPort"),
     "dsec.apiserver.v1.FileService": ("ReadFile", "ListDir", "StatPath"),
+    "dsec.apiserver.v1.DisplayService": ("GetDisplayInfo", "Screenshot"),
     "dsec.apiserver.v1.ProjectService": ("WhoAmI", "GetProject", "ListProjects", "ListTokens"),
     "dsec.apiserver.v1.EnvironmentService": ("ListEnvironments", "GetEnvironment", "ListLayers"),
 }
@@ -234,12 +235,15 @@ class Transport:
     def __init__(self, target: str, token: str) -> None:
         self.target = target
         self.closed = False
+        #: The bearer token (a live-view URL carries it: AsyncDisplay.viewer_url).
+        self.token = token
         #: The bearer token, sent as metadata with every call.
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.sandboxes = apiserver_pb2_grpc.SandboxServiceStub(self.channel)
         self.exec = apiserver_pb2_grpc.ExecServiceStub(self.channel)
         self.files = apiserver_pb2_grpc.FileServiceStub(self.channel)
+        self.display = apiserver_pb2_grpc.DisplayServiceStub(self.channel)
         self.projects = apiserver_pb2_grpc.ProjectServiceStub(self.channel)
         self.environments = apiserver_pb2_grpc.EnvironmentServiceStub(self.channel)
         self.functions = apiserver_pb2_grpc.FunctionServiceStub(self.channel)

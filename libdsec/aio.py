@@ -16,7 +16,7 @@ The synchronous :class:`libdsec.Client` wraps this one, so both behave the same.
 The SDK by role: ``_transport.py`` (channel, token, call wrappers, stream stall timeouts),
 this module (the client: sandboxes, environments, projects, tokens, fncall),
 ``_sandbox.py`` (:class:`AsyncSandbox`, :class:`AsyncProcess`, :class:`AsyncSession`),
-``_files.py`` (:class:`AsyncFiles`).
+``_files.py`` (:class:`AsyncFiles`), ``_display.py`` (:class:`AsyncDisplay`, a sandbox's screen).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
+from libdsec._display import AsyncDisplay
 from libdsec._files import CHUNK, AsyncDirWatch, AsyncFiles
 from libdsec._sandbox import AsyncProcess, AsyncSandbox, AsyncSession, sandbox_info
 from libdsec._tagged import TaggedStream
@@ -686,6 +687,7 @@ __all__ = [
     "STREAM_IDLE_TIMEOUT_S",
     "AsyncClient",
     "AsyncDirWatch",
+    "AsyncDisplay",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSandbox",

@@ -34,6 +34,7 @@ from collections.abc import (
 )
 from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
+from libdsec._display import AsyncDisplay
 from libdsec._files import AsyncDirWatch
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
 from libdsec.aio import (
@@ -593,6 +594,83 @@ class Files:
         return DirWatch(self._c, self._c._loop.run(self._f.watch(path, recursive)))
 
 
+class Display:
+    """The screen of a sandbox (see :class:`~libdsec.aio.AsyncDisplay`)::
+
+    png = sb.display.screenshot()
+    width, height = sb.display.size()
+    sb.display.click(640, 400)
+    sb.display.type("hello\\n")
+    sb.display.press("ctrl+l")
+    """
+
+    def __init__(self, client: Client, display: AsyncDisplay) -> None:
+        self._c = client
+        self._d = display
+
+    def size(self, *, timeout: float | None = None) -> tuple[int, int]:
+        """(width, height) of the screen now, in pixels."""
+        return self._c._loop.run(self._d.size(timeout=timeout))
+
+    def screenshot(self, *, timeout: float | None = None) -> bytes:
+        """The whole screen as PNG bytes."""
+        return self._c._loop.run(self._d.screenshot(timeout=timeout))
+
+    def viewer_url(self, *, timeout: float | None = None) -> str:
+        """See :meth:`AsyncDisplay.viewer_url`: the live view's URL, with this client's token."""
+        return self._c._loop.run(self._d.viewer_url(timeout=timeout))
+
+    def move(self, x: int, y: int, *, timeout: float | None = None) -> int:
+        return self._c._loop.run(self._d.move(x, y, timeout=timeout))
+
+    def click(
+        self,
+        x: int | None = None,
+        y: int | None = None,
+        *,
+        button: str = "left",
+        double: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """See :meth:`AsyncDisplay.click`: ``sb.display.click(10, 20, double=True)``."""
+        return self._c._loop.run(self._d.click(x, y, button=button, double=double, timeout=timeout))
+
+    def scroll(
+        self,
+        dy: int = 1,
+        *,
+        dx: int = 0,
+        x: int | None = None,
+        y: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """See :meth:`AsyncDisplay.scroll`: ``sb.display.scroll(3)`` turns 3 notches down."""
+        return self._c._loop.run(self._d.scroll(dy, dx=dx, x=x, y=y, timeout=timeout))
+
+    def drag(
+        self,
+        start: tuple[int, int],
+        end: tuple[int, int],
+        *,
+        button: str = "left",
+        timeout: float | None = None,
+    ) -> int:
+        return self._c._loop.run(self._d.drag(start, end, button=button, timeout=timeout))
+
+    def mouse_down(self, button: str = "left", *, timeout: float | None = None) -> int:
+        return self._c._loop.run(self._d.mouse_down(button, timeout=timeout))
+
+    def mouse_up(self, button: str = "left", *, timeout: float | None = None) -> int:
+        return self._c._loop.run(self._d.mouse_up(button, timeout=timeout))
+
+    def type(self, text: str, *, timeout: float | None = None) -> int:
+        return self._c._loop.run(self._d.type(text, timeout=timeout))
+
+    def press(self, keys: str, *, timeout: float | None = None) -> int:
+        """See :meth:`AsyncDisplay.press`: ``sb.display.press("ctrl+l")``."""
+        return self._c._loop.run(self._d.press(keys, timeout=timeout))
+
+
 class DirWatch(_SyncStream[FileEvent]):
     """A directory watch (see :meth:`Files.watch`): an iterator of :class:`FileEvent`."""
 
@@ -612,6 +690,7 @@ class Sandbox:
         self._c = client
         self._s = sandbox
         self.files = Files(client, sandbox.files)
+        self.display = Display(client, sandbox.display)
 
     @property
     def id(self) -> str:
@@ -701,4 +780,4 @@ class Sandbox:
         self._c._loop.run(self._s.delete())
 
 
-__all__ = ["Client", "DirWatch", "Files", "Process", "Sandbox", "Session", "Watch"]
+__all__ = ["Client", "DirWatch", "Display", "Files", "Process", "Sandbox", "Session", "Watch"]

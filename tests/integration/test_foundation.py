@@ -40,6 +40,7 @@ EXPECTED = {
         "dsec.apiserver.v1.SandboxService",
         "dsec.apiserver.v1.ExecService",
         "dsec.apiserver.v1.FileService",
+        "dsec.apiserver.v1.DisplayService",
         "dsec.apiserver.v1.EnvironmentService",
         "dsec.apiserver.v1.FunctionService",
         "dsec.apiserver.v1.ProjectService",

@@ -67,7 +67,7 @@ def test_every_command_that_prints_data_takes_json(command: str) -> None:
         if isinstance(a, argparse._SubParsersAction):
             leaves = list(a.choices.values())
     # These print no data of their own: a command's output, a terminal, a file, a message.
-    silent = {"exec", "shell", "cp", "rm", "delete"}
+    silent = {"exec", "shell", "cp", "rm", "delete", "screenshot"}
     for leaf in leaves:
         name = leaf.prog.split()[-1]
         if name in silent:
@@ -128,3 +128,23 @@ def test_exec_options_before_the_id_are_kept() -> None:
 )
 def test_cp_tells_sandbox_paths_from_local_ones(arg: str, remote: tuple[str, str] | None) -> None:
     assert _remote(arg) == remote
+
+
+def test_a_screenshot_is_not_written_onto_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    args = build_parser().parse_args(["sandbox", "screenshot", "sb-x"])
+    assert args.output == ""
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert args.fn(args) == 2  # refused before any call: no cluster needed
+    err = capsys.readouterr().err
+    assert "> shot.png" in err and "-o FILE" in err
+    view = build_parser().parse_args(["sandbox", "view", "sb-x"])
+    assert view.sandbox_id == "sb-x" and callable(view.fn)

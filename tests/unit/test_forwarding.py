@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from apiserver.servicer import EXEC_ROUTES, FILE_ROUTES, ExecServicer, FileServicer
+from apiserver.servicer import (
+    DISPLAY_ROUTES,
+    EXEC_ROUTES,
+    FILE_ROUTES,
+    DisplayServicer,
+    ExecServicer,
+    FileServicer,
+)
 from common import forwarding
 from common.forwarding import Route
 from dsec.apiserver.v1 import apiserver_pb2
@@ -18,6 +25,7 @@ from edge.servicer import EDGE_ROUTES, EdgeServicer
 
 EXEC = apiserver_pb2.DESCRIPTOR.services_by_name["ExecService"]
 FILE = apiserver_pb2.DESCRIPTOR.services_by_name["FileService"]
+DISPLAY = apiserver_pb2.DESCRIPTOR.services_by_name["DisplayService"]
 EDGE = edge_pb2.DESCRIPTOR.services_by_name["EdgeService"]
 
 
@@ -25,6 +33,7 @@ def test_the_api_server_forwards_every_sandbox_call_of_its_contract() -> None:
     for service, table, cls in (
         (EXEC, EXEC_ROUTES, ExecServicer),
         (FILE, FILE_ROUTES, FileServicer),
+        (DISPLAY, DISPLAY_ROUTES, DisplayServicer),
     ):
         assert set(table) == {m.name for m in service.methods}
         for m in service.methods:
@@ -37,11 +46,16 @@ def test_the_api_server_forwards_every_sandbox_call_of_its_contract() -> None:
     assert EXEC_ROUTES["Exec"].deadline is not None
     assert EXEC_ROUTES["Exec"].deadline(exec_req) == 35.0
     assert EXEC_ROUTES["ListExecs"].deadline is None
+    shot = DISPLAY_ROUTES["Screenshot"].deadline
+    assert shot is not None and shot(types_pb2.ScreenshotRequest()) == 60.0
+    assert DISPLAY_ROUTES["VncStream"].deadline is None  # a person watching: no deadline
+    assert DISPLAY_ROUTES["VncStream"].opener == "open"
 
 
 def test_the_edge_forwards_what_it_does_not_write_by_hand() -> None:
     sandbox_calls = {m.name for m in EDGE.methods if m.input_type.file.package == "dsec.types.v1"}
     hand = {"Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir"}
+    hand |= {"GetDisplayInfo", "Screenshot", "DisplayInput", "VncStream"}  # the backend's
     assert set(EDGE_ROUTES) == sandbox_calls - hand
     assert EDGE_ROUTES["SendHttp"].target == "http"
     assert EDGE_ROUTES["GetWatcherEvents"].target == "watcher_events"

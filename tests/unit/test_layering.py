@@ -24,6 +24,8 @@ DOMAIN_MODULES = [
     "edge/reaper.py",
     "edge/model.py",
     "edge/backends/contract.py",
+    "edge/display.py",
+    "edge/backends/vm/input.py",
     *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "edge" / "runtime").glob("*.py"))],
 ]
 SERVER_PACKAGES = {

@@ -10,6 +10,8 @@ import pytest
 PUBLIC = {
     "libdsec": [
         "AsyncClient",
+        "AsyncDisplay",
+        "Display",
         "AsyncFiles",
         "AsyncProcess",
         "AsyncSandbox",
@@ -31,6 +33,7 @@ PUBLIC = {
     ],
     "libdsec.aio": [
         "AsyncClient",
+        "AsyncDisplay",
         "AsyncFiles",
         "AsyncProcess",
         "AsyncSandbox",
@@ -43,7 +46,7 @@ PUBLIC = {
         "ExitStatus",
         "make_spec",
     ],
-    "libdsec.sync": ["Client", "Files", "Process", "Sandbox", "Session", "Watch"],
+    "libdsec.sync": ["Client", "Display", "Files", "Process", "Sandbox", "Session", "Watch"],
     "libdsec.errors": [
         "DSecError",
         "from_rpc_error",

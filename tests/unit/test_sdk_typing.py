@@ -58,6 +58,13 @@ def sync_program() -> None:
             with sb.session(cwd="/work") as shell:
                 shell.run("cd /tmp", timeout_s=5)
             print(sb.http(8000, "/", method="POST", body="{}", wait_s=5).status)
+            png: bytes = sb.display.screenshot(timeout=30)
+            width, height = sb.display.size()
+            sb.display.click(width // 2, height // 2, button="right", double=True)
+            sb.display.scroll(-3, dx=1, x=0, y=0)
+            sb.display.drag((0, 0), (10, 10), button="left")
+            print(len(png), sb.display.type("hi") + sb.display.press("ctrl+l"))
+            print(sb.display.viewer_url().startswith("http"))
             sb.stop(grace_s=0.5)
         print([i.id for i in dsec.list(labels={"a": "b"}, states=["running"])])
         print(dsec.fncall(language="python", code="print(1)", time_limit_s=2).verdict)
@@ -70,6 +77,12 @@ async def async_program() -> None:
         r = await sb.run("ls", timeout_s=5)
         print(r.exit_code)
         await sb.files.write("/work/a.txt", "x", mode=0o644)
+        shot: bytes = await sb.display.screenshot()
+        w, h = await sb.display.size(timeout=5)
+        await sb.display.move(w - 1, h - 1)
+        await sb.display.mouse_down("left")
+        await sb.display.mouse_up(button="left")
+        print(len(shot), await sb.display.viewer_url())
         async with await sb.session() as shell:
             await shell.run("pwd", cwd="/")
         print(await dsec.list(labels={"a": "b"}))
@@ -98,6 +111,7 @@ async def async_program() -> None:
         await sb.run("ls", timout=5)
         await sb.files.write("/work/a.txt", "x", mod=0o644)
         await dsec.list(lable={"a": "b"})
+        await sb.display.click(1, 2, doubel=True)
 """
 MISSPELT = {
     6: ["memroy_mb"],
@@ -111,6 +125,7 @@ MISSPELT = {
     19: ["timout"],
     20: ["mod"],
     21: ["lable"],
+    22: ["doubel"],
 }
 
 
@@ -173,6 +188,7 @@ def _pairs() -> list[tuple[str, Callable[..., Any], Callable[..., Any]]]:
         (sync.Client, aio.AsyncClient),
         (sync.Sandbox, aio.AsyncSandbox),
         (sync.Files, aio.AsyncFiles),
+        (sync.Display, aio.AsyncDisplay),
         (sync.Process, aio.AsyncProcess),
         (sync.Session, aio.AsyncSession),
     ]
