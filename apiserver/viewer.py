@@ -289,7 +289,7 @@ class Viewer:
             log_config=None,
             access_log=False,  # the URLs carry tokens
             http="httptools",
-            ws="websockets",
+            ws="websockets-sansio",
             ws_ping_interval=20.0,
             ws_ping_timeout=20.0,
             timeout_graceful_shutdown=max(1, int(self.cfg.shutdown_grace_s)),

@@ -20,7 +20,7 @@ from websockets.exceptions import InvalidStatus
 
 from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
-from libdsec.errors import SandboxNotFound
+from libdsec.errors import DSecError, SandboxNotFound, Unauthenticated
 
 pytestmark = pytest.mark.images("busybox")
 
@@ -97,19 +97,32 @@ def test_novnc_assets_are_served(http: httpx.Client) -> None:
     assert http.get("/view/novnc/no-such-file.js").status_code == 404
 
 
-def test_page_refuses_without_the_owners_token(
-    http: httpx.Client, sandbox: Sandbox, other_token: str
+def grpc_refusal(cluster: LocalCluster, sandbox_id: str, token: str) -> DSecError:
+    """What the gRPC API answers ``token`` for a GetSandbox of ``sandbox_id``."""
+    with Client(cluster.apiserver, token=token) as caller:
+        with pytest.raises(DSecError) as info:
+            caller.get(sandbox_id)
+    return info.value
+
+
+def test_page_refuses_as_the_grpc_api_does(
+    container_cluster: LocalCluster, http: httpx.Client, sandbox: Sandbox, other_token: str
 ) -> None:
     missing = http.get(f"/view/{sandbox.id}")
     assert missing.status_code == 401 and "UNAUTHENTICATED" in missing.text
-    bad = http.get(f"/view/{sandbox.id}", params={"token": "not-a-token"})
-    assert bad.status_code == 401 and "UNAUTHENTICATED" in bad.text
-    other = http.get(f"/view/{sandbox.id}", params={"token": other_token})
-    assert other.status_code == 404 and "SANDBOX_NOT_FOUND" in other.text
+    for token, status, error in [
+        ("not-a-token", 401, Unauthenticated),
+        (other_token, 404, SandboxNotFound),  # another project's sandbox: as a missing one
+    ]:
+        expected = grpc_refusal(container_cluster, sandbox.id, token)
+        assert isinstance(expected, error)
+        r = http.get(f"/view/{sandbox.id}", params={"token": token})
+        assert r.status_code == status and r.text.startswith(f"{expected.reason}: "), r.text
+        assert "location" not in r.headers
 
 
-def test_websocket_refused_without_the_owners_token(
-    container_cluster: LocalCluster, client: Client, sandbox: Sandbox, other_token: str
+def test_websocket_refused_as_the_grpc_api_does(
+    container_cluster: LocalCluster, sandbox: Sandbox, other_token: str
 ) -> None:
     async def refusals() -> list[tuple[int, str]]:
         return [
@@ -120,12 +133,11 @@ def test_websocket_refused_without_the_owners_token(
 
     missing, bad, other = asyncio.run(refusals())
     assert missing[0] == 401 and "UNAUTHENTICATED" in missing[1]
-    assert bad[0] == 401 and "UNAUTHENTICATED" in bad[1]
-    # Another project's sandbox is answered as a missing one, as the gRPC API answers it.
-    assert other[0] == 404 and "SANDBOX_NOT_FOUND" in other[1]
-    with Client(container_cluster.apiserver, token=other_token) as stranger:
-        with pytest.raises(SandboxNotFound):
-            stranger.get(sandbox.id)
+    bad_grpc = grpc_refusal(container_cluster, sandbox.id, "not-a-token")
+    assert bad[0] == 401 and bad[1].startswith(f"{bad_grpc.reason}: ")
+    other_grpc = grpc_refusal(container_cluster, sandbox.id, other_token)
+    assert isinstance(other_grpc, SandboxNotFound)
+    assert other[0] == 404 and other[1].startswith(f"{other_grpc.reason}: ")
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (scripts/setup.sh)")
@@ -139,17 +151,20 @@ def test_chromium_renders_novnc_pointed_at_the_sandbox(
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             with page.expect_websocket(timeout=30_000) as opened:
                 page.goto(f"{container_cluster.viewer_url}/view/{sandbox.id}?token={token}")
-            socket = opened.value
             # noVNC's own UI is on screen, and it dialled this sandbox's websocket.
             assert page.title() == "noVNC"
             page.locator("#noVNC_control_bar").wait_for(state="attached", timeout=30_000)
-            assert socket.url == (f"{ws_url(container_cluster, sandbox.id, None)}?token={token}")
-            # A container has no screen: the stream ends and noVNC shows it as an error.
-            socket.wait_for_event("close", timeout=30_000)
+            socket = opened.value
+            assert socket.url == f"{ws_url(container_cluster, sandbox.id, None)}?token={token}"
+            # A container has no screen: the API server closes the websocket with the error's
+            # code and reason (4501: UNIMPLEMENTED), which noVNC reports and shows as an error.
             page.locator("#noVNC_status.noVNC_status_error").wait_for(
                 state="visible", timeout=30_000
             )
+            assert any("(code: 4501, reason: " in e for e in errors), errors
         finally:
             browser.close()
