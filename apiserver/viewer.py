@@ -246,7 +246,9 @@ class Viewer:
             while True:
                 message = await ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    # The edge stream ends with the viewer, whatever the VNC server does.
                     viewer_left.set()
+                    call.cancel()
                     return
                 data = message.get("bytes")
                 if data is None:  # a text frame: RFB is binary; take its bytes as sent
@@ -259,6 +261,13 @@ class Viewer:
             async for item in call:
                 if item.WhichOneof("kind") == "data" and item.data:
                     await ws.send_bytes(item.data)
+        except asyncio.CancelledError:
+            # grpc.aio raises this for a call cancelled here: the viewer left (a cancellation
+            # of this task itself, the server's shutdown, goes on).
+            task = asyncio.current_task()
+            if viewer_left.is_set() and task is not None and not task.cancelling():
+                return 1000, ""
+            raise
         except grpc.aio.AioRpcError as exc:
             if viewer_left.is_set():
                 return 1000, ""
