@@ -131,6 +131,15 @@ def _token(conn: Request | WebSocket) -> str:
     return value.strip() if scheme.lower() == "bearer" else ""
 
 
+class _DenialNotAnError(logging.Filter):
+    """uvicorn 0.54's websocket protocol (websockets-sansio) logs "ASGI callable returned
+    without completing handshake." at ERROR after a refusal it sent itself (the HTTP denial
+    response: its flag is not set on that path); a refused viewer is not a server error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
 class _Unavailable:
     """The ASGI app answering for noVNC's files when the package is not installed."""
 
@@ -176,7 +185,10 @@ class Viewer:
         """The caller and the sandbox's edge, checked as a gRPC call on the sandbox is: a
         missing or bad token is UNAUTHENTICATED, another project's sandbox NOT_FOUND."""
         if not token:
-            raise Unauthenticated("no token: open the viewer with ?token=<your dsec token>")
+            # The gRPC API's reason (apiserver/routing.py), with the viewer's way to send one.
+            raise Unauthenticated(
+                "no token: open the viewer with ?token=<your dsec token>", reason="NO_TOKEN"
+            )
         who = await self.gw.caller(token)
         try:
             stub = await self.gw.edge_for(who, sandbox_id)
@@ -304,6 +316,7 @@ class Viewer:
             timeout_graceful_shutdown=max(1, int(self.cfg.shutdown_grace_s)),
         )
         config.load()
+        logging.getLogger("uvicorn.error").addFilter(_DenialNotAnError())
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
