@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.config import ConfigError, ServiceConfig
 
@@ -40,9 +41,18 @@ class ApiServerConfig(ServiceConfig):
     max_cpu_millis: int = 64_000
     max_memory_mb: int = 262_144
     max_ttl_s: int = 7 * 24 * 3600
+    #: The live view's HTTP listener (apiserver/viewer.py: the noVNC page and its websocket),
+    #: host:port, next to the gRPC port on loopback; "off" serves none.
+    viewer_addr: str = "127.0.0.1:7104"
+    #: The viewer's URL as browsers reach it (a proxy, TLS in front), e.g.
+    #: "https://dsec.example.com"; "" = http:// and viewer_addr. DisplayInfo's viewer_url.
+    viewer_url: str = ""
+    #: Where Debian's noVNC is (package novnc); without it the page answers 503 naming it.
+    novnc_dir: Path = Path("/usr/share/novnc")
 
     def validate(self) -> None:
         super().validate()
+        self._validate_viewer()
         if self.max_create_attempts < 1:
             raise ConfigError("DSEC_APISERVER_MAX_CREATE_ATTEMPTS must be >= 1")
         if (
@@ -57,6 +67,27 @@ class ApiServerConfig(ServiceConfig):
             raise ConfigError("create chunk/batch sizes and in-flight counts must be >= 1")
         if self.create_batch_wait_s < 0:
             raise ConfigError("DSEC_APISERVER_CREATE_BATCH_WAIT_S must be >= 0")
+
+    def _validate_viewer(self) -> None:
+        if self.viewer_addr == "off":
+            return
+        host, sep, port = self.viewer_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(
+                f"DSEC_APISERVER_VIEWER_ADDR={self.viewer_addr!r}: expected host:port or off"
+            )
+        if self.viewer_url and not self.viewer_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"DSEC_APISERVER_VIEWER_URL={self.viewer_url!r}: expected an http(s):// URL"
+            )
+
+    @property
+    def viewer_host(self) -> str:
+        return self.viewer_addr.rpartition(":")[0].strip("[]")
+
+    @property
+    def viewer_port(self) -> int:
+        return int(self.viewer_addr.rpartition(":")[2])
 
     @property
     def instance_name(self) -> str:

@@ -14,6 +14,7 @@ from apiserver.servicer import (
     ProjectServicer,
     SandboxServicer,
 )
+from apiserver.viewer import Viewer
 from common.channels import open_channel
 from common.config import load
 from common.grpc_server import GrpcServer
@@ -46,6 +47,11 @@ async def main() -> None:
     server.add(functions, "dsec.apiserver.v1.FunctionService")
     server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
     server.background(edges.run)
+    if cfg.viewer_addr != "off":
+        viewer = Viewer(cfg, gw)
+        viewer_socket = viewer.bind()  # a taken port fails the start, not a background task
+        server.background(lambda: viewer.serve(viewer_socket))
+        server.on_close(viewer_socket.close)
     server.on_close(gw.batcher.close)
     server.on_close(functions.router.close)  # its edge job streams, before the channels
     server.on_close(edges.close)

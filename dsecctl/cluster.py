@@ -197,6 +197,8 @@ class LocalCluster:
                         "PLACEMENT": placement,
                         "WATCHER": watcher,
                         "INSTANCE": name,
+                        # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
+                        "VIEWER_ADDR": f"127.0.0.1:{self._port(7104 if i == 0 else 7140 + i)}",
                     },
                 )
             )
@@ -469,6 +471,11 @@ class LocalCluster:
     @property
     def apiserver(self) -> str:
         return self.process("apiserver").address
+
+    @property
+    def viewer_url(self) -> str:
+        """Base URL of the first API server's live view (add ``/view/<sandbox id>?token=``)."""
+        return "http://" + self.process("apiserver").env["DSEC_APISERVER_VIEWER_ADDR"]
 
     @property
     def compat_url(self) -> str:
