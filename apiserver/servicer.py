@@ -15,6 +15,7 @@ from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
 from apiserver.tasks import TaskOperations
+from apiserver.viewer import viewer_url
 from apiserver.watch import SandboxWatch
 from common import forwarding
 from common.auth import auth_metadata, bearer_token
@@ -440,7 +441,16 @@ class FileServicer(_Forwarder):
 
 class DisplayServicer(_Forwarder):
     """DisplayService (computer use): every call forwarded to the sandbox's owning edge
-    (DISPLAY_ROUTES), whose backend answers it (edge/display_calls.py)."""
+    (DISPLAY_ROUTES), whose backend answers it (edge/display_calls.py). GetDisplayInfo is
+    the edge's answer plus this API server's live-view page (apiserver/viewer.py)."""
+
+    async def GetDisplayInfo(
+        self, request: types_pb2.DisplayInfoRequest, context: Any
+    ) -> types_pb2.DisplayInfoResponse:
+        resp = await self.forward_unary(_DISPLAY_INFO, request, context)
+        assert isinstance(resp, types_pb2.DisplayInfoResponse)
+        resp.viewer_url = viewer_url(self.gw.cfg, request.sandbox_id)
+        return resp
 
 
 def _exec_deadline(request: types_pb2.ExecRequest | types_pb2.WaitExecRequest) -> float:
@@ -467,7 +477,7 @@ FILE_ROUTES = forwarding.routes(_SERVICES["FileService"])
 #: A display call may resume a paused VM first (its memory read back from disk) and then
 #: take and encode a screenshot, or type a long text key by key: a minute. A VNC stream has
 #: no deadline (a person watching); it ends with the viewer or the sandbox.
-DISPLAY_ROUTES = forwarding.routes(
+_DISPLAY_ALL = forwarding.routes(
     _SERVICES["DisplayService"],
     deadlines={
         "GetDisplayInfo": lambda request: DISPLAY_DEADLINE_S,
@@ -475,6 +485,8 @@ DISPLAY_ROUTES = forwarding.routes(
         "DisplayInput": lambda request: DISPLAY_DEADLINE_S,
     },
 )
+_DISPLAY_INFO = _DISPLAY_ALL["GetDisplayInfo"]  # written by hand (adds the viewer's URL)
+DISPLAY_ROUTES = {name: r for name, r in _DISPLAY_ALL.items() if name != "GetDisplayInfo"}
 forwarding.install(ExecServicer, EXEC_ROUTES)
 forwarding.install(FileServicer, FILE_ROUTES)
 forwarding.install(DisplayServicer, DISPLAY_ROUTES)
