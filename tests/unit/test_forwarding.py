@@ -35,11 +35,14 @@ def test_the_api_server_forwards_every_sandbox_call_of_its_contract() -> None:
         (FILE, FILE_ROUTES, FileServicer),
         (DISPLAY, DISPLAY_ROUTES, DisplayServicer),
     ):
-        assert set(table) == {m.name for m in service.methods}
+        # Written by hand: the edge's answer plus the API server's own viewer URL.
+        by_hand = {"GetDisplayInfo"} if cls is DisplayServicer else set()
+        assert set(table) == {m.name for m in service.methods} - by_hand
         for m in service.methods:
             fn = getattr(cls, m.name)
             assert inspect.isasyncgenfunction(fn) == m.server_streaming, m.name
-            assert table[m.name].target == m.name  # the edge's method of the same name
+            if m.name not in by_hand:
+                assert table[m.name].target == m.name  # the edge's method of the same name
     assert EXEC_ROUTES["ExecInteractive"].opener == "start"
     assert (FILE_ROUTES["UploadFile"].opener, FILE_ROUTES["UploadFile"].oneof) == ("header", "part")
     exec_req = types_pb2.ExecRequest(timeout_s=5)
