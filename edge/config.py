@@ -192,6 +192,35 @@ class EdgeConfig(ServiceConfig):
     #: The QEMU process's own memory (device model, TCG code cache) on top of guest RAM, in its
     #: memory cgroup limit.
     microvm_overhead_mb: int = 192
+    #: Full VMs (libvirt + QEMU q35, edge/backends/vm): "auto" (offered when libvirtd answers,
+    #: VM images exist and a guest kernel boots; the edge says why not otherwise), "on" (the
+    #: edge refuses to start without), "off".
+    vm: str = "auto"
+    #: The accelerator: "auto" (KVM if a probe guest boots under it, else TCG), "kvm", "tcg".
+    vm_accel: str = "auto"
+    #: libvirt's URI (the system QEMU driver: domains outlive the edge).
+    vm_uri: str = "qemu:///system"
+    #: The VM images (scripts/build-vm-images.sh writes them here).
+    vm_image_dir: Path = Path("/var/lib/dsec/vm-images")
+    #: Node-wide: the accelerator probe's verdict and the templates.
+    vm_cache_dir: Path = Path("/var/lib/dsec/vm")
+    #: The VMs' agent, console and VNC sockets (a short path: a socket path has 108 bytes).
+    vm_socket_dir: Path = Path("/run/dsec-vm")
+    #: Create VMs by restoring a saved, booted template per image and shape (off: every
+    #: create boots: tens of seconds under TCG, minutes for a desktop).
+    vm_templates: bool = True
+    #: Templates kept per node (each holds a saved guest: its memory and disk).
+    vm_max_templates: int = 4
+    #: Guest RAM bounds (MB): below the minimum systemd and aether do not fit.
+    vm_min_memory_mb: int = 512
+    vm_max_memory_mb: int = 16384
+    #: vCPUs per guest at most (0 = the host's cores).
+    vm_max_vcpus: int = 0
+    #: QEMU's own memory on top of guest RAM (the domain's hard limit).
+    vm_overhead_mb: int = 256
+    #: How long a guest may take to boot to aether (and a desktop to its session) when a
+    #: template is built or a create boots cold; a TCG desktop takes minutes.
+    vm_ready_timeout_s: float = 900.0
 
     def validate(self) -> None:
         super().validate()
@@ -247,6 +276,12 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(
                 f"DSEC_EDGE_MICROVM_ACCEL={self.microvm_accel!r}: expected auto, kvm or tcg"
             )
+        if self.vm not in ("auto", "on", "off"):
+            raise ConfigError(f"DSEC_EDGE_VM={self.vm!r}: expected auto, on or off")
+        if self.vm_accel not in ("auto", "kvm", "tcg"):
+            raise ConfigError(f"DSEC_EDGE_VM_ACCEL={self.vm_accel!r}: expected auto, kvm or tcg")
+        if not 256 <= self.vm_min_memory_mb <= self.vm_max_memory_mb:
+            raise ConfigError("DSEC_EDGE_VM_MIN_MEMORY_MB must be >= 256 and <= the maximum")
         if not 64 <= self.microvm_min_memory_mb <= self.microvm_max_memory_mb:
             raise ConfigError("DSEC_EDGE_MICROVM_MIN_MEMORY_MB must be >= 64 and <= the maximum")
         try:

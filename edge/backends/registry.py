@@ -41,6 +41,7 @@ class Registration:
 REGISTRY: tuple[Registration, ...] = (
     Registration("container", "edge.backends.container.backend:ContainerBackend.from_config", ""),
     Registration("microvm", "edge.backends.microvm.backend:MicrovmBackend.from_config", "microvm"),
+    Registration("vm", "edge.backends.vm.backend:VmBackend.from_config", "vm"),
 )
 
 

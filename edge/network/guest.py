@@ -228,6 +228,31 @@ def open_tap(netns: Path, name: str = TAP) -> int:
     return _in_thread(inside)
 
 
+def create_root_tap(name: str) -> None:
+    """A persistent tap `name` in the edge's own namespace (made if missing), IPv6 off: a full
+    VM's link. libvirt opens a tap by name in its own (the root) namespace, so a libvirt
+    guest cannot use a namespace of its own as a microVM's does; the tap itself becomes the
+    guest's port on the node bridge (`NodeNetwork.add_tap_port`), its filter on the tap's
+    ingress -- where every frame the guest sends arrives, as at a veth's host end."""
+    if Path(f"/sys/class/net/{name}").exists():
+        return
+    fd = _attach_tap(name)
+    try:
+        fcntl.ioctl(fd, _TUNSETPERSIST, 1)
+    finally:
+        os.close(fd)
+    Path(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6").write_text("1")
+
+
+def remove_root_tap(name: str) -> None:
+    """Remove a persistent tap of the edge's namespace (gone already is fine)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        for idx in ip.link_lookup(ifname=name):
+            ip.link("del", index=idx)
+
+
 def connect(node: NodeNetwork, sandbox_id: str, netns: Path, program: int) -> str:
     """Put the guest's namespace on the node bridge: a veth pair whose inner end joins br0, with
     the guest's tc `program` on the host end before it carries anything. Returns that end's name."""

@@ -394,6 +394,25 @@ table ip {self.table}_nat {{
             ip.link("set", index=idx, state="up")
         return host
 
+    def add_tap_port(self, sandbox_id: str, ingress: int) -> str:
+        """The sandbox's existing tap (named as its host end would be: `veth_name`, made by
+        its backend) made an isolated port of the bridge, with the tc program `ingress` on
+        it before it is on the bridge and up. Returns its name. Blocking."""
+        host = veth_name(sandbox_id)
+        with contextlib.closing(_ipr()) as ip:
+            br = ip.link_lookup(ifname=self.bridge)
+            if not br:
+                raise NetworkSetupError(f"bridge {self.bridge} is missing")
+            found = ip.link_lookup(ifname=host)
+            if not found:
+                raise NetworkSetupError(f"the guest's tap {host} is missing")
+            _sysctl(f"net/ipv6/conf/{host}/disable_ipv6", "1")
+            _attach_ingress(ip, found[0], ingress)
+            ip.link("set", index=found[0], master=br[0])
+            ip.brport("set", index=found[0], isolated=1)
+            ip.link("set", index=found[0], state="up")
+        return host
+
     def attach_ingress(self, sandbox_id: str, program: int) -> bool:
         """(Re)attach a tc program to the ingress of the sandbox's host end; False if that end
         is gone. Blocking."""

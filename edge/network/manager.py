@@ -310,14 +310,16 @@ class NetworkManager:
     async def attach_guest(
         self,
         sandbox_id: str,
-        netns_dir: Path,
+        netns_dir: Path | None,
         policy: Policy,
         resolved: Mapping[str, list[str]] | None = None,
     ) -> dict[str, Any]:
         """Network a VM guest: its namespace and tap under `netns_dir` (made if missing), an
         address, its filter, and the link onto the node bridge, in that order. Returns what to
         keep in its record (`adopt_guest` takes it) and to configure the guest with: address,
-        prefix_len, gateway, dns, mac (the only source MAC its frames may have), netns, tap."""
+        prefix_len, gateway, dns, mac (the only source MAC its frames may have), netns, tap.
+        `netns_dir` None: a libvirt guest's, whose link is its own tap in the edge's namespace
+        (edge.network.guest.create_root_tap, made by its backend): no namespace, no veth."""
         await self._ensure_node()
         state = _Owner(policy)
         self._remember(state, resolved or {})
@@ -326,15 +328,15 @@ class NetworkManager:
         self._register(sandbox_id, addr)
         mac = guest.guest_mac(sandbox_id)
         try:
-            netns = await asyncio.to_thread(guest.create_netns, netns_dir, sandbox_id)
+            netns = None
+            if netns_dir is not None:
+                netns = await asyncio.to_thread(guest.create_netns, netns_dir, sandbox_id)
             identity = GuestIdentity(bytes.fromhex(mac.replace(":", "")), addr.packed)
             state.filter = await asyncio.to_thread(
                 SandboxFilter.create, self.pin_root / sandbox_id, identity
             )
             await asyncio.to_thread(state.filter.load, self._tables(state))
-            await asyncio.to_thread(
-                guest.connect, self.node, sandbox_id, netns, state.filter.guest_program
-            )
+            await asyncio.to_thread(self._link, sandbox_id, netns, state.filter.guest_program)
             await asyncio.to_thread(self._sync_gate, state)
         except BaseException:
             await self.detach_guest(sandbox_id, netns_dir)
@@ -345,8 +347,8 @@ class NetworkManager:
             "gateway": self.gateway,
             "dns": self.gateway,
             "mac": mac,
-            "netns": str(netns),
-            "tap": guest.TAP,
+            "netns": str(netns or ""),
+            "tap": guest.TAP if netns is not None else veth_name(sandbox_id),
             "veth": veth_name(sandbox_id),
             "owner": sandbox_id,
         }
@@ -361,8 +363,10 @@ class NetworkManager:
         """After an edge restart: take back a running guest's network from its record, its
         namespace and its pins (the filter kept enforcing meanwhile). False if a piece is gone."""
         address = str(info.get("address", ""))
-        netns = Path(str(info.get("netns", "")))
-        if not address or not await asyncio.to_thread(guest.is_netns, netns):
+        netns = Path(str(info["netns"])) if info.get("netns") else None
+        if not address:
+            return False
+        if netns is not None and not await asyncio.to_thread(guest.is_netns, netns):
             return False
         await self._ensure_node()
         flt = await asyncio.to_thread(SandboxFilter.open, self.pin_root / sandbox_id)
@@ -381,16 +385,26 @@ class NetworkManager:
         await asyncio.to_thread(self._sync_gate, state)
         return True
 
-    def _relink(self, sandbox_id: str, netns: Path, flt: SandboxFilter) -> None:
+    def _relink(self, sandbox_id: str, netns: Path | None, flt: SandboxFilter) -> None:
         """The filter on the guest's link, the link made again if it went (blocking)."""
         if not self.node.attach_ingress(sandbox_id, flt.guest_program):
-            guest.connect(self.node, sandbox_id, netns, flt.guest_program)
+            self._link(sandbox_id, netns, flt.guest_program)
 
-    async def detach_guest(self, sandbox_id: str, netns_dir: Path) -> None:
+    def _link(self, sandbox_id: str, netns: Path | None, program: int) -> None:
+        """The guest's port on the node bridge: a veth into its namespace, or (no namespace:
+        a libvirt guest) its own tap (blocking)."""
+        if netns is not None:
+            guest.connect(self.node, sandbox_id, netns, program)
+        else:
+            self.node.add_tap_port(sandbox_id, program)
+
+    async def detach_guest(self, sandbox_id: str, netns_dir: Path | None) -> None:
         """Remove everything of a guest's network: address, link, filter and pins, namespace
-        (also for a guest that never had a policy, or was not adopted)."""
+        (also for a guest that never had a policy, or was not adopted). A libvirt guest's
+        tap (`netns_dir` None) is its backend's to remove."""
         await self.detach(sandbox_id)
-        await asyncio.to_thread(guest.remove_netns, guest.netns_path(netns_dir, sandbox_id))
+        if netns_dir is not None:
+            await asyncio.to_thread(guest.remove_netns, guest.netns_path(netns_dir, sandbox_id))
 
     async def replace(self, sandbox_id: str, raw: Mapping[str, Any]) -> Policy:
         """Replace the policy of a networked sandbox (and its sibling): parse, resolve names,
