@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import get_args
 
 from common.config import ConfigError, ServiceConfig
+from libdsec.options import Backend
 
 MIB = 1024 * 1024
 
 
 def _default_templates() -> dict[str, str]:
     # E2B's default template is "base" (Debian with bash); bookworm is dsec's Debian image.
-    return {"base": "bookworm"}
+    # e2b-desktop's default template is "desktop": dsec's desktop VM image (Xfce, xdotool,
+    # x11vnc and noVNC: what that SDK runs inside), scripts/build-vm-images.sh.
+    return {"base": "bookworm", "desktop": "desktop"}
+
+
+def _default_template_backends() -> dict[str, str]:
+    # The desktop image is a disk of a full VM: only the vm backend boots it.
+    return {"desktop": "vm"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,9 @@ class CompatConfig(ServiceConfig):
     #: E2B template id/alias -> dsec environment or image ("base=bookworm,py=python").
     #: A template not listed is tried as a dsec image name as it is.
     templates: dict[str, str] = field(default_factory=_default_templates)
+    #: E2B template id/alias -> the dsec backend its sandboxes run on ("desktop=vm"); a
+    #: template not listed runs on dsec's default backend (containers).
+    template_backends: dict[str, str] = field(default_factory=_default_template_backends)
     #: Sandbox timeout (TTL) when a create gives none; E2B's SDK documents 300 s.
     default_timeout_s: int = 300
     #: Resources of a sandbox created through E2B (E2B templates fix them; dsec asks).
@@ -96,6 +108,13 @@ class CompatConfig(ServiceConfig):
             raise ConfigError(f"DSEC_COMPAT_LISTEN={self.listen!r}: bad port") from None
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("DSEC_COMPAT_TLS_CERT and DSEC_COMPAT_TLS_KEY go together")
+        backends = get_args(Backend)
+        for template, backend in self.template_backends.items():
+            if backend not in backends:
+                raise ConfigError(
+                    f"DSEC_COMPAT_TEMPLATE_BACKENDS: template {template!r} names backend "
+                    f"{backend!r}; dsec's backends are {', '.join(backends)}"
+                )
         if self.default_network not in {"none", "open"}:
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:

@@ -16,6 +16,11 @@ Two ways to run the processes:
 - unsupervised (the test harness's default): plain child processes; a dead service stays
   dead until :meth:`LocalCluster.restart`. Stopping sends SIGTERM to those PIDs only (never
   to anything this cluster did not start), then SIGKILL.
+
+Host daemons (``host_daemons=``, what ``dsec up`` passes when edges may run VMs: libvirtd
+and virtlogd, :mod:`dsecctl.host_daemons`): one whose socket does not answer at start is
+started first, as one more (supervised) process of the cluster, and stopped with it; one
+that answers is someone else's and only checked (:meth:`LocalCluster.checked_status`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsecctl import host_daemons
+from dsecctl.host_daemons import HostDaemon
 from dsecctl.supervisor import UP_STATES, ProcessInfo, Program, Supervisor
 
 SERVICES = ("iam", "watcher", "placement", "edge", "apiserver", "compat")
@@ -55,8 +62,13 @@ class ServiceProcess:
     log_path: Path
     pid: int = 0
     proc: subprocess.Popen[bytes] | None = None
-    #: "grpc" (gRPC health) or "http" (GET /health: the compatibility front end)
+    #: "grpc" (gRPC health), "http" (GET /health: the compatibility front end) or "socket"
+    #: (a host daemon: its Unix socket, ``unix:<path>``, accepts a connection)
     protocol: str = "grpc"
+    #: A host daemon: its command (instead of ``python -m module``) and the pid file that
+    #: command names (how a PID is known to be ours).
+    argv: tuple[str, ...] = ()
+    pid_file: str = ""
 
 
 @dataclass
@@ -93,6 +105,7 @@ class LocalCluster:
         iam_database: str = "",
         compat: bool = True,
         supervised: bool = False,
+        host_daemons: list[HostDaemon] | None = None,
     ) -> None:
         self.home = home
         self.transport = transport
@@ -114,6 +127,10 @@ class LocalCluster:
         self.token_file = home / "token"
         #: host:port of the compat process's SandboxFusion listener ("" = none).
         self.sandbox_fusion_address = ""
+        #: Host daemons the cluster needs (started if not answering, see the module doc).
+        self.host_daemons = host_daemons or []
+        #: Those that answered at start: someone else's, only checked.
+        self.checked: list[ServiceProcess] = []
 
     # ----------------------------------------------------------- addresses
 
@@ -143,7 +160,10 @@ class LocalCluster:
             }
             return ServiceProcess(name, module, address, full, self.home / "logs" / f"{name}.log")
 
-        plan = [
+        daemons = host_daemons.plan(self.host_daemons)
+        self.checked = [self._daemon_process(d) for d in daemons.checked]
+        plan = [self._daemon_process(d) for d in daemons.start]
+        plan += [
             svc(
                 "iam",
                 "iam",
@@ -219,6 +239,19 @@ class LocalCluster:
             plan.append(compat)
         return plan
 
+    def _daemon_process(self, d: HostDaemon) -> ServiceProcess:
+        d.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        return ServiceProcess(
+            d.name,
+            d.name,
+            f"unix:{d.socket}",
+            dict(d.env),
+            self.home / "logs" / f"{d.name}.log",
+            protocol="socket",
+            argv=d.argv,
+            pid_file=str(d.pid_file),
+        )
+
     # ------------------------------------------------------------ start/stop
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -228,7 +261,11 @@ class LocalCluster:
             if self.supervised:
                 env = {**os.environ, **self.extra_env}
                 self.supervisor.write_config(
-                    (Program(p.name, p.module, p.env, p.log_path) for p in self.processes), env
+                    (
+                        Program(p.name, p.module, p.env, p.log_path, argv=p.argv)
+                        for p in self.processes
+                    ),
+                    env,
                 )
                 self.supervisor.start(env)
             self.start_services(self.processes, timeout_s)
@@ -241,8 +278,9 @@ class LocalCluster:
         report SERVING and every edge is healthy in the watcher; records the cluster."""
         for p in procs:
             self._spawn(p)
-            if p.name == "iam":
-                # The bootstrap token must exist before anyone uses the cluster.
+            if p.name == "iam" or p.argv:
+                # The bootstrap token must exist before anyone uses the cluster; an edge
+                # connects to libvirtd when it starts.
                 self.wait_serving([p], timeout_s)
         self.wait_serving(procs, timeout_s)
         self.wait_edges_registered(timeout_s)
@@ -256,7 +294,7 @@ class LocalCluster:
         env = {**os.environ, **self.extra_env, **p.env, "PYTHONUNBUFFERED": "1"}
         log = open(p.log_path, "ab")
         p.proc = subprocess.Popen(
-            [sys.executable, "-m", p.module],
+            list(p.argv) or [sys.executable, "-m", p.module],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -506,9 +544,12 @@ class LocalCluster:
                     "address": p.address,
                     "log": str(p.log_path),
                     "protocol": p.protocol,
+                    **({"command": list(p.argv), "pid_file": p.pid_file} if p.argv else {}),
                 }
                 for p in self.processes
             },
+            # Host daemons someone else runs: only checked (`dsec status`).
+            "checked": {p.name: {"address": p.address} for p in self.checked},
         }
         path = self.home / "cluster.json"
         path.write_text(json.dumps(state, indent=2))
@@ -538,7 +579,13 @@ class LocalCluster:
                     {},
                     Path(s["log"]),
                     protocol=s.get("protocol", "grpc"),
+                    argv=tuple(s.get("command", ())),
+                    pid_file=s.get("pid_file", ""),
                 )
+            )
+        for name, s in state.get("checked", {}).items():
+            c.checked.append(
+                ServiceProcess(name, name, s["address"], {}, Path(), protocol="socket")
             )
         try:
             supervised = c.supervised_processes()
@@ -570,6 +617,15 @@ class LocalCluster:
             out[p.name] = service_health(p, timeout_s=1.0) if _alive(p) else "DOWN"
         return out
 
+    def checked_status(self) -> dict[str, str]:
+        """The host daemons this cluster did not start: SERVING when their socket answers,
+        else UNREACHABLE; each one's ``pid`` set to the process of that name (0: none)."""
+        out = {}
+        for p in self.checked:
+            p.pid = host_daemons.pid_by_name(p.name)
+            out[p.name] = service_health(p, timeout_s=1.0)
+        return out
+
     def supervised_processes(self) -> dict[str, ProcessInfo]:
         """supervisord's view of the services ({} when unsupervised or supervisord is gone)."""
         if not self.supervised or not self.supervisor.pid():
@@ -593,12 +649,16 @@ def _alive(p: ServiceProcess) -> bool:
         cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+    if p.pid_file:
+        return host_daemons.is_ours(cmdline, Path(p.pid_file))
     return b"-m" in cmdline and p.module.encode() in cmdline
 
 
 def find_service_pid(p: ServiceProcess) -> int:
     """The PID of the process running ``p`` (``python -m <module>`` listening on its address,
-    as its environment says), or 0."""
+    as its environment says; a host daemon: the one its pid file names), or 0."""
+    if p.pid_file:
+        return host_daemons.pid_from_file(Path(p.pid_file))
     listen = b"_LISTEN=" + p.address.encode() + b"\0"
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -617,6 +677,9 @@ def service_health(p: ServiceProcess, timeout_s: float = 2.0) -> str:
     """A service's health by its protocol: gRPC health, or GET /health for HTTP ones."""
     if p.protocol == "http":
         return http_health(p.address, timeout_s)
+    if p.protocol == "socket":
+        answers = host_daemons.socket_answers(Path(p.address.removeprefix("unix:")), timeout_s)
+        return "SERVING" if answers else "UNREACHABLE"
     return health(p.address, timeout_s=timeout_s)
 
 

@@ -56,6 +56,7 @@ from dsecctl.cli_common import (
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from dsecctl.fncall import add_parser as add_fncall_parser
 from dsecctl.grpc_cli import add_parser as add_grpc_parser
+from dsecctl.host_daemons import HostDaemonError, daemons_for_vm, vm_mode
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
@@ -74,6 +75,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     # A few warm busybox sandboxes per edge (README "Warm sandboxes"); DSEC_EDGE_WARM_POOL
     # in the environment replaces this ("" for none).
     warm = {"DSEC_EDGE_WARM_POOL": os.environ.get("DSEC_EDGE_WARM_POOL", "busybox=4")}
+    # Edges offering VMs (DSEC_EDGE_VM, default auto) need libvirtd and virtlogd: those not
+    # running are started and supervised with the services (dsecctl/host_daemons.py).
+    try:
+        daemons = daemons_for_vm(vm_mode(os.environ), home / "daemons")
+    except HostDaemonError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 2
     edges = [
         EdgeSpec(edge_id=f"edge{i}", runtime="container", extra_env=dict(warm))
         for i in range(args.edges)
@@ -88,6 +96,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         iam_database=args.iam_database,
         supervised=True,
+        host_daemons=daemons,
     )
     print(f"starting dsec in {home} (services supervised by supervisord) ...", flush=True)
     cluster.start(timeout_s=args.timeout)
@@ -125,6 +134,13 @@ def _print_services(cluster: LocalCluster) -> None:
     for name, state in cluster.status().items():
         p = cluster.process(name)
         print(f"  {name:<12} {state:<10} {p.address:<22} pid {p.pid}  log {p.log_path}")
+    for name, state in cluster.checked_status().items():
+        p = next(c for c in cluster.checked if c.name == name)
+        print(f"  {name:<12} {state:<10} {p.address:<22} pid {p.pid}  {_NOT_OURS}")
+
+
+#: A host daemon the cluster found running (scripts/setup.sh's): checked, never stopped.
+_NOT_OURS = "not started by dsec: checked only"
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -207,6 +223,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{name:<12} {state:<12} {address:<22} pid {p.pid}{extra}")
             for line in details:
                 print(f"{'':<12} {line}")
+    for name, state in cluster.checked_status().items():
+        p = next(c for c in cluster.checked if c.name == name)
+        bad += state != "SERVING"
+        services.append(
+            {"name": name, "state": state, "address": p.address, "pid": p.pid, "checked": True}
+        )
+        if not args.json:
+            print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}  {_NOT_OURS}")
     if args.json:
         print_json(
             {"running": True, "supervisor_running": not supervisor_down, "services": services}

@@ -17,7 +17,9 @@ by supervisord at ``LOG_MAX_BYTES``.
 
 A service's environment travels in a JSON file read by :mod:`dsecctl.launch`, which execs
 the service in place (same PID): supervisord's own ``environment=`` syntax cannot quote
-every value.
+every value. A program is ``python -m <module>`` (a dsec service) or a command of its own
+(``argv``: a host daemon such as libvirtd, :mod:`dsecctl.host_daemons`), run in the
+foreground and supervised the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Program:
     module: str
     env: dict[str, str]
     log_path: Path
+    #: A command instead of ``python -m module`` (a host daemon in the foreground).
+    argv: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,10 @@ class Supervisor:
             env_file = self.dir / "env" / f"{p.name}.json"
             fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
-                json.dump({"module": p.module, "env": {**base_env, **p.env}}, fh)
+                spec: dict[str, Any] = {"module": p.module, "env": {**base_env, **p.env}}
+                if p.argv:
+                    spec["argv"] = list(p.argv)
+                json.dump(spec, fh)
             lines += [
                 f"[program:{p.name}]",
                 f"command={_escape(python)} -m dsecctl.launch {_escape(str(env_file))}",

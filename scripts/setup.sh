@@ -4,21 +4,34 @@
 #   scripts/setup.sh
 #
 # Installs the missing apt packages, creates $REPO/.venv from /usr/bin/python3.11 with
-# `pip install -e .[dev]`, starts dockerd if it is not running, mounts bpffs and builds the
-# base images (scripts/build-base-images.sh). Idempotent; when everything is in place it
-# only checks (well under 3 s). Environment:
-#   SKIP_PIP=1      do not run pip (e.g. no pyproject.toml yet)
-#   SKIP_DOCKER=1   neither start dockerd nor docker-import the base images
-#   SKIP_IMAGES=1   do not build the base images (nor import them into the layer store)
-#   DSEC_IMAGE_DIR  where the base images go (default /var/lib/dsec/images)
+# `pip install -e .[dev]` (after apt: libvirt-python builds against libvirt-dev), starts
+# dockerd, virtlogd and libvirtd if they are not running (QEMU under libvirt configured for
+# the VM backend: the dsec block of /etc/libvirt/qemu.conf), mounts bpffs and builds the base
+# images (scripts/build-base-images.sh) and the VM images (scripts/build-vm-images.sh).
+# Idempotent; when everything is in place it only checks (well under 3 s). Environment:
+#   SKIP_PIP=1        do not run pip (e.g. no pyproject.toml yet)
+#   SKIP_DOCKER=1     neither start dockerd nor docker-import the base images
+#   SKIP_LIBVIRT=1    neither configure nor start libvirtd/virtlogd
+#   SKIP_IMAGES=1     build no images at all (base images, their layer store import, VM images)
+#   SKIP_VM_IMAGES=1  do not build the VM images (the base images still are)
+#   SKIP_LINK=1       leave /usr/local/bin/dsec as it is
+#   DSEC_VENV         the venv to create or check (default $REPO/.venv)
+#   DSEC_IMAGE_DIR    where the base images go (default /var/lib/dsec/images)
+#   DSEC_VM_IMAGE_DIR where the VM images go (default /var/lib/dsec/vm-images)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=$REPO/.venv
+VENV=${DSEC_VENV:-$REPO/.venv}
 PYTHON=/usr/bin/python3.11 # Debian's, never a pyenv shim from PATH
 PIP_STAMP=$VENV/.dsec-pyproject.sha256
 DOCKERD_LOG=/var/log/dsec-dockerd.log
 DOCKERD_PID=/var/run/dsec-dockerd.pid
+VIRTLOGD_LOG=/var/log/dsec-virtlogd.log
+VIRTLOGD_PID=/var/run/dsec-virtlogd.pid
+LIBVIRTD_LOG=/var/log/dsec-libvirtd.log
+LIBVIRTD_PID=/var/run/dsec-libvirtd.pid
+QEMU_CONF=/etc/libvirt/qemu.conf
+LIBVIRT_URI=qemu:///system
 
 APT_PACKAGES=(
     runc docker.io erofs-utils debootstrap busybox-static bpftool clang llvm iproute2
@@ -26,6 +39,14 @@ APT_PACKAGES=(
     ca-certificates util-linux procps psmisc postgresql
     nftables iptables e2fsprogs # sandbox networking (NAT, firewall); disk quotas (mkfs.ext4)
     qemu-system-x86 linux-image-cloud-amd64 # microVMs: QEMU microvm + the guest kernel
+)
+# Installed without their Recommends: libvirt's would pull dnsmasq, a firewall and more that
+# the VM backend does not use (it wires the guest's network itself, as for microVMs).
+APT_PACKAGES_NO_RECOMMENDS=(
+    libvirt-daemon-system libvirt-clients qemu-utils # full VMs (edge/backends/vm)
+    libvirt-dev pkg-config                           # libvirt-python builds against them
+    novnc python3-websockify                         # the desktop's live view in a browser
+    tesseract-ocr chromium chromium-driver           # desktop tests: OCR, the viewer in Chromium
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -38,14 +59,19 @@ apt_state=ok
 declare -A installed=()
 while read -r pkg status; do
     [[ $status == ii* ]] && installed[$pkg]=1
-done < <(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PACKAGES[@]}" 2>/dev/null || true)
+done < <(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' \
+    "${APT_PACKAGES[@]}" "${APT_PACKAGES_NO_RECOMMENDS[@]}" 2>/dev/null || true)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     [[ -n ${installed[$pkg]:-} ]] || missing+=("$pkg")
 done
+missing_no_recommends=()
+for pkg in "${APT_PACKAGES_NO_RECOMMENDS[@]}"; do
+    [[ -n ${installed[$pkg]:-} ]] || missing_no_recommends+=("$pkg")
+done
 
-if [[ ${#missing[@]} -gt 0 ]]; then
-    log "installing: ${missing[*]}"
+if [[ $((${#missing[@]} + ${#missing_no_recommends[@]})) -gt 0 ]]; then
+    log "installing: ${missing[*]} ${missing_no_recommends[*]}"
     export DEBIAN_FRONTEND=noninteractive
     export NEEDRESTART_SUSPEND=1 # needrestart (if installed) must not restart anything
     # Package scripts must not start services (dockerd, a PostgreSQL cluster): we start what we
@@ -63,9 +89,14 @@ if [[ ${#missing[@]} -gt 0 ]]; then
         echo 'create_main_cluster = false' >/etc/postgresql-common/createcluster.d/dsec-no-main-cluster.conf
     fi
     apt-get update -qq
-    apt-get install -y -qq -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        "${missing[@]}" >/dev/null
-    apt_state="installed ${#missing[@]}"
+    apt_install=(apt-get install -y -qq -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        "${apt_install[@]}" "${missing[@]}" >/dev/null
+    fi
+    if [[ ${#missing_no_recommends[@]} -gt 0 ]]; then
+        "${apt_install[@]}" --no-install-recommends "${missing_no_recommends[@]}" >/dev/null
+    fi
+    apt_state="installed $((${#missing[@]} + ${#missing_no_recommends[@]}))"
 fi
 
 # --------------------------------------------------------------------------- venv
@@ -97,7 +128,7 @@ fi
 
 # `dsec` on every shell's PATH (the README's commands), running this checkout's venv. A file
 # there that is not our link (another install) is left alone, and said.
-if [[ -x $VENV/bin/dsec ]]; then
+if [[ ${SKIP_LINK:-0} != 1 && -x $VENV/bin/dsec ]]; then
     link=/usr/local/bin/dsec
     if [[ ! -e $link || -L $link ]]; then
         [[ "$(readlink "$link" 2>/dev/null)" == "$VENV/bin/dsec" ]] || {
@@ -164,6 +195,78 @@ else
     docker_ok || { tail -n 20 "$DOCKERD_LOG" >&2; die "docker info still fails after 30 s"; }
 fi
 
+# --------------------------------------------------------------------------- libvirt
+# The VM backend (edge/backends/vm) drives QEMU through libvirtd, which logs each domain's
+# console through virtlogd. QEMU runs as root on the edge's files as they are (the sandbox
+# boundary is the VM; this host runs no AppArmor/SELinux profile for it): the dsec block of
+# qemu.conf, appended once between its marker lines; settings outside it are left alone.
+QEMU_CONF_BEGIN='# --- dsec (scripts/setup.sh): QEMU runs as root with the edge'"'"'s files as they are; no'
+QEMU_CONF_END='# --- end dsec'
+qemu_conf_block() {
+    printf '%s\n' "$QEMU_CONF_BEGIN" \
+        '# security driver (the host runs no AppArmor/SELinux here; the sandbox boundary is the VM).' \
+        'user = "root"' 'group = "root"' 'dynamic_ownership = 0' 'security_driver = "none"' \
+        "$QEMU_CONF_END"
+}
+libvirt_ok() { timeout 10 virsh -c "$LIBVIRT_URI" version >/dev/null 2>&1; }
+virtlogd_ok() { [[ -S /run/libvirt/virtlogd-sock ]] && pgrep -x virtlogd >/dev/null; }
+daemon_pid() { # pid file, process name -> the daemon's PID ("" if none)
+    local pid
+    pid=$(cat "$1" 2>/dev/null || true)
+    if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then echo "$pid"; return; fi
+    pgrep -xo "$2" || true
+}
+start_daemon() { # name pidfile log check-function -> "started (pid N)" or "running (pid N)"
+    local name=$1 pidfile=$2 logfile=$3 check=$4 pid state
+    pid=$(daemon_pid "$pidfile" "$name")
+    if [[ -z $pid ]]; then
+        log "starting $name (log $logfile)"
+        # Foreground under setsid + nohup, as dockerd: it outlives this script and its terminal.
+        setsid nohup "$name" --pid-file="$pidfile" </dev/null >>"$logfile" 2>&1 &
+        pid=$!
+        state="$name started (pid $pid)"
+    else
+        state="$name running (pid $pid)" # started but maybe not answering yet
+    fi
+    for _ in $(seq 1 60); do
+        "$check" && break
+        kill -0 "$pid" 2>/dev/null || { tail -n 20 "$logfile" >&2; die "$name (pid $pid) exited (log $logfile)"; }
+        sleep 0.5
+    done
+    "$check" || { tail -n 20 "$logfile" >&2; die "$name (pid $pid) does not answer after 30 s (log $logfile)"; }
+    echo "$state"
+}
+
+if [[ ${SKIP_LIBVIRT:-0} == 1 ]]; then
+    libvirt_state="libvirt skipped"
+else
+    [[ -f $QEMU_CONF ]] || die "$QEMU_CONF not found (apt package libvirt-daemon-system)"
+    qemu_conf_changed=0
+    if ! grep -qxF "$QEMU_CONF_END" "$QEMU_CONF"; then
+        qemu_conf_block >>"$QEMU_CONF"
+        qemu_conf_changed=1
+        log "$QEMU_CONF: dsec block appended"
+    fi
+    # The same keys set elsewhere in the file (by hand) are left alone, and said: libvirt
+    # takes one of them, so the VM backend may not get root's QEMU.
+    others=$(sed "/^${QEMU_CONF_BEGIN:0:12}/,/^$QEMU_CONF_END\$/d" "$QEMU_CONF" |
+        grep -E '^[[:space:]]*(user|group|dynamic_ownership|security_driver)[[:space:]]*=' || true)
+    [[ -z $others ]] || log "$QEMU_CONF also sets, outside the dsec block (left alone): $(echo $others)"
+    # libvirt's "default" network (NAT through dnsmasq) is not used: never autostarted.
+    rm -f /etc/libvirt/qemu/networks/autostart/default.xml
+    libvirtd_was_running=0
+    libvirt_ok && libvirtd_was_running=1
+    virtlogd_state=$(start_daemon virtlogd "$VIRTLOGD_PID" "$VIRTLOGD_LOG" virtlogd_ok)
+    libvirtd_state=$(start_daemon libvirtd "$LIBVIRTD_PID" "$LIBVIRTD_LOG" libvirt_ok)
+    if [[ $qemu_conf_changed == 1 && $libvirtd_was_running == 1 ]]; then
+        log "libvirtd was already running: restart it to read the dsec block of $QEMU_CONF"
+    fi
+    if virsh -c "$LIBVIRT_URI" net-info default 2>/dev/null | grep -qE '^Autostart:[[:space:]]+yes'; then
+        virsh -c "$LIBVIRT_URI" net-autostart default --disable >/dev/null
+    fi
+    libvirt_state="$virtlogd_state, $libvirtd_state"
+fi
+
 # --------------------------------------------------------------------------- bpffs
 if ! findmnt -n -t bpf -M /sys/fs/bpf >/dev/null 2>&1; then
     mkdir -p /sys/fs/bpf
@@ -184,6 +287,13 @@ else
             die "importing the base images into the layer store failed"
     fi
     images_state="images ok"
+    # The VM backend's disks (after the base images: a long build, and optional for the rest).
+    if [[ ${SKIP_VM_IMAGES:-0} == 1 ]]; then
+        images_state+=", VM images skipped"
+    else
+        "$REPO/scripts/build-vm-images.sh" >&2
+        images_state+=", VM images ok"
+    fi
 fi
 
-echo "setup: apt $apt_state, venv $venv_state, $docker_state, $bpf_state, $images_state"
+echo "setup: apt $apt_state, venv $venv_state, $docker_state, $libvirt_state, $bpf_state, $images_state"

@@ -33,7 +33,13 @@ from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
 from compat.http import Receive, Scope, Send, without_trailing_slash
 from libdsec import AsyncClient, NetworkPolicy, SandboxInfo
-from libdsec.errors import DSecError, ImageNotFound, NotFound, SandboxTerminated
+from libdsec.errors import (
+    BackendNotOffered,
+    DSecError,
+    ImageNotFound,
+    NotFound,
+    SandboxTerminated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +157,17 @@ class ControlApi:
         labels[mapping.LABEL_TEMPLATE] = template
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
         labels[mapping.LABEL_MEMORY] = str(self.config.memory_mb)
+        target = mapping.target_for(template, self.config)
         options: dict[str, Any] = {
-            "image": mapping.image_for(template, self.config),
+            "image": target.image,
             "ttl_s": mapping.timeout_for(body, self.config),
             "labels": labels,
             "env": mapping.env_for(body.get("envVars")),
             "cpu": self.config.cpu,
             "memory_mb": self.config.memory_mb,
         }
+        if target.backend:
+            options["backend"] = target.backend
         network = mapping.network_for(body, self.config)
         if network is not None:
             options["network"] = network
@@ -168,6 +177,11 @@ class ControlApi:
             sb = await client.create(**options)
         except ImageNotFound:
             raise HttpError(404, f"template {template!r} not found") from None
+        except BackendNotOffered as exc:
+            # Retrying cannot help (409, FAILED_PRECONDITION): say which template needs what.
+            raise HttpError(
+                409, f"template {template!r} runs on dsec's {target.backend} backend: {exc.message}"
+            ) from None
         return JSONResponse(mapping.sandbox_json(sb.info, key, self.config), 201)
 
     async def get(self, client: AsyncClient, key: str, request: Request) -> Response:

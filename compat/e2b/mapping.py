@@ -1,7 +1,8 @@
 """E2B's sandbox model on dsec's, both ways; no I/O here.
 
 - template id/alias -> a dsec environment or image (configurable aliases; anything else is
-  tried as an image name as it is, so an unknown one is dsec's ImageNotFound -> 404);
+  tried as an image name as it is, so an unknown one is dsec's ImageNotFound -> 404) and the
+  backend it runs on (configurable too: ``desktop`` -> ``vm``; the others dsec's default);
 - metadata -> sandbox labels (keys under ``e2b.`` are ours: the template and the resources
   asked for, so GET and list can answer statelessly; they never show up as metadata);
 - timeout -> TTL, envVars -> env, network -> a dsec NetworkPolicy;
@@ -39,10 +40,22 @@ MAX_KEY = 63
 MAX_VALUE = 255
 
 
-def image_for(template: str, config: CompatConfig) -> str:
+@dataclass(frozen=True)
+class TemplateTarget:
+    """What an E2B template is in dsec: an image (or environment) on a backend."""
+
+    image: str
+    backend: str  # "" = dsec's default backend (containers)
+
+
+def target_for(template: str, config: CompatConfig) -> TemplateTarget:
+    """``DSEC_COMPAT_TEMPLATES`` (the image; unlisted: the template's name as it is) and
+    ``DSEC_COMPAT_TEMPLATE_BACKENDS`` (the backend; unlisted: the default) of ``template``."""
     if not template:
         raise HttpError(400, "templateID is required")
-    return config.templates.get(template, template)
+    return TemplateTarget(
+        config.templates.get(template, template), config.template_backends.get(template, "")
+    )
 
 
 def labels_for(metadata: Any) -> dict[str, str]:

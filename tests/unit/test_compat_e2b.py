@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from common.config import ConfigError, load
 from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.envd.process import end_event
@@ -95,8 +96,12 @@ def test_metadata_becomes_labels_and_bad_keys_are_named() -> None:
 
 
 def test_templates_timeouts_and_network() -> None:
-    assert mapping.image_for("base", CONFIG) == "bookworm"
-    assert mapping.image_for("docker/python:3.11", CONFIG) == "docker/python:3.11"
+    assert mapping.target_for("base", CONFIG) == mapping.TemplateTarget("bookworm", "")
+    assert mapping.target_for("docker/python:3.11", CONFIG) == mapping.TemplateTarget(
+        "docker/python:3.11", ""
+    )
+    # e2b-desktop's default template: dsec's desktop image on a full VM
+    assert mapping.target_for("desktop", CONFIG) == mapping.TemplateTarget("desktop", "vm")
     assert (
         mapping.timeout_for({}, CONFIG) == 300
         and mapping.timeout_for({"timeout": 60}, CONFIG) == 60
@@ -180,3 +185,16 @@ async def test_keepalives_flow_while_the_source_is_quiet_and_it_is_not_cancelled
             break
     assert got[0] == 1 and got[-1] == 2 and got.count(KEEPALIVE) >= 3
     await asyncio.wait_for(closed.wait(), 1)  # the source is closed with the iteration
+
+
+def test_template_backends_are_configurable_and_checked() -> None:
+    env = {
+        "DSEC_COMPAT_TEMPLATES": "base=bookworm,gui=desktop,py=python",
+        "DSEC_COMPAT_TEMPLATE_BACKENDS": "gui=vm,py=microvm",
+    }
+    config = load(CompatConfig, "compat", env)
+    assert mapping.target_for("gui", config) == mapping.TemplateTarget("desktop", "vm")
+    assert mapping.target_for("py", config) == mapping.TemplateTarget("python", "microvm")
+    assert mapping.target_for("desktop", config) == mapping.TemplateTarget("desktop", "")
+    with pytest.raises(ConfigError, match=r"template 'gui' names backend 'qemu'.*container"):
+        load(CompatConfig, "compat", {"DSEC_COMPAT_TEMPLATE_BACKENDS": "gui=qemu"})
