@@ -24,6 +24,11 @@ def _default_template_backends() -> dict[str, str]:
     return {"desktop": "vm"}
 
 
+def _default_template_memory() -> dict[str, str]:
+    # A desktop (Xorg, Xfce, a browser when an agent opens one) does not fit in 512 MB.
+    return {"desktop": "1536"}
+
+
 @dataclass(frozen=True)
 class CompatConfig(ServiceConfig):
     #: HTTP/1.1 listen address, host:port (the e2b SDK needs a URL, so no Unix sockets).
@@ -44,6 +49,9 @@ class CompatConfig(ServiceConfig):
     #: Resources of a sandbox created through E2B (E2B templates fix them; dsec asks).
     cpu: float = 1.0
     memory_mb: int = 512
+    #: E2B template -> its sandboxes' memory in MB when it is not `memory_mb`
+    #: ("desktop=1536"): E2B fixes resources per template.
+    template_memory_mb: dict[str, str] = field(default_factory=_default_template_memory)
     #: "none" (dsec's default: no network unless asked) or "open" (E2B's default:
     #: internet on) for a create that says nothing about the network.
     default_network: str = "none"
@@ -115,12 +123,22 @@ class CompatConfig(ServiceConfig):
                     f"DSEC_COMPAT_TEMPLATE_BACKENDS: template {template!r} names backend "
                     f"{backend!r}; dsec's backends are {', '.join(backends)}"
                 )
+        for template, mb in self.template_memory_mb.items():
+            if not mb.isdigit() or not 16 <= int(mb) <= 1 << 20:
+                raise ConfigError(
+                    f"DSEC_COMPAT_TEMPLATE_MEMORY_MB: template {template!r}: {mb!r} is not a "
+                    "size in MB"
+                )
         if self.default_network not in {"none", "open"}:
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:
             raise ConfigError("timeouts and cache sizes must be positive")
         if self.sandbox_fusion_listen:
             self._validate_sandbox_fusion()
+
+    def memory_for(self, template: str) -> int:
+        """The memory (MB) of a sandbox of E2B template `template`."""
+        return int(self.template_memory_mb.get(template, self.memory_mb))
 
     def _validate_sandbox_fusion(self) -> None:
         name = "DSEC_COMPAT_SANDBOX_FUSION_LISTEN"

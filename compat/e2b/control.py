@@ -156,7 +156,8 @@ class ControlApi:
         labels = mapping.labels_for(body.get("metadata"))
         labels[mapping.LABEL_TEMPLATE] = template
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
-        labels[mapping.LABEL_MEMORY] = str(self.config.memory_mb)
+        memory_mb = self.config.memory_for(template)
+        labels[mapping.LABEL_MEMORY] = str(memory_mb)
         target = mapping.target_for(template, self.config)
         options: dict[str, Any] = {
             "image": target.image,
@@ -164,7 +165,7 @@ class ControlApi:
             "labels": labels,
             "env": mapping.env_for(body.get("envVars")),
             "cpu": self.config.cpu,
-            "memory_mb": self.config.memory_mb,
+            "memory_mb": memory_mb,
         }
         if target.backend:
             options["backend"] = target.backend

@@ -86,6 +86,8 @@ log = logging.getLogger(__name__)
 #: Where libvirt's system driver keeps managed saves (a paused VM's memory).
 MANAGED_SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
 CPU_PERIOD_US = 100_000
+#: libvirt's VIR_DOMAIN_MEMORY_PARAM_UNLIMITED (a C macro libvirt-python does not export).
+MEMORY_UNLIMITED_KIB = 9007199254740991
 #: What the console says when a desktop image's session is up (build-vm-images.sh).
 DESKTOP_READY = b"DSEC-DESKTOP-READY"
 
@@ -411,8 +413,12 @@ class VmBackend:
         await asyncio.to_thread(_overlay, disk, image.disk, shape.disk_mb)
         xml = dom_xml.domain_xml(self._spec(sid, rec.spec, shape, image, disk))
 
+        limit_mb = shape.memory_mb + self.overhead_mb
+
         def boot(c: libvirt.virConnect) -> None:
-            c.defineXML(xml).create()
+            d = c.defineXML(xml)
+            d.create()
+            _limit_memory(d, limit_mb)
 
         await self.libvirt.call(boot)
         rec.runtime["from"] = "boot"
@@ -437,6 +443,7 @@ class VmBackend:
                     c.restore(str(tmpl.state))
                     d = c.lookupByName(spec.name)
                     c.defineXML(d.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE))  # persistent
+                    _limit_memory(d, spec.memory_limit_mb)
 
                 await self.libvirt.call(restore)
             finally:
@@ -678,6 +685,9 @@ class VmBackend:
 
             def save(c: libvirt.virConnect) -> None:
                 d = c.lookupByName(self._domain(sid))
+                # The save keeps the live XML, and a restore launched with a hard limit in it
+                # fails here (see _limit_memory): lifted for the save, set again at resume.
+                _limit_memory(d, None)
                 d.managedSave(0)
 
             try:
@@ -719,7 +729,7 @@ class VmBackend:
 
         try:
             got = await self.libvirt.call(rss)
-        except (Unavailable, libvirt.libvirtError):
+        except (Unavailable, FailedPrecondition):
             return None
         return None if got is None else MemoryUsage(got, 0)
 
@@ -730,6 +740,7 @@ class VmBackend:
             if not rec.runtime.get("paused"):
                 return
             t0 = time.perf_counter()
+            limit_mb = int(rec.runtime["shape"]["memory_mb"]) + self.overhead_mb
 
             def restore(c: libvirt.virConnect) -> None:
                 d = lookup(c, self._domain(sid))
@@ -738,6 +749,7 @@ class VmBackend:
                 if not d.hasManagedSaveImage(0):
                     raise ResumeFailed("the VM's managed save is gone")
                 d.create()
+                _limit_memory(d, limit_mb)
 
             try:
                 async with self._starting:
@@ -749,10 +761,8 @@ class VmBackend:
                 )
             except ResumeFailed:
                 raise
-            except libvirt.libvirtError as exc:
-                raise ResumeFailed(
-                    f"the guest could not be restored: {exc.get_error_message()}"
-                ) from exc
+            except FailedPrecondition as exc:  # libvirt refused (libvirt_conn.call)
+                raise ResumeFailed(f"the guest could not be restored: {exc.message}") from exc
             rec.runtime["paused"] = False
             log.info(
                 "VM %s resumed in %.1f ms",
@@ -942,6 +952,23 @@ class VmBackend:
 
 def _control(state: str, detail: str) -> Control:
     return Control("vm", state, detail, status_line=True)
+
+
+def _limit_memory(d: libvirt.virDomain, limit_mb: int | None) -> None:
+    """The running QEMU's memory cgroup limit: guest RAM + QEMU's overhead. Set live, after
+    the start: libvirt would also raise the process's locked-memory limit to a hard limit
+    given in the XML at launch, which this host does not permit. A limit that cannot be set
+    fails the start (the caller removes the VM): controls fail closed."""
+    kib = MEMORY_UNLIMITED_KIB if limit_mb is None else limit_mb * 1024
+    try:
+        d.setMemoryParameters(
+            {libvirt.VIR_DOMAIN_MEMORY_HARD_LIMIT: kib}, libvirt.VIR_DOMAIN_AFFECT_LIVE
+        )
+    except libvirt.libvirtError as exc:
+        raise FailedPrecondition(
+            f"cannot limit the VM's memory to {limit_mb} MB: {exc.get_error_message()}",
+            reason="LIMIT_UNENFORCEABLE",
+        ) from exc
 
 
 def _overlay(path: Path, backing: Path, size_mb: int | None) -> None:

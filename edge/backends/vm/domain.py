@@ -99,7 +99,6 @@ def domain_xml(spec: DomainSpec) -> str:
   <memory unit='MiB'>{spec.memory_mb}</memory>
   <vcpu>{spec.vcpus}</vcpu>
   <cputune><global_period>100000</global_period><global_quota>{spec.cpu_quota_us}</global_quota></cputune>
-  <memtune><hard_limit unit='MiB'>{spec.memory_limit_mb}</hard_limit></memtune>
   <cpu mode='{"host-passthrough" if spec.accel == "kvm" else "maximum"}'/>
   <os>
     <type arch='x86_64' machine='q35'>hvm</type>
@@ -188,10 +187,6 @@ def clone_xml(saved: str, spec: DomainSpec) -> str:
     quota = root.find("cputune/global_quota")
     if quota is not None:
         quota.text = str(spec.cpu_quota_us)
-    hard = root.find("memtune/hard_limit")
-    if hard is not None:
-        hard.set("unit", "KiB")
-        hard.text = str(spec.memory_limit_mb * 1024)
     return ET.tostring(root, encoding="unicode")
 
 

@@ -6,7 +6,8 @@ running `virEventRunDefaultImpl`. Lifecycle events (a domain stopped, crashed, w
 handed to the asyncio loop with `call_soon_threadsafe`.
 
 libvirtd may restart (its supervisor brings it back) or be unreachable: a call then raises
-Unavailable (reason LIBVIRT_UNREACHABLE) after one reconnect attempt; domains keep running
+Unavailable (reason LIBVIRT_UNREACHABLE) after one reconnect attempt; any other refusal of
+libvirt's is FAILED_PRECONDITION (reason LIBVIRT_ERROR) with libvirt's message; domains keep running
 meanwhile (QEMU does not depend on libvirtd), so a sandbox is not ended for it.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 import libvirt
 
-from libdsec.errors import Unavailable
+from libdsec.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,12 @@ class Libvirt:
                     self._conn = None
                 return fn(self.open())
 
-        return await asyncio.to_thread(run)
+        try:
+            return await asyncio.to_thread(run)
+        except libvirt.libvirtError as exc:
+            raise FailedPrecondition(
+                f"libvirt: {exc.get_error_message()}", reason="LIBVIRT_ERROR"
+            ) from exc
 
     def watch(self, on_event: EventCallback) -> None:
         """Domain lifecycle events from now on, delivered on the running loop."""
