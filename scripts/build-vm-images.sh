@@ -190,6 +190,20 @@ EOF
         >/dev/null 2>&1
     chroot "$root" systemctl set-default graphical.target >/dev/null 2>&1
     printf 'allowed_users=anybody\n' >"$root/etc/X11/Xwrapper.config"
+    # The screen is 1024x768 (e2b-desktop's default): the VGA's preferred mode is 1280x800.
+    mkdir -p "$root/etc/X11/xorg.conf.d"
+    cat >"$root/etc/X11/xorg.conf.d/10-dsec-screen.conf" <<'EOF'
+Section "Monitor"
+    Identifier "Virtual-1"
+    Option "PreferredMode" "1024x768"
+EndSection
+Section "ServerFlags"
+    Option "BlankTime" "0"
+    Option "StandbyTime" "0"
+    Option "SuspendTime" "0"
+    Option "OffTime" "0"
+EndSection
+EOF
     # Chromium runs as root in the sandbox when an agent asks: no sandbox, no first-run.
     mkdir -p "$root/etc/chromium.d"
     echo 'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS --no-first-run --disable-background-networking --password-store=basic"' \
