@@ -27,7 +27,7 @@ def image(png: bytes) -> Image.Image:
 def changed(before: bytes, after: bytes, box: tuple[int, int, int, int]) -> int:
     """Pixels that differ between two screenshots inside `box` (left, top, right, bottom)."""
     diff = ImageChops.difference(image(before).crop(box), image(after).crop(box))
-    return sum(1 for px in diff.getdata() if px != (0, 0, 0))
+    return sum(1 for px in diff.get_flattened_data() if px != (0, 0, 0))
 
 
 def test_a_screenshot_is_the_whole_screen_as_png(desktop_sandbox: Sandbox) -> None:
@@ -35,7 +35,8 @@ def test_a_screenshot_is_the_whole_screen_as_png(desktop_sandbox: Sandbox) -> No
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     img = image(png)
     assert img.size == desktop_sandbox.display.size() == (1024, 768)
-    assert len(set(img.resize((64, 48)).getdata())) > 8, "the screen is blank: no desktop"
+    colours = img.getcolors(maxcolors=1 << 16)  # None: more than that
+    assert colours is None or len(colours) > 64, "the screen is blank: no desktop"
 
 
 def test_the_pointer_goes_where_the_host_moves_it(desktop_sandbox: Sandbox) -> None:
@@ -53,12 +54,15 @@ def test_a_click_reaches_a_window_at_its_coordinates(desktop_sandbox: Sandbox) -
     try:
         wait_for(lambda: "dsec-xev" in sb.run("xdotool search --name dsec-xev getwindowname %@",
                                                **USER).text, timeout_s=60)  # fmt: skip
-        sb.display.click(300, 250)  # inside the window: (100, 100) of its own
+        sb.display.click(300, 250)  # inside the window
         wait_for(lambda: "ButtonRelease" in sb.files.read("/tmp/xev.log").decode(), timeout_s=30)
         log = sb.files.read("/tmp/xev.log").decode()
         press = re.search(r"ButtonPress event.*?\((\d+),(\d+)\), root:\((\d+),(\d+)\).*?button (\d)", log, re.S)
         assert press, log
-        assert press.groups() == ("100", "100", "300", "250", "1")  # window, root, button
+        wx, wy, rx, ry, button = map(int, press.groups())
+        assert (rx, ry, button) == (300, 250, 1)  # where the host clicked, the left button
+        # inside xev's window (where the window manager put it: a title bar shifts it)
+        assert 0 <= wx < 400 and 0 <= wy < 300
     finally:
         xev.kill()
 
@@ -84,9 +88,15 @@ def test_typed_text_and_keys_reach_a_terminal(desktop_sandbox: Sandbox) -> None:
         wait_for(lambda: sb.run("xdotool search --name dsec-term", **USER).exit_code == 0,
                  timeout_s=90)  # fmt: skip
         sb.display.click(300, 200)  # focus it
+
+        def focused() -> bool:
+            r = sb.run("xdotool getactivewindow getwindowname", **USER)
+            return "dsec-term" in r.text
+
+        wait_for(focused, timeout_s=60)
         sb.display.type("echo 'Hello, VM! #1' > /tmp/typed.txt")
         sb.display.press("enter")
-        wait_for(lambda: sb.run("test -s /tmp/typed.txt").exit_code == 0, timeout_s=60)
+        wait_for(lambda: sb.run("test -s /tmp/typed.txt").exit_code == 0, timeout_s=120)
         assert sb.files.read("/tmp/typed.txt") == b"Hello, VM! #1\n"
         # a chord: ctrl+d ends the shell, and the terminal window with it
         sb.display.press("ctrl+d")
@@ -131,7 +141,7 @@ def test_pause_and_resume_keep_the_desktop(desktop_sandbox: Sandbox) -> None:
     assert sb.refresh().state == "RUNNING"
     after = image(after_png)
     diff = ImageChops.difference(before, after)
-    same = sum(1 for px in diff.resize((64, 48)).getdata() if px == (0, 0, 0))
+    same = sum(1 for px in diff.resize((64, 48)).get_flattened_data() if px == (0, 0, 0))
     assert same > 64 * 48 * 0.8, "the desktop did not come back as it was"
     assert sb.run(f"kill -0 {sleeper.pid}").exit_code == 0
     sleeper.kill()
