@@ -82,7 +82,7 @@ SHAPE: dict[str, Any] = {"cpu": 1, "memory_mb": 512}
 DESKTOP_SHAPE: dict[str, Any] = {"cpu": 1, "memory_mb": 1536}
 DESKTOP_USER = "user"
 #: A VM create may build a template or boot a desktop: minutes under TCG.
-VM_CREATE_TIMEOUT_S = 900.0
+VM_CREATE_TIMEOUT_S = 1200.0
 DESKTOP_READY_TIMEOUT_S = 900.0
 #: Section 4: where the right click goes (an empty spot of the desktop) and the box in which
 #: its menu appears (below and right of the pointer), and the pixel counts of "open"/"gone".
