@@ -53,6 +53,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -307,57 +308,90 @@ def save_logs(home: Path, dest: Path) -> None:
 
 
 class CpuMeter:
-    """The machine's CPU over a section, and the share of it outside this run: this process's
-    tree and the QEMUs of this run's libvirt domains (children of libvirtd, not of the run)
-    are the run's; a neighbour's load on this shared 2-core machine shows as the rest."""
+    """The machine's CPU over a section, and the share of it outside this run. The run's: this
+    process's tree (the services, the microVMs' QEMUs they reap) and the QEMUs of this run's
+    libvirt domains, which are libvirtd's and end with their CPU time unreported to anyone; a
+    thread samples those every half second, so a guest that ended within the section still
+    counts (up to its last sample). A neighbour's load on this shared 2-core machine shows as
+    the rest."""
 
     def __init__(self, tags: list[str]) -> None:
         self.marks = [f"guest=dsec-{t}-".encode() for t in tags]
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self._guest: dict[tuple[int, str], bool] = {}  # (pid, start time) -> one of ours
+        self._base: dict[tuple[int, str], int] = {}  # a guest's ticks when first seen
+        self._last: dict[tuple[int, str], int] = {}  # and when last seen
+        self._stop = threading.Event()
         self.t0 = time.monotonic()
-        self.busy0, self.mine0 = self._read()
+        self.busy0, self.tree0 = self._read()
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._loop, name="cpu-meter", daemon=True)
+        self._thread.start()
 
-    def _read(self) -> tuple[float, float]:
-        with open("/proc/stat") as fh:
-            v = [int(x) for x in fh.readline().split()[1:]]
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (sum(v) - v[3] - v[4]) / hz
-        parent: dict[int, int] = {}
-        ticks: dict[int, int] = {}
-        guests: set[int] = set()
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self._sample(first=False)
+
+    def _sample(self, *, first: bool) -> None:
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
             try:
                 f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[-1].split()
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+                key = (int(d), f[19])  # pid, start time: a reused pid is another process
+                if key not in self._guest:
+                    cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+                    self._guest[key] = any(m in cmd for m in self.marks)
+            except OSError:
+                continue
+            if self._guest[key]:
+                ticks = int(f[11]) + int(f[12])
+                self._base.setdefault(key, ticks if first else 0)
+                self._last[key] = ticks
+
+    def _read(self) -> tuple[float, float]:
+        """(the machine's busy seconds, this process tree's CPU seconds incl. reaped ones)."""
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        busy = (sum(v) - v[3] - v[4]) / self.hz
+        parent: dict[int, int] = {}
+        ticks: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[-1].split()
             except OSError:
                 continue
             parent[int(d)] = int(f[1])
             ticks[int(d)] = sum(int(x) for x in f[11:15])  # own + reaped children's
-            if any(m in cmd for m in self.marks):
-                guests.add(int(d))
         me = os.getpid()
 
         def ours(pid: int) -> bool:
             while pid > 1:
-                if pid == me or pid in guests:
+                if pid == me:
                     return True
                 pid = parent.get(pid, 0)
             return False
 
-        return busy, sum(t for pid, t in ticks.items() if ours(pid)) / hz
+        return busy, sum(t for pid, t in ticks.items() if ours(pid)) / self.hz
 
     def report(self, what: str) -> None:
-        busy, mine = self._read()
+        self._stop.set()
+        self._thread.join()
+        self._sample(first=False)
+        busy, tree = self._read()
+        guests = sum(self._last[k] - self._base[k] for k in self._last) / self.hz
         wall = time.monotonic() - self.t0
         cores = os.cpu_count() or 1
-        # A guest that ended within the section took its CPU with it (libvirtd reaps it): the
-        # share outside the run is an upper bound.
-        other = max(0.0, (busy - self.busy0) - (mine - self.mine0))
+        used = busy - self.busy0
+        mine = (tree - self.tree0) + guests
+        other = max(0.0, used - mine)
         print(
-            f"  [{what}: {wall:.0f} s; the machine {100 * (busy - self.busy0) / wall / cores:.0f}% "
-            f"busy of {cores} cores, at most {100 * other / wall / cores:.0f}% of it outside "
-            "this run]",
+            f"  [{what}: {wall:.0f} s; the machine {100 * used / wall / cores:.0f}% busy of "
+            f"{cores} cores: this run's VM guests {100 * guests / wall / cores:.0f}%, the rest "
+            f"of the run {100 * (tree - self.tree0) / wall / cores:.0f}%, outside this run "
+            f"{100 * other / wall / cores:.0f}%]",
             flush=True,
         )
 
@@ -435,6 +469,7 @@ def section_create(b: Bench, n: int, n_cold: int, targets: Targets) -> None:
     # booted the same kernel and disk files (in the page cache now), and a cold boot is what
     # it measures.
     first: dict[str, float] = {}
+    built: tuple[str, float] | None = None
     for name in ("VM from template", "microVM from template", "container"):
         backend, sel, img, _ = systems[name]
         t = time.perf_counter()
@@ -443,12 +478,15 @@ def section_create(b: Bench, n: int, n_cold: int, targets: Targets) -> None:
         first[name] = time.perf_counter() - t
         if backend == "vm":
             built = b.template_build_s("tmpl", sb)
-            if built is not None:
-                first["VM template build"] = built[1]
         b.stop(sb)
     print(
         "  first creates on the run's fresh caches (create -> first command, s): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in first.items()),
+        + ", ".join(f"{k} {v:.1f}" for k, v in first.items())
+        + (
+            f"; the edge built the bookworm VM template {built[0]} in {built[1]:.1f} s"
+            if built
+            else ""
+        ),
         flush=True,
     )
 
@@ -721,6 +759,8 @@ def section_pause(b: Bench, sb: Sandbox, cycles: int) -> None:
     rows: list[list[object]] = []
     for i in range(cycles):
         before = settled(sb, (0, 0, 1024, 768))
+        mem = sb.refresh().memory  # measured by the edge: QEMU's resident memory
+        resident = mem.resident_bytes / 2**20 if mem is not None else float("nan")
         t = time.perf_counter()
         info = sb.pause()
         pause_s = time.perf_counter() - t
@@ -738,6 +778,7 @@ def section_pause(b: Bench, sb: Sandbox, cycles: int) -> None:
         rows.append(
             [
                 f"cycle {i + 1}",
+                resident,
                 pause_s,
                 edge_pause,
                 resume_s,
@@ -751,6 +792,7 @@ def section_pause(b: Bench, sb: Sandbox, cycles: int) -> None:
         f"desktop VM, {DESKTOP_SHAPE['memory_mb']} MB guest (s; MB)",
         [
             "cycle",
+            "QEMU resident MB before",
             "pause()",
             "edge pause_s",
             "resume()",
@@ -796,7 +838,11 @@ def main() -> int:
     targets = Targets()
     t0 = time.monotonic()
     with vm_cluster(args.keep_logs) as b:
-        print(f"cluster up in {time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"cluster up in {time.monotonic() - t0:.1f} s; the edges' VM domains: "
+            + ", ".join(f"{e} dsec-{t}-*" for e, t in b.tags.items()),
+            flush=True,
+        )
         tags = list(b.tags.values())
 
         def run(number: int, name: str, fn: Callable[[], None]) -> None:
