@@ -29,7 +29,7 @@ sandbox and the cluster stopped (the edges stop their sandboxes: on_shutdown=sto
 libvirt domain named `dsec-<tag>-...` of this run's edges destroyed and undefined (with its
 managed save), any microVM QEMU of the run killed, the edges' cgroups removed (the logs are
 kept then, and with --keep-logs). Each section ends with how busy the machine was and how much
-of that was outside this run (the run's libvirt guests count as the run's).
+of that was outside this run (the run's libvirt guests count as the run's, libvirtd's work for it does not).
 
 Under TCG (no usable KVM on this machine kind) a Debian guest cold-boots in tens of seconds
 and a desktop in minutes; absolute times are this machine's, the ratios against the same-run
@@ -312,8 +312,9 @@ class CpuMeter:
     process's tree (the services, the microVMs' QEMUs they reap) and the QEMUs of this run's
     libvirt domains, which are libvirtd's and end with their CPU time unreported to anyone; a
     thread samples those every half second, so a guest that ended within the section still
-    counts (up to its last sample). A neighbour's load on this shared 2-core machine shows as
-    the rest."""
+    counts (up to its last sample). The rest is outside the run: a neighbour's load on this
+    shared 2-core machine, and also libvirtd's own work for the run (screenshots, saves), for
+    libvirtd serves every client of the node."""
 
     def __init__(self, tags: list[str]) -> None:
         self.marks = [f"guest=dsec-{t}-".encode() for t in tags]
