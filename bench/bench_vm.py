@@ -29,7 +29,8 @@ sandbox and the cluster stopped (the edges stop their sandboxes: on_shutdown=sto
 libvirt domain named `dsec-<tag>-...` of this run's edges destroyed and undefined (with its
 managed save), any microVM QEMU of the run killed, the edges' cgroups removed (the logs are
 kept then, and with --keep-logs). Each section ends with how busy the machine was and how much
-of that was outside this run (the run's libvirt guests count as the run's, libvirtd's work for it does not).
+of that was outside this run (the run's libvirt guests count as the run's, libvirtd's work
+for it does not).
 
 Under TCG (no usable KVM on this machine kind) a Debian guest cold-boots in tens of seconds
 and a desktop in minutes; absolute times are this machine's, the ratios against the same-run
