@@ -78,6 +78,10 @@ Type=simple
 Environment=DSEC_AETHER_CHANNEL_DEVICE=/dev/virtio-ports/dsec.aether DSEC_AETHER_GUEST=1 DSEC_AETHER_WARM=1 DSEC_AETHER_SERVICE=1
 Environment=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
 ExecStart=/.dsec/lib/ld-linux-x86-64.so.2 --inhibit-cache --library-path /.dsec/lib /.dsec/bin/python3.11 -I -S -B -m aether
+# What aether tells the host (its counters, a full disk) goes to the serial console too, where
+# the edge reads it, as a microVM's aether (pid 1 there) writes it.
+StandardOutput=journal+console
+StandardError=journal+console
 # aether's commands are the sandbox: systemd must not kill them when aether ends.
 KillMode=process
 Restart=no
@@ -105,6 +109,7 @@ EOF
     : >"$root/etc/resolv.conf"
     echo sandbox >"$root/etc/hostname"
     printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n' >"$root/etc/hosts"
+    mkdir -p "$root/work" # the working directory dsec's images have
     # Only what a virtio guest needs in the initramfs: boots faster than "most".
     sed -i 's/^MODULES=.*/MODULES=list/' "$root/etc/initramfs-tools/initramfs.conf"
     printf '%s\n' virtio_pci virtio_blk virtio_net virtio_console ext4 erofs >>"$root/etc/initramfs-tools/modules"

@@ -22,6 +22,12 @@ import asyncio
 import contextlib
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge.backends.channels import ChannelKeeper
+    from edge.model import SandboxRecord
+    from edge.network.manager import NetworkManager
 
 OOM_KILL = re.compile(rb"Out of memory: Killed process|Memory cgroup out of memory")
 PANIC = re.compile(rb"Kernel panic - not syncing: ([^\r\n]*)")
@@ -122,3 +128,42 @@ class Console:
     def write(self, path: Path) -> None:
         with contextlib.suppress(OSError):
             path.write_bytes(self.text())
+
+
+async def account(
+    console: Console,
+    rec: SandboxRecord,
+    channels: ChannelKeeper,
+    network: NetworkManager | None,
+    disk_mb: int,
+) -> None:
+    """One round of a VM guest's accounting (every second, by its backend's watch loop):
+    what its console counted (OOM kills, aether's counters) and what the host-side filter and
+    resolver counted of it, into its record's violations; a guest past its policy's
+    max_blocked_connects ends (POLICY_VIOLATION), one whose writable disk filled up ends
+    (DISK_QUOTA), as a container does."""
+    sid = rec.sandbox_id
+    counted = dict(console.counters)
+    if console.oom_kills:
+        counted["oom_kills"] = console.oom_kills
+    if network is not None:
+        blocked = network.blocked(sid)
+        if blocked:
+            counted["blocked_connects"] = blocked
+        refused = network.dns_refusals_of(sid)
+        if refused:
+            counted["dns_refusals"] = refused
+        rec.blocked_names = network.blocked_names(sid)
+    if any(rec.violations.get(k) != v for k, v in counted.items()):
+        rec.violations = {**rec.violations, **counted}
+    max_blocked = int((rec.spec.network or {}).get("max_blocked_connects", 0) or 0)
+    blocked = counted.get("blocked_connects", 0)
+    if max_blocked and blocked > max_blocked and rec.state == "RUNNING":
+        msg = (
+            f"{blocked} connections blocked by the network policy "
+            f"(max_blocked_connects {max_blocked})"
+        )
+        await channels.report_exit(sid, "POLICY_VIOLATION", msg)
+    elif console.disk_full and rec.state == "RUNNING":
+        msg = f"the writable disk ({disk_mb} MB) is full ({console.disk_full})"
+        await channels.report_exit(sid, "DISK_QUOTA", msg)

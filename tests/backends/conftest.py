@@ -1,7 +1,7 @@
 """The backend conformance suite's fixtures: one real cluster per backend under test.
 
-Every scenario in this directory runs against each backend in targets.BACKENDS (the container
-and microVM backends); a new backend joins by adding its entry there (the edge runtime, what
+Every scenario in this directory runs against each backend in targets.BACKENDS (the container,
+microVM and full-VM backends); a new backend joins by adding its entry there (the edge runtime, what
 image to use, the capabilities it declares, how to reach its runtime from the host). A new
 backend is done when it passes the suite.
 The clusters are module-scoped and shared by the scenarios (a VM guest boots under TCG here:
@@ -64,7 +64,10 @@ def target(
 def make(target: Target, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
     """Factory: a sandbox of the backend under test, labelled with the test id, always stopped.
     On failure the services' log tails are printed (the edge's has the runtime's story)."""
-    with sandbox_factory(target.client, request.node.nodeid, memory_mb=256, grace_s=0.5) as f:
+    memory_mb = max(256, target.backend.min_memory_mb)
+    with sandbox_factory(
+        target.client, request.node.nodeid, memory_mb=memory_mb, grace_s=0.5
+    ) as f:
 
         def make_one(**kw: object) -> Sandbox:
             kw.setdefault("image", target.backend.image)

@@ -8,6 +8,7 @@ its runtime or damage a paused sandbox's kept state (the functions below, or its
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable
@@ -57,6 +58,50 @@ def corrupt_saved_state(cluster: LocalCluster, sandbox_id: str) -> None:
         f.write(os.urandom(1 << 20))
 
 
+#: The full-VM images (scripts/build-vm-images.sh).
+VM_IMAGES = Path("/var/lib/dsec/vm-images")
+
+
+def _domain_qemu(cluster: LocalCluster, sandbox_id: str) -> list[int]:
+    """A full VM's QEMU: libvirt names it `-name guest=dsec-<edge tag>-<sandbox id>,...`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(a.startswith(b"guest=dsec-") and f"-{sandbox_id},".encode() in a for a in argv):
+                found.append(int(d.name))
+    return found
+
+
+def _managed_save(cluster: LocalCluster, sandbox_id: str) -> Path:
+    (save,) = Path("/var/lib/libvirt/qemu/save").glob(f"dsec-*-{sandbox_id}.save")
+    return save
+
+
+def remove_managed_save(cluster: LocalCluster, sandbox_id: str) -> None:
+    """A paused full VM's managed save (libvirt's), gone."""
+    _managed_save(cluster, sandbox_id).unlink()
+
+
+def corrupt_managed_save(cluster: LocalCluster, sandbox_id: str) -> None:
+    """A paused full VM's managed save, 1 MiB of its memory overwritten halfway in."""
+    save = _managed_save(cluster, sandbox_id)
+    with save.open("r+b") as f:
+        f.seek(save.stat().st_size // 2)
+        f.write(os.urandom(1 << 20))
+
+
+def vm_root_mb() -> int:
+    """The bookworm VM image's root filesystem size (MB), 0 when the image is not built."""
+    try:
+        return int(json.loads((VM_IMAGES / "bookworm" / "image.json").read_text())["root_mb"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 @dataclass(frozen=True)
 class BackendUnderTest:
     name: str  # the SDK's backend= value
@@ -73,6 +118,9 @@ class BackendUnderTest:
     min_memory_mb: int = 64
     #: How a sandbox ends when its runtime process is killed from the host.
     runtime_death: str = "CHANNEL_CLOSED"
+    #: The disk-limit scenario: a small disk it takes, and how many MB to write to fill it.
+    small_disk_mb: int = 32
+    fill_mb: int = 100
 
 
 BACKENDS = [
@@ -98,5 +146,20 @@ BACKENDS = [
         extra_env={"DSEC_EDGE_MICROVM": "on"},
         min_memory_mb=256,
         runtime_death="RUNTIME_ERROR",
+    ),
+    # Full VMs on libvirt (a Debian system with systemd; TCG here: restored from a template
+    # per shape). The smallest disk holds the image's root filesystem and 512 MB more.
+    BackendUnderTest(
+        name="vm",
+        runtime="container",
+        image="bookworm",
+        capabilities=frozenset({"exec", "pause", "network_policy"}),
+        init_pids=_domain_qemu,
+        pause_damages={"remove": remove_managed_save, "corrupt": corrupt_managed_save},
+        extra_env={"DSEC_EDGE_VM": "on", "DSEC_EDGE_VM_IMAGE_DIR": str(VM_IMAGES)},
+        min_memory_mb=512,
+        runtime_death="RUNTIME_ERROR",
+        small_disk_mb=vm_root_mb() + 512,
+        fill_mb=vm_root_mb() + 512,
     ),
 ]

@@ -177,9 +177,10 @@ def test_pids_limit_holds(make: Make) -> None:
     assert info.violations["pids_limit_hits"] > 0
 
 
-def test_disk_limit_ends_the_writer_disk_quota(make: Make) -> None:
-    sb = make(disk_mb=32)
-    r = sb.run("dd if=/dev/zero of=/work/fill bs=1M count=100 2>&1")
+def test_disk_limit_ends_the_writer_disk_quota(make: Make, target: Target) -> None:
+    sb = make(disk_mb=target.backend.small_disk_mb)
+    fill = target.backend.fill_mb
+    r = sb.run(f"dd if=/dev/zero of=/work/fill bs=1M count={fill} 2>&1", timeout_s=600)
     assert b"No space left" in r.stdout, r
     assert _ended(sb)[0] == "DISK_QUOTA"
 

@@ -6,6 +6,7 @@ its image and shape (tests/vm/conftest.py: one shape per image)."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -101,6 +102,23 @@ def test_a_guest_kernel_panic_ends_the_sandbox_with_kernel_fault(
     wait_for(lambda: sb.refresh().state == "TERMINATED", timeout_s=120)
     assert sb.info.termination_reason == "KERNEL_FAULT", sb.info.termination_message
     assert "panic" in sb.info.termination_message.lower()
+
+
+def test_a_domain_destroyed_outside_the_edge_ends_the_sandbox_runtime_error(
+    make_vm: Callable[..., Sandbox],
+) -> None:
+    sb = make_vm()
+    (name,) = [
+        n for n in subprocess.run(
+            ["virsh", "-c", "qemu:///system", "list", "--name"], capture_output=True, text=True,
+            check=True,
+        ).stdout.split() if n.endswith("-" + sb.id)
+    ]  # fmt: skip
+    subprocess.run(["virsh", "-c", "qemu:///system", "destroy", name], check=True,
+                   capture_output=True)  # fmt: skip
+    wait_for(lambda: sb.refresh().state == "TERMINATED", timeout_s=60)
+    assert sb.info.termination_reason == "RUNTIME_ERROR"
+    assert "destroyed outside the edge" in sb.info.termination_message
 
 
 def test_pause_saves_the_vm_to_disk_and_resume_brings_it_back(

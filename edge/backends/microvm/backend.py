@@ -51,6 +51,7 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
 )
+from edge.backends.guest_console import account
 from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe, tsc_khz
 from edge.backends.microvm.guest import GuestKit, build_guest
@@ -801,41 +802,9 @@ class MicrovmBackend:
         while True:
             await asyncio.sleep(1.0)
             for vm in list(self.vms.values()):
-                counted = dict(vm.console.counters)
-                if vm.console.oom_kills:
-                    counted["oom_kills"] = vm.console.oom_kills
-                counted.update(self._network_counters(vm.sandbox_id))
-                rec = vm.rec
-                if rec is None:
-                    continue
-                if any(rec.violations.get(k) != v for k, v in counted.items()):
-                    rec.violations = {**rec.violations, **counted}
-                if self.network is not None:
-                    rec.blocked_names = self.network.blocked_names(vm.sandbox_id)
-                max_blocked = int((rec.spec.network or {}).get("max_blocked_connects", 0) or 0)
-                blocked = counted.get("blocked_connects", 0)
-                if max_blocked and blocked > max_blocked and rec.state == "RUNNING":
-                    msg = (
-                        f"{blocked} connections blocked by the network policy "
-                        f"(max_blocked_connects {max_blocked})"
-                    )
-                    await self.channels.report_exit(vm.sandbox_id, "POLICY_VIOLATION", msg)
-                elif vm.console.disk_full and rec.state == "RUNNING":
-                    size = rec.runtime["shape"]["disk_mb"]
-                    msg = f"the writable disk ({size} MB) is full ({vm.console.disk_full})"
-                    await self.channels.report_exit(vm.sandbox_id, "DISK_QUOTA", msg)
-
-    def _network_counters(self, sid: str) -> dict[str, int]:
-        """What the host-side filter and the resolver counted of a guest (as for containers)."""
-        out: dict[str, int] = {}
-        if self.network is not None:
-            blocked = self.network.blocked(sid)
-            if blocked:
-                out["blocked_connects"] = blocked
-            refused = self.network.dns_refusals_of(sid)
-            if refused:
-                out["dns_refusals"] = refused
-        return out
+                if vm.rec is not None:
+                    disk_mb = int(vm.rec.runtime.get("shape", {}).get("disk_mb", 0))
+                    await account(vm.console, vm.rec, self.channels, self.network, disk_mb)
 
     async def close(self) -> None:
         """The edge goes; the guests stay (taken back by the next edge). Warm ones go."""

@@ -58,7 +58,7 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
 )
-from edge.backends.guest_console import Console
+from edge.backends.guest_console import Console, account
 from edge.backends.registry import Built
 from edge.backends.template_cache import CachedTemplate, TemplateCache
 from edge.backends.vm import domain as dom_xml
@@ -128,7 +128,10 @@ class Running:
 
     console: Console
     rec: SandboxRecord | None
-    last_event: str = ""  # the last lifecycle event libvirt sent, as words
+    #: libvirt said the guest crashed (pvpanic: its kernel panicked).
+    panicked: bool = False
+    #: How libvirt said the domain stopped (STOPPED_DETAIL's words), "" while it runs.
+    stopped: str = ""  # the last lifecycle event libvirt sent, as words
 
 
 class VmBackend:
@@ -557,9 +560,9 @@ class VmBackend:
         if run is None:
             return
         if event == libvirt.VIR_DOMAIN_EVENT_STOPPED:
-            run.last_event = STOPPED_DETAIL.get(detail, f"stopped ({detail})")
+            run.stopped = STOPPED_DETAIL.get(detail, f"stopped ({detail})")
         elif event == libvirt.VIR_DOMAIN_EVENT_CRASHED:
-            run.last_event = "crashed (the guest kernel panicked: pvpanic)"
+            run.panicked = True
 
     # ------------------------------------------------------------- ending
 
@@ -598,18 +601,18 @@ class VmBackend:
             st = await self._state(sandbox_id)
         except Unavailable as exc:
             return "RUNTIME_ERROR", f"libvirtd is unreachable: {exc.message}"
-        event = run.last_event if run is not None else ""
         if st is None:
             return "RUNTIME_ERROR", "the VM's libvirt domain is gone (undefined outside the edge)"
-        if st[0] == libvirt.VIR_DOMAIN_CRASHED or "crashed" in event:
-            return "KERNEL_FAULT", "the guest crashed: " + (event or "libvirt reports it crashed")
+        if (run is not None and run.panicked) or st[0] == libvirt.VIR_DOMAIN_CRASHED:
+            return "KERNEL_FAULT", "the guest kernel panicked (pvpanic: libvirt reports a crash)"
         if st[0] in (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_PAUSED):
             return "CHANNEL_CLOSED", f"the guest's agent channel closed: {channel_reason}"
-        if event in ("destroyed", "failed (QEMU exited)"):
-            return "RUNTIME_ERROR", f"the VM's QEMU {event} outside the edge"
-        if event == "shut down" or st[1] == libvirt.VIR_DOMAIN_SHUTOFF_SHUTDOWN:
+        stopped = run.stopped if run is not None else ""
+        if stopped == "shut down" or st[1] == libvirt.VIR_DOMAIN_SHUTOFF_SHUTDOWN:
             return "CHANNEL_CLOSED", "the guest powered itself off"
-        return "RUNTIME_ERROR", f"the VM stopped ({event or f'libvirt state {st}'})"
+        if stopped == "destroyed" or st[1] == libvirt.VIR_DOMAIN_SHUTOFF_DESTROYED:
+            return "RUNTIME_ERROR", "the VM was destroyed outside the edge (its QEMU is gone)"
+        return "RUNTIME_ERROR", f"the VM's QEMU ended: {stopped or f'libvirt state {st}'}"
 
     async def stop(self, rec: SandboxRecord, grace_s: float) -> None:
         sid = rec.sandbox_id
@@ -746,8 +749,10 @@ class VmBackend:
                 d = lookup(c, self._domain(sid))
                 if d is None:
                     raise ResumeFailed("the VM's libvirt domain is gone")
-                if not d.hasManagedSaveImage(0):
-                    raise ResumeFailed("the VM's managed save is gone")
+                # libvirt remembers it saved; without the file its create would boot afresh
+                save = MANAGED_SAVE_DIR / f"{d.name()}.save"
+                if not d.hasManagedSaveImage(0) or not save.is_file():
+                    raise ResumeFailed(f"the VM's managed save {save} is gone")
                 d.create()
                 _limit_memory(d, limit_mb)
 
@@ -841,21 +846,13 @@ class VmBackend:
         return [self.watch_loop]
 
     async def watch_loop(self) -> None:
-        """Per running VM, every second: what its console counted (OOM kills, the guest's
-        counters) into its violations."""
+        """Per running VM, every second: its accounting (guest_console.account)."""
         while True:
             await asyncio.sleep(1.0)
-            for sid, run in list(self.running.items()):
-                counted = dict(run.console.counters)
-                if run.console.oom_kills:
-                    counted["oom_kills"] = run.console.oom_kills
-                if self.network is not None:
-                    blocked = self.network.blocked(sid)
-                    if blocked:
-                        counted["blocked_connects"] = blocked
-                rec = run.rec
-                if rec is not None and any(rec.violations.get(k) != v for k, v in counted.items()):
-                    rec.violations = {**rec.violations, **counted}
+            for run in list(self.running.values()):
+                if run.rec is not None:
+                    disk_mb = int(run.rec.runtime["shape"]["disk_mb"])
+                    await account(run.console, run.rec, self.channels, self.network, disk_mb)
 
     async def close(self) -> None:
         """The edge goes; the VMs stay (taken back by the next edge)."""
