@@ -48,6 +48,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,6 +377,11 @@ def build_toolkit(
                         "--quiet",
                         "-zlz4hc",
                         "--all-root",
+                        # Reproducible: the same toolkit is the same bytes on every edge, so
+                        # a VM template saved with one edge's toolkit serves every edge's
+                        # clones (their page cache holds its blocks).
+                        "-T0",
+                        f"-U{uuid.UUID(digest[:32])}",
                         os.fspath(tmp_image),
                         os.fspath(final),
                     ]

@@ -198,6 +198,8 @@ class VmBackend:
         #: Guests starting at once (a boot or a restore is CPU-bound under TCG).
         self._starting = asyncio.Semaphore(max(1, (os.cpu_count() or 2) // 2))
         self._watching = False
+        self._toolkit_stamp: tuple[str, int, int] | None = None
+        self._toolkit_sha = ""
 
     @classmethod
     def from_config(cls, cfg: EdgeConfig, node: NodeServices) -> Built:
@@ -454,22 +456,27 @@ class VmBackend:
         rec.runtime["from"] = "template " + key
 
     def _template_key(self, image: VmImage, shape: Shape) -> str:
-        st = self.toolkit_image.stat()
+        """What a template and its clones share: the image (rebuilt: a new key), the
+        accelerator, the shape and the toolkit's bytes (reproducible: the same on every edge
+        of the node, so every edge's clones can restore one edge's template)."""
         h = hashlib.sha256(
             json.dumps(
-                [
-                    VmTemplates.FORMAT,
-                    image.name,
-                    image.digest(),
-                    self.accel,
-                    asdict(shape),
-                    str(self.toolkit_image.resolve()),
-                    st.st_size,
-                    st.st_mtime_ns,
-                ]
+                [VmTemplates.FORMAT, image.name, image.digest(), self.accel, asdict(shape),
+                 self._toolkit_digest()]
             ).encode()
-        )
+        )  # fmt: skip
         return h.hexdigest()[:20]
+
+    def _toolkit_digest(self) -> str:
+        st = self.toolkit_image.stat()
+        stamp = (str(self.toolkit_image), st.st_size, st.st_mtime_ns)
+        if self._toolkit_stamp != stamp:
+            h = hashlib.sha256()
+            with open(self.toolkit_image, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            self._toolkit_stamp, self._toolkit_sha = stamp, h.hexdigest()
+        return self._toolkit_sha
 
     async def _build_template(self, d: Path, image: VmImage, shape: Shape) -> None:
         """Boot a guest of `image` and `shape` in `d` until its aether answers (and, for a
