@@ -65,9 +65,7 @@ def make(target: Target, request: pytest.FixtureRequest) -> Iterator[Callable[..
     """Factory: a sandbox of the backend under test, labelled with the test id, always stopped.
     On failure the services' log tails are printed (the edge's has the runtime's story)."""
     memory_mb = max(256, target.backend.min_memory_mb)
-    with sandbox_factory(
-        target.client, request.node.nodeid, memory_mb=memory_mb, grace_s=0.5
-    ) as f:
+    with sandbox_factory(target.client, request.node.nodeid, memory_mb=memory_mb, grace_s=0.5) as f:
 
         def make_one(**kw: object) -> Sandbox:
             kw.setdefault("image", target.backend.image)

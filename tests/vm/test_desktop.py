@@ -57,7 +57,9 @@ def test_a_click_reaches_a_window_at_its_coordinates(desktop_sandbox: Sandbox) -
         sb.display.click(300, 250)  # inside the window
         wait_for(lambda: "ButtonRelease" in sb.files.read("/tmp/xev.log").decode(), timeout_s=30)
         log = sb.files.read("/tmp/xev.log").decode()
-        press = re.search(r"ButtonPress event.*?\((\d+),(\d+)\), root:\((\d+),(\d+)\).*?button (\d)", log, re.S)
+        press = re.search(
+            r"ButtonPress event.*?\((\d+),(\d+)\), root:\((\d+),(\d+)\).*?button (\d)", log, re.S
+        )
         assert press, log
         wx, wy, rx, ry, button = map(int, press.groups())
         assert (rx, ry, button) == (300, 250, 1)  # where the host clicked, the left button
