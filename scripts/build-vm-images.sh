@@ -239,7 +239,9 @@ make_disk() { # root dir -> out dir with disk.qcow2, vmlinuz, initrd.img, image.
     cp "$root/boot/initrd.img-$release" "$out/initrd.img"
     used=$(du -sm --apparent-size "$root" | cut -f1)
     size=$(((used * 13 / 10 + 512) / 256 * 256)) # MB: 30% free + 512 MB, whole 256 MB
-    mkfs.ext4 -q -L dsecroot -d "$root" -E lazy_itable_init=0 "$out/root.img" "${size}M" >/dev/null
+    # -m 0: no blocks reserved for root (the sandbox's commands run as root: a disk is full
+    # when it is full, not 5% earlier for everyone else).
+    mkfs.ext4 -q -m 0 -L dsecroot -d "$root" -E lazy_itable_init=0 "$out/root.img" "${size}M" >/dev/null
     qemu-img convert -O qcow2 "$out/root.img" "$out/disk.qcow2"
     rm -f "$out/root.img"
     printf '{"name": "%s", "kernel_release": "%s", "root_mb": %d, "display": %s, "recipe": "%s", "built": %d}\n' \

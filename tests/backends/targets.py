@@ -121,6 +121,8 @@ class BackendUnderTest:
     #: The disk-limit scenario: a small disk it takes, and how many MB to write to fill it.
     small_disk_mb: int = 32
     fill_mb: int = 100
+    #: A command serving the directory {dir} over HTTP on {port}, in the foreground.
+    http_server: str = "httpd -f -p {port} -h {dir}"
 
 
 BACKENDS = [
@@ -161,5 +163,6 @@ BACKENDS = [
         runtime_death="RUNTIME_ERROR",
         small_disk_mb=vm_root_mb() + 512,
         fill_mb=vm_root_mb() + 512,
+        http_server="python3 -m http.server {port} --directory {dir}",
     ),
 ]

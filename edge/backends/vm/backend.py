@@ -37,7 +37,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -45,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import libvirt
-import libvirt_qemu
 
 from edge.aether_client import AetherConnection
 from edge.backends import guest_channel
@@ -62,7 +60,7 @@ from edge.backends.guest_console import Console, account
 from edge.backends.registry import Built
 from edge.backends.template_cache import CachedTemplate, TemplateCache
 from edge.backends.vm import domain as dom_xml
-from edge.backends.vm import input as vm_input
+from edge.backends.vm import host, screen
 from edge.backends.vm.images import VmImage, VmImages
 from edge.backends.vm.libvirt_conn import STOPPED_DETAIL, Libvirt, lookup
 from edge.config import MIN_DISK_MB, EdgeConfig
@@ -86,8 +84,6 @@ log = logging.getLogger(__name__)
 #: Where libvirt's system driver keeps managed saves (a paused VM's memory).
 MANAGED_SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
 CPU_PERIOD_US = 100_000
-#: libvirt's VIR_DOMAIN_MEMORY_PARAM_UNLIMITED (a C macro libvirt-python does not export).
-MEMORY_UNLIMITED_KIB = 9007199254740991
 #: What the console says when a desktop image's session is up (build-vm-images.sh).
 DESKTOP_READY = b"DSEC-DESKTOP-READY"
 
@@ -415,7 +411,7 @@ class VmBackend:
         self, rec: SandboxRecord, shape: Shape, image: VmImage, disk: Path
     ) -> None:
         sid = rec.sandbox_id
-        await asyncio.to_thread(_overlay, disk, image.disk, shape.disk_mb)
+        await asyncio.to_thread(host.overlay, disk, image.disk, shape.disk_mb)
         xml = dom_xml.domain_xml(self._spec(sid, rec.spec, shape, image, disk))
 
         limit_mb = shape.memory_mb + self.overhead_mb
@@ -423,7 +419,7 @@ class VmBackend:
         def boot(c: libvirt.virConnect) -> None:
             d = c.defineXML(xml)
             d.create()
-            _limit_memory(d, limit_mb)
+            host.limit_memory(d, limit_mb)
 
         await self.libvirt.call(boot)
         rec.runtime["from"] = "boot"
@@ -434,11 +430,11 @@ class VmBackend:
         sid = rec.sandbox_id
         key = self._template_key(image, shape)
         tmpl = await self.templates.get(key, lambda d: self._build_template(d, image, shape))
-        await asyncio.to_thread(_overlay, disk, tmpl.disk, None)
+        await asyncio.to_thread(host.overlay, disk, tmpl.disk, None)
         spec = self._spec(sid, rec.spec, shape, image, disk)
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            fd = await asyncio.to_thread(_flock, self.templates.lock_path(key))
+            fd = await asyncio.to_thread(host.flock, self.templates.lock_path(key))
             try:
                 saved, cookie = await asyncio.to_thread(dom_xml.read_saved_xml, tmpl.state)
                 xml = dom_xml.clone_xml(saved, spec)
@@ -448,7 +444,7 @@ class VmBackend:
                     c.restore(str(tmpl.state))
                     d = c.lookupByName(spec.name)
                     c.defineXML(d.XMLDesc(libvirt.VIR_DOMAIN_XML_SECURE))  # persistent
-                    _limit_memory(d, spec.memory_limit_mb)
+                    host.limit_memory(d, spec.memory_limit_mb)
 
                 await self.libvirt.call(restore)
             finally:
@@ -483,7 +479,7 @@ class VmBackend:
         desktop image, its desktop is up), then save it: `d/state.save` and `d/disk.qcow2`."""
         tid = "tmpl-" + d.name.split(".")[1][-12:]
         disk = d / "disk.qcow2"
-        await asyncio.to_thread(_overlay, disk, image.disk, shape.disk_mb)
+        await asyncio.to_thread(host.overlay, disk, image.disk, shape.disk_mb)
         spec = self._spec(tid, None, shape, image, disk)
         await asyncio.to_thread(guest_net.create_root_tap, spec.tap)
         console = None
@@ -498,7 +494,7 @@ class VmBackend:
             conn = self.channels.new_connection(tid)
             await conn.connect(timeout_s=self.ready_timeout_s)
             if image.display:
-                await _wait_for(console, DESKTOP_READY, self.ready_timeout_s)
+                await host.wait_for(console, DESKTOP_READY, self.ready_timeout_s)
 
             def save(c: libvirt.virConnect) -> None:
                 c.lookupByName(spec.name).save(str(d / "state.save"))
@@ -697,7 +693,7 @@ class VmBackend:
                 d = c.lookupByName(self._domain(sid))
                 # The save keeps the live XML, and a restore launched with a hard limit in it
                 # fails here (see _limit_memory): lifted for the save, set again at resume.
-                _limit_memory(d, None)
+                host.limit_memory(d, None)
                 d.managedSave(0)
 
             try:
@@ -761,7 +757,7 @@ class VmBackend:
                 if not d.hasManagedSaveImage(0) or not save.is_file():
                     raise ResumeFailed(f"the VM's managed save {save} is gone")
                 d.create()
-                _limit_memory(d, limit_mb)
+                host.limit_memory(d, limit_mb)
 
             try:
                 async with self._starting:
@@ -881,61 +877,20 @@ class VmBackend:
 
     async def display_size(self, rec: SandboxRecord) -> tuple[int, int]:
         self._require_display(rec)
-        _, w, h = await self.screenshot(rec)
+        _, w, h = await screen.screenshot(self.libvirt, self._domain(rec.sandbox_id))
         return w, h
 
     async def screenshot(self, rec: SandboxRecord) -> tuple[bytes, int, int]:
         self._require_display(rec)
-        name = self._domain(rec.sandbox_id)
-
-        def shot(c: libvirt.virConnect) -> tuple[bytes, str]:
-            d = c.lookupByName(name)
-            stream = c.newStream(0)
-            parts: list[bytes] = []
-            try:
-                mime = d.screenshot(stream, 0, 0)
-                stream.recvAll(lambda _s, data, _o: parts.append(bytes(data)), None)
-                stream.finish()
-            except BaseException:
-                with contextlib.suppress(libvirt.libvirtError):
-                    stream.abort()
-                raise
-            return b"".join(parts), str(mime)
-
-        data, mime = await self.libvirt.call(shot)
-        if mime != "image/png":
-            data = await asyncio.to_thread(_to_png, data)
-        w, h = _png_size(data)
-        return data, w, h
+        return await screen.screenshot(self.libvirt, self._domain(rec.sandbox_id))
 
     async def send_input(self, rec: SandboxRecord, actions: Sequence[Any]) -> int:
-        self._require_display(rec)
         size = await self.display_size(rec)
-        steps = vm_input.to_qmp(actions, size)
-        name = self._domain(rec.sandbox_id)
-
-        def send(c: libvirt.virConnect) -> None:
-            d = c.lookupByName(name)
-            for step in steps:
-                cmd = json.dumps(
-                    {"execute": "input-send-event", "arguments": {"events": step.events}}
-                )
-                libvirt_qemu.qemuMonitorCommand(d, cmd, 0)
-                if step.pause_s:
-                    time.sleep(step.pause_s)
-
-        await self.libvirt.call(send)
-        return vm_input.event_count(steps)
+        return await screen.send_input(self.libvirt, self._domain(rec.sandbox_id), actions, size)
 
     async def open_vnc(self, rec: SandboxRecord) -> tuple[Any, Any]:
         self._require_display(rec)
-        path = self.sockets / f"{rec.sandbox_id}.vnc"
-        try:
-            return await asyncio.open_unix_connection(str(path))
-        except OSError as exc:
-            raise Unavailable(
-                f"the VM's VNC server does not answer: {exc}", reason="VNC_UNREACHABLE"
-            ) from exc
+        return await screen.open_vnc(self.sockets / f"{rec.sandbox_id}.vnc")
 
     # ------------------------------------------------------------- disk usage
 
@@ -956,73 +911,3 @@ class VmBackend:
 
 def _control(state: str, detail: str) -> Control:
     return Control("vm", state, detail, status_line=True)
-
-
-def _limit_memory(d: libvirt.virDomain, limit_mb: int | None) -> None:
-    """The running QEMU's memory cgroup limit: guest RAM + QEMU's overhead. Set live, after
-    the start: libvirt would also raise the process's locked-memory limit to a hard limit
-    given in the XML at launch, which this host does not permit. A limit that cannot be set
-    fails the start (the caller removes the VM): controls fail closed."""
-    kib = MEMORY_UNLIMITED_KIB if limit_mb is None else limit_mb * 1024
-    try:
-        d.setMemoryParameters(
-            {libvirt.VIR_DOMAIN_MEMORY_HARD_LIMIT: kib}, libvirt.VIR_DOMAIN_AFFECT_LIVE
-        )
-    except libvirt.libvirtError as exc:
-        raise FailedPrecondition(
-            f"cannot limit the VM's memory to {limit_mb} MB: {exc.get_error_message()}",
-            reason="LIMIT_UNENFORCEABLE",
-        ) from exc
-
-
-def _overlay(path: Path, backing: Path, size_mb: int | None) -> None:
-    """A qcow2 overlay on `backing` (virtual size `size_mb`, or the backing's)."""
-    path.unlink(missing_ok=True)
-    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", str(path)]
-    if size_mb is not None:
-        argv.append(f"{size_mb}M")
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise FailedPrecondition(
-            f"qemu-img create failed: {out.stderr.strip()}", reason="VM_DISK_FAILED"
-        )
-
-
-def _flock(path: Path) -> int:
-    import fcntl
-
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-async def _wait_for(console: Console, marker: bytes, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while marker not in console.text():
-        if time.monotonic() > deadline:
-            raise Unavailable(
-                f"the guest did not print {marker.decode()} within {timeout_s:.0f} s",
-                reason="GUEST_NOT_READY",
-            )
-        await asyncio.sleep(0.5)
-
-
-def _png_size(data: bytes) -> tuple[int, int]:
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError("not a PNG")
-    import struct
-
-    w, h = struct.unpack(">II", data[16:24])
-    return int(w), int(h)
-
-
-def _to_png(data: bytes) -> bytes:
-    """A PPM (P6) screenshot as PNG."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        out = io.BytesIO()
-        img.save(out, format="PNG")
-        return out.getvalue()
