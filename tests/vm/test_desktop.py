@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image, ImageChops
 
+from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
 from libdsec.errors import BackendCapabilityMissing, InvalidArgument
 from tests.helpers import wait_for
+from tests.integration.test_cli import cli_env, dsec
 from tests.vm.conftest import VM_SHAPE
 
 USER = {"user": "user"}  # the desktop session's user; DISPLAY=:0 is in every command's env
@@ -65,6 +69,26 @@ def test_a_click_reaches_a_window_at_its_coordinates(desktop_sandbox: Sandbox) -
         assert (rx, ry, button) == (300, 250, 1)  # where the host clicked, the left button
         # inside xev's window (where the window manager put it: a title bar shifts it)
         assert 0 <= wx < 400 and 0 <= wy < 300
+        # a scroll is wheel buttons 4 (up) / 5 (down); a drag presses at one point and
+        # releases at the other
+        sb.run(": > /tmp/xev.log")
+        sb.display.scroll(2, x=300, y=250)
+        sb.display.drag((250, 200), (350, 300))
+        wait_for(lambda: sb.files.read("/tmp/xev.log").decode().count("ButtonRelease") >= 3,
+                 timeout_s=30)  # fmt: skip
+        events = re.findall(
+            r"(ButtonPress|ButtonRelease) event.*?root:\((\d+),(\d+)\).*?button (\d)",
+            sb.files.read("/tmp/xev.log").decode(),
+            re.S,
+        )
+        assert [e for e in events if e[3] == "5"] == [
+            ("ButtonPress", "300", "250", "5"),
+            ("ButtonRelease", "300", "250", "5"),
+        ] * 2
+        assert [e for e in events if e[3] == "1"] == [
+            ("ButtonPress", "250", "200", "1"),
+            ("ButtonRelease", "350", "300", "1"),
+        ]
     finally:
         xev.kill()
 
@@ -147,3 +171,20 @@ def test_pause_and_resume_keep_the_desktop(desktop_sandbox: Sandbox) -> None:
     assert same > 64 * 48 * 0.8, "the desktop did not come back as it was"
     assert sb.run(f"kill -0 {sleeper.pid}").exit_code == 0
     sleeper.kill()
+
+
+def test_the_cli_takes_a_screenshot_and_prints_the_viewer_url(
+    desktop_sandbox: Sandbox, vm_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    env = cli_env(vm_cluster.apiserver, vm_cluster.token, tmp_path)
+    shot = tmp_path / "shot.png"
+    r = dsec("sandbox", "screenshot", desktop_sandbox.id, "-o", str(shot), env=env, timeout=120)
+    assert r.returncode == 0, r
+    assert image(shot.read_bytes()).size == (1024, 768)
+    r = dsec("sandbox", "view", desktop_sandbox.id, env=env, timeout=120)
+    assert r.returncode == 0, r
+    url = r.stdout.strip()
+    assert f"/view/{desktop_sandbox.id}?token=" in url
+    with httpx.Client(timeout=30, follow_redirects=True) as http:
+        page = http.get(url)
+    assert page.status_code == 200 and "noVNC" in page.text

@@ -71,6 +71,11 @@ def test_the_sdk_surface_works_in_a_vm(shared_vm: Sandbox) -> None:
     resp = sb.http(8765, "/hello.txt")
     assert resp.status == 200 and resp.body == b"hi from the host\n"
     server.kill()
+    watcher = sb.files.create_watcher("/root")
+    sb.run("echo x > /root/watched.txt")
+    events = wait_for(lambda: sb.files.watcher_events(watcher), timeout_s=30)
+    assert "watched.txt" in {ev.name for ev in events}
+    sb.files.remove_watcher(watcher)
 
 
 def test_the_disk_limit_is_the_vm_disk_size(make_vm: Callable[..., Sandbox]) -> None:
