@@ -116,6 +116,14 @@ class Libvirt:
             raise FailedPrecondition(
                 f"libvirt: {exc.get_error_message()}", reason="LIBVIRT_ERROR"
             ) from exc
+        except SystemError as exc:
+            # libvirt-python cannot decode an error message that is not UTF-8 (QEMU's words
+            # about a corrupt saved state, say): still libvirt's refusal.
+            cause = exc.__cause__ or exc.__context__ or exc
+            raise FailedPrecondition(
+                f"libvirt failed with a message that is not UTF-8 ({cause})",
+                reason="LIBVIRT_ERROR",
+            ) from exc
 
     def watch(self, on_event: EventCallback) -> None:
         """Domain lifecycle events from now on, delivered on the running loop."""
