@@ -64,9 +64,16 @@ class ClusterWith(Protocol):
 
 
 def container_edge(edge_id: str, env: dict[str, str] | None = None, **spec: Any) -> EdgeSpec:
-    """A container edge over the base images, without FnCall pools; ``env``: more DSEC_EDGE_*,
+    """A container edge over the base images, without FnCall pools or full VMs; ``env``: more
+    DSEC_EDGE_*,
     ``spec``: more EdgeSpec fields (labels, max_sandboxes, cpu_millis, ...)."""
-    extra_env = {"DSEC_EDGE_IMAGE_DIR": str(IMAGES), "DSEC_EDGE_FNCALL_POOLS": "", **(env or {})}
+    # No full VMs (tests/vm has its own cluster): a create for one is BACKEND_NOT_OFFERED here.
+    extra_env = {
+        "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
+        "DSEC_EDGE_FNCALL_POOLS": "",
+        "DSEC_EDGE_VM": "off",
+        **(env or {}),
+    }
     return EdgeSpec(edge_id=edge_id, runtime="container", extra_env=extra_env, **spec)
 
 
