@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from PIL import Image, ImageChops
 
+from bench.bench_microvm import CpuMeter as MicrovmCpuMeter
 from bench.bench_microvm import Targets, prewarm_cache, reap_qemus, remove_cgroups
 from bench.common import pct, summary_ms, table
 from dsecctl.cluster import EdgeSpec, LocalCluster
@@ -353,30 +354,7 @@ class CpuMeter:
 
     def _read(self) -> tuple[float, float]:
         """(the machine's busy seconds, this process tree's CPU seconds incl. reaped ones)."""
-        with open("/proc/stat") as fh:
-            v = [int(x) for x in fh.readline().split()[1:]]
-        busy = (sum(v) - v[3] - v[4]) / self.hz
-        parent: dict[int, int] = {}
-        ticks: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[-1].split()
-            except OSError:
-                continue
-            parent[int(d)] = int(f[1])
-            ticks[int(d)] = sum(int(x) for x in f[11:15])  # own + reaped children's
-        me = os.getpid()
-
-        def ours(pid: int) -> bool:
-            while pid > 1:
-                if pid == me:
-                    return True
-                pid = parent.get(pid, 0)
-            return False
-
-        return busy, sum(t for pid, t in ticks.items() if ours(pid)) / self.hz
+        return MicrovmCpuMeter._read()
 
     def report(self, what: str) -> None:
         self._stop.set()

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.backends.guests import tsc_khz
 from edge.backends.microvm.guest import GuestKit
 
 PROBE_TIMEOUT_S = {"kvm": 8.0, "tcg": 30.0}
@@ -28,15 +29,6 @@ class Verdict:
     accel: str  # "kvm" | "tcg" | "" (neither boots)
     why: str  # what was tried and what happened
     boot_s: float = 0.0
-
-
-def tsc_khz() -> int:
-    """The host's TSC rate for the guest's `tsc_early_khz=` (without it some boots hang)."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
-    return 0
 
 
 def _boot_id() -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import guest_channel, pausing, qos
+from edge.backends import guest_channel, guests, pausing, qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.contract import (
     BackgroundLoop,
@@ -53,7 +52,7 @@ from edge.backends.contract import (
 )
 from edge.backends.guest_console import account
 from edge.backends.microvm import qemu
-from edge.backends.microvm.accel import Verdict, probe, tsc_khz
+from edge.backends.microvm.accel import Verdict, probe
 from edge.backends.microvm.guest import GuestKit, build_guest
 from edge.backends.microvm.host import QemuHost
 from edge.backends.microvm.templates import Templates, build_template, template_key
@@ -77,7 +76,6 @@ from edge.images import ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network import guest as guest_net
 from edge.network.policy import Policy
-from edge.network.policy import parse as parse_policy
 from edge.node import NodeServices
 from edge.runtime import cgroups
 from edge.runtime.disk import blank_image, sparse_copy
@@ -142,7 +140,7 @@ class MicrovmBackend:
             state_dir,
             kit=kit,
             accel=accel,
-            append=f"console=ttyS0 tsc_early_khz={tsc_khz()} quiet panic=-1",
+            append=f"console=ttyS0 tsc_early_khz={guests.tsc_khz()} quiet panic=-1",
             qemu_binary=qemu_binary,
             cgroup_parent=cgroup_parent,
             overhead_mb=overhead_mb,
@@ -246,34 +244,16 @@ class MicrovmBackend:
         self._layer_disks(self.images.resolve(spec.image, spec.toolkits))
 
     def _policy(self, raw: Mapping[str, Any] | None) -> tuple[Policy, dict[str, list[str]]]:
-        """Parse a network policy and resolve its names (blocking); INVALID_ARGUMENT naming
-        the rule, NETWORK_UNAVAILABLE on an edge without networking."""
-        if self.network is None:
-            policy = parse_policy(raw)
-            if policy.networked:
-                raise FailedPrecondition(
-                    "this edge has no sandbox networking", reason="NETWORK_UNAVAILABLE"
-                )
-            return policy, {}
-        return self.network.check(raw)
+        return guests.check_policy(self.network, raw)
 
     def shape_of(self, spec: SandboxSpec) -> Shape:
-        mem = spec.memory_mb
-        if not self.min_memory_mb <= mem <= self.max_memory_mb:
-            raise InvalidArgument(
-                f"resources.memory_mb={mem}: a microVM's guest RAM must be "
-                f"{self.min_memory_mb}..{self.max_memory_mb} MB on this edge",
-                reason="INVALID_RESOURCES",
-                metadata={"field": "resources.memory_mb"},
-            )
-        vcpus = max(1, math.ceil(spec.cpu_millis / 1000))
-        if vcpus > self.max_vcpus:
-            raise InvalidArgument(
-                f"resources.cpu_millis={spec.cpu_millis}: {vcpus} vCPUs, at most "
-                f"{self.max_vcpus} on this edge",
-                reason="INVALID_RESOURCES",
-                metadata={"field": "resources.cpu_millis"},
-            )
+        vcpus, mem = guests.vcpus_and_memory(
+            spec,
+            min_mb=self.min_memory_mb,
+            max_mb=self.max_memory_mb,
+            max_vcpus=self.max_vcpus,
+            what="a microVM's guest RAM",
+        )
         disk = spec.disk_mb or self.default_disk_mb
         if not MIN_DISK_MB <= disk <= self.max_disk_mb:
             raise InvalidArgument(
@@ -415,27 +395,14 @@ class MicrovmBackend:
             )
 
     async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
-        """Replace a running guest's policy (the next connection sees it); a guest without a
-        network gets one: its link, filter and the guest's own configuration (a GuestSync)."""
-        sid = rec.sandbox_id
-        net = self.network
-        if net is None:
-            self._policy(policy)  # NETWORK_UNAVAILABLE for a networked one
-        elif net.is_attached(sid):
-            await net.replace(sid, policy)  # refuses a bad policy before touching the old one
-        else:
-            parsed, resolved = await asyncio.to_thread(net.check, policy)
-            if parsed.networked:
-                async with self._lock(sid):
-                    was_paused = bool(rec.runtime.get("paused"))
-                    rec.runtime["net"] = await net.attach_guest(
-                        sid, self.netns_dir, parsed, resolved
-                    )
-                    if was_paused:
-                        rec.runtime["net_pending"] = True  # the guest learns it at resume
-                    else:
-                        await self.channels.channel(sid).sync_guest(guest_channel.sync(rec, True))
-        rec.spec.network = dict(policy)
+        await guests.update_policy(
+            self.network,
+            self.channels,
+            rec,
+            policy,
+            netns_dir=self.netns_dir,
+            lock=self._lock(rec.sandbox_id),
+        )
 
     # ------------------------------------------------------------- warm microVMs
 
@@ -736,7 +703,7 @@ class MicrovmBackend:
     async def adopt(self, rec: SandboxRecord) -> bool:
         sid = rec.sandbox_id
         self._adopted.add(disk_id_of(rec))
-        if not await self._adopt_network(rec):
+        if not await guests.adopt_network(self.network, rec):
             return False
         if rec.runtime.get("paused"):
             return (self.paused / f"{sid}.vmstate").exists()
@@ -766,16 +733,6 @@ class MicrovmBackend:
             await vm.console.close()
             return False
         return True
-
-    async def _adopt_network(self, rec: SandboxRecord) -> bool:
-        info = rec.runtime.get("net")
-        if not info:
-            return True
-        if self.network is None:
-            log.warning("microVM %s had a network; this edge has none", rec.sandbox_id)
-            return False
-        policy, _ = await asyncio.to_thread(self._policy, rec.spec.network)
-        return await self.network.adopt_guest(rec.sandbox_id, info, policy)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """QEMU processes, disks, saved states and sockets of sandboxes no record keeps."""

@@ -19,20 +19,12 @@ from pathlib import Path
 
 import libvirt
 
+from edge.backends.guests import tsc_khz
 from edge.backends.vm.images import VmImage
 from edge.backends.vm.libvirt_conn import Libvirt
 
 PROBE_TIMEOUT_S = {"kvm": 10.0, "tcg": 40.0}
 BOOTED = "Unable to mount root fs"
-
-
-def tsc_khz() -> int:
-    """The host's TSC rate for the guest's `tsc_early_khz=` (without it some TCG boots hang)."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
-    return 0
 
 
 def probe(conn: Libvirt, image: VmImage, cache_dir: Path, wanted: str) -> tuple[str, str]:

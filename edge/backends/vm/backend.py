@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -46,7 +45,7 @@ from typing import Any
 import libvirt
 
 from edge.aether_client import AetherConnection
-from edge.backends import guest_channel
+from edge.backends import guest_channel, guests
 from edge.backends.channels import ChannelKeeper
 from edge.backends.contract import (
     BackgroundLoop,
@@ -70,7 +69,6 @@ from edge.model import SandboxRecord, SandboxSpec
 from edge.network import guest as guest_net
 from edge.network.links import veth_name
 from edge.network.policy import Policy
-from edge.network.policy import parse as parse_policy
 from edge.node import NodeServices
 from libdsec.errors import (
     BackendCapabilityMissing,
@@ -265,12 +263,10 @@ class VmBackend:
         return dom_xml.domain_name(self.tag, vm_id)
 
     def _cmdline(self, image: VmImage) -> str:
-        from edge.backends.vm.accel import tsc_khz
-
         parts = [
             "root=/dev/vda rw console=ttyS0 net.ifnames=0 quiet panic=-1",
             "systemd.show_status=0 systemd.log_target=null",
-            f"tsc_early_khz={tsc_khz()}",
+            f"tsc_early_khz={guests.tsc_khz()}",
         ]
         return " ".join(parts)
 
@@ -314,32 +310,16 @@ class VmBackend:
         self._policy(spec.network)
 
     def _policy(self, raw: Mapping[str, Any] | None) -> tuple[Policy, dict[str, list[str]]]:
-        if self.network is None:
-            policy = parse_policy(raw)
-            if policy.networked:
-                raise FailedPrecondition(
-                    "this edge has no sandbox networking", reason="NETWORK_UNAVAILABLE"
-                )
-            return policy, {}
-        return self.network.check(raw)
+        return guests.check_policy(self.network, raw)
 
     def shape_of(self, spec: SandboxSpec, image: VmImage) -> Shape:
-        mem = spec.memory_mb
-        if not self.min_memory_mb <= mem <= self.max_memory_mb:
-            raise InvalidArgument(
-                f"resources.memory_mb={mem}: a VM's RAM must be "
-                f"{self.min_memory_mb}..{self.max_memory_mb} MB on this edge",
-                reason="INVALID_RESOURCES",
-                metadata={"field": "resources.memory_mb"},
-            )
-        vcpus = max(1, math.ceil(spec.cpu_millis / 1000))
-        if vcpus > self.max_vcpus:
-            raise InvalidArgument(
-                f"resources.cpu_millis={spec.cpu_millis}: {vcpus} vCPUs, at most "
-                f"{self.max_vcpus} on this edge",
-                reason="INVALID_RESOURCES",
-                metadata={"field": "resources.cpu_millis"},
-            )
+        vcpus, mem = guests.vcpus_and_memory(
+            spec,
+            min_mb=self.min_memory_mb,
+            max_mb=self.max_memory_mb,
+            max_vcpus=self.max_vcpus,
+            what="a VM's RAM",
+        )
         least = max(MIN_DISK_MB, image.root_mb + 512)
         disk = spec.disk_mb or max(least, 8192)
         if disk < least:
@@ -530,22 +510,14 @@ class VmBackend:
             )
 
     async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
-        sid = rec.sandbox_id
-        net = self.network
-        if net is None:
-            self._policy(policy)
-        elif net.is_attached(sid):
-            await net.replace(sid, policy)
-        else:
-            parsed, resolved = await asyncio.to_thread(net.check, policy)
-            if parsed.networked:
-                async with self._lock(sid):
-                    rec.runtime["net"] = await net.attach_guest(sid, None, parsed, resolved)
-                    if rec.runtime.get("paused"):
-                        rec.runtime["net_pending"] = True
-                    else:
-                        await self.channels.channel(sid).sync_guest(guest_channel.sync(rec, True))
-        rec.spec.network = dict(policy)
+        await guests.update_policy(
+            self.network,
+            self.channels,
+            rec,
+            policy,
+            netns_dir=None,
+            lock=self._lock(rec.sandbox_id),
+        )
 
     def _console(self, vm_id: str) -> Console:
         c = Console(str(self.sockets / f"{vm_id}.console"))
@@ -792,7 +764,7 @@ class VmBackend:
             return False
         if st is None:
             return False
-        if not await self._adopt_network(rec):
+        if not await guests.adopt_network(self.network, rec):
             return False
         if rec.runtime.get("paused"):
 
@@ -812,15 +784,6 @@ class VmBackend:
             await run.console.close()
             return False
         return True
-
-    async def _adopt_network(self, rec: SandboxRecord) -> bool:
-        info = rec.runtime.get("net")
-        if not info:
-            return True
-        if self.network is None:
-            return False
-        policy, _ = await asyncio.to_thread(self._policy, rec.spec.network)
-        return await self.network.adopt_guest(rec.sandbox_id, info, policy)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """This edge's domains (and their disks, sockets, taps) no record keeps."""
