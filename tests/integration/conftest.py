@@ -65,8 +65,7 @@ class ClusterWith(Protocol):
 
 def container_edge(edge_id: str, env: dict[str, str] | None = None, **spec: Any) -> EdgeSpec:
     """A container edge over the base images, without FnCall pools or full VMs; ``env``: more
-    DSEC_EDGE_*,
-    ``spec``: more EdgeSpec fields (labels, max_sandboxes, cpu_millis, ...)."""
+    DSEC_EDGE_*, ``spec``: more EdgeSpec fields (labels, max_sandboxes, cpu_millis, ...)."""
     # No full VMs (tests/vm has its own cluster): a create for one is BACKEND_NOT_OFFERED here.
     extra_env = {
         "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
