@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,8 @@ def test_plan_checks_a_served_socket_and_starts_one_for_a_stale_socket(tmp_path:
 
 def test_a_pid_is_ours_only_when_its_command_line_names_our_pid_file(tmp_path: Path) -> None:
     pid_file = tmp_path / "d.pid"
-    # "; :" keeps the shell (dash execs a lone last command, and its argv is gone then)
-    proc = subprocess.Popen(["sh", "-c", "sleep 60; :", str(pid_file)])
+    # A process whose command line names the pid file (no shell that could exec it away).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pid_file)])
     try:
         pid_file.write_text(f"{proc.pid}\n")
         assert host_daemons.pid_from_file(pid_file) == proc.pid

@@ -7,9 +7,10 @@ A sandbox's VM (see docs/ARCHITECTURE.md, "Full VMs"):
   disk limit; aether runs as a systemd service from the toolkit disk and talks to the edge
   over a virtio-serial port, the same wire as a container's and a microVM's, so every
   exec/file/HTTP call of the SDK works unchanged (domain.py has the machine);
-- is created by restoring its image's template (templates.py: one boot per image and shape,
-  saved by libvirt once the guest's aether, and for a desktop its desktop, is up), else by a
-  cold boot (DSEC_EDGE_VM_TEMPLATES=false); then claimed like a microVM (hostname,
+- is created by restoring its image's template (one boot per image and shape, saved by
+  libvirt once the guest's aether, and for a desktop its desktop, is up: kept in
+  edge/backends/template_cache.py; each clone's name written into the save file by
+  domain.py), else by a cold boot (DSEC_EDGE_VM_TEMPLATES=false); then claimed like a microVM (hostname,
   environment, network, clock, entropy: edge/backends/guest_channel.py);
 - pauses with libvirt's managed save: its memory to local disk, QEMU gone, the host's memory
   back; any call resumes it (the manager's touch) from that save;
@@ -18,7 +19,8 @@ A sandbox's VM (see docs/ARCHITECTURE.md, "Full VMs"):
   removed;
 - has a screen when its image does (the desktop image): screenshots taken by the host
   (libvirt's screenshot of the VGA display), input delivered as USB tablet and keyboard
-  events through QMP (input.py), VNC on a Unix socket for the live view.
+  events through QMP (screen.py, input.py), VNC on a Unix socket for the live view. host.py
+  has the disks, the memory limit and the lock file.
 
 How a VM ends: its console (edge/backends/guest_console.py) tells a kernel panic
 (KERNEL_FAULT) or an OOM kill of aether (OOM); libvirt's lifecycle events tell a crash
