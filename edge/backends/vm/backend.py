@@ -829,6 +829,8 @@ class VmBackend:
             await run.console.close()
         self.running.clear()
         self.libvirt.close()
+        with contextlib.suppress(OSError):  # gone only when no VM of this edge is left
+            self.sockets.rmdir()
 
     # ------------------------------------------------------------- display
 
