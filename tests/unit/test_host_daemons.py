@@ -14,6 +14,7 @@ import pytest
 
 from dsecctl import host_daemons
 from dsecctl.host_daemons import HostDaemon, HostDaemonError
+from tests.helpers import wait_for
 
 
 def test_vm_mode_defaults_to_auto_and_rejects_unknown_values() -> None:
@@ -64,6 +65,9 @@ def test_a_pid_is_ours_only_when_its_command_line_names_our_pid_file(tmp_path: P
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pid_file)])
     try:
         pid_file.write_text(f"{proc.pid}\n")
+        # Popen may return while the child is still inside execve (vfork): its command line
+        # reads empty until the new program's arguments are set up.
+        wait_for(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes(), timeout_s=10)
         assert host_daemons.pid_from_file(pid_file) == proc.pid
         # A reused PID (here: this test's own process) does not name the pid file.
         pid_file.write_text(f"{os.getpid()}\n")
