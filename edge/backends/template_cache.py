@@ -87,7 +87,7 @@ class TemplateCache(Generic[T]):
         return await asyncio.shield(running)
 
     async def _build(self, key: str, build: Callable[[Path], Awaitable[None]]) -> T:
-        lock = await asyncio.to_thread(self._lock, key)
+        lock = await asyncio.to_thread(self.lock, key)
         try:
             t = self.ready(key)
             if t is not None:
@@ -117,7 +117,9 @@ class TemplateCache(Generic[T]):
     def lock_path(self, key: str) -> Path:
         return self.root / f".{key}.lock"
 
-    def _lock(self, key: str) -> int:
+    def lock(self, key: str) -> int:
+        """The node-wide lock of template `key` (blocking until held): its descriptor; close
+        it to unlock. Builds hold it; so does whatever else must not race them."""
         fd = os.open(self.lock_path(key), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd

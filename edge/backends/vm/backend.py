@@ -20,7 +20,7 @@ A sandbox's VM (see docs/ARCHITECTURE.md, "Full VMs"):
 - has a screen when its image does (the desktop image): screenshots taken by the host
   (libvirt's screenshot of the VGA display), input delivered as USB tablet and keyboard
   events through QMP (screen.py, input.py), VNC on a Unix socket for the live view. host.py
-  has the disks, the memory limit and the lock file.
+  has the disks and the memory limit.
 
 How a VM ends: its console (edge/backends/guest_console.py) tells a kernel panic
 (KERNEL_FAULT) or an OOM kill of aether (OOM); libvirt's lifecycle events tell a crash
@@ -416,7 +416,7 @@ class VmBackend:
         spec = self._spec(sid, rec.spec, shape, image, disk)
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            fd = await asyncio.to_thread(host.flock, self.templates.lock_path(key))
+            fd = await asyncio.to_thread(self.templates.lock, key)
             try:
                 saved, cookie = await asyncio.to_thread(dom_xml.read_saved_xml, tmpl.state)
                 xml = dom_xml.clone_xml(saved, spec)

@@ -1,11 +1,9 @@
 """The full-VM backend's host-side chores: disks (qcow2 overlays), the memory limit of a
-running domain, a lock file, waiting for the guest's console to say something."""
+running domain, waiting for the guest's console to say something."""
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -47,13 +45,6 @@ def overlay(path: Path, backing: Path, size_mb: int | None) -> None:
         raise FailedPrecondition(
             f"qemu-img create failed: {out.stderr.strip()}", reason="VM_DISK_FAILED"
         )
-
-
-def flock(path: Path) -> int:
-    """An exclusive lock on `path` (made if missing): its descriptor; close it to unlock."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
 
 
 async def wait_for(console: Console, marker: bytes, timeout_s: float) -> None:
