@@ -237,6 +237,11 @@ class Aether:
                         tag.flush()
                     if events & poller.EVENT_READ:
                         self._on_readable(tag)
+            # A freeze can land anywhere in a turn, not only in the wait: time lost between
+            # the wait's end and the keepalive's judgement in `_tick` counts as a stall too.
+            now = time.monotonic()
+            self._credit_stall(now - turn)
+            turn = now
             self._tick()
             self._update_interest()
         self._shutdown(self._shutdown_grace)

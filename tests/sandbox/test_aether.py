@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -569,6 +570,48 @@ def test_a_frozen_aether_does_not_drop_the_edge_for_a_silence_that_was_its_own(
         os.killpg(sb.proc.pid, signal.SIGCONT)
         assert edge.run("echo after").stdout == b"after\n"  # the same connection
         assert "did not run for" in sb.log_text()
+        assert "edge silent" not in sb.log_text()
+    finally:
+        sb.stop()
+
+
+def test_a_freeze_that_lands_while_aether_forwards_frames_is_its_own_silence_too(
+    tmp_path: Path,
+) -> None:
+    """A freeze lands anywhere in aether's turn, not only in its wait: here aether is kept
+    busy forwarding back-to-back runs and frozen four times, each longer than its dead-peer
+    limit. (Before the fix a freeze landing between the wait and the keepalive's judgement
+    dropped the edge in 2 of 12 such freezes; CI met it once in a full suite.)"""
+    sb = _short_keepalive(tmp_path)
+    try:
+        edge, _ = sb.connect()
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        runs = [0]
+
+        def pump() -> None:
+            while not stop.is_set():
+                try:
+                    assert edge.run("true").exit.exit_code == 0
+                except BaseException as e:  # reported by the test below
+                    errors.append(e)
+                    return
+                runs[0] += 1
+
+        worker = threading.Thread(target=pump)
+        worker.start()
+        try:
+            for _ in range(4):
+                time.sleep(0.3)
+                os.killpg(sb.proc.pid, signal.SIGSTOP)
+                time.sleep(2.5)
+                os.killpg(sb.proc.pid, signal.SIGCONT)
+            before = runs[0]
+            assert wait_for(lambda: runs[0] > before or errors, timeout=5.0)
+        finally:
+            stop.set()
+            worker.join(20)
+        assert not errors, errors
         assert "edge silent" not in sb.log_text()
     finally:
         sb.stop()
