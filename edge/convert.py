@@ -116,6 +116,7 @@ def sandbox_pb(rec: SandboxRecord) -> types_pb2.Sandbox:
         id=rec.sandbox_id,
         project_id=rec.project_id,
         principal_id=rec.principal_id,
+        forked_from=rec.forked_from,
         spec=spec_pb(rec.spec),
         state=types_pb2.SandboxState.Value("SANDBOX_STATE_" + rec.state),  # type: ignore[arg-type]
         edge_id=rec.edge_id,

@@ -74,6 +74,8 @@ class SandboxRecord:
     released_mb: int = 0
     #: When the sandbox ends (TTL), if SetSandboxTimeout moved it; else created_at + ttl_s.
     deadline_at: float | None = None
+    #: A fork's child: the sandbox it was copied from.
+    forked_from: str = ""
 
     @property
     def expires_at(self) -> float:

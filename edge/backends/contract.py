@@ -91,7 +91,8 @@ class Capability(enum.Enum):
     GPUS = "gpus"
     #: A screen: screenshots, input events, a VNC stream (the vm backend's desktop images).
     DISPLAY = "display"
-    # Later: SNAPSHOT (memory snapshot/restore).
+    #: Copies of a running or paused sandbox at one instant (ForkSandbox).
+    FORK = "fork"
 
 
 @runtime_checkable
@@ -216,6 +217,39 @@ class Displays(Protocol):
         server; the caller closes the writer."""
 
 
+class ForkKind(enum.Enum):
+    """What a fork's child gets (dsec.types.v1.ForkKind)."""
+
+    MEMORY = "memory"  # memory, devices and disk: every process continues in every child
+    FILES = "files"  # the files and dsec's session state (cwd, env), not the processes
+
+
+@dataclass
+class ForkOutcome:
+    """Per child (in the order given) None when it runs, or why it does not; and how long
+    the source stood still while its state was captured."""
+
+    errors: list[Exception | None]
+    stall_s: float
+
+
+@runtime_checkable
+class Forks(Protocol):
+    #: What its children get.
+    fork_kind: ForkKind
+
+    async def fork(
+        self, source: SandboxRecord, children: Sequence[SandboxRecord]
+    ) -> ForkOutcome:
+        """Start every record of `children` as a copy of `source` at one instant.
+
+        The manager has admitted the children (their records exist, STARTING, each with a copy
+        of the source's spec: only labels, task and TTL may differ) and holds the source's
+        transition lock: the source is RUNNING or PAUSED and stays as it was. The state is
+        captured once for all children. A child that fails is reported in `errors` (the
+        manager ends it and calls `destroy` on it); an error raised instead fails them all."""
+
+
 PROTOCOLS: dict[Capability, type] = {
     Capability.EXEC: Executes,
     Capability.PAUSE: Pausable,
@@ -227,6 +261,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.DISK_USAGE: DiskUsage,
     Capability.GPUS: AttachesGpus,
     Capability.DISPLAY: Displays,
+    Capability.FORK: Forks,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

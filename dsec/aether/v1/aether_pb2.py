@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dsec.chronus.v1 import chronus_pb2 as dsec_dot_chronus_dot_v1_dot_chronus__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sec/aether/v1/aether.proto\x12\x0e\x64sec.aether.v1\x1a\x1d\x64sec/chronus/v1/chronus.proto\"\xa4\x04\n\x05\x46rame\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.dsec.aether.v1.HelloH\x00\x12+\n\x07request\x18\x03 \x01(\x0b\x32\x18.dsec.chronus.v1.RequestH\x00\x12-\n\x08response\x18\x04 \x01(\x0b\x32\x19.dsec.chronus.v1.ResponseH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.dsec.aether.v1.StreamEndH\x00\x12(\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x16.dsec.aether.v1.CancelH\x00\x12$\n\x04ping\x18\x07 \x01(\x0b\x32\x14.dsec.aether.v1.PingH\x00\x12$\n\x04pong\x18\x08 \x01(\x0b\x32\x14.dsec.aether.v1.PongH\x00\x12,\n\x08shutdown\x18\t \x01(\x0b\x32\x18.dsec.aether.v1.ShutdownH\x00\x12/\n\nhalf_close\x18\n \x01(\x0b\x32\x19.dsec.aether.v1.HalfCloseH\x00\x12&\n\x05\x63laim\x18\x0b \x01(\x0b\x32\x15.dsec.aether.v1.ClaimH\x00\x12)\n\x04sync\x18\x0c \x01(\x0b\x32\x19.dsec.aether.v1.GuestSyncH\x00\x12*\n\x07\x63laimed\x18\r \x01(\x0b\x32\x17.dsec.aether.v1.ClaimedH\x00\x42\x06\n\x04\x62ody\"\x8e\x01\n\x05\x43laim\x12+\n\x03\x65nv\x18\x01 \x03(\x0b\x32\x1e.dsec.aether.v1.Claim.EnvEntry\x12,\n\x05guest\x18\x02 \x01(\x0b\x32\x1d.dsec.aether.v1.GuestIdentity\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf2\x01\n\rGuestIdentity\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x37\n\x05\x66iles\x18\x02 \x03(\x0b\x32(.dsec.aether.v1.GuestIdentity.FilesEntry\x12-\n\x07network\x18\x03 \x01(\x0b\x32\x1c.dsec.aether.v1.GuestNetwork\x12\x10\n\x08pids_max\x18\x04 \x01(\r\x12\'\n\x04sync\x18\x05 \x01(\x0b\x32\x19.dsec.aether.v1.GuestSync\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0cGuestNetwork\x12\x0b\n\x03mac\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nprefix_len\x18\x03 \x01(\r\x12\x0f\n\x07gateway\x18\x04 \x01(\t\"\x18\n\x07\x43laimed\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"w\n\tGuestSync\x12\x15\n\rclock_unix_ns\x18\x01 \x01(\x03\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x0c\x12-\n\x07network\x18\x03 \x01(\x0b\x32\x1c.dsec.aether.v1.GuestNetwork\x12\x13\n\x0bresolv_conf\x18\x04 \x01(\t\"G\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x17\n\x0f\x63hronus_version\x18\x03 \x01(\t\":\n\tStreamEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x1b\n\x06\x43\x61ncel\x12\x11\n\tabandoned\x18\x01 \x01(\x08\"\x0b\n\tHalfClose\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x1b\n\x08Shutdown\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sec/aether/v1/aether.proto\x12\x0e\x64sec.aether.v1\x1a\x1d\x64sec/chronus/v1/chronus.proto\"\xa4\x04\n\x05\x46rame\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.dsec.aether.v1.HelloH\x00\x12+\n\x07request\x18\x03 \x01(\x0b\x32\x18.dsec.chronus.v1.RequestH\x00\x12-\n\x08response\x18\x04 \x01(\x0b\x32\x19.dsec.chronus.v1.ResponseH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.dsec.aether.v1.StreamEndH\x00\x12(\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x16.dsec.aether.v1.CancelH\x00\x12$\n\x04ping\x18\x07 \x01(\x0b\x32\x14.dsec.aether.v1.PingH\x00\x12$\n\x04pong\x18\x08 \x01(\x0b\x32\x14.dsec.aether.v1.PongH\x00\x12,\n\x08shutdown\x18\t \x01(\x0b\x32\x18.dsec.aether.v1.ShutdownH\x00\x12/\n\nhalf_close\x18\n \x01(\x0b\x32\x19.dsec.aether.v1.HalfCloseH\x00\x12&\n\x05\x63laim\x18\x0b \x01(\x0b\x32\x15.dsec.aether.v1.ClaimH\x00\x12)\n\x04sync\x18\x0c \x01(\x0b\x32\x19.dsec.aether.v1.GuestSyncH\x00\x12*\n\x07\x63laimed\x18\r \x01(\x0b\x32\x17.dsec.aether.v1.ClaimedH\x00\x42\x06\n\x04\x62ody\"\x8e\x01\n\x05\x43laim\x12+\n\x03\x65nv\x18\x01 \x03(\x0b\x32\x1e.dsec.aether.v1.Claim.EnvEntry\x12,\n\x05guest\x18\x02 \x01(\x0b\x32\x1d.dsec.aether.v1.GuestIdentity\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf2\x01\n\rGuestIdentity\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x37\n\x05\x66iles\x18\x02 \x03(\x0b\x32(.dsec.aether.v1.GuestIdentity.FilesEntry\x12-\n\x07network\x18\x03 \x01(\x0b\x32\x1c.dsec.aether.v1.GuestNetwork\x12\x10\n\x08pids_max\x18\x04 \x01(\r\x12\'\n\x04sync\x18\x05 \x01(\x0b\x32\x19.dsec.aether.v1.GuestSync\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0cGuestNetwork\x12\x0b\n\x03mac\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nprefix_len\x18\x03 \x01(\r\x12\x0f\n\x07gateway\x18\x04 \x01(\t\"\x18\n\x07\x43laimed\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\xec\x01\n\tGuestSync\x12\x15\n\rclock_unix_ns\x18\x01 \x01(\x03\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x0c\x12-\n\x07network\x18\x03 \x01(\x0b\x32\x1c.dsec.aether.v1.GuestNetwork\x12\x13\n\x0bresolv_conf\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x33\n\x05\x66iles\x18\x06 \x03(\x0b\x32$.dsec.aether.v1.GuestSync.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x17\n\x0f\x63hronus_version\x18\x03 \x01(\t\":\n\tStreamEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x1b\n\x06\x43\x61ncel\x12\x11\n\tabandoned\x18\x01 \x01(\x08\"\x0b\n\tHalfClose\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x1b\n\x08Shutdown\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIM_ENVENTRY']._serialized_options = b'8\001'
   _globals['_GUESTIDENTITY_FILESENTRY']._loaded_options = None
   _globals['_GUESTIDENTITY_FILESENTRY']._serialized_options = b'8\001'
+  _globals['_GUESTSYNC_FILESENTRY']._loaded_options = None
+  _globals['_GUESTSYNC_FILESENTRY']._serialized_options = b'8\001'
   _globals['_FRAME']._serialized_start=79
   _globals['_FRAME']._serialized_end=627
   _globals['_CLAIM']._serialized_start=630
@@ -50,20 +52,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GUESTNETWORK']._serialized_end=1100
   _globals['_CLAIMED']._serialized_start=1102
   _globals['_CLAIMED']._serialized_end=1126
-  _globals['_GUESTSYNC']._serialized_start=1128
-  _globals['_GUESTSYNC']._serialized_end=1247
-  _globals['_HELLO']._serialized_start=1249
-  _globals['_HELLO']._serialized_end=1320
-  _globals['_STREAMEND']._serialized_start=1322
-  _globals['_STREAMEND']._serialized_end=1380
-  _globals['_CANCEL']._serialized_start=1382
-  _globals['_CANCEL']._serialized_end=1409
-  _globals['_HALFCLOSE']._serialized_start=1411
-  _globals['_HALFCLOSE']._serialized_end=1422
-  _globals['_PING']._serialized_start=1424
-  _globals['_PING']._serialized_end=1445
-  _globals['_PONG']._serialized_start=1447
-  _globals['_PONG']._serialized_end=1468
-  _globals['_SHUTDOWN']._serialized_start=1470
-  _globals['_SHUTDOWN']._serialized_end=1497
+  _globals['_GUESTSYNC']._serialized_start=1129
+  _globals['_GUESTSYNC']._serialized_end=1365
+  _globals['_GUESTSYNC_FILESENTRY']._serialized_start=973
+  _globals['_GUESTSYNC_FILESENTRY']._serialized_end=1017
+  _globals['_HELLO']._serialized_start=1367
+  _globals['_HELLO']._serialized_end=1438
+  _globals['_STREAMEND']._serialized_start=1440
+  _globals['_STREAMEND']._serialized_end=1498
+  _globals['_CANCEL']._serialized_start=1500
+  _globals['_CANCEL']._serialized_end=1527
+  _globals['_HALFCLOSE']._serialized_start=1529
+  _globals['_HALFCLOSE']._serialized_end=1540
+  _globals['_PING']._serialized_start=1542
+  _globals['_PING']._serialized_end=1563
+  _globals['_PONG']._serialized_start=1565
+  _globals['_PONG']._serialized_end=1586
+  _globals['_SHUTDOWN']._serialized_start=1588
+  _globals['_SHUTDOWN']._serialized_end=1615
 # @@protoc_insertion_point(module_scope)

@@ -295,20 +295,46 @@ class GuestSync(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FilesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CLOCK_UNIX_NS_FIELD_NUMBER: _builtins.int
     ENTROPY_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
     RESOLV_CONF_FIELD_NUMBER: _builtins.int
+    HOSTNAME_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
     clock_unix_ns: _builtins.int
     """the host's CLOCK_REALTIME when sent"""
     entropy: _builtins.bytes
     """fresh random bytes credited to the guest's pool"""
     resolv_conf: _builtins.str
     """with it: /etc/resolv.conf"""
+    hostname: _builtins.str
+    """A fork's child (a copy of another sandbox's guest): its own hostname and /etc files."""
     @_builtins.property
     def network(self) -> Global___GuestNetwork:
         """a network the guest did not have (a policy update from NONE)"""
 
+    @_builtins.property
+    def files(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
         self,
         *,
@@ -316,10 +342,12 @@ class GuestSync(_message.Message):
         entropy: _builtins.bytes = ...,
         network: Global___GuestNetwork | None = ...,
         resolv_conf: _builtins.str = ...,
+        hostname: _builtins.str = ...,
+        files: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_unix_ns", b"clock_unix_ns", "entropy", b"entropy", "network", b"network", "resolv_conf", b"resolv_conf"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_unix_ns", b"clock_unix_ns", "entropy", b"entropy", "files", b"files", "hostname", b"hostname", "network", b"network", "resolv_conf", b"resolv_conf"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

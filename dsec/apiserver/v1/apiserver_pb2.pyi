@@ -836,6 +836,101 @@ class ResumeSandboxResponse(_message.Message):
 Global___ResumeSandboxResponse: _TypeAlias = ResumeSandboxResponse  # noqa: Y015
 
 @_typing.final
+class ForkSandboxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    REQUIRE_MEMORY_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    count: _builtins.int
+    """1..64"""
+    task_id: _builtins.str
+    """"" = the source's"""
+    ttl_s: _builtins.int
+    """0 = the source's"""
+    require_memory: _builtins.bool
+    """FAILED_PRECONDITION (FORK_MEMORY_UNAVAILABLE) instead of a files-only fork."""
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """set on every child, over the source's labels"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        count: _builtins.int = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        task_id: _builtins.str = ...,
+        ttl_s: _builtins.int = ...,
+        require_memory: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "labels", b"labels", "require_memory", b"require_memory", "sandbox_id", b"sandbox_id", "task_id", b"task_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxRequest: _TypeAlias = ForkSandboxRequest  # noqa: Y015
+
+@_typing.final
+class ForkSandboxResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    FORK_KIND_FIELD_NUMBER: _builtins.int
+    SOURCE_STALL_S_FIELD_NUMBER: _builtins.int
+    created: _builtins.int
+    failed: _builtins.int
+    fork_kind: _types_pb2.ForkKind.ValueType
+    source_stall_s: _builtins.float
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateSandboxResult]:
+        """one per child, index 0..count-1"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CreateSandboxResult] | None = ...,
+        created: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        fork_kind: _types_pb2.ForkKind.ValueType = ...,
+        source_stall_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "failed", b"failed", "fork_kind", b"fork_kind", "results", b"results", "source_stall_s", b"source_stall_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxResponse: _TypeAlias = ForkSandboxResponse  # noqa: Y015
+
+@_typing.final
 class PackDiffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

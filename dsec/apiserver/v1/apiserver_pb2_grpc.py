@@ -108,6 +108,11 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffResponse.FromString,
                 _registered_method=True)
+        self.ForkSandbox = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/ForkSandbox',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxResponse.FromString,
+                _registered_method=True)
         self.UpdateNetworkPolicy = channel.unary_unary(
                 '/dsec.apiserver.v1.SandboxService/UpdateNetworkPolicy',
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UpdateNetworkPolicyRequest.SerializeToString,
@@ -243,6 +248,17 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSandbox(self, request, context):
+        """`count` independent copies of a running or paused sandbox at one instant, placed on its
+        node (its state is local). Quota for all of them is reserved before any is made; the
+        source keeps running (it stands still while its state is captured: source_stall_s).
+        A microVM's children continue its processes (FORK_KIND_MEMORY); a container's get its
+        files and session state only (FORK_KIND_FILES; require_memory refuses that).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateNetworkPolicy(self, request, context):
         """Replaces the egress policy; takes effect on the next connection.
         """
@@ -339,6 +355,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.PackDiff,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffResponse.SerializeToString,
+            ),
+            'ForkSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSandbox,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxResponse.SerializeToString,
             ),
             'UpdateNetworkPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateNetworkPolicy,
@@ -736,6 +757,33 @@ class SandboxService:
             '/dsec.apiserver.v1.SandboxService/PackDiff',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.PackDiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/ForkSandbox',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ForkSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -95,6 +95,13 @@ class SandboxServiceStub:
     """
     PackDiff: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]
     """Checkpoints the writable layer as a new environment layer."""
+    ForkSandbox: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ForkSandboxRequest, _apiserver_pb2.ForkSandboxResponse]
+    """`count` independent copies of a running or paused sandbox at one instant, placed on its
+    node (its state is local). Quota for all of them is reserved before any is made; the
+    source keeps running (it stands still while its state is captured: source_stall_s).
+    A microVM's children continue its processes (FORK_KIND_MEMORY); a container's get its
+    files and session state only (FORK_KIND_FILES; require_memory refuses that).
+    """
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.UpdateNetworkPolicyRequest, _apiserver_pb2.UpdateNetworkPolicyResponse]
     """Replaces the egress policy; takes effect on the next connection."""
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]
@@ -160,6 +167,13 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """
     PackDiff: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.PackDiffRequest, _apiserver_pb2.PackDiffResponse]  # type: ignore[assignment]
     """Checkpoints the writable layer as a new environment layer."""
+    ForkSandbox: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ForkSandboxRequest, _apiserver_pb2.ForkSandboxResponse]  # type: ignore[assignment]
+    """`count` independent copies of a running or paused sandbox at one instant, placed on its
+    node (its state is local). Quota for all of them is reserved before any is made; the
+    source keeps running (it stands still while its state is captured: source_stall_s).
+    A microVM's children continue its processes (FORK_KIND_MEMORY); a container's get its
+    files and session state only (FORK_KIND_FILES; require_memory refuses that).
+    """
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.UpdateNetworkPolicyRequest, _apiserver_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
     """Replaces the egress policy; takes effect on the next connection."""
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
@@ -306,6 +320,19 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.PackDiffResponse, _abc.Awaitable[_apiserver_pb2.PackDiffResponse]]:
         """Checkpoints the writable layer as a new environment layer."""
+
+    @_abc_1.abstractmethod
+    def ForkSandbox(
+        self,
+        request: _apiserver_pb2.ForkSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.ForkSandboxResponse, _abc.Awaitable[_apiserver_pb2.ForkSandboxResponse]]:
+        """`count` independent copies of a running or paused sandbox at one instant, placed on its
+        node (its state is local). Quota for all of them is reserved before any is made; the
+        source keeps running (it stands still while its state is captured: source_stall_s).
+        A microVM's children continue its processes (FORK_KIND_MEMORY); a container's get its
+        files and session state only (FORK_KIND_FILES; require_memory refuses that).
+        """
 
     @_abc_1.abstractmethod
     def UpdateNetworkPolicy(

@@ -661,6 +661,102 @@ class ActOnSandboxesResponse(_message.Message):
 Global___ActOnSandboxesResponse: _TypeAlias = ActOnSandboxesResponse  # noqa: Y015
 
 @_typing.final
+class ForkSandboxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    CHILD_IDS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    REQUIRE_MEMORY_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    task_id: _builtins.str
+    """"" = the source's"""
+    ttl_s: _builtins.int
+    """0 = the source's"""
+    require_memory: _builtins.bool
+    """refuse a backend whose fork copies files only"""
+    principal_id: _builtins.str
+    """who forks (the children's creator)"""
+    @_builtins.property
+    def child_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """one per child, reserved by the API server (quota)"""
+
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """set on every child, over the source's labels"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        child_ids: _abc.Iterable[_builtins.str] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        task_id: _builtins.str = ...,
+        ttl_s: _builtins.int = ...,
+        require_memory: _builtins.bool = ...,
+        principal_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_ids", b"child_ids", "labels", b"labels", "principal_id", b"principal_id", "require_memory", b"require_memory", "sandbox_id", b"sandbox_id", "task_id", b"task_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxRequest: _TypeAlias = ForkSandboxRequest  # noqa: Y015
+
+@_typing.final
+class ForkSandboxResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    FORK_KIND_FIELD_NUMBER: _builtins.int
+    SOURCE_STALL_S_FIELD_NUMBER: _builtins.int
+    fork_kind: _types_pb2.ForkKind.ValueType
+    source_stall_s: _builtins.float
+    """how long the source stood still while captured"""
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateSandboxesResult]:
+        """one per child id, in order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CreateSandboxesResult] | None = ...,
+        fork_kind: _types_pb2.ForkKind.ValueType = ...,
+        source_stall_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_kind", b"fork_kind", "results", b"results", "source_stall_s", b"source_stall_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxResponse: _TypeAlias = ForkSandboxResponse  # noqa: Y015
+
+@_typing.final
 class PackDiffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -90,6 +90,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffResponse.FromString,
                 _registered_method=True)
+        self.ForkSandbox = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ForkSandbox',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxResponse.FromString,
+                _registered_method=True)
         self.UpdateNetworkPolicy = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/UpdateNetworkPolicy',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.UpdateNetworkPolicyRequest.SerializeToString,
@@ -389,6 +394,15 @@ class EdgeServiceServicer:
 
     def PackDiff(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSandbox(self, request, context):
+        """Copies of a running or paused sandbox at one instant, on this edge (its state is local):
+        all children admitted or none (RESOURCE_EXHAUSTED, metadata "fits"), then per child a
+        sandbox or why it is not one.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -726,6 +740,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.PackDiff,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffResponse.SerializeToString,
+            ),
+            'ForkSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSandbox,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxResponse.SerializeToString,
             ),
             'UpdateNetworkPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateNetworkPolicy,
@@ -1245,6 +1264,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/PackDiff',
             dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.PackDiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ForkSandbox',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.ForkSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,11 @@ class EdgeServiceStub:
     terminated ones included. Never fails for one sandbox: its error is in its result.
     """
     PackDiff: _grpc.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]
+    ForkSandbox: _grpc.UnaryUnaryMultiCallable[_edge_pb2.ForkSandboxRequest, _edge_pb2.ForkSandboxResponse]
+    """Copies of a running or paused sandbox at one instant, on this edge (its state is local):
+    all children admitted or none (RESOURCE_EXHAUSTED, metadata "fits"), then per child a
+    sandbox or why it is not one.
+    """
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]
     GetNodeStatus: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]
@@ -156,6 +161,11 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     terminated ones included. Never fails for one sandbox: its error is in its result.
     """
     PackDiff: _aio.UnaryUnaryMultiCallable[_edge_pb2.PackDiffRequest, _edge_pb2.PackDiffResponse]  # type: ignore[assignment]
+    ForkSandbox: _aio.UnaryUnaryMultiCallable[_edge_pb2.ForkSandboxRequest, _edge_pb2.ForkSandboxResponse]  # type: ignore[assignment]
+    """Copies of a running or paused sandbox at one instant, on this edge (its state is local):
+    all children admitted or none (RESOURCE_EXHAUSTED, metadata "fits"), then per child a
+    sandbox or why it is not one.
+    """
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
     GetNodeStatus: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]  # type: ignore[assignment]
@@ -309,6 +319,17 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.PackDiffRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.PackDiffResponse, _abc.Awaitable[_edge_pb2.PackDiffResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ForkSandbox(
+        self,
+        request: _edge_pb2.ForkSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.ForkSandboxResponse, _abc.Awaitable[_edge_pb2.ForkSandboxResponse]]:
+        """Copies of a running or paused sandbox at one instant, on this edge (its state is local):
+        all children admitted or none (RESOURCE_EXHAUSTED, metadata "fits"), then per child a
+        sandbox or why it is not one.
+        """
 
     @_abc_1.abstractmethod
     def UpdateNetworkPolicy(

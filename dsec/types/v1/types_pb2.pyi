@@ -238,6 +238,32 @@ NETWORK_MODE_OPEN: NetworkMode.ValueType  # 3
 """egress anywhere except `deny`"""
 Global___NetworkMode: _TypeAlias = NetworkMode  # noqa: Y015
 
+class _ForkKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ForkKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ForkKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FORK_KIND_UNSPECIFIED: _ForkKind.ValueType  # 0
+    FORK_KIND_MEMORY: _ForkKind.ValueType  # 1
+    """Memory, devices and disk at one instant: every process continues in every child (microVM)."""
+    FORK_KIND_FILES: _ForkKind.ValueType  # 2
+    """The files (the writable layer) and the session state dsec knows (each session's cwd and
+    environment), not the processes: running processes cannot be copied (container).
+    """
+
+class ForkKind(_ForkKind, metaclass=_ForkKindEnumTypeWrapper):
+    """What a fork copies (ForkSandbox), by backend."""
+
+FORK_KIND_UNSPECIFIED: ForkKind.ValueType  # 0
+FORK_KIND_MEMORY: ForkKind.ValueType  # 1
+"""Memory, devices and disk at one instant: every process continues in every child (microVM)."""
+FORK_KIND_FILES: ForkKind.ValueType  # 2
+"""The files (the writable layer) and the session state dsec knows (each session's cwd and
+environment), not the processes: running processes cannot be copied (container).
+"""
+Global___ForkKind: _TypeAlias = ForkKind  # noqa: Y015
+
 class _ExecStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -747,6 +773,7 @@ class Sandbox(_message.Message):
     VIOLATIONS_FIELD_NUMBER: _builtins.int
     PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
+    FORKED_FROM_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"sb-<edge_id>-<random>": the owning edge is encoded"""
     project_id: _builtins.str
@@ -754,6 +781,8 @@ class Sandbox(_message.Message):
     edge_id: _builtins.str
     principal_id: _builtins.str
     """who created it"""
+    forked_from: _builtins.str
+    """a fork's child: the sandbox it was copied from ("" otherwise)"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     @_builtins.property
@@ -792,10 +821,11 @@ class Sandbox(_message.Message):
         violations: Global___ViolationCounters | None = ...,
         principal_id: _builtins.str = ...,
         memory: Global___SandboxMemory | None = ...,
+        forked_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "memory", b"memory", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "forked_from", b"forked_from", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
