@@ -5,7 +5,9 @@ template's twin: same hostname, same clock (the snapshot's), same entropy pool, 
 The claim's `GuestIdentity` (dsec.aether.v1) makes it this sandbox, before chronus starts:
 hostname and /etc files, the network interface (MAC first: every clone starts with the
 template's), a pids limit (a cgroup of the guest's own), the clock and fresh entropy. After
-each later restore (resume from pause) a `GuestSync` corrects the clock and entropy again.
+each later restore (resume from pause) a `GuestSync` corrects the clock and entropy again; a
+fork's child (a copy of a claimed guest) gets its own hostname, /etc files and address the same
+way.
 
 Only kernel interfaces, no tools (the image may have none): ioctls on a socket for links,
 addresses and the route, the cgroup2 files, clock_settime, RNDADDENTROPY.
@@ -137,7 +139,13 @@ def disk_full() -> str:
 
 
 def sync(values: dict[str, Any]) -> None:
-    """The host's clock and fresh entropy (after a restore); a network it was given."""
+    """The host's clock and fresh entropy (after a restore); a network it was given; a fork's
+    child its own hostname and /etc files (and its own address: configure_network replaces
+    the source's, with the routes through it)."""
+    if values.get("hostname"):
+        _socket.sethostname(values["hostname"])
+    for path, content in (values.get("files") or {}).items():
+        _write(path, content)
     if values.get("network"):
         configure_network(values["network"])
         if values.get("resolv_conf"):

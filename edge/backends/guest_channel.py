@@ -1,7 +1,7 @@
 """What the edge tells a guest over its agent channel (aether's Claim and GuestSync): the
 sandbox's environment and identity when a restored guest becomes a sandbox, and the clock,
-fresh entropy and (when it changed) the network after every restore. Plain functions of the
-sandbox's record: the backend sends them."""
+fresh entropy and (when it changed) the network after every restore, and a fork's child its own
+identity. Plain functions of the sandbox's record: the backend sends them."""
 
 from __future__ import annotations
 
@@ -62,6 +62,19 @@ def sync(rec: SandboxRecord, network_changed: bool) -> aether_pb2.GuestSync:
     if network is not None:
         out.network.CopyFrom(network)
         out.resolv_conf = f"nameserver {rec.runtime['net']['dns']}\n"
+    return out
+
+
+def fork_sync(rec: SandboxRecord) -> aether_pb2.GuestSync:
+    """What a fork's child is told once it runs: it is a copy of another sandbox's guest, so
+    besides the clock and fresh entropy it gets its own identity (hostname, /etc files) and,
+    networked, its own address (replacing the source's: aether/guest.py)."""
+    ident = identity(rec)
+    out = fresh_sync()
+    out.hostname = ident.hostname
+    out.files.update(ident.files)
+    if ident.HasField("network"):
+        out.network.CopyFrom(ident.network)
     return out
 
 

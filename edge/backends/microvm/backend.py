@@ -33,6 +33,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +48,8 @@ from edge.backends.contract import (
     BackgroundLoop,
     Capability,
     ExitCallback,
+    ForkKind,
+    ForkOutcome,
     MemoryUsage,
     PauseOutcome,
     ResumeFailed,
@@ -55,6 +59,7 @@ from edge.backends.microvm import qemu
 from edge.backends.microvm.accel import Verdict, probe
 from edge.backends.microvm.guest import GuestKit, build_guest
 from edge.backends.microvm.host import QemuHost
+from edge.backends.microvm.qemu import QmpError
 from edge.backends.microvm.templates import Templates, build_template, template_key
 from edge.backends.microvm.vm import (
     Shape,
@@ -103,8 +108,16 @@ class MicrovmBackend:
     persistent = True
     starts_inline = False
     capabilities: frozenset[Capability] = frozenset(
-        {Capability.EXEC, Capability.PAUSE, Capability.DISK_USAGE, Capability.NETWORK_POLICY}
+        {
+            Capability.EXEC,
+            Capability.PAUSE,
+            Capability.DISK_USAGE,
+            Capability.NETWORK_POLICY,
+            Capability.FORK,
+        }
     )
+    #: A child is the whole guest: memory, devices and disk (every process continues).
+    fork_kind = ForkKind.MEMORY
 
     def __init__(
         self,
@@ -131,7 +144,9 @@ class MicrovmBackend:
         self.state_dir = state_dir
         self.disks = state_dir / "rw"
         self.paused = state_dir / "paused"
-        for d in (self.disks, self.paused):
+        #: One directory per fork in progress: the source's state made shareable (see fork).
+        self.forks = state_dir / "forks"
+        for d in (self.disks, self.paused, self.forks):
             d.mkdir(parents=True, exist_ok=True)
         #: The node's one NetworkManager, shared with containers (one resolver, one bridge).
         self.network = node.network
@@ -698,6 +713,196 @@ class MicrovmBackend:
                 extra={"sandbox_id": sid},
             )
 
+    # ------------------------------------------------------------- fork
+
+    async def fork(self, source: SandboxRecord, children: Sequence[SandboxRecord]) -> ForkOutcome:
+        """Every child a copy of the source's guest at one instant: its memory, devices and
+        writable disk, captured once in a directory of `forks/` and removed when the children
+        run (each maps the RAM file privately, as a template's clone does; the mapping
+        outlives the file).
+
+        1. Capture. A running source is stopped, saved with all of its RAM (a clone maps its
+           RAM share=off, which x-ignore-shared does not skip) and its disk copied while it
+           stands still, then continued: its agent channel stays connected, held (a stopped
+           aether answers no ping) only for the stall. A paused source already is its saved
+           state and disk; it stays paused.
+        2. Share. A helper QEMU loads that state into a share=on RAM file, without running it,
+           and saves only its devices (x-ignore-shared): the template layout, `ram` + `vmstate`.
+        3. Children, started as clones of that template (taking turns, as creates do): each
+           its own disk (a sparse copy: ext4 here has no reflink), QEMU, network; then a
+           GuestSync makes it itself (hostname, /etc files, address, clock, entropy); its
+           aether drops the source's streams at the new channel's first Ping."""
+        sid = source.sandbox_id
+        work = self.forks / f"{sid}.{secrets.token_hex(4)}"
+        t0 = time.perf_counter()
+        conn: AetherConnection | None = None
+        await asyncio.to_thread(work.mkdir, parents=True)
+        try:
+            async with self._lock(sid):
+                vm = self.vms.get(sid)
+                if source.runtime.get("paused"):
+                    # Its saved state and disk are read under the lock: nothing changes them.
+                    saved = self.paused / f"{sid}.vmstate"
+                    if not saved.is_file():
+                        raise FailedPrecondition(
+                            f"the paused sandbox {sid}'s saved memory {saved} is gone",
+                            reason="FORK_SOURCE_LOST",
+                        )
+                    stall = 0.0
+                    await asyncio.to_thread(sparse_copy, _rw_disk(source), work / "rw.img")
+                    await self._share_memory(source, saved, work)
+                elif vm is not None and vm.alive:
+                    stall, conn = await self._capture(source, vm, work)
+                else:
+                    raise FailedPrecondition(
+                        f"sandbox {sid} has no running guest to fork",
+                        reason="FORK_SOURCE_LOST",
+                    )
+            if not (work / "vmstate").exists():  # captured from the running source
+                async with asyncio.TaskGroup() as tg:
+                    if conn is not None:
+                        tg.create_task(_release(conn, self.ready_timeout_s))
+                    tg.create_task(self._share_memory(source, work / "full.state", work))
+                await asyncio.to_thread((work / "full.state").unlink)
+            t1 = time.perf_counter()
+            results = await asyncio.gather(
+                *(self._start_fork_child(source, child, work) for child in children),
+                return_exceptions=True,
+            )
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+        errors: list[Exception | None] = []
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            errors.append(r)
+        log.info(
+            "microVM %s forked %d ways (%d failed) in %.1f ms: stall %.1f ms, capture %.1f ms",
+            sid,
+            len(children),
+            sum(e is not None for e in errors),
+            (time.perf_counter() - t0) * 1000,
+            stall * 1000,
+            (t1 - t0) * 1000,
+            extra={"sandbox_id": sid},
+        )
+        return ForkOutcome(errors, stall)
+
+    async def _capture(
+        self, source: SandboxRecord, vm: Vm, work: Path
+    ) -> tuple[float, AetherConnection | None]:
+        """The running source's RAM and devices into `work/full.state` and its disk into
+        `work/rw.img`, of one instant; the source runs again before this returns. Returns
+        the stall (seconds it stood still) and its held channel (the caller releases it)."""
+        conn = self.channels.get(source.sandbox_id)
+        if conn is not None:
+            conn.hold()  # stopped, its aether answers no ping: not a death
+        t0 = time.perf_counter()
+        try:
+            await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
+            # QEMU drained and flushed the disk at the stop: the file is the guest's disk as
+            # of the saved memory (its page cache is in that memory).
+            await asyncio.to_thread(sparse_copy, _rw_disk(source), work / "rw.img")
+        finally:
+            try:
+                # After a completed migration QEMU reactivates its block devices at `cont`.
+                await vm.qmp.execute("cont")
+            except BaseException:
+                if conn is not None:
+                    await _release(conn, 1.0)  # judged by its keepalive again
+                raise
+        return time.perf_counter() - t0, conn
+
+    async def _share_memory(self, source: SandboxRecord, state: Path, work: Path) -> None:
+        """`state` (devices and all of RAM) as a template: `work/ram` (the RAM, a file) and
+        `work/vmstate` (the devices only), through a helper QEMU of the source's shape and
+        disks (the writable one: `work/rw.img`) that loads it and saves it again, never
+        running the guest."""
+        hid = f"fork-{work.name.rsplit('.', 1)[-1]}"
+        shape = Shape(**source.runtime["shape"])
+        disks = _with_rw(source, work / "rw.img")
+        tap = None
+        if self.network is not None:
+            # The source's NIC is a tap's (vnet headers): its state loads only onto a tap.
+            netns = await asyncio.to_thread(guest_net.create_netns, self.netns_dir, hid)
+            tap = await asyncio.to_thread(guest_net.open_tap, netns)
+        try:
+            proc = await self.host.spawn(
+                hid,
+                shape,
+                disks,
+                qemu.Memory("file", work / "ram", share=True),
+                str(source.runtime["mac"]),
+                incoming=True,
+                tap_fd=tap,
+            )
+        except BaseException:
+            await self._remove_helper_netns(hid)
+            raise
+        q = qemu.Qmp(self.host.address(hid, "qmp"))
+        try:
+            await q.connect()
+            await qemu.restore(q, state, ignore_shared=False, start=False)
+            await qemu.save(q, work / "vmstate", ignore_shared=True)
+            await q.execute("quit")
+            (self.logs / f"{hid}.qemu").unlink(missing_ok=True)  # kept when it failed
+        except QmpError as exc:
+            raise Unavailable(
+                f"the fork's state could not be prepared: {exc.message}{self.host.qemu_error(hid)}",
+                reason="FORK_FAILED",
+            ) from exc
+        finally:
+            await q.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await asyncio.to_thread(proc.wait)
+            self.host.unlink_sockets(hid)
+            await self._remove_helper_netns(hid)
+
+    async def _remove_helper_netns(self, hid: str) -> None:
+        if self.network is not None:
+            path = guest_net.netns_path(self.netns_dir, hid)
+            await asyncio.to_thread(guest_net.remove_netns, path)
+
+    async def _start_fork_child(
+        self, source: SandboxRecord, child: SandboxRecord, work: Path
+    ) -> None:
+        """`child` running as a clone of the fork's template in `work`, told who it is."""
+        cid = child.sandbox_id
+        t0 = time.perf_counter()
+        rw = self.disks / f"{cid}.img"
+        child.runtime = {
+            "shape": dict(source.runtime["shape"]),
+            "disks": [[d.serial, str(d.path), d.readonly] for d in _with_rw(source, rw)],
+            "mac": mac_of(cid),
+            "accel": self.accel,
+            "disk_id": cid,
+            "from": f"fork {source.sandbox_id}",
+        }
+        async with self._starting:  # CPU-bound under TCG: children take turns, as creates do
+            try:
+                await asyncio.to_thread(rw.unlink, True)  # a new inode: never one a QEMU holds
+                await asyncio.to_thread(sparse_copy, work / "rw.img", rw)
+                t1 = time.perf_counter()
+                memory = qemu.Memory("file", work / "ram", share=False)
+                await self._launch(child, memory, restore_from=work / "vmstate", ignore_shared=True)
+                if self.network is not None:
+                    await self._attach_network(child)
+                t2 = time.perf_counter()
+                conn = await self.channels.connect(cid)
+                t3 = time.perf_counter()
+                # Applied before anything else the channel carries (aether reads in order).
+                await conn.sync_guest(guest_channel.fork_sync(child))
+            except BaseException:
+                await self.destroy(child)
+                raise
+        times = {
+            "disk_ms": (t1 - t0) * 1000,
+            "qemu_ms": (t2 - t1) * 1000,
+            "hello_ms": (t3 - t2) * 1000,
+        }
+        self._log_start(child, t0, times)
+
     # ------------------------------------------------------------- restart
 
     async def adopt(self, rec: SandboxRecord) -> bool:
@@ -742,6 +947,9 @@ class MicrovmBackend:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 removed.append(vm_id)
+        # A fork's directory outlives only a fork that an edge crash interrupted.
+        for d in list(self.forks.iterdir()):
+            await asyncio.to_thread(shutil.rmtree, d, True)
         files = [p.name for d in (self.disks, self.paused, self.sockets) for p in d.iterdir()]
         ids = {n.rsplit(".", 1)[0] for n in files if not n.startswith(".") and "." in n}
         for vm_id in sorted(ids - keep - self._adopted):
@@ -776,7 +984,7 @@ class MicrovmBackend:
     # ------------------------------------------------------------- disk usage
 
     def disk_paths(self) -> list[Path]:
-        return [self.disks, self.paused, self.templates.root]
+        return [self.disks, self.paused, self.forks, self.templates.root]
 
     def disk_allocations(self) -> Allocations:
         out: Allocations = {}
@@ -789,6 +997,28 @@ class MicrovmBackend:
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _rw_disk(rec: SandboxRecord) -> Path:
+    """The sandbox's writable disk (its file keeps the name it was made under)."""
+    return next(Path(p) for serial, p, _ in rec.runtime["disks"] if serial == "rw")
+
+
+def _with_rw(rec: SandboxRecord, rw: Path) -> list[qemu.Disk]:
+    """The sandbox's disks, in their order (a snapshot loads only into the same devices), the
+    writable one replaced by `rw`."""
+    return [
+        qemu.Disk(serial, rw if serial == "rw" else Path(p), bool(ro))
+        for serial, p, ro in rec.runtime["disks"]
+    ]
+
+
+async def _release(conn: AetherConnection, timeout_s: float) -> None:
+    """A channel held over a stall is judged by its keepalive again; a guest that does not
+    answer at once is not ended here: the keepalive closes a silent channel and the keeper
+    then asks whether the guest still runs (edge/backends/channels.py)."""
+    with contextlib.suppress(Unavailable):
+        await conn.release(timeout_s)
 
 
 def _control(state: str, detail: str) -> Control:

@@ -220,8 +220,12 @@ async def save(qmp: Qmp, path: Path, *, ignore_shared: bool, timeout_s: float = 
     await _wait_for(qmp, "query-migrate", ("completed",), ("failed", "cancelled"), timeout_s)
 
 
-async def restore(qmp: Qmp, path: Path, *, ignore_shared: bool, timeout_s: float = 120.0) -> None:
-    """Load `path` into a QEMU started with `-incoming defer`, then let the guest run."""
+async def restore(
+    qmp: Qmp, path: Path, *, ignore_shared: bool, start: bool = True, timeout_s: float = 120.0
+) -> None:
+    """Load `path` into a QEMU started with `-incoming defer`, then let the guest run (unless
+    not `start`: a fork's helper only loads a state to save it again). A state saved from a
+    stopped guest loads as "paused" (QEMU restores the run state it was saved in)."""
     await qmp.execute(
         "migrate-set-capabilities",
         capabilities=[{"capability": "x-ignore-shared", "state": ignore_shared}],
@@ -229,6 +233,10 @@ async def restore(qmp: Qmp, path: Path, *, ignore_shared: bool, timeout_s: float
     await qmp.execute("migrate-incoming", uri="exec:cat " + shlex.quote(str(path)))
     await _wait_for(qmp, "query-status", ("paused", "running", "postmigrate"), (), timeout_s)
     status = await qmp.execute("query-status")
+    if not start:
+        if status.get("status") == "running":
+            raise QmpError(f"{path} was saved from a running guest: it ran on after its load")
+        return
     if status.get("status") != "running":
         await qmp.execute("cont")
 
