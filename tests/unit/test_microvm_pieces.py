@@ -1,6 +1,6 @@
 """The microVM backend's host-side pieces that need no guest: the console's reading of a
-guest's last words, the initramfs archive, the module order, and the QEMU command line that a
-snapshot must find unchanged."""
+guest's last words, the initramfs archive, the module order, the QEMU command line that a
+snapshot must find unchanged, and what a fork's child is told and given."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from edge.backends import guest_channel
 from edge.backends.guest_console import Console
 from edge.backends.microvm import guest, qemu
+from edge.backends.microvm.vm import disks_with_writable
+from edge.model import SandboxRecord, SandboxSpec
 
 PANIC_TAIL = b"""[    4.38] Kernel panic - not syncing: sysrq triggered crash\r
 [    4.38] CPU: 0 PID: 131 Comm: sh Not tainted 6.1.0-57-cloud-amd64\r
@@ -103,3 +106,47 @@ def test_a_clone_has_its_template_s_devices_in_the_same_order() -> None:
     assert "share=on" in " ".join(template) and "share=off" in " ".join(clone)
     assert clone[-2:] == ["-incoming", "defer"]
     assert "tap,id=net0,fd=7" in clone and "hubport,id=net0,hubid=0" in template
+
+
+def _child(sandbox_id: str, net: dict[str, object] | None) -> SandboxRecord:
+    rec = SandboxRecord(sandbox_id, "p", "u", SandboxSpec(backend="MICROVM"), "e")
+    if net is not None:
+        rec.runtime["net"] = net
+    return rec
+
+
+def test_a_fork_child_is_told_its_own_identity_and_address() -> None:
+    net = {"mac": "02:aa:bb:cc:dd:ee", "address": "10.9.0.7", "prefix_len": 16}
+    a = guest_channel.fork_sync(
+        _child("sb-child1", {**net, "gateway": "10.9.0.1", "dns": "10.9.0.1"})
+    )
+    assert a.hostname == "sb-child1"
+    assert a.files["/etc/hostname"] == "sb-child1\n"
+    assert "127.0.1.1\tsb-child1" in a.files["/etc/hosts"]
+    assert a.files["/etc/resolv.conf"] == "nameserver 10.9.0.1\n"
+    assert (a.network.address, a.network.prefix_len, a.network.gateway) == (
+        "10.9.0.7",
+        16,
+        "10.9.0.1",
+    )
+    assert a.network.mac == "02:aa:bb:cc:dd:ee"
+    b = guest_channel.fork_sync(_child("sb-child2", None))
+    assert b.hostname == "sb-child2" and not b.HasField("network")
+    assert "/etc/resolv.conf" not in b.files
+    # every child its own entropy and the clock of its start
+    assert a.entropy != b.entropy and len(a.entropy) == 64 and b.clock_unix_ns > 0
+
+
+def test_a_fork_child_has_the_source_s_disks_in_order_but_its_own_writable_one() -> None:
+    src = _child("sb-src", None)
+    src.runtime["disks"] = [
+        ["rw", "/s/rw/w-1.img", False],
+        ["tk", "/tk.erofs", True],
+        ["l0", "/l0", True],
+    ]
+    disks = disks_with_writable(src, Path("/s/rw/sb-kid.img"))
+    assert [(d.serial, str(d.path), d.readonly) for d in disks] == [
+        ("rw", "/s/rw/sb-kid.img", False),
+        ("tk", "/tk.erofs", True),
+        ("l0", "/l0", True),
+    ]

@@ -64,9 +64,11 @@ from edge.backends.microvm.templates import Templates, build_template, template_
 from edge.backends.microvm.vm import (
     Shape,
     Vm,
+    disks_with_writable,
     is_our_qemu,
     mac_of,
     our_qemus,
+    writable_disk,
     write_back,
 )
 from edge.backends.microvm.vm import disk_id as disk_id_of
@@ -749,7 +751,7 @@ class MicrovmBackend:
                             reason="FORK_SOURCE_LOST",
                         )
                     stall = 0.0
-                    await asyncio.to_thread(sparse_copy, _rw_disk(source), work / "rw.img")
+                    await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
                     await self._share_memory(source, saved, work)
                 elif vm is not None and vm.alive:
                     stall, conn = await self._capture(source, vm, work)
@@ -802,7 +804,7 @@ class MicrovmBackend:
             await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
             # QEMU drained and flushed the disk at the stop: the file is the guest's disk as
             # of the saved memory (its page cache is in that memory).
-            await asyncio.to_thread(sparse_copy, _rw_disk(source), work / "rw.img")
+            await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
         finally:
             try:
                 # After a completed migration QEMU reactivates its block devices at `cont`.
@@ -820,7 +822,7 @@ class MicrovmBackend:
         running the guest."""
         hid = f"fork-{work.name.rsplit('.', 1)[-1]}"
         shape = Shape(**source.runtime["shape"])
-        disks = _with_rw(source, work / "rw.img")
+        disks = disks_with_writable(source, work / "rw.img")
         tap = None
         if self.network is not None:
             # The source's NIC is a tap's (vnet headers): its state loads only onto a tap.
@@ -873,7 +875,7 @@ class MicrovmBackend:
         rw = self.disks / f"{cid}.img"
         child.runtime = {
             "shape": dict(source.runtime["shape"]),
-            "disks": [[d.serial, str(d.path), d.readonly] for d in _with_rw(source, rw)],
+            "disks": [[d.serial, str(d.path), d.readonly] for d in disks_with_writable(source, rw)],
             "mac": mac_of(cid),
             "accel": self.accel,
             "disk_id": cid,
@@ -997,20 +999,6 @@ class MicrovmBackend:
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def _rw_disk(rec: SandboxRecord) -> Path:
-    """The sandbox's writable disk (its file keeps the name it was made under)."""
-    return next(Path(p) for serial, p, _ in rec.runtime["disks"] if serial == "rw")
-
-
-def _with_rw(rec: SandboxRecord, rw: Path) -> list[qemu.Disk]:
-    """The sandbox's disks, in their order (a snapshot loads only into the same devices), the
-    writable one replaced by `rw`."""
-    return [
-        qemu.Disk(serial, rw if serial == "rw" else Path(p), bool(ro))
-        for serial, p, ro in rec.runtime["disks"]
-    ]
 
 
 async def _release(conn: AetherConnection, timeout_s: float) -> None:

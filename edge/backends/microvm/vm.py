@@ -96,6 +96,20 @@ def disk_id(rec: SandboxRecord) -> str:
     return str(rec.runtime.get("disk_id") or rec.sandbox_id)
 
 
+def writable_disk(rec: SandboxRecord) -> Path:
+    """The sandbox's writable disk (its file keeps the name it was made under)."""
+    return next(Path(p) for serial, p, _ in rec.runtime["disks"] if serial == "rw")
+
+
+def disks_with_writable(rec: SandboxRecord, rw: Path) -> list[qemu.Disk]:
+    """The sandbox's disks in their order (a snapshot loads only into the same devices), the
+    writable one replaced by `rw` (a fork's copy of it)."""
+    return [
+        qemu.Disk(serial, rw if serial == "rw" else Path(p), bool(ro))
+        for serial, p, ro in rec.runtime["disks"]
+    ]
+
+
 def cpu_quota_us(spec: SandboxSpec) -> int:
     return max(1000, spec.cpu_millis * CPU_PERIOD_US // 1000)
 
