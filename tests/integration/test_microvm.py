@@ -2,8 +2,9 @@
 
 Pause to disk and back many times (also right after a call and in the middle of one), template
 clones that each become their own sandbox, a guest kernel's panic and its running out of memory,
-the shape bounds of an edge, a paused guest across an edge crash, what an operator sees, and the
-cold-boot path (templates off).
+the shape bounds of an edge, a paused guest across an edge crash, what an operator sees, the
+cold-boot path (templates off), and forks (a running guest 8 ways, every process continuing in
+every child; a paused one; a child's child).
 
 Not here: a running guest taken back by a restarted edge (the conformance suite has it); an
 image whose layer is a directory (the public path cannot make one: flat `<name>.rootfs` images
@@ -39,7 +40,7 @@ import pytest
 
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
-from libdsec import Client, Output, Sandbox
+from libdsec import Client, ForkResult, NetworkPolicy, Output, Sandbox
 from libdsec.errors import DSecError, InvalidArgument
 from tests.conftest import print_log_tails
 from tests.helpers import dsec_status, sandbox_factory, wait_for
@@ -426,6 +427,152 @@ def test_node_status_and_dsec_status_show_the_microvm_accelerator(lab: Lab) -> N
         )
         == 2
     ), printed
+
+
+# ------------------------------------------------------------------ fork
+
+#: The toolkit's Python, which aether runs on (edge/backends/microvm/init.sh): a busybox guest
+#: (the module's template) can run a Python program without an image of its own.
+PY = "/.dsec/lib/ld-linux-x86-64.so.2 --library-path /.dsec/lib /.dsec/bin/python3.11 -I -S"
+
+#: A counter held only in a Python process's memory, behind a listening socket, with an open
+#: file: each connection may increment it and gets back its value and the guest's hostname;
+#: every answer is appended to the file the process keeps open.
+COUNTER = """
+import socket
+log = open("/work/served.log", "a")
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7000))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    if c.recv(64).strip() == b"inc":
+        n += 1
+    log.write(f"{n}\\n")
+    log.flush()
+    c.sendall(f"{n} {socket.gethostname()}".encode())
+    c.close()
+"""
+
+
+def _counter(sb: Sandbox, command: str = "get") -> tuple[int, str]:
+    """(the counter process's value, the hostname it sees), after `command` (inc: +1)."""
+    out = sb.run(f"echo {command} | nc -w 5 127.0.0.1 7000", timeout_s=30).text.split()
+    return int(out[0]), out[1]
+
+
+def _serve_counter(sb: Sandbox, increments: int) -> None:
+    sb.files.write("/work/counter.py", COUNTER)
+    sb.start(f"{PY} /work/counter.py")
+    assert wait_for(lambda: _answers(sb), timeout_s=30)
+    for _ in range(increments):
+        _counter(sb, "inc")
+
+
+def _answers(sb: Sandbox) -> bool:
+    return sb.run("echo get | nc -w 2 127.0.0.1 7000", timeout_s=30).text != ""
+
+
+def _inet(sb: Sandbox) -> list[str]:
+    """The guest's IPv4 addresses on its NIC."""
+    return sb.run("ip -4 -o addr show dev eth0 | awk '{print $4}'").text.split()
+
+
+@pytest.fixture
+def fork(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Callable[..., ForkResult]]:
+    """`fork(sb, n, **options)`: `sb.fork(n, ...)`, its children always stopped afterwards;
+    on failure their consoles are printed (the `make` fixture prints the sources')."""
+    results: list[ForkResult] = []
+
+    def do(sb: Sandbox, n: int, **kw: Any) -> ForkResult:
+        result = sb.fork(n, **kw)
+        results.append(result)
+        return result
+
+    yield do
+    children = [c for r in results for c in r.sandboxes]
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for sb in children:
+            console = lab.state_dir(TEMPLATED) / "logs" / f"{sb.id}.console"
+            if console.exists():
+                print(f"----- console of fork child {sb.id} ({console})")
+                print(console.read_bytes()[-6000:].decode(errors="replace"))
+    for sb in children:
+        try:
+            sb.stop(grace_s=0.5)
+        except DSecError:
+            pass  # already gone
+
+
+def test_a_fork_8_ways_continues_every_process_from_one_state_and_diverges(
+    make: Make, fork: Callable[..., ForkResult], lab: Lab
+) -> None:
+    source = make(network=NetworkPolicy(allow=["192.0.2.1:443"]))
+    _serve_counter(source, increments=3)
+    source.files.write("/work/before.txt", "before the fork")
+    [source_address] = _inet(source)
+
+    result = fork(source, 8)
+    assert result.kind == "memory" and not result.errors, result.errors
+    assert len(result.children) == 8 and result.sandboxes == result.children
+    assert 0 < result.stall_s < 5, result.stall_s  # measured here: ~0.15 s
+    children = result.sandboxes
+    assert len({c.id for c in children} | {source.id}) == 9
+    addresses = {source_address}
+    for i, child in enumerate(children):
+        info = child.refresh()
+        assert (info.state, info.forked_from, info.edge_id) == ("RUNNING", source.id, TEMPLATED)
+        assert _start_log(lab, TEMPLATED, child.id)["from"] == f"fork {source.id}"
+        # the process went on from the fork's instant, in a guest that is now the child
+        assert _counter(child) == (3, child.id)
+        assert child.run("hostname; cat /etc/hostname").text == f"{child.id}\n{child.id}\n"
+        assert child.files.read("/work/before.txt") == b"before the fork"
+        # its own address, and only it (the source's was replaced, not added to)
+        [address] = _inet(child)
+        assert address not in addresses, (address, addresses)
+        addresses.add(address)
+        for _ in range(i + 1):  # each child its own number of increments
+            _counter(child, "inc")
+        child.files.write("/work/mine.txt", child.id)
+    for i, child in enumerate(children):
+        assert _counter(child) == (3 + i + 1, child.id)
+        assert child.files.read("/work/mine.txt") == child.id.encode()  # no sibling's write
+        # the file the process kept open is the child's own, written on from the fork's
+        served = child.files.read("/work/served.log").decode().split()
+        assert served[-(i + 3) :] == ["3", *map(str, range(4, 4 + i + 1)), str(3 + i + 1)]
+    # The source is unaffected: running, its state as at the fork, no child's file.
+    assert source.refresh().state == "RUNNING"
+    assert _counter(source) == (3, source.id)
+    assert not source.files.exists("/work/mine.txt")
+    assert _inet(source) == [source_address]
+
+
+def test_children_of_a_paused_source_and_a_child_of_a_child(
+    make: Make, fork: Callable[..., ForkResult]
+) -> None:
+    source = make()
+    _serve_counter(source, increments=2)
+    assert source.pause().state == "PAUSED"
+
+    result = fork(source, 2)
+    assert result.kind == "memory" and not result.errors, result.errors
+    assert result.stall_s == 0.0  # a paused source does not run: nothing stood still
+    assert source.refresh().state == "PAUSED"  # and stays paused
+    first, second = result.sandboxes
+    assert _counter(first, "inc") == (3, first.id)
+    assert _counter(second) == (2, second.id)
+
+    [grandchild] = fork(first, 1).sandboxes
+    assert grandchild.refresh().forked_from == first.id
+    assert _counter(grandchild, "inc") == (4, grandchild.id)
+    assert _counter(first) == (3, first.id)
+    assert first.refresh().state == "RUNNING"
+
+    assert source.resume().state == "RUNNING"
+    assert _counter(source) == (2, source.id)
 
 
 # ------------------------------------------------------------------ edge restart (last: the
