@@ -481,12 +481,12 @@ def _inet(sb: Sandbox) -> list[str]:
 
 
 @pytest.fixture
-def fork(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Callable[..., ForkResult]]:
+def fork(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Callable[..., ForkResult[Sandbox]]]:
     """`fork(sb, n, **options)`: `sb.fork(n, ...)`, its children always stopped afterwards;
     on failure their consoles are printed (the `make` fixture prints the sources')."""
-    results: list[ForkResult] = []
+    results: list[ForkResult[Sandbox]] = []
 
-    def do(sb: Sandbox, n: int, **kw: Any) -> ForkResult:
+    def do(sb: Sandbox, n: int, **kw: Any) -> ForkResult[Sandbox]:
         result = sb.fork(n, **kw)
         results.append(result)
         return result
@@ -508,7 +508,7 @@ def fork(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Callable[..., For
 
 
 def test_a_fork_8_ways_continues_every_process_from_one_state_and_diverges(
-    make: Make, fork: Callable[..., ForkResult], lab: Lab
+    make: Make, fork: Callable[..., ForkResult[Sandbox]], lab: Lab
 ) -> None:
     source = make(network=NetworkPolicy(allow=["192.0.2.1:443"]))
     _serve_counter(source, increments=3)
@@ -550,8 +550,8 @@ def test_a_fork_8_ways_continues_every_process_from_one_state_and_diverges(
     assert _inet(source) == [source_address]
 
 
-def test_children_of_a_paused_source_and_a_child_of_a_child(
-    make: Make, fork: Callable[..., ForkResult]
+def test_a_fork_of_a_paused_source_leaves_it_paused_and_a_child_forks_too(
+    make: Make, fork: Callable[..., ForkResult[Sandbox]]
 ) -> None:
     source = make()
     _serve_counter(source, increments=2)
