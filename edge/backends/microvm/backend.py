@@ -14,6 +14,8 @@ A sandbox's guest (see docs/ARCHITECTURE.md, "MicroVM sandboxes"):
 - pauses to disk: QEMU saves the guest (RAM and devices) to local disk and exits, so the host
   gets its memory back; resume restores it in a new QEMU. Any call resumes it first (the
   manager's touch);
+- forks (ForkSandbox): its memory, devices and disk of one instant become a template of their
+  own, from which every child is restored as a clone and then told its own identity (fork);
 - runs as its own QEMU process in its own cgroups (cpu quota of the sandbox's cpu, memory of
   guest RAM + QEMU's overhead, pids), outliving an edge restart: the edge takes it back from its
   record (pid, sockets) and cleans up QEMU processes, disks and cgroups no record owns.
@@ -102,6 +104,9 @@ MMIO_SLOTS = 24
 FIXED_DEVICES = 4
 #: The QEMU cgroups' cpu period (us).
 CPU_PERIOD_US = 100_000
+#: A fork's source, continued, answers a Ping within this (it only stood still); after it the
+#: keepalive judges its channel as always (edge/aether_client.py).
+RELEASE_S = 5.0
 
 
 class MicrovmBackend:
@@ -738,6 +743,7 @@ class MicrovmBackend:
         work = self.forks / f"{sid}.{secrets.token_hex(4)}"
         t0 = time.perf_counter()
         conn: AetherConnection | None = None
+        running = False  # the source: captured running (else its pause's saved state)
         await asyncio.to_thread(work.mkdir, parents=True)
         try:
             async with self._lock(sid):
@@ -754,16 +760,17 @@ class MicrovmBackend:
                     await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
                     await self._share_memory(source, saved, work)
                 elif vm is not None and vm.alive:
+                    running = True
                     stall, conn = await self._capture(source, vm, work)
                 else:
                     raise FailedPrecondition(
                         f"sandbox {sid} has no running guest to fork",
                         reason="FORK_SOURCE_LOST",
                     )
-            if not (work / "vmstate").exists():  # captured from the running source
+            if running:  # the source runs again: its state is made shareable meanwhile
                 async with asyncio.TaskGroup() as tg:
                     if conn is not None:
-                        tg.create_task(_release(conn, self.ready_timeout_s))
+                        tg.create_task(_release(conn, RELEASE_S))
                     tg.create_task(self._share_memory(source, work / "full.state", work))
                 await asyncio.to_thread((work / "full.state").unlink)
             t1 = time.perf_counter()
@@ -772,6 +779,8 @@ class MicrovmBackend:
                 return_exceptions=True,
             )
         finally:
+            if conn is not None and conn.held:  # the capture's stall ended, whatever failed
+                await _release(conn, RELEASE_S)
             await asyncio.to_thread(shutil.rmtree, work, True)
         errors: list[Exception | None] = []
         for r in results:
@@ -801,18 +810,18 @@ class MicrovmBackend:
             conn.hold()  # stopped, its aether answers no ping: not a death
         t0 = time.perf_counter()
         try:
-            await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
-            # QEMU drained and flushed the disk at the stop: the file is the guest's disk as
-            # of the saved memory (its page cache is in that memory).
-            await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
-        finally:
             try:
+                await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
+                # QEMU drained and flushed the disk at the stop: the file is the guest's disk
+                # as of the saved memory (its page cache is in that memory).
+                await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
+            finally:
                 # After a completed migration QEMU reactivates its block devices at `cont`.
                 await vm.qmp.execute("cont")
-            except BaseException:
-                if conn is not None:
-                    await _release(conn, 1.0)  # judged by its keepalive again
-                raise
+        except BaseException:
+            if conn is not None:
+                await _release(conn, RELEASE_S)  # judged by its keepalive again
+            raise
         return time.perf_counter() - t0, conn
 
     async def _share_memory(self, source: SandboxRecord, state: Path, work: Path) -> None:
