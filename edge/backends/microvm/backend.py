@@ -728,10 +728,10 @@ class MicrovmBackend:
         run (each maps the RAM file privately, as a template's clone does; the mapping
         outlives the file).
 
-        1. Capture. A running source is stopped, saved with all of its RAM (a clone maps its
-           RAM share=off, which x-ignore-shared does not skip) and its disk copied while it
-           stands still, then continued: its agent channel stays connected, held (a stopped
-           aether answers no ping) only for the stall. A paused source already is its saved
+        1. Capture. A running source is saved with all of its RAM (a clone maps its RAM
+           share=off, which x-ignore-shared does not skip) live, stopped only for the last
+           pages (qemu.save_live), its disk copied while it stands still, then continued: its
+           agent channel stays connected, held (a stopped aether answers no ping). A paused source already is its saved
            state and disk; it stays paused.
         2. Share. A helper QEMU loads that state into a share=on RAM file, without running it,
            and saves only its devices (x-ignore-shared): the template layout, `ram` + `vmstate`.
@@ -804,14 +804,15 @@ class MicrovmBackend:
     ) -> tuple[float, AetherConnection | None]:
         """The running source's RAM and devices into `work/full.state` and its disk into
         `work/rw.img`, of one instant; the source runs again before this returns. Returns
-        the stall (seconds it stood still) and its held channel (the caller releases it)."""
+        the stall (seconds it stood still: the save's last part, the disk copy, `cont`) and
+        its held channel (the caller releases it)."""
         conn = self.channels.get(source.sandbox_id)
         if conn is not None:
             conn.hold()  # stopped, its aether answers no ping: not a death
-        t0 = time.perf_counter()
         try:
             try:
-                await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
+                # Written while the guest runs, but the last part: it stands still for that.
+                stopped_at = await qemu.save_live(vm.qmp, work / "full.state")
                 # QEMU drained and flushed the disk at the stop: the file is the guest's disk
                 # as of the saved memory (its page cache is in that memory).
                 await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
@@ -822,7 +823,7 @@ class MicrovmBackend:
             if conn is not None:
                 await _release(conn, RELEASE_S)  # judged by its keepalive again
             raise
-        return time.perf_counter() - t0, conn
+        return time.perf_counter() - stopped_at, conn
 
     async def _share_memory(self, source: SandboxRecord, state: Path, work: Path) -> None:
         """`state` (devices and all of RAM) as a template: `work/ram` (the RAM, a file) and
@@ -846,6 +847,7 @@ class MicrovmBackend:
                 str(source.runtime["mac"]),
                 incoming=True,
                 tap_fd=tap,
+                paused=True,  # the state may be a live save's (of a running guest)
             )
         except BaseException:
             await self._remove_helper_netns(hid)
