@@ -11,9 +11,11 @@ image and shape, made with one `create_many`:
 - host memory of the 16: the PSS of their QEMU processes (a fork's children and a template's
   clones share the RAM file they map copy-on-write: PSS splits it) and the sum of their memory
   cgroups' usage (what each is charged: the pages it wrote, its QEMU);
-- the source's stall: `ForkResult.stall_s` (stop to `cont`, as the edge measured it) and, from
+- the source's stall: `ForkResult.stall_s` (stop to `cont`, as the edge measured it: the
+  source is saved live, stopped only for the last pages and its disk's copy) and, from
   outside, the longest `run("true")` round trip on the source while the fork ran (a thread
-  calls it back to back; the guest's own clocks stop with it, so it cannot time itself);
+  calls it back to back; the guest's own clocks stop with it, so it cannot time itself; the
+  save's dirty tracking and the fork's other work on this 2-core machine slow it meanwhile);
 - every child checked: the dirtied data's checksum is the source's (a broken fork is an error,
   not a figure).
 
@@ -201,12 +203,16 @@ def section_microvm(b: Bench, n: int, guest_mb: int, dirty_mb: int) -> None:
         mem_rows,
     )
     stall_s, longest_s, calls = result
+    assert isinstance(stall_s, float) and isinstance(longest_s, float)
     table(
         "microVM: the source's stall",
-        ["what", "s"],
+        ["what", "ms"],
         [
-            ["stop -> cont (ForkResult.stall_s)", stall_s],
-            [f"longest run('true') on the source during the fork ({calls} calls)", longest_s],
+            ["stop -> cont (ForkResult.stall_s)", round(stall_s * 1000, 1)],
+            [
+                f"longest run('true') on the source during the fork ({calls} calls)",
+                round(longest_s * 1000, 1),
+            ],
         ],
     )
     print(
