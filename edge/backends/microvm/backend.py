@@ -105,7 +105,8 @@ FIXED_DEVICES = 4
 #: The QEMU cgroups' cpu period (us).
 CPU_PERIOD_US = 100_000
 #: A fork's source, continued, answers a Ping within this (it only stood still); after it the
-#: keepalive judges its channel as always (edge/aether_client.py).
+#: keepalive judges its channel as always (edge/aether_client.py: a starved guest has its 20 s
+#: of silence). Not used for a paused source (nothing was held).
 RELEASE_S = 5.0
 
 

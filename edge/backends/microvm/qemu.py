@@ -37,9 +37,12 @@ logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 #: The default migration bandwidth (128 MiB/s) would throttle a save; this is "unlimited".
 MAX_BANDWIDTH = 100 << 30
-#: A live save (save_live) stops the guest once what is left to write fits in this (ms) ...
+#: A live save (save_live, a fork's) stops the guest once what is left to write fits in this
+#: (ms) ...
 LIVE_DOWNTIME_MS = 50
-#: ... or, when its guest dirties RAM faster than it converges, after this long (s).
+#: ... or, when its guest dirties RAM faster than it is written, after this long (s): the rest
+#: is then the stall. Never runs for a paused guest (its pause's state is used); a starved
+#: guest dirties less and converges sooner.
 LIVE_CONVERGE_S = 3.0
 
 
