@@ -1,0 +1,122 @@
+"""What a container fork copies besides the files: the state dsec knows of its shell sessions.
+
+A container's processes cannot be copied on this kernel (CRIU fails on the vDSO: README,
+"Fork"), so a child gets the source's files and, for each of the source's chronus sessions, a
+new session in the same working directory with the same exported environment. Variables,
+functions and jobs that live only inside the source's shell are not copied.
+
+The state is read from the running source through its chronus: ListSessions gives each
+session's shell and cwd (chronus reads /proc/<shell>/cwd); `env -0` run in the session gives
+what the shell exports. A frozen source answers nothing, so a pause reads it just before the
+freeze and keeps it in the record (`rec.runtime["sessions"]`): what a fork of the paused source
+uses. A session busy with a command at that moment cannot be asked: its cwd is still known, its
+environment is then the one the child's new session starts with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsec.types.v1 import types_pb2
+from libdsec.errors import DSecError
+
+log = logging.getLogger(__name__)
+
+#: Where the state read at a pause is kept in the sandbox's runtime record.
+RECORD_KEY = "sessions"
+#: Set by the shell or by chronus in every session: copying them would be wrong (PWD follows the
+#: cwd, SHLVL and _ belong to the new shell) or pointless.
+_SHELL_OWN = frozenset({"_", "PWD", "OLDPWD", "SHLVL", "PS1", "PS2"})
+#: One call into the sandbox for the copy (a session's `env -0`, a session's creation).
+CALL_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SessionState:
+    session_id: str
+    shell: str
+    cwd: str
+    #: What the session's shell exports; None when it could not be asked (busy).
+    env: dict[str, str] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.session_id, "shell": self.shell, "cwd": self.cwd, "env": self.env}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionState:
+        env = d.get("env")
+        return cls(str(d["id"]), str(d.get("shell", "")), str(d.get("cwd", "")), env)
+
+
+def parse_env(output: bytes) -> dict[str, str]:
+    """`env -0` output -> the variables a copy of the session must export."""
+    env: dict[str, str] = {}
+    for item in output.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if not sep or not name:
+            continue
+        key = name.decode(errors="replace")
+        if key not in _SHELL_OWN:
+            env[key] = value.decode(errors="surrogateescape")
+    return env
+
+
+async def capture(channel: Any, sandbox_id: str) -> list[SessionState]:
+    """The sessions of a running sandbox, each with its cwd and exported environment."""
+    listed = await channel.unary(
+        "list_sessions",
+        types_pb2.ListSessionsRequest(sandbox_id=sandbox_id),
+        timeout_s=CALL_TIMEOUT_S,
+    )
+    out = []
+    for s in listed.sessions:
+        env: dict[str, str] | None = None
+        try:
+            result = await channel.unary(
+                "exec",
+                types_pb2.ExecRequest(
+                    sandbox_id=sandbox_id,
+                    session_id=s.session_id,
+                    command="env -0",
+                    timeout_s=CALL_TIMEOUT_S,
+                ),
+                timeout_s=CALL_TIMEOUT_S + 5,
+            )
+            if result.exit.exit_code == 0:
+                env = parse_env(result.stdout)
+        except DSecError as exc:  # SESSION_BUSY: a command runs in it
+            log.info("session %s of %s: environment not read: %s", s.session_id, sandbox_id, exc)
+        out.append(SessionState(s.session_id, s.shell, s.cwd, env))
+    return out
+
+
+async def restore(channel: Any, sandbox_id: str, sessions: list[SessionState]) -> list[str]:
+    """Start, in a new sandbox, a session per captured one (same shell, cwd, environment);
+    returns the new sessions' ids in the same order."""
+    ids = []
+    for s in sessions:
+        created = await channel.unary(
+            "create_session",
+            types_pb2.CreateSessionRequest(
+                sandbox_id=sandbox_id, shell=s.shell, cwd=s.cwd, env=s.env or {}
+            ),
+            timeout_s=CALL_TIMEOUT_S,
+        )
+        ids.append(created.session.session_id)
+    return ids
+
+
+async def capture_quietly(
+    channel_of: Callable[[], Any], sandbox_id: str
+) -> list[SessionState] | None:
+    """`capture`, or None (logged) when the sandbox cannot answer in time or has no channel
+    (re-adopted after an edge restart, not yet reconnected): a pause goes on without it."""
+    try:
+        return await asyncio.wait_for(capture(channel_of(), sandbox_id), CALL_TIMEOUT_S)
+    except (DSecError, TimeoutError) as exc:
+        log.warning("sessions of %s not recorded: %s", sandbox_id, exc)
+        return None
