@@ -2,8 +2,10 @@
 
 A container's processes cannot be copied on this kernel (CRIU fails on the vDSO: README,
 "Fork"), so a child gets the source's files and, for each of the source's chronus sessions, a
-new session in the same working directory with the same exported environment. Variables,
-functions and jobs that live only inside the source's shell are not copied.
+new session under the same id (chronus's RestoreSession, an edge-only call), in the same working
+directory, with the same exported environment. Unexported variables, functions, aliases and
+jobs live only inside the source's shell and are not copied; neither is the removal of a
+variable the sandbox's environment has (the child's new shell starts with it again).
 
 The state is read from the running source through its chronus: ListSessions gives each
 session's shell and cwd (chronus reads /proc/<shell>/cwd); `env -0` run in the session gives
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.chronus.v1 import chronus_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError
 
@@ -94,20 +97,20 @@ async def capture(channel: Any, sandbox_id: str) -> list[SessionState]:
     return out
 
 
-async def restore(channel: Any, sandbox_id: str, sessions: list[SessionState]) -> list[str]:
-    """Start, in a new sandbox, a session per captured one (same shell, cwd, environment);
-    returns the new sessions' ids in the same order."""
-    ids = []
+async def restore(channel: Any, sandbox_id: str, sessions: list[SessionState]) -> None:
+    """Start, in a new sandbox, a session per captured one: same id, shell, cwd and
+    environment (chronus's RestoreSession)."""
     for s in sessions:
-        created = await channel.unary(
-            "create_session",
-            types_pb2.CreateSessionRequest(
-                sandbox_id=sandbox_id, shell=s.shell, cwd=s.cwd, env=s.env or {}
+        await channel.unary(
+            "restore_session",
+            chronus_pb2.RestoreSessionRequest(
+                session=types_pb2.CreateSessionRequest(
+                    sandbox_id=sandbox_id, shell=s.shell, cwd=s.cwd, env=s.env or {}
+                ),
+                session_id=s.session_id,
             ),
             timeout_s=CALL_TIMEOUT_S,
         )
-        ids.append(created.session.session_id)
-    return ids
 
 
 async def capture_quietly(
