@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge.layers.tree import CopyStats, copy_tree
+from edge.layers.tree import CopyStats, copy_tree, precopy, resync
 from edge.runtime import cgroups, disk, seccomp_bpf
 from edge.runtime.bundle import (
     NOFILE,
@@ -487,8 +487,10 @@ class RuncRuntime:
     def capture_upper(self, sandbox_id: str, *, freeze: bool) -> tuple[Path, CopyStats, float]:
         """Copy the sandbox's writable layer, all of it (whiteouts, opaque directories, /tmp),
         into a new directory beside the writable layers: (that directory, the copy's figures,
-        the seconds the sandbox stood frozen). With `freeze` the sandbox is frozen for the
-        copy only and thawed right after (a paused sandbox is frozen already: pass False).
+        the seconds the sandbox stood frozen). With `freeze` the layer is copied while the
+        sandbox runs, then the sandbox is frozen while the copy is brought up to date (what
+        changed meanwhile is copied again: edge.layers.tree.resync) and thawed right after;
+        a paused sandbox (frozen already: pass False) is copied in one pass.
 
         overlayfs bookkeeping xattrs (origin, impure) are dropped: they name file handles of
         this sandbox's mount; the opaque mark is kept. The caller removes the directory."""
@@ -498,15 +500,17 @@ class RuncRuntime:
         dest = self.rw_dir / f"{FORK_CAPTURE_PREFIX}{sandbox_id}-{os.urandom(4).hex()}"
         stall = 0.0
         try:
+            if not freeze:
+                return dest, copy_tree(upper, dest), 0.0
+            since_ns = time.time_ns()
+            seen = precopy(upper, dest)
             t0 = time.perf_counter()
-            if freeze:
-                self.pause(sandbox_id)
+            self.pause(sandbox_id)
             try:
-                stats = copy_tree(upper, dest)
+                stats = resync(upper, dest, seen, since_ns)
             finally:
-                if freeze:
-                    self.resume(sandbox_id)
-                    stall = time.perf_counter() - t0
+                self.resume(sandbox_id)
+                stall = time.perf_counter() - t0
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
