@@ -12,7 +12,8 @@ session's shell and cwd (chronus reads /proc/<shell>/cwd); `env -0` run in the s
 what the shell exports. A frozen source answers nothing, so a pause reads it just before the
 freeze and keeps it in the record (`rec.runtime["sessions"]`): what a fork of the paused source
 uses. A session busy with a command at that moment cannot be asked: its cwd is still known, its
-environment is then the one the child's new session starts with.
+environment is then the one the child's new session starts with. The read is a command in the
+source's session: its `$?` and `$_` afterwards are those of `env -0`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ RECORD_KEY = "sessions"
 _SHELL_OWN = frozenset({"_", "PWD", "OLDPWD", "SHLVL", "PS1", "PS2"})
 #: One call into the sandbox for the copy (a session's `env -0`, a session's creation).
 CALL_TIMEOUT_S = 10.0
+#: What a pause waits for the sessions' state before it freezes without it. A paused sandbox
+#: is not asked (it is frozen); a slow one (0.01 cpu, swapping) may not answer in time: its
+#: pause is then late by this much and a fork of it gets no sessions; on a lost node there is
+#: no pause.
+PAUSE_READ_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -116,10 +122,11 @@ async def restore(channel: Any, sandbox_id: str, sessions: list[SessionState]) -
 async def capture_quietly(
     channel_of: Callable[[], Any], sandbox_id: str
 ) -> list[SessionState] | None:
-    """`capture`, or None (logged) when the sandbox cannot answer in time or has no channel
-    (re-adopted after an edge restart, not yet reconnected): a pause goes on without it."""
+    """`capture` for a pause, or None (logged) when the sandbox cannot answer within
+    PAUSE_READ_S or has no channel (re-adopted after an edge restart, not yet reconnected): the
+    pause goes on without it."""
     try:
-        return await asyncio.wait_for(capture(channel_of(), sandbox_id), CALL_TIMEOUT_S)
+        return await asyncio.wait_for(capture(channel_of(), sandbox_id), PAUSE_READ_S)
     except (DSecError, TimeoutError) as exc:
         log.warning("sessions of %s not recorded: %s", sandbox_id, exc)
         return None
