@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from apiserver import forking
 from apiserver.creation import Caller
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
@@ -374,6 +375,17 @@ class SandboxServicer(_Forwarder):
             timeout=DEFAULT_DEADLINE_S * 6,
         )
         return apiserver_pb2.ResumeSandboxResponse(sandbox=resp.sandbox)
+
+    async def ForkSandbox(
+        self, request: apiserver_pb2.ForkSandboxRequest, context: Any
+    ) -> apiserver_pb2.ForkSandboxResponse:
+        """On the source's edge, after reserving quota for every child (apiserver/forking.py)."""
+        who = await self.gw.caller(bearer_token(context))
+        try:
+            return await forking.fork(self.gw, who, request)
+        except (SandboxNotFound, Unavailable) as err:
+            await self._raise_explained(who, request.sandbox_id, err)
+            raise
 
     async def PackDiff(
         self, request: apiserver_pb2.PackDiffRequest, context: Any

@@ -31,6 +31,7 @@ from dsecctl.sandbox_files import cmd_cp
 from dsecctl.sandbox_inspect import cmd_list, cmd_logs, cmd_ps, cmd_show
 from dsecctl.sandbox_lifecycle import (
     add_create_parser,
+    cmd_fork,
     cmd_pack,
     cmd_pause_resume,
     cmd_stop,
@@ -183,6 +184,31 @@ def add_parser(sub: Any) -> None:
     label_option(sw)
     sw.add_argument("--json", action="store_true", help="one JSON object per line")
     sw.set_defaults(fn=cmd_watch)
+
+    sf = ssub.add_parser(
+        "fork", help="N copies of a running or paused sandbox at one instant, on its node"
+    )
+    sf.add_argument("sandbox_id", help="the source sandbox's id (sb-...)")
+    sf.add_argument("-n", "--count", type=int, default=1, help="how many children (1..64)")
+    sf.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="set on every child, over the source's labels (repeatable)",
+    )
+    sf.add_argument("--task", default="", help="the children's task id (default: the source's)")
+    sf.add_argument(
+        "--ttl-s", type=int, default=0, help="the children's TTL (default: the source's)"
+    )
+    sf.add_argument(
+        "--require-memory",
+        action="store_true",
+        help="refuse a files-only fork (containers) instead of making one",
+    )
+    json_option(sf, "print the kind, the source's stall and each child (or its error) as JSON")
+    sf.set_defaults(fn=cmd_fork)
 
     sp = ssub.add_parser("pack", help="checkpoint the writable layer as a new environment")
     sp.add_argument("sandbox_id", help="the sandbox's id (sb-...)")

@@ -310,6 +310,34 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fork(args: argparse.Namespace) -> int:
+    """One line per child (its id, or its error), then the kind and the source's stall on
+    stderr; exit 1 if any child failed."""
+    with client() as c:
+        group = c.get(args.sandbox_id).fork(
+            args.count,
+            labels=dict(args.label),
+            task_id=args.task,
+            ttl_s=args.ttl_s,
+            require_memory=args.require_memory,
+        )
+    children = [r if isinstance(r, DSecError) else r.info for r in group]
+    if args.json:
+        print_json({"kind": group.kind, "stall_s": group.stall_s, "children": children})
+    else:
+        for r in children:
+            if isinstance(r, DSecError):
+                print(f"error {type(r).__name__} [{r.reason}]: {r.message}")
+            else:
+                print(r.id)
+        print(
+            f"forked {len(group.sandboxes)} of {len(group)} ({group.kind}); the source stood "
+            f"still {group.stall_s * 1000:.0f} ms",
+            file=sys.stderr,
+        )
+    return 1 if group.errors else 0
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     with client() as c:
         env = c.get(args.sandbox_id).pack_diff(

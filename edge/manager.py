@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 from edge.admission import AccountingError, Admission, Capacity, Load
 from edge.backends.contract import (
+    ForkKind,
+    Forks,
     MemoryUsage,
     ModifiedFiles,
     NetworkPolicies,
@@ -46,6 +48,7 @@ from edge.reaper import Reaper
 from edge.records import RecordStore
 from libdsec.errors import (
     DSecError,
+    EdgeCapacity,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -64,6 +67,9 @@ T = TypeVar("T")
 ACTIONS = ("PAUSE", "RESUME", "STOP")
 #: Sandboxes one act_on works on at a time (each pause or stop is its own runtime call).
 ACT_CONCURRENCY = 8
+#: Children one ForkSandbox makes at most (E2B's bound per call is 100; each child is a full
+#: sandbox on the source's node).
+MAX_FORK_CHILDREN = 64
 
 
 class SandboxManager:
@@ -106,7 +112,7 @@ class SandboxManager:
         # Subscribers that only care about sandboxes ending (quota release):
         # the hot path of a burst does not copy records for them.
         self._end_subscribers: set[asyncio.Queue[SandboxRecord]] = set()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         #: One pause or resume at a time per sandbox (a burst of calls to a paused sandbox
         #: resumes it once).
         self._transitions: dict[str, asyncio.Lock] = {}
@@ -425,6 +431,152 @@ class SandboxManager:
             rec.last_active_at = time.time()
             self._set_state(rec, "RUNNING")
         return rec
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        child_ids: builtins.list[str],
+        principal_id: str,
+        *,
+        labels: dict[str, str],
+        task_id: str,
+        ttl_s: int,
+        require_memory: bool,
+    ) -> tuple[ForkKind, float, builtins.list[tuple[SandboxRecord, DSecError | None]]]:
+        """Copies of a running or paused sandbox at one instant: all children admitted or
+        none (EdgeCapacity, metadata "fits": how many would), then the backend captures the
+        source once and starts every child from it. Returns the fork's kind, how long the
+        source stood still, and per child its record and why it does not run (None: it
+        does). The source's transition lock is held throughout: no pause or resume of it
+        meanwhile, and it stays as it was."""
+        n = len(child_ids)
+        if not 1 <= n <= MAX_FORK_CHILDREN or len(set(child_ids)) != n:
+            raise InvalidArgument(
+                f"count must be 1..{MAX_FORK_CHILDREN} distinct children, got {n}",
+                reason="FORK_COUNT",
+                metadata={"field": "count", "max": str(MAX_FORK_CHILDREN)},
+            )
+        source = self.get_live(sandbox_id)
+        forks = require(self.backend_of(source), Forks)
+        if require_memory and forks.fork_kind is not ForkKind.MEMORY:
+            raise FailedPrecondition(
+                f"the {source.spec.backend} backend forks files only (not processes or "
+                "memory), and require_memory was set",
+                reason="FORK_MEMORY_UNAVAILABLE",
+                metadata={"backend": source.spec.backend, "fork_kind": forks.fork_kind.value},
+            )
+        await self._wait_ready(source)
+        # In a task of its own: a caller that goes away cannot leave children half made.
+        task = asyncio.create_task(
+            self._fork(source, forks, child_ids, principal_id, labels, task_id, ttl_s)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        kind, stall_s, out = await asyncio.shield(task)
+        return kind, stall_s, out
+
+    async def _fork(
+        self,
+        source: SandboxRecord,
+        forks: Forks,
+        child_ids: builtins.list[str],
+        principal_id: str,
+        labels: dict[str, str],
+        task_id: str,
+        ttl_s: int,
+    ) -> tuple[ForkKind, float, builtins.list[tuple[SandboxRecord, DSecError | None]]]:
+        sandbox_id = source.sandbox_id
+        async with self._transition(sandbox_id):
+            if source.state not in ("RUNNING", "PAUSED"):
+                self.get_live(sandbox_id)  # ended meanwhile: SandboxTerminated, with why
+                raise FailedPrecondition(
+                    f"sandbox {sandbox_id} is {source.state}: only a RUNNING or PAUSED "
+                    "sandbox can be forked",
+                    reason="SANDBOX_NOT_RUNNING",
+                    metadata={"state": source.state},
+                )
+            spec = copy.copy(source.spec)
+            spec.labels = {**source.spec.labels, **labels}
+            spec.task_id = task_id or source.spec.task_id
+            spec.ttl_s = ttl_s or source.spec.ttl_s
+            children = await self._admit_children(source, child_ids, principal_id, spec)
+            errors: builtins.list[Exception | None]
+            try:
+                outcome = await forks.fork(source, children)
+                errors, stall_s = outcome.errors, outcome.stall_s
+            except Exception as exc:
+                errors, stall_s = [exc] * len(children), 0.0
+        out: builtins.list[tuple[SandboxRecord, DSecError | None]] = []
+        for child, err in zip(children, errors, strict=True):
+            self._ready.pop(child.sandbox_id).set()
+            if err is None and child.state == "STARTING":
+                child.started_at = time.time()
+                child.last_active_at = child.started_at
+                self._set_state(child, "RUNNING")
+                out.append((child, None))
+                continue
+            if err is None:  # stopped while it started: ends as its stop said
+                await self.end(child, "RUNTIME_ERROR", "ended while its fork started")
+                out.append((child, self._ended_error(child)))
+                continue
+            why = getattr(err, "message", None) or str(err) or type(err).__name__
+            log.warning("fork child %s of %s failed: %s", child.sandbox_id, sandbox_id, why)
+            await self.end(child, "RUNTIME_ERROR", f"fork failed: {why}")
+            failure = err if isinstance(err, DSecError) else Internal(f"fork failed: {why}")
+            out.append((child, failure))
+        return forks.fork_kind, stall_s, out
+
+    @staticmethod
+    def _ended_error(rec: SandboxRecord) -> SandboxTerminated:
+        return SandboxTerminated(
+            f"sandbox {rec.sandbox_id} has terminated "
+            f"({rec.termination_reason}: {rec.termination_message})",
+            metadata={"termination_reason": rec.termination_reason},
+        )
+
+    async def _admit_children(
+        self,
+        source: SandboxRecord,
+        child_ids: builtins.list[str],
+        principal_id: str,
+        spec: SandboxSpec,
+    ) -> builtins.list[SandboxRecord]:
+        """Records for every child, STARTING and accounted, or none (EdgeCapacity)."""
+        await self.admission.fresh_disk_sample()
+        children: builtins.list[SandboxRecord] = []
+        try:
+            for cid in child_ids:
+                if cid in self.records:
+                    raise InvalidArgument(f"sandbox {cid} exists already", reason="FORK_CHILD_ID")
+                self.admission.validate(cid, spec)
+                self.admission.admit(spec)
+                child = SandboxRecord(
+                    cid, source.project_id, principal_id, copy.copy(spec), self.edge_id
+                )
+                child.forked_from = source.sandbox_id
+                self.records[cid] = child
+                self.admission.account(child, +1)
+                children.append(child)
+        except EdgeCapacity as exc:
+            self._unadmit(children)
+            raise type(exc)(
+                f"the source's node fits {len(children)} of {len(child_ids)} children: "
+                f"{exc.message}",
+                reason=exc.reason,
+                metadata={**exc.metadata, "fits": str(len(children))},
+            ) from exc
+        except BaseException:
+            self._unadmit(children)
+            raise
+        for child in children:
+            self._ready[child.sandbox_id] = asyncio.Event()
+            self._set_state(child, "STARTING")
+        return children
+
+    def _unadmit(self, children: builtins.list[SandboxRecord]) -> None:
+        for child in children:
+            self.admission.account(child, -1)
+            self.records.pop(child.sandbox_id, None)
 
     async def measure_memory(self, rec: SandboxRecord) -> None:
         """Refresh rec.memory from the backend (GetSandbox): resident and swapped now."""

@@ -169,6 +169,30 @@ class EdgeServicer:
                 sandbox_pb_fast(rec, g, templates, r.sandbox)
         return out
 
+    async def ForkSandbox(
+        self, request: edge_pb2.ForkSandboxRequest, context: Any
+    ) -> edge_pb2.ForkSandboxResponse:
+        kind, stall_s, children = await self.manager.fork(
+            request.sandbox_id,
+            list(request.child_ids),
+            request.principal_id,
+            labels=dict(request.labels),
+            task_id=request.task_id,
+            ttl_s=request.ttl_s,
+            require_memory=request.require_memory,
+        )
+        out = edge_pb2.ForkSandboxResponse(
+            fork_kind=types_pb2.ForkKind.Value("FORK_KIND_" + kind.name),  # type: ignore[arg-type]
+            source_stall_s=stall_s,
+        )
+        for rec, err in children:
+            r = out.results.add()
+            if err is not None:
+                item_status(err, r.error)
+            else:
+                r.sandbox.CopyFrom(sandbox_pb(rec))
+        return out
+
     async def GetSandbox(
         self, request: edge_pb2.GetSandboxRequest, context: Any
     ) -> edge_pb2.GetSandboxResponse:

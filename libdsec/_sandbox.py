@@ -19,7 +19,7 @@ from dsec.types.v1 import types_pb2
 from libdsec._display import AsyncDisplay
 from libdsec._files import AsyncFiles
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link, Transport
-from libdsec.errors import DSecError, Unavailable
+from libdsec.errors import DSecError, Unavailable, item_error
 from libdsec.options import SessionRunOptions, SessionStreamOptions
 from libdsec.types import (
     Environment,
@@ -27,6 +27,7 @@ from libdsec.types import (
     ExecInfo,
     ExecResult,
     Exited,
+    ForkResult,
     HttpResponse,
     ModifiedFile,
     NetworkPolicy,
@@ -514,6 +515,53 @@ class AsyncSandbox:
         return await self._lifecycle(
             "ResumeSandbox", apiserver_pb2.ResumeSandboxRequest(sandbox_id=self.id), 120
         )
+
+    async def fork(
+        self,
+        n: int,
+        *,
+        labels: Mapping[str, str] | None = None,
+        task_id: str = "",
+        ttl_s: int = 0,
+        require_memory: bool = False,
+        timeout: float = 900.0,
+    ) -> ForkResult[AsyncSandbox]:
+        """``n`` independent copies of this sandbox at one instant (1..64), on its node:
+        GRPO groups, tree search, best-of-N from a mid-episode state. The source keeps
+        running (it stands still while its state is captured: ``result.stall_s``); a paused
+        source stays paused. A microVM's children continue every process from the fork point
+        (``result.kind == "memory"``); a container's get its files and each session's cwd and
+        environment, not its processes (``"files"``; ``require_memory=True`` refuses that
+        with ``FailedPrecondition`` ``FORK_MEMORY_UNAVAILABLE``). Children take the source's
+        spec; ``labels`` are set over its labels, ``task_id`` and ``ttl_s`` replace its own.
+        Quota for all ``n`` is reserved first (``QuotaExceeded``, nothing made); a node that
+        cannot hold them all: ``EdgeCapacity`` with ``metadata["fits"]``. Per child, in order,
+        a sandbox or the error it got::
+
+            group = await sb.fork(16, task_id="grpo-step-7")
+            outs = await asyncio.gather(*(c.run("python rollout.py") for c in group.sandboxes))
+        """
+        rpc = self.client.transport
+        resp = await rpc.unary(
+            rpc.sandboxes.ForkSandbox,
+            apiserver_pb2.ForkSandboxRequest(
+                sandbox_id=self.id,
+                count=n,
+                labels=dict(labels or {}),
+                task_id=task_id,
+                ttl_s=ttl_s,
+                require_memory=require_memory,
+            ),
+            timeout=timeout,
+        )
+        children: list[AsyncSandbox | DSecError] = [
+            item_error(r.error)
+            if r.error.code
+            else AsyncSandbox(self.client, SandboxInfo.from_pb(r.sandbox))
+            for r in resp.results
+        ]
+        kind = types_pb2.ForkKind.Name(resp.fork_kind).removeprefix("FORK_KIND_").lower()
+        return ForkResult(children, kind, resp.source_stall_s)
 
     async def pack_diff(
         self,

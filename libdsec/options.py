@@ -291,6 +291,21 @@ class StopOptions(TypedDict, total=False):
     grace_s: float
 
 
+class ForkOptions(TypedDict, total=False):
+    """The keywords of ``Sandbox.fork``."""
+
+    #: set on every child, over the source's labels
+    labels: Mapping[str, str] | None
+    #: the children's task ("" = the source's)
+    task_id: str
+    #: the children's TTL (0 = the source's)
+    ttl_s: int
+    #: refuse a files-only fork (containers) instead of making one
+    require_memory: bool
+    #: the call's deadline; default 900
+    timeout: float
+
+
 class PackDiffOptions(TypedDict, total=False):
     """The keywords of ``Sandbox.pack_diff``."""
 

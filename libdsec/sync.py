@@ -51,6 +51,7 @@ from libdsec.options import (
     ComposeOptions,
     CreateOptions,
     DownloadOptions,
+    ForkOptions,
     FunctionBatchOptions,
     FunctionOptions,
     HttpOptions,
@@ -87,6 +88,7 @@ from libdsec.types import (
     ExecResult,
     FileEvent,
     FileInfo,
+    ForkResult,
     FunctionJob,
     FunctionResult,
     HttpResponse,
@@ -761,6 +763,15 @@ class Sandbox:
     def set_timeout(self, seconds: float) -> SandboxInfo:
         """See :meth:`AsyncSandbox.set_timeout`: ``sb.set_timeout(3600)``."""
         return self._c._loop.run(self._s.set_timeout(seconds))
+
+    def fork(self, n: int, **options: Unpack[ForkOptions]) -> ForkResult[Sandbox]:
+        """See :meth:`AsyncSandbox.fork`: ``group = sb.fork(16, task_id="grpo-step-7")``;
+        ``group.sandboxes`` are the children that run, ``group.errors`` why the others do not."""
+        r = self._c._loop.run(self._s.fork(n, **options))
+        children: list[Sandbox | DSecError] = [
+            c if isinstance(c, DSecError) else Sandbox(self._c, c) for c in r.children
+        ]
+        return ForkResult(children, r.kind, r.stall_s)
 
     def pack_diff(self, name: str, **options: Unpack[PackDiffOptions]) -> Environment:
         """See :meth:`AsyncSandbox.pack_diff`: ``env = sb.pack_diff("my-env:v2")``."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError, item_error
+
+#: A child of ForkResult: AsyncSandbox (libdsec.aio) or Sandbox (libdsec.sync).
+SandboxT = TypeVar("SandboxT")
 
 
 def _dt(ts: Any) -> datetime | None:
@@ -330,6 +333,7 @@ class SandboxInfo:
     started_at: datetime | None = None
     last_active_at: datetime | None = None  # the last call into it (the idle timer's start)
     principal_id: str = ""  # the token that created it
+    forked_from: str = ""  # a fork's child: the sandbox it was copied from
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -365,11 +369,40 @@ class SandboxInfo:
             started_at=_dt(s.started_at),
             last_active_at=_dt(s.last_active_at),
             principal_id=s.principal_id,
+            forked_from=s.forked_from,
         )
 
     @property
     def terminated(self) -> bool:
         return self.state == "TERMINATED"
+
+
+@dataclass(frozen=True)
+class ForkResult(Generic[SandboxT]):
+    """What :meth:`AsyncSandbox.fork` made: per child, in order, a sandbox or the error that
+    child got (never a silently short list); how the backend copies (``kind``: ``"memory"``,
+    every process continues in every child, microVMs; ``"files"``, the files and the
+    sessions' cwd and environment, containers); and how long the source stood still while
+    its state was captured (``stall_s``)."""
+
+    children: list[SandboxT | DSecError]
+    kind: str
+    stall_s: float
+
+    @property
+    def sandboxes(self) -> list[SandboxT]:
+        """The children that run."""
+        return [c for c in self.children if not isinstance(c, DSecError)]
+
+    @property
+    def errors(self) -> list[DSecError]:
+        return [c for c in self.children if isinstance(c, DSecError)]
+
+    def __iter__(self) -> Iterator[SandboxT | DSecError]:
+        return iter(self.children)
+
+    def __len__(self) -> int:
+        return len(self.children)
 
 
 @dataclass(frozen=True)

@@ -238,9 +238,7 @@ class Forks(Protocol):
     #: What its children get.
     fork_kind: ForkKind
 
-    async def fork(
-        self, source: SandboxRecord, children: Sequence[SandboxRecord]
-    ) -> ForkOutcome:
+    async def fork(self, source: SandboxRecord, children: Sequence[SandboxRecord]) -> ForkOutcome:
         """Start every record of `children` as a copy of `source` at one instant.
 
         The manager has admitted the children (their records exist, STARTING, each with a copy

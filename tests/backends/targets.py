@@ -123,6 +123,8 @@ class BackendUnderTest:
     fill_mb: int = 100
     #: A command serving the directory {dir} over HTTP on {port}, in the foreground.
     http_server: str = "httpd -f -p {port} -h {dir}"
+    #: What its fork copies ("memory" or "files"; with "fork" in capabilities).
+    fork_kind: str = ""
 
 
 BACKENDS = [

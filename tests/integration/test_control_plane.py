@@ -541,3 +541,40 @@ def test_cluster_with_iam_on_postgresql(
             print_log_tails(c, "cluster on PostgreSQL")
             print(postgres.log_tail())
             raise
+
+
+def test_fork_reserves_quota_for_every_child_first_and_gives_it_back_when_refused(
+    cp: LocalCluster,
+) -> None:
+    """ForkSandbox through the API servers (the null backend cannot fork: the edge answers
+    UNIMPLEMENTED after the quota was reserved, which must come back)."""
+    from libdsec.aio import AsyncSandbox
+    from libdsec.errors import BackendCapabilityMissing, InvalidArgument
+    from libdsec.sync import Sandbox
+
+    _, tok = project_with_token(cp, "forkq", Quota(sandboxes=4))
+    _, other = project_with_token(cp, "forkq-other")
+    with Client(apis(cp)[0], token=tok) as c:
+        sb = c.create(image="busybox", cpu=0.1, memory_mb=32)
+        for bad in (0, 65):
+            with pytest.raises(InvalidArgument) as info:
+                sb.fork(bad)
+            assert info.value.reason == "FORK_COUNT" and info.value.metadata["field"] == "count"
+        with pytest.raises(QuotaExceeded) as quota:
+            sb.fork(4)  # 1 + 4 > 4: refused whole, before any edge is asked
+        assert quota.value.metadata["children"] == "4"
+        with pytest.raises(BackendCapabilityMissing) as unimpl:
+            sb.fork(3)  # fits the quota; the null backend cannot fork
+        assert unimpl.value.metadata["capability"] == "fork"
+        # Nothing of either refusal is held: the project's whole quota is still free.
+        rest = c.create_many(3, image="busybox", cpu=0.1, memory_mb=32)
+        made = [r for r in rest if not isinstance(r, Exception)]
+        assert len(made) == 3, rest
+        for r in made:
+            r.stop()
+        with Client(apis(cp)[1], token=other) as t, pytest.raises(SandboxNotFound):
+            # A handle to another project's sandbox: it is not found, not forked.
+            Sandbox(t, AsyncSandbox(t._async, sb.info)).fork(1)
+        sb.stop()
+        with pytest.raises(SandboxTerminated):
+            sb.fork(1)
