@@ -133,8 +133,17 @@ BACKENDS = [
         runtime="container",
         image="busybox",
         capabilities=frozenset(
-            {"exec", "pause", "pack_diff", "trusted_exec", "network_policy", "modified_files"}
+            {
+                "exec",
+                "pause",
+                "pack_diff",
+                "trusted_exec",
+                "network_policy",
+                "modified_files",
+                "fork",
+            }
         ),
+        fork_kind="files",
         init_pids=first_in_pids_cgroup,
         pause_damages={"kill": kill_frozen_processes},
     ),
