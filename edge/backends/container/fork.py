@@ -70,7 +70,7 @@ def parse_env(output: bytes) -> dict[str, str]:
             continue
         key = name.decode(errors="replace")
         if key not in _SHELL_OWN:
-            env[key] = value.decode(errors="surrogateescape")
+            env[key] = value.decode(errors="replace")  # a proto string is UTF-8
     return env
 
 
