@@ -90,9 +90,12 @@ def test_fork_of_a_paused_container_leaves_it_paused(
     assert src.refresh().state == "PAUSED"  # (any call to it would resume it: none is made)
     for child in result.sandboxes:
         assert child.files.read("/root/state.txt") == b"before-pause\n"
-        r = child.run('pwd; echo "$PHASE"', session=session.session_id)
-        assert r.text == "/root\npaused\n"
+        # The session's cwd; not what it exported (a pause runs no command in a session).
+        r = child.run('pwd; echo "[$PHASE]"', session=session.session_id)
+        assert r.text == "/root\n[]\n"
     assert src.refresh().state == "PAUSED"
+    # The pause left the session's last status as it was (no command ran in it).
+    assert session.run("echo $?").text == "0\n"
 
 
 def test_a_files_fork_is_refused_to_a_caller_that_needs_the_memory(

@@ -9,11 +9,13 @@ variable the sandbox's environment has (the child's new shell starts with it aga
 
 The state is read from the running source through its chronus: ListSessions gives each
 session's shell and cwd (chronus reads /proc/<shell>/cwd); `env -0` run in the session gives
-what the shell exports. A frozen source answers nothing, so a pause reads it just before the
-freeze and keeps it in the record (`rec.runtime["sessions"]`): what a fork of the paused source
-uses. A session busy with a command at that moment cannot be asked: its cwd is still known, its
-environment is then the one the child's new session starts with. The read is a command in the
-source's session: its `$?` and `$_` afterwards are those of `env -0`.
+what the shell exports. The read is a command in the source's session: its `$?` and `$_`
+afterwards are those of `env -0`. A session busy with a command at that moment cannot be asked:
+its cwd is still known, its environment is then the one the child's new session starts with.
+A frozen source answers nothing, so a pause lists the sessions just before the freeze and keeps
+them in the record (`rec.runtime["sessions"]`) for a fork of the paused source: ids, shells and
+cwds only. A pause runs no command in a session (it must leave `$?` as it was), so the children
+of a paused source get each session's cwd, not the variables it exported.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def parse_env(output: bytes) -> dict[str, str]:
     return env
 
 
-async def capture(channel: Any, sandbox_id: str) -> list[SessionState]:
-    """The sessions of a running sandbox, each with its cwd and exported environment."""
+async def capture(channel: Any, sandbox_id: str, *, with_env: bool = True) -> list[SessionState]:
+    """The sessions of a running sandbox, each with its cwd and (`with_env`) its exported
+    environment, read by a command in the session."""
     listed = await channel.unary(
         "list_sessions",
         types_pb2.ListSessionsRequest(sandbox_id=sandbox_id),
@@ -84,6 +87,9 @@ async def capture(channel: Any, sandbox_id: str) -> list[SessionState]:
     out = []
     for s in listed.sessions:
         env: dict[str, str] | None = None
+        if not with_env:
+            out.append(SessionState(s.session_id, s.shell, s.cwd, None))
+            continue
         try:
             result = await channel.unary(
                 "exec",
@@ -122,11 +128,13 @@ async def restore(channel: Any, sandbox_id: str, sessions: list[SessionState]) -
 async def capture_quietly(
     channel_of: Callable[[], Any], sandbox_id: str
 ) -> list[SessionState] | None:
-    """`capture` for a pause, or None (logged) when the sandbox cannot answer within
-    PAUSE_READ_S or has no channel (re-adopted after an edge restart, not yet reconnected): the
-    pause goes on without it."""
+    """`capture` for a pause (ids, shells and cwds: no command runs in a session), or None
+    (logged) when the sandbox cannot answer within PAUSE_READ_S or has no channel (re-adopted
+    after an edge restart, not yet reconnected): the pause goes on without it."""
     try:
-        return await asyncio.wait_for(capture(channel_of(), sandbox_id), PAUSE_READ_S)
+        return await asyncio.wait_for(
+            capture(channel_of(), sandbox_id, with_env=False), PAUSE_READ_S
+        )
     except (DSecError, TimeoutError) as exc:
         log.warning("sessions of %s not recorded: %s", sandbox_id, exc)
         return None
