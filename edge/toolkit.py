@@ -100,6 +100,11 @@ EXTRA_LIBS = ("libgcc_s.so.1",)
 
 def toolkit_argv(module: str, *, mount_point: str = MOUNT_POINT) -> list[str]:
     """argv that runs `python -m <module>` from the toolkit inside any image (see module doc)."""
+    return [*toolkit_python(mount_point), "-m", module]
+
+
+def toolkit_python(mount_point: str = MOUNT_POINT) -> list[str]:
+    """argv of the toolkit's isolated Python inside any image, before its `-m`/`-c` argument."""
     return [
         f"{mount_point}/lib/{LOADER_NAME}",
         "--inhibit-cache",
@@ -109,8 +114,6 @@ def toolkit_argv(module: str, *, mount_point: str = MOUNT_POINT) -> list[str]:
         "-I",
         "-S",
         "-B",
-        "-m",
-        module,
     ]
 
 
