@@ -261,7 +261,7 @@ def _populate(tmp: Path, inputs: list[_Input], python: Path, digest: str) -> Non
         "format": BUILD_FORMAT,
         "sha256": digest,
         "python": PY_VERSION,
-        "argv_prefix": toolkit_argv("MODULE")[:-2],
+        "argv_prefix": toolkit_python(),
     }
     (tmp / "toolkit.json").write_text(json.dumps(manifest, indent=1) + "\n")
     # Compile with the target interpreter itself (its magic number), naming the files by their
