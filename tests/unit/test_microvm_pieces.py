@@ -1,16 +1,19 @@
 """The microVM backend's host-side pieces that need no guest: the console's reading of a
-guest's last words, the initramfs archive, the module order, and the QEMU command line that a
-snapshot must find unchanged."""
+guest's last words, the initramfs archive, the module order, the QEMU command line that a
+snapshot must find unchanged, and what pack_diff leaves out of a guest's writable layer."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from edge.backends import guest_channel
 from edge.backends.guest_console import Console
-from edge.backends.microvm import guest, qemu
+from edge.backends.microvm import backend, guest, qemu
+from edge.model import SandboxRecord, SandboxSpec
 
 PANIC_TAIL = b"""[    4.38] Kernel panic - not syncing: sysrq triggered crash\r
 [    4.38] CPU: 0 PID: 131 Comm: sh Not tainted 6.1.0-57-cloud-amd64\r
@@ -103,3 +106,29 @@ def test_a_clone_has_its_template_s_devices_in_the_same_order() -> None:
     assert "share=on" in " ".join(template) and "share=off" in " ".join(clone)
     assert clone[-2:] == ["-incoming", "defer"]
     assert "tap,id=net0,fd=7" in clone and "hubport,id=net0,hubid=0" in template
+
+
+def test_pack_diff_knows_every_mount_point_init_makes_in_the_guest_s_root() -> None:
+    # A directory init.sh creates in the overlay for a mount is residue (left out when empty):
+    # the backend's list and the script must not drift apart.
+    init = (Path(backend.__file__).parent / "init.sh").read_text()
+    made = {
+        "/" + d
+        for line in init.splitlines()
+        if line.startswith("mkdir -p /newroot/")
+        for d in re.findall(r"/newroot/([^\s/]+)(?=\s|$)", line)
+    }
+    assert made == set(backend.GUEST_MOUNT_POINTS)
+
+
+def test_pack_diff_never_packs_the_identity_files_a_claim_writes() -> None:
+    rec = SandboxRecord("sb-pack", "p", "u", SandboxSpec(), "e")
+    rec.runtime["net"] = {
+        "mac": "02:00:00:00:00:01",
+        "address": "10.0.0.2",
+        "prefix_len": 24,
+        "gateway": "10.0.0.1",
+        "dns": "10.0.0.1",
+    }
+    files = set(guest_channel.identity(rec).files)
+    assert files and files <= set(backend.GUEST_IDENTITY_FILES)

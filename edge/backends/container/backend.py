@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import pausing, qos
+from edge.backends import packing, pausing, qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.container import fork as session_copy
 from edge.backends.container.containment import Containment
@@ -69,9 +69,8 @@ from edge.backends.warm import template as warm_template
 from edge.config import EdgeConfig
 from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ResolvedImage
-from edge.layers import LayerRef, PackResult
+from edge.layers import PackResult
 from edge.layers.diff import mount_points
-from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
 from edge.node import NodeServices
 from edge.runtime import cgroups, mounts
@@ -79,7 +78,7 @@ from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import toolkit_argv
-from libdsec.errors import FailedPrecondition, Unavailable
+from libdsec.errors import Unavailable
 
 #: Where aether finds the precompiled seccomp program (insandbox/security.py reads the same name).
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
@@ -481,11 +480,7 @@ class ContainerBackend:
         return {
             "pid": proc.pid,
             "socket": str(socket_path),
-            "image": image.name,
-            # what pack_diff stacks the sandbox's diff on
-            "layers": [ref.to_dict() for ref in image.layers],
-            "image_env": image.env,
-            "image_workdir": image.workdir,
+            **packing.image_record(image),  # what pack_diff stacks the sandbox's diff on
         }
 
     # ------------------------------------------------------------ channel hooks
@@ -665,23 +660,11 @@ class ContainerBackend:
     ) -> PackResult:
         """Checkpoint the sandbox's writable layer as environment `name`: the sandbox's layers
         plus the diff. A running sandbox is frozen for the copy of its upper directory only."""
-        if rec.state not in ("RUNNING", "PAUSED"):
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id} is {rec.state}: pack_diff needs it RUNNING or PAUSED"
-            )
-        layers = [LayerRef.from_dict(d) for d in rec.runtime.get("layers") or []]
-        if not layers:
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id} predates the layer store: its layers are not recorded",
-                reason="NO_LAYERS_RECORDED",
-            )
+        packing.check_packable(rec)
+        layers = packing.recorded_layers(rec)
         sid = rec.sandbox_id
         sdir = self.runtime.sandbox_dir(sid)
         running = rec.state == "RUNNING"
-        config = {ENV_PREFIX + k: v for k, v in (rec.runtime.get("image_env") or {}).items()}
-        if rec.runtime.get("image_workdir"):
-            config[WORKDIR_KEY] = str(rec.runtime["image_workdir"])
-        config["parent"] = str(rec.runtime.get("image", ""))
 
         @contextlib.contextmanager
         def frozen() -> Iterator[None]:
@@ -701,7 +684,7 @@ class ContainerBackend:
                 self.environments.pack_diff,
                 upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
                 layers=layers,
-                config=config,
+                config=packing.environment_config(rec),
                 name=name,
                 source=f"pack_diff:{sid}",
                 exclude=list(exclude),
@@ -712,16 +695,7 @@ class ContainerBackend:
         finally:
             if running:
                 await self._release(sid)
-        log.info(
-            "sandbox %s packed as %s in %.1f ms (%d files, %d bytes, %d excluded)",
-            sid,
-            result.environment.name,
-            (time.perf_counter() - t0) * 1000,
-            result.stats.files,
-            result.stats.bytes,
-            len(result.stats.excluded),
-            extra={"sandbox_id": sid},
-        )
+        packing.log_packed(rec, result, t0)
         return result
 
     # ------------------------------------------------------------ fork
