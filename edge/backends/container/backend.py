@@ -69,7 +69,7 @@ from edge.backends.warm import template as warm_template
 from edge.config import EdgeConfig
 from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ResolvedImage
-from edge.layers import PackResult
+from edge.layers import LayerRef, PackResult
 from edge.layers.diff import mount_points
 from edge.model import SandboxRecord, SandboxSpec
 from edge.node import NodeServices
@@ -78,7 +78,7 @@ from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import toolkit_argv
-from libdsec.errors import Unavailable
+from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (insandbox/security.py reads the same name).
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
