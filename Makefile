@@ -27,7 +27,7 @@ demo:
 
 ## test: set up if needed, then run the whole suite (lint, types, unit, integration)
 test: setup
-	@$(PY) -m pytest -q -p no:cacheprovider tests
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests
 
 test-unit:
 	@$(PY) -m pytest -q -p no:cacheprovider tests/unit

@@ -402,6 +402,10 @@ class Engine:
         session = self.sessions.create(req)
         stream.send("create_session", {"session": session.info()})
 
+    def _call_restore_session(self, stream: Stream, req: dict[str, Any]) -> None:
+        session = self.sessions.create(req.get("session", {}), req.get("session_id", ""))
+        stream.send("create_session", {"session": session.info()})
+
     def _call_close_session(self, stream: Stream, req: dict[str, Any]) -> None:
         self.sessions.close(req.get("session_id", ""))
         stream.send("close_session", {})

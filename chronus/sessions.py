@@ -46,7 +46,13 @@ import os
 import termios
 import time
 
-from chronus.errors import FAILED_PRECONDITION, NOT_FOUND, ChronusError, invalid
+from chronus.errors import (
+    ALREADY_EXISTS,
+    FAILED_PRECONDITION,
+    NOT_FOUND,
+    ChronusError,
+    invalid,
+)
 from chronus.execs import STDERR, STDOUT, Exec, Runtime, shell_quote, timestamp
 from chronus.proc import SpawnError, decode_status, set_winsize, spawn
 from chronus.reactor import Timer
@@ -62,6 +68,17 @@ log = get_logger("chronus.sessions")
 SESSION_DIR_FD = 63  # in the shell: its session directory
 INTERRUPT_GRACE_S = 5.0  # after a timeout, how long the shell gets to return to its prompt
 INTERRUPT_EVERY_S = 0.25
+
+
+def _is_session_id(value: str) -> bool:
+    """The form Runtime.new_id("se") gives: "se-" and 1 to 40 lowercase hex digits (it names a
+    directory of the runtime directory, so nothing else gets through)."""
+    digits = value[3:]
+    return (
+        value.startswith("se-")
+        and 0 < len(digits) <= 40
+        and all(c in "0123456789abcdef" for c in digits)
+    )
 
 
 def shell_path(name: str) -> str:
@@ -530,7 +547,16 @@ class SessionManager:
                 self._dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._dir_fd
 
-    def create(self, req: dict[str, Any]) -> Session:
+    def create(self, req: dict[str, Any], session_id: str = "") -> Session:
+        """A new session; `session_id` names it (a fork's child restoring its source's
+        session: RestoreSessionRequest), else chronus picks a free id."""
+        if session_id and not _is_session_id(session_id):
+            raise invalid(f"session id {session_id!r} is not se-<hex>", "INVALID_SESSION_ID")
+        with self.rt.lock:
+            if session_id in self.sessions:
+                raise ChronusError(
+                    ALREADY_EXISTS, "SESSION_EXISTS", f"session {session_id!r} exists"
+                )
         cfg = self.rt.config
         shell = req.get("shell", "")
         if not shell:
@@ -542,7 +568,8 @@ class SessionManager:
             raise ChronusError(NOT_FOUND, "PATH_NOT_FOUND", f"{cwd}: no such directory")
         env = dict(cfg.env)
         env.update(req.get("env", {}))
-        session_id = self.rt.new_id("se")
+        while not session_id or session_id in self.sessions:  # not a restored one's id
+            session_id = self.rt.new_id("se")
         base = self._runtime_dir_fd()
         os.mkdir(session_id, 0o700, dir_fd=base)
         dir_fd = os.open(session_id, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=base)

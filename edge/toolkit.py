@@ -100,6 +100,11 @@ EXTRA_LIBS = ("libgcc_s.so.1",)
 
 def toolkit_argv(module: str, *, mount_point: str = MOUNT_POINT) -> list[str]:
     """argv that runs `python -m <module>` from the toolkit inside any image (see module doc)."""
+    return [*toolkit_python(mount_point), "-m", module]
+
+
+def toolkit_python(mount_point: str = MOUNT_POINT) -> list[str]:
+    """argv of the toolkit's isolated Python inside any image, before its `-m`/`-c` argument."""
     return [
         f"{mount_point}/lib/{LOADER_NAME}",
         "--inhibit-cache",
@@ -109,8 +114,6 @@ def toolkit_argv(module: str, *, mount_point: str = MOUNT_POINT) -> list[str]:
         "-I",
         "-S",
         "-B",
-        "-m",
-        module,
     ]
 
 
@@ -258,7 +261,7 @@ def _populate(tmp: Path, inputs: list[_Input], python: Path, digest: str) -> Non
         "format": BUILD_FORMAT,
         "sha256": digest,
         "python": PY_VERSION,
-        "argv_prefix": toolkit_argv("MODULE")[:-2],
+        "argv_prefix": toolkit_python(),
     }
     (tmp / "toolkit.json").write_text(json.dumps(manifest, indent=1) + "\n")
     # Compile with the target interpreter itself (its magic number), naming the files by their

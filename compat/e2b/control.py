@@ -1,11 +1,11 @@
 """E2B's control API (the REST API behind ``E2B_API_URL``) on libdsec.
 
 Routes: create (``POST /sandboxes``, ``POST /v2/sandboxes``), ``GET``/``DELETE``
-``/sandboxes/{id}``, timeout, pause, resume (deprecated v1), connect (v1 and v2), list
-(``GET /v2/sandboxes`` with metadata, state, template and start-time filters and next-token
-pagination; the deprecated ``GET /sandboxes``), network updates, ``/health``. Everything
-else E2B has (templates, snapshots, forks, volumes, secrets, metrics, logs) answers 501
-saying dsec does not do it.
+``/sandboxes/{id}``, timeout, pause, resume (deprecated v1), connect (v1 and v2), fork
+(``POST /sandboxes/{id}/fork``: dsec's ForkSandbox), list (``GET /v2/sandboxes`` with
+metadata, state, template and start-time filters and next-token pagination; the deprecated
+``GET /sandboxes``), network updates, ``/health``. Everything else E2B has (templates,
+snapshots, volumes, secrets, metrics, logs) answers 501 saying dsec does not do it.
 
 Every call acts with the caller's own dsec token (``X-API-Key``): the caller's project,
 quotas and sandboxes. A sandbox of another project is a 404 exactly like a missing one
@@ -48,7 +48,7 @@ Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 
 #: What E2B has and dsec does not do: answered 501 with the reason.
 _UNSUPPORTED = [
-    (r"/sandboxes/[^/]+/(fork|snapshots|metrics|logs)", "forks, snapshots, metrics and logs"),
+    (r"/sandboxes/[^/]+/(snapshots|metrics|logs)", "snapshots, metrics and logs"),
     (r"/v2/sandboxes/[^/]+/logs", "sandbox logs"),
     (r"/sandboxes/metrics", "sandbox metrics"),
     (r"/(v[0-9]/)?templates(/.*)?", "E2B templates (dsec builds environments: dsec env import)"),
@@ -57,6 +57,9 @@ _UNSUPPORTED = [
     (r"/secrets(/.*)?", "secrets"),
     (r"/teams(/.*)?", "teams (dsec has projects)"),
 ]
+
+#: Children per fork call: E2B's bound (its SDK refuses more before sending).
+E2B_MAX_FORKS = 20
 
 #: Every method: ``/health`` answers whatever it is asked with.
 _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -79,6 +82,7 @@ class ControlApi:
             Route("/sandboxes/{id}/pause", self._leased(self.pause), methods=["POST"]),
             Route("/sandboxes/{id}/resume", self._leased(self.resume), methods=["POST"]),
             Route("/sandboxes/{id}/connect", self._leased(self.connect), methods=["POST"]),
+            Route("/sandboxes/{id}/fork", self._leased(self.fork), methods=["POST"]),
             Route("/v2/sandboxes/{id}/connect", self._leased(self.connect), methods=["POST"]),
             Route("/sandboxes/{id}/network", self._leased(self.update_network), methods=["PUT"]),
         ]
@@ -261,6 +265,27 @@ class ControlApi:
         return JSONResponse(
             mapping.sandbox_json(info, key, self.config), 201 if was_paused else 200
         )
+
+    async def fork(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """E2B's fork: ``{"count": 1..20, "timeout": s}`` -> 201 with one ``{"sandbox": ...}``
+        or ``{"error": {"code", "message"}}`` per child, in order. The children of a container
+        template get its files and sessions, not its processes (dsec's files-only fork; the
+        response says which in ``X-Dsec-Fork-Kind``); a microVM or VM template's continue
+        its processes, as E2B's do."""
+        body = await read_json(request, self.config.max_json_bytes)
+        count = body.get("count", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= E2B_MAX_FORKS:
+            raise HttpError(400, f"count must be an integer between 1 and {E2B_MAX_FORKS}")
+        info = await self._live(client, request.path_params["id"])
+        ttl_s = mapping.timeout_for(body, self.config)
+        group = await dsec.sandbox(client, info.id).fork(count, ttl_s=ttl_s)
+        out: list[dict[str, Any]] = []
+        for child in group:
+            if isinstance(child, DSecError):
+                out.append({"error": {"code": http_status(child), "message": child.message}})
+            else:
+                out.append({"sandbox": mapping.sandbox_json(child.info, key, self.config)})
+        return JSONResponse(out, 201, headers={"X-Dsec-Fork-Kind": group.kind})
 
     async def update_network(self, client: AsyncClient, key: str, request: Request) -> Response:
         body = await read_json(request, self.config.max_json_bytes)

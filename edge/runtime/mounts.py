@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_BIND = 0x1000
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 0x2

@@ -13,6 +13,9 @@ Layout under `state_dir` (one per edge; nothing outside it is ours except cgroup
         upper             symlink to the writable layer, rw/<id>/upper (pack_diff reads it)
     rw/<id>/              upper/ work/: the overlay's writable layer; with a disk quota (disk.py)
                           disk.img mounted at disk/ holding them
+    rw/.fork-<id>-<n>/    a fork's capture of sandbox <id>'s writable layer, while its children
+                          start (on the writable layers' filesystem; a crash's leftover goes
+                          at the next orphan cleanup)
         etc/              hosts, hostname, resolv.conf bind-mounted into the sandbox
         runc.log          runc's own log (JSON); its error is what RuntimeStartError carries
         init.pid          pid 1 of the sandbox, host pid namespace
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -50,6 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edge.layers.tree import CopyStats, copy_tree, precopy, resync
 from edge.runtime import cgroups, disk, seccomp_bpf
 from edge.runtime.bundle import (
     NOFILE,
@@ -96,6 +101,8 @@ from edge.runtime.spec import (
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
+#: Name prefix of a fork's capture directory under rw/ (never a sandbox id: ids have no dot).
+FORK_CAPTURE_PREFIX = ".fork-"
 _RUNC_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 _STATUS = {
     "running": SandboxStatus.RUNNING,
@@ -429,6 +436,8 @@ class RuncRuntime:
                 upper, work = rw / "upper", rw / "work"
                 upper.mkdir()
                 work.mkdir()
+            if spec.initial_upper is not None:
+                _fill_upper(spec.initial_upper, upper, spec.disk_mb)
             (sdir / "upper").symlink_to(upper)
             mount_overlay(lower_dirs, upper, work, rootfs)
             undo.push(lambda: umount_quiet(rootfs))
@@ -465,6 +474,47 @@ class RuncRuntime:
             cgroup_path=cg,
             log_path=spec.log_path,
         )
+
+    def lowers_of(self, sandbox_id: str) -> list[Path | LayerImage]:
+        """The read-only layers a created sandbox runs on, top-most first (as LaunchSpec.lowers
+        has them), from its record: what a fork's children must stack the capture on, whatever
+        its image's name resolves to now."""
+        rec = self._read_record(sandbox_id)
+        if rec is None:
+            raise SandboxNotFoundError(sandbox_id)
+        return [layer_from_identity(d) for d in rec.get("layers", [])]
+
+    def capture_upper(self, sandbox_id: str, *, freeze: bool) -> tuple[Path, CopyStats, float]:
+        """Copy the sandbox's writable layer, all of it (whiteouts, opaque directories, /tmp),
+        into a new directory beside the writable layers: (that directory, the copy's figures,
+        the seconds the sandbox stood frozen). With `freeze` the layer is copied while the
+        sandbox runs, then the sandbox is frozen while the copy is brought up to date (what
+        changed meanwhile is copied again: edge.layers.tree.resync) and thawed right after;
+        a paused sandbox (frozen already: pass False) is copied in one pass.
+
+        overlayfs bookkeeping xattrs (origin, impure) are dropped: they name file handles of
+        this sandbox's mount; the opaque mark is kept. The caller removes the directory."""
+        upper = (self.sandbox_dir(sandbox_id) / "upper").resolve()
+        if not upper.is_dir():
+            raise SandboxNotFoundError(sandbox_id)
+        dest = self.rw_dir / f"{FORK_CAPTURE_PREFIX}{sandbox_id}-{os.urandom(4).hex()}"
+        stall = 0.0
+        try:
+            if not freeze:
+                return dest, copy_tree(upper, dest), 0.0
+            since_ns = time.time_ns()
+            seen = precopy(upper, dest)
+            t0 = time.perf_counter()
+            self.pause(sandbox_id)
+            try:
+                stats = resync(upper, dest, seen, since_ns)
+            finally:
+                self.resume(sandbox_id)
+                stall = time.perf_counter() - t0
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return dest, stats, stall
 
     def rename(
         self,
@@ -859,9 +909,24 @@ class RuncRuntime:
                 removed += self._destroy(sid)
             except SandboxRuntimeError:
                 log.exception("cleanup of orphan %s incomplete", sid)
+        for capture in self.rw_dir.glob(FORK_CAPTURE_PREFIX + "*"):
+            shutil.rmtree(capture, ignore_errors=True)
+            removed.append(f"fork-capture:{capture.name}")
         self.layers.recover(self._claims(only=keep))
         removed += [f"layer:{p}" for p in self.layers.unmount_unused()]
         return removed
+
+
+def _fill_upper(tree: Path, upper: Path, disk_mb: int) -> None:
+    """Copy a fork's capture into a new sandbox's (empty, not yet mounted) writable layer."""
+    try:
+        copy_tree(tree, upper)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SandboxRuntimeError(
+                f"the source's files do not fit the sandbox's disk limit ({disk_mb} MiB)"
+            ) from exc
+        raise
 
 
 def _holder(sandbox_id: str, use: int | str) -> str:

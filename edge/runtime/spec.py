@@ -75,6 +75,10 @@ class LaunchSpec:
     #: Keep the rootfs overlay mounted on the host after the start (for tools that need a host
     #: path to the sandbox's root: GPU injection). By default it is detached once pid 1 runs.
     keep_host_rootfs: bool = False
+    #: A tree in overlayfs form (whiteouts, opaque directories) copied into the new writable
+    #: layer before the overlay is mounted: a fork's capture of its source's writable layer.
+    #: The copy is inside the disk quota, so those files count toward `disk_mb`.
+    initial_upper: Path | None = None
 
     @property
     def effective_hostname(self) -> str:
@@ -135,6 +139,10 @@ class LaunchSpec:
                 raise InvalidLaunchSpecError(f"bind target {b.target!r} must be absolute, no ..")
             if not b.source.is_dir():
                 raise InvalidLaunchSpecError(f"bind source {os.fspath(b.source)!r} is no directory")
+        if self.initial_upper is not None and not self.initial_upper.is_dir():
+            raise InvalidLaunchSpecError(
+                f"initial upper {os.fspath(self.initial_upper)!r} is no directory"
+            )
         for t in self.tmpfs:
             if not t.target.startswith("/") or ".." in t.target.split("/") or t.target == "/":
                 raise InvalidLaunchSpecError(f"tmpfs target {t.target!r} must be absolute, no ..")

@@ -123,6 +123,8 @@ class BackendUnderTest:
     fill_mb: int = 100
     #: A command serving the directory {dir} over HTTP on {port}, in the foreground.
     http_server: str = "httpd -f -p {port} -h {dir}"
+    #: What its fork copies ("memory" or "files"; with "fork" in capabilities).
+    fork_kind: str = ""
 
 
 BACKENDS = [
@@ -131,8 +133,17 @@ BACKENDS = [
         runtime="container",
         image="busybox",
         capabilities=frozenset(
-            {"exec", "pause", "pack_diff", "trusted_exec", "network_policy", "modified_files"}
+            {
+                "exec",
+                "pause",
+                "pack_diff",
+                "trusted_exec",
+                "network_policy",
+                "modified_files",
+                "fork",
+            }
         ),
+        fork_kind="files",
         init_pids=first_in_pids_cgroup,
         pause_damages={"kill": kill_frozen_processes},
     ),
@@ -142,7 +153,7 @@ BACKENDS = [
         name="microvm",
         runtime="container",
         image="busybox",
-        capabilities=frozenset({"exec", "pause", "network_policy", "fork"}),
+        capabilities=frozenset({"exec", "pause", "pack_diff", "network_policy", "fork"}),
         init_pids=first_in_pids_cgroup,
         pause_damages={"remove": remove_saved_state, "corrupt": corrupt_saved_state},
         extra_env={"DSEC_EDGE_MICROVM": "on"},

@@ -272,3 +272,38 @@ def test_declared_capabilities_work_and_the_others_are_unimplemented(
     )
     if "pack_diff" in target.backend.capabilities:
         target.client.delete_environment(f"conformance-{target.backend.name}:{os.getpid()}")
+
+
+def test_fork_copies_the_sandbox_at_one_instant_and_the_children_diverge(
+    make: Make, target: Target
+) -> None:
+    """Every backend that forks: the children have the source's files as they were at the
+    fork, each diverges on its own, the source runs on unchanged (what the kind adds, the
+    processes of a memory fork, is tested per backend)."""
+    sb = make()
+    sb.run("mkdir -p /work && echo before > /work/state.txt")
+    if "fork" not in target.backend.capabilities:
+        with pytest.raises(BackendCapabilityMissing) as info:
+            sb.fork(1)
+        assert info.value.metadata["capability"] == "fork"
+        return
+    group = sb.fork(2, labels={"branch": "b"})
+    children = group.sandboxes
+    try:
+        assert group.errors == [] and len(children) == 2
+        assert group.kind == target.backend.fork_kind and group.stall_s >= 0
+        for i, child in enumerate(children):
+            info = child.refresh()
+            assert info.state == "RUNNING" and info.forked_from == sb.id
+            assert info.edge_id == sb.info.edge_id and info.labels["branch"] == "b"
+            assert child.run("cat /work/state.txt").text == "before\n"
+            child.run(f"echo child{i} > /work/state.txt && touch /work/only-{i}")
+        sb.run("echo after > /work/state.txt")
+        for i, child in enumerate(children):
+            assert child.run("cat /work/state.txt").text == f"child{i}\n"
+            assert child.run(f"ls /work/only-{1 - i}").exit_code != 0  # no sibling's file
+        assert sb.run("cat /work/state.txt; ls /work").text == "after\nstate.txt\n"
+        assert sb.refresh().state == "RUNNING"
+    finally:
+        for child in children:
+            child.stop()

@@ -365,3 +365,30 @@ def test_public_traffic_is_refused_with_a_reason(target: E2bTarget) -> None:
     with pytest.raises(SandboxException) as info:
         Sandbox.create(network={"allow_public_traffic": True})
     assert info.value.status_code == 400 and "traffic access token" in str(info.value)
+
+
+def test_fork_gives_each_child_the_files_and_the_source_runs_on(
+    make: Callable[..., Sandbox],
+) -> None:
+    """E2B's fork (``Sandbox.fork(count=)``, POST /sandboxes/{id}/fork) on dsec's fork: a
+    container template's children get its files (not its processes: dsec's files-only fork)."""
+    source = make(metadata={"role": "source"})
+    source.files.write("/root/state.txt", "step 7")
+    children = source.fork(count=2, timeout=120)
+    try:
+        assert len(children) == 2 and all(isinstance(c, Sandbox) for c in children), children
+        ids = {c.sandbox_id for c in children}  # type: ignore[union-attr]
+        assert len(ids) == 2 and source.sandbox_id not in ids
+        for i, child in enumerate(children):
+            assert isinstance(child, Sandbox)
+            assert child.files.read("/root/state.txt") == "step 7"
+            child.files.write("/root/state.txt", f"child {i}")
+            assert child.get_info().metadata["role"] == "source"  # the source's metadata
+        assert source.files.read("/root/state.txt") == "step 7"  # siblings do not leak back
+        assert children[0].files.read("/root/state.txt") == "child 0"  # type: ignore[union-attr]
+        with pytest.raises(SandboxException, match="between 1 and"):
+            source.fork(count=0)
+    finally:
+        for c in children:
+            if isinstance(c, Sandbox):
+                c.kill()

@@ -253,3 +253,20 @@ def test_an_older_e2b_2x_that_creates_through_post_sandboxes(target: E2bTarget) 
     assert out["run"] == "old-sdk\n" and out["exit"] == 4 and out["read"] == "from 2.x"
     assert out["listed"] and out["killed"]
     assert sys.executable != str(OLD_SDK_PYTHON)
+
+
+def test_fork_refuses_a_bad_count_and_says_which_kind_of_fork_it_made(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    headers = {"X-API-Key": target.key}
+    for body in ({"count": 0}, {"count": 21}, {"count": "2"}, {"count": True}):
+        r = http.post(f"/sandboxes/{sandbox_id}/fork", json=body, headers=headers)
+        assert r.status_code == 400 and "between 1 and 20" in r.json()["message"], r.text
+    r = http.post("/sandboxes/sb-nosuch-00000000/fork", json={}, headers=headers)
+    assert r.status_code == 404, r.text
+    r = http.post(f"/sandboxes/{sandbox_id}/fork", json={}, headers=headers)  # count: 1
+    assert r.status_code == 201, r.text
+    assert r.headers["x-dsec-fork-kind"] == "files"  # a container template
+    [child] = r.json()
+    assert child["sandbox"]["sandboxID"] != sandbox_id
+    http.delete(f"/sandboxes/{child['sandbox']['sandboxID']}", headers=headers)

@@ -3,8 +3,8 @@
 Pause to disk and back many times (also right after a call and in the middle of one), template
 clones that each become their own sandbox, a guest kernel's panic and its running out of memory,
 the shape bounds of an edge, a paused guest across an edge crash, what an operator sees, the
-cold-boot path (templates off), and forks (a running guest 8 ways, every process continuing in
-every child; a paused one; a child's child).
+cold-boot path (templates off), pack_diff of a running and of a paused guest, and forks (a
+running guest 8 ways, every process continuing in every child; a paused one; a child's child).
 
 Not here: a running guest taken back by a restarted edge (the conformance suite has it); an
 image whose layer is a directory (the public path cannot make one: flat `<name>.rootfs` images
@@ -573,6 +573,46 @@ def test_a_fork_of_a_paused_source_leaves_it_paused_and_a_child_forks_too(
 
     assert source.resume().state == "RUNNING"
     assert _counter(source) == (2, source.id)
+
+
+# ------------------------------------------------------------------ pack_diff
+
+
+def test_pack_diff_of_a_microvm_starts_microvms_and_containers(make: Make, lab: Lab) -> None:
+    """The guest's writable layer (the overlay upper on its disk) packed while it runs (stopped
+    for the disk's copy only) and while it is paused; both environments start on either
+    backend with the guest's new, modified and deleted files, and without its /tmp."""
+    sb = make()
+    user = "packer:x:4242:4242::/home/packer:/bin/sh"
+    sb.run(
+        "mkdir -p /work && echo new > /work/new.txt && rm /bin/vi && echo secret > /tmp/answer "
+        f"&& echo '{user}' >> /etc/passwd"
+    )
+    tag = f"mvpack-{os.getpid()}"
+    running = sb.pack_diff(f"{tag}:running")
+    assert [x.kind for x in running.layers] == ["BASE", "DIFF"]
+    assert sb.refresh().state == "RUNNING"
+    assert sb.run("cat /work/new.txt").text == "new\n"  # the source runs on
+    # Written just before the pause, still in the guest's page cache: the pause writes it out
+    # (with the toolkit's Python here: the image's `sync` is gone).
+    sb.run("echo second > /work/second.txt && rm /bin/sync")
+    assert sb.pause().state == "PAUSED"
+    paused = sb.pack_diff(f"{tag}:paused")
+    assert sb.refresh().state == "PAUSED"  # paused stays paused
+    assert [x.kind for x in paused.layers] == ["BASE", "DIFF"]
+    check = (
+        "cat /work/*.txt; grep -c packer /etc/passwd; test -e /bin/vi || echo vi-gone; "
+        "ls -A /tmp | wc -l"
+    )
+    try:
+        container = make(image=running.name, backend="container")
+        assert container.run(check).text == "new\n1\nvi-gone\n0\n"
+        microvm = make(image=paused.name)
+        assert microvm.run(check).text == "new\nsecond\n1\nvi-gone\n0\n"
+        assert sb.run("cat /work/second.txt").text == "second\n"  # resumes with its files
+    finally:
+        for env in (running, paused):
+            lab.client.delete_environment(env.name)
 
 
 # ------------------------------------------------------------------ edge restart (last: the

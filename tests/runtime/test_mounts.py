@@ -9,9 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from edge.runtime import LayerError, LayerImage, LayerMounts, MountError, OverlayOptionsTooLongError
+from edge.runtime import (
+    LayerError,
+    LayerImage,
+    LayerMounts,
+    MountError,
+    OverlayOptionsTooLongError,
+    disk,
+)
+from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.mounts import (
     MOUNT_DATA_MAX,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_RDONLY,
     is_mountpoint,
     mount,
     mount_overlay,
@@ -157,3 +169,33 @@ def test_util_linux_not_involved(layers: LayerMounts, image: Path) -> None:
     layers.acquire(image, "a:0")
     out = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert str(image) not in out
+
+
+def test_a_guest_s_disk_copy_is_repaired_then_mounted_read_only(tmp_path: Path) -> None:
+    """What a microVM's pack_diff does with the copy of a guest's writable disk (disk.py):
+    e2fsck repairs what a copy taken mid-write leaves wrong, the mount is read-only, and a
+    disk that is not a filesystem at all is refused before the kernel mounts it."""
+    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    disk.blank_image(img, 64, tmp_path / "templates")
+    disk.mount_image(img, mnt, 0)
+    try:
+        (mnt / "upper").mkdir()
+        (mnt / "upper" / "new.txt").write_text("written by the guest\n")
+    finally:
+        umount_quiet(mnt)
+    disk.repair(img)  # the free counts, which ext4 without a journal updates lazily
+    assert disk.repair(img) == ""  # clean now
+    disk.mount_image(img, mnt, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    try:
+        assert (mnt / "upper" / "new.txt").read_text() == "written by the guest\n"
+        with pytest.raises(OSError) as err:
+            (mnt / "upper" / "more.txt").write_text("x")
+        assert err.value.errno == errno.EROFS
+    finally:
+        umount_quiet(mnt)
+    with open(img, "r+b") as f:  # its only superblock (one block group: no backup) zeroed
+        f.seek(1024)
+        f.write(b"\0" * 1024)
+    with pytest.raises(SandboxRuntimeError, match="e2fsck could not repair"):
+        disk.repair(img)

@@ -593,6 +593,25 @@ def test_session_exit_and_errors(client: ChronusClient) -> None:
     assert exc.value.reason == "SESSION_NOT_FOUND"
 
 
+def test_restore_session_keeps_the_id_cwd_and_env(client: ChronusClient, tmp_path: Path) -> None:
+    """A fork's child recreates its source's session under the same id (the edge's call)."""
+    sid = "se-1f00d"
+    req = {"session": {"cwd": str(tmp_path), "env": {"FOO": "a b"}}, "session_id": sid}
+    info = client.one({"restore_session": req})["session"]
+    assert info["session_id"] == sid and info["cwd"] == str(tmp_path)
+    r = client.run('pwd; echo "$FOO"', session_id=sid)
+    assert r["stdout"] == f"{tmp_path}\na b\n".encode()
+    with pytest.raises(CallError) as exc:
+        client.one({"restore_session": req})
+    assert (exc.value.code, exc.value.reason) == (6, "SESSION_EXISTS")
+    for bad in ("../x", "se-", "se-XYZ", "ex-12"):
+        with pytest.raises(CallError) as exc:
+            client.one({"restore_session": {"session": {}, "session_id": bad}})
+        assert (exc.value.code, exc.value.reason) == (3, "INVALID_SESSION_ID")
+    assert new_session(client) != sid
+    client.one({"close_session": {"session_id": sid}})
+
+
 def test_session_busy_and_background(client: ChronusClient) -> None:
     s = new_session(client)
     (resp,) = client.call(

@@ -1,18 +1,21 @@
 """The microVM backend's host-side pieces that need no guest: the console's reading of a
 guest's last words, the initramfs archive, the module order, the QEMU command line that a
-snapshot must find unchanged, and what a fork's child is told and given."""
+snapshot must find unchanged, what pack_diff leaves out of a guest's writable layer, and what a
+fork's child is told and given."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from edge.backends import guest_channel
+from edge.backends import guest_channel, packing
 from edge.backends.guest_console import Console
-from edge.backends.microvm import guest, qemu
+from edge.backends.microvm import backend, guest, qemu
 from edge.backends.microvm.vm import disks_with_writable
+from edge.images import ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
 
 PANIC_TAIL = b"""[    4.38] Kernel panic - not syncing: sysrq triggered crash\r
@@ -150,3 +153,36 @@ def test_a_fork_child_has_the_source_s_disks_in_order_but_its_own_writable_one()
         ("tk", "/tk.erofs", True),
         ("l0", "/l0", True),
     ]
+
+
+def test_pack_diff_knows_every_mount_point_init_makes_in_the_guest_s_root() -> None:
+    # A directory init.sh creates in the overlay for a mount is residue (left out when empty):
+    # the backend's list and the script must not drift apart.
+    init = (Path(backend.__file__).parent / "init.sh").read_text()
+    made = {
+        "/" + d
+        for line in init.splitlines()
+        if line.startswith("mkdir -p /newroot/")
+        for d in re.findall(r"/newroot/([^\s/]+)(?=\s|$)", line)
+    }
+    assert made == set(backend.GUEST_MOUNT_POINTS)
+
+
+def test_pack_diff_never_packs_the_identity_files_a_claim_writes() -> None:
+    rec = SandboxRecord("sb-pack", "p", "u", SandboxSpec(), "e")
+    rec.runtime["net"] = {
+        "mac": "02:00:00:00:00:01",
+        "address": "10.0.0.2",
+        "prefix_len": 24,
+        "gateway": "10.0.0.1",
+        "dns": "10.0.0.1",
+    }
+    files = set(guest_channel.identity(rec).files)
+    assert files and files <= set(backend.GUEST_IDENTITY_FILES)
+
+
+def test_a_fork_child_keeps_every_image_entry_pack_diff_builds_on() -> None:
+    # A child's runtime record copies its source's image entries by name: the names and
+    # packing.image_record must not drift apart.
+    recorded = packing.image_record(ResolvedImage("busybox:latest", []))
+    assert set(recorded) == set(backend.IMAGE_RECORD_KEYS)

@@ -57,6 +57,7 @@ class Request(_message.Message):
     REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
     WATCH_DIR_FIELD_NUMBER: _builtins.int
     WAIT_FOR_PORT_FIELD_NUMBER: _builtins.int
+    RESTORE_SESSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec(self) -> _types_pb2.ExecRequest:
         """-> one exec_result"""
@@ -129,6 +130,10 @@ class Request(_message.Message):
 
     @_builtins.property
     def wait_for_port(self) -> _types_pb2.WaitForPortRequest: ...
+    @_builtins.property
+    def restore_session(self) -> Global___RestoreSessionRequest:
+        """-> create_session (edge only: a fork)"""
+
     def __init__(
         self,
         *,
@@ -161,12 +166,13 @@ class Request(_message.Message):
         remove_watcher: _types_pb2.RemoveWatcherRequest | None = ...,
         watch_dir: _types_pb2.WatchDirRequest | None = ...,
         wait_for_port: _types_pb2.WaitForPortRequest | None = ...,
+        restore_session: Global___RestoreSessionRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "restore_session", b"restore_session", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "restore_session", b"restore_session", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir", "wait_for_port"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir", "wait_for_port", "restore_session"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -293,6 +299,35 @@ class Response(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___Response: _TypeAlias = Response  # noqa: Y015
+
+@_typing.final
+class RestoreSessionRequest(_message.Message):
+    """A fork's child recreating a session of its source (the edge's call, not the API's): a new
+    shell as CreateSession starts it, under the source's session id, so that a caller's session
+    ids name the same sessions in every child. The id must have the form chronus gives
+    (se-<hex>) and be free: INVALID_ARGUMENT / ALREADY_EXISTS otherwise.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    @_builtins.property
+    def session(self) -> _types_pb2.CreateSessionRequest: ...
+    def __init__(
+        self,
+        *,
+        session: _types_pb2.CreateSessionRequest | None = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreSessionRequest: _TypeAlias = RestoreSessionRequest  # noqa: Y015
 
 @_typing.final
 class StatusRequest(_message.Message):

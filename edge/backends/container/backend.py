@@ -18,6 +18,11 @@ Per sandbox the edge:
 ``pack_diff`` turns the sandbox's writable layer into a new layer on top of its stack and
 registers the result as a new environment (``edge.layers.service.Environments.pack_diff``).
 
+``fork`` (a files fork, ``ForkKind.FILES``) copies the source's writable layer once, whole, with
+the source frozen for the copy only, then starts every child on the source's read-only layers
+with a copy of that capture as its own writable layer, and recreates the source's shell
+sessions in it (``edge.backends.container.fork``). Processes are not copied.
+
 When the channel closes the backend looks at the container: gone or dead
 means the sandbox failed (OOM when the memory cgroup says so, otherwise
 CHANNEL_CLOSED); still running means the edge reconnects.
@@ -29,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -36,14 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import pausing, qos
+from edge.backends import packing, pausing, qos
 from edge.backends.channels import ChannelKeeper
+from edge.backends.container import fork as session_copy
 from edge.backends.container.containment import Containment
 from edge.backends.container.trusted import SiblingLauncher, TrustedSiblings
 from edge.backends.contract import (
     BackgroundLoop,
     Capability,
     ExitCallback,
+    ForkKind,
+    ForkOutcome,
     MemoryUsage,
     PauseOutcome,
     ResumeFailed,
@@ -62,7 +71,6 @@ from edge.disk_guard import Allocations, sum_allocations
 from edge.images import ResolvedImage
 from edge.layers import LayerRef, PackResult
 from edge.layers.diff import mount_points
-from edge.layers.model import ENV_PREFIX, WORKDIR_KEY
 from edge.model import SandboxRecord, SandboxSpec
 from edge.node import NodeServices
 from edge.runtime import cgroups, mounts
@@ -80,6 +88,9 @@ CHRONUS_LD_PREFIX = "DSEC_CHRONUS_ENV_LD_"
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: A fork's children started at once: each start copies the capture into its own writable layer
+#: (disk-bound) and runs runc (CPU-bound); more at once only makes each slower.
+FORK_START_CONCURRENCY = 4
 
 
 class ContainerBackend:
@@ -97,8 +108,11 @@ class ContainerBackend:
             Capability.MODIFIED_FILES,
             Capability.WARM_CLAIM,
             Capability.DISK_USAGE,
+            Capability.FORK,
         }
     )
+    #: A child gets the files and the sessions' cwd and environment, not the processes.
+    fork_kind = ForkKind.FILES
 
     def __init__(
         self,
@@ -245,6 +259,7 @@ class ContainerBackend:
         backlog: int,
         binds: tuple[BindMount, ...] = (),
         warm: bool = False,
+        initial_upper: Path | None = None,
     ) -> SandboxProcess:
         """Binds the channel socket, starts runc with aether as pid 1 holding its listening
         fd, and releases the edge's copies (of the socket and of ``prep``'s fds). Used for a
@@ -279,6 +294,7 @@ class ContainerBackend:
                 apparmor_profile=prep.apparmor_profile,
                 # aether installs the node's precompiled filter itself (no per-start compile)
                 seccomp_fd_env=SECCOMP_FD_ENV,
+                initial_upper=initial_upper,
             )
             return await asyncio.to_thread(self.runtime.create, spec)
         except BaseException:
@@ -299,10 +315,18 @@ class ContainerBackend:
         with self.warm.cold_start() if self.warm is not None else contextlib.nullcontext():
             await self._start_cold(rec, image, t0)
 
-    async def _start_cold(self, rec: SandboxRecord, image: ResolvedImage, t0: float) -> None:
+    async def _start_cold(
+        self,
+        rec: SandboxRecord,
+        image: ResolvedImage,
+        t0: float,
+        initial_upper: Path | None = None,
+    ) -> None:
         prep = await self.containment.prepare(rec)
         t1 = time.perf_counter()
-        proc = await self.launch(rec.sandbox_id, rec, image, prep, backlog=16)
+        proc = await self.launch(
+            rec.sandbox_id, rec, image, prep, backlog=16, initial_upper=initial_upper
+        )
         t2 = time.perf_counter()
         rec.runtime = self._runtime_record(proc, image, self._socket_path(rec.sandbox_id))
         try:
@@ -456,11 +480,7 @@ class ContainerBackend:
         return {
             "pid": proc.pid,
             "socket": str(socket_path),
-            "image": image.name,
-            # what pack_diff stacks the sandbox's diff on
-            "layers": [ref.to_dict() for ref in image.layers],
-            "image_env": image.env,
-            "image_workdir": image.workdir,
+            **packing.image_record(image),  # what pack_diff stacks the sandbox's diff on
         }
 
     # ------------------------------------------------------------ channel hooks
@@ -525,6 +545,11 @@ class ContainerBackend:
         swap area (edge/runtime/pager.py). The channel's keepalive is held first: a frozen
         aether answers nothing, for as long as the pause lasts."""
         sid = rec.sandbox_id
+        # What a fork of the paused sandbox recreates (a frozen chronus answers nothing).
+        sessions = await session_copy.capture_quietly(lambda: self.channels.channel(sid), sid)
+        rec.runtime[session_copy.RECORD_KEY] = (
+            None if sessions is None else [s.to_dict() for s in sessions]
+        )
         self.channels.hold(sid)
         try:
             await asyncio.to_thread(self.runtime.pause, sid)
@@ -635,23 +660,11 @@ class ContainerBackend:
     ) -> PackResult:
         """Checkpoint the sandbox's writable layer as environment `name`: the sandbox's layers
         plus the diff. A running sandbox is frozen for the copy of its upper directory only."""
-        if rec.state not in ("RUNNING", "PAUSED"):
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id} is {rec.state}: pack_diff needs it RUNNING or PAUSED"
-            )
-        layers = [LayerRef.from_dict(d) for d in rec.runtime.get("layers") or []]
-        if not layers:
-            raise FailedPrecondition(
-                f"sandbox {rec.sandbox_id} predates the layer store: its layers are not recorded",
-                reason="NO_LAYERS_RECORDED",
-            )
+        packing.check_packable(rec)
+        layers = packing.recorded_layers(rec)
         sid = rec.sandbox_id
         sdir = self.runtime.sandbox_dir(sid)
         running = rec.state == "RUNNING"
-        config = {ENV_PREFIX + k: v for k, v in (rec.runtime.get("image_env") or {}).items()}
-        if rec.runtime.get("image_workdir"):
-            config[WORKDIR_KEY] = str(rec.runtime["image_workdir"])
-        config["parent"] = str(rec.runtime.get("image", ""))
 
         @contextlib.contextmanager
         def frozen() -> Iterator[None]:
@@ -671,7 +684,7 @@ class ContainerBackend:
                 self.environments.pack_diff,
                 upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
                 layers=layers,
-                config=config,
+                config=packing.environment_config(rec),
                 name=name,
                 source=f"pack_diff:{sid}",
                 exclude=list(exclude),
@@ -682,17 +695,86 @@ class ContainerBackend:
         finally:
             if running:
                 await self._release(sid)
+        packing.log_packed(rec, result, t0)
+        return result
+
+    # ------------------------------------------------------------ fork
+
+    async def fork(self, source: SandboxRecord, children: Sequence[SandboxRecord]) -> ForkOutcome:
+        """Start every child as a copy of `source`'s files and sessions at one instant.
+
+        The source's writable layer is copied once, whole (/tmp and caches too: unlike
+        pack_diff this is the sandbox's state, not an environment to share), into a directory
+        on the writable layers' filesystem, with a running source frozen for that copy only;
+        its outcome's `stall_s` is how long. Each child then starts cold (never from the warm
+        pool: a warm sandbox's writable layer is mounted already) on the source's own read-only
+        layers (its image's name may point at others by now) with its own copy of the capture
+        as its writable layer: a plain upper like any other, so the source's deletions
+        (whiteouts) and modified files are the child's from the start, its own changes stay
+        its own, and the files count toward its disk limit. At most FORK_START_CONCURRENCY
+        children start at once."""
+        sid = source.sandbox_id
+        if source.state not in ("RUNNING", "PAUSED"):
+            raise FailedPrecondition(
+                f"sandbox {sid} is {source.state}: a fork needs it RUNNING or PAUSED",
+                metadata={"state": source.state},
+            )
+        running = source.state == "RUNNING"
+        image = await asyncio.to_thread(self._image_of, source)
+        if running:
+            sessions = await session_copy.capture(self.channels.channel(sid), sid)
+        else:  # frozen: what its pause read just before the freeze
+            sessions = [
+                session_copy.SessionState.from_dict(d)
+                for d in source.runtime.get(session_copy.RECORD_KEY) or []
+            ]
+        if running:  # frozen for the copy: not a dead channel
+            self.channels.hold(sid)
+        try:
+            capture, stats, stall_s = await asyncio.to_thread(
+                self.runtime.capture_upper, sid, freeze=running
+            )
+        finally:
+            if running:
+                await self._release(sid)
         log.info(
-            "sandbox %s packed as %s in %.1f ms (%d files, %d bytes, %d excluded)",
+            "sandbox %s captured for %d children in %.1f ms (%d files, %d bytes, %d sessions)",
             sid,
-            result.environment.name,
-            (time.perf_counter() - t0) * 1000,
-            result.stats.files,
-            result.stats.bytes,
-            len(result.stats.excluded),
+            len(children),
+            stall_s * 1000,
+            stats.files,
+            stats.bytes,
+            len(sessions),
             extra={"sandbox_id": sid},
         )
-        return result
+        gate = asyncio.Semaphore(FORK_START_CONCURRENCY)
+
+        async def start_child(rec: SandboxRecord) -> Exception | None:
+            async with gate:
+                try:
+                    await self._start_cold(rec, image, time.perf_counter(), initial_upper=capture)
+                    await session_copy.restore(self.channel(rec), rec.sandbox_id, sessions)
+                except Exception as exc:
+                    log.warning("fork child %s of %s failed: %s", rec.sandbox_id, sid, exc)
+                    return exc
+                return None
+
+        try:
+            errors = list(await asyncio.gather(*(start_child(c) for c in children)))
+        finally:
+            await asyncio.to_thread(shutil.rmtree, capture, True)
+        return ForkOutcome(errors=errors, stall_s=stall_s)
+
+    def _image_of(self, rec: SandboxRecord) -> ResolvedImage:
+        """The image a sandbox runs on, as its start resolved it (blocking)."""
+        rt = rec.runtime
+        return ResolvedImage(
+            name=str(rt.get("image", "")),
+            lowers=list(self.runtime.lowers_of(rec.sandbox_id)),
+            env=dict(rt.get("image_env") or {}),
+            workdir=str(rt.get("image_workdir") or ""),
+            layers=[LayerRef.from_dict(d) for d in rt.get("layers") or []],
+        )
 
     async def close(self) -> None:
         if self.warm is not None:

@@ -38,13 +38,14 @@ import os
 import secrets
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from edge.aether_client import AetherConnection
-from edge.backends import guest_channel, guests, pausing, qos
+from edge.backends import guest_channel, guests, packing, pausing, qos
 from edge.backends.channels import ChannelKeeper
 from edge.backends.contract import (
     BackgroundLoop,
@@ -82,14 +83,24 @@ from edge.config import MIN_DISK_MB, EdgeConfig
 from edge.controls import ABSENT, DISABLED, ENFORCED, Control, ControlMissing
 from edge.disk_guard import Allocations
 from edge.images import ResolvedImage
+from edge.layers import LayerRef, PackResult
 from edge.model import SandboxRecord, SandboxSpec
 from edge.network import guest as guest_net
 from edge.network.policy import Policy
 from edge.node import NodeServices
 from edge.runtime import cgroups
+from edge.runtime import disk as disk_image
 from edge.runtime.disk import blank_image, sparse_copy
-from edge.runtime.mounts import LayerImage
+from edge.runtime.mounts import (
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_RDONLY,
+    LayerImage,
+    umount_quiet,
+)
 from libdsec.errors import (
+    DSecError,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
@@ -108,6 +119,17 @@ CPU_PERIOD_US = 100_000
 #: keepalive judges its channel as always (edge/aether_client.py: a starved guest has its 20 s
 #: of silence). Not used for a paused source (nothing was held).
 RELEASE_S = 5.0
+#: Where init.sh mounts the guest's filesystems that are not its root (and /tmp, which it
+#: creates): directories it makes in the overlay's upper when the image lacks them. pack_diff
+#: leaves them out when that is all they are (empty), as it does a container's mount points.
+GUEST_MOUNT_POINTS = ("/.dsec", "/proc", "/sys", "/dev", "/tmp", "/run")
+#: What aether writes at the claim (edge/backends/guest_channel.py `identity`): the sandbox's
+#: identity, not its work; never packed.
+GUEST_IDENTITY_FILES = ("/etc/hostname", "/etc/hosts", "/etc/resolv.conf")
+#: The runtime record's image entries (packing.image_record): a fork's child has its source's.
+IMAGE_RECORD_KEYS = ("image", "layers", "image_env", "image_workdir")
+#: A pause waits this long for the guest to write its page cache out (`_flush_before_pause`).
+PAUSE_FLUSH_TIMEOUT_S = 10.0
 
 
 class MicrovmBackend:
@@ -122,6 +144,7 @@ class MicrovmBackend:
             Capability.DISK_USAGE,
             Capability.NETWORK_POLICY,
             Capability.FORK,
+            Capability.PACK_DIFF,
         }
     )
     #: A child is the whole guest: memory, devices and disk (every process continues).
@@ -156,6 +179,10 @@ class MicrovmBackend:
         self.forks = state_dir / "forks"
         for d in (self.disks, self.paused, self.forks):
             d.mkdir(parents=True, exist_ok=True)
+        #: pack_diff's private disk copies and their mount points (the disks' filesystem).
+        self.packs = state_dir / "pack"
+        #: The node's layer store (pack_diff registers environments in it).
+        self.environments = node.environments
         #: The node's one NetworkManager, shared with containers (one resolver, one bridge).
         self.network = node.network
         #: QEMU processes, their sockets and cgroups (host.py).
@@ -373,6 +400,7 @@ class MicrovmBackend:
             # The disk keeps the name it was made under (a claimed warm guest's): QEMU reopens
             # a drive by its file name when a save inactivates it.
             "disk_id": sid,
+            **packing.image_record(image),  # what pack_diff stacks the sandbox's diff on
         }
         try:
             rw.unlink(missing_ok=True)  # a new inode: never one a QEMU still holds
@@ -636,6 +664,7 @@ class MicrovmBackend:
                 return PauseOutcome(before, before, 0.0)
             t0 = time.perf_counter()
             state = self.paused / f"{sid}.vmstate"
+            await self._flush_before_pause(sid)
             await self.channels.drop(sid)  # ours to close: not a lost channel
             try:
                 await qemu.save(vm.qmp, state, ignore_shared=False)
@@ -892,6 +921,8 @@ class MicrovmBackend:
             "accel": self.accel,
             "disk_id": cid,
             "from": f"fork {source.sandbox_id}",
+            # the same image: what the child's own pack_diff stacks its diff on
+            **{k: source.runtime[k] for k in IMAGE_RECORD_KEYS if k in source.runtime},
         }
         async with self._starting:  # CPU-bound under TCG: children take turns, as creates do
             t0 = time.perf_counter()
@@ -918,6 +949,130 @@ class MicrovmBackend:
             "hello_ms": (t3 - t2) * 1000,
         }
         self._log_start(child, t0, times)
+
+    # ------------------------------------------------------------- pack_diff
+
+    async def pack_diff(
+        self,
+        rec: SandboxRecord,
+        name: str,
+        *,
+        exclude: Sequence[str] = (),
+        default_excludes: bool = True,
+    ) -> PackResult:
+        """Checkpoint the guest's writable layer as environment `name`: the sandbox's layers
+        plus the diff, the overlay upper directory on its writable disk (/upper; the disk's
+        `work` and lost+found are not the sandbox's).
+
+        The host never mounts the live disk: it copies it (sparse) to a private file and reads
+        that. A running guest first writes its page cache out (sync in the guest), then stops
+        for the copy only (QMP stop ... cont: the stall, logged); a paused guest's disk is
+        quiescent (its QEMU has exited; the pause flushed it). The copy is checked and repaired
+        (e2fsck) before it is mounted read-only: a guest wrote that filesystem. The copy and its
+        mount go on every path."""
+        packing.check_packable(rec)
+        layers = await self._pack_layers(rec)
+        sid = rec.sandbox_id
+        t0 = time.perf_counter()
+        self.packs.mkdir(exist_ok=True)
+        work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=f"{sid}.", dir=self.packs))
+        try:
+            times = await self._copy_disk(rec, work / "disk.img")
+            result = await asyncio.to_thread(
+                self._pack_copy,
+                work,
+                layers=layers,
+                config=packing.environment_config(rec),
+                name=name,
+                source=f"pack_diff:{sid}",
+                # the guest's identity files (aether writes them at the claim; a container
+                # has them bind-mounted, never in its upper) are the edge's, not its work
+                exclude=[*exclude, *GUEST_IDENTITY_FILES],
+                default_excludes=default_excludes,
+                mountpoints=list(GUEST_MOUNT_POINTS),
+            )
+        finally:
+            await asyncio.to_thread(_remove_pack_dir, work)
+        packing.log_packed(rec, result, t0, **{k: round(v, 2) for k, v in times.items()})
+        return result
+
+    async def _pack_layers(self, rec: SandboxRecord) -> list[LayerRef]:
+        """The layers the guest started from. A record made before they were recorded: its
+        image resolved now, taken only if it still is the disks the guest has attached."""
+        if rec.runtime.get("layers"):
+            return packing.recorded_layers(rec)
+        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        attached = [
+            [s, p, ro] for s, p, ro in rec.runtime.get("disks", []) if s not in ("rw", "tk")
+        ]
+        now = [[d.serial, str(d.path), d.readonly] for d in self._layer_disks(image)]
+        if attached == now:
+            rec.runtime.update(packing.image_record(image))
+        return packing.recorded_layers(rec)
+
+    async def _copy_disk(self, rec: SandboxRecord, copy: Path) -> dict[str, float]:
+        """A sparse copy of the guest's writable disk at one instant. Returns how long the
+        guest took to flush and how long it was stopped for the copy (ms; 0 when paused)."""
+        sid = rec.sandbox_id
+        disk = self.disks / f"{disk_id_of(rec)}.img"
+        async with self._lock(sid):  # no pause, resume or stop meanwhile
+            vm = self.vms.get(sid)
+            if rec.runtime.get("paused") or vm is None:
+                if not disk.is_file():
+                    raise FailedPrecondition(f"sandbox {sid} has no writable disk any more")
+                await asyncio.to_thread(sparse_copy, disk, copy)
+                return {"flush_ms": 0.0, "stall_ms": 0.0}
+            t0 = time.perf_counter()
+            await guest_channel.flush(self.channels.channel(sid))
+            t1 = time.perf_counter()
+            self.channels.hold(sid)  # a stopped guest answers no ping
+            try:
+                await vm.qmp.execute("stop")  # in-flight writes drained and flushed to the file
+                try:
+                    await asyncio.to_thread(sparse_copy, disk, copy)
+                finally:
+                    await vm.qmp.execute("cont")
+            finally:
+                t2 = time.perf_counter()
+                try:
+                    await self.channels.release(sid)
+                except Unavailable as exc:
+                    await self.channels.report_exit(sid, *await self.why_ended(sid, exc.message))
+            return {"flush_ms": (t1 - t0) * 1000, "stall_ms": (t2 - t1) * 1000}
+
+    def _pack_copy(self, work: Path, **pack: Any) -> PackResult:
+        """Blocking: repair the private copy, mount it read-only, pack its /upper, unmount."""
+        copy, mnt = work / "disk.img", work / "mnt"
+        fixed = disk_image.repair(copy)
+        if fixed:  # always the free counts (ext4 updates them lazily); more if stopped mid-write
+            log.debug("pack_diff: e2fsck repaired the copy of %s: %s", work.name, fixed[-500:])
+        mnt.mkdir()
+        disk_image.mount_image(copy, mnt, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        try:
+            upper = mnt / "upper"
+            if not upper.is_dir():
+                raise FailedPrecondition(
+                    "the guest's writable disk has no /upper (not a dsec microVM disk)",
+                    reason="NO_WRITABLE_LAYER",
+                )
+            return self.environments.pack_diff(upper=upper, **pack)
+        finally:
+            umount_quiet(mnt)
+
+    def _remove_packs(self) -> None:
+        """Leftovers of pack_diffs an edge crash interrupted (at start: none is under way)."""
+        if self.packs.is_dir():
+            for work in self.packs.iterdir():
+                _remove_pack_dir(work)
+
+    async def _flush_before_pause(self, sid: str) -> None:
+        """A paused guest's disk holds all it wrote (pack_diff reads it without restoring the
+        guest): its page cache is written out first. A guest that cannot (no channel, too
+        slow) is paused anyway: what it held is then saved with its memory, as before."""
+        try:
+            await guest_channel.flush(self.channels.channel(sid), timeout_s=PAUSE_FLUSH_TIMEOUT_S)
+        except DSecError as exc:
+            log.warning("microVM %s paused without a flush: %s", sid, exc.message)
 
     # ------------------------------------------------------------- restart
 
@@ -966,6 +1121,7 @@ class MicrovmBackend:
         # A fork's directory outlives only a fork that an edge crash interrupted.
         for d in list(self.forks.iterdir()):
             await asyncio.to_thread(shutil.rmtree, d, True)
+        await asyncio.to_thread(self._remove_packs)
         files = [p.name for d in (self.disks, self.paused, self.sockets) for p in d.iterdir()]
         ids = {n.rsplit(".", 1)[0] for n in files if not n.startswith(".") and "." in n}
         for vm_id in sorted(ids - keep - self._adopted):
@@ -1026,3 +1182,11 @@ async def _release(conn: AetherConnection, timeout_s: float) -> None:
 def _control(state: str, detail: str) -> Control:
     """The `microvm` control: which accelerator runs guests, or why there are none."""
     return Control("microvm", state, detail, status_line=True)
+
+
+def _remove_pack_dir(work: Path) -> None:
+    """A pack_diff's private disk copy and its mount point (unmounted first if need be)."""
+    mnt = work / "mnt"
+    if mnt.is_dir():
+        umount_quiet(mnt)
+    shutil.rmtree(work, ignore_errors=True)
