@@ -1,6 +1,7 @@
-"""Fork benchmarks (issue 37), with baselines measured in the same run.
+"""MicroVM fork (issue 37, item 2), with baselines measured in the same run (containers:
+bench/bench_fork_container.py).
 
-MicroVMs (`--sections microvm`): a 256 MB busybox microVM with up to 200 MB of its RAM dirtied
+A 256 MB busybox microVM with up to 200 MB of its RAM dirtied
 (random data in /dev/shm: what fits beside the guest's kernel and aether, ~120 MB at 256 MB;
 `--memory-mb 384` holds 200) forked 16 ways, against 16 creates from the
 shape's template and 16 cold boots (an edge with DSEC_EDGE_MICROVM_TEMPLATES=false) of the same
@@ -23,7 +24,8 @@ Runs in a private cluster (bench/bench_microvm.py's: templated, cold-boot and wa
 private node-wide cache), everything removed at the end, also on failure. Under TCG (no usable
 KVM here) absolute times are this machine's; the ratios to the same-run baselines are the claim.
 
-usage: python bench/bench_fork.py [--n 16] [--memory-mb 256] [--dirty-mb 200] [--keep-logs DIR]
+usage: python bench/bench_fork_microvm.py [--n 16] [--memory-mb 256] [--dirty-mb 200]
+                                         [--keep-logs DIR]
 """
 
 from __future__ import annotations
@@ -229,17 +231,15 @@ def main() -> int:
     ap.add_argument(
         "--dirty-mb", type=int, default=200, help="the source's dirtied RAM (MB, at most what fits)"
     )
-    ap.add_argument("--sections", default="microvm", help="which sections (microvm)")
     ap.add_argument("--keep-logs", type=Path, help="copy the services' and guests' logs here")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _terminate)
     t0 = time.monotonic()
-    if "microvm" in args.sections.split(","):
-        with microvm_cluster(2 * args.n + 4, args.keep_logs) as b:
-            print(f"cluster up in {time.monotonic() - t0:.1f} s", flush=True)
-            meter = CpuMeter()
-            section_microvm(b, args.n, args.memory_mb, args.dirty_mb)
-            meter.report("microvm")
+    with microvm_cluster(2 * args.n + 4, args.keep_logs) as b:
+        print(f"cluster up in {time.monotonic() - t0:.1f} s", flush=True)
+        meter = CpuMeter()
+        section_microvm(b, args.n, args.memory_mb, args.dirty_mb)
+        meter.report("microvm fork")
     print(f"\ntotal {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
