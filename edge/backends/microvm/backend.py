@@ -758,10 +758,10 @@ class MicrovmBackend:
         run (each maps the RAM file privately, as a template's clone does; the mapping
         outlives the file).
 
-        1. Capture. A running source is saved with all of its RAM (a clone maps its RAM
-           share=off, which x-ignore-shared does not skip) live, stopped only for the last
-           pages (qemu.save_live), its disk copied while it stands still, then continued: its
-           agent channel stays connected, held (a stopped aether answers no ping). A paused source already is its saved
+        1. Capture. A running source is stopped, saved with all of its RAM (a clone maps its
+           RAM share=off, which x-ignore-shared does not skip) and its disk copied while it
+           stands still, then continued: its agent channel stays connected, held (a stopped
+           aether answers no ping) over the stall. A paused source already is its saved
            state and disk; it stays paused.
         2. Share. A helper QEMU loads that state into a share=on RAM file, without running it,
            and saves only its devices (x-ignore-shared): the template layout, `ram` + `vmstate`.
@@ -829,20 +829,39 @@ class MicrovmBackend:
         )
         return ForkOutcome(errors, stall)
 
+    async def _connect_while_alive(self, sid: str) -> AetherConnection:
+        """The guest's channel, or why its QEMU ended first (a guest that panics at once is
+        told at once, not after ready_timeout_s of connecting to its dead socket)."""
+        vm = self.vms[sid]
+        connect = asyncio.ensure_future(self.channels.connect(sid))
+        ended = asyncio.ensure_future(vm.exited.wait())
+        try:
+            await asyncio.wait({connect, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (connect, ended):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if connect.done() and not connect.cancelled():
+            return connect.result()
+        reason, message = await self.why_ended(sid, "QEMU exited before aether's Hello")
+        raise Unavailable(f"the guest ended at its start ({reason}): {message}", reason=reason)
+
     async def _capture(
         self, source: SandboxRecord, vm: Vm, work: Path
     ) -> tuple[float, AetherConnection | None]:
         """The running source's RAM and devices into `work/full.state` and its disk into
         `work/rw.img`, of one instant; the source runs again before this returns. Returns
-        the stall (seconds it stood still: the save's last part, the disk copy, `cont`) and
-        its held channel (the caller releases it)."""
+        the stall (seconds it stood still: the save, the disk copy, `cont`) and its held
+        channel (the caller releases it)."""
         conn = self.channels.get(source.sandbox_id)
         if conn is not None:
             conn.hold()  # stopped, its aether answers no ping: not a death
+        stopped_at = time.perf_counter()
         try:
             try:
-                # Written while the guest runs, but the last part: it stands still for that.
-                stopped_at = await qemu.save_live(vm.qmp, work / "full.state")
+                await qemu.save(vm.qmp, work / "full.state", ignore_shared=False)
                 # QEMU drained and flushed the disk at the stop: the file is the guest's disk
                 # as of the saved memory (its page cache is in that memory).
                 await asyncio.to_thread(sparse_copy, writable_disk(source), work / "rw.img")
@@ -877,7 +896,7 @@ class MicrovmBackend:
                 str(source.runtime["mac"]),
                 incoming=True,
                 tap_fd=tap,
-                paused=True,  # the state may be a live save's (of a running guest)
+                paused=True,  # -S: whatever run state was saved, the guest never runs here
             )
         except BaseException:
             await self._remove_helper_netns(hid)
@@ -935,7 +954,7 @@ class MicrovmBackend:
                 if self.network is not None:
                     await self._attach_network(child)
                 t2 = time.perf_counter()
-                conn = await self.channels.connect(cid)
+                conn = await self._connect_while_alive(cid)
                 t3 = time.perf_counter()
                 # Applied before anything else the channel carries (aether reads in order).
                 await conn.sync_guest(guest_channel.fork_sync(child))

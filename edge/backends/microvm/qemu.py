@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import shlex
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +36,6 @@ logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 #: The default migration bandwidth (128 MiB/s) would throttle a save; this is "unlimited".
 MAX_BANDWIDTH = 100 << 30
-#: A live save (save_live, a fork's) stops the guest once what is left to write fits in this
-#: (ms) ...
-LIVE_DOWNTIME_MS = 50
-#: ... or, when its guest dirties RAM faster than it is written, after this long (s): the rest
-#: is then the stall. Never runs for a paused guest (its pause's state is used); a starved
-#: guest dirties less and converges sooner.
-LIVE_CONVERGE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -226,43 +218,6 @@ async def save(qmp: Qmp, path: Path, *, ignore_shared: bool, timeout_s: float = 
     await qmp.execute("stop")
     await qmp.execute("migrate", uri="exec:cat > " + shlex.quote(str(path)))
     await _wait_for(qmp, "query-migrate", ("completed",), ("failed", "cancelled"), timeout_s)
-
-
-async def save_live(qmp: Qmp, path: Path, *, timeout_s: float = 120.0) -> float:
-    """Write the running guest's devices and all of its RAM to `path` while it runs: pre-copy
-    (the RAM, then what the guest dirtied meanwhile, again, until the rest fits in
-    LIVE_DOWNTIME_MS), stopping it only for that rest; it stays stopped. A guest that dirties
-    its RAM faster than it is written is stopped after LIVE_CONVERGE_S (the rest then follows
-    at once). Returns when it stopped (time.perf_counter(): QEMU's own downtime measure before
-    the completion was seen, or the stop's call), for the caller's stall."""
-    await qmp.execute(
-        "migrate-set-capabilities",
-        capabilities=[{"capability": "x-ignore-shared", "state": False}],
-    )
-    await qmp.execute(
-        "migrate-set-parameters",
-        **{"max-bandwidth": MAX_BANDWIDTH, "downtime-limit": LIVE_DOWNTIME_MS},
-    )
-    await qmp.execute("migrate", uri="exec:cat > " + shlex.quote(str(path)))
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    stopped_at: float | None = None
-    while True:
-        reply = await qmp.execute("query-migrate")
-        status = reply.get("status", "")
-        if status == "completed":
-            if stopped_at is None:
-                stopped_at = time.perf_counter() - reply.get("downtime", 0) / 1000
-            return stopped_at
-        if status in ("failed", "cancelled"):
-            raise QmpError(f"query-migrate: {status}: {reply.get('error-desc', '')}")
-        if stopped_at is None and loop.time() - started > LIVE_CONVERGE_S:
-            await qmp.execute("stop")
-            stopped_at = time.perf_counter()
-        if loop.time() - started > timeout_s:
-            raise QmpError(f"query-migrate still {status!r} after {timeout_s} s")
-        # Polled often: the guest stands still from its last round until its `cont`.
-        await asyncio.sleep(0.005)
 
 
 async def restore(
