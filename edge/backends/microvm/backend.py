@@ -883,11 +883,11 @@ class MicrovmBackend:
         shape = Shape(**source.runtime["shape"])
         disks = disks_with_writable(source, work / "rw.img")
         tap = None
-        if self.network is not None:
-            # The source's NIC is a tap's (vnet headers): its state loads only onto a tap.
-            netns = await asyncio.to_thread(guest_net.create_netns, self.netns_dir, hid)
-            tap = await asyncio.to_thread(guest_net.open_tap, netns)
         try:
+            if self.network is not None:
+                # The source's NIC is a tap's (vnet headers): its state loads only onto a tap.
+                netns = await asyncio.to_thread(guest_net.create_netns, self.netns_dir, hid)
+                tap = await asyncio.to_thread(guest_net.open_tap, netns)
             proc = await self.host.spawn(
                 hid,
                 shape,
