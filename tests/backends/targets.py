@@ -159,6 +159,7 @@ BACKENDS = [
         extra_env={"DSEC_EDGE_MICROVM": "on"},
         min_memory_mb=256,
         runtime_death="RUNTIME_ERROR",
+        fork_kind="memory",
     ),
     # Full VMs on libvirt (a Debian system with systemd; TCG here: restored from a template
     # per shape). The smallest disk holds the image's root filesystem and 512 MB more.
