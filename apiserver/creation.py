@@ -338,13 +338,7 @@ class CreationPipeline:
         return again
 
     async def _release(self, sandbox_ids: list[str], *, not_created: bool) -> None:
-        try:
-            await self.iam.ReleaseQuota(
-                iam_pb2.ReleaseQuotaRequest(sandbox_ids=sandbox_ids, not_created=not_created),
-                timeout=DEFAULT_DEADLINE_S,
-            )
-        except Exception as exc:  # reconciliation will release it later
-            log.warning("quota release of %d sandboxes failed: %s", len(sandbox_ids), exc)
+        await release_quota(self.iam, sandbox_ids, not_created=not_created)
 
     async def _report(
         self, edge_id: str, spec: types_pb2.SandboxSpec, outcome: Any, count: int = 1
@@ -498,3 +492,19 @@ class CreateBatcher:
             self._timer.cancel()
         for task in list(self._tasks):
             task.cancel()
+
+
+async def release_quota(
+    iam: iam_pb2_grpc.IamServiceStub, sandbox_ids: list[str], *, not_created: bool
+) -> None:
+    """Give the quota of `sandbox_ids` back; a failure is logged, not raised (reconciliation
+    releases it later)."""
+    if not sandbox_ids:
+        return
+    try:
+        await iam.ReleaseQuota(
+            iam_pb2.ReleaseQuotaRequest(sandbox_ids=sandbox_ids, not_created=not_created),
+            timeout=DEFAULT_DEADLINE_S,
+        )
+    except Exception as exc:  # reconciliation will release it later
+        log.warning("quota release of %d sandboxes failed: %s", len(sandbox_ids), exc)

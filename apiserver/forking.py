@@ -12,10 +12,9 @@ released here).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from apiserver.creation import Caller
+from apiserver.creation import Caller, release_quota
 from apiserver.routing import downstream
 from common.channels import DEFAULT_DEADLINE_S
 from common.ids import edge_of, new_sandbox_id
@@ -23,8 +22,6 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
 from libdsec.errors import InvalidArgument, item_error
-
-log = logging.getLogger(__name__)
 
 #: Children per call (E2B allows up to 100 per snapshot; each child here is a whole sandbox
 #: on the source's node). The edge enforces the same bound (edge.manager.MAX_FORK_CHILDREN).
@@ -73,7 +70,7 @@ async def fork(
         # Refused as a whole (capacity, state, backend) or unknown: a child the edge did
         # make ends with its source's edge and is released there; reconciliation covers
         # the rest if the edge made some after all.
-        await _release(gw, child_ids)
+        await release_quota(gw.iam, child_ids, not_created=True)
         raise
     out = apiserver_pb2.ForkSandboxResponse(
         fork_kind=resp.fork_kind, source_stall_s=resp.source_stall_s
@@ -107,19 +104,9 @@ async def _reserve(gw: Any, source: Any, child_ids: list[str]) -> None:
     refused = [r for r in resp.results if r.error.code]
     if refused:
         failed = {child_ids[r.index] for r in refused}
-        await _release(gw, [cid for cid in child_ids if cid not in failed])
+        await release_quota(
+            gw.iam, [cid for cid in child_ids if cid not in failed], not_created=True
+        )
         err = item_error(refused[0].error)
         err.metadata.setdefault("children", str(len(child_ids)))
         raise err
-
-
-async def _release(gw: Any, sandbox_ids: list[str]) -> None:
-    if not sandbox_ids:
-        return
-    try:
-        await gw.iam.ReleaseQuota(
-            iam_pb2.ReleaseQuotaRequest(sandbox_ids=sandbox_ids, not_created=True),
-            timeout=DEFAULT_DEADLINE_S,
-        )
-    except Exception as exc:  # reconciliation releases it later
-        log.warning("quota release of %d fork children failed: %s", len(sandbox_ids), exc)

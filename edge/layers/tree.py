@@ -142,15 +142,21 @@ def copy_xattrs(
 
 
 def copy_metadata(
-    src: str, dst: str, st: os.stat_result, keep: Callable[[str], bool] = keep_layer_xattr
+    src: str,
+    dst: str,
+    st: os.stat_result,
+    keep: Callable[[str], bool] = keep_layer_xattr,
+    *,
+    replace: bool = False,
 ) -> None:
     """Owner, mode (after chown, which clears setuid), xattrs, then times (last: the others
-    change ctime only, but xattr writes on some filesystems touch mtime)."""
+    change ctime only, but xattr writes on some filesystems touch mtime). `replace`: `dst` was
+    copied before, and xattrs `src` no longer has go too (copy_xattrs)."""
     link = stat.S_ISLNK(st.st_mode)
     os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
     if not link:
         os.chmod(dst, stat.S_IMODE(st.st_mode))
-    copy_xattrs(src, dst, keep)
+    copy_xattrs(src, dst, keep, replace=replace)
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
@@ -404,7 +410,7 @@ def resync(src: Path, dst: Path, seen: dict[str, Signature], since_ns: int) -> C
                     remove(target)
                     os.mkdir(target, 0o700)
                 walk(entry.path, target, path)
-                _dir_metadata(entry.path, target, st)
+                copy_metadata(entry.path, target, st, replace=True)
                 stats.dirs += 1
                 continue
             if is_whiteout(st):
@@ -423,14 +429,5 @@ def resync(src: Path, dst: Path, seen: dict[str, Signature], since_ns: int) -> C
             stats.bytes += copy_entry(entry.path, target, st, links)
 
     walk(os.fspath(src), os.fspath(dst), "")
-    _dir_metadata(os.fspath(src), os.fspath(dst), os.lstat(src))
+    copy_metadata(os.fspath(src), os.fspath(dst), os.lstat(src), replace=True)
     return stats
-
-
-def _dir_metadata(src: str, dst: str, st: os.stat_result) -> None:
-    """copy_metadata for a directory copied before: xattrs it lost since (an opaque mark
-    cannot, but any other may) go too."""
-    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
-    copy_xattrs(src, dst, replace=True)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)

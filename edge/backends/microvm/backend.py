@@ -1033,7 +1033,7 @@ class MicrovmBackend:
         """A sparse copy of the guest's writable disk at one instant. Returns how long the
         guest took to flush and how long it was stopped for the copy (ms; 0 when paused)."""
         sid = rec.sandbox_id
-        disk = self.disks / f"{disk_id_of(rec)}.img"
+        disk = writable_disk(rec)
         async with self._lock(sid):  # no pause, resume or stop meanwhile
             vm = self.vms.get(sid)
             if rec.runtime.get("paused") or vm is None:
