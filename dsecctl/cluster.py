@@ -42,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsecctl import host_daemons
 from dsecctl.host_daemons import HostDaemon
+from dsecctl.hosts import Host
 from dsecctl.supervisor import UP_STATES, ProcessInfo, Program, Supervisor
 
 SERVICES = ("iam", "watcher", "placement", "edge", "apiserver", "compat")
@@ -69,6 +70,8 @@ class ServiceProcess:
     #: command names (how a PID is known to be ours).
     argv: tuple[str, ...] = ()
     pid_file: str = ""
+    #: The lab host it runs on (its network namespace, :mod:`dsecctl.hosts`); None: here.
+    host: Host | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class LocalCluster:
         compat: bool = True,
         supervised: bool = False,
         host_daemons: list[HostDaemon] | None = None,
+        hosts: dict[str, Host] | None = None,
     ) -> None:
         self.home = home
         self.transport = transport
@@ -131,10 +135,22 @@ class LocalCluster:
         self.host_daemons = host_daemons or []
         #: Those that answered at start: someone else's, only checked.
         self.checked: list[ServiceProcess] = []
+        #: Which lab host runs a service, by service name ("iam", "watcher", "placement",
+        #: "edge-<id>", "apiserver", "apiserver<i>", "compat"; :mod:`dsecctl.hosts`). A
+        #: service on a host listens on the host's address at its fixed port (each host has
+        #: ports of its own); one not named runs here, as in a one-machine cluster.
+        self.hosts = hosts or {}
+        if self.hosts and supervised:
+            raise ValueError(
+                "a cluster on lab hosts runs unsupervised (dsec deploy --ray supervises)"
+            )
 
     # ----------------------------------------------------------- addresses
 
     def _address(self, name: str, default_port: int) -> str:
+        host = self.hosts.get(name)
+        if host is not None:
+            return f"{host.address}:{default_port}"
         if self.transport == "unix":
             return f"unix:{self.home / 'sock' / (name + '.sock')}"
         return f"127.0.0.1:{self._port(default_port)}"
@@ -218,14 +234,14 @@ class LocalCluster:
                         "WATCHER": watcher,
                         "INSTANCE": name,
                         # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
-                        "VIEWER_ADDR": f"127.0.0.1:{self._port(7104 if i == 0 else 7140 + i)}",
+                        "VIEWER_ADDR": self._http_address(name, 7104 if i == 0 else 7140 + i),
                     },
                 )
             )
         if self.compat:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
-            addr = f"127.0.0.1:{self._port(7130)}"
-            fusion = f"127.0.0.1:{self._port(7131)}"
+            addr = self._http_address("compat", 7130)
+            fusion = self._http_address("compat", 7131)
             self.sandbox_fusion_address = fusion
             apiserver = next(p for p in plan if p.name == "apiserver").address
             compat = svc(
@@ -237,7 +253,16 @@ class LocalCluster:
             )
             compat.protocol = "http"
             plan.append(compat)
+        for p in plan:
+            p.host = self.hosts.get(p.name)
         return plan
+
+    def _http_address(self, name: str, default_port: int) -> str:
+        """An HTTP listener of service ``name``: on its host, else loopback TCP."""
+        host = self.hosts.get(name)
+        if host is not None:
+            return f"{host.address}:{default_port}"
+        return f"127.0.0.1:{self._port(default_port)}"
 
     def _daemon_process(self, d: HostDaemon) -> ServiceProcess:
         d.pid_file.parent.mkdir(parents=True, exist_ok=True)
@@ -293,8 +318,9 @@ class LocalCluster:
             return
         env = {**os.environ, **self.extra_env, **p.env, "PYTHONUNBUFFERED": "1"}
         log = open(p.log_path, "ab")
+        argv = list(p.argv) or [sys.executable, "-m", p.module]
         p.proc = subprocess.Popen(
-            list(p.argv) or [sys.executable, "-m", p.module],
+            p.host.command(argv) if p.host is not None else argv,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
