@@ -39,6 +39,8 @@ APT_PACKAGES=(
     ca-certificates util-linux procps psmisc postgresql
     nftables iptables e2fsprogs # sandbox networking (NAT, firewall); disk quotas (mkfs.ext4)
     qemu-system-x86 linux-image-cloud-amd64 # microVMs: QEMU microvm + the guest kernel
+    # several machines: the shared layer store (MooseFS: master, chunkservers, FUSE client)
+    moosefs-master moosefs-chunkserver moosefs-client
 )
 # Installed without their Recommends: libvirt's would pull dnsmasq, a firewall and more that
 # the VM backend does not use (it wires the guest's network itself, as for microVMs).
