@@ -474,27 +474,37 @@ class LocalCluster:
     def release_mounts(self) -> list[str]:
         """Unmounts whatever is still mounted under the cluster's home once its
         processes are gone (an edge killed mid-start can leave a toolkit mount)."""
-        home = str(self.home.resolve()) + "/"
+        roots = self._own_roots()
         targets = []
         with open("/proc/self/mountinfo") as fh:
             for line in fh:
                 target = line.split()[4].replace("\\040", " ")
-                if target.startswith(home):
+                if target.startswith(roots):
                     targets.append(target)
         for target in sorted(targets, key=len, reverse=True):
             if subprocess.run(["umount", target], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", target], capture_output=True)
         return targets
 
+    def _own_roots(self) -> tuple[str, ...]:
+        """The cluster's home and every edge's state directory set outside it (a lab host's
+        own directory): where its mounts and swap areas are."""
+        roots = {str(self.home.resolve()) + "/"}
+        for e in self.edges:
+            state = e.extra_env.get("DSEC_EDGE_STATE_DIR")
+            if state:
+                roots.add(str(Path(state).resolve()) + "/")
+        return tuple(sorted(roots))
+
     def release_swaps(self) -> list[str]:
         """Turns off and removes the swap areas of the cluster's edges that an edge killed
         before its shutdown left active (an edge removes its own when it stops)."""
-        home = str(self.home.resolve()) + "/"
+        roots = self._own_roots()
         left = []
         with open("/proc/swaps") as fh:
             for line in fh.read().splitlines()[1:]:
                 path = line.split()[0].replace("\\040", " ")
-                if path.startswith(home):
+                if path.startswith(roots):
                     left.append(path)
         for path in left:
             subprocess.run(["swapoff", path], capture_output=True)
