@@ -68,6 +68,7 @@ def edge_spec(lab: HostLab, node: str, store: Path, **env: str) -> EdgeSpec:
     return EdgeSpec(
         edge_id=node,
         runtime="container",
+        labels={"node": node},
         extra_env={
             "DSEC_EDGE_IMAGE_DIR": str(IMAGES),
             "DSEC_EDGE_FNCALL_POOLS": "",
@@ -144,10 +145,22 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNode]:
         yield m
 
 
+def _store_answers(path: Path) -> bool:
+    try:
+        os.statvfs(path)
+        return os.path.ismount(path)
+    except OSError:  # ENOTCONN: a FUSE mount whose daemon is gone
+        return False
+
+
 def restore_node(m: MultiNode, node: str, timeout_s: float = 60.0) -> None:
     """Brings a node back as it was: its link up, its edge running and healthy again."""
     host = m.host(node)
     host.link_up()
+    store = m.store[node]
+    if not _store_answers(store):  # its MooseFS client was killed with the node
+        m.fs.unmount(store)
+        m.fs.mount(host, store)
     p = m.cluster.process(m.edge_of(node))
     if p.proc is None or p.proc.poll() is not None:
         m.cluster._spawn(p)
