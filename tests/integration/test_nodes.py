@@ -129,7 +129,7 @@ def test_a_drained_node_takes_no_new_sandbox_across_its_restart_until_undrained(
                 s.stop()
             with pytest.raises(NoEligibleEdge) as refused:
                 c.create(node_selector={"node": "na"}, **SPEC)
-            assert "1 unhealthy" in refused.value.message
+            assert "1 draining" in refused.value.message
             assert c.get(kept.id).info.state == "RUNNING"
             # `dsec node list` and `dsec status` show it, with the reason.
             assert dsec(["node", "list", "--json"]) == 0
@@ -191,7 +191,7 @@ def test_a_skewed_clock_makes_an_edge_unhealthy_until_it_is_right(lc: LocalClust
     assert "120.0 s behind" in s.health_detail
     with Client(lc.apiserver, token=lc.token) as c, pytest.raises(NoEligibleEdge) as refused:
         c.create(node_selector={"node": "skew1"}, **SPEC)
-    assert "1 unhealthy" in refused.value.message
+    assert "1 unhealthy (CLOCK_SKEW)" in refused.value.message
     register(lc, "skew1", address="unix:/nonexistent/skew1.sock", skew_s=0.0)
     assert health(lc, "skew1") == ("HEALTHY", "")
     register(lc, "skew1", address="unix:/nonexistent/skew1.sock", skew_s=45)
@@ -251,3 +251,25 @@ def test_a_second_edge_process_with_a_live_edge_s_id_exits(
     assert lc.process("edge-na").address in text
     assert health(lc, "na")[0] != "UNHEALTHY"
     assert status(lc, "na").info.address == lc.process("edge-na").address
+
+
+def test_status_shows_every_node_the_watcher_knows_with_health_and_why(
+    operator: LocalCluster, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only the edges of this cluster.json: a node that registered from elsewhere too."""
+    lc = operator
+    monkeypatch.setenv("DSEC_HOME", str(lc.home))
+    register(lc, "ghost1", address="unix:/nonexistent/ghost1.sock", skew_s=300)
+    assert dsec(["status"]) == 1  # an UNHEALTHY node fails the status
+    out = capsys.readouterr().out
+    assert "nodes (as the watcher knows them):" in out
+    ghost = out[out.index("ghost1") :].splitlines()
+    assert "UNHEALTHY" in ghost[0] and "CLOCK_SKEW" in ghost[1] and "300.0 s ahead" in ghost[1]
+    assert dsec(["status", "--json"]) == 1
+    nodes = {n["id"]: n for n in json.loads(capsys.readouterr().out)["nodes"]}
+    assert {"na", "nb", "ghost1"} <= set(nodes)
+    assert nodes["ghost1"]["health_reason"] == "CLOCK_SKEW"
+    assert (
+        nodes["nb"]["health"] == "HEALTHY"
+        and nodes["nb"]["address"] == lc.process("edge-nb").address
+    )

@@ -95,8 +95,10 @@ def test_draining_carries_the_operator_s_reason_and_placement_skips_it() -> None
         assert [c.edge_id for c in placer.place(Request("CONTAINER", 100, 64))] == ["e2"]
     ok(view, "e2", clock_skew_s=99.0)  # the only other edge: UNHEALTHY (CLOCK_SKEW)
     placer.update([edge_view(edge_status_pb(e)) for e in view.edges.values()])
-    with pytest.raises(NoEligibleEdge):
+    with pytest.raises(NoEligibleEdge) as refused:
         placer.place(Request("CONTAINER", 100, 64))
+    assert "1 draining" in refused.value.message
+    assert "1 unhealthy (CLOCK_SKEW)" in refused.value.message
 
 
 def test_an_id_held_by_a_live_edge_elsewhere_is_taken_only_by_its_restart() -> None:
