@@ -7,12 +7,17 @@ NodeService (an ADMIN token of the root project).
                                              prints what still runs there
     dsec node undrain NAME
 
+Both return once the watcher shows the node's new state (placement follows the watcher), or
+after WAIT_SEEN_S with a note on stderr.
+
 ``dsec status`` prints the same node lines (:func:`node_lines`).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
 
 import grpc
@@ -22,6 +27,8 @@ from libdsec._config import resolve
 from libdsec.errors import from_rpc_error
 
 TIMEOUT_S = 10.0
+#: How long drain and undrain wait for the watcher to show the node's new state.
+WAIT_SEEN_S = 15.0
 
 
 def _call(method: str, request: Any, target: str | None = None) -> Any:
@@ -39,6 +46,20 @@ def _call(method: str, request: Any, target: str | None = None) -> Any:
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None  # type: ignore[arg-type]
+
+
+def _wait_seen(edge_id: str, draining: bool) -> bool:
+    """Whether the watcher (and so placement, which follows it) shows the node's new drain
+    state within :data:`WAIT_SEEN_S`: it learns it at its next probe of the node, so that
+    when drain returns, no new sandbox goes there, and when undrain returns, they may."""
+    deadline = time.monotonic() + WAIT_SEEN_S
+    while True:
+        node = next((n for n in list_nodes().nodes if n.info.edge_id == edge_id), None)
+        if node is not None and node.draining == draining:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def list_nodes(target: str | None = None) -> Any:
@@ -60,7 +81,8 @@ def node_row(n: Any) -> dict[str, Any]:
         "health_detail": n.health_detail,
         "version": n.info.version,
         "sandboxes": n.load.sandboxes,
-        "draining": n.health_reason == "DRAINING",
+        "draining": n.draining,
+        "drain_reason": n.drain_reason,
         "clock_skew_s": round(n.clock_skew_s, 3),
     }
 
@@ -74,6 +96,11 @@ def node_lines(nodes: list[Any]) -> list[str]:
             f"{r['id']:<16} {r['address']:<28} {r['hostname'] or '-':<16} {r['health']:<10} "
             f"v{r['version'] or '?':<8} {r['sandboxes']:>5} sandboxes"
             + ("  draining" if r["draining"] else "")
+            + (
+                f" ({r['drain_reason']})"
+                if r["draining"] and r["health_reason"] != "DRAINING"
+                else ""
+            )
         )
         if r["health_reason"]:
             detail = f": {r['health_detail']}" if r["health_detail"] else ""
@@ -100,6 +127,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         ).node
     else:
         node = _call("UndrainNode", apiserver_pb2.UndrainNodeRequest(edge_id=args.name)).node
+    seen = _wait_seen(node.edge_id, node.draining)
     state = {
         "id": node.edge_id,
         "address": node.address,
@@ -110,6 +138,13 @@ def cmd_node(args: argparse.Namespace) -> int:
         "by_project": dict(node.sandboxes_by_project),
         "by_task": dict(node.sandboxes_by_task),
     }
+    if not seen:
+        print(
+            f"the watcher does not show node {node.edge_id} "
+            f"{'draining' if node.draining else 'undrained'} yet (after {WAIT_SEEN_S:g} s); "
+            "it will at its next probe of the node",
+            file=sys.stderr,
+        )
     if args.json:
         print_json(state)
         return 0

@@ -33,6 +33,8 @@ def edge_status_pb(e: EdgeEntry, ledger: SandboxLedger | None = None) -> watcher
         health_detail=e.health_detail,
         clock_skew_s=e.clock_skew_s,
         clock_skew_error_s=e.clock_skew_error_s,
+        draining=e.draining,
+        drain_reason=e.drain_reason,
     )
 
 

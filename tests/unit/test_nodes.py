@@ -98,6 +98,11 @@ def test_draining_carries_the_operator_s_reason_and_placement_skips_it() -> None
     with pytest.raises(NoEligibleEdge) as refused:
         placer.place(Request("CONTAINER", 100, 64))
     assert "1 draining" in refused.value.message
+    # Drained and skewed: UNHEALTHY for the skew, and still known to be drained.
+    ok(view, "e1", draining=True, drain_reason="disk swap", clock_skew_s=-99.0)
+    pb = edge_status_pb(view.edges["e1"])
+    assert (pb.health, pb.health_reason) == (watcher_pb2.EDGE_HEALTH_UNHEALTHY, "CLOCK_SKEW")
+    assert pb.draining and pb.drain_reason == "disk swap"
     assert "1 unhealthy (CLOCK_SKEW)" in refused.value.message
 
 

@@ -129,6 +129,8 @@ class EdgeStatus(_message.Message):
     HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
     CLOCK_SKEW_S_FIELD_NUMBER: _builtins.int
     CLOCK_SKEW_ERROR_S_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    DRAIN_REASON_FIELD_NUMBER: _builtins.int
     health: Global___EdgeHealth.ValueType
     consecutive_failures: _builtins.int
     last_error: _builtins.str
@@ -148,6 +150,11 @@ class EdgeStatus(_message.Message):
     probe's as_of against the probe's midpoint), and the round trip that bounds the error.
     """
     clock_skew_error_s: _builtins.float
+    draining: _builtins.bool
+    """The operator drained it (EdgeService/SetDraining), as its last good probe said; also while
+    it is UNHEALTHY for another reason (health_reason then names that one).
+    """
+    drain_reason: _builtins.str
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
     @_builtins.property
@@ -180,10 +187,12 @@ class EdgeStatus(_message.Message):
         health_detail: _builtins.str = ...,
         clock_skew_s: _builtins.float = ...,
         clock_skew_error_s: _builtins.float = ...,
+        draining: _builtins.bool = ...,
+        drain_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "last_probe_at", b"last_probe_at", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_skew_error_s", b"clock_skew_error_s", "clock_skew_s", b"clock_skew_s", "consecutive_failures", b"consecutive_failures", "health", b"health", "health_detail", b"health_detail", "health_reason", b"health_reason", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "sandboxes_reported", b"sandboxes_reported"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_skew_error_s", b"clock_skew_error_s", "clock_skew_s", b"clock_skew_s", "consecutive_failures", b"consecutive_failures", "drain_reason", b"drain_reason", "draining", b"draining", "health", b"health", "health_detail", b"health_detail", "health_reason", b"health_reason", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "sandboxes_reported", b"sandboxes_reported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
