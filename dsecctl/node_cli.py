@@ -118,6 +118,10 @@ def cmd_node(args: argparse.Namespace) -> int:
             return 0
         if not resp.nodes:
             print("no nodes are registered with the watcher")
+        else:
+            print(
+                f"{'ID':<16} {'ADDRESS':<28} {'HOST':<16} {'HEALTH':<10} {'VERSION':<9} SANDBOXES"
+            )
         for line in node_lines(list(resp.nodes)):
             print(line)
         return 0
