@@ -100,14 +100,23 @@ class EdgeDirectory:
         self._last_refresh = 0.0
 
     async def refresh(self) -> None:
+        await self.snapshot()
+
+    async def snapshot(self) -> watcher_pb2.ClusterSnapshot:
+        """The watcher's snapshot now (every edge it knows, with health); refreshes the
+        addresses on the way."""
         resp = await downstream(
             self._watcher.GetClusterSnapshot(
                 watcher_pb2.GetClusterSnapshotRequest(), timeout=DEFAULT_DEADLINE_S
             ),
             "watcher",
         )
-        addresses = {e.info.edge_id: e.info.address for e in resp.snapshot.edges}
-        if resp.snapshot.uptime_s < WATCHER_WARMUP_S:
+        self._learn_snapshot(resp.snapshot)
+        return resp.snapshot
+
+    def _learn_snapshot(self, snapshot: watcher_pb2.ClusterSnapshot) -> None:
+        addresses = {e.info.edge_id: e.info.address for e in snapshot.edges}
+        if snapshot.uptime_s < WATCHER_WARMUP_S:
             # A watcher that just (re)started has not heard from every edge again yet: the
             # edges it does not know are not gone, keep their addresses.
             addresses = {**self.addresses, **addresses}

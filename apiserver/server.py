@@ -5,6 +5,7 @@ from __future__ import annotations
 from apiserver.config import ApiServerConfig
 from apiserver.environments import EnvironmentServicer
 from apiserver.gateway import Gateway
+from apiserver.nodes import NodeServicer
 from apiserver.routing import EdgeDirectory
 from apiserver.servicer import (
     DisplayServicer,
@@ -46,6 +47,7 @@ async def main() -> None:
     functions = FunctionServicer(gw)
     server.add(functions, "dsec.apiserver.v1.FunctionService")
     server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
+    server.add(NodeServicer(gw), "dsec.apiserver.v1.NodeService")
     server.background(edges.run)
     if cfg.viewer_addr != "off":
         viewer = Viewer(cfg, gw)

@@ -23,6 +23,8 @@
     dsec fncall -l LANG (-c CODE | -f FILE) [--stdin-file F | --cases GLOB]   short jobs in warm pools
     dsec grpc [ADDRESS] list [SERVICE] | describe SYMBOL | METHOD [-d JSON]
                                                      any service, over gRPC reflection
+    dsec node list | dsec node drain NAME [--reason R] | dsec node undrain NAME
+                                                     the cluster's nodes (operators)
     dsec demo                                        a short tour through libdsec
 
 Every command that prints data takes --json; a failure exits non-zero with one line on stderr
@@ -57,6 +59,8 @@ from dsecctl.cluster import EdgeSpec, LocalCluster
 from dsecctl.fncall import add_parser as add_fncall_parser
 from dsecctl.grpc_cli import add_parser as add_grpc_parser
 from dsecctl.host_daemons import HostDaemonError, daemons_for_vm, vm_mode
+from dsecctl.node_cli import add_parser as add_node_parser
+from dsecctl.node_cli import list_nodes, node_lines, node_row
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
@@ -231,11 +235,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if not args.json:
             print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}  {_NOT_OURS}")
+    nodes, nodes_error = _nodes(cluster)
+    if not args.json:
+        print("nodes (as the watcher knows them):")
+        for line in node_lines(nodes) if nodes_error is None else [nodes_error]:
+            print(f"  {line}")
+    # A node the watcher counts UNHEALTHY is a failure; not being able to ask (the API server
+    # or watcher down: already a failed service above; a token that is not an operator's) is not.
+    bad += any(node_row(n)["health"] == "UNHEALTHY" for n in nodes)
     if args.json:
         print_json(
-            {"running": True, "supervisor_running": not supervisor_down, "services": services}
+            {
+                "running": True,
+                "supervisor_running": not supervisor_down,
+                "services": services,
+                "nodes": [node_row(n) for n in nodes],
+                "nodes_error": nodes_error,
+            }
         )
     return 1 if bad else 0
+
+
+def _nodes(cluster: LocalCluster) -> tuple[list[Any], str | None]:
+    """Every node the watcher knows (not only this cluster.json's edges), or why not."""
+    from libdsec.errors import DSecError
+
+    try:
+        return list(list_nodes(cluster.apiserver).nodes), None
+    except DSecError as err:
+        return [], f"cannot list nodes: {type(err).__name__} [{err.reason}]: {err.message}"
 
 
 def _pool_lines(address: str) -> list[str]:
@@ -542,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fncall_parser(sub)
     add_grpc_parser(sub)
     _env_parsers(sub)
+    add_node_parser(sub)
     return p
 
 

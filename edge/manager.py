@@ -43,6 +43,7 @@ from edge.backends.contract import (
     require,
 )
 from edge.disk_guard import DiskGuard
+from edge.drain import DrainFile, DrainState
 from edge.model import EDGE_ID, LIVE_STATES, TERMINAL, SandboxRecord, SandboxSpec
 from edge.reaper import Reaper
 from edge.records import RecordStore
@@ -98,6 +99,10 @@ class SandboxManager:
             b.set_exit_callback(self._on_backend_exit)
         #: Capacity, accounting and the rules of a create.
         self.admission = Admission(edge_id, capacity, self.backends, disk_guard)
+        #: Draining, as the operator last set it (kept across restarts: edge/drain.py).
+        self._drain_file = DrainFile(state_dir)
+        self.drain_state = self._drain_file.load()
+        self.admission.draining = self.drain_state.draining
         #: TTL, idle and disk-reserve endings.
         self.reaper = Reaper(
             self,
@@ -133,9 +138,24 @@ class SandboxManager:
         """A draining edge admits nothing new."""
         return self.admission.draining
 
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.admission.draining = value
+    async def set_draining(self, draining: bool, reason: str) -> DrainState:
+        """Drains (no new sandbox is admitted; those running go on) or undrains this edge,
+        durably: written to the state dir first, so a failed write (OSError) changes nothing.
+        Draining again keeps the first drain's time and takes the new reason."""
+        old = self.drain_state
+        since = (old.since if old.draining else time.time()) if draining else 0.0
+        state = DrainState(draining, reason if draining else "", since)
+        await asyncio.to_thread(self._drain_file.save, state)
+        self.drain_state = state
+        self.admission.draining = draining
+        log.warning(
+            "edge %s %s%s",
+            self.edge_id,
+            "is DRAINING" if draining else "is no longer draining",
+            f": {reason}" if draining and reason else "",
+            extra={"edge_id": self.edge_id},
+        )
+        return state
 
     # ------------------------------------------------------------- queries
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
@@ -12,8 +14,10 @@ import grpc
 
 from common.channels import DEFAULT_DEADLINE_S, open_channel
 from common.config import load
+from common.convert import ts
 from common.grpc_server import GrpcServer
 from common.telemetry import setup_logging, setup_tracing
+from common.version import DSEC_VERSION
 from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descriptor)
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
@@ -32,6 +36,7 @@ from edge.network.claims import NetworkClaimError
 from edge.node import NodeServices
 from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
+from libdsec.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -101,29 +106,60 @@ def edge_info(
         gpu_count=cfg.gpus,
         cpu_millis_capacity=manager.capacity.cpu_millis,
         memory_mb_capacity=manager.capacity.memory_mb,
-        version="0.1.0",
+        version=DSEC_VERSION,
         incarnation=INCARNATION,
     )
 
 
 async def register_loop(cfg: EdgeConfig, info: types_pb2.EdgeInfo) -> None:
-    """Registers with the watcher now and periodically, so a restarted watcher relearns us."""
+    """Registers with the watcher now and periodically, so a restarted watcher relearns us.
+
+    Fail closed: until the watcher has accepted us once, ALREADY_EXISTS (EDGE_ID_IN_USE:
+    another live edge holds our id) stops this process (exit 2), so two nodes never serve
+    under one id. Later (the watcher restarted, another edge took the id meanwhile) we already
+    run sandboxes under it: logged as an error at every refusal, and retried."""
     channel = open_channel(cfg.watcher, "edge")
     stub = watcher_pb2_grpc.WatcherServiceStub(channel)
     interval = cfg.register_interval_s
+    accepted = False
     try:
         while True:
             try:
                 resp = await stub.RegisterEdge(
-                    watcher_pb2.RegisterEdgeRequest(info=info), timeout=DEFAULT_DEADLINE_S
+                    watcher_pb2.RegisterEdgeRequest(info=info, sent_at=ts(time.time())),
+                    timeout=DEFAULT_DEADLINE_S,
                 )
                 interval = resp.reregister_interval_s or cfg.register_interval_s
+                accepted = True
             except grpc.aio.AioRpcError as exc:  # the watcher may be down; keep serving, retry soon
-                log.warning("registering with watcher %s failed: %s", cfg.watcher, exc.code().name)
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    err = from_rpc_error(exc)
+                    if not accepted:
+                        log.critical(
+                            "edge %s cannot join the cluster: the watcher refused it (%s): %s",
+                            cfg.edge_id,
+                            err.reason,
+                            err.message,
+                        )
+                        raise EdgeIdInUse(err.message) from None
+                    log.error(
+                        "edge %s: the watcher refuses our registration (%s): %s",
+                        cfg.edge_id,
+                        err.reason,
+                        err.message,
+                    )
+                else:
+                    log.warning(
+                        "registering with watcher %s failed: %s", cfg.watcher, exc.code().name
+                    )
                 interval = min(cfg.register_interval_s, 1.0)
             await asyncio.sleep(interval)
     finally:
         await channel.close()
+
+
+class EdgeIdInUse(Exception):
+    """The watcher refused our first registration: another live edge holds our id."""
 
 
 def start_refused(cfg: EdgeConfig, exc: Exception) -> NoReturn:
@@ -209,7 +245,14 @@ def serve_in_background(
         # Background tasks start after the server has bound its address.
         info.CopyFrom(edge_info(cfg, manager, server.address, fncall))
         if cfg.watcher:
-            await register_loop(cfg, info)
+            try:
+                await register_loop(cfg, info)
+            except EdgeIdInUse:
+                # Out at once, like a SIGKILL (which the edge is built to survive): a shutdown
+                # would run the closers, and stop_all (on_shutdown=stop) would stop the
+                # sandboxes of our state dir, which may be the live holder's.
+                logging.shutdown()
+                os._exit(2)
 
     loops.append(register)
     if cfg.iam:

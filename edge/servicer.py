@@ -27,6 +27,9 @@ from edge.model import SandboxRecord, SandboxSpec
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
 from libdsec.errors import Internal, InvalidArgument, Unavailable, item_status
 
+#: An operator's drain reason is shown in listings: one line, not a document.
+MAX_DRAIN_REASON = 512
+
 KEEPALIVE_DEFAULT_MS = 5000
 #: Changes a WatchSandboxes stream may lag behind (a burst of 50,000 creates makes 150,000).
 WATCH_QUEUE = 200_000
@@ -309,6 +312,7 @@ class EdgeServicer:
             live_sandbox_ids=m.live_ids() if request.include_sandbox_ids else [],
             as_of=ts(time.time()),
             draining=m.draining,
+            drain_reason=m.drain_state.reason,
             warm={
                 image: edge_pb2.WarmPoolStatus(
                     target=target, ready=ready, claimed=claimed, missed=missed
@@ -319,6 +323,36 @@ class EdgeServicer:
             controls=self.controls,
             pause=await self._pause_status(),
             accounting_errors=m.accounting_errors,
+        )
+
+    async def SetDraining(
+        self, request: edge_pb2.SetDrainingRequest, context: Any
+    ) -> edge_pb2.SetDrainingResponse:
+        m = self.manager
+        if len(request.reason) > MAX_DRAIN_REASON:
+            raise InvalidArgument(
+                f"reason is {len(request.reason)} characters; at most {MAX_DRAIN_REASON}",
+                metadata={"field": "reason"},
+            )
+        try:
+            state = await m.set_draining(request.draining, request.reason)
+        except OSError as exc:
+            raise Unavailable(
+                f"edge {m.edge_id} cannot keep its drain state ({exc}); nothing changed",
+                reason="DRAIN_STATE_NOT_SAVED",
+                metadata={"edge": m.edge_id},
+            ) from exc
+        load = m.load()
+        by_project, _, by_task = m.live_counts()
+        return edge_pb2.SetDrainingResponse(
+            edge_id=m.edge_id,
+            draining=state.draining,
+            reason=state.reason,
+            since=ts(state.since or None),
+            live_sandboxes=load.sandboxes,
+            sandboxes_by_backend=load.by_backend,
+            sandboxes_by_project=by_project,
+            sandboxes_by_task=by_task,
         )
 
     async def _pause_status(self) -> edge_pb2.PauseStatus:

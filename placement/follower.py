@@ -38,6 +38,7 @@ def edge_view(status: watcher_pb2.EdgeStatus) -> EdgeView:
         sandboxes=load.sandboxes,
         probed_at=from_ts(status.last_probe_at) or 0.0,
         warm=dict(load.warm_ready),
+        health_reason=status.health_reason,
     )
 
 

@@ -49,6 +49,8 @@ class EdgeView:
     probed_at: float
     #: warm container sandboxes ready at the probe, per image
     warm: dict[str, int] = field(default_factory=dict)
+    #: Why it is not healthy, as the watcher says (DRAINING, CLOCK_SKEW, ...; "" = unknown).
+    health_reason: str = ""
 
     @property
     def cloud(self) -> bool:
@@ -438,7 +440,8 @@ class Placer:
             if e.edge_id in req.exclude:
                 why = "already tried"
             elif not e.healthy:
-                why = "unhealthy"
+                r = e.health_reason
+                why = "draining" if r == "DRAINING" else f"unhealthy ({r})" if r else "unhealthy"
             elif req.backend not in e.backends:
                 why = f"does not offer {req.backend}"
             elif any(e.labels.get(k) != v for k, v in req.node_selector.items()):

@@ -33,6 +33,10 @@ class WatcherConfig(ServiceConfig):
     #: how long the sandboxes of a lost edge are reported TERMINATED (EDGE_LOST).
     sandbox_poll_interval_s: float = 2.0
     lost_retention_s: float = 3600.0
+    #: An edge whose clock differs from ours by more than this (measured at registration and
+    #: by every probe, allowing for the probe's round trip) is UNHEALTHY (CLOCK_SKEW): sandbox
+    #: times, TTLs and the lost-edge polls compare the two clocks.
+    max_clock_skew_s: float = 30.0
 
     def validate(self) -> None:
         super().validate()
@@ -46,3 +50,5 @@ class WatcherConfig(ServiceConfig):
             raise ConfigError("DSEC_WATCHER_RELEASE_GONE_AFTER_S must be > 0")
         if self.sandbox_poll_interval_s <= 0 or self.lost_retention_s < 0:
             raise ConfigError("sandbox poll interval must be > 0 and lost retention >= 0")
+        if self.max_clock_skew_s <= 0:
+            raise ConfigError("DSEC_WATCHER_MAX_CLOCK_SKEW_S must be > 0")

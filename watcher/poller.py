@@ -97,7 +97,7 @@ class SandboxPoller:
         answering = [
             e.edge_id
             for e in self.view.edges.values()
-            if e.health != "UNHEALTHY" and e.edge_id not in gone
+            if not e.probes_failing and e.edge_id not in gone
         ]
         for edge_id in answering:
             if self.ledger.is_declared(edge_id):

@@ -67,6 +67,10 @@ class Prober:
                 edge_id, f"{exc.code().name}: {exc.details()}", started_at=started_at
             )
             return
+        ended_at = time.time()
+        skew = None
+        if resp.HasField("as_of"):  # taken while the edge answered: within our round trip
+            skew = resp.as_of.seconds + resp.as_of.nanos / 1e9 - (started_at + ended_at) / 2
         self.view.probe_ok(
             edge_id,
             resp.load,
@@ -75,6 +79,9 @@ class Prober:
             dict(resp.sandboxes_by_task),
             resp.draining,
             (time.perf_counter() - start) * 1000,
+            drain_reason=resp.drain_reason,
+            clock_skew_s=skew,
+            clock_skew_error_s=max(0.0, ended_at - started_at) / 2,
         )
         if with_ids and self.reconciler is not None:
             self.reconciler.report(edge_id, list(resp.live_sandbox_ids), started_at)

@@ -19,12 +19,13 @@ async def main() -> None:
     cfg = load(WatcherConfig, "WATCHER")
     setup_logging("watcher", cfg.log_level, cfg.log_format)
     setup_tracing("watcher", cfg.otlp_endpoint)
-    view = ClusterView(cfg.unhealthy_after, cfg.forget_after_s)
+    view = ClusterView(
+        cfg.unhealthy_after, cfg.forget_after_s, max_clock_skew_s=cfg.max_clock_skew_s
+    )
     ledger = SandboxLedger(cfg.sandbox_poll_interval_s, cfg.lost_retention_s)
     server = GrpcServer("watcher", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    server.add(
-        WatcherServicer(view, cfg.reregister_interval_s, ledger), "dsec.watcher.v1.WatcherService"
-    )
+    servicer = WatcherServicer(view, cfg.reregister_interval_s, ledger)
+    server.add(servicer, "dsec.watcher.v1.WatcherService")
     reconciler = None
     if cfg.iam:
         reconciler = Reconciler(
@@ -36,6 +37,7 @@ async def main() -> None:
         )
         server.background(reconciler.run)
     prober = Prober(view, cfg.probe_interval_s, cfg.probe_timeout_s, reconciler, ledger)
+    servicer.confirm_holder = prober.probe  # a taken edge id: is its holder still there?
     server.background(prober.run)
     poller = SandboxPoller(view, ledger, prober, gone_after_s=cfg.release_gone_after_s)
     server.background(poller.run)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from common.convert import ts
 from common.ids import EDGE_ID
 from dsec.types.v1 import types_pb2
 from dsec.watcher.v1 import watcher_pb2
-from libdsec.errors import InvalidArgument, NotFound
+from libdsec.errors import AlreadyExists, InvalidArgument, NotFound
 from watcher.ledger import Lost, SandboxLedger
 from watcher.view import ClusterView, EdgeEntry
 
@@ -29,6 +29,12 @@ def edge_status_pb(e: EdgeEntry, ledger: SandboxLedger | None = None) -> watcher
         sandboxes_by_principal=e.by_principal,
         sandboxes_by_task=e.by_task,
         sandboxes_reported=ledger.reported(e.edge_id) if ledger is not None else 0,
+        health_reason=e.health_reason,
+        health_detail=e.health_detail,
+        clock_skew_s=e.clock_skew_s,
+        clock_skew_error_s=e.clock_skew_error_s,
+        draining=e.draining,
+        drain_reason=e.drain_reason,
     )
 
 
@@ -72,6 +78,9 @@ class WatcherServicer:
         self.view = view
         self.reregister_interval_s = reregister_interval_s
         self.ledger = ledger or SandboxLedger(1.0, 0.0)
+        #: Probes an edge now (the prober's): a registration taking a held id first checks
+        #: that the holder still answers.
+        self.confirm_holder: Callable[[str], Awaitable[None]] | None = None
 
     async def RegisterEdge(
         self, request: watcher_pb2.RegisterEdgeRequest, context: Any
@@ -81,7 +90,20 @@ class WatcherServicer:
             raise InvalidArgument(f"edge_id {info.edge_id!r} must match [a-z0-9]{{1,16}}")
         if not info.address:
             raise InvalidArgument("address is required")
-        self.view.register(info.edge_id, info, info.incarnation)
+        holder = self.view.holder(info.edge_id, info.address, info.incarnation)
+        if holder is not None and self.confirm_holder is not None:
+            await self.confirm_holder(info.edge_id)
+            holder = self.view.holder(info.edge_id, info.address, info.incarnation)
+        if holder is not None:
+            raise AlreadyExists(
+                f"edge id {info.edge_id} is in use by the live edge at {holder.address} "
+                f"(another process, answering its probes); this edge at {info.address} "
+                "must take another id (DSEC_EDGE_ID)",
+                reason="EDGE_ID_IN_USE",
+                metadata={"edge": info.edge_id, "holder_address": holder.address},
+            )
+        sent_at = request.sent_at.ToNanoseconds() / 1e9 if request.HasField("sent_at") else None
+        self.view.register(info.edge_id, info, info.incarnation, sent_at)
         return watcher_pb2.RegisterEdgeResponse(reregister_interval_s=self.reregister_interval_s)
 
     async def GetClusterSnapshot(

@@ -2,6 +2,14 @@
 
 Rebuilt from registrations and probes; nothing is persisted, so a restarted
 watcher is whole again within one re-registration interval.
+
+Health, with the reason placement and operators see (the first that holds):
+UNHEALTHY PROBES_FAILING (``unhealthy_after`` probes failed in a row), UNHEALTHY
+VERSION_MISMATCH (another dsec major.minor than the watcher's), UNHEALTHY CLOCK_SKEW
+(its clock differs from the watcher's by more than ``max_clock_skew_s``, beyond the
+measurement's error), DRAINING (the operator's), else HEALTHY. Only HEALTHY edges are
+placed on. The last three are facts of an edge that answers: it is not gone, its
+sandboxes are polled, and it is HEALTHY again as soon as the fact goes away.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from common.version import DSEC_VERSION, compatible
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +41,43 @@ class EdgeEntry:
     consecutive_failures: int = 0
     last_error: str = ""
     probe_latency_ms: float = 0.0
+    #: ``unhealthy_after`` probes failed in a row, none has succeeded since.
+    probes_failing: bool = False
+    draining: bool = False
+    drain_reason: str = ""
+    #: The edge's clock minus ours (last measured), the measurement's error bound, and
+    #: whether the skew is beyond the bound even allowing for that error.
+    clock_skew_s: float = 0.0
+    clock_skew_error_s: float = 0.0
+    clock_skewed: bool = False
+    health_reason: str = ""
+    health_detail: str = ""
+
+    @property
+    def version(self) -> str:
+        return str(getattr(self.info, "version", ""))
+
+    @property
+    def address(self) -> str:
+        return str(getattr(self.info, "address", ""))
 
 
 class ClusterView:
-    def __init__(self, unhealthy_after: int, forget_after_s: float) -> None:
+    def __init__(
+        self,
+        unhealthy_after: int,
+        forget_after_s: float,
+        *,
+        max_clock_skew_s: float = 30.0,
+        dsec_version: str = DSEC_VERSION,
+    ) -> None:
         self.edges: dict[str, EdgeEntry] = {}
         self.version = 0
         self.started_at = time.time()
         self.unhealthy_after = unhealthy_after
         self.forget_after_s = forget_after_s
+        self.max_clock_skew_s = max_clock_skew_s
+        self.dsec_version = dsec_version
         self._subscribers: set[asyncio.Queue[tuple[str, Any]]] = set()
         #: Set when an edge registers that no probe has found healthy yet (new, or back from
         #: UNHEALTHY: a restarted edge): the prober probes at once instead of at its interval,
@@ -54,11 +92,31 @@ class ClusterView:
             except asyncio.QueueFull:
                 self._subscribers.discard(q)
 
-    def register(self, edge_id: str, info: Any, incarnation: str = "") -> EdgeEntry:
+    def holder(self, edge_id: str, address: str, incarnation: str) -> EdgeEntry | None:
+        """The live edge that holds ``edge_id`` if a registration from ``address`` (of process
+        ``incarnation``) would take it from another node: the holder is at another address,
+        is another process, and answered its last probe (a registration made since counts as
+        an answer). None when the registration is the same edge, or a restart of it."""
+        e = self.edges.get(edge_id)
+        if e is None or e.address == address or e.incarnation == incarnation:
+            return None
+        if e.probes_failing or e.consecutive_failures:
+            return None
+        return e
+
+    def register(
+        self,
+        edge_id: str,
+        info: Any,
+        incarnation: str = "",
+        sent_at: float | None = None,
+    ) -> EdgeEntry:
         """An edge's registration (on start, then on its interval). One from a new process
         (another incarnation) is a restart: the failed probes counted so far were of the
         previous process, and would otherwise mark the new one UNHEALTHY moments after it
-        returned (an edge back within ``unhealthy_after`` probes)."""
+        returned (an edge back within ``unhealthy_after`` probes). ``sent_at`` (the edge's
+        clock when it sent the registration) measures the skew of its clock; the time it
+        spent on the way makes the edge look behind by that much, which the bound absorbs."""
         now = time.time()
         entry = self.edges.get(edge_id)
         if entry is None:
@@ -82,8 +140,51 @@ class ClusterView:
                 self.probe_now.set()
             if entry.health == "UNHEALTHY":
                 self.probe_now.set()
+        if sent_at:
+            self._clock(entry, sent_at - now, 0.0)
+        self._judge(entry)
         self._publish("changed", entry)
         return entry
+
+    def _clock(self, e: EdgeEntry, skew_s: float, error_s: float) -> None:
+        e.clock_skew_s = skew_s
+        e.clock_skew_error_s = error_s
+        e.clock_skewed = abs(skew_s) - error_s > self.max_clock_skew_s
+
+    def _judge(self, e: EdgeEntry) -> None:
+        """Health and its reason from what is known of the edge (see the module docstring);
+        every change logged."""
+        if e.probes_failing:
+            health, reason = "UNHEALTHY", "PROBES_FAILING"
+            detail = f"{e.consecutive_failures} probes failed in a row (the last: {e.last_error})"
+        elif not compatible(e.version, self.dsec_version):
+            health, reason = "UNHEALTHY", "VERSION_MISMATCH"
+            detail = (
+                f"the edge runs dsec {e.version or '(unknown)'}, the watcher {self.dsec_version}:"
+                " major.minor must match"
+            )
+        elif e.clock_skewed:
+            health, reason = "UNHEALTHY", "CLOCK_SKEW"
+            detail = (
+                f"the edge's clock is {abs(e.clock_skew_s):.1f} s "
+                f"{'ahead of' if e.clock_skew_s > 0 else 'behind'} the watcher's "
+                f"(+/- {e.clock_skew_error_s:.3f} s; at most {self.max_clock_skew_s:g} s)"
+            )
+        elif e.draining:
+            health, reason, detail = "DRAINING", "DRAINING", e.drain_reason
+        else:
+            health, reason, detail = "HEALTHY", "", ""
+        if health != e.health or reason != e.health_reason:
+            level = logging.WARNING if health == "UNHEALTHY" else logging.INFO
+            log.log(
+                level,
+                "edge %s is %s%s",
+                e.edge_id,
+                health,
+                f" ({reason}: {detail})" if reason else "",
+                extra={"edge_id": e.edge_id, "health_reason": reason},
+            )
+        e.health, e.health_reason, e.health_detail = health, reason, detail
 
     def probe_ok(
         self,
@@ -94,7 +195,13 @@ class ClusterView:
         by_task: dict[str, int],
         draining: bool,
         latency_ms: float,
+        *,
+        drain_reason: str = "",
+        clock_skew_s: float | None = None,
+        clock_skew_error_s: float = 0.0,
     ) -> None:
+        """A probe the edge answered; ``clock_skew_s``: its ``as_of`` minus the probe's
+        midpoint by our clock, with half the round trip as the error."""
         entry = self.edges.get(edge_id)
         if entry is None:
             return
@@ -107,9 +214,11 @@ class ClusterView:
         entry.consecutive_failures = 0
         entry.last_error = ""
         entry.probe_latency_ms = latency_ms
-        if entry.health == "UNHEALTHY":
-            log.info("edge %s is HEALTHY again", edge_id, extra={"edge_id": edge_id})
-        entry.health = "DRAINING" if draining else "HEALTHY"
+        entry.probes_failing = False
+        entry.draining, entry.drain_reason = draining, drain_reason if draining else ""
+        if clock_skew_s is not None:
+            self._clock(entry, clock_skew_s, clock_skew_error_s)
+        self._judge(entry)
         # Published after every probe, changed or not: placement drops the
         # overlay entries a probe has accounted for only when it hears of it.
         self._publish("changed", entry)
@@ -127,15 +236,9 @@ class ClusterView:
         entry.consecutive_failures += 1
         entry.last_error = error
         log.debug("probe %d of edge %s failed: %s", entry.consecutive_failures, edge_id, error)
-        if entry.consecutive_failures >= self.unhealthy_after and entry.health != "UNHEALTHY":
-            log.warning(
-                "edge %s is UNHEALTHY: %d probes failed in a row (the last: %s)",
-                edge_id,
-                entry.consecutive_failures,
-                error,
-                extra={"edge_id": edge_id},
-            )
-            entry.health = "UNHEALTHY"
+        if entry.consecutive_failures >= self.unhealthy_after and not entry.probes_failing:
+            entry.probes_failing = True
+            self._judge(entry)
             self._publish("changed", entry)
         if now - max(entry.last_ok_at, entry.registered_at) > self.forget_after_s:
             del self.edges[edge_id]
@@ -156,12 +259,13 @@ class ClusterView:
         return by_project, by_principal, by_task
 
     def gone(self, after_s: float, now: float | None = None) -> list[str]:
-        """Edges UNHEALTHY whose last good probe (or registration) is older than ``after_s``."""
+        """Edges whose probes fail (UNHEALTHY PROBES_FAILING) and whose last good probe (or
+        registration) is older than ``after_s``. One UNHEALTHY for another reason answers."""
         now = time.time() if now is None else now
         return [
             e.edge_id
             for e in self.edges.values()
-            if e.health == "UNHEALTHY" and now - max(e.last_ok_at, e.registered_at) > after_s
+            if e.probes_failing and now - max(e.last_ok_at, e.registered_at) > after_s
         ]
 
     def subscribe(self) -> asyncio.Queue[tuple[str, Any]]:

@@ -20,6 +20,7 @@ DOMAIN_MODULES = [
     "watcher/ledger.py",
     "edge/manager.py",
     "edge/admission.py",
+    "edge/drain.py",
     "edge/records.py",
     "edge/reaper.py",
     "edge/model.py",

@@ -17,8 +17,10 @@ dsec.types.v1.ErrorInfo trailer "dsec-error-bin" naming a stable reason.
 from collections import abc as _abc
 from dsec.iam.v1 import iam_pb2 as _iam_pb2
 from dsec.types.v1 import types_pb2 as _types_pb2
+from dsec.watcher.v1 import watcher_pb2 as _watcher_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -1615,3 +1617,234 @@ class WhoAmIResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WhoAmIResponse: _TypeAlias = WhoAmIResponse  # noqa: Y015
+
+@_typing.final
+class ListNodesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNodesRequest: _TypeAlias = ListNodesRequest  # noqa: Y015
+
+@_typing.final
+class ListNodesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    WATCHER_UPTIME_S_FIELD_NUMBER: _builtins.int
+    watcher_uptime_s: _builtins.float
+    """a young watcher may not know every node yet"""
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_watcher_pb2.EdgeStatus]:
+        """by edge id"""
+
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[_watcher_pb2.EdgeStatus] | None = ...,
+        watcher_uptime_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes", "watcher_uptime_s", b"watcher_uptime_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNodesResponse: _TypeAlias = ListNodesResponse  # noqa: Y015
+
+@_typing.final
+class DrainNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        edge_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class NodeDrainState(_message.Message):
+    """The node's drain state as it answered, and what still runs there."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SandboxesByBackendEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByProjectEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByTaskEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    LIVE_SANDBOXES_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_BACKEND_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    address: _builtins.str
+    draining: _builtins.bool
+    reason: _builtins.str
+    live_sandboxes: _builtins.int
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def sandboxes_by_backend(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def sandboxes_by_project(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def sandboxes_by_task(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        edge_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        draining: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        live_sandboxes: _builtins.int = ...,
+        sandboxes_by_backend: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_project: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "draining", b"draining", "edge_id", b"edge_id", "live_sandboxes", b"live_sandboxes", "reason", b"reason", "sandboxes_by_backend", b"sandboxes_by_backend", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeDrainState: _TypeAlias = NodeDrainState  # noqa: Y015
+
+@_typing.final
+class DrainNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def node(self) -> Global___NodeDrainState: ...
+    def __init__(
+        self,
+        *,
+        node: Global___NodeDrainState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeResponse: _TypeAlias = DrainNodeResponse  # noqa: Y015
+
+@_typing.final
+class UndrainNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        edge_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainNodeRequest: _TypeAlias = UndrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class UndrainNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def node(self) -> Global___NodeDrainState: ...
+    def __init__(
+        self,
+        *,
+        node: Global___NodeDrainState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainNodeResponse: _TypeAlias = UndrainNodeResponse  # noqa: Y015

@@ -3230,3 +3230,177 @@ class ProjectService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeServiceStub:
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListNodes = channel.unary_unary(
+                '/dsec.apiserver.v1.NodeService/ListNodes',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/dsec.apiserver.v1.NodeService/DrainNode',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.UndrainNode = channel.unary_unary(
+                '/dsec.apiserver.v1.NodeService/UndrainNode',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeResponse.FromString,
+                _registered_method=True)
+
+
+class NodeServiceServicer:
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    def ListNodes(self, request, context):
+        """Every node the watcher knows, with health and why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """Forwarded to the edge (EdgeService/SetDraining); an edge id the watcher does not know is
+        NOT_FOUND (EDGE_NOT_FOUND). A drained node takes no new sandbox, durably (across its
+        restarts), until undrained; what runs there goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'UndrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainNode,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.apiserver.v1.NodeService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.apiserver.v1.NodeService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeService:
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.NodeService/ListNodes',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.NodeService/DrainNode',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.NodeService/UndrainNode',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.UndrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

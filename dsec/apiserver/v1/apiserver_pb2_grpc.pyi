@@ -1035,3 +1035,76 @@ class ProjectServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_iam_pb2.RevokeTokenResponse, _abc.Awaitable[_iam_pb2.RevokeTokenResponse]]: ...
 
 def add_ProjectServiceServicer_to_server(servicer: ProjectServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class NodeServiceStub:
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> NodeServiceAsyncStub: ...
+    ListNodes: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ListNodesRequest, _apiserver_pb2.ListNodesResponse]
+    """Every node the watcher knows, with health and why."""
+    DrainNode: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.DrainNodeRequest, _apiserver_pb2.DrainNodeResponse]
+    """Forwarded to the edge (EdgeService/SetDraining); an edge id the watcher does not know is
+    NOT_FOUND (EDGE_NOT_FOUND). A drained node takes no new sandbox, durably (across its
+    restarts), until undrained; what runs there goes on.
+    """
+    UndrainNode: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.UndrainNodeRequest, _apiserver_pb2.UndrainNodeResponse]
+
+@_typing.type_check_only
+class NodeServiceAsyncStub(NodeServiceStub):
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListNodes: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ListNodesRequest, _apiserver_pb2.ListNodesResponse]  # type: ignore[assignment]
+    """Every node the watcher knows, with health and why."""
+    DrainNode: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.DrainNodeRequest, _apiserver_pb2.DrainNodeResponse]  # type: ignore[assignment]
+    """Forwarded to the edge (EdgeService/SetDraining); an edge id the watcher does not know is
+    NOT_FOUND (EDGE_NOT_FOUND). A drained node takes no new sandbox, durably (across its
+    restarts), until undrained; what runs there goes on.
+    """
+    UndrainNode: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.UndrainNodeRequest, _apiserver_pb2.UndrainNodeResponse]  # type: ignore[assignment]
+
+class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
+    """------------------------------------------------------------------- nodes
+
+    The cluster's nodes (edges), for operators: an ADMIN token of the root project; any other
+    caller gets PERMISSION_DENIED (OPERATOR_ONLY).
+    """
+
+    @_abc_1.abstractmethod
+    def ListNodes(
+        self,
+        request: _apiserver_pb2.ListNodesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.ListNodesResponse, _abc.Awaitable[_apiserver_pb2.ListNodesResponse]]:
+        """Every node the watcher knows, with health and why."""
+
+    @_abc_1.abstractmethod
+    def DrainNode(
+        self,
+        request: _apiserver_pb2.DrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.DrainNodeResponse, _abc.Awaitable[_apiserver_pb2.DrainNodeResponse]]:
+        """Forwarded to the edge (EdgeService/SetDraining); an edge id the watcher does not know is
+        NOT_FOUND (EDGE_NOT_FOUND). A drained node takes no new sandbox, durably (across its
+        restarts), until undrained; what runs there goes on.
+        """
+
+    @_abc_1.abstractmethod
+    def UndrainNode(
+        self,
+        request: _apiserver_pb2.UndrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.UndrainNodeResponse, _abc.Awaitable[_apiserver_pb2.UndrainNodeResponse]]: ...
+
+def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1048,11 +1048,14 @@ class GetNodeStatusResponse(_message.Message):
     CONTROLS_FIELD_NUMBER: _builtins.int
     PAUSE_FIELD_NUMBER: _builtins.int
     ACCOUNTING_ERRORS_FIELD_NUMBER: _builtins.int
+    DRAIN_REASON_FIELD_NUMBER: _builtins.int
     draining: _builtins.bool
     accounting_errors: _builtins.int
     """Releases of a sandbox's capacity that would have taken the edge's accounting below zero
     (a sandbox released twice: a bug, logged; nothing was changed). 0 on a sound edge.
     """
+    drain_reason: _builtins.str
+    """the operator's reason, when draining"""
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
     @_builtins.property
@@ -1101,14 +1104,147 @@ class GetNodeStatusResponse(_message.Message):
         controls: _abc.Iterable[Global___HostControl] | None = ...,
         pause: Global___PauseStatus | None = ...,
         accounting_errors: _builtins.int = ...,
+        drain_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "info", b"info", "load", b"load", "pause", b"pause"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accounting_errors", b"accounting_errors", "as_of", b"as_of", "controls", b"controls", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accounting_errors", b"accounting_errors", "as_of", b"as_of", "controls", b"controls", "drain_reason", b"drain_reason", "draining", b"draining", "fncall", b"fncall", "info", b"info", "live_sandbox_ids", b"live_sandbox_ids", "load", b"load", "pause", b"pause", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetNodeStatusResponse: _TypeAlias = GetNodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class SetDrainingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINING_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    reason: _builtins.str
+    """shown with the node's health (dsec node list); "" = none given"""
+    def __init__(
+        self,
+        *,
+        draining: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDrainingRequest: _TypeAlias = SetDrainingRequest  # noqa: Y015
+
+@_typing.final
+class SetDrainingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SandboxesByBackendEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByProjectEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SandboxesByTaskEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DRAINING_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    LIVE_SANDBOXES_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_BACKEND_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_PROJECT_FIELD_NUMBER: _builtins.int
+    SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    reason: _builtins.str
+    live_sandboxes: _builtins.int
+    """What still runs here: live sandboxes in all, per backend (CONTAINER, MICROVM, ...),
+    per project and per task.
+    """
+    edge_id: _builtins.str
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """when the edge was drained (unset: not draining)"""
+
+    @_builtins.property
+    def sandboxes_by_backend(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def sandboxes_by_project(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def sandboxes_by_task(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        draining: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        live_sandboxes: _builtins.int = ...,
+        sandboxes_by_backend: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_project: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        edge_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "edge_id", b"edge_id", "live_sandboxes", b"live_sandboxes", "reason", b"reason", "sandboxes_by_backend", b"sandboxes_by_backend", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDrainingResponse: _TypeAlias = SetDrainingResponse  # noqa: Y015
 
 @_typing.final
 class PauseStatus(_message.Message):

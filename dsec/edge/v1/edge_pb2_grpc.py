@@ -110,6 +110,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusResponse.FromString,
                 _registered_method=True)
+        self.SetDraining = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/SetDraining',
+                request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingRequest.SerializeToString,
+                response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingResponse.FromString,
+                _registered_method=True)
         self.WatchSandboxes = channel.unary_stream(
                 '/dsec.edge.v1.EdgeService/WatchSandboxes',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.WatchSandboxesRequest.SerializeToString,
@@ -421,6 +426,15 @@ class EdgeServiceServicer:
 
     def GetNodeStatus(self, request, context):
         """Capacity, load and counts; what the watcher probes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetDraining(self, request, context):
+        """Drains (admits no new sandbox; those running go on) or undrains this edge. The flag is kept
+        in the edge's state dir, so a restarted edge is still draining; a state it cannot write fails
+        the call and changes nothing. The answer says what still runs here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -760,6 +774,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.GetNodeStatus,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusResponse.SerializeToString,
+            ),
+            'SetDraining': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDraining,
+                    request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingRequest.FromString,
+                    response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingResponse.SerializeToString,
             ),
             'WatchSandboxes': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchSandboxes,
@@ -1372,6 +1391,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/GetNodeStatus',
             dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDraining(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/SetDraining',
+            dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingRequest.SerializeToString,
+            dsec_dot_edge_dot_v1_dot_edge__pb2.SetDrainingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,6 +75,11 @@ class EdgeServiceStub:
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]
     GetNodeStatus: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]
     """Capacity, load and counts; what the watcher probes."""
+    SetDraining: _grpc.UnaryUnaryMultiCallable[_edge_pb2.SetDrainingRequest, _edge_pb2.SetDrainingResponse]
+    """Drains (admits no new sandbox; those running go on) or undrains this edge. The flag is kept
+    in the edge's state dir, so a restarted edge is still draining; a state it cannot write fails
+    the call and changes nothing. The answer says what still runs here.
+    """
     WatchSandboxes: _grpc.UnaryStreamMultiCallable[_edge_pb2.WatchSandboxesRequest, _edge_pb2.WatchSandboxesResponse]
     """State changes of this edge's sandboxes, with keepalives."""
     Exec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecResult]
@@ -170,6 +175,11 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
     GetNodeStatus: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]  # type: ignore[assignment]
     """Capacity, load and counts; what the watcher probes."""
+    SetDraining: _aio.UnaryUnaryMultiCallable[_edge_pb2.SetDrainingRequest, _edge_pb2.SetDrainingResponse]  # type: ignore[assignment]
+    """Drains (admits no new sandbox; those running go on) or undrains this edge. The flag is kept
+    in the edge's state dir, so a restarted edge is still draining; a state it cannot write fails
+    the call and changes nothing. The answer says what still runs here.
+    """
     WatchSandboxes: _aio.UnaryStreamMultiCallable[_edge_pb2.WatchSandboxesRequest, _edge_pb2.WatchSandboxesResponse]  # type: ignore[assignment]
     """State changes of this edge's sandboxes, with keepalives."""
     Exec: _aio.UnaryUnaryMultiCallable[_types_pb2.ExecRequest, _types_pb2.ExecResult]  # type: ignore[assignment]
@@ -352,6 +362,17 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.GetNodeStatusResponse, _abc.Awaitable[_edge_pb2.GetNodeStatusResponse]]:
         """Capacity, load and counts; what the watcher probes."""
+
+    @_abc_1.abstractmethod
+    def SetDraining(
+        self,
+        request: _edge_pb2.SetDrainingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_edge_pb2.SetDrainingResponse, _abc.Awaitable[_edge_pb2.SetDrainingResponse]]:
+        """Drains (admits no new sandbox; those running go on) or undrains this edge. The flag is kept
+        in the edge's state dir, so a restarted edge is still draining; a state it cannot write fails
+        the call and changes nothing. The answer says what still runs here.
+        """
 
     @_abc_1.abstractmethod
     def WatchSandboxes(

@@ -125,6 +125,12 @@ class EdgeStatus(_message.Message):
     SANDBOXES_BY_PRINCIPAL_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_TASK_FIELD_NUMBER: _builtins.int
     SANDBOXES_REPORTED_FIELD_NUMBER: _builtins.int
+    HEALTH_REASON_FIELD_NUMBER: _builtins.int
+    HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
+    CLOCK_SKEW_S_FIELD_NUMBER: _builtins.int
+    CLOCK_SKEW_ERROR_S_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    DRAIN_REASON_FIELD_NUMBER: _builtins.int
     health: Global___EdgeHealth.ValueType
     consecutive_failures: _builtins.int
     last_error: _builtins.str
@@ -133,6 +139,22 @@ class EdgeStatus(_message.Message):
     """Live sandboxes this watcher's last poll of the edge returned: what would be reported
     TERMINATED (EDGE_LOST) if the edge were declared lost now.
     """
+    health_reason: _builtins.str
+    """Why health is what it is: "" (HEALTHY), PROBES_FAILING, VERSION_MISMATCH, CLOCK_SKEW
+    (UNHEALTHY: never placed on), DRAINING (the operator's; health_detail has their reason).
+    """
+    health_detail: _builtins.str
+    """e.g. "clock 42.1 s ahead of the watcher's (max 30 s)" """
+    clock_skew_s: _builtins.float
+    """The edge's clock minus the watcher's, as last measured (registration's sent_at, or a
+    probe's as_of against the probe's midpoint), and the round trip that bounds the error.
+    """
+    clock_skew_error_s: _builtins.float
+    draining: _builtins.bool
+    """The operator drained it (EdgeService/SetDraining), as its last good probe said; also while
+    it is UNHEALTHY for another reason (health_reason then names that one).
+    """
+    drain_reason: _builtins.str
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
     @_builtins.property
@@ -161,10 +183,16 @@ class EdgeStatus(_message.Message):
         sandboxes_by_principal: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes_by_task: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes_reported: _builtins.int = ...,
+        health_reason: _builtins.str = ...,
+        health_detail: _builtins.str = ...,
+        clock_skew_s: _builtins.float = ...,
+        clock_skew_error_s: _builtins.float = ...,
+        draining: _builtins.bool = ...,
+        drain_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "last_probe_at", b"last_probe_at", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "health", b"health", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "sandboxes_reported", b"sandboxes_reported"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock_skew_error_s", b"clock_skew_error_s", "clock_skew_s", b"clock_skew_s", "consecutive_failures", b"consecutive_failures", "drain_reason", b"drain_reason", "draining", b"draining", "health", b"health", "health_detail", b"health_detail", "health_reason", b"health_reason", "info", b"info", "last_error", b"last_error", "last_probe_at", b"last_probe_at", "load", b"load", "probe_latency_ms", b"probe_latency_ms", "sandboxes_by_principal", b"sandboxes_by_principal", "sandboxes_by_project", b"sandboxes_by_project", "sandboxes_by_task", b"sandboxes_by_task", "sandboxes_reported", b"sandboxes_reported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -279,16 +307,22 @@ class RegisterEdgeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INFO_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def info(self) -> _types_pb2.EdgeInfo: ...
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp:
+        """The edge's clock when it sent this (the watcher measures the skew between their clocks)."""
+
     def __init__(
         self,
         *,
         info: _types_pb2.EdgeInfo | None = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "sent_at", b"sent_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "sent_at", b"sent_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,7 +65,11 @@ class WatcherServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterEdge(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """ALREADY_EXISTS (EDGE_ID_IN_USE) when another live edge holds the id: another address and
+        incarnation, answering its probes. A restart of the same edge (same address, or the
+        holder no longer answering) is accepted. An edge whose clock or dsec version (major.minor)
+        differs from the watcher's is registered UNHEALTHY (CLOCK_SKEW, VERSION_MISMATCH).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -38,6 +38,11 @@ class WatcherServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WatcherServiceAsyncStub: ...
     RegisterEdge: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.RegisterEdgeRequest, _watcher_pb2.RegisterEdgeResponse]
+    """ALREADY_EXISTS (EDGE_ID_IN_USE) when another live edge holds the id: another address and
+    incarnation, answering its probes. A restart of the same edge (same address, or the
+    holder no longer answering) is accepted. An edge whose clock or dsec version (major.minor)
+    differs from the watcher's is registered UNHEALTHY (CLOCK_SKEW, VERSION_MISMATCH).
+    """
     GetClusterSnapshot: _grpc.UnaryUnaryMultiCallable[_watcher_pb2.GetClusterSnapshotRequest, _watcher_pb2.GetClusterSnapshotResponse]
     WatchCluster: _grpc.UnaryStreamMultiCallable[_watcher_pb2.WatchClusterRequest, _watcher_pb2.WatchClusterResponse]
     """The snapshot first, then every change, with keepalives."""
@@ -53,6 +58,11 @@ class WatcherServiceStub:
 class WatcherServiceAsyncStub(WatcherServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterEdge: _aio.UnaryUnaryMultiCallable[_watcher_pb2.RegisterEdgeRequest, _watcher_pb2.RegisterEdgeResponse]  # type: ignore[assignment]
+    """ALREADY_EXISTS (EDGE_ID_IN_USE) when another live edge holds the id: another address and
+    incarnation, answering its probes. A restart of the same edge (same address, or the
+    holder no longer answering) is accepted. An edge whose clock or dsec version (major.minor)
+    differs from the watcher's is registered UNHEALTHY (CLOCK_SKEW, VERSION_MISMATCH).
+    """
     GetClusterSnapshot: _aio.UnaryUnaryMultiCallable[_watcher_pb2.GetClusterSnapshotRequest, _watcher_pb2.GetClusterSnapshotResponse]  # type: ignore[assignment]
     WatchCluster: _aio.UnaryStreamMultiCallable[_watcher_pb2.WatchClusterRequest, _watcher_pb2.WatchClusterResponse]  # type: ignore[assignment]
     """The snapshot first, then every change, with keepalives."""
@@ -70,7 +80,12 @@ class WatcherServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _watcher_pb2.RegisterEdgeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_watcher_pb2.RegisterEdgeResponse, _abc.Awaitable[_watcher_pb2.RegisterEdgeResponse]]: ...
+    ) -> _typing.Union[_watcher_pb2.RegisterEdgeResponse, _abc.Awaitable[_watcher_pb2.RegisterEdgeResponse]]:
+        """ALREADY_EXISTS (EDGE_ID_IN_USE) when another live edge holds the id: another address and
+        incarnation, answering its probes. A restart of the same edge (same address, or the
+        holder no longer answering) is accepted. An edge whose clock or dsec version (major.minor)
+        differs from the watcher's is registered UNHEALTHY (CLOCK_SKEW, VERSION_MISMATCH).
+        """
 
     @_abc_1.abstractmethod
     def GetClusterSnapshot(
