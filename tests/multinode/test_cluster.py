@@ -44,7 +44,9 @@ def test_each_node_keeps_its_own_state_and_mounts_the_one_store(multinode: Multi
         holders = [n for n, d in states.items() if sb.id in " ".join(p.name for p in d.rglob("*"))]
         assert holders == [node], holders
         # One store: the layer the sandbox runs on is the same file from every node's mount.
-        layers = {n: sorted(p.name for p in (multinode.store[n] / "layers").iterdir()) for n in NODES}
+        layers = {
+            n: sorted(p.name for p in (multinode.store[n] / "layers").iterdir()) for n in NODES
+        }
         assert layers["node1"] and layers["node1"] == layers["node2"] == layers["node3"]
         # Only metadata is copied to the node: the metadata cache holds no blob.
         cache = states[node] / "container" / "layer-cache" / "meta"

@@ -147,9 +147,7 @@ def test_a_lost_node_costs_only_its_own_sandboxes(multinode: MultiNode) -> None:
         _wait("stale sandboxes stopped on the returned node", stale_gone, 60)
         for sid in lost_ids:
             assert c.get(sid).info.termination_reason == "EDGE_LOST"
-        back = c.create(
-            image="busybox", memory_mb=64, task_id=task, node_selector={"node": LOST}
-        )
+        back = c.create(image="busybox", memory_mb=64, task_id=task, node_selector={"node": LOST})
         made.append(back)
         assert back.info.edge_id == LOST and back.run("echo back").stdout == b"back\n"
         for s in made:
