@@ -195,17 +195,17 @@ class MooseFS:
                 d.proc.wait()
             self._daemons.remove(d)
 
-    def served_bytes(self) -> int:
-        """Bytes the chunkservers have sent so far (``wchar`` of their processes: the file
-        data clients read, plus small heartbeats to the master): what the nodes read from
-        the store, as a difference between two calls."""
-        total = 0
-        for d in self._daemons:
-            if d.name.startswith("mfschunkserver") and d.proc.poll() is None:
-                for line in Path(f"/proc/{d.proc.pid}/io").read_text().splitlines():
-                    if line.startswith("wchar:"):
-                        total += int(line.split()[1])
-        return total
+    def client_read_bytes(self, target: Path) -> int:
+        """Bytes the FUSE client mounted at ``target`` has read so far (``rchar`` of its
+        process: the file data it fetched from chunkservers, plus the kernel's requests and
+        the master's answers, both small next to data): what that node read from the store,
+        as a difference between two calls. Unlike the chunkservers' counters it does not
+        count the copies chunkservers send each other when a write is replicated."""
+        d = self.mounts[target]
+        for line in Path(f"/proc/{d.proc.pid}/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+        raise MooseFSError(f"no rchar in /proc/{d.proc.pid}/io")
 
     def close(self) -> None:
         for target in list(self.mounts):

@@ -124,7 +124,9 @@ class EdgeConfig(ServiceConfig):
     layer_store: Path = Path("/var/lib/dsec/store")
     #: How a layer is verified on its first use on this node: "full" (hash the whole data
     #: blob; a corrupt one is never mounted) or "sampled" (size + sampled chunks at once, the
-    #: rest in the background; start time independent of the image size).
+    #: rest in the background; start time independent of the image size) or "store" (once per
+    #: cluster: a node that finds the store's record of a full hash of this very blob reads
+    #: none of it; see edge.layers.node).
     layer_verify: str = "full"
     #: EROFS chunk size of layers built here (power of two, >= 4 KiB).
     layer_chunk_kb: int = 1024
@@ -261,9 +263,9 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError("DSEC_EDGE_DISK_RESERVE_MB must be >= 0, the check interval > 0")
         if self.sandbox_log_max_kb < 64:
             raise ConfigError("DSEC_EDGE_SANDBOX_LOG_MAX_KB must be >= 64")
-        if self.layer_verify not in ("full", "sampled"):
+        if self.layer_verify not in ("full", "sampled", "store"):
             raise ConfigError(
-                f"DSEC_EDGE_LAYER_VERIFY={self.layer_verify!r}: expected full or sampled"
+                f"DSEC_EDGE_LAYER_VERIFY={self.layer_verify!r}: expected full, sampled or store"
             )
         kb = self.layer_chunk_kb
         if kb < 4 or kb & (kb - 1):

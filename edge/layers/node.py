@@ -16,8 +16,14 @@ copied; the blob is checked against the per-chunk sha256s of the descriptor, eit
 (`verify="full"`, the default: a corrupt or truncated blob is never mounted) or by its size
 plus a sample of chunks (`verify="sampled"`: start time stays independent of the image size on
 a shared filesystem; the rest is hashed in the background by `verify_pending()` and a layer that
-fails is quarantined on the node). The node that imports a layer records it as verified, since
-it has just hashed it.
+fails is quarantined on the node), or once for the whole cluster (`verify="store"`: a node that
+hashed the blob completely, the importing node included, records the blob's inode, size, mtime
+and ctime in the store (`layers/<hex>/verified.json`); a node that finds that record matching the
+blob as it sees it mounts the layer without reading its data, so a burst onto a new node reads
+only what its sandboxes touch; otherwise it hashes the blob and records it). The node that
+imports a layer records it as verified, since it has just hashed it. `store` suits a store that
+checksums its own data (MooseFS, CephFS, 3FS do), where a rewritten blob changes its identity and
+a decayed one fails its read instead of returning other bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from libdsec.errors import LayerCorrupt
 
 log = logging.getLogger(__name__)
 
-VERIFY_MODES = ("full", "sampled")
+VERIFY_MODES = ("full", "sampled", "store")
 _READ = 1 << 20
 
 
@@ -62,6 +68,16 @@ class BlobIdentity:
     @classmethod
     def of(cls, st: os.stat_result) -> BlobIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def shared(self) -> dict[str, int]:
+        """What every node of a shared store sees alike (not the device: each client mount
+        has its own)."""
+        return {
+            "ino": self.ino,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+        }
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -149,7 +165,7 @@ class NodeLayers:
                         f"layer {digest} is quarantined on this node: {rec['corrupt']}",
                         metadata={"layer": digest, "file": os.fspath(blob)},
                     )
-                if self.verify == "sampled" or rec.get("level") == "full":
+                if self.verify == "sampled" or rec.get("level") in ("full", "store"):
                     self.store.add_lease(digest)
                     return LayerImage(meta, blob)
             if st.st_size != desc.blob_size:
@@ -159,9 +175,12 @@ class NodeLayers:
                     metadata={"layer": digest, "file": os.fspath(blob)},
                 )
             self._copy_meta(digest, desc, meta)
-            if self.verify == "full":
+            if self.verify == "store" and self._verified_in_store(digest, ident):
+                level = "store"
+            elif self.verify in ("full", "store"):
                 check_blob(digest, blob, desc)
                 level = "full"
+                self._record_in_store(digest, ident)
             else:
                 check_blob(digest, blob, desc, sample=self.sample_chunks)
                 level = "sampled"
@@ -200,6 +219,20 @@ class NodeLayers:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _verified_in_store(self, digest: str, ident: BlobIdentity) -> bool:
+        """A node hashed this very blob file completely (the store's record names its inode,
+        size, mtime and ctime as every node sees them)."""
+        rec = self.store.read_verified(digest)
+        return rec is not None and rec.get("blob") == ident.shared()
+
+    def _record_in_store(self, digest: str, ident: BlobIdentity) -> None:
+        try:
+            self.store.write_verified(
+                digest, {"digest": digest, "blob": ident.shared(), "node": self.store.node_id}
+            )
+        except OSError as exc:  # the next node hashes it again: slower, never wrong
+            log.warning("layer %s: cannot record its verification in the store: %s", digest, exc)
+
     def record_built(self, digest: str) -> None:
         """The layer was just built and hashed on this node: count that as its verification."""
         with self._lock(digest):
@@ -207,6 +240,7 @@ class NodeLayers:
             with contextlib.suppress(FileNotFoundError):
                 self._copy_meta(digest, desc, self.local_meta(digest))
                 st = os.stat(self.store.blob_path(digest))
+                self._record_in_store(digest, BlobIdentity.of(st))
                 self._write_record(
                     digest,
                     {

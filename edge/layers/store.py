@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import secrets
+from typing import Any
 import shutil
 import threading
 import time
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 MARKER = ".dsec-store"
 INFO_NAME = "info.json"
 UNREFERENCED_NAME = "unreferenced-since"
+
+
+#: In a layer's directory: which version of its blob a node hashed completely (see
+#: edge.layers.node, ``verify="store"``).
+VERIFIED_NAME = "verified.json"
 
 
 def hex_of(digest: str) -> str:
@@ -144,6 +150,20 @@ class LayerStore:
     def blob_path(self, digest: str) -> Path:
         return self.layer_dir(digest) / erofs.BLOB_NAME
 
+    def verified_path(self, digest: str) -> Path:
+        """The store's record of a full verification of the layer's blob (``verify="store"``)."""
+        return self.layer_dir(digest) / VERIFIED_NAME
+
+    def read_verified(self, digest: str) -> dict[str, Any] | None:
+        try:
+            rec: dict[str, Any] = json.loads(self.verified_path(digest).read_text())
+            return rec
+        except (OSError, ValueError):
+            return None
+
+    def write_verified(self, digest: str, rec: dict[str, Any]) -> None:
+        _atomic_write(self.verified_path(digest), json.dumps(rec).encode())
+
     def has_layer(self, digest: str) -> bool:
         return (self.layer_dir(digest) / erofs.DESCRIPTOR_NAME).is_file()
 
@@ -225,6 +245,7 @@ class LayerStore:
         info = {"kind": kind.value, "source": source, "created_at": time.time()}
         (built / INFO_NAME).write_text(json.dumps(info))
         (built / erofs.DESCRIPTOR_NAME).write_bytes(desc.to_bytes())
+        _flush_tree(built)
         try:
             os.rename(built, target)
         except OSError as exc:
@@ -431,6 +452,19 @@ def _remove_any(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _flush_tree(d: Path) -> None:
+    """Every file of a built layer on the store's disks before the layer is visible: on a
+    shared file system a client's write-back cache would otherwise still be sending data (and
+    the file's times still moving) while other nodes mount it and check its identity."""
+    for f in d.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -79,6 +79,8 @@ def edge_spec(lab: HostLab, node: str, store: Path, **env: str) -> EdgeSpec:
             "DSEC_EDGE_BPF_PIN_DIR": f"/sys/fs/bpf/dsec-{lab.tag}-{node}",
             "DSEC_EDGE_CGROUP_PARENT": f"dsec-{lab.tag}-{node}",
             "DSEC_EDGE_PAUSE_SWAP_MB": "256",
+            # Hashed once per cluster (edge.layers.node): a new node reads only what it uses.
+            "DSEC_EDGE_LAYER_VERIFY": "store",
             **env,
         },
     )

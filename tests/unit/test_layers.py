@@ -495,3 +495,49 @@ def test_sampled_verification_quarantines_in_the_background(tmp_path: Path) -> N
             e.resolve("sampled:1")
     finally:
         e.close()
+
+
+def test_store_verification_hashes_a_blob_once_per_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify="store": the importing node records its hash in the store; another node that
+    finds the record matching the blob mounts without reading the data; a rewritten blob is
+    hashed again (and refused when corrupt)."""
+    import edge.layers.node as node_mod
+
+    def node(name: str) -> Environments:
+        return Environments(
+            LayerSettings(
+                store_root=tmp_path / "store",
+                cache_dir=tmp_path / f"cache-{name}",
+                node_id=name,
+                verify="store",
+            )
+        )
+
+    hashed: list[str] = []
+    real_check = node_mod.check_blob
+
+    def counting(digest: str, *args: object, **kw: object) -> None:
+        hashed.append(digest)
+        real_check(digest, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node_mod, "check_blob", counting)
+    a, b, c = node("a"), node("b"), node("c")
+    try:
+        src = tree(tmp_path / "src", {"big": os.urandom(6 << 20)})
+        digest = a.import_source(f"dir:{src}", "store:1").layers[0].digest
+        assert (a.store.layer_dir(digest) / "verified.json").is_file()
+        b.resolve("store:1")
+        assert hashed == []  # node b read none of the blob
+        # Rewritten in place (same size): its ctime changes, so node c hashes it and refuses.
+        blob = a.store.blob_path(digest)
+        with open(blob, "r+b") as f:
+            f.seek(3 << 20)
+            f.write(b"\0" * 16)
+        with pytest.raises(LayerCorrupt):
+            c.resolve("store:1")
+        assert hashed == [digest]
+    finally:
+        for e in (a, b, c):
+            e.close()
