@@ -30,9 +30,9 @@ def test_sandboxes_spread_over_the_nodes_and_any_api_server_serves_any_of_them(
                 r = b.get(s.id).run("cat /proc/sys/kernel/hostname; echo ok")
                 assert r.exit_code == 0 and r.stdout.endswith(b"ok\n"), r
         finally:
-            for s in made:
-                if not isinstance(s, Exception):
-                    s.stop()
+            for item in made:
+                if not isinstance(item, Exception):
+                    item.stop()
 
 
 def test_each_node_keeps_its_own_state_and_mounts_the_one_store(multinode: MultiNode) -> None:
