@@ -419,29 +419,8 @@ class LocalCluster:
 
     def wait_edges_registered(self, timeout_s: float) -> None:
         """Until the watcher has probed every edge healthy (placement can then use them)."""
-        from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
-
         watcher = next(p for p in self.processes if p.name == "watcher")
-        want = {e.edge_id for e in self.edges}
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(watcher.address) as ch:
-            stub = watcher_pb2_grpc.WatcherServiceStub(ch)
-            while True:
-                snap = stub.GetClusterSnapshot(
-                    watcher_pb2.GetClusterSnapshotRequest(), timeout=2
-                ).snapshot
-                healthy = {
-                    e.info.edge_id
-                    for e in snap.edges
-                    if e.health == watcher_pb2.EDGE_HEALTH_HEALTHY and e.HasField("last_probe_at")
-                }
-                if want <= healthy:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"edges not healthy in the watcher: {sorted(want - healthy)}"
-                    )
-                time.sleep(0.1)
+        wait_edges_healthy(watcher.address, {e.edge_id for e in self.edges}, timeout_s)
 
     def stop(self, grace_s: float = 30.0, keep_sandboxes: bool = False) -> None:
         """Stops every service and returns once they are gone.
@@ -677,6 +656,29 @@ class LocalCluster:
         if not self.supervised or not self.supervisor.pid():
             return {}
         return self.supervisor.processes()
+
+
+def wait_edges_healthy(watcher: str, want: set[str], timeout_s: float) -> None:
+    """Until the watcher at ``watcher`` has probed every edge of ``want`` healthy."""
+    from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(watcher) as ch:
+        stub = watcher_pb2_grpc.WatcherServiceStub(ch)
+        while True:
+            snap = stub.GetClusterSnapshot(
+                watcher_pb2.GetClusterSnapshotRequest(), timeout=2
+            ).snapshot
+            healthy = {
+                e.info.edge_id
+                for e in snap.edges
+                if e.health == watcher_pb2.EDGE_HEALTH_HEALTHY and e.HasField("last_probe_at")
+            }
+            if want <= healthy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"edges not healthy in the watcher: {sorted(want - healthy)}")
+            time.sleep(0.1)
 
 
 def stop_edge_sandboxes(address: str, grace_s: float = 2.0) -> int:
