@@ -620,7 +620,10 @@ class Deployment:
             ),
             **self.settings.edge_env,
         }
-        spec = EdgeSpec(edge_id=edge_id, runtime="container", extra_env=extra)
+        # Labelled with its id: a create can ask for this node (node_selector={"node": id}).
+        spec = EdgeSpec(
+            edge_id=edge_id, runtime="container", labels={"node": edge_id}, extra_env=extra
+        )
         home = hashlib.sha1(str(self.node_dir).encode()).hexdigest()[:8]
         return self.wiring.edge(
             spec,
@@ -754,8 +757,14 @@ class Deployment:
         for name, node_id, group in joined:
             try:
                 ray.get(group.start.remote(self.settings.timeout_s))
+                assert self.wiring is not None
+                wait_edges_healthy(
+                    self.wiring.watcher,
+                    {name.removeprefix(EDGE_PREFIX)},
+                    self.settings.timeout_s,
+                )
                 self._retry_at.pop(node_id, None)
-                self._event(f"{name} SERVING")
+                self._event(f"{name} SERVING, healthy in the watcher")
             except Exception as exc:
                 self._event(f"{name} failed to start: {exc}")
                 with self._lock:
