@@ -538,7 +538,17 @@ class ServiceGroup:
                     state = Path(s.spec.env["DSEC_EDGE_STATE_DIR"])
                     release_mounts(state)
                     release_swaps(state)
+                    _remove_claim_dir(Path(s.spec.env["DSEC_EDGE_NET_CLAIM_DIR"]))
             return self.status()
+
+
+def _remove_claim_dir(claims: Path) -> None:
+    """The network claim directory of an edge that stopped with its sandboxes: nothing in it
+    is live any more, and /run should not collect one per edge id ever deployed. A claim left
+    in it (a directory shared with another edge through --edge-env) keeps the directory."""
+    with contextlib.suppress(OSError):
+        (claims / ".lock").unlink(missing_ok=True)
+        claims.rmdir()
 
 
 def _terminate(pid: int, grace_s: float) -> None:
@@ -611,7 +621,7 @@ class Deployment:
         assert self.wiring is not None
         edge_id = edge_id_for(ip)
         extra = {
-            "DSEC_EDGE_NET_CLAIM_DIR": f"/run/dsec/ray/{edge_id}/net",
+            "DSEC_EDGE_NET_CLAIM_DIR": f"/run/dsec/ray/{edge_id}",
             "DSEC_EDGE_BPF_PIN_DIR": f"/sys/fs/bpf/dsec-ray/{edge_id}",
             **(
                 {"DSEC_EDGE_LAYER_STORE": self.settings.layer_store}

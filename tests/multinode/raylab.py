@@ -11,6 +11,7 @@ The nodes start with:
 
 - ``PYTHONPATH`` = this checkout, so Ray's workers (the actors of ``dsec deploy --ray``) and the
   services they start run this tree's code, as the test process does;
+- ``RAY_AUTH_MODE=disabled`` (the callers get the same environment, :attr:`RayLab.env`);
 - ``GRPC_ENABLE_FORK_SUPPORT=0``: Ray's client server forks a process per client, and gRPC's
   fork handlers make that process abort now and then (ray-project/ray#63202: "Starting Ray
   client server failed"); without them every connection here succeeded.
@@ -55,6 +56,10 @@ class RayLab:
             ),
             "GRPC_ENABLE_FORK_SUPPORT": "0",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Said, not left to Ray: with RAY_AUTH_MODE unset, a node turns token auth on when
+            # ~/.ray/auth_token happens to exist (any local ray.init() on the machine writes
+            # one), and a worker started without it is then refused.
+            "RAY_AUTH_MODE": "disabled",
         }
 
     @property

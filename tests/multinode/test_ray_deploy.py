@@ -112,12 +112,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         lab.close()
 
 
-def dsec(home: Path, *args: str, host: Host | None = None, timeout: float = 400) -> Any:
-    """``dsec ARGS`` with ``DSEC_HOME=home`` (on ``host``'s network, else the test's)."""
+def dsec(w: World, *args: str, host: Host | None = None, timeout: float = 400) -> Any:
+    """``dsec ARGS`` with the deployment's ``DSEC_HOME`` and the Ray nodes' environment (on
+    ``host``'s network, else the test's)."""
     argv = [sys.executable, "-m", "dsecctl", *args]
     return subprocess.run(
         host.command(argv) if host is not None else argv,
-        env={**os.environ, "DSEC_HOME": str(home)},
+        env={**w.ray.env, "DSEC_HOME": str(w.home)},
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -126,7 +127,7 @@ def dsec(home: Path, *args: str, host: Host | None = None, timeout: float = 400)
 
 
 def deployment(w: World, address: str = "") -> dict[str, Any]:
-    r = dsec(w.home, "deploy", "--ray", address or w.ray.client_address, "--status", "--json")
+    r = dsec(w, "deploy", "--ray", address or w.ray.client_address, "--status", "--json")
     assert r.stdout, r.stderr
     return dict(json.loads(r.stdout))
 
@@ -144,12 +145,12 @@ def test_deploy_on_ray(world: World) -> None:
     absent = str(w.lab.subnet.network_address + 250) if w.lab.subnet else ""
     for address in (f"ray://{r3.address}:10001", f"{absent}:6379"):
         t0 = time.monotonic()
-        r = dsec(w.home, "deploy", "--ray", address, timeout=60)
+        r = dsec(w, "deploy", "--ray", address, timeout=60)
         took = time.monotonic() - t0
         assert r.returncode != 0 and "RAY_UNREACHABLE" in r.stderr, r.stderr
         assert address in r.stderr and took < 10, (took, r.stderr)
     assert not (w.home / "cluster.json").exists() and r3.pids() == []
-    r = dsec(w.home, "undeploy", "--ray", w.ray.client_address, timeout=60)
+    r = dsec(w, "undeploy", "--ray", w.ray.client_address, timeout=60)
     assert r.returncode != 0 and "NOT_DEPLOYED" in r.stderr, r.stderr
 
     # Deploy.
@@ -164,7 +165,7 @@ def test_deploy_on_ray(world: World) -> None:
     for k, v in edge_env.items():
         args += ["--edge-env", f"{k}={v}"]
     t0 = time.monotonic()
-    r = dsec(w.home, "deploy", "--ray", w.ray.client_address, *args)
+    r = dsec(w, "deploy", "--ray", w.ray.client_address, *args)
     print(f"deploy: {time.monotonic() - t0:.1f} s\n{r.stdout}")
     assert r.returncode == 0, r.stdout + r.stderr
     st = deployment(w)
@@ -177,11 +178,11 @@ def test_deploy_on_ray(world: World) -> None:
     assert {s["node"] for s in svcs.values()} == nodes
     assert json.loads((w.home / "cluster.json").read_text())["apiserver"] == st["apiserver"]
     # The GCS address, from a Ray node, sees the same deployment.
-    r = dsec(w.home, "deploy", "--ray", w.ray.gcs_address, "--status", host=w.hosts[1])
+    r = dsec(w, "deploy", "--ray", w.ray.gcs_address, "--status", host=w.hosts[1])
     assert r.returncode == 0 and "edge-" + edge_ids[2] in r.stdout, r.stdout + r.stderr
 
     # Deploying twice: refused, naming the deployment there.
-    r = dsec(w.home, "deploy", "--ray", w.ray.client_address, *args, timeout=60)
+    r = dsec(w, "deploy", "--ray", w.ray.client_address, *args, timeout=60)
     assert r.returncode != 0 and "ALREADY_DEPLOYED" in r.stderr, r.stderr
     assert st["apiserver"] in r.stderr
 
@@ -232,11 +233,11 @@ def test_deploy_on_ray(world: World) -> None:
     # Undeploy: no service process, no sandbox, the home forgets the deployment.
     pids = [s["pid"] for s in deployment(w)["services"] if s.get("pid")]
     t0 = time.monotonic()
-    r = dsec(w.home, "undeploy", "--ray", w.ray.client_address)
+    r = dsec(w, "undeploy", "--ray", w.ray.client_address)
     print(f"undeploy: {time.monotonic() - t0:.1f} s\n{r.stdout}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert [p for p in pids if Path(f"/proc/{p}").exists()] == []
     assert sandbox_pids(w.node_dir) == set()
     assert not (w.home / "cluster.json").exists() and not (w.home / "token").exists()
-    r = dsec(w.home, "deploy", "--ray", w.ray.client_address, "--status", timeout=60)
+    r = dsec(w, "deploy", "--ray", w.ray.client_address, "--status", timeout=60)
     assert r.returncode != 0 and "NOT_DEPLOYED" in r.stderr, r.stderr
