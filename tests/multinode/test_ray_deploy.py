@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     finally:
         ray_lab.close()  # Ray, and the services its actors started (same namespaces)
         _kill_sandboxes(node_dir)
+        for h in lab.hosts.values():  # the edges' claim directories an undeploy did not remove
+            shutil.rmtree(f"/run/dsec/ray/{edge_id_for(h.address)}", ignore_errors=True)
         if node_dir.exists():
             release_mounts(node_dir)
             release_swaps(node_dir)
