@@ -12,6 +12,7 @@ The nodes start with:
 - ``PYTHONPATH`` = this checkout, so Ray's workers (the actors of ``dsec deploy --ray``) and the
   services they start run this tree's code, as the test process does;
 - ``RAY_AUTH_MODE=disabled`` (the callers get the same environment, :attr:`RayLab.env`);
+- health checks of 1 s, 3 failures: a node that leaves is dead to Ray in seconds;
 - ``GRPC_ENABLE_FORK_SUPPORT=0``: Ray's client server forks a process per client, and gRPC's
   fork handlers make that process abort now and then (ray-project/ray#63202: "Starting Ray
   client server failed"); without them every connection here succeeded.
@@ -60,6 +61,10 @@ class RayLab:
             # ~/.ray/auth_token happens to exist (any local ray.init() on the machine writes
             # one), and a worker started without it is then refused.
             "RAY_AUTH_MODE": "disabled",
+            # A node whose raylet is killed is declared dead after ~3 s, not Ray's ~30 s.
+            "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
         }
 
     @property

@@ -9,7 +9,8 @@ own namespace through Ray Client, with a ``DSEC_HOME`` of its own; sandboxes are
 One test walks the deployment's life (each step needs the previous one's state): bad
 addresses refused before anything starts; deploy; twice refused; container sandboxes on several
 nodes; an edge killed with SIGKILL restarted by its actor, its sandboxes answering again; a node
-joining gets an edge that takes creates; undeploy leaves no service process and no sandbox.
+joining gets an edge that takes creates; that node leaving has its edge actor dropped and the
+edge unhealthy in the watcher; undeploy leaves no service process and no sandbox.
 Everything is stopped also when a step fails: the lab's processes (Ray, the services) by PID,
 the sandboxes' processes by their cgroups, the mounts, MooseFS.
 """
@@ -139,6 +140,24 @@ def services(st: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in st["services"]}
 
 
+def edge_health(st: dict[str, Any], edge_id: str) -> str:
+    """The watcher's health of ``edge_id`` ("" = unknown to it)."""
+    import grpc
+
+    from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+
+    with grpc.insecure_channel(services(st)["watcher"]["address"]) as ch:
+        snap = (
+            watcher_pb2_grpc.WatcherServiceStub(ch)
+            .GetClusterSnapshot(watcher_pb2.GetClusterSnapshotRequest(), timeout=5)
+            .snapshot
+        )
+    for e in snap.edges:
+        if e.info.edge_id == edge_id:
+            return str(watcher_pb2.EdgeHealth.Name(e.health))
+    return ""
+
+
 def test_deploy_on_ray(world: World) -> None:
     w = world
     r3 = w.hosts[3]
@@ -230,6 +249,18 @@ def test_deploy_on_ray(world: World) -> None:
             assert sb.refresh().edge_id == edge_ids[3]
             assert sb.run("echo new node").text.strip() == "new node"
             assert sandbox_pids(w.node_dir)
+
+            # That node leaves (everything on it killed; its sandbox stopped first, as
+            # nothing could stop it later): its edge actor is dropped, the watcher stops
+            # counting on that edge.
+            sb.stop(grace_s=0.5)
+            sandboxes.remove(sb)
+            t0 = time.monotonic()
+            r3.kill_all()
+            wait_for(lambda: joined not in services(deployment(w)), timeout_s=60)
+            print(f"node leave -> edge actor dropped: {time.monotonic() - t0:.1f} s")
+            wait_for(lambda: edge_health(st, edge_ids[3]) != "EDGE_HEALTH_HEALTHY", timeout_s=30)
+            assert any("left" in e for e in deployment(w)["events"])
     finally:
         os.environ.pop("DSEC_HOME", None)
 
