@@ -392,7 +392,13 @@ class ServiceGroup:
             s.log_path.parent.mkdir(parents=True, exist_ok=True)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # Ray restarted this actor (its worker died): take the services over again.
-            threading.Thread(target=self.start, args=(120.0,), daemon=True).start()
+            threading.Thread(target=self._restart_all, daemon=True).start()
+
+    def _restart_all(self) -> None:
+        try:
+            self.start(STOP_GRACE_S * 4)
+        except Exception:
+            log.exception("%s: services not taken over after the actor's restart", self.group)
 
     def start(self, timeout_s: float) -> list[dict[str, Any]]:
         """Starts every service (a process still serving its address is stopped first) and
@@ -498,6 +504,7 @@ class ServiceGroup:
                     "name": s.spec.name,
                     "group": self.group,
                     "node": self.node_ip,
+                    "actor_pid": os.getpid(),
                     "address": s.spec.address,
                     "protocol": s.spec.protocol,
                     "pid": s.pid,
@@ -794,6 +801,7 @@ class Deployment:
         return {
             "address": self.address,
             "created_at": self.created_at,
+            "actor_pid": os.getpid(),
             "apiserver": self.apiserver,
             "edges": sorted(
                 n.removeprefix(EDGE_PREFIX) for n in self.groups if n.startswith(EDGE_PREFIX)
@@ -844,13 +852,14 @@ class Deployment:
             stopped: list[dict[str, Any]] = []
             control = self.groups.get(CONTROL)
             second = self.groups.get(SECOND_APISERVER)
-            front = ["compat", "apiserver"]
-            waits = []
+            front = []
             if control is not None:
-                waits.append(control[0].stop.remote(front, keep_sandboxes))
+                front.append(control[0].stop.remote(["compat", "apiserver"], keep_sandboxes))
             if second is not None:
-                waits.append(second[0].stop.remote(None, keep_sandboxes))
-            _get_all(waits)
+                front.append(second[0].stop.remote(None, keep_sandboxes))
+            results = _get_all(front)
+            if second is not None:
+                stopped += results[-1]  # the control group's rows come with its full stop
             edges = [h for n, (h, _) in self.groups.items() if n.startswith(EDGE_PREFIX)]
             for rows in _get_all([h.stop.remote(None, keep_sandboxes) for h in edges]):
                 stopped += rows

@@ -8,7 +8,9 @@ own namespace through Ray Client, with a ``DSEC_HOME`` of its own; sandboxes are
 
 One test walks the deployment's life (each step needs the previous one's state): bad
 addresses refused before anything starts; deploy; twice refused; container sandboxes on several
-nodes; an edge killed with SIGKILL restarted by its actor, its sandboxes answering again; a node
+nodes; an edge killed with SIGKILL restarted by its actor, its sandboxes answering again; the
+edge's actor killed, restarted by Ray, taking the edge over; the deployment actor killed,
+restarted, finding its actors again (``dsec status`` from the home alone); a node
 joining gets an edge that takes creates; that node leaving has its edge actor dropped and the
 edge unhealthy in the watcher; undeploy leaves no service process and no sandbox.
 Everything is stopped also when a step fails: the lab's processes (Ray, the services) by PID,
@@ -158,6 +160,16 @@ def edge_health(st: dict[str, Any], edge_id: str) -> str:
     return ""
 
 
+def _answers(w: World, old_pid: int) -> bool:
+    """Whether the deployment answers from another actor process than ``old_pid``, with
+    every service it had."""
+    r = dsec(w, "deploy", "--ray", w.ray.client_address, "--status", "--json", timeout=120)
+    if r.returncode != 0 or not r.stdout:
+        return False
+    st = json.loads(r.stdout)
+    return bool(st["actor_pid"] != old_pid and len(st["services"]) >= 9)
+
+
 def test_deploy_on_ray(world: World) -> None:
     w = world
     r3 = w.hosts[3]
@@ -232,6 +244,30 @@ def test_deploy_on_ray(world: World) -> None:
             for sb in sandboxes:
                 if sb.refresh().edge_id == victim:
                     assert sb.run("echo still here").text.strip() == "still here"
+
+            # The edge's actor killed (its Ray worker, the edge's parent): Ray starts the
+            # actor again, which takes the edge over; the sandboxes answer.
+            edge = services(deployment(w))[f"edge-{victim}"]
+            os.kill(edge["actor_pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+
+            def taken_over() -> bool:
+                s = services(deployment(w))[f"edge-{victim}"]
+                return s["actor_pid"] != edge["actor_pid"] and s["health"] == "SERVING"
+
+            wait_for(taken_over, timeout_s=90)
+            print(f"edge actor restarted, edge serving: {time.monotonic() - t0:.1f} s")
+            for sb in sandboxes:
+                if sb.refresh().edge_id == victim:
+                    assert sb.run("echo taken over").text.strip() == "taken over"
+
+            # The deployment actor killed: Ray starts it again; it finds its actors by name
+            # and goes on watching the nodes (the join below needs that).
+            dep_pid = deployment(w)["actor_pid"]
+            os.kill(dep_pid, signal.SIGKILL)
+            wait_for(lambda: _answers(w, dep_pid), timeout_s=90)
+            r = dsec(w, "status")
+            assert r.returncode == 0 and f"edge-{edge_ids[2]}" in r.stdout, r.stdout + r.stderr
 
             # A node joins: an edge starts there and takes creates.
             t0 = time.monotonic()
