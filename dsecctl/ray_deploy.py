@@ -72,7 +72,7 @@ from dsecctl.cluster import (
     stop_edge_sandboxes,
     wait_edges_healthy,
 )
-from libdsec.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from libdsec.errors import AlreadyExists, DSecError, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def deploy(address: str, settings: DeploySettings) -> dict[str, Any]:
     with connected(address):
         existing = _get_actor(DEPLOYMENT)
         if existing is not None:
-            raise _already(address, ray.get(existing.info.remote(), timeout=30))
+            raise _already(address, _get(existing.info.remote(), timeout_s=30))
         try:
             dep: Any = (
                 ray.remote(Deployment)
@@ -270,12 +270,30 @@ def deploy(address: str, settings: DeploySettings) -> dict[str, Any]:
         except ValueError:  # another deploy created it between the check and here
             raise _already(address, {}) from None
         try:
-            return dict(ray.get(dep.deploy.remote(), timeout=settings.timeout_s * 4))
+            return dict(_get(dep.deploy.remote(), timeout_s=settings.timeout_s * 4))
         except BaseException:
+            # Nothing half-deployed stays: what started is stopped, every actor killed.
             with contextlib.suppress(Exception):
                 ray.get(dep.undeploy.remote(False), timeout=120)
             ray.kill(dep, no_restart=True)
             raise
+
+
+def _get(ref: Any, timeout_s: float) -> Any:
+    """``ray.get``, with what a remote call raised re-raised as itself (a service that did not
+    start: RuntimeError or TimeoutError with its log's tail) rather than Ray's wrapper with
+    the actor's traceback; Ray's own failures (an actor that died) as RuntimeError."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, DSecError | TimeoutError | RuntimeError | OSError):
+            raise cause from None
+        raise RuntimeError(f"{type(cause).__name__}: {cause}") from None
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"no answer from the deployment within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayError as exc:
+        raise RuntimeError(str(exc).splitlines()[0]) from None
 
 
 def _already(address: str, info: dict[str, Any]) -> AlreadyExists:
@@ -311,7 +329,7 @@ def undeploy(address: str, keep_sandboxes: bool = False) -> dict[str, Any]:
         if dep is None:
             raise _not_deployed(address)
         try:
-            result = dict(ray.get(dep.undeploy.remote(keep_sandboxes), timeout=600))
+            result = dict(_get(dep.undeploy.remote(keep_sandboxes), timeout_s=600))
         finally:
             ray.kill(dep, no_restart=True)
         # Actors of ours the deployment did not know (its own restart lost track of one).
@@ -331,7 +349,7 @@ def status(address: str) -> dict[str, Any]:
         dep = _get_actor(DEPLOYMENT)
         if dep is None:
             raise _not_deployed(address)
-        return dict(ray.get(dep.status.remote(), timeout=60))
+        return dict(_get(dep.status.remote(), timeout_s=60))
 
 
 # ------------------------------------------------------------------ nodes

@@ -160,6 +160,19 @@ def edge_health(st: dict[str, Any], edge_id: str) -> str:
     return ""
 
 
+def service_processes(w: World) -> list[int]:
+    """dsec services (``python -m <svc>``) running on the lab's hosts."""
+    modules = {b"iam", b"watcher", b"placement", b"apiserver", b"compat", b"edge"}
+    out = []
+    for h in w.hosts:
+        for pid in h.pids():
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"-m" in argv and modules & set(argv):
+                    out.append(pid)
+    return out
+
+
 def _answers(w: World, old_pid: int) -> bool:
     """Whether the deployment answers from another actor process than ``old_pid``, with
     every service it had."""
@@ -198,6 +211,16 @@ def test_deploy_on_ray(world: World) -> None:
     args = ["--layer-store", str(w.store), "--node-dir", str(w.node_dir)]
     for k, v in edge_env.items():
         args += ["--edge-env", f"{k}={v}"]
+    # An edge that cannot start: the deploy fails naming it, and leaves nothing behind.
+    r = dsec(
+        w, "deploy", "--ray", w.ray.client_address, *args, "--edge-env", "DSEC_EDGE_MAX_SANDBOXES=0"
+    )
+    assert r.returncode != 0 and "DSEC_EDGE_MAX_SANDBOXES" in r.stderr, r.stderr
+    assert "edge-n" in r.stderr and not (w.home / "cluster.json").exists(), r.stderr
+    assert service_processes(w) == []
+    r = dsec(w, "deploy", "--ray", w.ray.client_address, "--status", timeout=60)
+    assert r.returncode != 0 and "NOT_DEPLOYED" in r.stderr, r.stderr
+
     t0 = time.monotonic()
     r = dsec(w, "deploy", "--ray", w.ray.client_address, *args)
     print(f"deploy: {time.monotonic() - t0:.1f} s\n{r.stdout}")
@@ -307,6 +330,7 @@ def test_deploy_on_ray(world: World) -> None:
     print(f"undeploy: {time.monotonic() - t0:.1f} s\n{r.stdout}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert [p for p in pids if Path(f"/proc/{p}").exists()] == []
+    assert service_processes(w) == []
     assert sandbox_pids(w.node_dir) == set()
     assert not (w.home / "cluster.json").exists() and not (w.home / "token").exists()
     r = dsec(w, "deploy", "--ray", w.ray.client_address, "--status", timeout=60)
