@@ -22,8 +22,9 @@ report SERVING, restarts one that exits (back-off 1, 2, 4 ... 30 s; a process th
 starts again at 1 s; each restart counted), and on undeploy stops them with SIGTERM, then
 SIGKILL after a grace. Edges run with ``on_shutdown=keep``: a restarted edge (same node, same
 edge id, same state directory) re-adopts its sandboxes; undeploy stops the sandboxes through
-each edge's API first unless asked to keep them. An actor that Ray itself restarts (its worker
-died) takes over: a process still serving its address is stopped, and a new one started.
+each edge's API first unless asked to keep them. Every actor has ``max_restarts=-1``: one that
+Ray restarts (its worker died) takes over, a group stopping a process still serving its address
+and starting its services again, the deployment finding its groups again by name.
 
 Addresses: every service listens on its node's IP at a fixed port (the API server 7100, IAM
 7101, placement 7102, the watcher 7103, the live view 7104, an edge 7110, the second API
@@ -265,7 +266,7 @@ def deploy(address: str, settings: DeploySettings) -> dict[str, Any]:
                     max_restarts=-1,
                     scheduling_strategy=_pinned(_head_node()["NodeID"]),
                 )
-                .remote(asdict(settings), address)
+                .remote(asdict(settings), address, time.time())
             )
         except ValueError:  # another deploy created it between the check and here
             raise _already(address, {}) from None
@@ -613,10 +614,11 @@ class Deployment:
     """The deployment actor (module doc): places the groups, adds and drops edges as nodes
     join and leave, reports status, undeploys."""
 
-    def __init__(self, settings: dict[str, Any], address: str) -> None:
+    def __init__(self, settings: dict[str, Any], address: str, created_at: float) -> None:
+        # Ray passes the same arguments again when it restarts this actor.
         self.settings = DeploySettings(**settings)
         self.address = address
-        self.created_at = time.time()
+        self.created_at = created_at
         self.node_dir = Path(self.settings.node_dir)
         #: Group actor name -> (handle, node id).
         self.groups: dict[str, tuple[Any, str]] = {}

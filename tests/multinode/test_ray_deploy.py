@@ -291,6 +291,7 @@ def test_deploy_on_ray(world: World) -> None:
             wait_for(lambda: _answers(w, dep_pid), timeout_s=90)
             r = dsec(w, "status")
             assert r.returncode == 0 and f"edge-{edge_ids[2]}" in r.stdout, r.stdout + r.stderr
+            assert deployment(w)["created_at"] == st["created_at"]
 
             # A node joins: an edge starts there and takes creates.
             t0 = time.monotonic()
