@@ -12,7 +12,8 @@ nodes; an edge killed with SIGKILL restarted by its actor, its sandboxes answeri
 edge's actor killed, restarted by Ray, taking the edge over; the deployment actor killed,
 restarted, finding its actors again (``dsec status`` from the home alone); a node
 joining gets an edge that takes creates; that node leaving has its edge actor dropped and the
-edge unhealthy in the watcher; undeploy leaves no service process and no sandbox.
+edge unhealthy in the watcher; an undeploy keeping the sandboxes, whose next deploy re-adopts
+them; undeploy leaves no service process and no sandbox.
 Everything is stopped also when a step fails: the lab's processes (Ray, the services) by PID,
 the sandboxes' processes by their cgroups, the mounts, MooseFS.
 """
@@ -321,6 +322,18 @@ def test_deploy_on_ray(world: World) -> None:
             print(f"node leave -> edge actor dropped: {time.monotonic() - t0:.1f} s")
             wait_for(lambda: edge_health(st, edge_ids[3]) != "EDGE_HEALTH_HEALTHY", timeout_s=30)
             assert any("left" in e for e in deployment(w)["events"])
+
+            # Undeploy keeping the sandboxes: the services go, the sandboxes stay; the next
+            # deploy's edges (same nodes, same ids) re-adopt them.
+            kept = sandbox_pids(w.node_dir)
+            r = dsec(w, "undeploy", "--ray", w.ray.client_address, "--keep-sandboxes")
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert service_processes(w) == [] and kept <= sandbox_pids(w.node_dir)
+            r = dsec(w, "deploy", "--ray", w.ray.client_address, *args)
+            assert r.returncode == 0, r.stdout + r.stderr
+            for sb in sandboxes:
+                assert sb.refresh().state == "RUNNING"
+                assert sb.run("echo re-adopted").text.strip() == "re-adopted"
     finally:
         os.environ.pop("DSEC_HOME", None)
 
