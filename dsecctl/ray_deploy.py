@@ -107,8 +107,8 @@ NODE_POLL_S = 1.0
 #: SIGTERM to SIGKILL when a service is stopped (an edge with on_shutdown=keep ends at once).
 STOP_GRACE_S = 30.0
 
-# Variables Ray sets in its workers for their own scheduling: not the services' business (an
-# edge looks for GPUs itself).
+# Variables Ray sets in its workers for their own scheduling (and every RAY_*): not the
+# services' business (an edge looks for GPUs itself).
 _RAY_ONLY_ENV = (
     "CUDA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
@@ -441,8 +441,11 @@ class ServiceGroup:
             _terminate(pid, STOP_GRACE_S)
 
     def _spawn(self, s: _Supervised) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in _RAY_ONLY_ENV}
-        env = {k: v for k, v in env.items() if not k.startswith("RAY_") or k == "RAY_ADDRESS"}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in _RAY_ONLY_ENV and not k.startswith("RAY_")
+        }
         env.update(s.spec.env)
         env["PYTHONUNBUFFERED"] = "1"
         with open(s.spec.log_path, "ab") as log_fh:
