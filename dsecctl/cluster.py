@@ -87,6 +87,109 @@ class EdgeSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Wiring:
+    """How a cluster's services are configured and reach each other: one place for the
+    ``DSEC_<SVC>_*`` environment of every service, shared by :class:`LocalCluster` (one
+    machine, lab hosts) and :mod:`dsecctl.ray_deploy` (a Ray cluster's nodes), which differ
+    only in the addresses and directories they pass in."""
+
+    iam: str
+    watcher: str
+    placement: str
+    log_dir: Path
+    log_level: str = "INFO"
+
+    def service(
+        self, name: str, module: str, prefix: str, address: str, env: dict[str, str]
+    ) -> ServiceProcess:
+        full = {
+            f"DSEC_{prefix}_{k}": v
+            for k, v in {"LOG_LEVEL": self.log_level, "LISTEN": address, **env}.items()
+        }
+        return ServiceProcess(name, module, address, full, self.log_dir / f"{name}.log")
+
+    def control_plane(self, *, database: str, token_file: Path) -> list[ServiceProcess]:
+        """IAM (``database``: sqlite:<path> or postgresql://...; the bootstrap admin token
+        written to ``token_file``), the watcher and placement, in start order."""
+        return [
+            self.service(
+                "iam",
+                "iam",
+                "IAM",
+                self.iam,
+                {"DATABASE": database, "BOOTSTRAP_TOKEN_FILE": str(token_file)},
+            ),
+            self.service(
+                "watcher",
+                "watcher",
+                "WATCHER",
+                self.watcher,
+                {"PROBE_INTERVAL_S": "0.5", "IAM": self.iam},
+            ),
+            self.service(
+                "placement", "placement", "PLACEMENT", self.placement, {"WATCHER": self.watcher}
+            ),
+        ]
+
+    def edge(
+        self,
+        e: EdgeSpec,
+        address: str,
+        *,
+        state_dir: Path,
+        on_shutdown: str,
+        cgroup_parent: str,
+    ) -> ServiceProcess:
+        """Edge ``e`` listening on ``address``; ``e.extra_env`` (full variable names) last."""
+        env = {
+            "EDGE_ID": e.edge_id,
+            "RUNTIME": e.runtime,
+            "STATE_DIR": str(state_dir),
+            "WATCHER": self.watcher,
+            "IAM": self.iam,
+            "REGISTER_INTERVAL_S": "2",
+            "MAX_SANDBOXES": str(e.max_sandboxes),
+            "ON_SHUTDOWN": on_shutdown,
+            "CGROUP_PARENT": cgroup_parent,
+            **({"LABELS": ",".join(f"{k}={v}" for k, v in e.labels.items())} if e.labels else {}),
+            **({"CPU_MILLIS": str(e.cpu_millis)} if e.cpu_millis else {}),
+            **({"MEMORY_MB": str(e.memory_mb)} if e.memory_mb else {}),
+        }
+        edge = self.service(f"edge-{e.edge_id}", "edge", "EDGE", address, env)
+        edge.env.update(e.extra_env)  # full variable names, e.g. DSEC_EDGE_IMAGE_DIR
+        return edge
+
+    def apiserver(self, name: str, address: str, *, viewer: str) -> ServiceProcess:
+        """API server instance ``name`` ("apiserver", "apiserver1", ...); ``viewer``: the
+        host:port of its live view (HTTP)."""
+        return self.service(
+            name,
+            "apiserver",
+            "APISERVER",
+            address,
+            {
+                "IAM": self.iam,
+                "PLACEMENT": self.placement,
+                "WATCHER": self.watcher,
+                "INSTANCE": name,
+                "VIEWER_ADDR": viewer,
+            },
+        )
+
+    def compat(self, address: str, *, fusion: str, apiserver: str) -> ServiceProcess:
+        """The compatibility front ends: E2B on ``address``, SandboxFusion on ``fusion``."""
+        compat = self.service(
+            "compat",
+            "compat",
+            "COMPAT",
+            address,
+            {"APISERVER": apiserver, "SANDBOX_FUSION_LISTEN": fusion},
+        )
+        compat.protocol = "http"
+        return compat
+
+
 class LocalCluster:
     """Starts, checks and stops the services of one single-machine cluster.
 
@@ -163,96 +266,54 @@ class LocalCluster:
         """The processes to start, in dependency order, with their configuration."""
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         (self.home / "sock").mkdir(parents=True, exist_ok=True)
-        common = {"LOG_LEVEL": self.log_level}
-        iam = self._address("iam", 7101)
-        watcher = self._address("watcher", 7103)
-        placement = self._address("placement", 7102)
-
-        def svc(
-            name: str, module: str, prefix: str, address: str, env: dict[str, str]
-        ) -> ServiceProcess:
-            full = {
-                f"DSEC_{prefix}_{k}": v for k, v in {**common, "LISTEN": address, **env}.items()
-            }
-            return ServiceProcess(name, module, address, full, self.home / "logs" / f"{name}.log")
-
+        wiring = Wiring(
+            iam=self._address("iam", 7101),
+            watcher=self._address("watcher", 7103),
+            placement=self._address("placement", 7102),
+            log_dir=self.home / "logs",
+            log_level=self.log_level,
+        )
         daemons = host_daemons.plan(self.host_daemons)
         self.checked = [self._daemon_process(d) for d in daemons.checked]
         plan = [self._daemon_process(d) for d in daemons.start]
-        plan += [
-            svc(
-                "iam",
-                "iam",
-                "IAM",
-                iam,
-                {
-                    "DATABASE": self.iam_database or f"sqlite:{self.home / 'iam' / 'iam.db'}",
-                    "BOOTSTRAP_TOKEN_FILE": str(self.token_file),
-                },
-            ),
-            svc("watcher", "watcher", "WATCHER", watcher, {"PROBE_INTERVAL_S": "0.5", "IAM": iam}),
-            svc("placement", "placement", "PLACEMENT", placement, {"WATCHER": watcher}),
-        ]
+        plan += wiring.control_plane(
+            database=self.iam_database or f"sqlite:{self.home / 'iam' / 'iam.db'}",
+            token_file=self.token_file,
+        )
         for i, e in enumerate(self.edges):
-            addr = self._address(f"edge-{e.edge_id}", 7110 + i)
-            env = {
-                "EDGE_ID": e.edge_id,
-                "RUNTIME": e.runtime,
-                "STATE_DIR": str(self.home / "edges" / e.edge_id),
-                "WATCHER": watcher,
-                "IAM": iam,
-                "REGISTER_INTERVAL_S": "2",
-                "MAX_SANDBOXES": str(e.max_sandboxes),
-                # Supervised, an edge's stop is a restart or an upgrade: its sandboxes stay.
-                "ON_SHUTDOWN": "keep" if self.supervised else e.on_shutdown,
-                # An edge treats every child of its cgroup parent as its own (orphan
-                # cleanup): clusters sharing this machine must not share a parent.
-                "CGROUP_PARENT": f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
-                **(
-                    {"LABELS": ",".join(f"{k}={v}" for k, v in e.labels.items())}
-                    if e.labels
-                    else {}
-                ),
-                **({"CPU_MILLIS": str(e.cpu_millis)} if e.cpu_millis else {}),
-                **({"MEMORY_MB": str(e.memory_mb)} if e.memory_mb else {}),
-            }
-            edge = svc(f"edge-{e.edge_id}", "edge", "EDGE", addr, env)
-            edge.env.update(e.extra_env)  # full variable names, e.g. DSEC_EDGE_IMAGE_DIR
-            plan.append(edge)
+            plan.append(
+                wiring.edge(
+                    e,
+                    self._address(f"edge-{e.edge_id}", 7110 + i),
+                    state_dir=self.home / "edges" / e.edge_id,
+                    # Supervised, an edge's stop is a restart or an upgrade: its sandboxes stay.
+                    on_shutdown="keep" if self.supervised else e.on_shutdown,
+                    # An edge treats every child of its cgroup parent as its own (orphan
+                    # cleanup): clusters sharing this machine must not share a parent.
+                    cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
+                )
+            )
         for i in range(self.apiservers):
             name = "apiserver" if i == 0 else f"apiserver{i}"
-            addr = self._address(name, 7100 if i == 0 else 7120 + i)
             plan.append(
-                svc(
+                wiring.apiserver(
                     name,
-                    "apiserver",
-                    "APISERVER",
-                    addr,
-                    {
-                        "IAM": iam,
-                        "PLACEMENT": placement,
-                        "WATCHER": watcher,
-                        "INSTANCE": name,
-                        # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
-                        "VIEWER_ADDR": self._http_address(name, 7104 if i == 0 else 7140 + i),
-                    },
+                    self._address(name, 7100 if i == 0 else 7120 + i),
+                    # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
+                    viewer=self._http_address(name, 7104 if i == 0 else 7140 + i),
                 )
             )
         if self.compat:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
-            addr = self._http_address("compat", 7130)
-            fusion = self._http_address("compat", 7131)
-            self.sandbox_fusion_address = fusion
+            self.sandbox_fusion_address = self._http_address("compat", 7131)
             apiserver = next(p for p in plan if p.name == "apiserver").address
-            compat = svc(
-                "compat",
-                "compat",
-                "COMPAT",
-                addr,
-                {"APISERVER": apiserver, "SANDBOX_FUSION_LISTEN": fusion},
+            plan.append(
+                wiring.compat(
+                    self._http_address("compat", 7130),
+                    fusion=self.sandbox_fusion_address,
+                    apiserver=apiserver,
+                )
             )
-            compat.protocol = "http"
-            plan.append(compat)
         for p in plan:
             p.host = self.hosts.get(p.name)
         return plan
@@ -358,29 +419,8 @@ class LocalCluster:
 
     def wait_edges_registered(self, timeout_s: float) -> None:
         """Until the watcher has probed every edge healthy (placement can then use them)."""
-        from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
-
         watcher = next(p for p in self.processes if p.name == "watcher")
-        want = {e.edge_id for e in self.edges}
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(watcher.address) as ch:
-            stub = watcher_pb2_grpc.WatcherServiceStub(ch)
-            while True:
-                snap = stub.GetClusterSnapshot(
-                    watcher_pb2.GetClusterSnapshotRequest(), timeout=2
-                ).snapshot
-                healthy = {
-                    e.info.edge_id
-                    for e in snap.edges
-                    if e.health == watcher_pb2.EDGE_HEALTH_HEALTHY and e.HasField("last_probe_at")
-                }
-                if want <= healthy:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"edges not healthy in the watcher: {sorted(want - healthy)}"
-                    )
-                time.sleep(0.1)
+        wait_edges_healthy(watcher.address, {e.edge_id for e in self.edges}, timeout_s)
 
     def stop(self, grace_s: float = 30.0, keep_sandboxes: bool = False) -> None:
         """Stops every service and returns once they are gone.
@@ -424,32 +464,11 @@ class LocalCluster:
     def stop_sandboxes(self, grace_s: float = 2.0) -> int:
         """Stops every live sandbox of the cluster's edges through each edge's API; returns
         how many. An edge that does not answer is skipped (its sandboxes keep running)."""
-        from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
-
-        stopped = 0
-        for p in self.processes:
-            if p.module != "edge" or not _alive(p):
-                continue
-            with grpc.insecure_channel(p.address) as ch:
-                stub = edge_pb2_grpc.EdgeServiceStub(ch)
-                try:
-                    live = stub.ListSandboxes(edge_pb2.ListSandboxesRequest(), timeout=10)
-                except grpc.RpcError:
-                    continue
-                calls = [
-                    stub.StopSandbox.future(
-                        edge_pb2.StopSandboxRequest(sandbox_id=sb.id, grace_s=grace_s),
-                        timeout=grace_s + 30,
-                    )
-                    for sb in live.sandboxes
-                ]
-                for call in calls:
-                    try:
-                        call.result()
-                        stopped += 1
-                    except grpc.RpcError:
-                        pass
-        return stopped
+        return sum(
+            stop_edge_sandboxes(p.address, grace_s)
+            for p in self.processes
+            if p.module == "edge" and _alive(p)
+        )
 
     def _stop_processes(self, grace_s: float) -> None:
         """SIGTERM to every started PID (reverse order), then SIGKILL what is left."""
@@ -472,19 +491,10 @@ class LocalCluster:
                     p.proc.wait(timeout=5)
 
     def release_mounts(self) -> list[str]:
-        """Unmounts whatever is still mounted under the cluster's home once its
-        processes are gone (an edge killed mid-start can leave a toolkit mount)."""
-        roots = self._own_roots()
-        targets = []
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                target = line.split()[4].replace("\\040", " ")
-                if target.startswith(roots):
-                    targets.append(target)
-        for target in sorted(targets, key=len, reverse=True):
-            if subprocess.run(["umount", target], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", target], capture_output=True)
-        return targets
+        """Unmounts whatever is still mounted under the cluster's home, and under each edge's
+        state directory set outside it, once its processes are gone (an edge killed mid-start
+        can leave a toolkit mount)."""
+        return [t for root in self._own_roots() for t in release_mounts(Path(root))]
 
     def _own_roots(self) -> tuple[str, ...]:
         """The cluster's home and every edge's state directory set outside it (a lab host's
@@ -499,17 +509,7 @@ class LocalCluster:
     def release_swaps(self) -> list[str]:
         """Turns off and removes the swap areas of the cluster's edges that an edge killed
         before its shutdown left active (an edge removes its own when it stops)."""
-        roots = self._own_roots()
-        left = []
-        with open("/proc/swaps") as fh:
-            for line in fh.read().splitlines()[1:]:
-                path = line.split()[0].replace("\\040", " ")
-                if path.startswith(roots):
-                    left.append(path)
-        for path in left:
-            subprocess.run(["swapoff", path], capture_output=True)
-            Path(path).unlink(missing_ok=True)
-        return left
+        return [p for root in self._own_roots() for p in release_swaps(Path(root))]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to a service (supervised: supervisord starts it again if it dies)."""
@@ -667,6 +667,89 @@ class LocalCluster:
         if not self.supervised or not self.supervisor.pid():
             return {}
         return self.supervisor.processes()
+
+
+def wait_edges_healthy(watcher: str, want: set[str], timeout_s: float) -> None:
+    """Until the watcher at ``watcher`` has probed every edge of ``want`` healthy."""
+    from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(watcher) as ch:
+        stub = watcher_pb2_grpc.WatcherServiceStub(ch)
+        while True:
+            snap = stub.GetClusterSnapshot(
+                watcher_pb2.GetClusterSnapshotRequest(), timeout=2
+            ).snapshot
+            healthy = {
+                e.info.edge_id
+                for e in snap.edges
+                if e.health == watcher_pb2.EDGE_HEALTH_HEALTHY and e.HasField("last_probe_at")
+            }
+            if want <= healthy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"edges not healthy in the watcher: {sorted(want - healthy)}")
+            time.sleep(0.1)
+
+
+def stop_edge_sandboxes(address: str, grace_s: float = 2.0) -> int:
+    """Stops every live sandbox of the edge at ``address`` through its API; returns how
+    many. An edge that does not answer is skipped (its sandboxes keep running)."""
+    from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
+
+    stopped = 0
+    with grpc.insecure_channel(address) as ch:
+        stub = edge_pb2_grpc.EdgeServiceStub(ch)
+        try:
+            live = stub.ListSandboxes(edge_pb2.ListSandboxesRequest(), timeout=10)
+        except grpc.RpcError:
+            return 0
+        calls = [
+            stub.StopSandbox.future(
+                edge_pb2.StopSandboxRequest(sandbox_id=sb.id, grace_s=grace_s),
+                timeout=grace_s + 30,
+            )
+            for sb in live.sandboxes
+        ]
+        for call in calls:
+            try:
+                call.result()
+                stopped += 1
+            except grpc.RpcError:
+                pass
+    return stopped
+
+
+def release_mounts(root: Path) -> list[str]:
+    """Unmounts whatever is still mounted under ``root`` (an edge's state, a cluster's home)
+    once its processes are gone (an edge killed mid-start can leave a toolkit mount)."""
+    prefix = str(root.resolve()) + "/"
+    targets = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            target = line.split()[4].replace("\\040", " ")
+            if target.startswith(prefix):
+                targets.append(target)
+    for target in sorted(targets, key=len, reverse=True):
+        if subprocess.run(["umount", target], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", target], capture_output=True)
+    return targets
+
+
+def release_swaps(root: Path) -> list[str]:
+    """Turns off and removes the swap areas under ``root`` that an edge killed before its
+    shutdown left active (an edge removes its own when it stops)."""
+    prefix = str(root.resolve()) + "/"
+    left = []
+    with open("/proc/swaps") as fh:
+        for line in fh.read().splitlines()[1:]:
+            path = line.split()[0].replace("\\040", " ")
+            if path.startswith(prefix):
+                left.append(path)
+    for path in left:
+        subprocess.run(["swapoff", path], capture_output=True)
+        Path(path).unlink(missing_ok=True)
+    return left
 
 
 def _alive(p: ServiceProcess) -> bool:

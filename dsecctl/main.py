@@ -7,6 +7,11 @@
     dsec status                                      health, supervisor state, restarts
     dsec restart [SERVICE...]                        one at a time; sandboxes keep running
     dsec down [--keep-sandboxes]                     stop sandboxes and services
+    dsec deploy --ray ADDRESS [--layer-store PATH] [--iam-database URL] [--edge-env K=V]...
+                                                     dsec on a Ray cluster: control plane on the
+                                                     head, an edge per node (dsecctl/ray_deploy.py)
+    dsec deploy --ray ADDRESS --status               each service: node, pid, restarts, health
+    dsec undeploy --ray ADDRESS [--keep-sandboxes]   stop every service and sandbox of it
     dsec whoami
     dsec project create NAME [--parent P] [--cpu-millis N] [--memory-mb N] [--sandboxes N]
     dsec project list [--recursive] | dsec project show [ID] | dsec project quota ID [--sandboxes N ...]
@@ -48,6 +53,7 @@ from dsecctl.cli_common import (
     client,
     error_json,
     json_option,
+    key_value,
     label_option,
     print_env,
     print_json,
@@ -61,12 +67,30 @@ from dsecctl.grpc_cli import add_parser as add_grpc_parser
 from dsecctl.host_daemons import HostDaemonError, daemons_for_vm, vm_mode
 from dsecctl.node_cli import add_parser as add_node_parser
 from dsecctl.node_cli import list_nodes, node_lines, node_row
+from dsecctl.ray_home import forget_home, recorded_deployment, write_home
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
 from libdsec._config import dsec_home
 
 
+def _refuse_ray_home(what: str) -> int:
+    """`dsec up/down/restart` on a $DSEC_HOME that points at a Ray deployment: 2, with why
+    (0: it does not)."""
+    address = recorded_deployment(dsec_home())
+    if not address:
+        return 0
+    print(
+        f"dsec {what}: $DSEC_HOME ({dsec_home()}) points at the dsec deployed on the Ray cluster"
+        f" at {address}, not a local cluster: `dsec deploy --ray {address} --status`,"
+        f" `dsec undeploy --ray {address}`, or another DSEC_HOME",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    if _refuse_ray_home("up"):
+        return 2
     home = dsec_home()
     running = LocalCluster.from_state(home)
     if running is not None and running.supervised and running.supervisor.pid():
@@ -148,6 +172,8 @@ _NOT_OURS = "not started by dsec: checked only"
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    if _refuse_ray_home("down"):
+        return 2
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None:
         print("dsec is not running")
@@ -159,6 +185,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
+    if _refuse_ray_home("restart"):
+        return 2
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None or not cluster.supervised_processes():
         print("dsec is not running under its supervisor: `dsec up` first", file=sys.stderr)
@@ -184,6 +212,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    address = recorded_deployment(dsec_home())
+    if address:
+        return _print_deployment(address, args.json)
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None:
         if args.json:
@@ -264,6 +295,90 @@ def _nodes(cluster: LocalCluster) -> tuple[list[Any], str | None]:
         return list(list_nodes(cluster.apiserver).nodes), None
     except DSecError as err:
         return [], f"cannot list nodes: {type(err).__name__} [{err.reason}]: {err.message}"
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from dsecctl import ray_deploy  # Ray is imported only by the commands that use it
+
+    if args.status:
+        return _print_deployment(args.ray, args.json)
+    home = dsec_home()
+    if (home / "cluster.json").exists() and not recorded_deployment(home):
+        print(
+            f"dsec deploy: $DSEC_HOME ({home}) holds a local cluster (`dsec down` first, or"
+            " deploy with another DSEC_HOME)",
+            file=sys.stderr,
+        )
+        return 2
+    settings = ray_deploy.DeploySettings(
+        node_dir=args.node_dir,
+        layer_store=args.layer_store,
+        iam_database=args.iam_database,
+        edge_env=dict(args.edge_env),
+        log_level=args.log_level,
+        compat=not args.no_compat,
+        timeout_s=args.timeout,
+    )
+    print(f"deploying dsec on the Ray cluster at {args.ray} ...", flush=True)
+    t0 = time.monotonic()
+    st = ray_deploy.deploy(args.ray, settings)
+    write_home(home, args.ray, st)
+    if args.json:
+        print_json({k: v for k, v in st.items() if k != "token"})
+        return 0
+    _print_service_rows(st["services"])
+    print(f"\ndeployed in {time.monotonic() - t0:.1f} s; API server {st['apiserver']}")
+    print(f"$DSEC_HOME ({home}): cluster.json and token point at it (dsec sandbox ..., Client())")
+    if "e2b_api_url" in st:
+        print(f"e2b SDK:  E2B_API_URL={st['e2b_api_url']} E2B_SANDBOX_URL={st['e2b_api_url']}")
+    return 0
+
+
+def cmd_undeploy(args: argparse.Namespace) -> int:
+    from dsecctl import ray_deploy
+
+    t0 = time.monotonic()
+    result = ray_deploy.undeploy(args.ray, keep_sandboxes=args.keep_sandboxes)
+    forgot = forget_home(dsec_home(), args.ray)
+    if args.json:
+        print_json({**result, "home_cleared": forgot})
+        return 0
+    kept = " (sandboxes kept)" if args.keep_sandboxes else ""
+    print(
+        f"undeployed in {time.monotonic() - t0:.1f} s: {len(result['services'])} services"
+        f" of {len(result['groups'])} actors stopped{kept}"
+    )
+    return 0
+
+
+def _print_deployment(address: str, as_json: bool) -> int:
+    """`dsec deploy --ray ADDRESS --status` (and `dsec status` on a Ray deployment's home)."""
+    from dsecctl import ray_deploy
+
+    st = ray_deploy.status(address)
+    st.pop("token", None)
+    bad = sum(s.get("health") != "SERVING" for s in st["services"])
+    if as_json:
+        print_json(st)
+        return 1 if bad else 0
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(st["created_at"]))
+    print(f"dsec on the Ray cluster at {address} since {since}; API server {st['apiserver']}")
+    _print_service_rows(st["services"])
+    for line in st["events"][-5:]:
+        print(f"  event {line}")
+    return 1 if bad else 0
+
+
+def _print_service_rows(services: list[dict[str, Any]]) -> None:
+    for s in services:
+        if "error" in s:
+            print(f"  {s['name']:<20} {s['state']:<10} {s['error']}")
+            continue
+        exit_ = f" (last exit {s['last_exit']})" if s.get("last_exit") is not None else ""
+        print(
+            f"  {s['name']:<20} {s['health']:<12} {s['state']:<8} {s['address']:<22}"
+            f" node {s['node']:<15} pid {s['pid']:<7} restarts {s['restarts']}{exit_}"
+        )
 
 
 def _pool_lines(address: str) -> list[str]:
@@ -623,6 +738,68 @@ def _cluster_parsers(sub: Any) -> None:
     status = sub.add_parser("status", help="health, supervisor state and restarts of every service")
     json_option(status, "print the services as one JSON object")
     status.set_defaults(fn=cmd_status)
+
+    deploy = sub.add_parser(
+        "deploy", help="run dsec on a Ray cluster: control plane on the head, an edge per node"
+    )
+    _ray_address(deploy)
+    deploy.add_argument(
+        "--status",
+        action="store_true",
+        help="show the deployment: each service's node, pid, restarts and health",
+    )
+    deploy.add_argument(
+        "--layer-store",
+        default="",
+        help="the shared layer store: a shared file system at this path on every node",
+    )
+    deploy.add_argument(
+        "--iam-database",
+        default="",
+        help="IAM storage: postgresql://... (default: SQLite in --node-dir of the head node)",
+    )
+    deploy.add_argument(
+        "--node-dir",
+        default="/var/lib/dsec-ray",
+        help="each node's own directory: logs, IAM's SQLite and token, edges/<edge id>/",
+    )
+    deploy.add_argument(
+        "--edge-env",
+        action="append",
+        default=[],
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="one more DSEC_EDGE_* setting for every edge (repeatable)",
+    )
+    deploy.add_argument("--no-compat", action="store_true", help="no E2B/SandboxFusion front end")
+    deploy.add_argument(
+        "--log-level", default="INFO", help="the services' log level (DEBUG, INFO, WARNING)"
+    )
+    deploy.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds each service has to be SERVING"
+    )
+    json_option(deploy, "print the deployment as one JSON object")
+    deploy.set_defaults(fn=cmd_deploy)
+    undeploy = sub.add_parser(
+        "undeploy", help="stop the dsec deployed on a Ray cluster, its sandboxes and its actors"
+    )
+    _ray_address(undeploy)
+    undeploy.add_argument(
+        "--keep-sandboxes",
+        action="store_true",
+        help="leave the sandboxes running: the next deploy's edges re-adopt them",
+    )
+    json_option(undeploy, "print what was stopped as one JSON object")
+    undeploy.set_defaults(fn=cmd_undeploy)
+
+
+def _ray_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ray",
+        required=True,
+        metavar="ADDRESS",
+        help="ray://HOST:PORT (Ray Client, from anywhere) or HOST:PORT (the GCS, from a Ray node)",
+    )
 
 
 def _quota_options(p: argparse.ArgumentParser) -> None:
