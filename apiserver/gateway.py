@@ -177,6 +177,13 @@ class Gateway:
         edge_id = edge_of(sandbox_id)
         if edge_id is None:
             raise not_found(sandbox_id)
+        if edge_id in self.edges.unhealthy:
+            # Its edge fails its probes (a lost node: calls would wait out their deadline on
+            # it). If the watcher declared it lost, say so at once; callers turn this into
+            # the sandbox's EDGE_LOST end (get, explain).
+            down = Unavailable(f"edge {edge_id} is not answering", reason="EDGE_UNAVAILABLE")
+            if await self.lost(who, sandbox_id, down) is not None:
+                raise down
         stub = await self.edges.stub(edge_id)
         if stub is None:
             raise not_found(sandbox_id)

@@ -98,6 +98,7 @@ class EdgeDirectory:
         self._watcher = watcher_pb2_grpc.WatcherServiceStub(self._watcher_channel)
         self._refreshing: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
+        self.unhealthy: set[str] = set()
 
     async def refresh(self) -> None:
         await self.snapshot()
@@ -116,6 +117,13 @@ class EdgeDirectory:
 
     def _learn_snapshot(self, snapshot: watcher_pb2.ClusterSnapshot) -> None:
         addresses = {e.info.edge_id: e.info.address for e in snapshot.edges}
+        #: Edges failing their probes: a call to one of their sandboxes asks the watcher
+        #: first whether it was declared lost, instead of waiting on the edge (Gateway).
+        self.unhealthy = {
+            e.info.edge_id
+            for e in snapshot.edges
+            if e.health == watcher_pb2.EDGE_HEALTH_UNHEALTHY and e.health_reason == "PROBES_FAILING"
+        }
         if snapshot.uptime_s < WATCHER_WARMUP_S:
             # A watcher that just (re)started has not heard from every edge again yet: the
             # edges it does not know are not gone, keep their addresses.

@@ -653,8 +653,13 @@ class Deployment:
         extra = {
             "DSEC_EDGE_NET_CLAIM_DIR": f"/run/dsec/ray/{edge_id}",
             "DSEC_EDGE_BPF_PIN_DIR": f"/sys/fs/bpf/dsec-ray/{edge_id}",
+            # A shared store: each layer hashed once for the cluster, not on every node
+            # (edge.layers.node, verify="store"); --edge-env may say otherwise.
             **(
-                {"DSEC_EDGE_LAYER_STORE": self.settings.layer_store}
+                {
+                    "DSEC_EDGE_LAYER_STORE": self.settings.layer_store,
+                    "DSEC_EDGE_LAYER_VERIFY": "store",
+                }
                 if self.settings.layer_store
                 else {}
             ),

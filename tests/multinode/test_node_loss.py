@@ -20,6 +20,7 @@ from collections import Counter
 import pytest
 
 from libdsec import Sandbox
+from libdsec.errors import DSecError, SandboxTerminated
 from tests.multinode.conftest import MultiNode, restore_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.images("busybox")]
@@ -117,10 +118,21 @@ def test_a_lost_node_costs_only_its_own_sandboxes(multinode: MultiNode) -> None:
 
                 # The lost node's sandboxes: TERMINATED, EDGE_LOST, within the gone rule.
                 def reported_lost() -> bool:
-                    infos = [c.get(sid) for sid in lost_ids]
+                    try:
+                        infos = [c.get(sid) for sid in lost_ids]
+                    except DSecError:  # not declared lost yet: its edge does not answer
+                        return False
                     return all(i.info.termination_reason == "EDGE_LOST" for i in infos)
 
                 lost_after = _wait("EDGE_LOST reported", reported_lost, 60)
+                # Once declared lost, its sandboxes answer at once (the watcher's word), not
+                # after a deadline spent on an edge whose link is down.
+                one = next(iter(lost_ids))
+                t = time.monotonic()
+                assert c2.get(one).info.termination_reason == "EDGE_LOST"
+                with pytest.raises(SandboxTerminated, match="EDGE_LOST"):
+                    c2.get(one).run("true")
+                assert time.monotonic() - t < 3, time.monotonic() - t
                 usage_after = c.get_project().usage
                 time.sleep(1.0)
                 calls_during = sum(load.calls.values()) - calls_before
