@@ -6,13 +6,17 @@ image to use, the capabilities it declares, how to reach its runtime from the ho
 backend is done when it passes the suite.
 The clusters are module-scoped and shared by the scenarios (a VM guest boots under TCG here:
 boot once per module, and microVMs are restored from a template per shape); each test's
-sandboxes are labelled with the test id and always stopped.
+sandboxes are labelled with the test id and always stopped. test_long_pause.py keeps every
+backend's cluster up at once instead (its pauses are held together), built the same way
+(running_target, backend_sandboxes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -31,13 +35,10 @@ class Target:
     edge_id: str
 
 
-@pytest.fixture(scope="module", params=BACKENDS, ids=lambda b: b.name)
-def target(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Target]:
-    b: BackendUnderTest = request.param
-    require_images("busybox")
-    home = tmp_path_factory.mktemp(f"conformance-{b.name}")
+@contextmanager
+def running_target(b: BackendUnderTest, home: Path) -> Iterator[Target]:
+    """A cluster of one edge running backend ``b`` under ``home``, and a client of it; the
+    cluster is stopped on exit (and by start_cluster itself when it does not come up)."""
     edge_id = "conf" + b.name[:4]
     cluster = start_cluster(
         home,
@@ -60,18 +61,35 @@ def target(
         cluster.stop()
 
 
-@pytest.fixture
-def make(target: Target, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
-    """Factory: a sandbox of the backend under test, labelled with the test id, always stopped.
-    On failure the services' log tails are printed (the edge's has the runtime's story)."""
+@pytest.fixture(scope="module", params=BACKENDS, ids=lambda b: b.name)
+def target(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Target]:
+    b: BackendUnderTest = request.param
+    require_images("busybox")
+    with running_target(b, tmp_path_factory.mktemp(f"conformance-{b.name}")) as t:
+        yield t
+
+
+@contextmanager
+def backend_sandboxes(target: Target, test_id: str) -> Iterator[Callable[..., Sandbox]]:
+    """Factory: a sandbox of ``target``'s backend, labelled with ``test_id``, always stopped."""
     memory_mb = max(256, target.backend.min_memory_mb)
-    with sandbox_factory(target.client, request.node.nodeid, memory_mb=memory_mb, grace_s=0.5) as f:
+    with sandbox_factory(target.client, test_id, memory_mb=memory_mb, grace_s=0.5) as f:
 
         def make_one(**kw: object) -> Sandbox:
             kw.setdefault("image", target.backend.image)
             kw.setdefault("backend", target.backend.name)
             return f(**kw)
 
+        yield make_one
+
+
+@pytest.fixture
+def make(target: Target, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
+    """Factory: a sandbox of the backend under test, labelled with the test id, always stopped.
+    On failure the services' log tails are printed (the edge's has the runtime's story)."""
+    with backend_sandboxes(target, request.node.nodeid) as make_one:
         yield make_one
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:

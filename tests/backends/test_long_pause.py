@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import grpc
@@ -27,7 +27,9 @@ import pytest
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from libdsec import Exited, Output, Sandbox
 from libdsec.errors import SandboxTerminated
-from tests.backends.conftest import Target
+from tests.backends.conftest import Target, backend_sandboxes, running_target
+from tests.backends.targets import BACKENDS, BackendUnderTest
+from tests.conftest import print_log_tails, require_images
 from tests.helpers import wait_for
 
 Make = Callable[..., Sandbox]
@@ -92,98 +94,218 @@ def _edge_log_has_no_silence(target: Target) -> Iterator[None]:
         assert bad not in text, f"edge log: {bad!r} during a pause:\n{text[-3000:]}"
 
 
-@pytest.mark.timeout(900)
-def test_a_preemption_of_two_minutes_loses_nothing(make: Make, target: Target) -> None:
-    """A rollout sandbox (background command with its output attached, a shell session, a
-    client watch, a directory watch, a file in the writable layer, memory it holds) and a
-    task of 16 more, paused by pause_task and held HOLD_S, then resumed: the rollout by an
-    ordinary call, the task by resume_task."""
-    task = f"long-pause-{uuid.uuid4().hex[:8]}"
-    rollout = make(task_id=task + "-r")
-    rollout.files.write("/work/state.txt", "written before the pause")
-    bg = rollout.start(TICKS)
-    session = rollout.session()
-    session.run("cd /tmp && export ROLLOUT_MARK=kept")
-    attached = Collector(iter(bg.attach()))
-    watch = target.client.watch(task_id=task + "-r")
-    changes = Collector(iter(watch))
-    dir_watch = rollout.files.watch("/work")
-    files_seen = Collector(iter(dir_watch))
-    # A foreground command streaming its output when the preemption comes, and a background
-    # one whose timeout (60 s) is longer than its running time but shorter than the pause.
-    streamed = Collector(iter(rollout.stream(STREAMED)))
-    timed = rollout.start("sleep 30; echo done", timeout_s=60)
-    wait_for(lambda: rollout.run("test -s /work/ticks").exit_code == 0)
+class Clusters:
+    """The module's clusters, one per backend, each started on first use (``-k container`` or
+    ``-m soak -k vm`` start only theirs) and kept for the module; all are stopped when the
+    module ends, also after a failure. A cluster that failed to start fails every later use
+    with the same error instead of starting again."""
 
-    members = [make(task_id=task) for _ in range(16)]
-    for i, sb in enumerate(members):
-        sb.files.write("/work/id", str(i))
-        sb.start(HOLD_MEMORY.format(kib=256))
-    for sb in members:
-        wait_for(lambda sb=sb: sb.run("test -s /work/sum0").exit_code == 0, timeout_s=60)
+    def __init__(self, stack: ExitStack, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._stack = stack
+        self._tmp = tmp_path_factory
+        self._started: dict[str, Target | BaseException] = {}
 
-    with _edge_log_has_no_silence(target):
+    def get(self, b: BackendUnderTest) -> Target:
+        if b.name not in self._started:
+            require_images("busybox")
+            try:
+                home = self._tmp.mktemp(f"long-pause-{b.name}")
+                self._started[b.name] = self._stack.enter_context(running_target(b, home))
+            except Exception as exc:
+                self._started[b.name] = exc
+        got = self._started[b.name]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
+    with ExitStack() as stack:
+        yield Clusters(stack, tmp_path_factory)
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
+def target(request: pytest.FixtureRequest, clusters: Clusters) -> Target:
+    """This module's `target` (conftest's `make` uses it): the backend's cluster from
+    `clusters`, so the preemption test and the others here share one cluster per backend."""
+    return clusters.get(request.param)
+
+
+class BackendFailures:
+    """Runs each backend's part of a phase, keeping what failed by backend (the remaining
+    backends go on); ``raise_if_any`` raises them together, named by backend. Only
+    ``Exception``: pytest's own outcomes (a timeout, ``pytest.fail``) end the test at once."""
+
+    def __init__(self) -> None:
+        self.by_backend: dict[str, Exception] = {}
+
+    @contextmanager
+    def of(self, backend: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            exc.add_note(f"backend: {backend}")
+            self.by_backend[backend] = exc
+
+    def raise_if_any(self, clusters: Clusters, test_id: str) -> None:
+        if not self.by_backend:
+            return
+        for name in self.by_backend:
+            b = next(b for b in BACKENDS if b.name == name)
+            try:
+                cluster = clusters.get(b).cluster
+            except Exception:
+                continue  # it never started: its error says why
+            print_log_tails(cluster, f"{test_id} [{name}]")
+        raise ExceptionGroup(
+            f"failed on backend(s): {', '.join(self.by_backend)}", list(self.by_backend.values())
+        )
+
+
+class PreemptionScenario:
+    """One backend's part of the preemption test, in two phases: ``set_up_and_pause`` (a
+    rollout sandbox and a task of 16, paused), then, once every backend's sandboxes have been
+    held HOLD_S, ``check_after_hold`` (resumed, everything checked)."""
+
+    def __init__(self, target: Target, make: Make) -> None:
+        self.target = target
+        self.make = make
+        self.task = f"long-pause-{uuid.uuid4().hex[:8]}"
+        #: The edge log's watch for silences, from before the pause to the resume.
+        self.silence = ExitStack()
+        self.held_from = 0.0
+
+    def set_up_and_pause(self) -> None:
+        target, make, task = self.target, self.make, self.task
+        self.rollout = rollout = make(task_id=task + "-r")
+        rollout.files.write("/work/state.txt", "written before the pause")
+        self.bg = rollout.start(TICKS)
+        self.session = rollout.session()
+        self.session.run("cd /tmp && export ROLLOUT_MARK=kept")
+        self.attached = Collector(iter(self.bg.attach()))
+        self.watch = target.client.watch(task_id=task + "-r")
+        self.changes = Collector(iter(self.watch))
+        self.dir_watch = rollout.files.watch("/work")
+        self.files_seen = Collector(iter(self.dir_watch))
+        # A foreground command streaming its output when the preemption comes, and a background
+        # one whose timeout (60 s) is longer than its running time but shorter than the pause.
+        self.streamed = Collector(iter(rollout.stream(STREAMED)))
+        self.timed = rollout.start("sleep 30; echo done", timeout_s=60)
+        wait_for(lambda: rollout.run("test -s /work/ticks").exit_code == 0)
+
+        self.members = members = [make(task_id=task) for _ in range(16)]
+        for i, sb in enumerate(members):
+            sb.files.write("/work/id", str(i))
+            sb.start(HOLD_MEMORY.format(kib=256))
+        for sb in members:
+            wait_for(lambda sb=sb: sb.run("test -s /work/sum0").exit_code == 0, timeout_s=60)
+
+        self.silence.enter_context(_edge_log_has_no_silence(target))
         rollout.pause()
         paused = target.client.pause_task(task)
         assert not paused.failed, [(f.sandbox_id, f.error) for f in paused.failed]
         assert len(paused.sandboxes) == 16
-        held_from = time.monotonic()
-        time.sleep(HOLD_S)
+        self.held_from = time.monotonic()
+
+    def check_after_hold(self) -> None:
+        target, task, rollout = self.target, self.task, self.rollout
         assert rollout.refresh().state == "PAUSED"
         assert all(s.state == "PAUSED" for s in target.client.list(task_id=task))
 
         # The rollout resumes on its first ordinary call.
         first = rollout.run("cat /work/state.txt")
         assert first.exit_code == 0 and first.text == "written before the pause"
-        assert time.monotonic() - held_from >= HOLD_S
+        assert time.monotonic() - self.held_from >= HOLD_S
         resumed = target.client.resume_task(task)
         assert not resumed.failed, [(f.sandbox_id, f.error) for f in resumed.failed]
+        self.silence.close()  # the edge log's check, up to the resume
 
-    # Session state, the background command and its attached stream came through.
-    assert session.run("pwd; echo $ROLLOUT_MARK").text == "/tmp\nkept\n"
-    assert bg.wait(timeout_s=0.1).running
-    ticks_before = int(rollout.files.read("/work/ticks"))
-    wait_for(lambda: int(rollout.files.read("/work/ticks")) >= ticks_before + 2)
-    wait_for(lambda: _ticks(attached) > ticks_before + 1, timeout_s=15)
-    assert attached.error is None and attached.thread.is_alive()
-    numbers = [int(t) for t in _all_ticks(attached)]
-    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "output lost or doubled"
+        # Session state, the background command and its attached stream came through.
+        attached, streamed, timed = self.attached, self.streamed, self.timed
+        assert self.session.run("pwd; echo $ROLLOUT_MARK").text == "/tmp\nkept\n"
+        assert self.bg.wait(timeout_s=0.1).running
+        ticks_before = int(rollout.files.read("/work/ticks"))
+        wait_for(lambda: int(rollout.files.read("/work/ticks")) >= ticks_before + 2)
+        wait_for(lambda: _ticks(attached) > ticks_before + 1, timeout_s=15)
+        assert attached.error is None and attached.thread.is_alive()
+        numbers = [int(t) for t in _all_ticks(attached)]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), (
+            "output lost or doubled"
+        )
 
-    # The foreground stream ran to its end across the pause: every line once, in order.
-    streamed.thread.join(timeout=90)
-    assert streamed.error is None and not streamed.thread.is_alive(), streamed.error
-    lines = b"".join(e.data for e in streamed.items if isinstance(e, Output)).decode().split()
-    assert lines == [f"s{i}" for i in range(1, 61)], lines
-    last = streamed.items[-1]
-    assert isinstance(last, Exited) and last.status.exit_code == 0, last
-    # A command's timeout counts the time it ran, not the time it was frozen.
-    ended = timed.wait(timeout_s=60)
-    assert not ended.running and ended.exit is not None, ended
-    assert not ended.exit.timed_out and ended.exit.exit_code == 0, ended
+        # The foreground stream ran to its end across the pause: every line once, in order.
+        streamed.thread.join(timeout=90)
+        assert streamed.error is None and not streamed.thread.is_alive(), streamed.error
+        lines = b"".join(e.data for e in streamed.items if isinstance(e, Output)).decode().split()
+        assert lines == [f"s{i}" for i in range(1, 61)], lines
+        last = streamed.items[-1]
+        assert isinstance(last, Exited) and last.status.exit_code == 0, last
+        # A command's timeout counts the time it ran, not the time it was frozen.
+        ended = timed.wait(timeout_s=60)
+        assert not ended.running and ended.exit is not None, ended
+        assert not ended.exit.timed_out and ended.exit.exit_code == 0, ended
 
-    # The client watch saw the pause and the resume, and is still open.
-    wait_for(lambda: [c.state for c in changes.items][-1:] == ["RUNNING"], timeout_s=10)
-    states = [c.state for c in changes.items]
-    assert "PAUSED" in states and states.index("PAUSED") < len(states) - 1, states
-    assert changes.error is None and changes.thread.is_alive()
+        # The client watch saw the pause and the resume, and is still open.
+        changes = self.changes
+        wait_for(lambda: [c.state for c in changes.items][-1:] == ["RUNNING"], timeout_s=10)
+        states = [c.state for c in changes.items]
+        assert "PAUSED" in states and states.index("PAUSED") < len(states) - 1, states
+        assert changes.error is None and changes.thread.is_alive()
 
-    # The directory watch is still open: it reports a file made after the resume.
-    rollout.run("touch /work/after-resume")
-    wait_for(lambda: any(getattr(e, "name", "") == "after-resume" for e in files_seen.items))
-    assert files_seen.error is None
+        # The directory watch is still open: it reports a file made after the resume.
+        files_seen = self.files_seen
+        rollout.run("touch /work/after-resume")
+        wait_for(lambda: any(getattr(e, "name", "") == "after-resume" for e in files_seen.items))
+        assert files_seen.error is None
 
-    # Every task member answers, its memory intact; the node holds their memory again.
-    pause = _node_status(target).pause
-    assert (pause.paused, pause.released_mb) == (0, 0), pause
-    for i, sb in enumerate(members):
-        assert sb.refresh().state == "RUNNING"
-        assert sb.files.read("/work/id") == str(i).encode()
-        before, after = _digest_after(sb)
-        assert before == after, f"{sb.id}: memory changed across the pause"
+        # Every task member answers, its memory intact; the node holds their memory again.
+        pause = _node_status(target).pause
+        assert (pause.paused, pause.released_mb) == (0, 0), pause
+        for i, sb in enumerate(self.members):
+            assert sb.refresh().state == "RUNNING"
+            assert sb.files.read("/work/id") == str(i).encode()
+            before, after = _digest_after(sb)
+            assert before == after, f"{sb.id}: memory changed across the pause"
 
-    watch.close()
-    dir_watch.close()
-    bg.kill()
+        self.watch.close()
+        self.dir_watch.close()
+        self.bg.kill()
+
+
+#: Each backend's part once took up to 900 s with its own hold; the hold is now shared.
+@pytest.mark.timeout(len(BACKENDS) * (900 - HOLD_S) + HOLD_S)
+def test_a_preemption_of_two_minutes_loses_nothing(
+    clusters: Clusters, request: pytest.FixtureRequest
+) -> None:
+    """On every backend: a rollout sandbox (background command with its output attached, a
+    shell session, a client watch, a directory watch, a file in the writable layer, memory it
+    holds) and a task of 16 more, paused by pause_task and held HOLD_S, then resumed: the
+    rollout by an ordinary call, the task by resume_task.
+
+    The backends are set up and paused one after the other and held together: HOLD_S from
+    the last one's pause, so every backend's pause lasts at least HOLD_S (the earlier ones
+    longer), and one hold serves them all. Then each is resumed and checked in turn. A
+    backend that fails drops out and the others go on; the failures are raised together,
+    each noted with its backend."""
+    failures = BackendFailures()
+    scenarios: list[PreemptionScenario] = []
+    with ExitStack() as sandboxes:
+        for b in BACKENDS:
+            with failures.of(b.name):
+                target = clusters.get(b)
+                make = sandboxes.enter_context(
+                    backend_sandboxes(target, f"{request.node.nodeid}[{b.name}]")
+                )
+                scenario = PreemptionScenario(target, make)
+                scenario.set_up_and_pause()
+                scenarios.append(scenario)
+        if scenarios:
+            time.sleep(HOLD_S)
+        for scenario in scenarios:
+            with failures.of(scenario.target.backend.name):
+                scenario.check_after_hold()
+    failures.raise_if_any(clusters, request.node.nodeid)
 
 
 def _node_status(target: Target) -> edge_pb2.GetNodeStatusResponse:
