@@ -30,13 +30,13 @@ import json
 import logging
 import os
 import secrets
-from typing import Any
 import shutil
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 from edge.layers import erofs
