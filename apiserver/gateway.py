@@ -182,7 +182,11 @@ class Gateway:
             # it). If the watcher declared it lost, say so at once; callers turn this into
             # the sandbox's EDGE_LOST end (get, explain).
             down = Unavailable(f"edge {edge_id} is not answering", reason="EDGE_UNAVAILABLE")
-            if await self.lost(who, sandbox_id, down) is not None:
+            try:
+                declared = await self.lost(who, sandbox_id, down) is not None
+            except SandboxNotFound:  # not among its lost ones: the edge (maybe back) decides
+                declared = False
+            if declared:
                 raise down
         stub = await self.edges.stub(edge_id)
         if stub is None:
