@@ -179,13 +179,14 @@ def node_loss(m: MultiNode, per_node: int = 4) -> float:
         t0 = time.monotonic()
         while True:
             try:
-                done = all(c.get(s.id).info.termination_reason == "EDGE_LOST" for s in sbs)
-            except DSecError:  # not declared lost yet: its edge does not answer
-                done = False
-            if done and c.get_project().usage.sandboxes <= usage - per_node:
+                reasons = [c.get(s.id).info.termination_reason for s in sbs]
+            except DSecError as err:  # not declared lost yet: its edge does not answer
+                reasons = [repr(err)]
+            held = c.get_project().usage.sandboxes
+            if reasons == ["EDGE_LOST"] * per_node and held <= usage - per_node:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > 600:
-                raise TimeoutError("node loss not reported in 600 s")
+                raise TimeoutError(f"node loss not reported in 600 s: {reasons}, usage {held}")
             time.sleep(0.25)
 
 
