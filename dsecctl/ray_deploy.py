@@ -240,6 +240,20 @@ def _init_bounded(address: str) -> BaseException | None:
     return outcome[0]
 
 
+def _actor_options(name: str, node_id: str) -> dict[str, Any]:
+    """Every dsec actor: named in dsec's namespace, detached (outlives the deploying driver),
+    asking for no CPU, restarted by Ray on its node whenever its worker dies."""
+    return {
+        "name": name,
+        "namespace": NAMESPACE,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        "max_concurrency": 8,
+        "max_restarts": -1,
+        "scheduling_strategy": _pinned(node_id),
+    }
+
+
 def _get_actor(name: str) -> Any:
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -257,15 +271,7 @@ def deploy(address: str, settings: DeploySettings) -> dict[str, Any]:
         try:
             dep: Any = (
                 ray.remote(Deployment)
-                .options(
-                    name=DEPLOYMENT,
-                    namespace=NAMESPACE,
-                    lifetime="detached",
-                    num_cpus=0,
-                    max_concurrency=8,
-                    max_restarts=-1,
-                    scheduling_strategy=_pinned(_head_node()["NodeID"]),
-                )
+                .options(**_actor_options(DEPLOYMENT, _head_node()["NodeID"]))
                 .remote(asdict(settings), address, time.time())
             )
         except ValueError:  # another deploy created it between the check and here
@@ -681,17 +687,7 @@ class Deployment:
 
     def _group(self, name: str, node_id: str, specs: list[ServiceProcess]) -> Any:
         handle = (
-            ray.remote(ServiceGroup)
-            .options(
-                name=name,
-                namespace=NAMESPACE,
-                lifetime="detached",
-                num_cpus=0,
-                max_concurrency=8,
-                max_restarts=-1,
-                scheduling_strategy=_pinned(node_id),
-            )
-            .remote(name, specs)
+            ray.remote(ServiceGroup).options(**_actor_options(name, node_id)).remote(name, specs)
         )
         self.groups[name] = (handle, node_id)
         return handle

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.layers.model import Descriptor
-from edge.layers.store import LayerStore, hex_of
+from edge.layers.store import LayerStore, hex_of, read_json
 from edge.runtime import mounts
 from edge.runtime.mounts import LayerImage
 from libdsec.errors import LayerCorrupt
@@ -130,11 +130,7 @@ class NodeLayers:
         return self.verified_dir / f"{hex_of(digest)}.json"
 
     def _read_record(self, digest: str) -> dict[str, Any] | None:
-        try:
-            rec: dict[str, Any] = json.loads(self._record_path(digest).read_text())
-            return rec
-        except (OSError, ValueError):
-            return None
+        return read_json(self._record_path(digest))
 
     def _write_record(self, digest: str, rec: dict[str, Any]) -> None:
         path = self._record_path(digest)

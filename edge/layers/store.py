@@ -155,11 +155,7 @@ class LayerStore:
         return self.layer_dir(digest) / VERIFIED_NAME
 
     def read_verified(self, digest: str) -> dict[str, Any] | None:
-        try:
-            rec: dict[str, Any] = json.loads(self.verified_path(digest).read_text())
-            return rec
-        except (OSError, ValueError):
-            return None
+        return read_json(self.verified_path(digest))
 
     def write_verified(self, digest: str, rec: dict[str, Any]) -> None:
         _atomic_write(self.verified_path(digest), json.dumps(rec).encode())
@@ -452,6 +448,15 @@ def _remove_any(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON record, or None when it is missing or unreadable (written again, never trusted)."""
+    try:
+        rec: dict[str, Any] = json.loads(path.read_text())
+        return rec
+    except (OSError, ValueError):
+        return None
 
 
 def _flush_tree(d: Path) -> None:
