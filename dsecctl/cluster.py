@@ -436,6 +436,7 @@ class LocalCluster:
             keep_sandboxes = keep_sandboxes or any(e.on_shutdown != "stop" for e in self.edges)
         if not keep_sandboxes:
             # With sandboxes left, their mounts and paused pages stay for the next edge.
+            self.release_cgroups()
             self.release_mounts()
             self.release_swaps()
         state = self.home / "cluster.json"
@@ -495,6 +496,17 @@ class LocalCluster:
         state directory set outside it, once its processes are gone (an edge killed mid-start
         can leave a toolkit mount)."""
         return [t for root in self._own_roots() for t in release_mounts(Path(root))]
+
+    def release_cgroups(self) -> list[str]:
+        """Kills what is left in each edge's cgroup parent and removes its cgroups (see
+        :func:`release_cgroup_parent`); only parents this cluster planned (a cluster read
+        back from cluster.json knows none)."""
+        return [
+            d
+            for p in self.processes
+            if p.module == "edge"
+            for d in release_cgroup_parent(p.env.get("DSEC_EDGE_CGROUP_PARENT", ""))
+        ]
 
     def _own_roots(self) -> tuple[str, ...]:
         """The cluster's home and every edge's state directory set outside it (a lab host's
@@ -734,6 +746,29 @@ def release_mounts(root: Path) -> list[str]:
         if subprocess.run(["umount", target], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", target], capture_output=True)
     return targets
+
+
+def release_cgroup_parent(parent: str) -> list[str]:
+    """Kills what is left under an edge's cgroup parent and removes its cgroups: the
+    sandboxes of an edge that died before it could stop them (a lost node's, whose processes
+    outlive it in namespaces of their own). Returns the directories removed."""
+    if not parent:
+        return []
+    from edge.runtime import cgroups
+
+    for child in cgroups.children(parent):
+        cgroups.thaw(f"{parent}/{child}")  # frozen tasks ignore SIGKILL
+    return [str(d) for d in cgroups.remove(parent)]
+
+
+def release_edge(p: ServiceProcess) -> None:
+    """What a stopped edge whose sandboxes were meant to end may leave: processes in its
+    cgroups, mounts and swap areas under its state directory."""
+    release_cgroup_parent(p.env.get("DSEC_EDGE_CGROUP_PARENT", ""))
+    state = p.env.get("DSEC_EDGE_STATE_DIR")
+    if state:
+        release_mounts(Path(state))
+        release_swaps(Path(state))
 
 
 def release_swaps(root: Path) -> list[str]:

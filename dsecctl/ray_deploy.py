@@ -67,8 +67,7 @@ from dsecctl.cluster import (
     ServiceProcess,
     Wiring,
     find_service_pid,
-    release_mounts,
-    release_swaps,
+    release_edge,
     service_health,
     stop_edge_sandboxes,
     wait_edges_healthy,
@@ -553,7 +552,7 @@ class ServiceGroup:
     def stop(self, names: list[str] | None, keep_sandboxes: bool) -> list[dict[str, Any]]:
         """Stops the services ``names`` (None: all, and the supervision), in reverse start
         order: SIGTERM, SIGKILL after a grace. An edge's sandboxes are stopped first through
-        its API unless ``keep_sandboxes``; then what the edge left mounted is released."""
+        its API unless ``keep_sandboxes``; then what the edge left (cgroups, mounts) is released."""
         if names is None:
             self._stopping.set()
         with self._lock:
@@ -570,9 +569,7 @@ class ServiceGroup:
                         s.proc.kill()
                         s.proc.wait()
                 if s.spec.module == "edge" and not keep_sandboxes:
-                    state = Path(s.spec.env["DSEC_EDGE_STATE_DIR"])
-                    release_mounts(state)
-                    release_swaps(state)
+                    release_edge(s.spec)
                     _remove_claim_dir(Path(s.spec.env["DSEC_EDGE_NET_CLAIM_DIR"]))
             return self.status()
 
