@@ -645,10 +645,7 @@ class LocalCluster:
         return c
 
     def log_tail(self, p: ServiceProcess, lines: int = 30) -> str:
-        try:
-            return "\n".join(p.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(p.log_path, lines)
 
     def status(self) -> dict[str, str]:
         """Each service's health: SERVING, NOT_SERVING, UNREACHABLE, or DOWN (no process);
@@ -746,6 +743,14 @@ def release_mounts(root: Path) -> list[str]:
         if subprocess.run(["umount", target], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", target], capture_output=True)
     return targets
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` of a service's log ("(no log)" when there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def release_cgroup_parent(parent: str) -> list[str]:

@@ -67,6 +67,7 @@ from dsecctl.cluster import (
     ServiceProcess,
     Wiring,
     find_service_pid,
+    log_tail,
     release_edge,
     service_health,
     stop_edge_sandboxes,
@@ -474,13 +475,15 @@ class ServiceGroup:
                 if s.proc is not None and s.proc.poll() is not None:
                     raise RuntimeError(
                         f"{s.spec.name} on {self.node_ip} exited with {s.proc.returncode}:\n"
-                        + _tail(s.spec.log_path)
+                        + log_tail(s.spec.log_path)
                     )
                 if service_health(s.spec, timeout_s=1.0) == "SERVING":
                     pending.remove(s)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(s.spec.name for s in pending)
-                tails = "\n".join(f"--- {s.spec.name}\n{_tail(s.spec.log_path)}" for s in pending)
+                tails = "\n".join(
+                    f"--- {s.spec.name}\n{log_tail(s.spec.log_path)}" for s in pending
+                )
                 raise TimeoutError(f"not SERVING after {timeout_s:.0f} s: {names}\n{tails}")
             if pending:
                 time.sleep(0.1)
@@ -604,13 +607,6 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 # ------------------------------------------------------------------ the deployment
