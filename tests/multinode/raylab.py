@@ -28,7 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from dsecctl.cluster import release_cgroup_parent
 from dsecctl.hosts import Host
+from dsecctl.ray_deploy import edge_id_for
+from edge.runtime import cgroups
 
 RAY = str(Path(sys.executable).parent / "ray")
 REPO = Path(__file__).resolve().parents[2]
@@ -123,4 +126,11 @@ class RayLab:
         deadline = time.monotonic() + 10
         while any(h.pids() for h in self.nodes) and time.monotonic() < deadline:
             time.sleep(0.1)
+        # An edge killed with its node (one that left) keeps its cgroup parent, and any
+        # sandbox still in it: cgroups named after the node's edge id.
+        for host in self.nodes:
+            prefix = f"dsec-{edge_id_for(host.address)}-"
+            for name in cgroups.children(""):
+                if name.startswith(prefix):
+                    release_cgroup_parent(name)
         shutil.rmtree(self.temp_root, ignore_errors=True)
