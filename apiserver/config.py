@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, ServiceConfig
+from common.vip import VipConfig
 
 
 @dataclass(frozen=True)
-class ApiServerConfig(ServiceConfig):
+class ApiServerConfig(ServiceConfig, VipConfig):
     listen: str = "127.0.0.1:7100"
     iam: str = "127.0.0.1:7101"
     placement: str = "127.0.0.1:7102"
@@ -52,6 +53,7 @@ class ApiServerConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.validate_vip(self.listen)
         self._validate_viewer()
         if self.max_create_attempts < 1:
             raise ConfigError("DSEC_APISERVER_MAX_CREATE_ATTEMPTS must be >= 1")

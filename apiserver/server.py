@@ -20,6 +20,7 @@ from common.channels import open_channel
 from common.config import load
 from common.grpc_server import GrpcServer
 from common.telemetry import setup_logging, setup_tracing
+from common.vip import RouteAgentHandle
 from dsec.apiserver.v1 import apiserver_pb2  # noqa: F401  (registers the service descriptors)
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
@@ -49,6 +50,8 @@ async def main() -> None:
     server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
     server.add(NodeServicer(gw), "dsec.apiserver.v1.NodeService")
     server.background(edges.run)
+    if cfg.vip:
+        _announce(server, cfg)
     if cfg.viewer_addr != "off":
         viewer = Viewer(cfg, gw)
         viewer_socket = viewer.bind()  # a taken port fails the start, not a background task
@@ -60,3 +63,19 @@ async def main() -> None:
     server.on_close(iam_channel.close)
     server.on_close(placement_channel.close)
     await server.run()
+
+
+def _announce(server: GrpcServer, cfg: ApiServerConfig) -> None:
+    """This instance behind the virtual IP ``cfg.vip`` (common/vip.py): its route agent checks
+    the SandboxService through the virtual IP; health "" waits for the agent."""
+    port = cfg.listen.rsplit(":", 1)[1]
+    agent = RouteAgentHandle(
+        cfg,
+        f"grpc:{cfg.vip}:{port}/dsec.apiserver.v1.SandboxService",
+        lambda ok, reason: server.met("vip", ok, reason),
+        name=cfg.instance_name,
+    )
+    server.require("vip", f"the route agent of virtual IP {cfg.vip} is starting")
+    server.background(agent.run)
+    server.on_stop(agent.withdraw)
+    server.on_close(agent.close)

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 EDGE_LOST = types_pb2.TERMINATION_REASON_EDGE_LOST
 
+#: How far back a resumed watch may ask to replay (edges keep their recent changes).
+MAX_REPLAY_S = 3600.0
+#: A changed_since this far in the future is a bad clock, not a resume.
+MAX_AHEAD_S = 30.0
+
 KEEPALIVE_DEFAULT_MS = 5000
 KEEPALIVE_RANGE_MS = (100, 600_000)
 #: What the edge streams are asked for: a silent edge stream is dropped after STALL_AFTER of them.
@@ -49,6 +54,22 @@ DIRECTORY_POLL_S = 1.0
 #: Changes buffered for a slow caller; beyond it the edge streams wait (and, far behind,
 #: end with WATCH_OVERFLOW and replay).
 QUEUE = 10_000
+
+
+def replay_start(request: apiserver_pb2.WatchSandboxesRequest) -> float:
+    """When the watch's replay starts (wall clock, s): now, or a resumed watch's changed_since."""
+    now = time.time()
+    if not request.HasField("changed_since"):
+        return now
+    since = request.changed_since.ToNanoseconds() / 1e9
+    if not now - MAX_REPLAY_S <= since <= now + MAX_AHEAD_S:
+        raise InvalidArgument(
+            f"changed_since {request.changed_since.ToJsonString()} is not within the last"
+            f" {MAX_REPLAY_S:.0f} s",
+            reason="BAD_CHANGED_SINCE",
+            metadata={"field": "changed_since"},
+        )
+    return min(since, now)
 
 
 class _Ready:
@@ -81,7 +102,7 @@ class SandboxWatch:
             task_id=request.task_id,
             label_selector=request.label_selector,
         )
-        self.started_at = time.time()
+        self.started_at = replay_start(request)
         self.out: asyncio.Queue[types_pb2.Sandbox | _Ready | BaseException] = asyncio.Queue(QUEUE)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         #: per edge, the replay start of its next stream (that edge's clock, once it has sent one)

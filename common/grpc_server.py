@@ -214,6 +214,10 @@ class GrpcServer:
         self._services: list[tuple[object, ServiceDescriptor]] = []
         self._background: list[Callable[[], Awaitable[None]]] = []
         self._closers: list[Callable[[], Awaitable[object] | None]] = []
+        self._on_stop: list[Callable[[], Awaitable[None]]] = []
+        #: Conditions the whole process needs besides its servicers (e.g. its virtual IP's
+        #: route agent): name -> why it is not met. Health "" is SERVING only with none.
+        self._unmet: dict[str, str] = {}
         self._stop = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -228,6 +232,29 @@ class GrpcServer:
 
     def on_close(self, fn: Callable[[], Awaitable[object] | None]) -> None:
         self._closers.append(fn)
+
+    def on_stop(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Runs first when the server is asked to stop, while it still serves (e.g. withdraw
+        its virtual IP's route, so that no new connection arrives)."""
+        self._on_stop.append(fn)
+
+    def require(self, name: str, reason: str) -> None:
+        """Health "" stays NOT_SERVING until :meth:`met` ``name`` (``reason``: why not yet)."""
+        self._unmet[name] = reason
+
+    async def met(self, name: str, ok: bool, reason: str = "") -> None:
+        """Condition ``name`` is met (or no longer, because of ``reason``); health "" follows."""
+        if ok:
+            self._unmet.pop(name, None)
+        else:
+            self._unmet[name] = reason
+        if self.server is not None and not self._stop.is_set():
+            await self.health.set("", self._overall())
+
+    def _overall(self) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+        if self._unmet:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -253,8 +280,10 @@ class GrpcServer:
         self.server = server
         for _, desc in self._services:
             await self.health.set(desc.full_name, health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", self._overall())
         log.info("%s serving on %s", self.name, self.address, extra={"services": ",".join(names)})
+        for name, reason in self._unmet.items():
+            log.warning("%s: not SERVING until %s: %s", self.name, name, reason)
 
     @property
     def address(self) -> str:
@@ -274,6 +303,11 @@ class GrpcServer:
                 tasks = [tg.create_task(self._supervise(fn)) for fn in self._background]
                 await self._stop.wait()
                 log.info("%s shutting down", self.name)
+                for fn in self._on_stop:
+                    try:
+                        await fn()
+                    except Exception:
+                        log.exception("%s: error in a stop hook", self.name)
                 await self.health.enter_graceful_shutdown()
                 assert self.server is not None
                 await self.server.stop(self.grace_s)

@@ -25,6 +25,7 @@ that answers is someone else's and only checked (:meth:`LocalCluster.checked_sta
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -72,6 +73,24 @@ class ServiceProcess:
     pid_file: str = ""
     #: The lab host it runs on (its network namespace, :mod:`dsecctl.hosts`); None: here.
     host: Host | None = None
+    #: An environment entry ("NAME=value") only this process has, to find its PID by; ""
+    #: = its listen address (one that listens on 0.0.0.0, behind a virtual IP, needs one).
+    marker: str = ""
+
+
+@dataclass(frozen=True)
+class VipPlan:
+    """Every API server (each on a lab host of its own) behind one virtual IP, announced over
+    BGP to the router at ``peer`` (common/vip.py, dsecctl/vip_router.py)."""
+
+    address: str
+    peer: str
+    port: int = 7100
+
+    @property
+    def target(self) -> str:
+        """What clients dial: the virtual IP and the port every instance listens on."""
+        return f"{self.address}:{self.port}"
 
 
 @dataclass
@@ -213,6 +232,7 @@ class LocalCluster:
         supervised: bool = False,
         host_daemons: list[HostDaemon] | None = None,
         hosts: dict[str, Host] | None = None,
+        vip: VipPlan | None = None,
     ) -> None:
         self.home = home
         self.transport = transport
@@ -247,6 +267,14 @@ class LocalCluster:
             raise ValueError(
                 "a cluster on lab hosts runs unsupervised (dsec deploy --ray supervises)"
             )
+        #: The API servers behind a virtual IP (None: each at its own address).
+        self.vip = vip
+        if vip is not None:
+            names = ["apiserver"] + [f"apiserver{i}" for i in range(1, apiservers)]
+            placed = [self.hosts.get(n) for n in names]
+            if None in placed or len({h.name for h in placed if h}) != len(names):
+                raise ValueError("behind a virtual IP, every API server runs on a host of its own")
+        self.wiring: Wiring | None = None
 
     # ----------------------------------------------------------- addresses
 
@@ -293,16 +321,8 @@ class LocalCluster:
                     cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
                 )
             )
-        for i in range(self.apiservers):
-            name = "apiserver" if i == 0 else f"apiserver{i}"
-            plan.append(
-                wiring.apiserver(
-                    name,
-                    self._address(name, 7100 if i == 0 else 7120 + i),
-                    # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
-                    viewer=self._http_address(name, 7104 if i == 0 else 7140 + i),
-                )
-            )
+        self.wiring = wiring
+        plan += [self._apiserver_process(i) for i in range(self.apiservers)]
         if self.compat:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
             self.sandbox_fusion_address = self._http_address("compat", 7131)
@@ -311,12 +331,49 @@ class LocalCluster:
                 wiring.compat(
                     self._http_address("compat", 7130),
                     fusion=self.sandbox_fusion_address,
-                    apiserver=apiserver,
+                    apiserver=self.vip.target if self.vip else apiserver,
                 )
             )
         for p in plan:
             p.host = self.hosts.get(p.name)
         return plan
+
+    def _apiserver_process(self, i: int) -> ServiceProcess:
+        """API server instance ``i`` ("apiserver", "apiserver1", ...)."""
+        assert self.wiring is not None
+        name = "apiserver" if i == 0 else f"apiserver{i}"
+        vip = self.vip
+        p = self.wiring.apiserver(
+            name,
+            # Behind a virtual IP every instance listens on the same port (of its own host).
+            self._address(name, vip.port if vip else 7100 if i == 0 else 7120 + i),
+            # The live view (HTTP: loopback TCP even in a Unix-socket cluster).
+            viewer=self._http_address(name, 7104 if i == 0 else 7140 + i),
+        )
+        host = self.hosts.get(name)
+        if vip is not None and host is not None:
+            p.env.update(
+                {
+                    "DSEC_APISERVER_LISTEN": f"0.0.0.0:{vip.port}",
+                    "DSEC_APISERVER_VIP": vip.address,
+                    "DSEC_APISERVER_VIP_PEER": vip.peer,
+                    "DSEC_APISERVER_VIP_STATE_DIR": str(host.local("vip", name)),
+                }
+            )
+            p.marker = f"DSEC_APISERVER_VIP_STATE_DIR={host.local('vip', name)}"
+        p.host = host
+        return p
+
+    def add_apiserver(self, host: Host, timeout_s: float = 60.0) -> ServiceProcess:
+        """One more API server instance, on ``host``, started and SERVING (behind the
+        virtual IP, if the cluster has one, it takes traffic once its route is in)."""
+        i = sum(1 for p in self.processes if p.module == "apiserver")
+        self.hosts[f"apiserver{i}"] = host
+        p = self._apiserver_process(i)
+        self.processes.append(p)
+        self.apiservers += 1
+        self.start_services([p], timeout_s)
+        return p
 
     def _http_address(self, name: str, default_port: int) -> str:
         """An HTTP listener of service ``name``: on its host, else loopback TCP."""
@@ -556,7 +613,9 @@ class LocalCluster:
 
     @property
     def apiserver(self) -> str:
-        return self.process("apiserver").address
+        """Where clients reach the API: the virtual IP if there is one, else the first
+        instance."""
+        return self.vip.target if self.vip else self.process("apiserver").address
 
     @property
     def viewer_url(self) -> str:
@@ -581,6 +640,7 @@ class LocalCluster:
         state = {
             "apiserver": self.apiserver,
             "supervised": self.supervised,
+            **({"vip": dataclasses.asdict(self.vip)} if self.vip else {}),
             **(
                 {"e2b_api_url": self.compat_url, "sandbox_fusion_url": self.sandbox_fusion_url}
                 if any(p.name == "compat" for p in self.processes)
@@ -593,6 +653,7 @@ class LocalCluster:
                     "log": str(p.log_path),
                     "protocol": p.protocol,
                     **({"command": list(p.argv), "pid_file": p.pid_file} if p.argv else {}),
+                    **({"marker": p.marker} if p.marker else {}),
                 }
                 for p in self.processes
             },
@@ -617,6 +678,8 @@ class LocalCluster:
         ]
         c = cls(home, supervised=bool(state.get("supervised")), edges=edges)
         c.sandbox_fusion_address = state.get("sandbox_fusion_url", "").removeprefix("http://")
+        if "vip" in state:
+            c.vip = VipPlan(**state["vip"])
         for name, s in state["services"].items():
             module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
             c.processes.append(
@@ -629,6 +692,7 @@ class LocalCluster:
                     protocol=s.get("protocol", "grpc"),
                     argv=tuple(s.get("command", ())),
                     pid_file=s.get("pid_file", ""),
+                    marker=s.get("marker", ""),
                 )
             )
         for name, s in state.get("checked", {}).items():
@@ -818,7 +882,7 @@ def find_service_pid(p: ServiceProcess) -> int:
     as its environment says; a host daemon: the one its pid file names), or 0."""
     if p.pid_file:
         return host_daemons.pid_from_file(Path(p.pid_file))
-    listen = b"_LISTEN=" + p.address.encode() + b"\0"
+    listen = (p.marker.encode() if p.marker else b"_LISTEN=" + p.address.encode()) + b"\0"
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue

@@ -151,6 +151,8 @@ class HostLab:
         self.hosts: dict[str, Host] = {}
         self.subnet: ipaddress.IPv4Network | None = None
         self._made: list[str] = []  # namespaces made, for close()
+        #: prefix -> the host routing it (a virtual IP's router), on every other host and here.
+        self.routes: dict[str, Host] = {}
 
     @property
     def gateway(self) -> str:
@@ -200,7 +202,18 @@ class HostLab:
         _ip("-n", netns, "route", "add", "default", "via", self.gateway)
         host = Host(name, netns, address, port, self)
         self.hosts[name] = host
+        for prefix, via in self.routes.items():
+            _ip("-n", netns, "route", "replace", prefix, "via", via.address)
         return host
+
+    def route(self, prefix: str, via: Host) -> None:
+        """``prefix`` (a virtual IP) reached through host ``via`` from here and from every
+        other host, also those added later. Gone with the lab (the links carry the routes)."""
+        self.routes[prefix] = via
+        _ip("route", "replace", prefix, "via", via.address, "dev", self.uplink)
+        for h in self.hosts.values():
+            if h is not via:
+                _ip("-n", h.netns, "route", "replace", prefix, "via", via.address)
 
     def wait_reachable(self, timeout_s: float = 10.0) -> None:
         """Until every host answers a ping from the caller (a new bridge port learns first)."""

@@ -247,8 +247,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         details: list[str] = []
         if name.startswith("edge-") and state == "SERVING":
             details = _pool_lines(p.address)
-        elif state not in ("SERVING", "DOWN") and name in supervised:
-            # BACKOFF, FATAL, ...: why, from the service's own log
+        elif state not in ("SERVING", "DOWN") and (name in supervised or state == "NOT_SERVING"):
+            # BACKOFF, FATAL, NOT_SERVING (e.g. its virtual IP's routing daemon cannot
+            # start), ...: why, from the service's own log
             details = [f"last lines of {p.log_path}:"] + [
                 f" {line}" for line in cluster.log_tail(p, lines=10).splitlines()
             ]

@@ -151,7 +151,13 @@ RETRY_FIRST_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
 
 #: The SDK's channel options (no gRPC retry policy: :meth:`Transport.unary` retries).
-CHANNEL_OPTIONS = channel_options()
+CHANNEL_OPTIONS = [
+    *channel_options(),
+    # A connection of its own per client: gRPC otherwise shares one TCP connection between
+    # every channel of a process to the same target, and behind a virtual IP with ECMP (one
+    # instance per connection) a trainer's thousand clients would all land on one API server.
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 #: How often the SDK asks a server stream for a keepalive when it has nothing else to say.
 STREAM_KEEPALIVE_INTERVAL_S = 5.0

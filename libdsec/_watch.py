@@ -18,6 +18,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -51,6 +52,7 @@ class AsyncWatch:
         labels: Mapping[str, str] | None = None,
         timeout: float | None = None,
         keepalive_interval_s: float = STREAM_KEEPALIVE_INTERVAL_S,
+        since: datetime | None = None,
     ) -> None:
         if keepalive_interval_s <= 0:
             raise InvalidArgument(
@@ -65,6 +67,15 @@ class AsyncWatch:
             label_selector=dict(labels or {}),
             keepalive_interval_ms=round(keepalive_interval_s * 1000),
         )
+        if since is not None:
+            if since.tzinfo is None:
+                raise InvalidArgument(
+                    "since must be timezone-aware (e.g. a resume_at)", reason="BAD_CHANGED_SINCE"
+                )
+            self._request.changed_since.FromDatetime(since)
+        #: Where a new watch resumes this one if its stream breaks (``watch(since=...)``):
+        #: the server's time in its last keepalive (None before the first).
+        self.resume_at: datetime | None = since
         #: A stream silent this long (no change, no keepalive) is dead.
         self.idle_timeout_s = keepalive_interval_s * STREAM_STALL_MARGIN
         self._timeout = timeout
@@ -110,6 +121,7 @@ class AsyncWatch:
                 if msg is None:
                     break  # closed or ended before it was ready: the iteration ends
                 if msg.WhichOneof("event") == "keepalive":
+                    self._kept_alive(msg)
                     break
                 if msg.WhichOneof("event") == "changed":
                     self._early.append(SandboxInfo.from_pb(msg.changed))
@@ -125,7 +137,12 @@ class AsyncWatch:
                 raise StopAsyncIteration
             if msg.WhichOneof("event") == "changed":
                 return SandboxInfo.from_pb(msg.changed)
-            # a keepalive: the stream is alive; nothing to yield
+            self._kept_alive(msg)  # the stream is alive; nothing to yield
+
+    def _kept_alive(self, msg: Any) -> None:
+        """Every change before a keepalive's ``at`` has been delivered: a resume point."""
+        if msg.keepalive.HasField("at"):
+            self.resume_at = msg.keepalive.at.ToDatetime(tzinfo=UTC)
 
     async def _read(self) -> Any:
         """The next message, or None once the watch is over (closed, timed out, ended)."""

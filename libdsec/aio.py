@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
@@ -471,6 +472,7 @@ class AsyncClient:
         labels: Mapping[str, str] | None = None,
         timeout: float | None = None,
         keepalive_interval_s: float = STREAM_KEEPALIVE_INTERVAL_S,
+        since: datetime | None = None,
     ) -> AsyncWatch:
         """Changes of this project's sandboxes (and its subprojects'), as they happen: an async
         iterator of :class:`SandboxInfo` (the same as :meth:`get` and :meth:`list` give), one
@@ -490,6 +492,11 @@ class AsyncClient:
         The iteration ends without an error when the watch is closed (``await
         changes.aclose()``, or leaving the ``async with``), when this client closes, or after
         ``timeout`` seconds if given (None: until closed).
+
+        A stream that breaks (the API server behind a virtual IP died) raises
+        :class:`~libdsec.errors.Unavailable`; ``dsec.watch(..., since=changes.resume_at)``
+        resumes it: what changed since the last keepalive of the broken one is replayed
+        first, so no change is lost (one near the break may come twice).
         """
         w = AsyncWatch(
             self._rpc,
@@ -497,6 +504,7 @@ class AsyncClient:
             labels=labels,
             timeout=timeout,
             keepalive_interval_s=keepalive_interval_s,
+            since=since,
         )
         self._watches.add(w)
         w._on_close.append(self._watches.discard)

@@ -32,6 +32,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from datetime import datetime
 from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
 from libdsec._display import AsyncDisplay
@@ -307,6 +308,7 @@ class Client:
         labels: Mapping[str, str] | None = None,
         timeout: float | None = None,
         keepalive_interval_s: float = STREAM_KEEPALIVE_INTERVAL_S,
+        since: datetime | None = None,
     ) -> Watch:
         """Changes of this project's sandboxes as they happen: an iterator of
         :class:`SandboxInfo` (as :meth:`get` and :meth:`list` give), one per change (created,
@@ -329,6 +331,7 @@ class Client:
             labels=labels,
             timeout=timeout,
             keepalive_interval_s=keepalive_interval_s,
+            since=since,
         )
         try:
             self._loop.run(w.start())
@@ -451,6 +454,12 @@ class _SyncStream(Generic[T]):
 class Watch(_SyncStream[SandboxInfo]):
     """Changes of sandboxes (see :meth:`Client.watch`): an iterator of :class:`SandboxInfo`,
     a context manager, closable."""
+
+    @property
+    def resume_at(self) -> datetime | None:
+        """Where ``watch(since=...)`` resumes this watch if its stream breaks."""
+        assert isinstance(self._w, AsyncWatch)
+        return self._w.resume_at
 
 
 class Process:

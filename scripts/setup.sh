@@ -41,6 +41,8 @@ APT_PACKAGES=(
     qemu-system-x86 linux-image-cloud-amd64 # microVMs: QEMU microvm + the guest kernel
     # several machines: the shared layer store (MooseFS: master, chunkservers, FUSE client)
     moosefs-master moosefs-chunkserver moosefs-client
+    # stateless tiers behind a virtual IP: bgpd announces it, zebra installs the ECMP route
+    frr
 )
 # Installed without their Recommends: libvirt's would pull dnsmasq, a firewall and more that
 # the VM backend does not use (it wires the guest's network itself, as for microVMs).

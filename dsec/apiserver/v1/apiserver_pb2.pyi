@@ -1118,6 +1118,7 @@ class WatchSandboxesRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    CHANGED_SINCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """"" = any"""
     keepalive_interval_ms: _builtins.int
@@ -1126,16 +1127,25 @@ class WatchSandboxesRequest(_message.Message):
     def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """all must match"""
 
+    @_builtins.property
+    def changed_since(self) -> _timestamp_pb2.Timestamp:
+        """Replay what changed since then first: a watch resumed after its stream broke (an API
+        server died) passes the `at` of the last keepalive it saw and misses no change (one near
+        the break may come twice). Unset: from the start of this watch. At most 1 hour back, and
+        not in the future: INVALID_ARGUMENT (BAD_CHANGED_SINCE).
+        """
+
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         keepalive_interval_ms: _builtins.int = ...,
+        changed_since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "keepalive_interval_ms", b"keepalive_interval_ms", "label_selector", b"label_selector", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
