@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from common.config import ConfigError, ServiceConfig
+from common.vip import VipConfig
 from libdsec.options import Backend
 
 MIB = 1024 * 1024
@@ -30,7 +31,7 @@ def _default_template_memory() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class CompatConfig(ServiceConfig):
+class CompatConfig(ServiceConfig, VipConfig):
     #: HTTP/1.1 listen address, host:port (the e2b SDK needs a URL, so no Unix sockets).
     listen: str = "127.0.0.1:7130"
     #: The API server this front end is a client of (libdsec target).
@@ -116,6 +117,9 @@ class CompatConfig(ServiceConfig):
             raise ConfigError(f"DSEC_COMPAT_LISTEN={self.listen!r}: bad port") from None
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("DSEC_COMPAT_TLS_CERT and DSEC_COMPAT_TLS_KEY go together")
+        self.validate_vip(self.listen)
+        if self.vip and self.sandbox_fusion_listen:
+            self.validate_vip(self.sandbox_fusion_listen)
         backends = get_args(Backend)
         for template, backend in self.template_backends.items():
             if backend not in backends:

@@ -15,11 +15,13 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
 from common.config import ConfigError, load
 from common.telemetry import setup_logging
+from common.vip import RouteAgentHandle
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b.app import E2bApp
@@ -58,7 +60,7 @@ async def main() -> None:
         target = by_port.get(scope.get("server", ("", 0))[1], e2b)
         await target(scope, receive, send)
 
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.host,
@@ -82,12 +84,70 @@ async def main() -> None:
             config.sandbox_fusion_listen,
             " (requests without a token act as the token file's)" if fusion.default_token else "",
         )
+    agent: RouteAgentHandle | None = None
+    agent_task: asyncio.Task[None] | None = None
+    if config.vip:
+        agent = _announce(config, e2b)
+        agent_task = asyncio.create_task(agent.run())
+        server.before_exit = agent.withdraw
     try:
         await server.serve(sockets=sockets)
     finally:
+        if agent is not None and agent_task is not None:
+            await agent.close()
+            agent_task.cancel()
         for sock in sockets:
             sock.close()
         await pool.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a step before it stops taking connections on SIGTERM (behind a
+    virtual IP: withdraw the route first, so that no new connection arrives)."""
+
+    before_exit: Callable[[], Awaitable[None]] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        before = self.before_exit
+        if before is None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self.before_exit = None
+
+        async def then_exit() -> None:
+            try:
+                await before()
+            finally:
+                super(_Server, self).handle_exit(sig, frame)
+
+        # In a signal handler, between two steps of the loop: wake it to run the withdrawal.
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(lambda: _keep(asyncio.ensure_future(then_exit())))
+
+
+_pending: set[asyncio.Future[None]] = set()
+
+
+def _keep(fut: asyncio.Future[None]) -> None:
+    _pending.add(fut)
+    fut.add_done_callback(_pending.discard)
+
+
+def _announce(config: CompatConfig, e2b: E2bApp) -> RouteAgentHandle:
+    """This instance behind the virtual IP ``config.vip`` (common/vip.py): its route agent
+    checks ``/health?scope=instance`` through the virtual IP; ``/health`` answers 503 with
+    the reason while the agent cannot run."""
+    e2b.control.not_serving = f"the route agent of virtual IP {config.vip} is starting"
+
+    async def on_change(ok: bool, reason: str) -> None:
+        e2b.control.not_serving = "" if ok else reason
+
+    return RouteAgentHandle(
+        config,
+        f"http://{config.vip}:{config.port}/health?scope=instance",
+        on_change,
+        name="compat",
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:

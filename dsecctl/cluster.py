@@ -196,10 +196,12 @@ class Wiring:
             },
         )
 
-    def compat(self, address: str, *, fusion: str, apiserver: str) -> ServiceProcess:
+    def compat(
+        self, address: str, *, fusion: str, apiserver: str, name: str = "compat"
+    ) -> ServiceProcess:
         """The compatibility front ends: E2B on ``address``, SandboxFusion on ``fusion``."""
         compat = self.service(
-            "compat",
+            name,
             "compat",
             "COMPAT",
             address,
@@ -233,8 +235,14 @@ class LocalCluster:
         host_daemons: list[HostDaemon] | None = None,
         hosts: dict[str, Host] | None = None,
         vip: VipPlan | None = None,
+        bind: str = "127.0.0.1",
+        compats: int = 1,
+        compat_vip: VipPlan | None = None,
     ) -> None:
         self.home = home
+        #: The address services not on a lab host listen on (with TCP): loopback, or this
+        #: machine's address on a lab network whose hosts must reach them (dsec up --vip).
+        self.bind = bind
         self.transport = transport
         self.fixed_ports = fixed_ports
         #: With fixed ports: the API server's; the others are at fixed offsets from it.
@@ -263,12 +271,19 @@ class LocalCluster:
         #: service on a host listens on the host's address at its fixed port (each host has
         #: ports of its own); one not named runs here, as in a one-machine cluster.
         self.hosts = hosts or {}
-        if self.hosts and supervised:
-            raise ValueError(
-                "a cluster on lab hosts runs unsupervised (dsec deploy --ray supervises)"
-            )
         #: The API servers behind a virtual IP (None: each at its own address).
         self.vip = vip
+        #: Compatibility front end instances ("compat", "compat1", ...), and the virtual IP
+        #: they are behind (needed for more than one: port 7130 and 7131 of one address).
+        self.compats = compats if compat else 0
+        self.compat_vip = compat_vip
+        if compat_vip is not None:
+            names = ["compat"] + [f"compat{i}" for i in range(1, self.compats)]
+            placed = [self.hosts.get(n) for n in names]
+            if None in placed or len({h.name for h in placed if h}) != len(names):
+                raise ValueError("behind a virtual IP, every front end runs on a host of its own")
+        elif self.compats > 1:
+            raise ValueError("several compat front ends need a virtual IP (compat_vip)")
         if vip is not None:
             names = ["apiserver"] + [f"apiserver{i}" for i in range(1, apiservers)]
             placed = [self.hosts.get(n) for n in names]
@@ -284,7 +299,7 @@ class LocalCluster:
             return f"{host.address}:{default_port}"
         if self.transport == "unix":
             return f"unix:{self.home / 'sock' / (name + '.sock')}"
-        return f"127.0.0.1:{self._port(default_port)}"
+        return f"{self.bind}:{self._port(default_port)}"
 
     def _port(self, default_port: int) -> int:
         """``default_port`` (7100 + offset) moved to ``port_base``, or a free one."""
@@ -323,16 +338,16 @@ class LocalCluster:
             )
         self.wiring = wiring
         plan += [self._apiserver_process(i) for i in range(self.apiservers)]
-        if self.compat:
+        apiserver = next(p for p in plan if p.name == "apiserver").address
+        for i in range(self.compats):
+            plan.append(self._compat_process(i, self.vip.target if self.vip else apiserver))
+        if self.compats:
             # HTTP clients (the e2b SDK) need a URL: loopback TCP even in a Unix-socket cluster.
-            self.sandbox_fusion_address = self._http_address("compat", 7131)
-            apiserver = next(p for p in plan if p.name == "apiserver").address
-            plan.append(
-                wiring.compat(
-                    self._http_address("compat", 7130),
-                    fusion=self.sandbox_fusion_address,
-                    apiserver=self.vip.target if self.vip else apiserver,
-                )
+            first = next(p for p in plan if p.name == "compat")
+            self.sandbox_fusion_address = (
+                f"{self.compat_vip.address}:7131"
+                if self.compat_vip
+                else first.env["DSEC_COMPAT_SANDBOX_FUSION_LISTEN"]
             )
         for p in plan:
             p.host = self.hosts.get(p.name)
@@ -364,6 +379,32 @@ class LocalCluster:
         p.host = host
         return p
 
+    def _compat_process(self, i: int, apiserver: str) -> ServiceProcess:
+        """Compatibility front end instance ``i`` ("compat", "compat1", ...)."""
+        assert self.wiring is not None
+        name = "compat" if i == 0 else f"compat{i}"
+        p = self.wiring.compat(
+            self._http_address(name, 7130),
+            fusion=self._http_address(name, 7131),
+            apiserver=apiserver,
+            name=name,
+        )
+        host = self.hosts.get(name)
+        vip = self.compat_vip
+        if vip is not None and host is not None:
+            p.env.update(
+                {
+                    "DSEC_COMPAT_LISTEN": "0.0.0.0:7130",
+                    "DSEC_COMPAT_SANDBOX_FUSION_LISTEN": "0.0.0.0:7131",
+                    "DSEC_COMPAT_VIP": vip.address,
+                    "DSEC_COMPAT_VIP_PEER": vip.peer,
+                    "DSEC_COMPAT_VIP_STATE_DIR": str(host.local("vip", name)),
+                }
+            )
+            p.marker = f"DSEC_COMPAT_VIP_STATE_DIR={host.local('vip', name)}"
+        p.host = host
+        return p
+
     def add_apiserver(self, host: Host, timeout_s: float = 60.0) -> ServiceProcess:
         """One more API server instance, on ``host``, started and SERVING (behind the
         virtual IP, if the cluster has one, it takes traffic once its route is in)."""
@@ -380,7 +421,7 @@ class LocalCluster:
         host = self.hosts.get(name)
         if host is not None:
             return f"{host.address}:{default_port}"
-        return f"127.0.0.1:{self._port(default_port)}"
+        return f"{self.bind}:{self._port(default_port)}"
 
     def _daemon_process(self, d: HostDaemon) -> ServiceProcess:
         d.pid_file.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +446,19 @@ class LocalCluster:
                 env = {**os.environ, **self.extra_env}
                 self.supervisor.write_config(
                     (
-                        Program(p.name, p.module, p.env, p.log_path, argv=p.argv)
+                        Program(
+                            p.name,
+                            p.module,
+                            p.env,
+                            p.log_path,
+                            # on a lab host: in its network namespace
+                            argv=p.argv
+                            or (
+                                tuple(p.host.command([sys.executable, "-m", p.module]))
+                                if p.host is not None
+                                else ()
+                            ),
+                        )
                         for p in self.processes
                     ),
                     env,
@@ -625,6 +678,8 @@ class LocalCluster:
     @property
     def compat_url(self) -> str:
         """Base URL of the E2B-compatible API (E2B_API_URL and E2B_SANDBOX_URL)."""
+        if self.compat_vip is not None:
+            return f"http://{self.compat_vip.address}:7130"
         return "http://" + self.process("compat").address
 
     @property
@@ -641,6 +696,7 @@ class LocalCluster:
             "apiserver": self.apiserver,
             "supervised": self.supervised,
             **({"vip": dataclasses.asdict(self.vip)} if self.vip else {}),
+            **({"compat_vip": dataclasses.asdict(self.compat_vip)} if self.compat_vip else {}),
             **(
                 {"e2b_api_url": self.compat_url, "sandbox_fusion_url": self.sandbox_fusion_url}
                 if any(p.name == "compat" for p in self.processes)
@@ -680,6 +736,8 @@ class LocalCluster:
         c.sandbox_fusion_address = state.get("sandbox_fusion_url", "").removeprefix("http://")
         if "vip" in state:
             c.vip = VipPlan(**state["vip"])
+        if "compat_vip" in state:
+            c.compat_vip = VipPlan(**state["compat_vip"])
         for name, s in state["services"].items():
             module = name.split("-")[0].rstrip("0123456789")  # "apiserver1" -> "apiserver"
             c.processes.append(
@@ -914,6 +972,9 @@ def http_health(address: str, timeout_s: float = 2.0) -> str:
     try:
         with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as resp:
             return "SERVING" if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as err:
+        # 503: up, but not to be given traffic (e.g. its virtual IP cannot be announced)
+        return "NOT_SERVING" if err.code == 503 else f"HTTP {err.code}"
     except (OSError, urllib.error.URLError):
         return "UNREACHABLE"
 

@@ -61,15 +61,23 @@ from dsecctl.cli_common import (
     run_command,
     size_text,
 )
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import EdgeSpec, LocalCluster, VipPlan
 from dsecctl.fncall import add_parser as add_fncall_parser
 from dsecctl.grpc_cli import add_parser as add_grpc_parser
 from dsecctl.host_daemons import HostDaemonError, daemons_for_vm, vm_mode
+from dsecctl.hosts import HostLabError
 from dsecctl.node_cli import add_parser as add_node_parser
 from dsecctl.node_cli import list_nodes, node_lines, node_row
 from dsecctl.ray_home import forget_home, recorded_deployment, write_home
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
+from dsecctl.vip_router import (
+    LocalVip,
+    VipRouterError,
+    local_vip_state,
+    next_hops_in,
+    remove_local_vip,
+)
 from libdsec._config import dsec_home
 
 
@@ -114,6 +122,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         EdgeSpec(edge_id=f"edge{i}", runtime="container", extra_env=dict(warm))
         for i in range(args.edges)
     ]
+    local_vip: LocalVip | None = None
+    if args.vip:
+        try:
+            local_vip = LocalVip.start(home, args.apiservers)
+        except (VipRouterError, HostLabError) as exc:
+            print(f"dsec: cannot put the API servers behind a virtual IP: {exc}", file=sys.stderr)
+            return 2
     cluster = LocalCluster(
         home,
         transport="tcp",
@@ -125,10 +140,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         iam_database=args.iam_database,
         supervised=True,
         host_daemons=daemons,
+        hosts=local_vip.hosts() if local_vip else None,
+        vip=(
+            VipPlan(local_vip.vip, local_vip.router.host.address, args.port_base)
+            if local_vip
+            else None
+        ),
+        bind=local_vip.bind if local_vip else "127.0.0.1",
     )
     print(f"starting dsec in {home} (services supervised by supervisord) ...", flush=True)
-    cluster.start(timeout_s=args.timeout)
+    try:
+        cluster.start(timeout_s=args.timeout)
+    except BaseException:
+        remove_local_vip(home)
+        raise
     _print_services(cluster)
+    if local_vip is not None:
+        hops = local_vip.router.wait_next_hops(
+            local_vip.vip, {h.address for h in local_vip.hosts().values()}
+        )
+        print(
+            f"\nvirtual IP {cluster.apiserver}: {args.apiservers} API servers announce it over"
+            f" BGP to the router {local_vip.router.host.address} (FRR, ECMP; routes in"
+            f" {hops:.1f} s)"
+        )
     print(f"\nAPI server: {cluster.apiserver}\nadmin token: {cluster.token_file} (0600)\n")
     print("connect:  python -c 'from libdsec import Client; print(Client().whoami())'")
     if cluster.compat:
@@ -176,9 +211,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster.from_state(dsec_home())
     if cluster is None:
+        if remove_local_vip(dsec_home()):
+            print("removed the virtual IP's router and hosts a stopped cluster left")
         print("dsec is not running")
         return 0
     cluster.stop(keep_sandboxes=args.keep_sandboxes)
+    remove_local_vip(dsec_home())  # dsec up --vip: the router and the instances' hosts
     kept = " (sandboxes kept: the next `dsec up` re-adopts them)" if args.keep_sandboxes else ""
     print(f"dsec stopped{kept}")
     return 0
@@ -267,6 +305,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if not args.json:
             print(f"{name:<12} {state:<12} {p.address:<22} pid {p.pid}  {_NOT_OURS}")
+    vip = _vip_status(cluster)
+    if vip is not None:
+        bad += not vip["next_hops"]
+        if not args.json:
+            hops = ", ".join(vip["next_hops"]) or "none: no instance announces it"
+            print(f"virtual IP {vip['address']} via router {vip['router']}: next hops {hops}")
     nodes, nodes_error = _nodes(cluster)
     if not args.json:
         print("nodes (as the watcher knows them):")
@@ -283,9 +327,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "services": services,
                 "nodes": [node_row(n) for n in nodes],
                 "nodes_error": nodes_error,
+                "vip": vip,
             }
         )
     return 1 if bad else 0
+
+
+def _vip_status(cluster: LocalCluster) -> dict[str, Any] | None:
+    """``dsec up --vip``: the virtual IP and the instances its route spreads over now."""
+    state = local_vip_state(cluster.home)
+    if state is None or cluster.vip is None:
+        return None
+    return {
+        "address": cluster.vip.target,
+        "router": cluster.vip.peer,
+        "next_hops": next_hops_in(str(state["router"]), cluster.vip.address),
+    }
 
 
 def _nodes(cluster: LocalCluster) -> tuple[list[Any], str | None]:
@@ -695,6 +752,12 @@ def _cluster_parsers(sub: Any) -> None:
     up.add_argument("--edges", type=int, default=1, help="edges (container runtime) to start")
     up.add_argument(
         "--apiservers", type=int, default=1, help="API server instances (ports 7100, 7121, ...)"
+    )
+    up.add_argument(
+        "--vip",
+        action="store_true",
+        help="put the API servers behind one virtual IP: each on a host of its own (a network"
+        " namespace) announcing it over BGP to an FRR router that spreads connections (ECMP)",
     )
     up.add_argument(
         "--iam-database",

@@ -21,6 +21,7 @@ them directly (the return path does not cross the router).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from common.vip import FRR_DIR
 from dsecctl.hosts import Host, HostLab
@@ -148,17 +150,7 @@ router bgp {ROUTER_ASN}
 
     def next_hops(self, vip: str) -> list[str]:
         """The instances the kernel's route to ``vip`` spreads over now (sorted)."""
-        r = self.host.run(["ip", "-j", "route", "show", f"{vip}/32"])
-        try:
-            routes = json.loads(r.stdout or "[]")
-        except ValueError:
-            return []
-        hops: list[str] = []
-        for route in routes:
-            if "gateway" in route:
-                hops.append(route["gateway"])
-            hops += [n["gateway"] for n in route.get("nexthops", []) if "gateway" in n]
-        return sorted(hops, key=ipaddress.IPv4Address)
+        return next_hops_in(self.host.netns, vip)
 
     def wait_next_hops(self, vip: str, want: set[str], timeout_s: float = 30.0) -> float:
         """Until the route to ``vip`` spreads over exactly ``want``; returns the seconds it took."""
@@ -186,6 +178,125 @@ router bgp {ROUTER_ASN}
                 proc.wait(5)
         self.procs.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def next_hops_in(netns: str, vip: str) -> list[str]:
+    """The next hops of the route to ``vip`` in namespace ``netns`` (a router's), sorted."""
+    r = subprocess.run(
+        ["ip", "-n", netns, "-j", "route", "show", f"{vip}/32"], capture_output=True, text=True
+    )
+    try:
+        routes = json.loads(r.stdout or "[]")
+    except ValueError:
+        return []
+    hops: list[str] = []
+    for route in routes:
+        if "gateway" in route:
+            hops.append(route["gateway"])
+        hops += [n["gateway"] for n in route.get("nexthops", []) if "gateway" in n]
+    return sorted(hops, key=ipaddress.IPv4Address)
+
+
+class LocalVip:
+    """``dsec up --vip``: this machine's API servers behind a virtual IP.
+
+    Lab hosts (``dsecctl/hosts.py``) give each instance an address and a network namespace of
+    its own: ``router`` (FRR, :class:`VipRouter`) and ``api1`` .. ``apiN``. The rest of the
+    cluster runs here as usual but listens on this machine's address on the lab network
+    (:attr:`bind`), so the instances reach it; this machine reaches the virtual IP through
+    the router. What was made is written to ``<home>/vip.json``; :func:`remove_local_vip`
+    undoes it (``dsec down``), also after a crash.
+    """
+
+    def __init__(self, lab: HostLab, router: VipRouter, vip: str) -> None:
+        self.lab = lab
+        self.router = router
+        self.vip = vip
+
+    @classmethod
+    def start(cls, home: Path, instances: int) -> LocalVip:
+        remove_local_vip(home)  # what a crashed cluster may have left
+        missing = frr_installed()
+        if missing:
+            raise VipRouterError(missing)
+        tag = "u" + hashlib.sha1(str(home.resolve()).encode()).hexdigest()[:4]
+        lab = HostLab(home / "hosts", tag)
+        lab.start()
+        router: VipRouter | None = None
+        try:
+            for name in ["router"] + [f"api{i + 1}" for i in range(instances)]:
+                lab.add_host(name)
+            lab.wait_reachable()
+            router = VipRouter(lab.hosts["router"]).start()
+            vip = lab_vips(lab)[0]
+            lab.route(f"{vip}/32", lab.hosts["router"])
+        except BaseException:
+            if router is not None:
+                router.close()
+            lab.close()
+            raise
+        local = cls(lab, router, vip)
+        (home / "vip.json").write_text(json.dumps(local.state(), indent=2))
+        return local
+
+    @property
+    def bind(self) -> str:
+        """This machine's address on the lab network: where the other services listen."""
+        return self.lab.gateway
+
+    def hosts(self) -> dict[str, Host]:
+        """Service name -> host: ``apiserver`` on api1, ``apiserver1`` on api2, ..."""
+        apis = sorted(
+            (h for h in self.lab.hosts.values() if h.name.startswith("api")),
+            key=lambda h: int(h.name[3:]),
+        )
+        return {("apiserver" if i == 0 else f"apiserver{i}"): h for i, h in enumerate(apis)}
+
+    def state(self) -> dict[str, object]:
+        return {
+            "vip": self.vip,
+            "router": self.lab.hosts["router"].netns,
+            "namespaces": [self.lab.fabric, *(h.netns for h in self.lab.hosts.values())],
+            "uplink": self.lab.uplink,
+        }
+
+
+def local_vip_state(home: Path) -> dict[str, Any] | None:
+    path = home / "vip.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def remove_local_vip(home: Path) -> bool:
+    """Stops the router and removes the hosts ``<home>/vip.json`` names; False: none."""
+    state = local_vip_state(home)
+    if state is None:
+        return False
+    for daemon in ("bgpd", "zebra"):
+        pid_file = RUN_DIR / state["router"] / f"{daemon}.pid"
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+    namespaces = list(state["namespaces"])
+    # Everything in the lab's namespaces is the cluster's (the lab made them).
+    for ns in namespaces:
+        r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        for pid in r.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    for ns in namespaces:
+        while time.monotonic() < deadline:
+            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            if not r.stdout.strip():
+                break
+            time.sleep(0.05)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", state["uplink"]], capture_output=True)
+    shutil.rmtree(RUN_DIR / state["router"], ignore_errors=True)
+    (home / "vip.json").unlink(missing_ok=True)
+    return True
 
 
 def frr_installed(frr_dir: str = FRR_DIR) -> str:

@@ -69,6 +69,9 @@ class ControlApi:
     def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
         self.config = config
         self.pool = pool
+        #: Why this instance must not be given traffic (its virtual IP's route agent failed:
+        #: compat/server.py); "" = serving.
+        self.not_serving = ""
         routes = [
             Route("/health", self.health, methods=_ANY),
             Route("/sandboxes", self._leased(self.create), methods=["POST"]),
@@ -120,6 +123,10 @@ class ControlApi:
         return error(status, f"{request.method} {path}: no such route")
 
     async def health(self, request: Request) -> Response:
+        """200 while serving; 503 with the reason while its virtual IP cannot be announced.
+        ``?scope=instance`` asks only whether this process answers (its route agent's check)."""
+        if self.not_serving and request.query_params.get("scope") != "instance":
+            return JSONResponse({"status": "not serving", "reason": self.not_serving}, 503)
         return JSONResponse({"status": "ok"})
 
     # ------------------------------------------------------------------ helpers

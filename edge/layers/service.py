@@ -45,6 +45,19 @@ DOCKER_NAMESPACE = "docker/"
 _DOCKER_REF = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(@sha256:[0-9a-f]{64})?$")
 
 
+def _open_lock_file(path: Path, attempts: int = 100) -> int:
+    """Opens (creating it if need be) a lock file on the store. A shared file system's
+    create racing another node's create of the same name can fail with EEXIST even without
+    O_EXCL (seen on MooseFS: three edges importing one image at once): the file exists by
+    then, so the open is simply tried again."""
+    for _ in range(attempts - 1):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            time.sleep(0.01)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
 @dataclass(frozen=True)
 class LayerSettings:
     """How an edge uses the layer store (from EdgeConfig)."""
@@ -114,7 +127,7 @@ class Environments:
             lock = self._name_locks.setdefault(key, threading.Lock())
         with lock:
             path = self.store.tmp_dir / f".lock-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 yield

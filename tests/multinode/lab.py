@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import EdgeSpec, LocalCluster, VipPlan
 from dsecctl.hosts import Host, HostLab
 from dsecctl.moosefs import MooseFS
+from dsecctl.vip_router import VipRouter, lab_vips
 from libdsec import Client
 from tests.conftest import IMAGES, require_images
 from tests.pgserver import PostgresServer, start_postgres
@@ -33,6 +34,8 @@ class MultiNode:
     cluster: LocalCluster
     #: Per node: its layer store (a MooseFS client of its own, or a local directory).
     store: dict[str, Path]
+    #: The router the API servers and the front ends announce their virtual IPs to.
+    router: VipRouter
     nodes: tuple[str, ...] = field(default=NODES)
 
     def host(self, name: str) -> Host:
@@ -41,8 +44,10 @@ class MultiNode:
     def edge_of(self, node: str) -> str:
         return f"edge-{node}"
 
-    def client(self, apiserver: str = "apiserver") -> Client:
-        return Client(self.cluster.process(apiserver).address, token=self.cluster.token)
+    def client(self, apiserver: str = "") -> Client:
+        """A client of the virtual IP (default), or of one API server instance by name."""
+        target = self.cluster.process(apiserver).address if apiserver else self.cluster.apiserver
+        return Client(target, token=self.cluster.token)
 
     def state_dir(self, node: str) -> Path:
         return self.host(node).local("edge")
@@ -87,11 +92,17 @@ def multinode_cluster(
     fs: MooseFS | None = None
     pg: PostgresServer | None = None
     cluster: LocalCluster | None = None
+    router: VipRouter | None = None
     try:
         lab.start()
-        for name in ("store", "cp", "sched", *names):
+        for name in ("store", "cp", "sched", "router", *names):
             lab.add_host(name)
         lab.wait_reachable()
+        # The API servers (node1, node2) and the front ends (cp, sched) behind virtual IPs.
+        router = VipRouter(lab.hosts["router"]).start()
+        api_vip, compat_vip = lab_vips(lab)
+        for vip in (api_vip, compat_vip):
+            lab.route(f"{vip}/32", lab.hosts["router"])
         fs = MooseFS(root / "mfs", lab.hosts["store"], [lab.hosts["store"], lab.hosts["node1"]])
         fs.start()
         if shared_store:
@@ -103,6 +114,7 @@ def multinode_cluster(
             "iam": lab.hosts["cp"],
             "watcher": lab.hosts["cp"],
             "compat": lab.hosts["cp"],
+            "compat1": lab.hosts["sched"],
             "placement": lab.hosts["sched"],
             "apiserver": lab.hosts["node1"],
             "apiserver1": lab.hosts[names[1] if nodes > 1 else "cp"],
@@ -118,16 +130,27 @@ def multinode_cluster(
                 for i, n in enumerate(names)
             ],
             apiservers=2,
+            vip=VipPlan(api_vip, lab.hosts["router"].address),
+            compats=2,
+            compat_vip=VipPlan(compat_vip, lab.hosts["router"].address, port=7130),
             iam_database=pg.create_database("multinode"),
             hosts=hosts,
             log_level=log_level or ("DEBUG" if os.environ.get("DSEC_TEST_DEBUG") else "INFO"),
             extra_env={f"DSEC_WATCHER_{k}": v for k, v in (watcher_env or {}).items()},
         )
         cluster.start(timeout_s=120)
-        yield MultiNode(lab, fs, pg, cluster, store, names)
+        for vip, procs in (
+            (api_vip, ("apiserver", "apiserver1")),
+            (compat_vip, ("compat", "compat1")),
+        ):
+            hops = {cluster.process(p).host.address for p in procs}  # type: ignore[union-attr]
+            router.wait_next_hops(vip, hops)
+        yield MultiNode(lab, fs, pg, cluster, store, router, names)
     finally:
         if cluster is not None:
             cluster.stop()
+        if router is not None:
+            router.close()
         if fs is not None:
             fs.close()
         if pg is not None:

@@ -48,3 +48,32 @@ def test_sandbox_fusion_run_code_reaches_the_pools_of_another_node(multinode: Mu
     assert out["status"] == "Success", out
     assert out["run_result"]["stdout"] == "45\n", out
     assert os.environ.get("E2B_API_URL") is None  # the e2b test restored the environment
+
+
+def test_the_front_ends_share_one_virtual_ip_and_a_killed_one_is_routed_around(
+    multinode: MultiNode,
+) -> None:
+    from e2b import Sandbox
+
+    c = multinode.cluster
+    assert c.compat_vip is not None and c.compat_vip.address in c.compat_url
+    assert c.compat_vip.address in c.sandbox_fusion_url
+    hops = {c.process(n).host.address for n in ("compat", "compat1")}  # type: ignore[union-attr]
+    assert set(multinode.router.next_hops(c.compat_vip.address)) == hops
+    with multinode.client() as admin:
+        key = admin.create_token("e2b-vip", agent=True).secret
+    victim = c.process("compat1")
+    victim.proc.kill()  # type: ignore[union-attr]
+    victim.proc.wait(10)  # type: ignore[union-attr]
+    try:
+        multinode.router.wait_next_hops(c.compat_vip.address, hops - {victim.host.address}, 5)  # type: ignore[union-attr]
+        with e2b_environment(E2bTarget(c, c.compat_url, key)):
+            sb = Sandbox.create(template="python", timeout=120)
+            try:
+                assert sb.commands.run("echo ok").stdout == "ok\n"
+            finally:
+                sb.kill()
+    finally:
+        c._spawn(victim)
+        c.wait_serving([victim], 60)
+        multinode.router.wait_next_hops(c.compat_vip.address, hops, 30)

@@ -12,21 +12,24 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from dsec.apiserver.v1 import apiserver_pb2, apiserver_pb2_grpc
 from dsecctl.cluster import service_health
 from dsecctl.vip_router import frr_installed
-from libdsec import Client
 from libdsec.errors import Unavailable
-from tests.multinode.viplab import VipLab, vip_cluster
+from tests.multinode.viplab import (
+    Load,
+    VipLab,
+    answering_instance,
+    instance_of,
+    vip_cluster,
+    wait_withdrawn,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -40,30 +43,6 @@ def v(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VipLab]:
         yield lab
 
 
-def answering_instance(target: str, token: str) -> str:
-    """The instance a new connection to ``target`` lands on (its WhoAmI)."""
-    with grpc.insecure_channel(target) as ch:
-        resp = apiserver_pb2_grpc.ProjectServiceStub(ch).WhoAmI(
-            apiserver_pb2.WhoAmIRequest(),
-            metadata=(("authorization", f"Bearer {token}"),),
-            timeout=5,
-        )
-    return resp.apiserver_instance
-
-
-def instance_of(c: Client) -> str:
-    """The instance a client's connection is on."""
-    rpc = c._async._rpc
-
-    async def ask() -> apiserver_pb2.WhoAmIResponse:
-        return await rpc.projects.WhoAmI(
-            apiserver_pb2.WhoAmIRequest(), metadata=rpc.metadata, timeout=5
-        )
-
-    resp = c._loop.run(ask())
-    return str(resp.apiserver_instance)
-
-
 def restore(v: VipLab, name: str) -> None:
     """Instance ``name`` running and announcing again (after a test killed or stopped it)."""
     p = v.cluster.process(name)
@@ -73,57 +52,6 @@ def restore(v: VipLab, name: str) -> None:
         v.cluster._spawn(p)
         v.cluster.wait_serving([p], 60)
     v.router.wait_next_hops(v.vip, v.addresses())
-
-
-class Load:
-    """``threads`` clients (one connection each) calling an idempotent RPC in a loop."""
-
-    def __init__(self, v: VipLab, threads: int = 6) -> None:
-        self.clients = [v.client() for _ in range(threads)]
-        self.on = [instance_of(c) for c in self.clients]
-        self.ok: list[list[float]] = [[] for _ in self.clients]
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True)
-            for i in range(len(self.clients))
-        ]
-
-    def _run(self, i: int) -> None:
-        c = self.clients[i]
-        while not self._stop.is_set():
-            try:
-                c.list(task_id="none", timeout=20)
-                self.ok[i].append(time.monotonic())
-            except Exception as exc:
-                self.failed.append(f"{type(exc).__name__}: {exc}")
-            time.sleep(0.01)
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
-        for c in self.clients:
-            c.close()
-
-    def first_ok_after(self, t: float, instance: str) -> float:
-        """Seconds from ``t`` to the first success after it of a client that was on
-        ``instance`` (inf if none)."""
-        times = [x for i, ts in enumerate(self.ok) if self.on[i] == instance for x in ts if x > t]
-        return min(times, default=float("inf")) - t
-
-
-def wait_withdrawn(v: VipLab, address: str, t0: float, timeout_s: float = 15) -> float:
-    while address in v.router.next_hops(v.vip):
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"{address} still a next hop of {v.vip} after {timeout_s} s")
-        time.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def test_the_virtual_ip_spreads_new_connections_over_every_instance(v: VipLab) -> None:

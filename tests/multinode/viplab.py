@@ -15,10 +15,15 @@ service through its top-of-rack switch.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from dsec.apiserver.v1 import apiserver_pb2, apiserver_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster, ServiceProcess, VipPlan
 from dsecctl.hosts import Host, HostLab
 from dsecctl.vip_router import VipRouter, lab_vips
@@ -55,6 +60,81 @@ class VipLab:
         return h
 
 
+def answering_instance(target: str, token: str) -> str:
+    """The instance a new connection to ``target`` lands on (its WhoAmI)."""
+    with grpc.insecure_channel(target) as ch:
+        resp = apiserver_pb2_grpc.ProjectServiceStub(ch).WhoAmI(
+            apiserver_pb2.WhoAmIRequest(),
+            metadata=(("authorization", f"Bearer {token}"),),
+            timeout=5,
+        )
+    return resp.apiserver_instance
+
+
+def instance_of(c: Client) -> str:
+    """The instance a client's connection is on."""
+    rpc = c._async._rpc
+
+    async def ask() -> apiserver_pb2.WhoAmIResponse:
+        return await rpc.projects.WhoAmI(
+            apiserver_pb2.WhoAmIRequest(), metadata=rpc.metadata, timeout=5
+        )
+
+    resp = c._loop.run(ask())
+    return str(resp.apiserver_instance)
+
+
+class Load:
+    """``threads`` clients (one connection each) calling an idempotent RPC in a loop."""
+
+    def __init__(self, v: VipLab, threads: int = 6) -> None:
+        self.clients = [v.client() for _ in range(threads)]
+        self.on = [instance_of(c) for c in self.clients]
+        self.ok: list[list[float]] = [[] for _ in self.clients]
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True)
+            for i in range(len(self.clients))
+        ]
+
+    def _run(self, i: int) -> None:
+        c = self.clients[i]
+        while not self._stop.is_set():
+            try:
+                c.list(task_id="none", timeout=20)
+                self.ok[i].append(time.monotonic())
+            except Exception as exc:
+                self.failed.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.01)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        for c in self.clients:
+            c.close()
+
+    def first_ok_after(self, t: float, instance: str) -> float:
+        """Seconds from ``t`` to the first success after it of a client that was on
+        ``instance`` (inf if none)."""
+        times = [x for i, ts in enumerate(self.ok) if self.on[i] == instance for x in ts if x > t]
+        return min(times, default=float("inf")) - t
+
+
+def wait_withdrawn(v: VipLab, address: str, t0: float, timeout_s: float = 15) -> float:
+    while address in v.router.next_hops(v.vip):
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{address} still a next hop of {v.vip} after {timeout_s} s")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
 @contextlib.contextmanager
 def vip_cluster(root: Path, instances: int = 2, **cluster_kw: object) -> Iterator[VipLab]:
     """The layout above with ``instances`` API servers; everything stopped on exit."""
@@ -86,6 +166,10 @@ def vip_cluster(root: Path, instances: int = 2, **cluster_kw: object) -> Iterato
                 EdgeSpec(
                     edge_id="cp",
                     runtime="null",
+                    # nominal (a null edge starts nothing): room for a benchmark's creates
+                    cpu_millis=4_000_000,
+                    memory_mb=4_000_000,
+                    max_sandboxes=5000,
                     extra_env={"DSEC_EDGE_STATE_DIR": str(cp.local("edge"))},
                 )
             ],

@@ -541,3 +541,27 @@ def test_store_verification_hashes_a_blob_once_per_cluster(
     finally:
         for e in (a, b, c):
             e.close()
+
+
+def test_a_lock_file_create_racing_another_node_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MooseFS answered EEXIST to an O_CREAT open (no O_EXCL) racing another node's create."""
+    from edge.layers import service
+
+    real_open = os.open
+    calls = []
+
+    def racing_open(path: object, flags: int, mode: int = 0o777) -> int:
+        calls.append(path)
+        if len(calls) == 1:
+            real_open(path, flags, mode)  # the other node's create lands first ...
+            raise FileExistsError(17, "File exists")  # ... and ours reports EEXIST
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(service.os, "open", racing_open)
+    fd = service._open_lock_file(tmp_path / ".lock-x")
+    try:
+        assert len(calls) == 2 and (tmp_path / ".lock-x").exists()
+    finally:
+        os.close(fd)
