@@ -259,8 +259,8 @@ class RouteAgent:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
+            self.start_bgpd()  # first: nothing changes on the host if it cannot start
             _add_vip(self.cfg.vip)
-            self.start_bgpd()
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             self.emit("failed", f"routing daemon cannot start: {exc}")
             return 3
