@@ -86,6 +86,9 @@ class VipPlan:
     address: str
     peer: str
     port: int = 7100
+    #: The instances' AS number and the router's (eBGP).
+    asn: int = 65100
+    peer_asn: int = 65000
 
     @property
     def target(self) -> str:
@@ -195,6 +198,29 @@ class Wiring:
                 "VIEWER_ADDR": viewer,
             },
         )
+
+    @staticmethod
+    def behind_vip(p: ServiceProcess, vip: VipPlan, state_dir: Path) -> ServiceProcess:
+        """``p`` (an API server or a compat front end) announcing ``vip`` (common/vip.py):
+        listening on every address (calls arrive for the virtual IP) at its port; its route
+        agent's files in ``state_dir`` (also what finds its PID: ``marker``)."""
+        prefix = "APISERVER" if p.module == "apiserver" else "COMPAT"
+        port = p.address.rsplit(":", 1)[1]
+        p.env.update(
+            {
+                f"DSEC_{prefix}_LISTEN": f"0.0.0.0:{port}",
+                f"DSEC_{prefix}_VIP": vip.address,
+                f"DSEC_{prefix}_VIP_PEER": vip.peer,
+                f"DSEC_{prefix}_VIP_ASN": str(vip.asn),
+                f"DSEC_{prefix}_VIP_PEER_ASN": str(vip.peer_asn),
+                f"DSEC_{prefix}_VIP_STATE_DIR": str(state_dir),
+            }
+        )
+        if prefix == "COMPAT":  # the SandboxFusion listener takes the virtual IP's calls too
+            fusion_port = p.env["DSEC_COMPAT_SANDBOX_FUSION_LISTEN"].rsplit(":", 1)[1]
+            p.env["DSEC_COMPAT_SANDBOX_FUSION_LISTEN"] = f"0.0.0.0:{fusion_port}"
+        p.marker = f"DSEC_{prefix}_VIP_STATE_DIR={state_dir}"
+        return p
 
     def compat(
         self, address: str, *, fusion: str, apiserver: str, name: str = "compat"
@@ -367,15 +393,7 @@ class LocalCluster:
         )
         host = self.hosts.get(name)
         if vip is not None and host is not None:
-            p.env.update(
-                {
-                    "DSEC_APISERVER_LISTEN": f"0.0.0.0:{vip.port}",
-                    "DSEC_APISERVER_VIP": vip.address,
-                    "DSEC_APISERVER_VIP_PEER": vip.peer,
-                    "DSEC_APISERVER_VIP_STATE_DIR": str(host.local("vip", name)),
-                }
-            )
-            p.marker = f"DSEC_APISERVER_VIP_STATE_DIR={host.local('vip', name)}"
+            Wiring.behind_vip(p, vip, host.local("vip", name))
         p.host = host
         return p
 
@@ -390,18 +408,8 @@ class LocalCluster:
             name=name,
         )
         host = self.hosts.get(name)
-        vip = self.compat_vip
-        if vip is not None and host is not None:
-            p.env.update(
-                {
-                    "DSEC_COMPAT_LISTEN": "0.0.0.0:7130",
-                    "DSEC_COMPAT_SANDBOX_FUSION_LISTEN": "0.0.0.0:7131",
-                    "DSEC_COMPAT_VIP": vip.address,
-                    "DSEC_COMPAT_VIP_PEER": vip.peer,
-                    "DSEC_COMPAT_VIP_STATE_DIR": str(host.local("vip", name)),
-                }
-            )
-            p.marker = f"DSEC_COMPAT_VIP_STATE_DIR={host.local('vip', name)}"
+        if self.compat_vip is not None and host is not None:
+            Wiring.behind_vip(p, self.compat_vip, host.local("vip", name))
         p.host = host
         return p
 

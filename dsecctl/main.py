@@ -376,7 +376,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         compat=not args.no_compat,
         timeout_s=args.timeout,
+        vip=args.vip,
+        vip_router=args.vip_router,
+        vip_asn=args.vip_asn,
+        vip_router_asn=args.vip_router_asn,
     )
+    if settings.vip_problem():
+        print(f"dsec deploy: {settings.vip_problem()}", file=sys.stderr)
+        return 2
     print(f"deploying dsec on the Ray cluster at {args.ray} ...", flush=True)
     t0 = time.monotonic()
     st = ray_deploy.deploy(args.ray, settings)
@@ -835,6 +842,17 @@ def _cluster_parsers(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="one more DSEC_EDGE_* setting for every edge (repeatable)",
     )
+    deploy.add_argument(
+        "--vip",
+        default="",
+        help="put the API servers behind this virtual IP: each announces it over BGP (FRR's"
+        " bgpd, on every node) to --vip-router while healthy",
+    )
+    deploy.add_argument(
+        "--vip-router", default="", help="the nodes' BGP router (a top-of-rack switch) address"
+    )
+    deploy.add_argument("--vip-asn", type=int, default=65100, help="the API servers' AS number")
+    deploy.add_argument("--vip-router-asn", type=int, default=65000, help="the router's AS number")
     deploy.add_argument("--no-compat", action="store_true", help="no E2B/SandboxFusion front end")
     deploy.add_argument(
         "--log-level", default="INFO", help="the services' log level (DEBUG, INFO, WARNING)"

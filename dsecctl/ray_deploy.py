@@ -65,6 +65,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from dsecctl.cluster import (
     EdgeSpec,
     ServiceProcess,
+    VipPlan,
     Wiring,
     find_service_pid,
     log_tail,
@@ -136,6 +137,33 @@ class DeploySettings:
     compat: bool = True
     #: Seconds each group of services has to be SERVING (and edges healthy in the watcher).
     timeout_s: float = 120.0
+    #: The API servers behind this virtual IP, announced over BGP to ``vip_router`` (the
+    #: nodes' top-of-rack router; common/vip.py); "" = each at its node's address.
+    vip: str = ""
+    vip_router: str = ""
+    vip_asn: int = 65100
+    vip_router_asn: int = 65000
+
+    def vip_problem(self) -> str:
+        """Why the virtual IP settings cannot work ("" = they can, or there is none)."""
+        if not self.vip and not self.vip_router:
+            return ""
+        try:
+            ipaddress.IPv4Address(self.vip)
+            ipaddress.IPv4Address(self.vip_router)
+        except ValueError:
+            return (
+                f"--vip and --vip-router go together, each an IPv4 address"
+                f" (got {self.vip!r} and {self.vip_router!r})"
+            )
+        return ""
+
+    def vip_plan(self) -> VipPlan | None:
+        if not self.vip:
+            return None
+        return VipPlan(
+            self.vip, self.vip_router, PORTS["apiserver"], self.vip_asn, self.vip_router_asn
+        )
 
 
 def edge_id_for(ip: str) -> str:
@@ -678,6 +706,11 @@ class Deployment:
             cgroup_parent=f"dsec-{edge_id}-{home}",
         )
 
+    def _behind_vip(self, p: ServiceProcess) -> ServiceProcess:
+        """An API server announcing the deployment's virtual IP, if it has one."""
+        vip = self.settings.vip_plan()
+        return Wiring.behind_vip(p, vip, self.node_dir / "vip" / p.name) if vip else p
+
     def _group(self, name: str, node_id: str, specs: list[ServiceProcess]) -> Any:
         handle = (
             ray.remote(ServiceGroup).options(**_actor_options(name, node_id)).remote(name, specs)
@@ -694,13 +727,17 @@ class Deployment:
             head = _head_node()
             head_ip = head["NodeManagerAddress"]
             self.wiring = w = self._wiring(head_ip)
-            self.apiserver = f"{head_ip}:{PORTS['apiserver']}"
+            vip = self.settings.vip_plan()
+            first = f"{head_ip}:{PORTS['apiserver']}"
+            self.apiserver = vip.target if vip else first
             control = w.control_plane(
                 database=self.settings.iam_database or f"sqlite:{self.node_dir / 'iam' / 'iam.db'}",
                 token_file=self.node_dir / "iam" / "token",
             )
             control.append(
-                w.apiserver("apiserver", self.apiserver, viewer=f"{head_ip}:{PORTS['viewer']}")
+                self._behind_vip(
+                    w.apiserver("apiserver", first, viewer=f"{head_ip}:{PORTS['viewer']}")
+                )
             )
             if self.settings.compat:
                 control.append(
@@ -715,8 +752,10 @@ class Deployment:
             others = [n for n in nodes if n["NodeID"] != head["NodeID"]]
             if others:
                 ip = others[0]["NodeManagerAddress"]
-                second = w.apiserver(
-                    "apiserver1", f"{ip}:{PORTS['apiserver1']}", viewer=f"{ip}:{PORTS['viewer1']}"
+                # Behind a virtual IP every instance listens on the same port.
+                port = PORTS["apiserver"] if vip else PORTS["apiserver1"]
+                second = self._behind_vip(
+                    w.apiserver("apiserver1", f"{ip}:{port}", viewer=f"{ip}:{PORTS['viewer1']}")
                 )
                 starts.append(
                     self._group(SECOND_APISERVER, others[0]["NodeID"], [second]).start.remote(t)
@@ -754,7 +793,8 @@ class Deployment:
                 if name == CONTROL:
                     head_ip = rows[0]["node"]
                     self.wiring = self._wiring(head_ip)
-                    self.apiserver = f"{head_ip}:{PORTS['apiserver']}"
+                    vip = self.settings.vip_plan()
+                    self.apiserver = vip.target if vip else f"{head_ip}:{PORTS['apiserver']}"
         self._watch = threading.Thread(target=self._watch_nodes, daemon=True)
         self._watch.start()
 

@@ -40,6 +40,7 @@ from dsecctl.cluster import release_mounts, release_swaps
 from dsecctl.hosts import Host, HostLab
 from dsecctl.moosefs import MooseFS
 from dsecctl.ray_deploy import edge_id_for
+from dsecctl.vip_router import VipRouter, lab_vips
 from libdsec import Client
 from tests.conftest import IMAGES
 from tests.helpers import wait_for
@@ -56,6 +57,9 @@ class World:
     store: Path
     node_dir: Path
     home: Path
+    #: The nodes' BGP router (a host that is not a Ray node) and the API servers' virtual IP.
+    router: VipRouter
+    vip: str
 
 
 def _sandbox_cgroups(node_dir: Path) -> list[Path]:
@@ -93,11 +97,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     lab = HostLab(root / "lab")
     ray_lab = RayLab()
     fs: MooseFS | None = None
+    router: VipRouter | None = None
     node_dir = root / "nodes"
     try:
         lab.start()
         hosts = [lab.add_host(n) for n in ("r0", "r1", "r2", "r3")]
+        lab.add_host("rt")
         lab.wait_reachable()
+        router = VipRouter(lab.hosts["rt"]).start()
+        vip = lab_vips(lab)[0]
+        lab.route(f"{vip}/32", lab.hosts["rt"])
         fs = MooseFS(root / "mfs", hosts[0], hosts[1:3]).start()
         store = fs.mount(hosts[0], root / "store")
         t0 = time.monotonic()
@@ -105,9 +114,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         for h in hosts[1:3]:
             ray_lab.add_worker(h)
         print(f"\nRay: head and 2 workers started in {time.monotonic() - t0:.1f} s")
-        yield World(lab, hosts, ray_lab, store, node_dir, root / "home")
+        yield World(lab, hosts, ray_lab, store, node_dir, root / "home", router, vip)
     finally:
         ray_lab.close()  # Ray, and the services its actors started (same namespaces)
+        if router is not None:
+            router.close()
         _kill_sandboxes(node_dir)
         for h in lab.hosts.values():  # the edges' claim directories an undeploy did not remove
             shutil.rmtree(f"/run/dsec/ray/{edge_id_for(h.address)}", ignore_errors=True)
@@ -210,6 +221,8 @@ def test_deploy_on_ray(world: World) -> None:
         "DSEC_EDGE_PAUSE_SWAP_MB": "0",
     }
     args = ["--layer-store", str(w.store), "--node-dir", str(w.node_dir)]
+    # The API servers behind a virtual IP, announced to the nodes' router.
+    args += ["--vip", w.vip, "--vip-router", w.router.host.address]
     for k, v in edge_env.items():
         args += ["--edge-env", f"{k}={v}"]
     # An edge that cannot start: the deploy fails naming it, and leaves nothing behind.
@@ -235,6 +248,9 @@ def test_deploy_on_ray(world: World) -> None:
     assert svcs["apiserver1"]["node"] != svcs["apiserver"]["node"]
     assert {s["node"] for s in svcs.values()} == nodes
     assert json.loads((w.home / "cluster.json").read_text())["apiserver"] == st["apiserver"]
+    # Both API servers announce the virtual IP; clients (cluster.json) are given it.
+    assert st["apiserver"] == f"{w.vip}:7100"
+    w.router.wait_next_hops(w.vip, {svcs["apiserver"]["node"], svcs["apiserver1"]["node"]}, 30)
     # The GCS address, from a Ray node, sees the same deployment.
     r = dsec(w, "deploy", "--ray", w.ray.gcs_address, "--status", host=w.hosts[1])
     assert r.returncode == 0 and "edge-" + edge_ids[2] in r.stdout, r.stdout + r.stderr

@@ -96,3 +96,22 @@ def test_deploy_refuses_a_home_with_a_local_cluster(
     (tmp_path / "cluster.json").write_text(json.dumps({"apiserver": "127.0.0.1:7100"}))
     assert main(["deploy", "--ray", "ray://127.0.0.1:1"]) == 2
     assert "holds a local cluster" in capsys.readouterr().err
+
+
+def test_a_deployment_behind_a_virtual_ip_needs_both_addresses(tmp_path: Path) -> None:
+    from dsecctl.cluster import Wiring
+    from dsecctl.ray_deploy import PORTS, DeploySettings
+
+    assert DeploySettings().vip_problem() == "" and DeploySettings().vip_plan() is None
+    for vip, router in (("10.9.0.1", ""), ("", "10.0.0.1"), ("vip", "10.0.0.1")):
+        assert "go together" in DeploySettings(vip=vip, vip_router=router).vip_problem()
+    s = DeploySettings(vip="10.9.0.1", vip_router="10.0.0.254", vip_asn=65200)
+    plan = s.vip_plan()
+    assert plan is not None and plan.target == f"10.9.0.1:{PORTS['apiserver']}"
+    w = Wiring("iam:1", "watcher:1", "placement:1", tmp_path)
+    p = Wiring.behind_vip(w.apiserver("apiserver1", "10.0.0.2:7100", viewer="x:1"), plan, tmp_path)
+    assert p.env["DSEC_APISERVER_LISTEN"] == "0.0.0.0:7100"
+    assert p.env["DSEC_APISERVER_VIP"] == "10.9.0.1"
+    assert p.env["DSEC_APISERVER_VIP_PEER"] == "10.0.0.254"
+    assert p.env["DSEC_APISERVER_VIP_ASN"] == "65200"
+    assert p.marker == f"DSEC_APISERVER_VIP_STATE_DIR={tmp_path}"
