@@ -151,8 +151,21 @@ RETRY_FIRST_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
 
 #: The SDK's channel options (no gRPC retry policy: :meth:`Transport.unary` retries).
+#: The SDK's HTTP/2 keepalive period toward the API servers. Behind a virtual IP, a ping on a
+#: connection to an instance whose route was withdrawn (hung) reaches another instance, which
+#: resets it: the connection moves within one period instead of waiting out its calls'
+#: deadlines. Above the API servers' 5 s ping floor (common/grpc_server.py SERVER_OPTIONS).
+SDK_KEEPALIVE_MS = 6_000
+
 CHANNEL_OPTIONS = [
-    *channel_options(),
+    *(o for o in channel_options() if o[0] != "grpc.keepalive_time_ms"),
+    ("grpc.keepalive_time_ms", SDK_KEEPALIVE_MS),
+    # No BDP pings: one sent to an instance as it hangs is never answered, and gRPC sends no
+    # keepalive while a ping is outstanding, so the connection would wait out its calls.
+    ("grpc.http2.bdp_probe", 0),
+    # ... and without them the stream window does not grow by itself: start it large enough
+    # for file transfers at data-centre round trips (4 MiB in flight per stream).
+    ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
     # A connection of its own per client: gRPC otherwise shares one TCP connection between
     # every channel of a process to the same target, and behind a virtual IP with ECMP (one
     # instance per connection) a trainer's thousand clients would all land on one API server.

@@ -326,30 +326,71 @@ def _ticks(c: Collector) -> int:
     return int(ticks[-1]) if ticks else -1
 
 
-def test_an_edge_restart_in_the_middle_of_a_long_pause(make: Make, target: Target) -> None:
-    """SIGKILL of the edge HALF_S (30 s) into a pause, a new edge, HALF_S more: the sandbox comes back
-    with its background command, files and memory, and the new edge never thawed it while
-    it adopted it (its background command made no progress before the resume)."""
-    sb = make()
-    sb.files.write("/work/kept.txt", "before the pause")
-    bg = sb.start(TICKS)
-    sb.start(HOLD_MEMORY.format(kib=256))
-    wait_for(lambda: sb.run("test -s /work/sum0 && test -s /work/ticks").exit_code == 0)
-    sb.pause()
-    time.sleep(HALF_S)
-    edge = next(p.name for p in target.cluster.processes if p.name.startswith("edge"))
-    target.cluster.kill(edge, signal.SIGKILL)
-    target.cluster.restart(edge)
-    wait_for(lambda: sb.refresh().state == "PAUSED", timeout_s=30)
-    time.sleep(HALF_S)
-    assert sb.refresh().state == "PAUSED"
-    ticks = sb.files.read("/work/ticks")  # resumes it: the first call
-    assert sb.refresh().state == "RUNNING"
-    assert sb.files.read("/work/kept.txt") == b"before the pause"
-    assert bg.wait(timeout_s=0.1).running
-    wait_for(lambda: int(sb.files.read("/work/ticks")) > int(ticks))
-    before, after = _digest_after(sb)
-    assert before == after
+class EdgeRestartScenario:
+    """One backend's part of the edge-restart test: a sandbox paused (``pause``), its edge
+    killed and started again (``restart_edge``), then resumed and checked (``check``)."""
+
+    def __init__(self, target: Target, make: Make) -> None:
+        self.target = target
+        self.make = make
+        self.edge = next(p.name for p in target.cluster.processes if p.name.startswith("edge"))
+
+    def pause(self) -> None:
+        self.sb = sb = self.make()
+        sb.files.write("/work/kept.txt", "before the pause")
+        self.bg = sb.start(TICKS)
+        sb.start(HOLD_MEMORY.format(kib=256))
+        wait_for(lambda: sb.run("test -s /work/sum0 && test -s /work/ticks").exit_code == 0)
+        sb.pause()
+
+    def restart_edge(self) -> None:
+        self.target.cluster.kill(self.edge, signal.SIGKILL)
+        self.target.cluster.restart(self.edge)
+        wait_for(lambda: self.sb.refresh().state == "PAUSED", timeout_s=30)
+
+    def check(self) -> None:
+        sb = self.sb
+        assert sb.refresh().state == "PAUSED"
+        ticks = sb.files.read("/work/ticks")  # resumes it: the first call
+        assert sb.refresh().state == "RUNNING"
+        assert sb.files.read("/work/kept.txt") == b"before the pause"
+        assert self.bg.wait(timeout_s=0.1).running
+        wait_for(lambda: int(sb.files.read("/work/ticks")) > int(ticks))
+        before, after = _digest_after(sb)
+        assert before == after
+
+
+@pytest.mark.timeout(len(BACKENDS) * 300 + 2 * HALF_S)
+def test_an_edge_restart_in_the_middle_of_a_long_pause(
+    clusters: Clusters, request: pytest.FixtureRequest
+) -> None:
+    """On every backend: SIGKILL of the edge at least HALF_S (30 s) into a pause, a new edge,
+    HALF_S more: the sandbox comes back with its background command, files and memory, and
+    the new edge never thawed it while it adopted it (its background command made no progress
+    before the resume). The backends' pauses are held together (as in the preemption test):
+    each phase runs on every backend in turn, one wait serves them all."""
+    failures = BackendFailures()
+    scenarios: list[EdgeRestartScenario] = []
+    with ExitStack() as sandboxes:
+        for b in BACKENDS:
+            with failures.of(b.name):
+                target = clusters.get(b)
+                make = sandboxes.enter_context(
+                    backend_sandboxes(target, f"{request.node.nodeid}[{b.name}]")
+                )
+                scenario = EdgeRestartScenario(target, make)
+                scenario.pause()
+                scenarios.append(scenario)
+        for phase in (EdgeRestartScenario.restart_edge, EdgeRestartScenario.check):
+            if scenarios:
+                time.sleep(HALF_S)
+            for scenario in list(scenarios):
+                name = scenario.target.backend.name
+                with failures.of(name):
+                    phase(scenario)
+                if name in failures.by_backend:
+                    scenarios.remove(scenario)
+    failures.raise_if_any(clusters, request.node.nodeid)
 
 
 def test_a_resume_that_cannot_bring_the_sandbox_back_ends_it(make: Make, target: Target) -> None:

@@ -22,6 +22,7 @@ import pytest
 from dsecctl.cluster import service_health
 from dsecctl.vip_router import frr_installed
 from libdsec.errors import Unavailable
+from tests.helpers import wait_for
 from tests.multinode.viplab import (
     Load,
     VipLab,
@@ -150,22 +151,34 @@ def test_a_broken_watch_resumes_where_it_stopped_without_losing_a_change(v: VipL
         restore(v, "apiserver1")
 
 
-def test_a_hung_instance_is_withdrawn_and_comes_back_when_it_answers(v: VipLab) -> None:
+def test_a_hung_instance_is_withdrawn_its_clients_move_and_it_comes_back(v: VipLab) -> None:
     victim = v.instance_on("api2")
-    t0 = time.monotonic()
-    os.kill(victim.pid, signal.SIGSTOP)
-    try:
-        withdrawn_s = wait_withdrawn(v, victim.host.address, t0)  # type: ignore[union-attr]
-        # Still alive (a process that is stopped, not dead), and no new call reaches it.
-        assert victim.proc.poll() is None  # type: ignore[union-attr]
-        names = {answering_instance(v.target, v.cluster.token) for _ in range(12)}
-        assert names == {"apiserver"}, names
-    finally:
-        os.kill(victim.pid, signal.SIGCONT)
+    with Load(v) as load:
+        assert "apiserver1" in load.on, load.on
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            withdrawn_s = wait_withdrawn(v, victim.host.address, t0)  # type: ignore[union-attr]
+            # Still alive (a process that is stopped, not dead), and no new call reaches it.
+            assert victim.proc.poll() is None  # type: ignore[union-attr]
+            names = {answering_instance(v.target, v.cluster.token) for _ in range(12)}
+            assert names == {"apiserver"}, names
+            # Its clients' connections move at their next keepalive ping (the route takes it
+            # to the other instance, which resets it); their calls in flight are retried.
+            moved = t0 + withdrawn_s
+            wait_for(lambda: all(any(x > moved for x in ts) for ts in load.ok), timeout_s=20)
+            moved_s = load.first_ok_after(moved, "apiserver1")
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
     back_s = v.router.wait_next_hops(v.vip, v.addresses())
-    print(f"\nSIGSTOP: withdrawn in {withdrawn_s:.2f} s; back {back_s:.2f} s after SIGCONT")
+    print(
+        f"\nSIGSTOP: withdrawn in {withdrawn_s:.2f} s, its clients ok {moved_s:.2f} s later;"
+        f" back {back_s:.2f} s after SIGCONT; failed calls {len(load.failed)}"
+    )
     # the agent's check: 2 failures, each a 1 s timeout, 0.25 s apart
     assert withdrawn_s < 5.0
+    assert load.failed == []
 
 
 def test_a_stopping_instance_withdraws_first_and_fails_no_call(v: VipLab) -> None:

@@ -77,7 +77,7 @@ def instance_of(c: Client) -> str:
 
     async def ask() -> apiserver_pb2.WhoAmIResponse:
         return await rpc.projects.WhoAmI(
-            apiserver_pb2.WhoAmIRequest(), metadata=rpc.metadata, timeout=5
+            apiserver_pb2.WhoAmIRequest(), metadata=rpc.metadata, timeout=20, wait_for_ready=True
         )
 
     resp = c._loop.run(ask())
