@@ -15,6 +15,7 @@ service through its top-of-rack switch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -125,6 +126,21 @@ class Load:
         ``instance`` (inf if none)."""
         times = [x for i, ts in enumerate(self.ok) if self.on[i] == instance for x in ts if x > t]
         return min(times, default=float("inf")) - t
+
+    def longest_stall(self, t: float, instance: str) -> float:
+        """The longest time a client that was on ``instance`` went without a completed call
+        from its last success before ``t`` (the failure) on (inf: none since)."""
+        stalls = []
+        for i, ts in enumerate(self.ok):
+            if self.on[i] != instance:
+                continue
+            after = [x for x in ts if x > t]
+            if not after:
+                stalls.append(float("inf"))
+                continue
+            seq = [max((x for x in ts if x <= t), default=t), *after]
+            stalls.append(max(b - a for a, b in itertools.pairwise(seq)))
+        return max(stalls, default=float("nan"))
 
 
 def wait_withdrawn(v: VipLab, address: str, t0: float, timeout_s: float = 15) -> float:
