@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.timestamp_pb2 import Timestamp
+
+from libdsec.errors import InvalidArgument
 
 
 def ts(seconds: float | None) -> Timestamp | None:
@@ -18,3 +22,21 @@ def from_ts(value: Timestamp) -> float | None:
     if value.seconds == 0 and value.nanos == 0:
         return None
     return value.seconds + value.nanos / 1e9
+
+
+def enum_name(enum: Any, value: int, field: str, prefix: str = "") -> str:
+    """The name of enum ``value`` read from a request's ``field``, less ``prefix``.
+
+    proto3 enums are open: any int32 parses, and ``Enum.Name`` raises ValueError for a
+    number it does not know, which reached callers as INTERNAL (found by tests/fuzz). An
+    unknown number is the caller's error: INVALID_ARGUMENT naming the field.
+    """
+    try:
+        name: str = enum.Name(value)
+    except ValueError:
+        raise InvalidArgument(
+            f"{field}: unknown enum value {value}",
+            reason="UNKNOWN_ENUM_VALUE",
+            metadata={"field": field, "value": str(value)},
+        ) from None
+    return name.removeprefix(prefix)

@@ -145,7 +145,9 @@ def raw_bytes() -> st.SearchStrategy[bytes]:
 def _bytes_values(small: bool) -> st.SearchStrategy[bytes]:
     if small:
         return st.binary(max_size=32)
-    return st.one_of(st.just(b""), st.binary(max_size=32), _huge([b"\x00", b"\xff"], lambda c, n: c * n))
+    return st.one_of(
+        st.just(b""), st.binary(max_size=32), _huge([b"\x00", b"\xff"], lambda c, n: c * n)
+    )
 
 
 def _enum_values(enum: EnumDescriptor) -> st.SearchStrategy[int]:

@@ -37,7 +37,9 @@ SCALARS = {
 def _pool() -> descriptor_pool.DescriptorPool:
     """A proto3 file with every scalar type, an enum, a oneof, a map, repeated fields and a
     recursive message (a private pool: the generated dsec types stay untouched)."""
-    fd = descriptor_pb2.FileDescriptorProto(name="fuzzself.proto", package="fuzzself", syntax="proto3")
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="fuzzself.proto", package="fuzzself", syntax="proto3"
+    )
     fd.enum_type.add(name="Color").value.extend(
         [
             descriptor_pb2.EnumValueDescriptorProto(name="COLOR_UNSPECIFIED", number=0),
@@ -49,19 +51,45 @@ def _pool() -> descriptor_pool.DescriptorPool:
     for name, t in SCALARS.items():
         m.field.add(name=name, number=n, type=t, label=F.LABEL_OPTIONAL)
         n += 1
-    m.field.add(name="color", number=n, type=F.TYPE_ENUM, type_name=".fuzzself.Color", label=F.LABEL_OPTIONAL)
+    m.field.add(
+        name="color",
+        number=n,
+        type=F.TYPE_ENUM,
+        type_name=".fuzzself.Color",
+        label=F.LABEL_OPTIONAL,
+    )
     m.field.add(name="nums", number=n + 1, type=F.TYPE_INT32, label=F.LABEL_REPEATED)
-    m.field.add(name="child", number=n + 2, type=F.TYPE_MESSAGE, type_name=".fuzzself.All", label=F.LABEL_OPTIONAL)
-    m.field.add(name="children", number=n + 3, type=F.TYPE_MESSAGE, type_name=".fuzzself.All", label=F.LABEL_REPEATED)
+    m.field.add(
+        name="child",
+        number=n + 2,
+        type=F.TYPE_MESSAGE,
+        type_name=".fuzzself.All",
+        label=F.LABEL_OPTIONAL,
+    )
+    m.field.add(
+        name="children",
+        number=n + 3,
+        type=F.TYPE_MESSAGE,
+        type_name=".fuzzself.All",
+        label=F.LABEL_REPEATED,
+    )
     m.oneof_decl.add(name="choice")
-    m.field.add(name="c_text", number=n + 4, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL, oneof_index=0)
-    m.field.add(name="c_num", number=n + 5, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL, oneof_index=0)
+    m.field.add(
+        name="c_text", number=n + 4, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL, oneof_index=0
+    )
+    m.field.add(
+        name="c_num", number=n + 5, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL, oneof_index=0
+    )
     entry = m.nested_type.add(name="LabelsEntry")
     entry.options.map_entry = True
     entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
     entry.field.add(name="value", number=2, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
     m.field.add(
-        name="labels", number=n + 6, type=F.TYPE_MESSAGE, type_name=".fuzzself.All.LabelsEntry", label=F.LABEL_REPEATED
+        name="labels",
+        number=n + 6,
+        type=F.TYPE_MESSAGE,
+        type_name=".fuzzself.All.LabelsEntry",
+        label=F.LABEL_REPEATED,
     )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fd)
@@ -82,12 +110,23 @@ def _note(key: str, value: Any) -> None:
     SEEN.setdefault(key, set()).add(value)
 
 
-@settings(max_examples=200, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=200,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(protofuzz.messages(ALL, IDS))
 def _collect(msg: Any) -> None:
     # Every generated message is a valid message of its type: it round-trips.
     cls = message_factory.GetMessageClass(ALL)
-    assert cls.FromString(msg.SerializeToString()) == msg or math.isnan(msg.f_double) or math.isnan(msg.f_float) or _has_nan(msg)
+    assert (
+        cls.FromString(msg.SerializeToString()) == msg
+        or math.isnan(msg.f_double)
+        or math.isnan(msg.f_float)
+        or _has_nan(msg)
+    )
     for f in msg.ListFields():
         _note("fields", f[0].name)
     _note("int32", msg.f_int32)
@@ -105,9 +144,11 @@ def _collect(msg: Any) -> None:
 
 
 def _has_nan(msg: Any) -> bool:
-    return any(
-        isinstance(v, float) and math.isnan(v) for _, v in msg.ListFields()
-    ) or (msg.HasField("child") and _has_nan(msg.child)) or any(_has_nan(c) for c in msg.children)
+    return (
+        any(isinstance(v, float) and math.isnan(v) for _, v in msg.ListFields())
+        or (msg.HasField("child") and _has_nan(msg.child))
+        or any(_has_nan(c) for c in msg.children)
+    )
 
 
 def test_strategy_covers_every_field_kind() -> None:

@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,10 +38,9 @@ from hypothesis import strategies as st
 
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
-from dsecctl.cluster import EdgeSpec, LocalCluster
+from dsecctl.cluster import LocalCluster
 from libdsec.sync import Client
 from libdsec.types import Quota
-from tests.conftest import start_cluster
 from tests.fuzz import protofuzz
 from tests.fuzz.protofuzz import IdPool
 
@@ -84,13 +82,27 @@ EXPECTED = {
 #: answer; the test checks they end when cancelled instead.
 WAITING = {"WaitExec", "WaitForPort", "GetWatcherEvents"}
 #: Method name prefixes that only read: the no-change check runs for every other method.
-READ_ONLY = ("Get", "List", "Watch", "WhoAmI", "Stat", "Read", "Download", "Wait", "Authenticate", "Authorize")
+READ_ONLY = (
+    "Get",
+    "List",
+    "Watch",
+    "WhoAmI",
+    "Stat",
+    "Read",
+    "Download",
+    "Wait",
+    "Authenticate",
+    "Authorize",
+)
 #: Never an answer to bad input.
 BUG_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 def _modules() -> list[Any]:
-    return [importlib.import_module(f"dsec.{p.split('.')[1]}.v1.{p.split('.')[1]}_pb2") for p in PROCESSES]
+    return [
+        importlib.import_module(f"dsec.{p.split('.')[1]}.v1.{p.split('.')[1]}_pb2")
+        for p in PROCESSES
+    ]
 
 
 def services() -> list[ServiceDescriptor]:
@@ -154,7 +166,9 @@ class World:
                 except Exception:
                     alive = False
             if not alive:
-                pid = admin.create_project(f"fuzz-{key}-{time.monotonic_ns()}", quota=Quota()).project_id
+                pid = admin.create_project(
+                    f"fuzz-{key}-{time.monotonic_ns()}", quota=Quota()
+                ).project_id
                 self.projects[key] = pid
                 self.tokens.pop(key, None)
                 self.sandboxes.pop(key, None)
@@ -168,9 +182,7 @@ class World:
             self.ids.add(pid)
         with Client(self.cluster.apiserver, token=self.tokens[key], timeout=15) as cl:
             sid = self.sandboxes.get(key)
-            if sid is None or not any(
-                s.id == sid and s.state == "RUNNING" for s in cl.list()
-            ):
+            if sid is None or not any(s.id == sid and s.state == "RUNNING" for s in cl.list()):
                 sb = cl.create(image="busybox", cpu=0.1, memory_mb=32, timeout=30, ttl_s=3600)
                 self.sandboxes[key] = sb.id
                 self.ids.add(sb.id)
@@ -178,8 +190,12 @@ class World:
     def repair(self) -> None:
         """Undoes what valid destructive calls did: a drained edge, a deleted project."""
         edge = edge_pb2.DESCRIPTOR.services_by_name["EdgeService"]
-        _unary(self.channel("edge-fz"), edge.methods_by_name["SetDraining"],
-               edge_pb2.SetDrainingRequest(draining=False).SerializeToString(), None)
+        _unary(
+            self.channel("edge-fz"),
+            edge.methods_by_name["SetDraining"],
+            edge_pb2.SetDrainingRequest(draining=False).SerializeToString(),
+            None,
+        )
         for key in ("a", "b"):
             self.project(key)
 
@@ -238,10 +254,8 @@ def _works(apiserver: str, token: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    home: Path = tmp_path_factory.mktemp("fuzz")
-    c = start_cluster(home, edges=[EdgeSpec(edge_id="fz", runtime="null")], compat=False)
-    w = World(c, admin=c.token)
+def world(fuzz_cluster: LocalCluster) -> Iterator[World]:
+    w = World(fuzz_cluster, admin=fuzz_cluster.token)
     try:
         w.ids.add("fz", "edge-fz")
         w.repair()
@@ -249,7 +263,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     finally:
         for ch in w.channels.values():
             ch.close()
-        c.stop()
 
 
 # ---------------------------------------------------------------- calling
@@ -338,7 +351,9 @@ def check(w: World, m: MethodDescriptor, payloads: list[bytes], token_key: str) 
         )
     if mutating and out.code != grpc.StatusCode.OK:
         after = w.snapshot()
-        assert after == before, f"{_path(m)} refused ({out.code.name}) yet changed {before} -> {after}"
+        assert after == before, (
+            f"{_path(m)} refused ({out.code.name}) yet changed {before} -> {after}"
+        )
 
 
 def _settings(n: int) -> settings:
@@ -370,7 +385,10 @@ def test_method(world: World, method: MethodDescriptor) -> None:
     @given(data=st.data())
     def raw(data: st.DataObject) -> None:
         payload = data.draw(
-            st.one_of(protofuzz.raw_bytes(), protofuzz.wrong_type_payloads(method.input_type, OTHERS, world.ids))
+            st.one_of(
+                protofuzz.raw_bytes(),
+                protofuzz.wrong_type_payloads(method.input_type, OTHERS, world.ids),
+            )
         )
         check(world, method, [payload], data.draw(st.sampled_from(["a", "admin"])))
 
