@@ -181,6 +181,7 @@ def scalar(
     if t == T.TYPE_BYTES:
         return _bytes_values(small)
     if t == T.TYPE_ENUM:
+        assert field.enum_type is not None
         return _enum_values(field.enum_type)
     raise TypeError(f"{field.full_name}: not a scalar field (type {t})")
 
@@ -193,7 +194,7 @@ def _is_map(field: FieldDescriptor) -> bool:
 def _repeated(field: FieldDescriptor) -> bool:
     # `label` is deprecated in newer protobuf releases in favour of `is_repeated`.
     rep = getattr(field, "is_repeated", None)
-    return bool(rep) if rep is not None else field.label == T.LABEL_REPEATED
+    return bool(rep) if rep is not None else getattr(field, "label") == T.LABEL_REPEATED  # noqa: B009
 
 
 def _lists(
@@ -251,21 +252,26 @@ def _fill(
     small: bool,
 ) -> None:
     target = getattr(msg, field.name)
+    mt = field.message_type
     if _is_map(field):
-        key_f = field.message_type.fields_by_name["key"]
-        val_f = field.message_type.fields_by_name["value"]
+        assert mt is not None
+        key_f = mt.fields_by_name["key"]
+        val_f = mt.fields_by_name["value"]
         keys = draw(st.lists(scalar(key_f, ids, small=small), max_size=4, unique=True))
         for k in keys:
             if val_f.type == T.TYPE_MESSAGE:
-                target[k].CopyFrom(draw(_message(val_f.message_type, ids, depth - 1, small)))
+                vt = val_f.message_type
+                assert vt is not None
+                target[k].CopyFrom(draw(_message(vt, ids, depth - 1, small)))
             else:
                 target[k] = draw(scalar(val_f, ids, small=small))
         return
     if field.type == T.TYPE_MESSAGE:
-        sub = _message(field.message_type, ids, depth - 1, small)
+        assert mt is not None
+        sub = _message(mt, ids, depth - 1, small)
         if _repeated(field):
             # many elements only of shallow messages (depth 1: scalars, no nested lists)
-            many = _message(field.message_type, ids, 1, True) if depth == MAX_DEPTH else None
+            many = _message(mt, ids, 1, True) if depth == MAX_DEPTH else None
             for m in draw(_lists(sub, many)):
                 target.add().CopyFrom(m)
         else:

@@ -174,7 +174,9 @@ def bodies() -> st.SearchStrategy[bytes]:
         "configs",
         "fetch_files",
     ]
-    weird = st.sampled_from([None, -1, 2**63, -(2**63), 1e308, "", "x" * 70_000, [], {}, True])
+    weird: st.SearchStrategy[Any] = st.sampled_from(
+        [None, -1, 2**63, -(2**63), 1e308, "", "x" * 70_000, [], {}, True]
+    )
     shaped = st.dictionaries(st.sampled_from(keys), JSON | weird, max_size=6)
     return st.one_of(
         shaped.map(lambda d: json.dumps(d).encode()),

@@ -157,7 +157,7 @@ class World:
     def project(self, key: str) -> None:
         """Project ``key`` with a token and one running sandbox (made again when gone)."""
         with Client(self.cluster.apiserver, token=self.admin, timeout=15) as admin:
-            pid = self.projects.get(key)
+            pid = self.projects.get(key, "")
             alive = False
             if pid:
                 try:
