@@ -105,16 +105,27 @@ class Front:
         with Client(cluster.apiserver, token=self.admin, timeout=15) as admin:
             for key in ("ha", "hb"):
                 pid = admin.create_project(f"httpfuzz-{key}", quota=Quota()).project_id
-                token = admin.create_token(key, project=pid, agent=True).secret
-                with Client(cluster.apiserver, token=token, timeout=15) as cl:
-                    sb = cl.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=3600)
-                self.tokens.append(token)
-                self.sandboxes.append(sb.id)
+                self.tokens.append(admin.create_token(key, project=pid, agent=True).secret)
+                self.sandboxes.append("")
         self.http = httpx.Client(timeout=TIMEOUT_S)
+        self.repair()
+
+    def running(self, i: int) -> bool:
+        with Client(self.cluster.apiserver, token=self.tokens[i], timeout=15) as cl:
+            return any(s.id == self.sandboxes[i] and s.state == "RUNNING" for s in cl.list())
+
+    def repair(self) -> None:
+        """A running sandbox per project again (a generated DELETE may have killed one)."""
+        for i, token in enumerate(self.tokens):
+            if not self.sandboxes[i] or not self.running(i):
+                with Client(self.cluster.apiserver, token=token, timeout=15) as cl:
+                    sb = cl.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=3600)
+                self.sandboxes[i] = sb.id
 
     def healthy(self) -> None:
         assert self.http.get(self.cluster.compat_url + "/health").status_code < 300
         assert self.http.get(self.cluster.sandbox_fusion_url + "/v1/ping").status_code < 300
+        self.repair()
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +253,22 @@ def test_route(front: Front, kind: str, path: str, methods: tuple[str, ...]) -> 
             r = front.http.request(method, base + url_path + query, headers=headers, content=body)
         except httpx.TimeoutException as exc:
             pytest.fail(f"{method} {url_path}: no answer in {TIMEOUT_S} s ({exc})")
-        # 501: an unsupported route, by design. 502 "The sandbox <id> was not found": what
-        # E2B's proxy answers for a sandbox that is not there, and what the e2b SDK reads
-        # (compat/e2b/errors.py gone_message), only for a sandbox-addressed request.
+        # 501: an unsupported route, by design. 502 (503 as Connect's UNAVAILABLE) "The
+        # sandbox <id> was not found": what E2B's proxy answers for a sandbox that is not
+        # there, and what the e2b SDK reads (compat/e2b/errors.py), for a sandbox-addressed
+        # request only, and only when that sandbox really is not there for that token.
         gone = (
-            r.status_code == 502
+            r.status_code in (502, 503)
             and kind == "envd"
             and ("was not found" in r.text or method == "HEAD")
         )
+        if gone:
+            sid = headers.get("e2b-sandbox-id", "")
+            for i, own in enumerate(front.sandboxes):
+                if sid == own and token == front.tokens[i]:
+                    assert not front.running(i), (
+                        f"{method} {url_path}: own running {sid} 'not found'"
+                    )
         assert r.status_code < 500 or r.status_code == 501 or gone, (
             f"{method} {url_path}{query} {headers} body={body[:200]!r}: {r.status_code} {r.text[:300]}"
         )
