@@ -38,7 +38,7 @@ from tests.fuzz.protofuzz import BAD_IDS
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("DSEC_FUZZ_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("DSEC_FUZZ_EXAMPLES", "5"))
 SEED = os.environ.get("DSEC_FUZZ_SEED")
 TIMEOUT_S = 10.0
 ROOT = Path(__file__).resolve().parents[2]
