@@ -40,3 +40,23 @@ def enum_name(enum: Any, value: int, field: str, prefix: str = "") -> str:
             metadata={"field": field, "value": str(value)},
         ) from None
     return name.removeprefix(prefix)
+
+
+#: The longest stop grace a request may ask for (SIGTERM, then SIGKILL after it), in seconds.
+MAX_GRACE_S = 600.0
+
+
+def grace_s(value: float, field: str = "grace_s") -> float:
+    """A request's stop grace, checked: 0 (the default) up to :data:`MAX_GRACE_S`.
+
+    The grace is added to the deadline of the call that carries it; a NaN or infinite one
+    made that deadline expire at once, so the edges "did not answer" and a task's stop was
+    reported as an edge failure while it went on (found by tests/fuzz).
+    """
+    if not (0 <= value <= MAX_GRACE_S):  # False for NaN too
+        raise InvalidArgument(
+            f"{field}={value} must be in [0, {MAX_GRACE_S:g}] seconds",
+            reason="INVALID_GRACE",
+            metadata={"field": field, "value": str(value)},
+        )
+    return value

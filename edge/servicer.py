@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from common import forwarding
-from common.convert import enum_name, ts
+from common.convert import enum_name, grace_s, ts
 from common.forwarding import Route
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
@@ -219,7 +219,9 @@ class EdgeServicer:
         self, request: edge_pb2.StopSandboxRequest, context: Any
     ) -> edge_pb2.StopSandboxResponse:
         rec = await self.manager.stop(
-            request.sandbox_id, reason=_reason_name(request.reason), grace_s=request.grace_s or 2.0
+            request.sandbox_id,
+            reason=_reason_name(request.reason),
+            grace_s=grace_s(request.grace_s) or 2.0,
         )
         return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
 
@@ -262,7 +264,7 @@ class EdgeServicer:
             labels=dict(request.label_selector),
             reason=_reason_name(request.reason),
             message=request.message,
-            grace_s=request.grace_s or 2.0,
+            grace_s=grace_s(request.grace_s) or 2.0,
             skip_terminated=request.skip_terminated,
         )
         out = edge_pb2.ActOnSandboxesResponse()

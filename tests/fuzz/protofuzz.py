@@ -81,29 +81,51 @@ BAD_IDS: tuple[str, ...] = (
 )
 
 
+#: What a string field holds, by its name: a field named like one of these gets the real
+#: ids of that kind half of the time (a sandbox_id that names a live sandbox gets past the
+#: lookup to the code behind it).
+KINDS = ("sandbox", "project", "edge", "node", "token", "exec", "session", "watcher", "task")
+
+
+def id_kind(field_name: str) -> str:
+    """The kind of id a field named ``field_name`` holds ("" = none in particular)."""
+    name = field_name.lower()
+    if not (name.endswith(("_id", "_ids", "id")) or name in KINDS):
+        return ""
+    return next((k for k in KINDS if k in name), "")
+
+
 class IdPool:
-    """Ids to put in string fields: :data:`BAD_IDS` plus the real ids a test registers.
+    """Ids to put in string fields: :data:`BAD_IDS` plus the real ids a test registers,
+    each under a kind (:data:`KINDS`).
 
     Real ids are added while a test runs (a recreated sandbox, a new token), so the pool is
     read at draw time, not when the strategy is built.
     """
 
     def __init__(self, real: Sequence[str] = ()) -> None:
-        self.real: list[str] = list(real)
+        self.by_kind: dict[str, list[str]] = {}
+        self.add(*real)
 
-    def add(self, *ids: str) -> None:
+    @property
+    def real(self) -> list[str]:
+        return [i for ids in self.by_kind.values() for i in ids]
+
+    def add(self, *ids: str, kind: str = "") -> None:
+        bucket = self.by_kind.setdefault(kind, [])
         for i in ids:
-            if i and i not in self.real:
-                self.real.append(i)
+            if i and i not in bucket:
+                bucket.append(i)
 
-    def strategy(self) -> st.SearchStrategy[str]:
+    def strategy(self, kind: str = "") -> st.SearchStrategy[str]:
         bad = st.sampled_from(BAD_IDS)
 
         @st.composite
         def real(draw: st.DrawFn) -> str:
-            if not self.real:
-                return draw(bad)
-            return draw(st.sampled_from(list(self.real)))
+            own = self.by_kind.get(kind, []) if kind else []
+            every = self.real
+            pool = own if own and draw(st.sampled_from([True, False])) else every
+            return draw(st.sampled_from(list(pool))) if pool else draw(bad)
 
         return st.one_of(real(), bad)
 
@@ -124,12 +146,17 @@ def _huge(alphabet: Sequence[Any], join: Callable[[Any, int], Any]) -> st.Search
     return st.builds(join, st.sampled_from(list(alphabet)), st.integers(1000, HUGE))
 
 
-def strings(ids: IdPool | None = None, *, small: bool = False) -> st.SearchStrategy[str]:
+def strings(
+    ids: IdPool | None = None, *, small: bool = False, kind: str = ""
+) -> st.SearchStrategy[str]:
+    """Empty, short, huge (unless ``small``) strings and ids (``kind``: an id field's)."""
     parts: list[st.SearchStrategy[str]] = [st.just(""), st.text(max_size=24)]
     if not small:
         parts.append(_huge(["a", "é", "\x00", "/", "😀"], lambda c, n: c * (n // len(c.encode()))))
     if ids is not None:
-        parts.insert(0, ids.strategy())
+        parts.insert(0, ids.strategy(kind))
+        if kind:  # an id field: mostly ids
+            return st.one_of(ids.strategy(kind), st.one_of(*parts))
     return st.one_of(*parts)
 
 
@@ -177,7 +204,7 @@ def scalar(
     if t == T.TYPE_BOOL:
         return st.booleans()
     if t == T.TYPE_STRING:
-        return strings(ids, small=small)
+        return strings(ids, small=small, kind=id_kind(field.name))
     if t == T.TYPE_BYTES:
         return _bytes_values(small)
     if t == T.TYPE_ENUM:

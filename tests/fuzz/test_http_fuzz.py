@@ -119,7 +119,13 @@ class Front:
         for i, token in enumerate(self.tokens):
             if not self.sandboxes[i] or not self.running(i):
                 with Client(self.cluster.apiserver, token=token, timeout=15) as cl:
-                    sb = cl.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=3600)
+                    sb = cl.create(
+                        image="busybox",
+                        cpu=0.1,
+                        memory_mb=32,
+                        ttl_s=3600,
+                        node_selector={"fuzz": "null"},
+                    )
                 self.sandboxes[i] = sb.id
 
     def healthy(self) -> None:

@@ -13,6 +13,7 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
 from dsec.placement.v1 import placement_pb2
@@ -21,7 +22,8 @@ from libdsec.errors import from_rpc_error, item_error
 
 pytestmark = pytest.mark.integration
 
-#: (process, method path, request type, the failing request as text format, the field named)
+#: (process, method path, request type, the failing request as text format, the reason and
+#: the field the answer names)
 CASES = [
     # proto3 enums are open: Backend.Name(-1) raised ValueError in placement/servicer.py
     (
@@ -29,6 +31,7 @@ CASES = [
         "/dsec.placement.v1.PlacementService/PlaceSandbox",
         placement_pb2.PlaceSandboxRequest,
         "item { spec { backend: -1 } }",
+        "UNKNOWN_ENUM_VALUE",
         "spec.backend",
     ),
     # SandboxState.Name(-1) in edge/servicer.py _state_names
@@ -37,6 +40,7 @@ CASES = [
         "/dsec.edge.v1.EdgeService/WatchSandboxes",
         edge_pb2.WatchSandboxesRequest,
         "states: -1",
+        "UNKNOWN_ENUM_VALUE",
         "states",
     ),
     (
@@ -44,6 +48,7 @@ CASES = [
         "/dsec.edge.v1.EdgeService/ListSandboxes",
         edge_pb2.ListSandboxesRequest,
         "states: 2147483647",
+        "UNKNOWN_ENUM_VALUE",
         "states",
     ),
     # Backend.Name in iam/servicer.py ReserveQuota and ReserveQuotas (same pattern)
@@ -52,6 +57,7 @@ CASES = [
         "/dsec.iam.v1.IamService/ReserveQuota",
         iam_pb2.ReserveQuotaRequest,
         'project_id: "p" sandbox_id: "sb-x" backend: 999',
+        "UNKNOWN_ENUM_VALUE",
         "backend",
     ),
     (
@@ -59,16 +65,69 @@ CASES = [
         "/dsec.iam.v1.IamService/ReserveQuotas",
         iam_pb2.ReserveQuotasRequest,
         'items { project_id: "p" sandbox_id: "sb-x" backend: -5 }',
+        "UNKNOWN_ENUM_VALUE",
         "items.backend",
+    ),
+    # The API server made a job's limits its deadline before the edge checked them: NaN
+    # raised in asyncio.timeout (INTERNAL), a negative one expired at once (DEADLINE_EXCEEDED).
+    (
+        "apiserver",
+        "/dsec.apiserver.v1.FunctionService/RunFunction",
+        apiserver_pb2.RunFunctionRequest,
+        "job { compile_time_limit_s: nan }",
+        "INVALID_LIMITS",
+        None,
+    ),
+    (
+        "apiserver",
+        "/dsec.apiserver.v1.FunctionService/RunFunction",
+        apiserver_pb2.RunFunctionRequest,
+        "job { time_limit_s: -150 }",
+        "INVALID_LIMITS",
+        None,
+    ),
+    # A stop's grace became the deadline of the call to the edges: NaN or huge expired at
+    # once, the edges "did not answer" and the task's stop went on unreported.
+    (
+        "apiserver",
+        "/dsec.apiserver.v1.SandboxService/StopTask",
+        apiserver_pb2.StopTaskRequest,
+        'task_id: "t" grace_s: nan',
+        "INVALID_GRACE",
+        "grace_s",
+    ),
+    (
+        "apiserver",
+        "/dsec.apiserver.v1.SandboxService/StopSandbox",
+        apiserver_pb2.StopSandboxRequest,
+        'sandbox_id: "sb-fz-0" grace_s: inf',
+        "INVALID_GRACE",
+        "grace_s",
+    ),
+    (
+        "edge-fz",
+        "/dsec.edge.v1.EdgeService/StopSandbox",
+        edge_pb2.StopSandboxRequest,
+        'sandbox_id: "sb-fz-0" grace_s: -1',
+        "INVALID_GRACE",
+        "grace_s",
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("process", "path", "cls", "text", "field"), CASES, ids=[c[1] for c in CASES]
+    ("process", "path", "cls", "text", "reason", "field"),
+    CASES,
+    ids=[f"{c[1].rsplit('/', 1)[1]}:{c[3]}" for c in CASES],
 )
 def test_fuzz_finding_is_invalid_argument(
-    fuzz_cluster: LocalCluster, process: str, path: str, cls: type[Message], text: str, field: str
+    fuzz_cluster: LocalCluster,
+    process: str,
+    path: str,
+    cls: type[Message],
+    text: str,
+    reason: str,
+    field: str | None,
 ) -> None:
     request = text_format.Parse(text, cls())
     address = fuzz_cluster.process(process).address
@@ -87,7 +146,8 @@ def test_fuzz_finding_is_invalid_argument(
                     next(iter(result))  # type: ignore[call-overload]
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
             err = from_rpc_error(info.value)
-        assert err.reason == "UNKNOWN_ENUM_VALUE"
-        assert err.metadata["field"] == field
+        assert err.reason == reason, err
+        if field is not None:
+            assert err.metadata["field"] == field
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
 from dsecctl.cluster import LocalCluster
+from libdsec.errors import DSecError
 from libdsec.sync import Client
 from libdsec.types import Quota
 from tests.fuzz import protofuzz
@@ -63,6 +64,8 @@ PROCESSES = {
     "dsec.watcher.v1": "watcher",
     "dsec.edge.v1": "edge-fz",
 }
+#: The cluster's edges (tests/fuzz/conftest.py): EdgeService is fuzzed on the null one.
+EDGES = ("edge-fz", "edge-fzc")
 #: Services a broken enumeration would miss (the set must contain them).
 EXPECTED = {
     "dsec.iam.v1.IamService",
@@ -146,7 +149,9 @@ class World:
     ids: IdPool = field(default_factory=IdPool)
     tokens: dict[str, str] = field(default_factory=dict)  # "a", "b" -> secret
     projects: dict[str, str] = field(default_factory=dict)  # "a", "b" -> project id
-    sandboxes: dict[str, str] = field(default_factory=dict)  # "a", "b" -> sandbox id
+    #: "a", "b" -> a null-runtime sandbox of that project; "c" -> project a's container
+    #: sandbox (exec, files and sessions reach chronus through it)
+    sandboxes: dict[str, str] = field(default_factory=dict)
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
     #: The last snapshot, while no call has succeeded since (None: read it again).
     last: tuple[Any, ...] | None = None
@@ -177,43 +182,86 @@ class World:
                 self.projects[key] = pid
                 self.tokens.pop(key, None)
                 self.sandboxes.pop(key, None)
+                self.sandboxes.pop("c", None)
             else:
                 admin.set_quota(pid, Quota())  # generated SetQuota calls may have closed it
             token = self.tokens.get(key)
             if token is None or not _works(self.cluster.apiserver, token):
                 t = admin.create_token(f"fuzz-{key}", project=pid, agent=True)
                 self.tokens[key] = t.secret
-                self.ids.add(t.info.token_id)
-            self.ids.add(pid)
+                self.ids.add(t.info.token_id, kind="token")
+            self.ids.add(pid, kind="project")
         with Client(self.cluster.apiserver, token=self.tokens[key], timeout=15) as cl:
-            sid = self.sandboxes.get(key)
-            if sid is None or not any(s.id == sid and s.state == "RUNNING" for s in cl.list()):
-                sb = cl.create(image="busybox", cpu=0.1, memory_mb=32, timeout=30, ttl_s=3600)
+            running = {s.id for s in cl.list() if s.state == "RUNNING"}
+            if self.sandboxes.get(key) not in running:
+                sb = cl.create(
+                    image="busybox",
+                    cpu=0.1,
+                    memory_mb=32,
+                    timeout=30,
+                    ttl_s=3600,
+                    node_selector={"fuzz": "null"},
+                )
                 self.sandboxes[key] = sb.id
-                self.ids.add(sb.id)
+                self.ids.add(sb.id, kind="sandbox")
+            if key == "a" and self.sandboxes.get("c") not in running:
+                self.container_sandbox(cl)
+
+    def container_sandbox(self, cl: Client) -> None:
+        """Project a's sandbox on the container edge, which stays drained otherwise: the
+        creates the fuzz generates land on the null edge, not as real containers."""
+        self.drain("edge-fzc", False)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                sb = cl.create(
+                    image="busybox",
+                    cpu=0.1,
+                    memory_mb=64,
+                    timeout=60,
+                    ttl_s=3600,
+                    node_selector={"fuzz": "container"},
+                )
+                break
+            except DSecError:
+                # placement sees the undrain with the edge's next registration (2 s)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        self.sandboxes["c"] = sb.id
+        self.ids.add(sb.id, kind="sandbox")
+
+    def drain(self, edge_process: str, draining: bool) -> None:
+        edge = edge_pb2.DESCRIPTOR.services_by_name["EdgeService"]
+        request = edge_pb2.SetDrainingRequest(draining=draining, reason="fuzz")
+        out = _unary(
+            self.channel(edge_process),
+            edge.methods_by_name["SetDraining"],
+            request.SerializeToString(),
+            None,
+        )
+        assert out.code == grpc.StatusCode.OK, out
 
     def repair(self) -> None:
         """Undoes what valid destructive calls did: a drained edge, a deleted project."""
-        edge = edge_pb2.DESCRIPTOR.services_by_name["EdgeService"]
-        _unary(
-            self.channel("edge-fz"),
-            edge.methods_by_name["SetDraining"],
-            edge_pb2.SetDrainingRequest(draining=False).SerializeToString(),
-            None,
-        )
+        self.drain("edge-fz", False)
         for key in ("a", "b"):
             self.project(key)
+        self.drain("edge-fzc", True)
         self.last = None
 
     def snapshot(self) -> tuple[Any, ...]:
-        """What a refused call must not change: the edge's sandboxes and the projects' usage."""
+        """What a refused call must not change: the edges' sandboxes and the projects' usage."""
         edge = edge_pb2.DESCRIPTOR.services_by_name["EdgeService"]
-        raw = self.channel("edge-fz").unary_unary(
-            f"/{edge.full_name}/ListSandboxes",
-            request_serializer=None,
-            response_deserializer=edge_pb2.ListSandboxesResponse.FromString,
-        )(edge_pb2.ListSandboxesRequest(include_terminated=True).SerializeToString(), timeout=5)
-        sandboxes = tuple(sorted((s.id, s.state) for s in raw.sandboxes))
+        found = []
+        for name in EDGES:
+            raw = self.channel(name).unary_unary(
+                f"/{edge.full_name}/ListSandboxes",
+                request_serializer=None,
+                response_deserializer=edge_pb2.ListSandboxesResponse.FromString,
+            )(edge_pb2.ListSandboxesRequest(include_terminated=True).SerializeToString(), timeout=5)
+            found += [(s.id, s.state) for s in raw.sandboxes]
+        sandboxes = tuple(sorted(found))
         usage = []
         get_usage = self.channel("iam").unary_unary(
             "/dsec.iam.v1.IamService/GetUsage",
@@ -263,7 +311,8 @@ def _works(apiserver: str, token: str) -> bool:
 def world(fuzz_cluster: LocalCluster) -> Iterator[World]:
     w = World(fuzz_cluster, admin=fuzz_cluster.token)
     try:
-        w.ids.add("fz", "edge-fz")
+        w.ids.add("fz", "fzc", kind="edge")
+        w.ids.add("fz", "fzc", kind="node")
         w.repair()
         yield w
     finally:
