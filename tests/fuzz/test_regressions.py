@@ -8,6 +8,7 @@ call, PlaceSandbox, as that item's status), and the service keeps serving.
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 from google.protobuf import text_format
 from google.protobuf.message import Message
@@ -17,8 +18,11 @@ from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
 from dsec.placement.v1 import placement_pb2
+from dsec.types.v1 import types_pb2
 from dsecctl.cluster import LocalCluster
-from libdsec.errors import from_rpc_error, item_error
+from libdsec.errors import DSecError, from_rpc_error, item_error
+from libdsec.sync import Client, Sandbox
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -151,3 +155,72 @@ def test_fuzz_finding_is_invalid_argument(
             assert err.metadata["field"] == field
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # chronus's os.access raised ValueError on the NUL (the shell was 64 KiB of them)
+        'shell: "/bin/sh\\000"',
+        'env { key: "A" value: "x\\000y" }',
+        'cwd: "/tmp\\000"',
+    ],
+)
+def test_session_with_a_nul_is_invalid_argument(fuzz_cluster: LocalCluster, text: str) -> None:
+    """CreateSession reaches chronus inside a container sandbox: a NUL in the shell, cwd or
+    environment answered INTERNAL."""
+    with grpc.insecure_channel(fuzz_cluster.process("edge-fzc").address) as ch:
+        undrain = edge_pb2.SetDrainingRequest(draining=False).SerializeToString()
+        ch.unary_unary("/dsec.edge.v1.EdgeService/SetDraining")(undrain, timeout=5)
+    with Client(fuzz_cluster.apiserver, token=fuzz_cluster.token, timeout=30) as cl:
+        sb = wait_for(
+            lambda: _create_container(cl), timeout_s=20, interval_s=0.3
+        )  # placement sees an undrain with the edge's next registration
+        try:
+            request = text_format.Parse(text, types_pb2.CreateSessionRequest(sandbox_id=sb.id))
+            with grpc.insecure_channel(fuzz_cluster.apiserver) as ch:
+                md = (("authorization", f"Bearer {fuzz_cluster.token}"),)
+                with pytest.raises(grpc.RpcError) as info:
+                    ch.unary_unary("/dsec.apiserver.v1.ExecService/CreateSession")(
+                        request.SerializeToString(), timeout=10, metadata=md
+                    )
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value  # type: ignore[attr-defined]
+            assert "NUL" in from_rpc_error(info.value).message
+        finally:
+            sb.stop()
+
+
+def _create_container(cl: Client) -> Sandbox | None:
+    try:
+        return cl.create(
+            image="busybox", cpu=0.1, memory_mb=64, ttl_s=600, node_selector={"fuzz": "container"}
+        )
+    except DSecError:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("front", "path", "body", "status"),
+    [
+        # json.loads raised RecursionError (not ValueError): 500
+        ("e2b", "/sandboxes", b"[" * 5000, 400),
+        ("e2b", "/v2/sandboxes", b"[" * 5000, 400),
+        # Python's parser takes Infinity and NaN; strict JSON does not
+        ("e2b", "/sandboxes", b'{"templateID": "base", "timeout": Infinity}', 400),
+        # the 422 echoed the input: Infinity could not be rendered, a 500
+        ("fusion", "/run_code", b'{"template_id": Infinity}', 422),
+        ("fusion", "/run_code_batch", b'{"template_id": Infinity}', 422),
+    ],
+)
+def test_http_finding_is_a_client_error(
+    fuzz_cluster: LocalCluster, front: str, path: str, body: bytes, status: int
+) -> None:
+    token = fuzz_cluster.token
+    if front == "e2b":
+        url, headers = fuzz_cluster.compat_url + path, {"x-api-key": token}
+    else:
+        url, headers = fuzz_cluster.sandbox_fusion_url + f"/t/{token}" + path, {}
+    headers["content-type"] = "application/json"
+    r = httpx.post(url, content=body, headers=headers, timeout=10)
+    assert r.status_code == status, r.text
+    r.json()  # a body its clients can read
