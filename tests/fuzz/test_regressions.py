@@ -7,6 +7,8 @@ call, PlaceSandbox, as that item's status), and the service keeps serving.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
@@ -224,3 +226,33 @@ def test_http_finding_is_a_client_error(
     r = httpx.post(url, content=body, headers=headers, timeout=10)
     assert r.status_code == status, r.text
     r.json()  # a body its clients can read
+
+
+def test_a_key_repeated_in_a_burst_shares_its_first_items_outcome_at_once(
+    fuzz_cluster: LocalCluster,
+) -> None:
+    """CreateSandboxes with one idempotency key on many items, whose first create the edge
+    refuses (drained a moment ago, before placement hears of it): the repeats waited for the
+    first's sandbox for IDEMPOTENT_WAIT_S (15 s) inside the call. Now they share its outcome."""
+    edge = fuzz_cluster.process("edge-fz").address
+    drain = "/dsec.edge.v1.EdgeService/SetDraining"
+    request = apiserver_pb2.CreateSandboxesRequest()
+    for _ in range(30):
+        request.items.add(idempotency_key="fuzz-dup").spec.node_selector["fuzz"] = "null"
+    with grpc.insecure_channel(edge) as ech, grpc.insecure_channel(fuzz_cluster.apiserver) as ch:
+        ech.unary_unary(drain)(edge_pb2.SetDrainingRequest(draining=True).SerializeToString())
+        try:
+            t0 = time.monotonic()
+            raw = ch.unary_unary("/dsec.apiserver.v1.SandboxService/CreateSandboxes")(
+                request.SerializeToString(),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {fuzz_cluster.token}"),),
+            )
+            elapsed = time.monotonic() - t0
+        finally:
+            undrain = edge_pb2.SetDrainingRequest(draining=False).SerializeToString()
+            ech.unary_unary(drain)(undrain, timeout=5)
+    results = apiserver_pb2.CreateSandboxesResponse.FromString(raw).results
+    assert elapsed < 5, f"{elapsed:.1f} s"
+    outcomes = {(r.sandbox.id, r.error.reason) for r in results}
+    assert len(results) == 30 and len(outcomes) == 1, outcomes
