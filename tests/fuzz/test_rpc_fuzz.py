@@ -1,10 +1,13 @@
 """Every RPC of every dsec gRPC service, fed generated messages (tests/fuzz/protofuzz.py).
 
 The methods are enumerated from the services' descriptors, so a new RPC is fuzzed the day
-it is added. Each method gets, against a cluster of its own (a null-runtime edge: generated
-calls that are valid and destructive, a drain, a delete, a revoked token, hurt nobody else):
+it is added. Each method gets, against the fuzz suite's own cluster (tests/fuzz/conftest.py:
+generated calls that are valid and destructive, a drain, a delete, a revoked token, hurt
+nobody else), with the real ids of two projects' sandboxes (one a container, so exec, files
+and sessions reach chronus) among the ids it draws:
 
-- generated messages, each sent without a token, with a project's token or the admin's;
+- generated messages, each sent to an authenticating service (API server, IAM) without a
+  token, with a project's token and with the admin's;
 - random bytes and the bytes of another message type (identity serializer: the server's
   parser sees them as they are).
 
@@ -13,7 +16,8 @@ answers before its deadline (a hang), unless the method is documented to wait (t
 end when cancelled); a REFUSED call to a mutating method changed no sandbox and no quota
 usage. After each method's batch every service answers health SERVING and a known-good call
 works (what a destructive call broke, a deleted project or sandbox, a drained node, is made
-again so the next method meets the same world).
+again so the next method meets the same world); after all of them no service has logged an
+ERROR (a crash in a background loop answers no call).
 
 Bounded: ``DSEC_FUZZ_EXAMPLES`` (default 5) messages per method, derandomized unless
 ``DSEC_FUZZ_SEED`` is set.
