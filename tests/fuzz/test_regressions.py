@@ -7,7 +7,12 @@ call, PlaceSandbox, as that item's status), and the service keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import httpx
@@ -15,7 +20,9 @@ import pytest
 from google.protobuf import text_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
+from common.telemetry import TracingServerInterceptor
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
@@ -256,3 +263,35 @@ def test_a_key_repeated_in_a_burst_shares_its_first_items_outcome_at_once(
     assert elapsed < 5, f"{elapsed:.1f} s"
     outcomes = {(r.sandbox.id, r.error.reason) for r in results}
     assert len(results) == 30 and len(outcomes) == 1, outcomes
+
+
+async def test_a_stream_closed_from_another_context_logs_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server stream the client cancels is closed at its yield from another context (the
+    watcher's WatchCluster, cancelled by the fuzz): the tracing interceptor held its span's
+    context across the yield and OpenTelemetry logged "Failed to detach context" as an ERROR.
+    Now the span is current only while the handler runs."""
+    seen: list[str] = []
+
+    async def watch(request: Any, context: Any) -> AsyncIterator[bytes]:
+        seen.append(format(trace.get_current_span().get_span_context().span_id, "x"))
+        yield b"one"
+        yield b"two"
+
+    handler = grpc.unary_stream_rpc_method_handler(watch)
+
+    async def continuation(details: Any) -> Any:
+        return handler
+
+    details = SimpleNamespace(
+        method="/dsec.watcher.v1.WatcherService/WatchCluster", invocation_metadata=()
+    )
+    wrapped = await TracingServerInterceptor("watcher").intercept_service(continuation, details)  # type: ignore[arg-type]
+    stream = wrapped.unary_stream(b"", None)
+    assert await stream.__anext__() == b"one"
+    with caplog.at_level(logging.ERROR):
+        # closed from a task of its own: a copy of the context, as grpc's cancellation is
+        await asyncio.create_task(stream.aclose())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert len(seen) == 1
