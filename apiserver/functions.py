@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,9 +60,29 @@ MAX_ATTEMPTS = 3
 JOB_MARGIN_S = 120.0
 #: The compile step's limit when the job sets none (the edge's default, edge/fncall/jobs.py).
 COMPILE_TIME_LIMIT_S = 30.0
+#: The longest time or compile limit the edge accepts (edge/fncall/jobs.py MAX_TIME_LIMIT_S).
+MAX_TIME_LIMIT_S = 600.0
 MAX_BATCH = 100_000
 #: A batch is split over the placement answer's edges only if each gets at least this many jobs.
 SPLIT_MIN_JOBS = 32
+
+
+def job_deadline_s(job: types_pb2.FunctionJob) -> float:
+    """How long the API server waits for ``job``: its run and compile limits plus a margin.
+
+    The edge validates the limits (edge/fncall/jobs.py, (0, MAX_TIME_LIMIT_S]); one it will
+    refuse (NaN, infinite, negative, huge) must not become this call's deadline (a NaN one
+    made asyncio.timeout raise, and the call answered INTERNAL: found by tests/fuzz), so it
+    counts as its default here and the edge answers INVALID_ARGUMENT.
+    """
+    total = JOB_MARGIN_S
+    for value, default in (
+        (job.time_limit_s, 10.0),
+        (job.compile_time_limit_s, COMPILE_TIME_LIMIT_S),
+    ):
+        limit = value or default
+        total += limit if math.isfinite(limit) and 0 < limit <= MAX_TIME_LIMIT_S else default
+    return total
 
 
 def _selector(jobs: list[types_pb2.FunctionJob]) -> dict[str, str]:
@@ -105,8 +126,7 @@ class FunctionRouter:
     async def _run_on(
         self, address: str, who: Caller, job: types_pb2.FunctionJob
     ) -> types_pb2.FunctionResult:
-        compile_s = job.compile_time_limit_s or COMPILE_TIME_LIMIT_S
-        timeout = (job.time_limit_s or 10.0) + compile_s + JOB_MARGIN_S
+        timeout = job_deadline_s(job)
         msg = await self._edge_stream(address).call_if_supported(
             edge_pb2.StreamFunctionsRequest(job=job, project_id=who.project_id), timeout=timeout
         )

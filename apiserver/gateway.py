@@ -144,6 +144,12 @@ class Gateway:
         if len(requests) > MAX_CREATE_MANY:
             raise InvalidArgument(f"at most {MAX_CREATE_MANY} items per CreateSandboxes call")
         items: list[CreateItem] = []
+        # A key repeated inside the burst names the same sandbox: only its first item is
+        # created, the others get its outcome. (Sent through the pipeline, a repeat waited
+        # for the first's sandbox, and when the first failed it waited out the whole
+        # IDEMPOTENT_WAIT_S inside this call: found by tests/fuzz.)
+        first_with_key: dict[str, CreateItem] = {}
+        repeats: list[tuple[CreateItem, CreateItem]] = []
         for req in requests:
             it = CreateItem(who, types_pb2.SandboxSpec(), req.idempotency_key, req.wait_ready)
             try:
@@ -151,7 +157,12 @@ class Gateway:
             except DSecError as err:
                 it.error = err
             items.append(it)
-        valid = [it for it in items if it.error is None]
+            first = first_with_key.setdefault(it.key, it) if it.key else it
+            if first is not it and it.error is None:
+                first.wait_ready = first.wait_ready or it.wait_ready
+                repeats.append((it, first))
+        repeated = {id(it) for it, _ in repeats}
+        valid = [it for it in items if it.error is None and id(it) not in repeated]
         await self.pipeline.place(valid)
         valid = [it for it in valid if it.error is None]
         size = max(1, self.cfg.create_chunk)
@@ -163,6 +174,8 @@ class Gateway:
                 await self.pipeline.run(chunk)
 
         await asyncio.gather(*(one(c) for c in chunks))
+        for it, first in repeats:
+            it.result, it.error = first.result, first.error
         return [(it.result, it.error) for it in items]
 
     # ------------------------------------------------------------- routing

@@ -21,6 +21,7 @@ from apiserver.watch import SandboxWatch
 from common import forwarding
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
+from common.convert import grace_s
 from common.forwarding import Route
 from common.grpc_server import internal_error
 from common.tagged import serve_tagged
@@ -244,13 +245,14 @@ class SandboxServicer(_Forwarder):
     async def StopSandbox(
         self, request: apiserver_pb2.StopSandboxRequest, context: Any
     ) -> apiserver_pb2.StopSandboxResponse:
+        grace = grace_s(request.grace_s)
         try:
             resp = await self._call(
                 context,
                 request.sandbox_id,
                 "StopSandbox",
-                edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=request.grace_s),
-                timeout=DEFAULT_DEADLINE_S + request.grace_s,
+                edge_pb2.StopSandboxRequest(sandbox_id=request.sandbox_id, grace_s=grace),
+                timeout=DEFAULT_DEADLINE_S + grace,
             )
         except SandboxTerminated as err:
             if err.metadata.get("termination_reason") != "EDGE_LOST":

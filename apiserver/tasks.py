@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping
 
 from apiserver.gateway import Caller, Gateway
+from common.convert import grace_s as checked_grace
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
@@ -53,8 +54,7 @@ class TaskOperations:
             raise InvalidArgument(
                 "give a task_id and/or a label_selector (refusing to act on every sandbox)"
             )
-        if grace_s < 0:
-            raise InvalidArgument(f"grace_s={grace_s} must be >= 0")
+        grace_s = checked_grace(grace_s)
         request = edge_pb2.ActOnSandboxesRequest(
             action=action,
             project_prefix=who.project_id,

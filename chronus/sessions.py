@@ -559,6 +559,15 @@ class SessionManager:
                 )
         cfg = self.rt.config
         shell = req.get("shell", "")
+        env_in: dict[str, str] = req.get("env", {})
+        for key in env_in:
+            if not key or "=" in key:
+                raise invalid(f"invalid environment variable name {key!r}")
+        # exec and os.access cannot carry a NUL (ValueError: the call ended INTERNAL, found
+        # by tests/fuzz): refused as an Exec's are
+        for part in (shell, req.get("cwd") or "", *env_in, *env_in.values()):
+            if "\0" in part:
+                raise invalid("a NUL byte in the shell, cwd or an environment variable")
         if not shell:
             shell = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
         elif not os.access(shell, os.X_OK):
@@ -567,7 +576,7 @@ class SessionManager:
         if not os.path.isdir(cwd):
             raise ChronusError(NOT_FOUND, "PATH_NOT_FOUND", f"{cwd}: no such directory")
         env = dict(cfg.env)
-        env.update(req.get("env", {}))
+        env.update(env_in)
         while not session_id or session_id in self.sessions:  # not a restored one's id
             session_id = self.rt.new_id("se")
         base = self._runtime_dir_fd()

@@ -6,7 +6,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from common.convert import ts
+from common.convert import enum_name, ts
 from dsec.types.v1 import types_pb2
 from edge.model import SandboxRecord, SandboxSpec
 
@@ -14,7 +14,7 @@ _DEFAULTS = SandboxSpec()
 
 
 def backend_name(value: int) -> str:
-    return types_pb2.Backend.Name(value).removeprefix("BACKEND_")  # type: ignore[arg-type]
+    return enum_name(types_pb2.Backend, value, "backend", "BACKEND_")
 
 
 def _rule_dict(rule: types_pb2.NetworkRule) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def _rule_dict(rule: types_pb2.NetworkRule) -> dict[str, Any]:
     if rule.port_max:
         d["port_max"] = rule.port_max
     if rule.protocol:
-        d["protocol"] = types_pb2.Protocol.Name(rule.protocol)
+        d["protocol"] = enum_name(types_pb2.Protocol, rule.protocol, "network.protocol")
     return d
 
 
@@ -34,7 +34,7 @@ def network_from_pb(policy: types_pb2.NetworkPolicy) -> dict[str, Any]:
     10 ms an update may take to reach the kernel."""
     d: dict[str, Any] = {}
     if policy.mode:
-        d["mode"] = types_pb2.NetworkMode.Name(policy.mode)
+        d["mode"] = enum_name(types_pb2.NetworkMode, policy.mode, "network.mode")
     if policy.allow:
         d["allow"] = [_rule_dict(r) for r in policy.allow]
     if policy.deny:
@@ -63,7 +63,7 @@ def network_to_pb(d: dict[str, Any], out: types_pb2.NetworkPolicy) -> None:
 def spec_from_pb(spec: types_pb2.SandboxSpec) -> SandboxSpec:
     r = spec.resources
     network = network_from_pb(spec.network) if spec.HasField("network") else {}
-    qos = types_pb2.QosClass.Name(spec.qos).removeprefix("QOS_CLASS_")
+    qos = enum_name(types_pb2.QosClass, spec.qos, "spec.qos", "QOS_CLASS_")
     return SandboxSpec(
         backend=backend_name(spec.backend) if spec.backend else "CONTAINER",
         image=spec.image,

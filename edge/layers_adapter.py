@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.convert import ts
+from common.convert import enum_name, ts
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.backends.contract import PacksDiffs, require
@@ -42,7 +42,7 @@ def environment_pb(env: Environment, layers: list[LayerInfo]) -> types_pb2.Envir
 def _kind(value: int) -> LayerKind | None:
     if value == types_pb2.LAYER_KIND_UNSPECIFIED:
         return None
-    return LayerKind.parse(types_pb2.LayerKind.Name(value))  # type: ignore[arg-type]
+    return LayerKind.parse(enum_name(types_pb2.LayerKind, value, "kind"))
 
 
 class LayersAdapter:

@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from common import forwarding
-from common.convert import ts
+from common.convert import enum_name, grace_s, ts
 from common.forwarding import Route
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
@@ -93,11 +93,11 @@ def _reason_name(reason: types_pb2.TerminationReason.ValueType) -> str:
     """A stop's termination reason by name (UNSPECIFIED = STOPPED)."""
     if not reason:
         return "STOPPED"
-    return types_pb2.TerminationReason.Name(reason).removeprefix("TERMINATION_REASON_")
+    return enum_name(types_pb2.TerminationReason, reason, "reason", "TERMINATION_REASON_")
 
 
 def _state_names(states: Any) -> set[str] | None:
-    names = {types_pb2.SandboxState.Name(s).removeprefix("SANDBOX_STATE_") for s in states}
+    names = {enum_name(types_pb2.SandboxState, s, "states", "SANDBOX_STATE_") for s in states}
     return names or None
 
 
@@ -219,7 +219,9 @@ class EdgeServicer:
         self, request: edge_pb2.StopSandboxRequest, context: Any
     ) -> edge_pb2.StopSandboxResponse:
         rec = await self.manager.stop(
-            request.sandbox_id, reason=_reason_name(request.reason), grace_s=request.grace_s or 2.0
+            request.sandbox_id,
+            reason=_reason_name(request.reason),
+            grace_s=grace_s(request.grace_s) or 2.0,
         )
         return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
 
@@ -262,7 +264,7 @@ class EdgeServicer:
             labels=dict(request.label_selector),
             reason=_reason_name(request.reason),
             message=request.message,
-            grace_s=request.grace_s or 2.0,
+            grace_s=grace_s(request.grace_s) or 2.0,
             skip_terminated=request.skip_terminated,
         )
         out = edge_pb2.ActOnSandboxesResponse()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.auth import bearer_token
-from common.convert import from_ts, ts
+from common.convert import enum_name, from_ts, ts
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from iam.domain import Iam, Principal
@@ -168,7 +168,7 @@ class IamServicer:
             Reservation(
                 request.sandbox_id,
                 request.project_id,
-                types_pb2.Backend.Name(request.backend),
+                enum_name(types_pb2.Backend, request.backend, "backend"),
                 request.cpu_millis,
                 request.memory_mb,
                 request.edge_id,
@@ -189,7 +189,6 @@ class IamServicer:
     ) -> iam_pb2.ReserveQuotasResponse:
         if len(request.items) > MAX_BATCH:
             raise InvalidArgument(f"at most {MAX_BATCH} items per ReserveQuotas call")
-        backend_name = types_pb2.Backend.Name
         items = []
         for it in request.items:
             if not it.sandbox_id or not it.project_id:
@@ -198,7 +197,7 @@ class IamServicer:
                 Reservation(
                     it.sandbox_id,
                     it.project_id,
-                    backend_name(it.backend),
+                    enum_name(types_pb2.Backend, it.backend, "items.backend"),
                     it.cpu_millis,
                     it.memory_mb,
                     it.edge_id,

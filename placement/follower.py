@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 #: The watcher sends a keepalive this often on a quiet stream.
 KEEPALIVE_S = 2.0
+_KNOWN_BACKENDS = frozenset(types_pb2.Backend.values())
 
 
 def edge_view(status: watcher_pb2.EdgeStatus) -> EdgeView:
@@ -25,8 +26,12 @@ def edge_view(status: watcher_pb2.EdgeStatus) -> EdgeView:
     return EdgeView(
         edge_id=info.edge_id,
         address=info.address,
+        # A number this build does not know (a newer edge's backend, or a registration
+        # nobody validated) is a backend no request can name: skipped, not a crashed loop.
         backends=frozenset(
-            types_pb2.Backend.Name(b).removeprefix("BACKEND_") for b in info.backends
+            types_pb2.Backend.Name(b).removeprefix("BACKEND_")
+            for b in info.backends
+            if b in _KNOWN_BACKENDS
         ),
         labels=dict(info.labels),
         healthy=status.health == watcher_pb2.EDGE_HEALTH_HEALTHY,

@@ -10,6 +10,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from common.config import WATCHER_WARMUP_S
+from common.convert import enum_name
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError, InvalidArgument, Unavailable, item_status
@@ -34,7 +35,7 @@ def log_view_change(before: str, after: str, age_s: float) -> None:
 def _request(item: placement_pb2.PlacementItem) -> Request:
     spec = item.spec
     backend = (
-        types_pb2.Backend.Name(spec.backend).removeprefix("BACKEND_")
+        enum_name(types_pb2.Backend, spec.backend, "spec.backend", "BACKEND_")
         if spec.backend
         else "CONTAINER"
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 from typing import Any, Literal, TypeVar
 
@@ -92,16 +93,25 @@ def _detail(error: Any) -> dict[str, Any]:
     }
     if error.get("ctx"):  # e.g. {"error": ValueError(...)}: plain JSON as FastAPI sends it
         out["ctx"] = {
-            k: v if isinstance(v, str | int | float | bool) or v is None else str(v)
+            k: _jsonable(v) if isinstance(v, str | int | float | bool) or v is None else str(v)
             for k, v in error["ctx"].items()
         }
     return out
 
 
 def _jsonable(value: Any) -> Any:
-    """A validation error's input as JSON can carry it (the raw body of bad JSON is bytes)."""
+    """A validation error's input as JSON can carry it: the raw body of bad JSON is bytes,
+    and the JSON parser takes ``NaN`` and ``Infinity``, which strict JSON (the response)
+    cannot carry: they are sent as strings ("inf"; they made the 422 a 500, found by
+    tests/fuzz)."""
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode(errors="replace")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
     return value
 
 
