@@ -130,7 +130,8 @@ def main() -> None:
                             file=sys.stderr,
                             flush=True,
                         )
-                    stalls = [r[1] for r in results]
+                    # NaN: no client happened to be on the victim that round
+                    stalls = [r[1] for r in results if r[1] == r[1]] or [float("nan")]
                     rows.append(
                         [
                             instances,

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import pytest
@@ -163,6 +163,50 @@ class BackendFailures:
         )
 
 
+class _Scenario(Protocol):
+    target: Target
+
+
+S = TypeVar("S", bound=_Scenario)
+
+
+def held_together(
+    clusters: Clusters,
+    request: pytest.FixtureRequest,
+    new: Callable[[Target, Make], S],
+    first: Callable[[S], None],
+    later: list[tuple[float, Callable[[S], None]]],
+) -> None:
+    """One scenario per backend (``new(target, make)``), its ``first`` phase run on each
+    backend in turn; then for each ``(wait_s, phase)`` of ``later``, one wait serves every
+    backend and the phase runs on each in turn. So every backend waits at least ``wait_s``
+    (the earlier ones longer) and the waits are paid once, not once per backend. A backend
+    that fails drops out and the others go on; the failures are raised together, each noted
+    with its backend."""
+    failures = BackendFailures()
+    scenarios: list[S] = []
+    with ExitStack() as sandboxes:
+        for b in BACKENDS:
+            with failures.of(b.name):
+                target = clusters.get(b)
+                make = sandboxes.enter_context(
+                    backend_sandboxes(target, f"{request.node.nodeid}[{b.name}]")
+                )
+                scenario = new(target, make)
+                first(scenario)
+                scenarios.append(scenario)
+        for wait_s, phase in later:
+            if scenarios:
+                time.sleep(wait_s)
+            for scenario in list(scenarios):
+                name = scenario.target.backend.name
+                with failures.of(name):
+                    phase(scenario)
+                if name in failures.by_backend:
+                    scenarios.remove(scenario)
+    failures.raise_if_any(clusters, request.node.nodeid)
+
+
 class PreemptionScenario:
     """One backend's part of the preemption test, in two phases: ``set_up_and_pause`` (a
     rollout sandbox and a task of 16, paused), then, once every backend's sandboxes have been
@@ -288,24 +332,13 @@ def test_a_preemption_of_two_minutes_loses_nothing(
     longer), and one hold serves them all. Then each is resumed and checked in turn. A
     backend that fails drops out and the others go on; the failures are raised together,
     each noted with its backend."""
-    failures = BackendFailures()
-    scenarios: list[PreemptionScenario] = []
-    with ExitStack() as sandboxes:
-        for b in BACKENDS:
-            with failures.of(b.name):
-                target = clusters.get(b)
-                make = sandboxes.enter_context(
-                    backend_sandboxes(target, f"{request.node.nodeid}[{b.name}]")
-                )
-                scenario = PreemptionScenario(target, make)
-                scenario.set_up_and_pause()
-                scenarios.append(scenario)
-        if scenarios:
-            time.sleep(HOLD_S)
-        for scenario in scenarios:
-            with failures.of(scenario.target.backend.name):
-                scenario.check_after_hold()
-    failures.raise_if_any(clusters, request.node.nodeid)
+    held_together(
+        clusters,
+        request,
+        PreemptionScenario,
+        PreemptionScenario.set_up_and_pause,
+        [(HOLD_S, PreemptionScenario.check_after_hold)],
+    )
 
 
 def _node_status(target: Target) -> edge_pb2.GetNodeStatusResponse:
@@ -369,28 +402,13 @@ def test_an_edge_restart_in_the_middle_of_a_long_pause(
     the new edge never thawed it while it adopted it (its background command made no progress
     before the resume). The backends' pauses are held together (as in the preemption test):
     each phase runs on every backend in turn, one wait serves them all."""
-    failures = BackendFailures()
-    scenarios: list[EdgeRestartScenario] = []
-    with ExitStack() as sandboxes:
-        for b in BACKENDS:
-            with failures.of(b.name):
-                target = clusters.get(b)
-                make = sandboxes.enter_context(
-                    backend_sandboxes(target, f"{request.node.nodeid}[{b.name}]")
-                )
-                scenario = EdgeRestartScenario(target, make)
-                scenario.pause()
-                scenarios.append(scenario)
-        for phase in (EdgeRestartScenario.restart_edge, EdgeRestartScenario.check):
-            if scenarios:
-                time.sleep(HALF_S)
-            for scenario in list(scenarios):
-                name = scenario.target.backend.name
-                with failures.of(name):
-                    phase(scenario)
-                if name in failures.by_backend:
-                    scenarios.remove(scenario)
-    failures.raise_if_any(clusters, request.node.nodeid)
+    held_together(
+        clusters,
+        request,
+        EdgeRestartScenario,
+        EdgeRestartScenario.pause,
+        [(HALF_S, EdgeRestartScenario.restart_edge), (HALF_S, EdgeRestartScenario.check)],
+    )
 
 
 def test_a_resume_that_cannot_bring_the_sandbox_back_ends_it(make: Make, target: Target) -> None:

@@ -31,7 +31,7 @@ import pytest
 
 from tests.multinode.lab import NODES, MultiNode, multinode_cluster
 
-__all__ = ["NODES", "MultiNode", "restore_node"]
+__all__ = ["NODES", "MultiNode", "restore_apiserver", "restore_node"]
 
 #: The node-loss test shortens the watcher's "gone" rule from 120 s: a lost node's sandboxes
 #: are reported EDGE_LOST and their quota released within seconds, not minutes.
@@ -72,3 +72,14 @@ def restore_node(m: MultiNode, node: str, timeout_s: float = 60.0) -> None:
         except TimeoutError:
             if time.monotonic() > deadline:
                 raise
+
+
+def restore_apiserver(m: MultiNode, name: str, timeout_s: float = 60.0) -> None:
+    """API server ``name`` running and announcing the virtual IP again (after a test killed it)."""
+    p = m.cluster.process(name)
+    if p.proc is None or p.proc.poll() is not None:
+        m.cluster._spawn(p)
+        m.cluster.wait_serving([p], timeout_s)
+    assert m.cluster.vip is not None
+    hops = {q.host.address for q in m.cluster.processes if q.module == "apiserver" and q.host}
+    m.router.wait_next_hops(m.cluster.vip.address, hops, timeout_s)

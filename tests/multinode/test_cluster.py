@@ -10,7 +10,10 @@ from collections import Counter
 
 import pytest
 
-from tests.multinode.conftest import NODES, MultiNode
+from libdsec import Exited, Output
+from libdsec.errors import Unavailable
+from tests.multinode.conftest import NODES, MultiNode, restore_apiserver
+from tests.multinode.viplab import instance_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.images("busybox")]
 
@@ -84,3 +87,40 @@ def test_the_cli_works_against_the_cluster_unchanged(multinode: MultiNode) -> No
             env=env,
             timeout=60,
         )
+
+
+def test_an_attach_through_an_api_server_that_dies_resumes_from_its_offset(
+    multinode: MultiNode,
+) -> None:
+    """Behind the virtual IP: the attach stream of a client whose connection is on the API
+    server killed ends with UNAVAILABLE; attached again from the bytes it had (any instance
+    serves it), the output is whole, no byte lost or repeated."""
+    m = multinode
+    candidates = [m.client() for _ in range(30)]
+    try:
+        c = next(x for x in candidates if instance_of(x) == "apiserver1")
+        lines = 300
+        want = "".join(f"line{i}\n" for i in range(lines)).encode()
+        with c.create(image="busybox", memory_mb=64) as sb:
+            p = sb.start(
+                f"i=0; while [ $i -lt {lines} ]; do echo line$i; i=$((i+1)); sleep 0.02; done"
+            )
+            got = bytearray()
+            victim = m.cluster.process("apiserver1")
+            with pytest.raises(Unavailable):
+                for event in p.attach():
+                    if isinstance(event, Output) and event.stream == "stdout":
+                        got += event.data
+                        if len(got) > 200 and victim.proc.poll() is None:  # type: ignore[union-attr]
+                            victim.proc.kill()  # type: ignore[union-attr]
+            assert 0 < len(got) < len(want)
+            for event in p.attach(stdout_offset=len(got)):
+                if isinstance(event, Output) and event.stream == "stdout":
+                    got += event.data
+                elif isinstance(event, Exited):
+                    break
+            assert bytes(got) == want
+    finally:
+        for x in candidates:
+            x.close()
+        restore_apiserver(m, "apiserver1")
