@@ -100,6 +100,7 @@ def test_describe_a_message_as_proto_text(cluster: LocalCluster) -> None:
         "  string task_id = 1;\n"
         "  map<string, string> label_selector = 2;\n"
         "  uint32 keepalive_interval_ms = 3;\n"
+        "  .google.protobuf.Timestamp changed_since = 4;\n"
         "}\n"
     )
     r = grpc_cli(cluster, "describe", "dsec.apiserver.v1.WatchSandboxesResponse")

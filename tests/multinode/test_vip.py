@@ -119,7 +119,8 @@ def test_a_broken_watch_resumes_where_it_stopped_without_losing_a_change(v: VipL
     task = f"w-{uuid.uuid4().hex[:6]}"
     # A watch whose connection is on the instance that dies.
     watcher = next(c for c in (v.client() for _ in range(30)) if instance_of(c) == "apiserver1")
-    creator = v.client()
+    # The creates (not idempotent: no key) go through the instance that stays.
+    creator = next(c for c in (v.client() for _ in range(30)) if instance_of(c) == "apiserver")
     created: list[str] = []
     sandboxes = []
     try:
