@@ -15,6 +15,7 @@ machine, not a skip).
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "images(*names): the test runs sandboxes of these base images (fails if missing)"
     )
+    # A suite started in the background (`make test &`) inherits SIGINT ignored, and so would
+    # every process a test starts: `dsec sandbox watch` could not be stopped by its Ctrl-C,
+    # chronus's interrupt grace would not be what it is. Tests get a normal SIGINT.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def require_images(*names: str) -> None:
