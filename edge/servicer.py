@@ -470,24 +470,38 @@ class EdgeServicer:
     # The hops of common/forwarding.py (EDGE_ROUTES): chronus's call of the same name.
 
     async def forward_unary(self, route: Route, request: Any, context: Any) -> Message:
-        channel = await self._channel(request.sandbox_id)
-        result: Message = await channel.unary(route.target, request)
+        async with self._ending_says_why(request.sandbox_id):
+            channel = await self._channel(request.sandbox_id)
+            result: Message = await channel.unary(route.target, request)
         return result
 
     async def forward_server_stream(
         self, route: Route, request: Any, context: Any
     ) -> AsyncIterator[Message]:
-        channel = await self._channel(request.sandbox_id)
-        async for item in channel.server_stream(route.target, request):
-            yield item
+        async with self._ending_says_why(request.sandbox_id):
+            channel = await self._channel(request.sandbox_id)
+            async for item in channel.server_stream(route.target, request):
+                yield item
 
     async def forward_client_stream(
         self, route: Route, requests: AsyncIterator[Any], context: Any
     ) -> Message:
         sandbox_id, whole = await forwarding.opened(route, requests)
-        channel = await self._channel(sandbox_id)
-        result: Message = await channel.client_stream(route.target, whole)
+        async with self._ending_says_why(sandbox_id):
+            channel = await self._channel(sandbox_id)
+            result: Message = await channel.client_stream(route.target, whole)
         return result
+
+    @contextlib.asynccontextmanager
+    async def _ending_says_why(self, sandbox_id: str) -> AsyncIterator[None]:
+        """A call into the sandbox cut by the sandbox's ending (its channel closes before its
+        teardown is recorded: a stop, its TTL, a full disk) raises the ending,
+        SandboxTerminated with the reason, rather than the closed channel."""
+        try:
+            yield
+        except Unavailable:
+            await self._raise_if_ended(sandbox_id)
+            raise
 
     def _sandbox_state(self, sandbox_id: str) -> SandboxState:
         m = self.manager
@@ -524,8 +538,9 @@ class EdgeServicer:
             self.manager.note_violation(sandbox_id, "output_truncations")
 
     async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
-        channel, request = await self._exec_channel(request)
-        result: types_pb2.ExecResult = await channel.unary("exec", request)
+        async with self._ending_says_why(request.sandbox_id):
+            channel, request = await self._exec_channel(request)
+            result: types_pb2.ExecResult = await channel.unary("exec", request)
         self._count_truncation(request.sandbox_id, result.exit)
         return result
 

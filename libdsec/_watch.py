@@ -31,7 +31,7 @@ from libdsec._transport import (
     stalled,
     stream_error,
 )
-from libdsec.errors import InvalidArgument
+from libdsec.errors import DeadlineExceeded, InvalidArgument
 from libdsec.types import SandboxInfo
 
 #: How long closing waits for a read in flight (in another task) to see the close.
@@ -113,6 +113,11 @@ class AsyncWatch:
                 metadata=self._rpc.metadata,
                 # a deadline past the caller's own end (which closes the call first)
                 timeout=None if self._timeout is None else self._timeout + 30.0,
+                # Nothing is sent before the connection is up, so a watch opened while the API
+                # server is unreachable (restarting, or its virtual IP's route not yet moved)
+                # waits for it rather than failing at once; the first read's stall limit
+                # bounds the wait.
+                wait_for_ready=True,
             )
             if self._timeout is not None:
                 self._ends_at = time.monotonic() + self._timeout
@@ -164,6 +169,12 @@ class AsyncWatch:
                 self._finish()
                 if self._ends_at is not None and time.monotonic() >= self._ends_at:
                     return None  # the caller's timeout: a clean end
+                state = self._rpc.channel.get_state()
+                if state != grpc.ChannelConnectivity.READY:
+                    raise DeadlineExceeded(  # as a unary call that never got through
+                        f"no answer within {wait:g} s: the API server at {self._rpc.target} "
+                        f"cannot be reached (connection {state.name}); is it running?"
+                    ) from None
                 raise stalled(self.idle_timeout_s) from None
             except grpc.aio.AioRpcError as exc:
                 if self._closed:

@@ -824,7 +824,13 @@ ip link set eth0 down; ip link set eth0 address $mac; ip link set eth0 up
 ip route replace default via $gw
 say "allowed $(nc -w 10 $allowed 443 </dev/null 2>&1)"
 say "denied $(nc -w 2 $denied 443 </dev/null 2>&1)"
-say "dns-edge $(timeout 10 nslookup pypi.org $gw 2>&1 | tr '\n' ' ')"
+# the A record only (one query, not A and AAAA at once), asked again as a stub resolver
+# would if the guest (under TCG, on a loaded host) gave up before the answer came
+for n in 1 2 3; do
+  a=$(timeout 10 nslookup -type=a pypi.org $gw 2>&1 | tr '\n' ' ')
+  case "$a" in *"Address: "*) break;; esac  # an answer's (the server's has a tab)
+done
+say "dns-edge $a"
 say "dns-outside $(timeout 3 nslookup pypi.org $outside 2>&1 | tr '\n' ' ')"
 say "bulk $(dd if=/dev/zero bs=65536 count=128 2>/dev/null | nc -w 5 $allowed 8443 2>&1)"
 poweroff -f

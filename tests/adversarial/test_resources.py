@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from libdsec import Sandbox
-from libdsec.errors import DSecError
+from libdsec.errors import DSecError, ResourceExhausted, SandboxTerminated
 from tests.adversarial.conftest import TOOLKIT_PY, Lab
 from tests.helpers import wait_for
 
@@ -29,7 +29,19 @@ def test_fork_bomb_is_contained(make_sandbox: Callable[..., Sandbox]) -> None:
     # The classic one burns out against the limit (busybox's shell gives up when fork fails)...
     sb.run("bomb() { bomb | bomb & }; bomb; sleep 1", timeout_s=30)
     info = wait_for(lambda: (i := sb.refresh()).violations["pids_limit_hits"] > 0 and i)
-    assert info.state == "RUNNING" and sb.run("echo alive").text == "alive\n"
+    assert info.state == "RUNNING"
+
+    def alive() -> bool:
+        try:
+            return sb.run("echo alive").text == "alive\n"
+        except ResourceExhausted as exc:
+            assert exc.reason == "PIDS_LIMIT", exc
+            return False
+
+    # Usable again once the bomb's last processes have died out (until then the command's
+    # fork may be refused, typed, as the limit is meant to).
+    wait_for(alive, timeout_s=30, interval_s=0.5)
+    assert sb.refresh().state == "RUNNING"
 
 
 def test_a_sandbox_kept_at_its_pids_limit_ends_pids_exhausted(
@@ -56,8 +68,13 @@ def test_disk_fill_ends_the_sandbox_disk_quota(
     make_sandbox: Callable[..., Sandbox], lab: Lab
 ) -> None:
     sb = make_sandbox(disk_mb=32)
-    r = sb.run("dd if=/dev/zero of=/work/fill bs=1M count=200 2>&1; df -m /work | tail -1")
-    assert b"No space left" in r.stdout, r
+    # The edge ends the sandbox once its writable layer is full: either after the command has
+    # answered (dd saw ENOSPC), or while it runs, when the call ends with that ending itself.
+    try:
+        r = sb.run("dd if=/dev/zero of=/work/fill bs=1M count=200 2>&1; df -m /work | tail -1")
+        assert b"No space left" in r.stdout, r
+    except SandboxTerminated as exc:
+        assert exc.metadata.get("termination_reason") == "DISK_QUOTA", exc
     reason, message = _terminated(sb)
     assert reason == "DISK_QUOTA", message
     # The host gave the sandbox at most its quota: the image file is sparse and bounded.

@@ -209,7 +209,7 @@ def held_together(
 
 class PreemptionScenario:
     """One backend's part of the preemption test, in two phases: ``set_up_and_pause`` (a
-    rollout sandbox and a task of 16, paused), then, once every backend's sandboxes have been
+    rollout sandbox and a task, paused), then, once every backend's sandboxes have been
     held HOLD_S, ``check_after_hold`` (resumed, everything checked)."""
 
     def __init__(self, target: Target, make: Make) -> None:
@@ -238,7 +238,8 @@ class PreemptionScenario:
         self.timed = rollout.start("sleep 30; echo done", timeout_s=60)
         wait_for(lambda: rollout.run("test -s /work/ticks").exit_code == 0)
 
-        self.members = members = [make(task_id=task) for _ in range(16)]
+        size = target.backend.task_size
+        self.members = members = [make(task_id=task) for _ in range(size)]
         for i, sb in enumerate(members):
             sb.files.write("/work/id", str(i))
             sb.start(HOLD_MEMORY.format(kib=256))
@@ -249,7 +250,7 @@ class PreemptionScenario:
         rollout.pause()
         paused = target.client.pause_task(task)
         assert not paused.failed, [(f.sandbox_id, f.error) for f in paused.failed]
-        assert len(paused.sandboxes) == 16
+        assert len(paused.sandboxes) == size
         self.held_from = time.monotonic()
 
     def check_after_hold(self) -> None:
@@ -324,8 +325,9 @@ def test_a_preemption_of_two_minutes_loses_nothing(
 ) -> None:
     """On every backend: a rollout sandbox (background command with its output attached, a
     shell session, a client watch, a directory watch, a file in the writable layer, memory it
-    holds) and a task of 16 more, paused by pause_task and held HOLD_S, then resumed: the
-    rollout by an ordinary call, the task by resume_task.
+    holds) and a task of 16 more (4 full VMs: BackendUnderTest.task_size), paused by
+    pause_task and held HOLD_S, then resumed: the rollout by an ordinary call, the task by
+    resume_task.
 
     The backends are set up and paused one after the other and held together: HOLD_S from
     the last one's pause, so every backend's pause lasts at least HOLD_S (the earlier ones
