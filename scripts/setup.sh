@@ -4,7 +4,7 @@
 #   scripts/setup.sh
 #
 # Installs the missing apt packages, creates $REPO/.venv from /usr/bin/python3.11 with
-# `pip install -e .[dev]` (after apt: libvirt-python builds against libvirt-dev), starts
+# `pip install -e .[dev,swerex]` (after apt: libvirt-python builds against libvirt-dev), starts
 # dockerd, virtlogd and libvirtd if they are not running (QEMU under libvirt configured for
 # the VM backend: the dsec block of /etc/libvirt/qemu.conf), mounts bpffs and builds the base
 # images (scripts/build-base-images.sh) and the VM images (scripts/build-vm-images.sh).
@@ -122,9 +122,9 @@ else
     [[ -f $REPO/pyproject.toml ]] || die "no $REPO/pyproject.toml (run with SKIP_PIP=1 to skip pip)"
     want=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
     if [[ "$(cat "$PIP_STAMP" 2>/dev/null)" != "$want" ]]; then
-        log "pip install -e ${REPO}[dev]"
+        log "pip install -e ${REPO}[dev,swerex]"
         rm -f "$PIP_STAMP"
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "${REPO}[dev]"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "${REPO}[dev,swerex]"
         echo "$want" >"$PIP_STAMP"
         venv_state+=", pip installed"
     fi
@@ -165,6 +165,17 @@ if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV/bin/python" -c "import importlib.metada
     log "pip install --no-deps verl==$VERL"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "verl==$VERL"
     venv_state+=", verl $VERL (no deps)"
+fi
+
+# mini-swe-agent, whose environment class is libdsec/harness/mini_swe_agent.py (driven by
+# tests/integration/test_swerex.py with its scripted model). Without its dependencies: the
+# `swerex` extra above has what its agent loop imports; the rest are its LLM clients,
+# benchmarks and TUI, and litellm's boto3 would downgrade python-dateutil (botocore: <3).
+MINI_SWE_AGENT=2.4.6
+if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('mini-swe-agent') == '$MINI_SWE_AGENT'" 2>/dev/null; then
+    log "pip install --no-deps mini-swe-agent==$MINI_SWE_AGENT"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "mini-swe-agent==$MINI_SWE_AGENT"
+    venv_state+=", mini-swe-agent $MINI_SWE_AGENT (no deps)"
 fi
 
 # --------------------------------------------------------------------------- dockerd
