@@ -91,6 +91,11 @@ class CompatConfig(ServiceConfig, VipConfig):
     #: Most cases of one /run_code_batch request.
     sandbox_fusion_max_batch: int = 10_000
 
+    # ---- SWE-ReX front end (compat.swe_rex): its own listener, same process.
+    #: host:port of SWE-ReX's remote-runtime API; "" (default) = not served. Needs the
+    #: ``swerex`` extra (swe-rex), which the rest of compat does not.
+    swerex_listen: str = ""
+
     @property
     def host(self) -> str:
         return self.listen.rsplit(":", 1)[0].strip("[]")
@@ -106,6 +111,14 @@ class CompatConfig(ServiceConfig, VipConfig):
     @property
     def sandbox_fusion_port(self) -> int:
         return int(self.sandbox_fusion_listen.rsplit(":", 1)[1])
+
+    @property
+    def swerex_host(self) -> str:
+        return self.swerex_listen.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def swerex_port(self) -> int:
+        return int(self.swerex_listen.rsplit(":", 1)[1])
 
     def validate(self) -> None:
         super().validate()
@@ -139,6 +152,8 @@ class CompatConfig(ServiceConfig, VipConfig):
             raise ConfigError("timeouts and cache sizes must be positive")
         if self.sandbox_fusion_listen:
             self._validate_sandbox_fusion()
+        if self.swerex_listen:
+            self._validate_swerex()
 
     def memory_for(self, template: str) -> int:
         """The memory (MB) of a sandbox of E2B template `template`."""
@@ -175,6 +190,18 @@ class CompatConfig(ServiceConfig, VipConfig):
             < 1
         ):
             raise ConfigError("DSEC_COMPAT_SANDBOX_FUSION_* sizes must be positive")
+
+    def _validate_swerex(self) -> None:
+        name = "DSEC_COMPAT_SWEREX_LISTEN"
+        if ":" not in self.swerex_listen:
+            raise ConfigError(f"{name} must be host:port (or empty: not served)")
+        try:
+            port = self.swerex_port
+        except ValueError:
+            raise ConfigError(f"{name}={self.swerex_listen!r}: bad port") from None
+        taken = {self.port, self.sandbox_fusion_port if self.sandbox_fusion_listen else -1}
+        if port in taken and port != 0:
+            raise ConfigError(f"{name} must differ from the other listeners' ports")
 
 
 def _loopback(host: str) -> bool:

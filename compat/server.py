@@ -1,9 +1,11 @@
 """Composition root of ``python -m compat``: config, the client pool, the ASGI apps, uvicorn.
 
 One uvicorn server (HTTP/1.1, plain TCP on loopback by default, TLS with a cert and key)
-listens on two sockets: ``DSEC_COMPAT_LISTEN`` serves the E2B front end (``compat.e2b``),
-``DSEC_COMPAT_SANDBOX_FUSION_LISTEN`` the SandboxFusion one (``compat.sandboxfusion``); a
-request goes to the app of the socket it came in on. Both share one pool of libdsec clients.
+listens on up to three sockets: ``DSEC_COMPAT_LISTEN`` serves the E2B front end
+(``compat.e2b``), ``DSEC_COMPAT_SANDBOX_FUSION_LISTEN`` the SandboxFusion one
+(``compat.sandboxfusion``), ``DSEC_COMPAT_SWEREX_LISTEN`` (off by default) SWE-ReX's
+remote-runtime API (``compat.swe_rex``); a request goes to the app of the socket it came in
+on. All share one pool of libdsec clients.
 uvicorn ends on SIGTERM/SIGINT after in-flight requests (``shutdown_grace_s``); then the
 pool's gRPC channels are closed.
 """
@@ -53,7 +55,13 @@ async def main() -> None:
                 raise ConfigError(f"{config.sandbox_fusion_token_file} holds no token")
         fusion = SandboxFusionApp(config, pool, default_token=token)
         sockets.append(_listen(config.sandbox_fusion_host, config.sandbox_fusion_port))
-        by_port[sockets[1].getsockname()[1]] = fusion
+        by_port[sockets[-1].getsockname()[1]] = fusion
+    if config.swerex_listen:
+        # Imported only when served: it needs the `swerex` extra (swe-rex).
+        from compat.swe_rex.app import SweRexApp
+
+        sockets.append(_listen(config.swerex_host, config.swerex_port))
+        by_port[sockets[-1].getsockname()[1]] = SweRexApp(pool)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # scope["server"] is the local address of the socket the connection came in on.
@@ -83,6 +91,12 @@ async def main() -> None:
             scheme,
             config.sandbox_fusion_listen,
             " (requests without a token act as the token file's)" if fusion.default_token else "",
+        )
+    if config.swerex_listen:
+        log.info(
+            "compat: SWE-ReX remote-runtime API on %s://%s/sandboxes/<sandbox id>",
+            scheme,
+            config.swerex_listen,
         )
     agent: RouteAgentHandle | None = None
     agent_task: asyncio.Task[None] | None = None

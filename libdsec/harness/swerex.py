@@ -30,7 +30,7 @@ What maps to what:
 What dsec cannot do raises ``NotImplementedError`` saying so: interactive programs
 (``is_interactive_command`` / ``is_interactive_quit``) and ``expect`` strings (a session call
 returns when the command ends, never on a pattern in its output). dsec's errors become
-SWE-ReX's own exception types with dsec's reason in the message (:func:`_swerex_errors`).
+SWE-ReX's own exception types with dsec's reason in the message (:func:`swerex_errors`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ from swerex.utils.log import get_logger
 from libdsec.aio import AsyncClient, AsyncSandbox, AsyncSession
 from libdsec.errors import DeadlineExceeded, DSecError, PathNotFound
 
-__all__ = ["DsecDeployment", "DsecDeploymentConfig", "DsecRuntime"]
+__all__ = ["DsecDeployment", "DsecDeploymentConfig", "DsecRuntime", "swerex_errors"]
 
 #: Sandbox states in which calls succeed (a paused sandbox resumes on the first call).
 _ALIVE_STATES = frozenset({"RUNNING", "PAUSED"})
@@ -128,7 +128,7 @@ class DsecDeploymentConfig(BaseModel):
 
 
 @contextmanager
-def _swerex_errors(what: str) -> Iterator[None]:
+def swerex_errors(what: str) -> Iterator[None]:
     """dsec's typed errors as SWE-ReX's, with dsec's reason (``REASON: message``) kept."""
     try:
         yield
@@ -184,16 +184,27 @@ def _local_tree(source: Path) -> tuple[list[str], list[tuple[Path, str]]]:
 class DsecRuntime(AbstractRuntime):
     """SWE-ReX's runtime interface on one dsec sandbox (see the module docstring)."""
 
-    def __init__(self, sandbox: AsyncSandbox, *, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        sandbox: AsyncSandbox,
+        *,
+        sessions: dict[str, str] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        """``sessions``: SWE-ReX session name -> dsec session id, kept in (and changed through)
+        the dict given, for a caller that makes a runtime per request over the same sandbox
+        (the compat front end's SWE-ReX API)."""
         self.sandbox = sandbox
         self.logger = logger or get_logger("rex-dsec")
-        self._sessions: dict[str, AsyncSession] = {}
+        self._sessions: dict[str, str] = {} if sessions is None else sessions
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
-            info = await self.sandbox.refresh()
+            info = await asyncio.wait_for(self.sandbox.refresh(), timeout)
         except DSecError as exc:
             return IsAliveResponse(is_alive=False, message=f"dsec: {exc}")
+        except TimeoutError:
+            return IsAliveResponse(is_alive=False, message=f"no answer from dsec in {timeout} s")
         if info.state in _ALIVE_STATES:
             return IsAliveResponse(is_alive=True)
         return IsAliveResponse(is_alive=False, message=f"sandbox {self.sandbox.id} is {info.state}")
@@ -203,9 +214,9 @@ class DsecRuntime(AbstractRuntime):
         files (within ``startup_timeout``)."""
         if request.session in self._sessions:
             raise SessionExistsError(f"session {request.session!r} already exists")
-        with _swerex_errors(f"creating session {request.session!r}"):
+        with swerex_errors(f"creating session {request.session!r}"):
             session = await self.sandbox.session()
-        self._sessions[request.session] = session
+        self._sessions[request.session] = session.session_id
         if not request.startup_source:
             return CreateBashSessionResponse()
         sources = " && ".join(f"source {path}" for path in request.startup_source)
@@ -220,7 +231,7 @@ class DsecRuntime(AbstractRuntime):
     def session(self, name: str) -> AsyncSession:
         """The dsec shell session behind the SWE-ReX session ``name``."""
         try:
-            return self._sessions[name]
+            return AsyncSession(self.sandbox, self._sessions[name])
         except KeyError:
             raise SessionDoesNotExistError(f"session {name!r} does not exist") from None
 
@@ -258,7 +269,7 @@ class DsecRuntime(AbstractRuntime):
             return BashObservation(output="", exit_code=0)
         # A group in the shell itself (cd, export, `server &` persist); its stderr joins stdout
         # in order, as on swe-rex's terminal. The newline ends a trailing comment or heredoc.
-        with _swerex_errors(f"running {command!r} in session {session.session_id}"):
+        with swerex_errors(f"running {command!r} in session {session.session_id}"):
             r = await session.run(f"{{\n{command}\n}} 2>&1", timeout_s=timeout)
         if r.timed_out:
             raise CommandTimeoutError(
@@ -272,7 +283,7 @@ class DsecRuntime(AbstractRuntime):
     ) -> BashObservation:
         """SIGINT to the session's running command, ``n_retry`` times ``timeout`` apart, then
         SIGKILL (as swe-rex's Ctrl-C, Ctrl-Z and ``kill -9``). Nothing running: nothing to do."""
-        with _swerex_errors(f"interrupting session {session.session_id}"):
+        with swerex_errors(f"interrupting session {session.session_id}"):
             for attempt in range(action.n_retry + 1):
                 running = [
                     p
@@ -296,14 +307,14 @@ class DsecRuntime(AbstractRuntime):
     async def close_session(self, request: CloseSessionRequest) -> CloseSessionResponse:
         session = self.session(request.session)
         del self._sessions[request.session]
-        with _swerex_errors(f"closing session {request.session!r}"):
+        with swerex_errors(f"closing session {request.session!r}"):
             await session.close()
         return CloseBashSessionResponse()
 
     async def execute(self, command: Command) -> CommandResponse:
         """A one-off command (``subprocess.run`` semantics); killed in the sandbox at its
         timeout (then CommandTimeoutError)."""
-        with _swerex_errors(f"executing {command.command!r}"):
+        with swerex_errors(f"executing {command.command!r}"):
             r = await self.sandbox.run(_argv(command), timeout_s=command.timeout, cwd=command.cwd)
         if r.timed_out:
             raise CommandTimeoutError(
@@ -322,14 +333,14 @@ class DsecRuntime(AbstractRuntime):
         return response
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
-        with _swerex_errors(f"reading {request.path}"):
+        with swerex_errors(f"reading {request.path}"):
             data = await self.sandbox.files.read(request.path)
         content = data.decode(request.encoding or "utf-8", request.errors or "strict")
         return ReadFileResponse(content=content)
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         """Writes the text (UTF-8), creating missing parent directories."""
-        with _swerex_errors(f"writing {request.path}"):
+        with swerex_errors(f"writing {request.path}"):
             await self.sandbox.files.write(request.path, request.content)
         return WriteFileResponse()
 
@@ -337,7 +348,7 @@ class DsecRuntime(AbstractRuntime):
         """Copies a local file or directory tree into the sandbox (streamed, binary-safe)."""
         dirs, files = await asyncio.to_thread(_local_tree, Path(request.source_path))
         target = request.target_path
-        with _swerex_errors(f"uploading {request.source_path} to {target}"):
+        with swerex_errors(f"uploading {request.source_path} to {target}"):
             for rel in dirs:
                 await self.sandbox.files.mkdir(os.path.join(target, rel))
             for local, rel in files:
@@ -346,8 +357,10 @@ class DsecRuntime(AbstractRuntime):
 
     async def close(self) -> CloseResponse:
         """Closes every session (the sandbox itself belongs to the deployment)."""
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
+        names = list(self._sessions)
+        for name in names:
+            session = self.session(name)
+            del self._sessions[name]
             try:
                 await session.close()
             except DSecError as exc:  # ended with the sandbox already: nothing left to close

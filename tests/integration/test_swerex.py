@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import os
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from swerex.exceptions import (
     SessionExistsError,
 )
 from swerex.runtime.abstract import (
+    AbstractRuntime,
     BashAction,
     BashInterruptAction,
     CloseBashSessionRequest,
@@ -43,11 +44,13 @@ from swerex.runtime.abstract import (
     UploadRequest,
     WriteFileRequest,
 )
+from swerex.runtime.remote import RemoteRuntime
 
-from dsecctl.cluster import LocalCluster
+from dsecctl.cluster import LocalCluster, free_port
 from libdsec import Client
 from libdsec.harness.mini_swe_agent import DsecEnvironment
-from libdsec.harness.swerex import DsecDeployment, DsecRuntime
+from libdsec.harness.swerex import DsecDeployment
+from tests.integration.conftest import ClusterWith
 
 pytestmark = pytest.mark.images("bookworm")
 
@@ -62,23 +65,15 @@ COUNT_SLEEPS = (
 
 
 class Rex:
-    """The module's deployment and the loop every call to it runs on."""
+    """A SWE-ReX runtime and the one event loop every call to it runs on."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    #: a RemoteRuntime's base URL and key
+    url = ""
+    token = ""
+
+    def __init__(self, runtime: Callable[[], Coroutine[Any, Any, AbstractRuntime]]) -> None:
         self.loop = asyncio.Runner()
-        self.deployment = DsecDeployment(
-            target=cluster.apiserver,
-            token=cluster.token,
-            image="bookworm",
-            cpu=1,
-            memory_mb=512,
-            labels={"test": __name__},
-        )
-        self.run(self.deployment.start())
-
-    @property
-    def runtime(self) -> DsecRuntime:
-        return self.deployment.runtime
+        self.runtime: AbstractRuntime = self.run(runtime())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run(coro)
@@ -88,25 +83,40 @@ class Rex:
             self.runtime.run_in_session(BashAction(command=command, session=session, **kw))
         )
 
-    def close(self) -> None:
-        try:
-            self.run(self.deployment.stop())
-        finally:
-            self.loop.close()
+
+@pytest.fixture(scope="module")
+def deployment(container_cluster: LocalCluster) -> DsecDeployment:
+    return DsecDeployment(
+        target=container_cluster.apiserver,
+        token=container_cluster.token,
+        image="bookworm",
+        cpu=1,
+        memory_mb=512,
+        labels={"test": __name__},
+    )
 
 
 @pytest.fixture(scope="module")
-def rex(container_cluster: LocalCluster) -> Iterator[Rex]:
-    r = Rex(container_cluster)
+def rex(deployment: DsecDeployment) -> Iterator[Rex]:
+    """The deployment, started, with a session "default"."""
+
+    async def started() -> AbstractRuntime:
+        await deployment.start()
+        return deployment.runtime
+
+    r = Rex(started)
     try:
         r.run(r.runtime.create_session(CreateBashSessionRequest(session="default")))
         yield r
     finally:
-        r.close()
+        try:
+            r.run(deployment.stop())
+        finally:
+            r.loop.close()
 
 
 def test_session_keeps_cwd_env_and_background_process(rex: Rex) -> None:
-    assert rex.run(rex.deployment.is_alive()).is_alive
+    assert rex.run(rex.runtime.is_alive()).is_alive
     first = rex.bash("cd /tmp\nexport REX_VAR=kept\nsleep 1000 &\necho $! > /tmp/bg.pid")
     assert first.exit_code == 0
     obs = rex.bash(
@@ -198,7 +208,7 @@ def test_files_round_trip(rex: Rex, tmp_path: Path) -> None:
         rex.run(rt.read_file(ReadFileRequest(path="/work/missing.txt")))
 
 
-def test_bad_input_gets_swerex_errors(rex: Rex) -> None:
+def test_bad_input_gets_swerex_errors(rex: Rex, deployment: DsecDeployment) -> None:
     rt = rex.runtime
     with pytest.raises(SessionDoesNotExistError, match="'nope'"):
         rex.bash("echo hi", session="nope")
@@ -208,7 +218,7 @@ def test_bad_input_gets_swerex_errors(rex: Rex) -> None:
         rex.run(rt.create_session(CreateBashSessionRequest(session="default")))
     # a session gone on dsec's side (closed behind swe-rex's back): dsec's reason in the message
     rex.run(rt.create_session(CreateBashSessionRequest(session="gone")))
-    rex.run(rt.session("gone").close())
+    rex.run(deployment.runtime.session("gone").close())
     with pytest.raises(SessionDoesNotExistError, match="SESSION_NOT_FOUND"):
         rex.bash("echo hi", session="gone")
     with pytest.raises(SessionDoesNotExistError, match="SESSION_NOT_FOUND"):
@@ -278,3 +288,79 @@ def test_mini_swe_agent_fixes_a_bug_in_the_sandbox(
     finally:
         env.cleanup()
     assert sandbox.refresh().state not in ("RUNNING", "PAUSED")
+
+
+# ------------------------------------------------ SWE-ReX's remote-runtime API (compat)
+
+
+@pytest.fixture(scope="module")
+def remote(cluster_with: ClusterWith) -> Iterator[Rex]:
+    """A stock RemoteRuntime on a sandbox of a cluster whose compat serves SWE-ReX's API."""
+    port = free_port()
+    with (
+        cluster_with("srx", extra_env={"DSEC_COMPAT_SWEREX_LISTEN": f"127.0.0.1:{port}"}) as c,
+        Client(c.apiserver, token=c.token) as client,
+    ):
+        sandbox = client.create(image="bookworm", memory_mb=512, labels={"test": __name__})
+
+        async def connected() -> AbstractRuntime:
+            url = f"http://127.0.0.1:{port}/sandboxes/{sandbox.id}"
+            return RemoteRuntime(host=url, auth_token=c.token, timeout=30)  # stock, unchanged
+
+        r = Rex(connected)
+        r.url = f"http://127.0.0.1:{port}/sandboxes/{sandbox.id}"
+        r.token = c.token
+        try:
+            yield r
+        finally:
+            r.loop.close()
+            sandbox.stop(grace_s=0.5)
+
+
+def test_remote_runtime_reaches_a_dsec_sandbox(remote: Rex, tmp_path: Path) -> None:
+    rt = remote.runtime
+    assert remote.run(rt.is_alive()).is_alive
+    remote.run(rt.create_session(CreateBashSessionRequest()))
+    remote.bash("cd /tmp && export REMOTE_VAR=kept")  # one request ...
+    assert remote.bash('pwd; echo "$REMOTE_VAR"').output.split() == ["/tmp", "kept"]  # ... the next
+    # swe-rex's exception classes travel back (HTTP 511), with dsec's words in the message
+    with pytest.raises(CommandTimeoutError, match="dsec killed it"):
+        remote.bash("sleep 77", timeout=1.0)
+    assert remote.bash(COUNT_SLEEPS).output.strip() == "0"
+    with pytest.raises(SessionDoesNotExistError, match="'nope'"):
+        remote.bash("true", session="nope")
+    with pytest.raises(FileNotFoundError, match="PATH_NOT_FOUND"):
+        remote.run(rt.read_file(ReadFileRequest(path="/work/none.txt")))
+    # files: text, a binary file, a directory (RemoteRuntime zips it, the front end unpacks it)
+    remote.run(rt.write_file(WriteFileRequest(path="/work/r/a.txt", content="ä\n")))
+    assert remote.run(rt.read_file(ReadFileRequest(path="/work/r/a.txt"))).content == "ä\n"
+    blob = os.urandom(1024 * 1024 + 3)
+    (tmp_path / "blob.bin").write_bytes(blob)
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "tree" / "sub" / "x.txt").write_text("x")
+    remote.run(
+        rt.upload(UploadRequest(source_path=str(tmp_path / "blob.bin"), target_path="/work/b.bin"))
+    )
+    remote.run(
+        rt.upload(UploadRequest(source_path=str(tmp_path / "tree"), target_path="/work/tree"))
+    )
+    sha = remote.run(rt.execute(Command(command=["sha256sum", "/work/b.bin"], check=True)))
+    assert sha.stdout.split()[0] == hashlib.sha256(blob).hexdigest()
+    assert remote.bash("cat /work/tree/sub/x.txt").output == "x"
+    # close ends the sessions (not the sandbox)
+    remote.run(rt.close())
+    with pytest.raises(SessionDoesNotExistError):
+        remote.bash("true")
+    assert remote.run(rt.is_alive()).is_alive
+
+
+def test_remote_runtime_refusals(remote: Rex) -> None:
+    bad_token = RemoteRuntime(host=remote.url, auth_token="not-a-token", timeout=30)
+    alive = remote.run(bad_token.is_alive())
+    assert not alive.is_alive
+    assert "Status code 401" in alive.message
+    missing = remote.url.rsplit("/", 1)[0] + "/sb-missing"
+    alive = remote.run(RemoteRuntime(host=missing, auth_token=remote.token).is_alive())
+    assert not alive.is_alive
+    assert "Status code 404" in alive.message
+    assert "NOT_FOUND" in alive.message
