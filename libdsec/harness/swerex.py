@@ -81,8 +81,8 @@ from swerex.runtime.abstract import (
     WriteFileResponse,
 )
 
-# SWE-ReX's own pre-flight syntax check (``bash -n`` on the caller's machine, the way its
-# server checks every session command): a syntax error is BashIncorrectSyntaxError before
+# SWE-ReX's own pre-flight syntax check (``bash -n`` on the caller's machine, which needs
+# bash, the way its server checks every session command): a syntax error is BashIncorrectSyntaxError before
 # anything runs. Private in swe-rex, hence pinned (1.4.0).
 from swerex.runtime.local import _check_bash_command
 from swerex.utils.log import get_logger
@@ -250,7 +250,7 @@ class DsecRuntime(AbstractRuntime):
                 "dsec returns a session command when it ends, not on an expected output:"
                 f" expect={action.expect!r} is not supported"
             )
-        _check_bash_command(action.command)
+        await asyncio.to_thread(_check_bash_command, action.command)  # runs a local `bash -n`
         obs = await self._run(session, action.command, action.timeout)
         if action.check == "ignore":
             obs.exit_code = None
