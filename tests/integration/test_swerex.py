@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -288,6 +291,81 @@ def test_mini_swe_agent_fixes_a_bug_in_the_sandbox(
     finally:
         env.cleanup()
     assert sandbox.refresh().state not in ("RUNNING", "PAUSED")
+
+
+def test_mini_cli_runs_on_dsec_with_the_environment_class(
+    container_cluster: LocalCluster, client: Client, tmp_path: Path
+) -> None:
+    """The `mini` command itself, its environment named by import path (the one-line change),
+    a scripted model from its config: the repository made, the bug fixed, the run submitted."""
+    label = {"test": "mini-cli"}
+    make_repo = "".join(f"cat > {name} <<'EOF'\n{content}EOF\n" for name, content in REPO.items())
+    answers = [
+        make_repo + "python3 test_calc.py",
+        "sed -i 's/a - b/a + b/' calc.py && python3 test_calc.py",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
+    ]
+    config = {
+        "model": {
+            "outputs": [
+                {"role": "assistant", "content": "", "extra": {"actions": [{"command": a}]}}
+                for a in answers
+            ]
+        },
+        "environment": {
+            "target": container_cluster.apiserver,
+            "token": container_cluster.token,
+            "image": "bookworm",
+            "cwd": "/work/repo",
+            "labels": label,
+            "env": {"PYTHONDONTWRITEBYTECODE": "1"},
+        },
+    }
+    (tmp_path / "dsec.yaml").write_text(json.dumps(config))  # JSON is YAML
+    traj = tmp_path / "traj.json"
+    root = Path(__file__).resolve().parents[2]
+    try:
+        r = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "mini"),
+                "--environment-class",
+                "libdsec.harness.mini_swe_agent.DsecEnvironment",
+                "--model-class",
+                "deterministic",
+                "-m",
+                "scripted",
+                "-c",
+                "mini.yaml",
+                "-c",
+                str(tmp_path / "dsec.yaml"),
+                "-y",
+                "--exit-immediately",
+                "-t",
+                "add() in calc.py is wrong; make test_calc.py pass",
+                "-o",
+                str(traj),
+            ],
+            env={
+                **os.environ,
+                "PYTHONPATH": str(root),
+                "MSWEA_CONFIGURED": "1",
+                "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "mswea"),
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        saved = json.loads(traj.read_text())
+        assert saved["info"]["exit_status"] == "Submitted"
+        outputs = [m["content"] for m in saved["messages"] if m["role"] == "user"][1:]
+        assert "AssertionError" in outputs[0]
+        assert "tests pass" in outputs[1]
+        # mini never calls cleanup(): the environment's finalizer stopped the sandbox at exit
+        assert [i.state for i in client.list(labels=label)] == ["TERMINATED"]
+    finally:
+        client.stop_all(labels=label)
 
 
 # ------------------------------------------------ SWE-ReX's remote-runtime API (compat)
