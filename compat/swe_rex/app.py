@@ -34,6 +34,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from swerex.exceptions import SwerexException
 from swerex.runtime.abstract import (
     Action,
     CloseSessionRequest,
@@ -142,7 +143,10 @@ class SweRexApp:
                 result = await fn(runtime)
             except (Unauthenticated, PermissionDenied):
                 raise
-            except Exception as exc:  # the runtime's errors travel to the caller's runtime
+            except (SwerexException, OSError, NotImplementedError, ValueError) as exc:
+                return transferred(exc)  # the runtime's errors travel to the caller's runtime
+            except Exception as exc:  # a bug here: logged, and still swe-rex's answer
+                log.exception("swe-rex front end: %s on %s failed", request.url.path, sandbox_id)
                 return transferred(exc)
         return JSONResponse(result.model_dump())
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from minisweagent.environments.extra.swerex_docker import SwerexDockerEnvironment
 from minisweagent.utils.serialize import recursive_merge
-from swerex.runtime.abstract import Command
+from swerex.runtime.abstract import Command, CommandResponse
 
 from libdsec.harness.swerex import DsecDeployment, DsecDeploymentConfig
 
@@ -90,7 +90,7 @@ class DsecEnvironment(SwerexDockerEnvironment):
 
     def _run(
         self, command: str, *, cwd: str = "", timeout: int | None = None, check: bool = False
-    ) -> Any:
+    ) -> CommandResponse:
         cfg = self.config
         assert isinstance(cfg, DsecEnvironmentConfig)
         if self._loop is None:
@@ -109,6 +109,7 @@ class DsecEnvironment(SwerexDockerEnvironment):
 
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         """Runs ``action["command"]``: ``{"output", "returncode", "exception_info"}``."""
+        output: dict[str, Any]
         try:
             result = self._run(action.get("command", ""), cwd=cwd, timeout=timeout)
             output = {"output": result.stdout, "returncode": result.exit_code, "exception_info": ""}
