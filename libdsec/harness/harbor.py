@@ -26,8 +26,9 @@ What maps to what:
   which kills the command too.
 - ``upload_file`` / ``download_file`` stream one file; directories travel as one tar archive.
 
-Not supported (Harbor rejects the task before start, from :attr:`capabilities`): docker-compose
-tasks, network allow-lists, GPUs, Windows, host mounts, SSH stream mode.
+Not supported (Harbor rejects the task before start, from :attr:`capabilities`, or this class
+does, with ValueError): docker-compose tasks, network allow-lists, GPUs, Windows, host mounts,
+SSH stream mode.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ class DSecEnvironment(BaseEnvironment):
         self._sandbox: AsyncSandbox | None = None
         self._shell = "/bin/sh"
         super().__init__(*args, **kwargs)
+        if self._host_mounts:  # Harbor itself refuses auto_mounting without the capability
+            raise ValueError(
+                "the dsec environment cannot bind host directories into a sandbox (--mounts): "
+                "upload what the task needs instead"
+            )
 
     @staticmethod
     def type() -> str:

@@ -61,6 +61,7 @@ echo $reward > /logs/verifier/reward.txt
 
 # Harbor's exec timeout, through the environment class itself (Harbor's runner races it with
 # its own agent timeout, which the `slow` task covers): the command is killed in the sandbox.
+# And a host mount (`--mounts`), which dsec cannot bind, is refused at construction.
 EXEC_TIMEOUT = """\
 import asyncio, json, sys, tempfile
 from pathlib import Path
@@ -73,13 +74,19 @@ from libdsec.harness.harbor import DSecEnvironment
 
 async def main() -> None:
     tmp = Path(tempfile.mkdtemp())
-    env = DSecEnvironment(
+    args = dict(
         environment_dir=tmp,
         environment_name=sys.argv[2],
         session_id=sys.argv[2],
         trial_paths=TrialPaths(tmp / "trial"),
         task_env_config=EnvironmentConfig(docker_image=sys.argv[1], network_mode="no-network"),
     )
+    try:
+        DSecEnvironment(**args, mounts=[{"type": "bind", "source": "/tmp", "target": "/mnt"}])
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    env = DSecEnvironment(**args)
     await env.start(force_build=False)
     try:
         try:
@@ -90,7 +97,7 @@ async def main() -> None:
         ps = await env.exec("ps", user="root")
     finally:
         await env.stop(delete=True)
-    print(json.dumps({"error": error, "ps": ps.stdout}))
+    print(json.dumps({"error": error, "ps": ps.stdout, "refused": refused}))
 
 
 asyncio.run(main())
@@ -288,7 +295,9 @@ def test_an_image_that_cannot_be_imported_is_harbors_build_error_with_dsecs_reas
         assert client.list(labels={"harbor.task": name}, states=["running", "paused"]) == []
 
 
-def test_an_exec_timeout_kills_the_command_in_the_sandbox(job: Job) -> None:
+def test_an_exec_timeout_kills_the_command_in_the_sandbox_and_host_mounts_are_refused(
+    job: Job,
+) -> None:
     python = HARBOR.with_name("python")
     r = subprocess.run(
         [str(python), "-c", EXEC_TIMEOUT, job.image, job.names["exec"]],
@@ -301,3 +310,4 @@ def test_an_exec_timeout_kills_the_command_in_the_sandbox(job: Job) -> None:
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["error"].startswith("Command timed out after 2 seconds (killed in dsec sandbox")
     assert "sleep 1000" not in out["ps"] and "PID" in out["ps"], out["ps"]
+    assert out["refused"].startswith("the dsec environment cannot bind host directories")
