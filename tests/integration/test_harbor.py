@@ -11,6 +11,9 @@ One job of five tasks, shared by the tests (one ``harbor run``, trials concurren
 - ``built``: an ``environment/Dockerfile`` instead of an image -> built, imported, reward 1;
 - ``slow``: a solution that outlives the agent timeout -> the verifier finds it killed;
 - ``badimage``: an image no engine has -> Harbor's SandboxBuildFailedError with dsec's reason.
+
+Then the environment class driven directly from the venv's Python (an exec timeout kills the
+command; a host mount is refused), and a job without a dsec token (refused before any trial).
 """
 
 from __future__ import annotations
@@ -311,3 +314,20 @@ def test_an_exec_timeout_kills_the_command_in_the_sandbox_and_host_mounts_are_re
     assert out["error"].startswith("Command timed out after 2 seconds (killed in dsec sandbox")
     assert "sleep 1000" not in out["ps"] and "PID" in out["ps"], out["ps"]
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
+
+
+def test_without_a_dsec_token_the_job_fails_before_any_trial(tmp_path: Path) -> None:
+    assert HARBOR.exists(), f"no {HARBOR}: run scripts/setup.sh"
+    (tmp_path / "tasks").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_TARGET", "DSEC_TOKEN")}
+    r = subprocess.run(
+        [str(HARBOR), "run", "-p", str(tmp_path / "tasks"), "--env", ENVIRONMENT, "-a", "oracle",
+         "-o", str(tmp_path / "jobs"), "-y", "-q"],
+        env={**env, "DSEC_HOME": str(tmp_path / "home"), "HARBOR_TELEMETRY": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "dsec environment: NO_TOKEN" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "jobs").exists()  # no trial was started
