@@ -12,9 +12,10 @@ What maps to what:
   node's engine: it is imported into dsec's layer store (``import_image("docker:<ref>")``, the
   environment ``docker/<repo>:<tag>``) on first use; later trials find it there (the import is
   skipped while the engine's image id is unchanged). A task with ``environment/Dockerfile``
-  instead is built by the local ``docker build`` (tagged ``harbor-dsec/<task>:<content hash>``,
-  so an unchanged task is built once; ``--force-build`` rebuilds) and then imported the same
-  way, so it needs the Docker engine of the dsec node (a one-machine cluster). An image that
+  instead (or with both, under ``--force-build``) is built by the local ``docker build``
+  (tagged ``harbor-dsec/<task>:<content hash>``; Docker's build cache makes an unchanged task's
+  build a cache hit) and then imported the same way, so it needs the Docker engine of the dsec
+  node (a one-machine cluster). An image that
   cannot be built or imported raises Harbor's ``SandboxBuildFailedError`` with dsec's reason.
 - ``start`` creates the sandbox (cpus, memory_mb, storage_mb as its limits, the task's env and
   workdir, no network for ``network_mode = "no-network"``, open egress for ``"public"``);
@@ -145,7 +146,7 @@ class DSecEnvironment(BaseEnvironment):
         ):
             ref = docker_image
         else:
-            ref = await self._build(force_build)
+            ref = await self._build()
         timeout = self.task_env_config.build_timeout_sec
         try:
             env = await client.import_image(f"docker:{ref}", timeout=timeout)
@@ -179,21 +180,18 @@ class DSecEnvironment(BaseEnvironment):
             options["workdir"] = self.task_env_config.workdir
         return options
 
-    async def _build(self, force_build: bool) -> str:
+    async def _build(self) -> str:
         """``docker build`` of the task's environment directory; returns the image's tag.
 
-        The tag carries the directory's content hash, so an unchanged task is built once."""
+        The tag carries the directory's content hash, so each version of a task is an image
+        (and a dsec environment) of its own; Docker's build cache makes rebuilding an unchanged
+        task cheap."""
         name = re.sub(r"[^a-z0-9_.-]+", "-", self.environment_name.lower()).strip("-.") or "task"
         tag = f"{BUILD_REPOSITORY}/{name}:{self.environment_id[:12]}"
-        if not force_build and (await _docker("image", "inspect", tag, timeout_s=60))[0] == 0:
-            return tag
         rc, output = await _docker(
-            "build",
-            "-t",
-            tag,
-            str(self.environment_dir),
+            "build", "-t", tag, str(self.environment_dir),
             timeout_s=self.task_env_config.build_timeout_sec,
-        )
+        )  # fmt: skip
         if rc != 0:
             raise SandboxBuildFailedError(
                 f"docker build of {self.environment_dir} failed (exit {rc}): {output[-2000:]}"

@@ -64,7 +64,8 @@ echo $reward > /logs/verifier/reward.txt
 
 # Harbor's exec timeout, through the environment class itself (Harbor's runner races it with
 # its own agent timeout, which the `slow` task covers): the command is killed in the sandbox.
-# And a host mount (`--mounts`), which dsec cannot bind, is refused at construction.
+# Output reaches Harbor's stream callbacks as well as the result. And a host mount (`--mounts`),
+# which dsec cannot bind, is refused at construction.
 EXEC_TIMEOUT = """\
 import asyncio, json, sys, tempfile
 from pathlib import Path
@@ -91,7 +92,14 @@ async def main() -> None:
         refused = str(exc)
     env = DSecEnvironment(**args)
     await env.start(force_build=False)
+    streamed = []
+
+    async def collect(text, stream):
+        streamed.append([stream, text])
+
     try:
+        with env.scoped_output_callback(collect):
+            echoed = await env.exec("echo out; echo err >&2; exit 3")
         try:
             await env.exec("sleep 1000", timeout_sec=2)
             error = None
@@ -100,7 +108,10 @@ async def main() -> None:
         ps = await env.exec("ps", user="root")
     finally:
         await env.stop(delete=True)
-    print(json.dumps({"error": error, "ps": ps.stdout, "refused": refused}))
+    print(json.dumps({
+        "error": error, "ps": ps.stdout, "refused": refused, "streamed": streamed,
+        "echoed": [echoed.stdout, echoed.stderr, echoed.return_code],
+    }))
 
 
 asyncio.run(main())
@@ -159,9 +170,9 @@ class Job:
     trials: dict[str, dict[str, Any]]  # task name -> its trial's result.json
     image: str  # the engine image the image tasks name
     names: dict[str, str]  # short name -> the run's task name
+    exec_name: str  # the environment name of the exec test's sandbox
     env: dict[str, str]  # the harbor process's environment (where dsec is)
     edge_logs: str
-    wall_s: float
 
 
 def _cleanup(client: Client, task_names: list[str], image: str) -> None:
@@ -210,9 +221,9 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
         "slow": Task(slow, CHECK_KILLED, image, agent_timeout_s=3.0),
         "badimage": Task("#!/bin/sh\ntrue\n", CHECK_ANSWER, f"dsec-test/absent-{run}:never"),
     }
-    names = {short: f"{short}-{run}" for short in [*tasks, "exec"]}
+    names = {short: f"{short}-{run}" for short in tasks}
     root = tmp_path_factory.mktemp("harbor")
-    for short, task in tasks.items():  # ("exec" is the exec-timeout test's sandbox)
+    for short, task in tasks.items():
         write_task(root / "tasks", names[short], task)
     env = {
         **os.environ,
@@ -220,7 +231,6 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
         "DSEC_TOKEN": container_cluster.token,
         "HARBOR_TELEMETRY": "0",
     }
-    t0 = time.monotonic()
     try:
         out = subprocess.run(
             [
@@ -233,18 +243,17 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
             text=True,
             timeout=240,
         )  # fmt: skip
-        wall_s = time.monotonic() - t0
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         trials = {}
         for result in (root / "jobs" / "job").glob("*/result.json"):
             data = json.loads(result.read_text())
             trials[data["task_name"].removeprefix("dsec-test/")] = data
-        assert sorted(trials) == sorted(names[t] for t in tasks), out.stdout[-3000:]
+        assert sorted(trials) == sorted(names.values()), out.stdout[-3000:]
         edge_logs = "".join(p.read_text() for p in (container_cluster.home / "logs").glob("*.log"))
-        yield Job(trials, image, names, env, edge_logs, wall_s)
+        yield Job(trials, image, names, f"exec-{run}", env, edge_logs)
     finally:
         with Client(container_cluster.apiserver, token=container_cluster.token) as client:
-            _cleanup(client, list(names.values()), image)
+            _cleanup(client, [*names.values(), f"exec-{run}"], image)
 
 
 def reward(trial: dict[str, Any]) -> float | None:
@@ -294,16 +303,18 @@ def test_an_image_that_cannot_be_imported_is_harbors_build_error_with_dsecs_reas
     assert "dsec-test/absent-" in info["exception_message"], info
     assert reward(trial) is None  # never graded
     # every trial's sandbox was stopped by Harbor's own stop
-    for name in job.names.values():
-        assert client.list(labels={"harbor.task": name}, states=["running", "paused"]) == []
+    for short, name in job.names.items():
+        made = client.list(labels={"harbor.task": name})
+        assert len(made) == (0 if short == "badimage" else 1), made
+        assert all(sb.state == "TERMINATED" for sb in made), made
 
 
-def test_an_exec_timeout_kills_the_command_in_the_sandbox_and_host_mounts_are_refused(
+def test_exec_streams_output_a_timeout_kills_the_command_host_mounts_are_refused(
     job: Job,
 ) -> None:
     python = HARBOR.with_name("python")
     r = subprocess.run(
-        [str(python), "-c", EXEC_TIMEOUT, job.image, job.names["exec"]],
+        [str(python), "-c", EXEC_TIMEOUT, job.image, job.exec_name],
         env=job.env,
         capture_output=True,
         text=True,
@@ -314,6 +325,8 @@ def test_an_exec_timeout_kills_the_command_in_the_sandbox_and_host_mounts_are_re
     assert out["error"].startswith("Command timed out after 2 seconds (killed in dsec sandbox")
     assert "sleep 1000" not in out["ps"] and "PID" in out["ps"], out["ps"]
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
+    assert out["echoed"] == ["out\n", "err\n", 3]
+    assert sorted(out["streamed"]) == [["stderr", "err\n"], ["stdout", "out\n"]]
 
 
 def test_without_a_dsec_token_the_job_fails_before_any_trial(tmp_path: Path) -> None:
