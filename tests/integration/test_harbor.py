@@ -63,7 +63,8 @@ echo $reward > /logs/verifier/reward.txt
 
 
 # Harbor's exec timeout, through the environment class itself (Harbor's runner races it with
-# its own agent timeout, which the `slow` task covers): the command is killed in the sandbox.
+# its own agent timeout, which the `slow` task covers): the command is killed in the sandbox;
+# so is one whose exec Harbor cancels (its asyncio timeouts).
 # Output reaches Harbor's stream callbacks as well as the result. And a host mount (`--mounts`),
 # which dsec cannot bind, is refused at construction.
 EXEC_TIMEOUT = """\
@@ -106,10 +107,20 @@ async def main() -> None:
         except RuntimeError as exc:
             error = str(exc)
         ps = await env.exec("ps", user="root")
+        try:  # Harbor's own timeouts cancel the exec: the command dies with the stream
+            await asyncio.wait_for(env.exec("sleep 999"), 2)
+        except TimeoutError:
+            pass
+        for _ in range(50):  # the kill follows the cancel; wait up to 5 s for it
+            after_cancel = await env.exec("ps")
+            if "sleep 999" not in after_cancel.stdout:
+                break
+            await asyncio.sleep(0.1)
     finally:
         await env.stop(delete=True)
     print(json.dumps({
         "error": error, "ps": ps.stdout, "refused": refused, "streamed": streamed,
+        "after_cancel": after_cancel.stdout,
         "echoed": [echoed.stdout, echoed.stderr, echoed.return_code],
     }))
 
@@ -203,8 +214,6 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
     )
     run = f"{os.getpid()}-{time.time_ns() % 10**6}"
     image = f"dsec-test/harbor-{run}:latest"
-    r = subprocess.run(["docker", "tag", ENGINE_IMAGE, image], capture_output=True, text=True)
-    assert r.returncode == 0, f"docker tag {ENGINE_IMAGE}: {r.stderr}"
     slow = "#!/bin/sh\nmkdir -p /app && touch /app/started\nsleep 1000\n"
     tasks = {
         "solved": Task(
@@ -232,6 +241,8 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
         "HARBOR_TELEMETRY": "0",
     }
     try:
+        r = subprocess.run(["docker", "tag", ENGINE_IMAGE, image], capture_output=True, text=True)
+        assert r.returncode == 0, f"docker tag {ENGINE_IMAGE}: {r.stderr}"
         out = subprocess.run(
             [
                 str(HARBOR), "run", "-p", str(root / "tasks"), "--env", ENVIRONMENT,
@@ -293,7 +304,7 @@ def test_an_agent_timeout_kills_the_command_in_the_sandbox(job: Job) -> None:
 
 
 def test_an_image_that_cannot_be_imported_is_harbors_build_error_with_dsecs_reason(
-    job: Job, client: Client
+    job: Job,
 ) -> None:
     trial = job.trials[job.names["badimage"]]
     info = trial["exception_info"]
@@ -302,14 +313,16 @@ def test_an_image_that_cannot_be_imported_is_harbors_build_error_with_dsecs_reas
     assert "IMAGE_NOT_FOUND" in info["exception_message"], info
     assert "dsec-test/absent-" in info["exception_message"], info
     assert reward(trial) is None  # never graded
-    # every trial's sandbox was stopped by Harbor's own stop
+
+
+def test_every_trials_sandbox_is_stopped_by_harbors_stop(job: Job, client: Client) -> None:
     for short, name in job.names.items():
         made = client.list(labels={"harbor.task": name})
         assert len(made) == (0 if short == "badimage" else 1), made
         assert all(sb.state == "TERMINATED" for sb in made), made
 
 
-def test_exec_streams_output_a_timeout_kills_the_command_host_mounts_are_refused(
+def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_refused(
     job: Job,
 ) -> None:
     python = HARBOR.with_name("python")
@@ -324,6 +337,7 @@ def test_exec_streams_output_a_timeout_kills_the_command_host_mounts_are_refused
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["error"].startswith("Command timed out after 2 seconds (killed in dsec sandbox")
     assert "sleep 1000" not in out["ps"] and "PID" in out["ps"], out["ps"]
+    assert "sleep 999" not in out["after_cancel"], out["after_cancel"]
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
     assert out["echoed"] == ["out\n", "err\n", 3]
     assert sorted(out["streamed"]) == [["stderr", "err\n"], ["stdout", "out\n"]]
