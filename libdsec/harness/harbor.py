@@ -15,16 +15,16 @@ What maps to what:
   instead (or with both, under ``--force-build``) is built by the local ``docker build``
   (tagged ``harbor-dsec/<task>:<content hash>``; Docker's build cache makes an unchanged task's
   build a cache hit) and then imported the same way, so it needs the Docker engine of the dsec
-  node (a one-machine cluster). An image that
-  cannot be built or imported raises Harbor's ``SandboxBuildFailedError`` with dsec's reason.
+  node (a one-machine cluster). An image that cannot be built or imported raises Harbor's
+  ``SandboxBuildFailedError`` with dsec's reason.
 - ``start`` creates the sandbox (cpus, memory_mb, storage_mb as its limits, the task's env and
   workdir, no network for ``network_mode = "no-network"``, open egress for ``"public"``);
   ``stop`` stops it.
 - ``exec`` runs the command under bash (sh where the image has no bash), as ``user``, streaming
   output to Harbor's callbacks; ``timeout_sec`` is enforced by dsec, which kills the command's
   process group in the sandbox, and then raises ``RuntimeError`` as Harbor's docker
-  environment does. A Harbor timeout around ``exec`` (the agent's) cancels the exec stream,
-  which kills the command too.
+  environment does. A Harbor timeout around ``exec`` (the agent's, the verifier's) cancels
+  the exec stream, which kills the command too.
 - ``upload_file`` / ``download_file`` stream one file; directories travel as one tar archive.
 
 Not supported (Harbor rejects the task before start, from :attr:`capabilities`, or this class
@@ -259,15 +259,6 @@ class DSecEnvironment(BaseEnvironment):
             return_code=exit_code,
         )
 
-    async def _root_exec(self, command: str, what: str) -> ExecResult:
-        result = await self.exec(command, timeout_sec=TAR_TIMEOUT_S, user="root")
-        if result.return_code != 0:
-            raise RuntimeError(
-                f"{what} failed with code {result.return_code}: "
-                f"{result.stderr or result.stdout or 'no output'}"
-            )
-        return result
-
     # ------------------------------------------------------------------ files
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
@@ -287,10 +278,16 @@ class DSecEnvironment(BaseEnvironment):
             await asyncio.to_thread(pack_dir_to_file, source_dir, archive, compress=False)
             await self._require_sandbox().files.upload(archive, remote)
         target, remote_q = shlex.quote(target_dir), shlex.quote(remote)
-        await self._root_exec(
+        result = await self.exec(
             f"mkdir -p {target} && tar -xf {remote_q} -C {target}; rc=$?; rm -f {remote_q}; exit $rc",
-            f"unpacking {source_dir} into {target_dir}",
+            timeout_sec=TAR_TIMEOUT_S,
+            user="root",
         )
+        if result.return_code != 0:
+            raise RuntimeError(
+                f"unpacking {source_dir} into {target_dir} failed with code {result.return_code}: "
+                f"{result.stderr or result.stdout or 'no output'}"
+            )
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         """A sandbox directory's contents into ``target_dir``, as one tar archive."""
