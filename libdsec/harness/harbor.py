@@ -71,6 +71,10 @@ from libdsec.types import Exited, NetworkPolicy, Output
 #: A sandbox no command has touched for this long ends by itself, so one left behind by a
 #: Harbor process that died is reclaimed (a trial's own limits are far shorter).
 IDLE_TIMEOUT_S = 3600
+#: Output kept per stream of a command: dsec's ceiling for a streamed command (its default,
+#: 1 MiB, would cut what Harbor's agents read back, e.g. a long listing); beyond it the head
+#: and the tail are kept.
+EXEC_OUTPUT_BYTES = 64 * 1024 * 1024
 #: Where directories are packed in transit, inside the sandbox.
 TRANSFER_DIR = "/tmp"
 #: Bounds of the commands that pack and unpack a directory.
@@ -241,6 +245,7 @@ class DSecEnvironment(BaseEnvironment):
             cwd=cwd,
             env=self._merge_env(env),
             user="" if user is None else str(user),
+            max_output_bytes=EXEC_OUTPUT_BYTES,
         ):
             if isinstance(event, Output):
                 output[event.stream] += event.data

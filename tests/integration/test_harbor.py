@@ -65,7 +65,8 @@ echo $reward > /logs/verifier/reward.txt
 # Harbor's exec timeout, through the environment class itself (Harbor's runner races it with
 # its own agent timeout, which the `slow` task covers): the command is killed in the sandbox;
 # so is one whose exec Harbor cancels (its asyncio timeouts).
-# Output reaches Harbor's stream callbacks as well as the result. And a host mount (`--mounts`),
+# Output reaches Harbor's stream callbacks as well as the result, and is not cut at dsec's default
+# cap (1 MiB). And a host mount (`--mounts`),
 # which dsec cannot bind, is refused at construction.
 EXEC_TIMEOUT = """\
 import asyncio, json, sys, tempfile
@@ -101,6 +102,7 @@ async def main() -> None:
     try:
         with env.scoped_output_callback(collect):
             echoed = await env.exec("echo out; echo err >&2; exit 3")
+        big = await env.exec("head -c 3000000 /dev/zero | tr '\\\\0' a")
         try:
             await env.exec("sleep 1000", timeout_sec=2)
             error = None
@@ -120,7 +122,7 @@ async def main() -> None:
         await env.stop(delete=True)
     print(json.dumps({
         "error": error, "ps": ps.stdout, "refused": refused, "streamed": streamed,
-        "after_cancel": after_cancel.stdout,
+        "after_cancel": after_cancel.stdout, "big": len(big.stdout), "big_a": set(big.stdout) == {"a"},
         "echoed": [echoed.stdout, echoed.stderr, echoed.return_code],
     }))
 
@@ -340,6 +342,7 @@ def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_re
     assert "sleep 999" not in out["after_cancel"], out["after_cancel"]
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
     assert out["echoed"] == ["out\n", "err\n", 3]
+    assert out["big"] == 3_000_000 and out["big_a"]  # 3 MB of output, none of it cut
     assert sorted(out["streamed"]) == [["stderr", "err\n"], ["stdout", "out\n"]]
 
 
