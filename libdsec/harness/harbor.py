@@ -25,7 +25,8 @@ What maps to what:
   process group in the sandbox, and then raises ``RuntimeError`` as Harbor's docker
   environment does. A Harbor timeout around ``exec`` (the agent's, the verifier's) cancels
   the exec stream, which kills the command too.
-- ``upload_file`` / ``download_file`` stream one file; directories travel as one tar archive.
+- ``upload_file`` / ``download_file`` stream one file; directories travel as one gzipped tar
+  archive (Harbor's own packing and tar commands, as its e2b environment uses them).
 
 Not supported (Harbor rejects the task before start, from :attr:`capabilities`, or this class
 does, with ValueError): docker-compose tasks, network allow-lists, GPUs, Windows, host mounts,
@@ -59,6 +60,8 @@ from harbor.environments.options import EnvironmentOptions
 from harbor.environments.tar_transfer import (
     extract_dir_from_file,
     pack_dir_to_file,
+    remote_pack_command,
+    remote_unpack_command,
     tar_pack_succeeded,
 )
 
@@ -276,15 +279,17 @@ class DSecEnvironment(BaseEnvironment):
         await self._require_sandbox().files.download(source_path, target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        """A local directory's contents into ``target_dir``, as one tar archive."""
-        remote = f"{TRANSFER_DIR}/.hb-dsec-{uuid.uuid4().hex}.tar"
+        """A local directory's contents into ``target_dir``, as one archive (Harbor's own
+        packing: the contents without the directory itself, whose mode is the target's
+        business; extracted as the sandbox's root, not the host's owners)."""
+        remote = f"{TRANSFER_DIR}/.hb-dsec-{uuid.uuid4().hex}.tar.gz"
         with tempfile.TemporaryDirectory() as tmp:
-            archive = Path(tmp, "dir.tar")
-            await asyncio.to_thread(pack_dir_to_file, source_dir, archive, compress=False)
+            archive = Path(tmp, "dir.tar.gz")
+            await asyncio.to_thread(pack_dir_to_file, source_dir, archive, include_root=False)
             await self._require_sandbox().files.upload(archive, remote)
-        target, remote_q = shlex.quote(target_dir), shlex.quote(remote)
+        unpack = remote_unpack_command(remote, target_dir, no_same_owner=True)
         result = await self.exec(
-            f"mkdir -p {target} && tar -xf {remote_q} -C {target}; rc=$?; rm -f {remote_q}; exit $rc",
+            f"{unpack}; rc=$?; rm -f {shlex.quote(remote)}; exit $rc",
             timeout_sec=TAR_TIMEOUT_S,
             user="root",
         )
@@ -295,14 +300,11 @@ class DSecEnvironment(BaseEnvironment):
             )
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        """A sandbox directory's contents into ``target_dir``, as one tar archive."""
-        remote = f"{TRANSFER_DIR}/.hb-dsec-{uuid.uuid4().hex}.tar"
-        remote_q = shlex.quote(remote)
+        """A sandbox directory's contents into ``target_dir``, as one archive."""
+        remote = f"{TRANSFER_DIR}/.hb-dsec-{uuid.uuid4().hex}.tar.gz"
         try:
             result = await self.exec(
-                f"tar -cf {remote_q} -C {shlex.quote(source_dir)} .",
-                timeout_sec=TAR_TIMEOUT_S,
-                user="root",
+                remote_pack_command(source_dir, remote), timeout_sec=TAR_TIMEOUT_S, user="root"
             )
             if not tar_pack_succeeded(result.return_code, stderr=result.stderr, logger=self.logger):
                 raise RuntimeError(
@@ -310,11 +312,11 @@ class DSecEnvironment(BaseEnvironment):
                     f"{result.stderr or result.stdout or 'no output'}"
                 )
             with tempfile.TemporaryDirectory() as tmp:
-                archive = Path(tmp, "dir.tar")
+                archive = Path(tmp, "dir.tar.gz")
                 await self._require_sandbox().files.download(remote, archive)
                 await asyncio.to_thread(extract_dir_from_file, archive, target_dir)
         finally:
-            await self.exec(f"rm -f {remote_q}", timeout_sec=60, user="root")
+            await self.exec(f"rm -f {shlex.quote(remote)}", timeout_sec=60, user="root")
 
 
 async def _docker(*args: str, timeout_s: float) -> tuple[int, str]:

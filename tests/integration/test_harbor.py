@@ -62,13 +62,13 @@ echo $reward > /logs/verifier/reward.txt
 """
 
 
-# Harbor's exec timeout, through the environment class itself (Harbor's runner races it with
-# its own agent timeout, which the `slow` task covers): the command is killed in the sandbox;
-# so is one whose exec Harbor cancels (its asyncio timeouts).
-# Output reaches Harbor's stream callbacks as well as the result, and is not cut at dsec's default
-# cap (1 MiB). And a host mount (`--mounts`),
-# which dsec cannot bind, is refused at construction.
-EXEC_TIMEOUT = """\
+# The environment class driven directly, as Harbor's trial drives it: output reaches Harbor's
+# stream callbacks as well as the result and is not cut at dsec's default cap (1 MiB); a
+# directory round-trips; an exec timeout kills the command in the sandbox (Harbor's runner
+# races it with its own agent timeout, which the `slow` task covers), and so does a cancelled
+# exec (Harbor's asyncio timeouts); a host mount (`--mounts`), which dsec cannot bind, is
+# refused at construction.
+DIRECT = """\
 import asyncio, json, sys, tempfile
 from pathlib import Path
 
@@ -103,6 +103,20 @@ async def main() -> None:
         with env.scoped_output_callback(collect):
             echoed = await env.exec("echo out; echo err >&2; exit 3")
         big = await env.exec("head -c 3000000 /dev/zero | tr '\\\\0' a")
+        src, back = tmp / "src", tmp / "back"  # a directory round trip
+        (src / "bin").mkdir(parents=True)
+        src.chmod(0o700)  # the source directory's own mode is not the target's
+        (src / "data.bin").write_bytes(bytes(range(256)) * 1000)
+        (src / "bin" / "run.sh").write_text("#!/bin/sh\\necho ran\\n")
+        (src / "bin" / "run.sh").chmod(0o755)
+        await env.upload_dir(src, "/srv/up")
+        ran = await env.exec("/srv/up/bin/run.sh; stat -c %a /srv/up", user="nobody")
+        await env.download_dir("/srv/up", back)
+        round_trip = [
+            (back / "data.bin").read_bytes() == (src / "data.bin").read_bytes(),
+            oct((back / "bin" / "run.sh").stat().st_mode & 0o777),
+            ran.stdout,
+        ]
         try:
             await env.exec("sleep 1000", timeout_sec=2)
             error = None
@@ -122,7 +136,7 @@ async def main() -> None:
         await env.stop(delete=True)
     print(json.dumps({
         "error": error, "ps": ps.stdout, "refused": refused, "streamed": streamed,
-        "after_cancel": after_cancel.stdout, "big": len(big.stdout), "big_a": set(big.stdout) == {"a"},
+        "after_cancel": after_cancel.stdout, "round_trip": round_trip, "big": len(big.stdout), "big_a": set(big.stdout) == {"a"},
         "echoed": [echoed.stdout, echoed.stderr, echoed.return_code],
     }))
 
@@ -329,7 +343,7 @@ def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_re
 ) -> None:
     python = HARBOR.with_name("python")
     r = subprocess.run(
-        [str(python), "-c", EXEC_TIMEOUT, job.image, job.exec_name],
+        [str(python), "-c", DIRECT, job.image, job.exec_name],
         env=job.env,
         capture_output=True,
         text=True,
@@ -343,6 +357,9 @@ def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_re
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
     assert out["echoed"] == ["out\n", "err\n", 3]
     assert out["big"] == 3_000_000 and out["big_a"]  # 3 MB of output, none of it cut
+    # a directory goes in and comes back (bytes, exec bits); the target keeps its own mode, so
+    # another user can use it
+    assert out["round_trip"] == [True, "0o755", "ran\n755\n"], out["round_trip"]
     assert sorted(out["streamed"]) == [["stderr", "err\n"], ["stdout", "out\n"]]
 
 
