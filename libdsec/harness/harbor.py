@@ -17,10 +17,11 @@ What maps to what:
   build a cache hit) and then imported the same way, so it needs the Docker engine of the dsec
   node (a one-machine cluster). An image that cannot be built or imported raises Harbor's
   ``SandboxBuildFailedError`` with dsec's reason.
-- ``start`` creates the sandbox (cpus, memory_mb, storage_mb as its limits, the task's env and
-  workdir, no network for ``network_mode = "no-network"``, open egress for ``"public"``);
+- ``start`` creates the sandbox (cpus, memory_mb, storage_mb as its limits, the task's env, no
+  network for ``network_mode = "no-network"``, open egress for ``"public"``);
   ``stop`` stops it.
-- ``exec`` runs the command under bash (sh where the image has no bash), as ``user``, streaming
+- ``exec`` runs the command under bash (sh where the image has no bash), as ``user``, in the
+  task's workdir (else the image's) unless told otherwise, as ``docker exec`` does, streaming
   output to Harbor's callbacks; ``timeout_sec`` is enforced by dsec, which kills the command's
   process group in the sandbox, and then raises ``RuntimeError`` as Harbor's docker
   environment does. A Harbor timeout around ``exec`` (the agent's, the verifier's) cancels
@@ -96,6 +97,7 @@ class DSecEnvironment(BaseEnvironment):
         self._client: AsyncClient | None = None
         self._sandbox: AsyncSandbox | None = None
         self._shell = "/bin/sh"
+        self._workdir = "/"
         super().__init__(*args, **kwargs)
         if self._host_mounts:  # Harbor itself refuses auto_mounting without the capability
             raise ValueError(
@@ -163,8 +165,20 @@ class DSecEnvironment(BaseEnvironment):
             ) from exc
         self.logger.debug(f"dsec environment {env.name} ({len(env.layers)} layers) for {ref}")
         self._sandbox = await client.create(**self._create_options(env.name))
-        has_bash = await self._sandbox.run("test -x /bin/bash", timeout_s=30)
-        self._shell = "/bin/bash" if has_bash.exit_code == 0 else "/bin/sh"
+        # Commands start in the task's workdir (made if missing, as Docker's WORKDIR is), else
+        # the image's, whichever the user, as under `docker exec`.
+        self._workdir = self.task_env_config.workdir or env.config.get("workdir") or "/"
+        probe = await self._sandbox.run(
+            f"mkdir -p {shlex.quote(self._workdir)} && {{ test -x /bin/bash; echo $?; }}",
+            cwd="/",
+            timeout_s=30,
+        )
+        if probe.exit_code != 0:
+            raise RuntimeError(
+                f"cannot make the workdir {self._workdir} in dsec sandbox {self._sandbox.id}: "
+                f"{probe.stderr.decode(errors='replace')}"
+            )
+        self._shell = "/bin/bash" if probe.stdout.strip() == b"0" else "/bin/sh"
         # Harbor's output directories (/logs/agent, /logs/verifier, ...), as other providers do
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
@@ -183,8 +197,6 @@ class DSecEnvironment(BaseEnvironment):
             options["memory_mb"] = self._effective_memory_mb
         if self._effective_storage_mb:
             options["disk_mb"] = self._effective_storage_mb
-        if self.task_env_config.workdir:
-            options["workdir"] = self.task_env_config.workdir
         return options
 
     async def _build(self) -> str:
@@ -245,7 +257,7 @@ class DSecEnvironment(BaseEnvironment):
         async for event in sandbox.stream(
             [self._shell, "-c", command],
             timeout_s=timeout_sec or None,
-            cwd=cwd,
+            cwd=cwd or self._workdir,
             env=self._merge_env(env),
             user="" if user is None else str(user),
             max_output_bytes=EXEC_OUTPUT_BYTES,

@@ -62,7 +62,8 @@ echo $reward > /logs/verifier/reward.txt
 """
 
 
-# The environment class driven directly, as Harbor's trial drives it: output reaches Harbor's
+# The environment class driven directly, as Harbor's trial drives it: commands start in the
+# task's workdir (made at start), whichever the user; output reaches Harbor's
 # stream callbacks as well as the result and is not cut at dsec's default cap (1 MiB); a
 # directory round-trips; an exec timeout kills the command in the sandbox (Harbor's runner
 # races it with its own agent timeout, which the `slow` task covers), and so does a cancelled
@@ -85,7 +86,9 @@ async def main() -> None:
         environment_name=sys.argv[2],
         session_id=sys.argv[2],
         trial_paths=TrialPaths(tmp / "trial"),
-        task_env_config=EnvironmentConfig(docker_image=sys.argv[1], network_mode="no-network"),
+        task_env_config=EnvironmentConfig(
+            docker_image=sys.argv[1], network_mode="no-network", workdir="/srv/task"
+        ),
     )
     try:
         DSecEnvironment(**args, mounts=[{"type": "bind", "source": "/tmp", "target": "/mnt"}])
@@ -101,7 +104,7 @@ async def main() -> None:
 
     try:
         with env.scoped_output_callback(collect):
-            echoed = await env.exec("echo out; echo err >&2; exit 3")
+            echoed = await env.exec("echo out; pwd; echo err >&2; exit 3")
         big = await env.exec("head -c 3000000 /dev/zero | tr '\\\\0' a")
         src, back = tmp / "src", tmp / "back"  # a directory round trip
         (src / "bin").mkdir(parents=True)
@@ -110,7 +113,7 @@ async def main() -> None:
         (src / "bin" / "run.sh").write_text("#!/bin/sh\\necho ran\\n")
         (src / "bin" / "run.sh").chmod(0o755)
         await env.upload_dir(src, "/srv/up")
-        ran = await env.exec("/srv/up/bin/run.sh; stat -c %a /srv/up", user="nobody")
+        ran = await env.exec("/srv/up/bin/run.sh; stat -c %a /srv/up; pwd", user="nobody")
         await env.download_dir("/srv/up", back)
         round_trip = [
             (back / "data.bin").read_bytes() == (src / "data.bin").read_bytes(),
@@ -355,12 +358,15 @@ def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_re
     assert "sleep 1000" not in out["ps"] and "PID" in out["ps"], out["ps"]
     assert "sleep 999" not in out["after_cancel"], out["after_cancel"]
     assert out["refused"].startswith("the dsec environment cannot bind host directories")
-    assert out["echoed"] == ["out\n", "err\n", 3]
+    assert out["echoed"] == ["out\n/srv/task\n", "err\n", 3]  # in the task's workdir
     assert out["big"] == 3_000_000 and out["big_a"]  # 3 MB of output, none of it cut
     # a directory goes in and comes back (bytes, exec bits); the target keeps its own mode, so
-    # another user can use it
-    assert out["round_trip"] == [True, "0o755", "ran\n755\n"], out["round_trip"]
-    assert sorted(out["streamed"]) == [["stderr", "err\n"], ["stdout", "out\n"]]
+    # another user can use it (and that user's commands start in the workdir too)
+    assert out["round_trip"] == [True, "0o755", "ran\n755\n/srv/task\n"], out["round_trip"]
+    assert "".join(text for stream, text in out["streamed"] if stream == "stdout") == (
+        "out\n/srv/task\n"
+    )
+    assert [text for stream, text in out["streamed"] if stream == "stderr"] == ["err\n"]
 
 
 def test_without_a_dsec_token_the_job_fails_before_any_trial(tmp_path: Path) -> None:
