@@ -14,8 +14,9 @@ What maps to what:
   skipped while the engine's image id is unchanged). A task with ``environment/Dockerfile``
   instead (or with both, under ``--force-build``) is built by the local ``docker build``
   (tagged ``harbor-dsec/<task>:<content hash>``; Docker's build cache makes an unchanged task's
-  build a cache hit) and then imported the same way, so it needs the Docker engine of the dsec
-  node (a one-machine cluster). An image that cannot be built or imported raises Harbor's
+  build a cache hit) and then imported the same way. An import reads the Docker engine of
+  whichever node it reaches: on several machines the image must be in every node's engine, and
+  a Dockerfile task (built where Harbor runs) needs a one-machine cluster. An image that cannot be built or imported raises Harbor's
   ``SandboxBuildFailedError`` with dsec's reason.
 - ``start`` creates the sandbox (cpus, memory_mb, storage_mb as its limits, the task's env, no
   network for ``network_mode = "no-network"``, open egress for ``"public"``);
