@@ -70,7 +70,7 @@ echo $reward > /logs/verifier/reward.txt
 # exec (Harbor's asyncio timeouts); a host mount (`--mounts`), which dsec cannot bind, is
 # refused at construction.
 DIRECT = """\
-import asyncio, json, sys, tempfile
+import asyncio, json, sys
 from pathlib import Path
 
 from harbor.models.task.config import EnvironmentConfig
@@ -80,9 +80,10 @@ from libdsec.harness.harbor import DSecEnvironment
 
 
 async def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(sys.argv[3])
+    (tmp / "environment").mkdir()
     args = dict(
-        environment_dir=tmp,
+        environment_dir=tmp / "environment",
         environment_name=sys.argv[2],
         session_id=sys.argv[2],
         trial_paths=TrialPaths(tmp / "trial"),
@@ -342,11 +343,11 @@ def test_every_trials_sandbox_is_stopped_by_harbors_stop(job: Job, client: Clien
 
 
 def test_exec_streams_output_timeouts_and_cancels_kill_the_command_mounts_are_refused(
-    job: Job,
+    job: Job, tmp_path: Path
 ) -> None:
     python = HARBOR.with_name("python")
     r = subprocess.run(
-        [str(python), "-c", DIRECT, job.image, job.exec_name],
+        [str(python), "-c", DIRECT, job.image, job.exec_name, str(tmp_path)],
         env=job.env,
         capture_output=True,
         text=True,
