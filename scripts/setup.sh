@@ -173,7 +173,7 @@ harbor_python() {
     done
     true
 }
-if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_HARBOR/bin/python" -c "import libdsec, importlib.metadata as m; assert m.version('harbor') == '$HARBOR' and libdsec.__file__.startswith('$REPO/')" 2>/dev/null; then
+if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_HARBOR/bin/python" -P -c "import libdsec, importlib.metadata as m; assert m.version('harbor') == '$HARBOR' and libdsec.__file__.startswith('$REPO/')" 2>/dev/null; then
     py312=$(harbor_python)
     if [[ -z $py312 ]]; then
         log "no Python >= 3.12 (python3.12 or pyenv): $VENV_HARBOR (harbor $HARBOR) not made"
