@@ -247,7 +247,8 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
             CHECK_ANSWER,
             dockerfile=f"FROM {ENGINE_IMAGE}\nRUN mkdir -p /app && echo 42 > /app/seed\n",
         ),
-        "slow": Task(slow, CHECK_KILLED, image, agent_timeout_s=3.0),
+        # 8 s: the oracle's upload and chmod come first, and must fit on a loaded machine
+        "slow": Task(slow, CHECK_KILLED, image, agent_timeout_s=8.0),
         "badimage": Task("#!/bin/sh\ntrue\n", CHECK_ANSWER, f"dsec-test/absent-{run}:never"),
     }
     names = {short: f"{short}-{run}" for short in tasks}
@@ -262,7 +263,9 @@ def job(container_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
     }
     try:
         r = subprocess.run(["docker", "tag", ENGINE_IMAGE, image], capture_output=True, text=True)
-        assert r.returncode == 0, f"docker tag {ENGINE_IMAGE}: {r.stderr}"
+        assert r.returncode == 0, (
+            f"docker tag {ENGINE_IMAGE} (scripts/setup.sh makes it): {r.stderr}"
+        )
         out = subprocess.run(
             [
                 str(HARBOR), "run", "-p", str(root / "tasks"), "--env", ENVIRONMENT,
