@@ -157,6 +157,38 @@ if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_E2B_OLD/bin/python" -c "import e2b, imp
     venv_state+=", e2b $E2B_OLD venv"
 fi
 
+# Harbor (Terminal-Bench's successor) in a venv of its own: it needs Python >= 3.12, which
+# Debian 12 lacks, so the venv is made from the first such interpreter found (pyenv's here).
+# dsec's SDK goes in editable (this checkout's libdsec, driven as `harbor run --env
+# libdsec.harness.harbor:DSecEnvironment`) without dsec's server dependencies: libdsec imports
+# only grpcio, protobuf (at least the generated code's version) and the generated `dsec` package.
+# Where no such Python exists this only says so; tests/integration/test_harbor.py then fails
+# naming the missing venv.
+HARBOR=0.26.0
+VENV_HARBOR=$REPO/.venv-harbor
+harbor_python() {
+    local p # Debian's own if a later release has one, else pyenv's (never a shim from PATH)
+    for p in /usr/bin/python3.1[2-9] /root/.pyenv/versions/3.1[2-9]*/bin/python; do
+        [[ -x $p ]] && "$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo "$p"; return; }
+    done
+    true
+}
+if [[ ${SKIP_PIP:-0} != 1 ]] && ! "$VENV_HARBOR/bin/python" -P -c "import libdsec, importlib.metadata as m; assert m.version('harbor') == '$HARBOR' and libdsec.__file__.startswith('$REPO/')" 2>/dev/null; then
+    py312=$(harbor_python)
+    if [[ -z $py312 ]]; then
+        log "no Python >= 3.12 (python3.12 or pyenv): $VENV_HARBOR (harbor $HARBOR) not made"
+        venv_state+=", no harbor venv (no Python >= 3.12)"
+    else
+        log "creating $VENV_HARBOR from $py312 with harbor==$HARBOR and libdsec"
+        rm -rf "$VENV_HARBOR"
+        "$py312" -m venv "$VENV_HARBOR"
+        "$VENV_HARBOR/bin/python" -m pip install -q --disable-pip-version-check \
+            "harbor==$HARBOR" "grpcio>=1.60" "protobuf>=7.35"
+        "$VENV_HARBOR/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$REPO"
+        venv_state+=", harbor $HARBOR venv"
+    fi
+fi
+
 # verl, for its SandboxFusion reward code (verl/utils/reward_score/sandbox_fusion, which needs
 # only requests), driven by tests/integration/test_sandbox_fusion.py and bench/. Without its
 # dependencies: they would pull torch, ray and transformers, which that module never imports.
