@@ -59,6 +59,8 @@ BASE_IMAGE = "dsec/bookworm:latest"
 #: The Harbor task's image (a tag of its own per run: its first use is an import).
 HARBOR_BASE = "dsec/busybox:latest"
 CPU, MEMORY_MB = 1, 512
+#: The Harbor task's name (without its org: what Harbor names its environments after).
+TASK = "answer"
 
 DOCKERFILE = f"""\
 FROM {BASE_IMAGE}
@@ -148,7 +150,7 @@ TASK_TOML = """\
 schema_version = "1.4"
 
 [task]
-name = "dsec-bench/answer"
+name = "dsec-bench/{task}"
 
 [agent]
 timeout_sec = 120.0
@@ -170,10 +172,10 @@ if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1; else echo 0; fi \
 
 
 def write_task(tasks: Path, image: str) -> None:
-    d = tasks / "answer"
+    d = tasks / TASK
     for sub in ("environment", "solution", "tests"):
         (d / sub).mkdir(parents=True)
-    (d / "task.toml").write_text(TASK_TOML.format(image=image))
+    (d / "task.toml").write_text(TASK_TOML.format(task=TASK, image=image))
     (d / "instruction.md").write_text("Write 42 into /app/answer.txt.\n")
     for path, text in (("solution/solve.sh", SOLVE), ("tests/test.sh", CHECK)):
         (d / path).write_text(text)
@@ -235,7 +237,7 @@ def harbor_bench(c: LocalCluster, trials: int) -> dict[str, list[tuple[float, fl
                 out[side] = [harbor_run(root, args, f"{side}-{i}", env) for i in range(trials)]
     finally:
         with Client(c.apiserver, token=c.token) as admin:
-            admin.stop_all(labels={"harbor.task": "dsec-bench/answer"})
+            admin.stop_all(labels={"harbor.task": TASK})  # DSecEnvironment's label
             for e in admin.list_environments("docker/"):
                 if e.name.startswith(f"docker/{image.removesuffix(':latest')}:"):
                     admin.delete_environment(e.name)
