@@ -89,6 +89,18 @@ class BlobIdentity:
         }
 
 
+def settled_stat(path: Path) -> os.stat_result:
+    """The attributes of a file this node just wrote, as every node of a shared store sees
+    them. A network filesystem's writer may see times its server never stored (MooseFS keeps
+    whole seconds; measured: the writer saw mtime one second later than the other nodes), so
+    the times are set explicitly to whole seconds: a setattr answered by the server, whose
+    reply (and ctime) every client then shares."""
+    st = os.stat(path)
+    whole = st.st_mtime_ns // 1_000_000_000 * 1_000_000_000
+    os.utime(path, ns=(whole, whole))
+    return os.stat(path)
+
+
 class NodeLayers:
     """Blocking; thread-safe. One per edge (its cache directory is its own)."""
 
@@ -229,13 +241,15 @@ class NodeLayers:
         except OSError as exc:  # the next node hashes it again: slower, never wrong
             log.warning("layer %s: cannot record its verification in the store: %s", digest, exc)
 
-    def record_built(self, digest: str) -> None:
-        """The layer was just built and hashed on this node: count that as its verification."""
+    def record_built(self, digest: str, *, written: bool = True) -> None:
+        """The layer was just built and hashed on this node: count that as its verification.
+        ``written``: this node wrote its blob into the store (not found it there)."""
         with self._lock(digest):
             desc = self.store.descriptor(digest)
             with contextlib.suppress(FileNotFoundError):
                 self._copy_meta(digest, desc, self.local_meta(digest))
-                st = os.stat(self.store.blob_path(digest))
+                blob = self.store.blob_path(digest)
+                st = settled_stat(blob) if written else os.stat(blob)
                 self._record_in_store(digest, BlobIdentity.of(st))
                 self._write_record(
                     digest,

@@ -91,10 +91,10 @@ class Importer:
                 verify_chunk_size=self.verify_chunk_size,
                 all_root=all_root,
             )
-            info, _ = self.store.add_layer(staging / "layer", desc, kind=kind, source=source)
+            info, added = self.store.add_layer(staging / "layer", desc, kind=kind, source=source)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self.node.record_built(info.digest)
+        self.node.record_built(info.digest, written=added)
         return info
 
     def from_directory(

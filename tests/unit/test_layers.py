@@ -20,6 +20,7 @@ import pytest
 from edge.layers import Environment, Environments, LayerKind, LayerRef, LayerSettings, erofs
 from edge.layers.diff import snapshot
 from edge.layers.model import canonical_name, stack
+from edge.layers.node import settled_stat
 from edge.layers.tree import OPAQUE_XATTR, apply_layer, convert_whiteouts, is_whiteout
 from edge.runtime import mounts
 from libdsec.errors import (
@@ -565,3 +566,19 @@ def test_a_lock_file_create_racing_another_node_is_tried_again(
         assert len(calls) == 2 and (tmp_path / ".lock-x").exists()
     finally:
         os.close(fd)
+
+
+def test_a_blob_just_written_is_recorded_with_whole_second_times(tmp_path: Path) -> None:
+    """What the writer records is what another node of a shared store reads back (MooseFS keeps
+    whole seconds; the writer's own view had a later second)."""
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x" * 4096)
+    os.utime(blob, ns=(1_796_522_485_700_000_000, 1_796_522_485_700_000_000))
+    st = settled_stat(blob)
+    assert st.st_mtime_ns == 1_796_522_485_000_000_000
+    again = os.stat(blob)
+    assert (again.st_mtime_ns, again.st_ctime_ns, again.st_ino) == (
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        st.st_ino,
+    )
