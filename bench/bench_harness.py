@@ -10,12 +10,13 @@
    server that DockerDeployment starts in the container (there is no registry here: the image
    ``dsec-bench/swerex:<version>`` is built once with ``docker build`` from the installed
    swe-rex version, ``pip install --target`` from the local package index); 1 CPU, 512 MB each.
-2. Harbor: one small task (busybox image, the oracle agent writes a file, the verifier checks
+2. Harbor: one small task (the bookworm image, the oracle agent writes a file, the verifier checks
    it) as a whole ``harbor run`` (wall time of the command, and the trial's own time from its
    result.json), ``--trials`` times after a warm-up run (the image's first use imports it into
    dsec's layer store), on ``libdsec.harness.harbor:DSecEnvironment`` (``.venv-harbor``) vs
    Harbor's ``docker`` environment. Harbor's docker environment drives ``docker compose`` (the
-   v2 CLI plugin): where the engine has none, its row says so and nothing is faked.
+   v2 CLI plugin, which scripts/setup.sh installs): where the engine has none, its row says
+   so and nothing is faked.
 
 Everything started here is stopped, also on failure: the cluster, the deployments and their
 containers, the sandboxes; the image tag and the dsec environment of the Harbor task are
@@ -56,8 +57,9 @@ SWEREX_VERSION = importlib.metadata.version("swe-rex")
 SWEREX_IMAGE = f"dsec-bench/swerex:{SWEREX_VERSION}"
 #: The Docker image the SWE-ReX image is built on: the tree of dsec's ``bookworm`` image.
 BASE_IMAGE = "dsec/bookworm:latest"
-#: The Harbor task's image (a tag of its own per run: its first use is an import).
-HARBOR_BASE = "dsec/busybox:latest"
+#: The Harbor task's image (a tag of its own per run: its first use is an import). Debian:
+#: Harbor's docker environment runs its own commands under bash, which busybox lacks.
+HARBOR_BASE = "dsec/bookworm:latest"
 CPU, MEMORY_MB = 1, 512
 #: The Harbor task's name (without its org: what Harbor names its environments after).
 TASK = "answer"

