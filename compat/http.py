@@ -6,7 +6,9 @@ Each front end is a Starlette application (``compat.e2b``'s control API and envd
 is an ``HttpError`` 413, never read whole), paths matched with or without a trailing slash
 (E2B's and SandboxFusion's services accept both; Starlette would redirect), and
 ``HttpError``, which each front end renders as the error body its clients read
-(``compat.e2b.http.error``, ``compat.sandboxfusion.app.detail``).
+(``compat.e2b.http.error``; FastAPI's ``{"detail": ...}`` for the SandboxFusion and SWE-ReX
+front ends, whose reference servers are FastAPI apps: :func:`detail` and the exception
+handlers :func:`status_detail` and :func:`token_refused`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from libdsec.errors import DSecError, Unauthenticated
 
 __all__ = [
     "ASGIApp",
@@ -26,8 +32,11 @@ __all__ = [
     "Request",
     "Scope",
     "Send",
+    "detail",
     "read_body",
     "read_json",
+    "status_detail",
+    "token_refused",
     "without_trailing_slash",
 ]
 
@@ -80,3 +89,21 @@ def without_trailing_slash(scope: Scope) -> Scope:
     path = str(scope["path"])
     trimmed = path.rstrip("/") or "/"
     return scope if trimmed == path else {**scope, "path": trimmed}
+
+
+def detail(status: int, value: Any) -> JSONResponse:
+    """FastAPI's error body (``{"detail": ...}``), which FastAPI servers' clients read."""
+    return JSONResponse({"detail": value}, status)
+
+
+async def status_detail(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (404, 405) as FastAPI's error body."""
+    assert isinstance(exc, HTTPException)
+    return detail(exc.status_code, exc.detail)
+
+
+async def token_refused(request: Request, exc: Exception) -> Response:
+    """dsec's refusal of the caller's token: 401 (unknown) or 403 (not allowed)."""
+    assert isinstance(exc, DSecError)
+    status = 401 if isinstance(exc, Unauthenticated) else 403
+    return detail(status, f"dsec refused the token: {exc.message}")

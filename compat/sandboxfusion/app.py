@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
@@ -45,7 +44,10 @@ from compat.http import (
     Request,
     Scope,
     Send,
+    detail,
     read_body,
+    status_detail,
+    token_refused,
     without_trailing_slash,
 )
 from compat.sandboxfusion import mapping
@@ -97,11 +99,6 @@ def bearer(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def detail(status: int, value: Any) -> JSONResponse:
-    """FastAPI's error body, which the reference's clients print."""
-    return JSONResponse({"detail": value}, status)
-
-
 class SandboxFusionApp:
     def __init__(self, config: CompatConfig, pool: ClientPool, default_token: str = "") -> None:
         self.config = config
@@ -120,12 +117,12 @@ class SandboxFusionApp:
             # Each route also under /t/<token>/ (the token in the URL, for header-less clients).
             routes=[Mount("/t/{token}", routes=routes), *routes],
             exception_handlers={
-                404: _status_detail,
-                405: _status_detail,
+                404: status_detail,
+                405: status_detail,
                 HttpError: _http_error,
                 RequestInvalid: _request_invalid,
-                Unauthenticated: _refused,
-                PermissionDenied: _refused,
+                Unauthenticated: token_refused,
+                PermissionDenied: token_refused,
                 500: _internal,
             },
         )
@@ -300,11 +297,6 @@ def _unsupported(what: str) -> Callable[[Request], Awaitable[Response]]:
     return endpoint
 
 
-async def _status_detail(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return detail(exc.status_code, exc.detail)
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HttpError)
     return detail(exc.status, exc.message)
@@ -313,12 +305,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _request_invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestInvalid)
     return detail(422, exc.detail)
-
-
-async def _refused(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, DSecError)
-    status = 401 if isinstance(exc, Unauthenticated) else 403
-    return detail(status, f"dsec refused the token: {exc.message}")
 
 
 async def _internal(request: Request, exc: Exception) -> Response:

@@ -31,7 +31,6 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from swerex.exceptions import SwerexException
@@ -46,8 +45,18 @@ from swerex.runtime.abstract import (
 )
 
 from compat.clients import ClientPool
-from compat.http import ClientDisconnect, Receive, Request, Scope, Send, without_trailing_slash
-from libdsec.errors import DSecError, NotFound, PermissionDenied, Unauthenticated
+from compat.http import (
+    ClientDisconnect,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    detail,
+    status_detail,
+    token_refused,
+    without_trailing_slash,
+)
+from libdsec.errors import NotFound, PermissionDenied, Unauthenticated
 from libdsec.harness.swerex import DsecRuntime, swerex_errors
 
 log = logging.getLogger(__name__)
@@ -63,11 +72,6 @@ CALLS: dict[str, TypeAdapter[Any]] = {
 }
 #: Sandboxes whose session names are remembered (least recently used dropped first).
 MAX_SANDBOXES = 10_000
-
-
-def detail(status: int, value: Any) -> JSONResponse:
-    """FastAPI's error body (swe-rex's server is a FastAPI app)."""
-    return JSONResponse({"detail": value}, status)
 
 
 def transferred(exc: Exception) -> JSONResponse:
@@ -99,10 +103,10 @@ class SweRexApp:
                 Route(f"{prefix}/{{call}}", self.call, methods=["POST"]),
             ],
             exception_handlers={
-                404: _status_detail,
-                405: _status_detail,
-                Unauthenticated: _refused,
-                PermissionDenied: _refused,
+                404: status_detail,
+                405: status_detail,
+                Unauthenticated: token_refused,
+                PermissionDenied: token_refused,
                 500: _internal,
             },
         )
@@ -206,17 +210,6 @@ def _inside(target: str, name: str) -> str:
     if path != root and not path.startswith(root.rstrip("/") + "/"):
         raise ValueError(f"zip entry {name!r} leaves {target}")
     return path
-
-
-async def _status_detail(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return detail(exc.status_code, exc.detail)
-
-
-async def _refused(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, DSecError)
-    status = 401 if isinstance(exc, Unauthenticated) else 403
-    return detail(status, f"dsec refused the token: {exc.message}")
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
