@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -314,6 +315,33 @@ def test_bad_requests_get_precise_errors(
     with pytest.raises(SandboxTerminated) as term:
         sb.run("true")
     assert term.value.metadata["termination_reason"] == "STOPPED"
+
+
+def test_a_command_cut_by_its_sandbox_s_ending_fails_with_that_ending(
+    client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    """A run in flight when the sandbox ends (here its owner's stop) fails with the ending,
+    SANDBOX_TERMINATED and its reason, not with the sandbox's closed channel."""
+    sb = make_sandbox()
+    outcome: list[BaseException | object] = []
+    running = threading.Thread(
+        target=lambda: outcome.append(_outcome(lambda: sb.run("sleep 60", timeout_s=90)))
+    )
+    running.start()
+    wait_for(lambda: any(p.running for p in sb.processes()))
+    client.get(sb.id).stop(grace_s=0)
+    running.join(timeout=30)
+    assert not running.is_alive(), "the cut run hung"
+    (err,) = outcome
+    assert isinstance(err, SandboxTerminated), err
+    assert err.metadata["termination_reason"] == "STOPPED", err
+
+
+def _outcome(call: Callable[[], object]) -> BaseException | object:
+    try:
+        return call()
+    except BaseException as exc:
+        return exc
 
 
 def test_list_get_and_reattach_from_another_process(
