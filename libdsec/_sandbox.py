@@ -12,6 +12,7 @@ background command), :class:`AsyncSession` (a persistent shell).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping
+from functools import cached_property
 from typing import Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
@@ -206,17 +207,52 @@ async def sandbox_info(rpc: Transport, sandbox_id: str, timeout: float) -> Sandb
 class AsyncSandbox:
     """A sandbox: run commands, use files, stop it. An async context manager that stops on exit."""
 
-    def __init__(self, client: Link, info: SandboxInfo) -> None:
+    def __init__(self, client: Link, info: SandboxInfo | types_pb2.Sandbox) -> None:
+        """``info``: the sandbox as converted, or as the API server described it (then
+        converted on the first read of :attr:`info`: a burst's ``create_many`` returns tens
+        of thousands of handles, and converting each description took longer than the
+        control plane took to create them)."""
         #: The client that made this handle (an :class:`~libdsec.aio.AsyncClient`).
         self.client = client
-        self.info = info
-        self.files = AsyncFiles(client, info.id)
-        #: The screen, for a sandbox with a display (backend "vm", the ``desktop`` image).
-        self.display = AsyncDisplay(client, info.id)
+        self._id = info.id
+        self._info: SandboxInfo | None = None
+        self._described: types_pb2.Sandbox | None = None
+        if isinstance(info, SandboxInfo):
+            self._info = info
+        else:
+            self._described = info
+
+    @property
+    def info(self) -> SandboxInfo:
+        """The sandbox as the last call that returned it left it (:meth:`refresh` asks)."""
+        info = self._info
+        if info is None:
+            described = self._described
+            assert described is not None
+            info = SandboxInfo.from_pb(described)
+            if self._described is described:  # not replaced meanwhile (another thread)
+                self._info, self._described = info, None
+        return info
+
+    @info.setter
+    def info(self, info: SandboxInfo) -> None:
+        self._info, self._described = info, None
+
+    # Made on first use: a burst's create_many returns tens of thousands of handles, most
+    # of which never touch their files or screen.
+    @cached_property
+    def files(self) -> AsyncFiles:
+        """The sandbox's files."""
+        return AsyncFiles(self.client, self._id)
+
+    @cached_property
+    def display(self) -> AsyncDisplay:
+        """The screen, for a sandbox with a display (backend "vm", the ``desktop`` image)."""
+        return AsyncDisplay(self.client, self._id)
 
     @property
     def id(self) -> str:
-        return self.info.id
+        return self._id
 
     def __repr__(self) -> str:
         return f"<AsyncSandbox {self.id} {self.info.state}>"
@@ -555,9 +591,7 @@ class AsyncSandbox:
             timeout=timeout,
         )
         children: list[AsyncSandbox | DSecError] = [
-            item_error(r.error)
-            if r.error.code
-            else AsyncSandbox(self.client, SandboxInfo.from_pb(r.sandbox))
+            item_error(r.error) if r.error.code else AsyncSandbox(self.client, r.sandbox)
             for r in resp.results
         ]
         kind = types_pb2.ForkKind.Name(resp.fork_kind).removeprefix("FORK_KIND_").lower()

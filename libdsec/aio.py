@@ -327,7 +327,7 @@ class AsyncClient:
             if r.error.code:
                 out.append(item_error(r.error))
             else:
-                out.append(AsyncSandbox(self, SandboxInfo.from_pb(r.sandbox)))
+                out.append(AsyncSandbox(self, r.sandbox))
         return out
 
     async def get(self, sandbox_id: str, *, timeout: float | None = None) -> AsyncSandbox:

@@ -22,7 +22,8 @@ Every option may be left out; its default is noted. ``None`` is the same as left
 
 from __future__ import annotations
 
-import uuid
+import secrets
+import time
 from collections.abc import Iterable, Mapping
 from typing import Literal, Required, TypedDict, Unpack, cast
 
@@ -109,8 +110,11 @@ def check_options(options: Mapping[str, object], allowed: frozenset[str] = SANDB
 
 
 def new_idempotency_key() -> str:
-    """A fresh idempotency key (``sdk-<uuid4>``), for a create whose caller gave none."""
-    return f"sdk-{uuid.uuid4()}"
+    """A fresh idempotency key, for a create whose caller gave none: ``sdk-<time><random>``
+    (nanoseconds since the epoch in 16 hex digits, then 80 random bits). Keys made later sort
+    later, so IAM's index of keys grows at its end: a burst of random keys (uuid4) dirtied
+    a page of that index per key, which made keyed creates cost twice as much in IAM."""
+    return f"sdk-{time.time_ns():016x}{secrets.token_hex(10)}"
 
 
 def split_key(options: CreateOptions) -> tuple[str, SandboxOptions]:

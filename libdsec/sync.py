@@ -33,6 +33,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime
+from functools import cached_property
 from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
 from libdsec._display import AsyncDisplay
@@ -700,8 +701,16 @@ class Sandbox:
     def __init__(self, client: Client, sandbox: AsyncSandbox) -> None:
         self._c = client
         self._s = sandbox
-        self.files = Files(client, sandbox.files)
-        self.display = Display(client, sandbox.display)
+
+    @cached_property
+    def files(self) -> Files:
+        """The sandbox's files (made on first use, as :attr:`AsyncSandbox.files`)."""
+        return Files(self._c, self._s.files)
+
+    @cached_property
+    def display(self) -> Display:
+        """The screen, for a sandbox with a display (see :attr:`AsyncSandbox.display`)."""
+        return Display(self._c, self._s.display)
 
     @property
     def id(self) -> str:

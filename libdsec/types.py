@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cache
 from typing import Any, Generic, TypeVar
 
 from dsec.iam.v1 import iam_pb2
@@ -21,8 +22,21 @@ def _dt(ts: Any) -> datetime | None:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=UTC)
 
 
+@cache
 def _enum(enum: Any, value: int, prefix: str) -> str:
     return str(enum.Name(value)).removeprefix(prefix)
+
+
+# Empty repeated and map fields are the rule in a sandbox's description: skipping their
+# copy saves a third of converting one (a burst's create_many converts tens of thousands).
+def _dict(field: Any) -> dict[str, Any]:
+    """A protobuf map as a dict of its own."""
+    return dict(field) if field else {}
+
+
+def _list(field: Any) -> list[Any]:
+    """A protobuf repeated scalar field as a list of its own."""
+    return list(field) if field else []
 
 
 @dataclass(frozen=True)
@@ -169,8 +183,8 @@ class NetworkPolicy:
     def from_pb(cls, p: types_pb2.NetworkPolicy) -> NetworkPolicy:
         """The policy as the SDK writes it (rules as ``"host[:port[-port]][/tcp|/udp]"``)."""
         return cls(
-            allow=[rule_text(r) for r in p.allow],
-            deny=[rule_text(r) for r in p.deny],
+            allow=[rule_text(r) for r in p.allow] if p.allow else [],
+            deny=[rule_text(r) for r in p.deny] if p.deny else [],
             open=p.mode == types_pb2.NETWORK_MODE_OPEN,
             max_blocked_connects=p.max_blocked_connects,
         )
@@ -248,12 +262,12 @@ class SandboxSpecInfo:
             gpus=r.gpu_count,
             ttl_s=s.ttl_s,
             idle_timeout_s=s.idle_timeout_s,
-            env=dict(s.env),
+            env=_dict(s.env),
             network=NetworkPolicy.from_pb(s.network),
             workdir=s.workdir,
             best_effort=s.qos == types_pb2.QOS_CLASS_BEST_EFFORT,
-            node_selector=dict(s.node_selector),
-            toolkits=list(s.toolkits),
+            node_selector=_dict(s.node_selector),
+            toolkits=_list(s.toolkits),
         )
 
 
@@ -340,32 +354,33 @@ class SandboxInfo:
         reason = None
         if s.HasField("termination") and s.termination.reason:
             reason = _enum(types_pb2.TerminationReason, s.termination.reason, "TERMINATION_REASON_")
+        spec, v = s.spec, s.violations
         return cls(
             id=s.id,
             project_id=s.project_id,
             state=_enum(types_pb2.SandboxState, s.state, "SANDBOX_STATE_"),
-            backend=_enum(types_pb2.Backend, s.spec.backend, "BACKEND_").lower(),
-            image=s.spec.image,
+            backend=_enum(types_pb2.Backend, spec.backend, "BACKEND_").lower(),
+            image=spec.image,
             edge_id=s.edge_id,
-            labels=dict(s.spec.labels),
-            task_id=s.spec.task_id,
+            labels=_dict(spec.labels),
+            task_id=spec.task_id,
             created_at=_dt(s.created_at),
             expires_at=_dt(s.expires_at),
             termination_reason=reason,
             termination_message=s.termination.message,
             violations=Violations(
                 {
-                    "blocked_connects": s.violations.blocked_connects,
-                    "denied_file_accesses": s.violations.denied_file_accesses,
-                    "output_truncations": s.violations.output_truncations,
-                    "oom_kills": s.violations.oom_kills,
-                    "pids_limit_hits": s.violations.pids_limit_hits,
-                    "dns_refusals": s.violations.dns_refusals,
+                    "blocked_connects": v.blocked_connects,
+                    "denied_file_accesses": v.denied_file_accesses,
+                    "output_truncations": v.output_truncations,
+                    "oom_kills": v.oom_kills,
+                    "pids_limit_hits": v.pids_limit_hits,
+                    "dns_refusals": v.dns_refusals,
                 },
-                dict(s.violations.blocked_names),
+                _dict(v.blocked_names),
             ),
             memory=MemoryInfo.from_pb(s.memory) if s.HasField("memory") else None,
-            spec=SandboxSpecInfo.from_pb(s.spec),
+            spec=SandboxSpecInfo.from_pb(spec),
             started_at=_dt(s.started_at),
             last_active_at=_dt(s.last_active_at),
             principal_id=s.principal_id,
