@@ -94,11 +94,18 @@ class Admission:
     # ------------------------------------------------------------ a create
 
     def validate(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        self.check_id(sandbox_id)
+        self.check_spec(spec)
+
+    def check_id(self, sandbox_id: str) -> None:
         m = SANDBOX_ID.match(sandbox_id)
         if not m or m.group(1) != self.edge_id:
             raise InvalidArgument(
                 f"sandbox id {sandbox_id!r} does not belong to edge {self.edge_id}"
             )
+
+    def check_spec(self, spec: SandboxSpec) -> None:
+        """The spec's own rules (the same for every sandbox of a batch's group)."""
         if spec.backend not in self.backends:
             raise InvalidArgument(
                 f"edge {self.edge_id} does not offer backend {spec.backend}",
@@ -122,6 +129,10 @@ class Admission:
 
     def admit(self, spec: SandboxSpec) -> None:
         self.check_disk()
+        self.check_capacity(spec)
+
+    def check_capacity(self, spec: SandboxSpec) -> None:
+        """Room for one more sandbox of ``spec`` (admit without the disk check)."""
         cap = self.capacity
         live = self._live
         short = []
@@ -144,9 +155,18 @@ class Admission:
         """Admission decides on free space at most DISK_SAMPLE_MAX_AGE_S old (the guard's loop
         samples every 0.25 s: a disk filled in between would admit a create that then fails
         to start with ENOSPC). One statvfs per watched filesystem, in a thread."""
+        if self._disk_sample_due():
+            await asyncio.to_thread(self.refresh_disk_sample)
+
+    def refresh_disk_sample(self) -> None:
+        """:meth:`fresh_disk_sample` for a caller already in a thread (blocking)."""
+        if self._disk_sample_due():
+            assert self.disk_guard is not None
+            self.disk_guard.sample()
+
+    def _disk_sample_due(self) -> bool:
         guard = self.disk_guard
-        if guard is not None and time.monotonic() - guard.sampled_at > DISK_SAMPLE_MAX_AGE_S:
-            await asyncio.to_thread(guard.sample)
+        return guard is not None and time.monotonic() - guard.sampled_at > DISK_SAMPLE_MAX_AGE_S
 
     def check_disk(self) -> None:
         guard = self.disk_guard
