@@ -190,14 +190,20 @@ class IamServicer:
         if len(request.items) > MAX_BATCH:
             raise InvalidArgument(f"at most {MAX_BATCH} items per ReserveQuotas call")
         items = []
+        backends: dict[int, str] = {}  # a burst names one or two backends, thousands of times
         for it in request.items:
             if not it.sandbox_id or not it.project_id:
                 raise InvalidArgument("every item needs sandbox_id and project_id")
+            backend = backends.get(it.backend)
+            if backend is None:
+                backend = backends[it.backend] = enum_name(
+                    types_pb2.Backend, it.backend, "items.backend"
+                )
             items.append(
                 Reservation(
                     it.sandbox_id,
                     it.project_id,
-                    enum_name(types_pb2.Backend, it.backend, "items.backend"),
+                    backend,
                     it.cpu_millis,
                     it.memory_mb,
                     it.edge_id,

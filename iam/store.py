@@ -115,6 +115,10 @@ class ReserveOutcome:
     error: DSecError | None = None
 
 
+#: The outcome of every item that got its reservation (shared: outcomes are frozen).
+RESERVED = ReserveOutcome(reserved=True)
+
+
 @dataclass(frozen=True)
 class KeyBinding:
     sandbox_id: str
@@ -255,7 +259,7 @@ class ReservationPlan:
         if key is not None:
             self.keys[key] = KeyBinding(res.sandbox_id, self.now, True)
             self.key_writes.append((res.project_id, res.idempotency_key, res.sandbox_id))
-        return ReserveOutcome(reserved=True)
+        return RESERVED
 
 
 @dataclass
@@ -335,21 +339,28 @@ def token_row(row: Sequence[Any]) -> TokenRecord:
 
 
 def quota_error(rec: ProjectRecord, res: Reservation) -> QuotaExceeded | None:
-    """The QuotaExceeded (naming ``rec``'s project) if ``res`` does not fit, else None."""
+    """The QuotaExceeded (naming ``rec``'s project) if ``res`` does not fit, else None.
+
+    Checked in this order: cpu_millis, memory_mb, sandboxes, sandboxes[backend]; a limit of
+    0 is none. (Called per item and ancestor of every reservation: kept to plain compares.)
+    """
     q, u = rec.quota, rec.usage
-    checks = [
-        ("cpu_millis", q.cpu_millis, u.cpu_millis + res.cpu_millis),
-        ("memory_mb", q.memory_mb, u.memory_mb + res.memory_mb),
-        ("sandboxes", q.sandboxes, u.sandboxes + 1),
-    ]
-    limit = q.sandboxes_by_backend.get(res.backend, 0)
-    checks.append(
-        (f"sandboxes[{res.backend}]", limit, u.sandboxes_by_backend.get(res.backend, 0) + 1)
-    )
-    for dim, lim, want in checks:
-        if lim and want > lim:
-            return QuotaExceeded(
-                f"quota of project {rec.project_id} exceeded: {dim} would be {want} > limit {lim}",
-                metadata={"project": rec.project_id, "dimension": dim, "limit": str(lim)},
-            )
+    if q.cpu_millis and u.cpu_millis + res.cpu_millis > q.cpu_millis:
+        return _exceeded(rec, "cpu_millis", q.cpu_millis, u.cpu_millis + res.cpu_millis)
+    if q.memory_mb and u.memory_mb + res.memory_mb > q.memory_mb:
+        return _exceeded(rec, "memory_mb", q.memory_mb, u.memory_mb + res.memory_mb)
+    if q.sandboxes and u.sandboxes + 1 > q.sandboxes:
+        return _exceeded(rec, "sandboxes", q.sandboxes, u.sandboxes + 1)
+    limit = q.sandboxes_by_backend.get(res.backend, 0) if q.sandboxes_by_backend else 0
+    if limit:
+        want = u.sandboxes_by_backend.get(res.backend, 0) + 1
+        if want > limit:
+            return _exceeded(rec, f"sandboxes[{res.backend}]", limit, want)
     return None
+
+
+def _exceeded(rec: ProjectRecord, dim: str, limit: int, want: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"quota of project {rec.project_id} exceeded: {dim} would be {want} > limit {limit}",
+        metadata={"project": rec.project_id, "dimension": dim, "limit": str(limit)},
+    )
