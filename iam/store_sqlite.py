@@ -68,7 +68,8 @@ CREATE TABLE IF NOT EXISTS reservations (
     cpu_millis INTEGER NOT NULL,
     memory_mb INTEGER NOT NULL,
     edge_id TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    idempotency_key TEXT NOT NULL DEFAULT ''  -- the key it was reserved with ('' = none)
 );
 CREATE INDEX IF NOT EXISTS reservations_edge ON reservations(edge_id);
 CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project_id);
@@ -79,7 +80,6 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     created_at REAL NOT NULL,
     PRIMARY KEY (project_id, key)
 );
-CREATE INDEX IF NOT EXISTS idempotency_keys_sandbox ON idempotency_keys(sandbox_id);
 CREATE INDEX IF NOT EXISTS idempotency_keys_created ON idempotency_keys(created_at);
 """
 
@@ -105,9 +105,28 @@ class SqliteIamStore:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # Checkpoint the WAL into the database every 64 MiB of it, not SQLite's default 4 MiB:
+        # a burst's transaction writes thousands of pages, and a checkpoint after each one
+        # (copy and fsync) made a reservation's latency grow with the size of the tables.
+        self._db.execute("PRAGMA wal_autocheckpoint=16384")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
+        self._migrate()
         self._lock = threading.Lock()
+
+    def _migrate(self) -> None:
+        """A database made before reservations kept their key: it gets the column, and loses
+        the index of idempotency_keys by sandbox that release() used instead (a random
+        sandbox id per key dirtied a page of that index per key, so with the WAL a burst's
+        transaction cost grew with the table). Its older reservations name no key: a
+        never-created one's key stays bound, and a retry with it finds no such sandbox and
+        takes the key over, as the create pipeline does for any key whose sandbox is gone."""
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(reservations)")}
+        if "idempotency_key" not in columns:
+            self._db.execute(
+                "ALTER TABLE reservations ADD COLUMN idempotency_key TEXT NOT NULL DEFAULT ''"
+            )
+        self._db.execute("DROP INDEX IF EXISTS idempotency_keys_sandbox")
 
     def close(self) -> None:
         with self._lock:
@@ -283,7 +302,8 @@ class SqliteIamStore:
             plan = ReservationPlan(projects, reserved, keys, now)
             outcomes = plan.run(items)
             db.executemany(
-                "INSERT INTO reservations VALUES (?,?,?,?,?,?,?)",
+                "INSERT INTO reservations (sandbox_id, project_id, backend, cpu_millis,"
+                " memory_mb, edge_id, created_at, idempotency_key) VALUES (?,?,?,?,?,?,?,?)",
                 [
                     (
                         r.sandbox_id,
@@ -293,6 +313,7 @@ class SqliteIamStore:
                         r.memory_mb,
                         r.edge_id,
                         now,
+                        r.idempotency_key,
                     )
                     for r in plan.new
                 ],
@@ -331,17 +352,23 @@ class SqliteIamStore:
         ids = list(dict.fromkeys(sandbox_ids))
         with self._tx() as db:
             rows: list[tuple[str, str, int, int]] = []
+            keys: list[tuple[str, str, str]] = []
             for chunk in chunked(ids, self.CHUNK):
-                rows += db.execute(
-                    "SELECT project_id, backend, cpu_millis, memory_mb FROM reservations"
-                    f" WHERE sandbox_id IN ({_marks(chunk)})",
+                for pid, backend, cpu, mem, sid, key in db.execute(
+                    "SELECT project_id, backend, cpu_millis, memory_mb, sandbox_id,"
+                    f" idempotency_key FROM reservations WHERE sandbox_id IN ({_marks(chunk)})",
                     chunk,
-                ).fetchall()
+                ).fetchall():
+                    rows.append((pid, backend, cpu, mem))
+                    if key:
+                        keys.append((pid, key, sid))
                 db.execute(f"DELETE FROM reservations WHERE sandbox_id IN ({_marks(chunk)})", chunk)
-                if not_created:
-                    db.execute(
-                        f"DELETE FROM idempotency_keys WHERE sandbox_id IN ({_marks(chunk)})", chunk
-                    )
+            if not_created:
+                # Only while still bound to this sandbox: a retry may have re-bound it.
+                db.executemany(
+                    "DELETE FROM idempotency_keys WHERE project_id=? AND key=? AND sandbox_id=?",
+                    keys,
+                )
             for pid, delta in sorted(release_deltas(rows).items()):
                 rec = self._project(db, pid)
                 if rec is None:

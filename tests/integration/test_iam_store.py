@@ -9,6 +9,7 @@ sibling subprojects, and no ancestor may ever end above its limit.
 from __future__ import annotations
 
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -303,3 +304,49 @@ def test_sqlite_store_is_the_default_kind(tmp_path: Path) -> None:
     s = open_store(f"sqlite:{tmp_path / 'x.db'}")
     assert isinstance(s, SqliteIamStore)
     s.close()
+
+
+def test_a_sqlite_database_of_the_older_schema_is_migrated(tmp_path: Path) -> None:
+    # Made by the store before reservations kept their key (and keys had an index by sandbox).
+    path = tmp_path / "old.db"
+    s = SqliteIamStore(path)
+    tree(s)
+    s.close()
+    db = sqlite3.connect(path)
+    db.executescript(
+        "ALTER TABLE reservations DROP COLUMN idempotency_key;"
+        "CREATE INDEX idempotency_keys_sandbox ON idempotency_keys(sandbox_id);"
+        "INSERT INTO reservations VALUES ('sb-e1-old001', 'root/a', 'BACKEND_CONTAINER',"
+        " 100, 10, 'e1', 0);"
+        "INSERT INTO idempotency_keys VALUES ('root/a', 'old', 'sb-e1-old001', 1e12);"
+    )
+    db.commit()
+    db.close()
+    s = SqliteIamStore(path)
+    try:
+        assert s.reserve_many([res("sb-e1-new001", "root/a", idempotency_key="new")])[0].reserved
+        again = s.reserve_many([res("sb-e2-new002", "root/a", idempotency_key="old")])[0]
+        assert again.existing_sandbox_id == "sb-e1-old001" and again.existing_reserved
+        # A new reservation's key is forgotten when it was never created; an old one's stays
+        # bound (a retry finds no such sandbox and takes it over, with replaces_sandbox_id).
+        assert s.release(["sb-e1-new001", "sb-e1-old001"], not_created=True) == 2
+        assert s.reserve_many([res("sb-e1-new003", "root/a", idempotency_key="new")])[0].reserved
+        stale = s.reserve_many([res("sb-e1-old002", "root/a", idempotency_key="old")])[0]
+        assert stale.existing_sandbox_id == "sb-e1-old001" and not stale.existing_reserved
+        took = s.reserve_many(
+            [
+                res(
+                    "sb-e1-old002",
+                    "root/a",
+                    idempotency_key="old",
+                    replaces_sandbox_id="sb-e1-old001",
+                )
+            ]
+        )[0]
+        assert took.reserved
+    finally:
+        s.close()
+    db = sqlite3.connect(path)
+    indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    db.close()
+    assert "idempotency_keys_sandbox" not in indexes
