@@ -11,6 +11,7 @@ import pytest
 
 from edge.backends import Capability, NullBackend
 from edge.backends.contract import MemoryUsage, PauseOutcome
+from edge.disk_guard import DiskGuard
 from edge.manager import Capacity, SandboxManager
 from edge.model import SandboxSpec
 from libdsec.errors import (
@@ -18,6 +19,7 @@ from libdsec.errors import (
     EdgeCapacity,
     FailedPrecondition,
     InvalidArgument,
+    NodeDiskLow,
     NodeMemoryFull,
     SandboxNotFound,
     SandboxTerminated,
@@ -253,6 +255,47 @@ async def test_create_many_admits_in_order_up_to_capacity(tmp_path: Path) -> Non
     assert m.load().sandboxes == 3 and m.load().cpu_millis == 300
     a, b = out[0][0], out[2][0]
     assert a is not None and b is not None and a.spec is not b.spec  # one can change alone
+
+
+class PickyNull(NullBackend):
+    """The null backend refusing one image, as a backend refuses an unknown one."""
+
+    def validate(self, spec: SandboxSpec) -> None:
+        if spec.image == "missing":
+            raise InvalidArgument("unknown image missing", reason="IMAGE_NOT_FOUND")
+
+
+async def test_create_many_gives_each_item_its_first_refusal(tmp_path: Path) -> None:
+    # A batch runs the backend's validation and the disk sample in one thread, and checks the
+    # disk and each spec's rules once: every item still gets its first refusal in the order a
+    # batch checks (backend, id, spec, disk, capacity), whatever else is wrong with it.
+    guard = DiskGuard([tmp_path], reserve_bytes=1 << 62)  # more than any disk: always low
+    m = SandboxManager(
+        "e1", tmp_path, Capacity(10_000, 10_000, 10), [PickyNull()], disk_guard=guard
+    )
+    good, reserved_env = SandboxSpec(), SandboxSpec(env={"DSEC_X": "1"})
+    missing = SandboxSpec(image="missing")
+    items = [
+        ("sb-e2-aaaaaa01", missing),  # the backend's refusal comes first
+        ("sb-e2-aaaaaa02", reserved_env),  # then the id
+        ("sb-e1-aaaaaa03", reserved_env),  # then the spec's rules
+        ("sb-e1-aaaaaa04", good),  # then the disk
+    ]
+    out = await m.create_many(items, "root", "p", wait_ready=True)
+    errors = [e for _, _, e in out]
+    assert [(type(e).__name__, e.reason if e else None) for e in errors] == [
+        ("InvalidArgument", "IMAGE_NOT_FOUND"),
+        ("InvalidArgument", "INVALID_ARGUMENT"),
+        ("InvalidArgument", "RESERVED_ENV"),
+        ("NodeDiskLow", "NODE_DISK_LOW"),
+    ]
+    assert "sb-e2-aaaaaa02" in str(errors[1]) and m.records == {}
+    with pytest.raises(NodeDiskLow):  # a single create too
+        await m.create("sb-e1-aaaaaa04", good, "root", "p", wait_ready=True)
+    guard.reserve_bytes = 0  # the disk has room again: the next batch's sample sees it
+    guard.sampled_at = 0.0
+    out = await m.create_many(items[3:], "root", "p", wait_ready=True)
+    assert out[0][0] is not None and out[0][0].state == "RUNNING"
 
 
 async def test_create_many_without_waiting_starts_in_the_background(tmp_path: Path) -> None:
