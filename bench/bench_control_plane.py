@@ -2,10 +2,14 @@
 the SDK, API server, placement, IAM (SQLite) and the edges' admission and
 bookkeeping are all real processes; only the sandboxes' runtime is absent.
 
-1. burst: 32,768 sandboxes in one create_many against 16 edges (creations/s);
-   baseline in the same run: the same number admitted by the 16 edges alone
-   (CreateSandboxes straight to each edge: no API server, placement or IAM).
-2. unary: creates from 64 concurrent SDK clients (creations/s, latency).
+1. burst: 32,768 sandboxes in one create_many against 16 edges (creations/s),
+   every item keyed (the SDK gives each create an idempotency key) and, to price
+   the keys, without keys; the two alternate (keyed, unkeyed, unkeyed, keyed):
+   a later burst meets a fuller cluster. Baseline in the same run: the same
+   number admitted by the 16 edges alone (CreateSandboxes straight to each
+   edge: no API server, placement or IAM).
+2. unary: creates from 64 concurrent SDK clients (creations/s, latency), keyed
+   and unkeyed, alternated the same way.
 3. placement quality at the end of the burst: max/mean live sandboxes per edge
    (the watcher's counts) vs uniform random placement of the same number, in
    the same run.
@@ -25,6 +29,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +38,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
+import libdsec.aio
+import libdsec.options
 from bench.common import cluster, pct, table
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import AsyncClient, Client, Quota
 from libdsec.errors import QuotaExceeded
 
 SPEC = {"image": "busybox", "cpu": 0.1, "memory_mb": 64}
+#: The order keyed and unkeyed runs alternate in (ABBA: each meets a fuller cluster once).
+RUNS = (True, False, False, True)
+
+
+@contextmanager
+def keys(keyed: bool) -> Iterator[None]:
+    """Creates as the SDK sends them (keyed: it gives every create without a key its own),
+    or with no key at all (the SDK's key maker taken out), to price the keys."""
+    if keyed:
+        yield
+        return
+    made = libdsec.aio.new_idempotency_key, libdsec.options.new_idempotency_key
+    libdsec.aio.new_idempotency_key = libdsec.options.new_idempotency_key = lambda: ""
+    try:
+        yield
+    finally:
+        libdsec.aio.new_idempotency_key, libdsec.options.new_idempotency_key = made
 
 
 def cpu_s(pid: int) -> float:
@@ -54,13 +79,15 @@ def cluster_cpu(c: LocalCluster) -> float:
     return sum(cpu_s(p.pid) for p in c.processes)
 
 
-def burst(c: LocalCluster, token: str, n: int) -> tuple[float, float, int]:
+def burst(
+    c: LocalCluster, token: str, n: int, task_id: str, keyed: bool
+) -> tuple[float, float, int]:
     """(seconds, CPU seconds of every process, sandboxes created)."""
-    with Client(c.apiserver, token=token, timeout=600) as cl:
+    with Client(c.apiserver, token=token, timeout=600) as cl, keys(keyed):
         cl.create_many(64, task_id="warmup", **SPEC)  # type: ignore[arg-type]
         cpu0 = cluster_cpu(c) + time.process_time()
         t0 = time.perf_counter()
-        out = cl.create_many(n, task_id="burst", **SPEC)  # type: ignore[arg-type]
+        out = cl.create_many(n, task_id=task_id, **SPEC)  # type: ignore[arg-type]
         dt = time.perf_counter() - t0
         cpu = cluster_cpu(c) + time.process_time() - cpu0
     failed = [o for o in out if isinstance(o, Exception)]
@@ -112,8 +139,10 @@ def edges_alone(c: LocalCluster, n: int) -> tuple[float, float]:
     return dt, cluster_cpu(c) + time.process_time() - cpu0
 
 
-def placement_quality(c: LocalCluster, n: int, edges: int) -> tuple[list[int], list[int]]:
-    """Live 'burst' sandboxes per edge from the watcher, and a uniform random placement."""
+def placement_quality(
+    c: LocalCluster, task_id: str, n: int, edges: int
+) -> tuple[list[int], list[int]]:
+    """Live sandboxes of a burst per edge from the watcher, and a uniform random placement."""
     from dsec.watcher.v1 import watcher_pb2, watcher_pb2_grpc
 
     deadline = time.monotonic() + 20
@@ -121,7 +150,7 @@ def placement_quality(c: LocalCluster, n: int, edges: int) -> tuple[list[int], l
         stub = watcher_pb2_grpc.WatcherServiceStub(ch)
         while True:
             snap = stub.GetClusterSnapshot(watcher_pb2.GetClusterSnapshotRequest(), timeout=5)
-            counts = [e.sandboxes_by_task.get("burst", 0) for e in snap.snapshot.edges]
+            counts = [e.sandboxes_by_task.get(task_id, 0) for e in snap.snapshot.edges]
             if sum(counts) >= n or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -133,7 +162,13 @@ def placement_quality(c: LocalCluster, n: int, edges: int) -> tuple[list[int], l
 
 
 def _unary_worker(
-    targets: list[str], token: str, clients: int, duration_s: float, start: Any, q: Any
+    targets: list[str],
+    token: str,
+    clients: int,
+    duration_s: float,
+    keyed: bool,
+    start: Any,
+    q: Any,
 ) -> None:
     import uvloop
 
@@ -168,11 +203,12 @@ def _unary_worker(
             await cl.close()
         q.put((t0, t1, lat, errors, cpu))
 
-    uvloop.run(main())
+    with keys(keyed):
+        uvloop.run(main())
 
 
 def unary(
-    c: LocalCluster, token: str, clients: int, procs: int, duration_s: float
+    c: LocalCluster, token: str, clients: int, procs: int, duration_s: float, keyed: bool
 ) -> tuple[float, int, list[float], int, float]:
     """(seconds, creates, latencies, errors, CPU seconds of every process incl. clients)."""
     ctx = mp.get_context("spawn")
@@ -187,6 +223,7 @@ def unary(
                 token,
                 clients // procs,
                 duration_s,
+                keyed,
                 start,
                 q,
             ),
@@ -278,7 +315,7 @@ def main() -> int:
     ap.add_argument("--apiservers", type=int, default=1)
     args = ap.parse_args()
 
-    per_edge = 2 * (args.burst // args.edges) + 20_000
+    per_edge = (len(RUNS) + 1) * (args.burst // args.edges) + 20_000
     edges = [
         EdgeSpec(
             edge_id=f"n{i}",
@@ -299,57 +336,93 @@ def main() -> int:
             p = admin.create_project("bench", quota=Quota(sandboxes=10 * args.burst + 100_000))
             token = admin.create_token("bench", project=p.project_id, agent=True).secret
 
-        b_s, b_cpu, b_n = burst(c, token, args.burst)
-        counts, uniform = placement_quality(c, b_n, args.edges)
+        bursts: dict[bool, list[tuple[float, float, int]]] = {True: [], False: []}
+        for i, keyed in enumerate(RUNS):
+            bursts[keyed].append(burst(c, token, args.burst, f"burst-{i}", keyed))
+        first_n = bursts[RUNS[0]][0][2]
+        counts, uniform = placement_quality(c, "burst-0", first_n, args.edges)
         e_s, e_cpu = edges_alone(c, args.burst)
-        u_s, u_n, lat, u_err, u_cpu = unary(c, token, args.clients, args.procs, args.unary_s)
-        table(
-            "creation throughput (null runtime; CPU = all processes, clients included)",
-            ["path", "sandboxes", "seconds", "creations/s", "target", "CPU ms/create"],
-            [
+        unaries: dict[bool, list[tuple[float, int, list[float], int, float]]] = {
+            True: [],
+            False: [],
+        }
+        for keyed in RUNS:
+            unaries[keyed].append(unary(c, token, args.clients, args.procs, args.unary_s, keyed))
+        rows: list[list[object]] = []
+        for keyed in (True, False):
+            how = "every item keyed (the SDK's keys)" if keyed else "no keys"
+            runs = bursts[keyed]
+            n = sum(r[2] for r in runs)
+            s_ = sum(r[0] for r in runs)
+            cpu = sum(r[1] for r in runs)
+            rows.append(
                 [
-                    f"create_many burst -> {args.edges} edges (SDK, API server, placement, IAM)",
-                    b_n,
-                    b_s,
-                    round(b_n / b_s),
-                    ">= 10000",
-                    b_cpu / max(b_n, 1) * 1000,
-                ],
+                    f"create_many burst -> {args.edges} edges, {how}",
+                    n,
+                    s_,
+                    round(n / s_),
+                    " / ".join(str(round(r[2] / r[0])) for r in runs),
+                    ">= 20000" if keyed else "-",
+                    cpu / max(n, 1) * 1000,
+                ]
+            )
+        for keyed in (True, False):
+            how = "every create keyed" if keyed else "no keys"
+            u_runs = unaries[keyed]
+            u_n = sum(r[1] for r in u_runs)
+            u_s = sum(r[0] for r in u_runs)
+            u_cpu = sum(r[4] for r in u_runs)
+            errors = sum(r[3] for r in u_runs)
+            rows.append(
                 [
-                    f"unary creates, {args.clients} concurrent SDK clients ({u_err} errors)",
+                    f"unary creates, {args.clients} SDK clients, {how} ({errors} errors)",
                     u_n,
                     u_s,
                     round(u_n / u_s),
-                    ">= 2000",
+                    " / ".join(str(round(r[1] / r[0])) for r in u_runs),
+                    ">= 2000" if keyed else "-",
                     u_cpu / max(u_n, 1) * 1000,
-                ],
-                [
-                    f"baseline: the {args.edges} edges alone (CreateSandboxes, no control plane)",
-                    args.burst,
-                    e_s,
-                    round(args.burst / e_s),
-                    "-",
-                    e_cpu / args.burst * 1000,
-                ],
-            ],
+                ]
+            )
+        rows.append(
+            [
+                f"baseline: the {args.edges} edges alone (CreateSandboxes, no control plane)",
+                args.burst,
+                e_s,
+                round(args.burst / e_s),
+                "-",
+                "-",
+                e_cpu / args.burst * 1000,
+            ]
         )
         table(
+            "creation throughput (null runtime; SDK, API server, placement, IAM; "
+            "CPU = all processes, clients included; runs alternate keyed, unkeyed, "
+            "unkeyed, keyed)",
+            ["path", "sandboxes", "seconds", "creations/s", "each run", "target", "CPU ms/create"],
+            rows,
+        )
+        latencies = {k: [x for r in unaries[k] for x in r[2]] for k in (True, False)}
+        table(
             "unary create latency (ms)",
-            ["clients", "p50", "p90", "p99", "max"],
+            ["creates", "clients", "p50", "p90", "p99", "max"],
             [
                 [
+                    "keyed" if keyed else "no keys",
                     args.clients,
                     pct(lat, 50) * 1000,
                     pct(lat, 90) * 1000,
                     pct(lat, 99) * 1000,
                     max(lat) * 1000,
                 ]
+                for keyed, lat in latencies.items()
             ],
         )
         mean = sum(counts) / len(counts)
         umean = sum(uniform) / len(uniform)
         table(
-            f"placement quality at the end of the burst ({sum(counts)} sandboxes, {args.edges} edges)",
+            f"placement quality at the end of the first burst ({sum(counts)} sandboxes, "
+            f"{args.edges} edges)",
             ["placement", "max/mean", "min/mean", "max", "min", "target"],
             [
                 [
