@@ -182,10 +182,11 @@ class Operations:
 
     def _begin(self, sandbox_id: str, entry: types_pb2.Operation) -> Running:
         run = Running(entry)
-        key = (sandbox_id, entry.operation_id)
-        self.running[key] = run
-        run.done.add_done_callback(lambda _: self.running.pop(key, None))
         run.done.add_done_callback(_consume)
+        if not entry.generated_id:  # an id of the edge's own is never repeated: not joinable
+            key = (sandbox_id, entry.operation_id)
+            self.running[key] = run
+            run.done.add_done_callback(lambda _: self.running.pop(key, None))
         return run
 
     def _end(self, sandbox_id: str, run: Running, state: int, outcome: Any = None) -> None:
@@ -412,22 +413,32 @@ class Operations:
         for ev in replayed_events(entry):
             yield ev
 
-    async def follow_endings(self, manager: SandboxManager, sweep_every_s: float = 60.0) -> None:
+    async def follow_endings(
+        self,
+        manager: SandboxManager,
+        sweep_every_s: float = 60.0,
+        checkpoint_every_s: float = 5.0,
+    ) -> None:
         """Marks a sandbox's log ended when the sandbox ends (kept ``retention_s`` more, then
-        swept), also for those that ended while the edge was down."""
+        swept), also for those that ended while the edge was down; and folds the log's WAL
+        into its database every few seconds, in a thread (a checkpoint fsyncs)."""
         for sandbox_id in self.log.sandboxes():
             rec = manager.records.get(sandbox_id)
             if rec is None or not rec.live:
                 self.log.ended(sandbox_id, rec.terminated_at if rec is not None else None)
         q = manager.subscribe(maxsize=1_000_000, terminal_only=True)
-        next_sweep = time.monotonic()
+        next_sweep = next_checkpoint = time.monotonic()
         try:
             while True:
-                if time.monotonic() >= next_sweep:
+                now = time.monotonic()
+                if now >= next_sweep:
                     self.log.sweep()
-                    next_sweep = time.monotonic() + sweep_every_s
+                    next_sweep = now + sweep_every_s
+                if now >= next_checkpoint:
+                    await asyncio.to_thread(self.log.checkpoint)
+                    next_checkpoint = time.monotonic() + checkpoint_every_s
                 try:
-                    rec = await asyncio.wait_for(q.get(), timeout=sweep_every_s)
+                    rec = await asyncio.wait_for(q.get(), timeout=checkpoint_every_s)
                 except TimeoutError:
                     continue
                 if not rec.live:

@@ -26,6 +26,7 @@ event loop.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import sqlite3
@@ -43,6 +44,12 @@ from libdsec.errors import InvalidArgument, OperationIdReused
 #: ``task/episode:turn`` path).
 OPERATION_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 MAX_OPERATION_ID = 128
+#: How long an entry's progress and end wait to be written with others (one commit per batch).
+BATCH_S = 0.01
+INSERT = (
+    "INSERT INTO ops (sandbox_id, seq, op_id, state, body_bytes, entry) VALUES (?, ?, ?, ?, ?, ?)"
+)
+UPDATE = "UPDATE ops SET state=?, body_bytes=?, entry=? WHERE sandbox_id=? AND seq=?"
 #: The fields of an entry the log's cap may drop (its bodies).
 BODIES = ("request", "stdout", "stderr", "response", "content")
 #: Entries per ListOperations page at most.
@@ -153,14 +160,15 @@ class OpLog:
         self.retention_s = retention_s
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.path = path
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        # Checkpoints (which fsync) run from a thread: see checkpoint().
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
         self.db.executescript(
             """
             CREATE TABLE IF NOT EXISTS logs (
                 sandbox_id TEXT PRIMARY KEY,
-                last_seq INTEGER NOT NULL,
-                body_bytes INTEGER NOT NULL,
                 ended_at REAL
             );
             CREATE TABLE IF NOT EXISTS ops (
@@ -177,29 +185,34 @@ class OpLog:
         )
         #: sandbox id -> [last seq, body bytes]: the counters, read once per sandbox.
         self._logs: dict[str, list[int]] = {}
+        #: (sandbox id, seq) -> body bytes of the entries under way (what their end replaces).
+        self._sizes: dict[tuple[str, int], int] = {}
+        #: Writes waiting for the batch (see _defer), and the batch's timer.
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []
+        self._flush: asyncio.TimerHandle | None = None
         self.closed = False
 
     def close(self) -> None:
-        """At edge shutdown. An operation still under way stays RUNNING (OUTCOME_UNKNOWN for
-        the next edge): its end is not written once the log is closed."""
+        """At edge shutdown (the batch written first). An operation still under way stays
+        RUNNING (OUTCOME_UNKNOWN for the next edge): its end is not written once the log is
+        closed."""
+        self.flush()
         self.closed = True
         self.db.close()
 
     # ---------------------------------------------------------------- writing
 
     def _counters(self, sandbox_id: str) -> list[int]:
+        """[last seq, body bytes] of a sandbox's log: read once, then kept in memory (so an
+        operation costs one INSERT and one UPDATE, nothing else)."""
         c = self._logs.get(sandbox_id)
         if c is None:
+            self.flush()
             row = self.db.execute(
-                "SELECT last_seq, body_bytes FROM logs WHERE sandbox_id=?", (sandbox_id,)
+                "SELECT MAX(seq), SUM(body_bytes) FROM ops WHERE sandbox_id=?", (sandbox_id,)
             ).fetchone()
-            if row is None:
-                self.db.execute(
-                    "INSERT INTO logs (sandbox_id, last_seq, body_bytes) VALUES (?, 0, 0)",
-                    (sandbox_id,),
-                )
-                row = (0, 0)
-            c = self._logs[sandbox_id] = [int(row[0]), int(row[1])]
+            self.db.execute("INSERT OR IGNORE INTO logs (sandbox_id) VALUES (?)", (sandbox_id,))
+            c = self._logs[sandbox_id] = [int(row[0] or 0), int(row[1] or 0)]
         return c
 
     def reserve(
@@ -220,15 +233,6 @@ class OpLog:
         generated = not op_id
         if op_id:
             check_operation_id(op_id)
-            found = self.get(sandbox_id, op_id)
-            if found is not None:
-                if found.request_digest != request_digest(kind, request) or found.kind != kind:
-                    raise OperationIdReused(
-                        f"operation {op_id!r} of sandbox {sandbox_id} is entry {found.seq}, "
-                        f"a different {found.kind} request; a new request needs a new id",
-                        metadata={"operation_id": op_id, "seq": str(found.seq)},
-                    )
-                return found
         counters = self._counters(sandbox_id)
         seq = counters[0] + 1
         if generated:
@@ -247,22 +251,29 @@ class OpLog:
         if keep_request:
             entry.request = request.SerializeToString(deterministic=True)
         size = _bodies(entry)
-        with self.db:
-            self.db.execute(
-                "INSERT INTO ops (sandbox_id, seq, op_id, state, body_bytes, entry) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (sandbox_id, seq, op_id, RUNNING, size, entry.SerializeToString()),
-            )
-            self._advance(sandbox_id, counters, seq, size)
+        row = (sandbox_id, seq, op_id, RUNNING, size, entry.SerializeToString())
+        try:
+            if generated:  # nobody can repeat it: written with the next batch
+                self._defer(INSERT, row)
+            else:  # the reservation: on disk before the call starts
+                self.db.execute(INSERT, row)
+        except sqlite3.IntegrityError:  # the id is taken: a repeat, or another request
+            found = self.get(sandbox_id, op_id)
+            assert found is not None
+            if found.request_digest != entry.request_digest or found.kind != kind:
+                raise OperationIdReused(
+                    f"operation {op_id!r} of sandbox {sandbox_id} is entry {found.seq}, "
+                    f"a different {found.kind} request; a new request needs a new id",
+                    metadata={"operation_id": op_id, "seq": str(found.seq)},
+                ) from None
+            return found
+        self._sizes[(sandbox_id, seq)] = size
+        self._grown(sandbox_id, counters, seq, size)
         return Reserved(entry)
 
-    def _advance(self, sandbox_id: str, counters: list[int], seq: int, added: int) -> None:
+    def _grown(self, sandbox_id: str, counters: list[int], seq: int, added: int) -> None:
         counters[0] = max(counters[0], seq)
         counters[1] += added
-        self.db.execute(
-            "UPDATE logs SET last_seq=?, body_bytes=? WHERE sandbox_id=?",
-            (counters[0], counters[1], sandbox_id),
-        )
         if counters[1] > self.max_bytes:
             self._drop_bodies(sandbox_id, counters)
 
@@ -271,16 +282,14 @@ class OpLog:
         if self.closed:
             return
         size = _bodies(entry)
-        with self.db:
-            row = self.db.execute(
-                "SELECT body_bytes FROM ops WHERE sandbox_id=? AND seq=?", (sandbox_id, entry.seq)
-            ).fetchone()
-            before = int(row[0]) if row else 0
-            self.db.execute(
-                "UPDATE ops SET state=?, body_bytes=?, entry=? WHERE sandbox_id=? AND seq=?",
-                (entry.state, size, entry.SerializeToString(), sandbox_id, entry.seq),
-            )
-            self._advance(sandbox_id, self._counters(sandbox_id), entry.seq, size - before)
+        key = (sandbox_id, entry.seq)
+        before = self._sizes.get(key, 0)
+        if entry.state == RUNNING:
+            self._sizes[key] = size
+        else:
+            self._sizes.pop(key, None)
+        self._defer(UPDATE, (entry.state, size, entry.SerializeToString(), sandbox_id, entry.seq))
+        self._grown(sandbox_id, self._counters(sandbox_id), entry.seq, size - before)
 
     def finish(self, sandbox_id: str, entry: types_pb2.Operation, state: int) -> None:
         """Records the end of an operation (its result already set on ``entry``)."""
@@ -288,8 +297,47 @@ class OpLog:
         entry.ended_at.FromNanoseconds(time.time_ns())
         self.update(sandbox_id, entry)
 
+    def _defer(self, sql: str, args: tuple[Any, ...]) -> None:
+        """A write that may wait for the next batch (:data:`BATCH_S`): an entry's progress and
+        end, an edge-made entry. Lost only if the edge dies within the batch: a reserved entry
+        then reads OUTCOME_UNKNOWN (never run again), an edge-made one is missing."""
+        self._pending.append((sql, args))
+        if self._flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a tool, a test): at once
+            self.flush()
+            return
+        self._flush = loop.call_later(BATCH_S, self.flush)
+
+    def flush(self) -> None:
+        """Writes the batched writes, in order, in one transaction (one WAL commit)."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if not self._pending or self.closed:
+            return
+        pending, self._pending = self._pending, []
+        self.db.execute("BEGIN")
+        for sql, args in pending:
+            self.db.execute(sql, args)
+        self.db.execute("COMMIT")
+
+    def checkpoint(self) -> None:
+        """Folds the WAL into the database, from a connection of its own: called from a
+        thread (Operations.follow_endings), so the event loop never waits for the fsyncs a
+        checkpoint makes (the edge's connection has automatic checkpoints off)."""
+        db = sqlite3.connect(str(self.path), timeout=1.0)
+        try:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            db.close()
+
     def _drop_bodies(self, sandbox_id: str, counters: list[int]) -> None:
         """Oldest first, entries that ended lose their bodies until the log fits its cap."""
+        self.flush()
+        self.db.execute("BEGIN")
         rows = self.db.execute(
             "SELECT seq, entry FROM ops WHERE sandbox_id=? AND body_bytes>0 AND state!=? "
             "ORDER BY seq",
@@ -298,6 +346,8 @@ class OpLog:
         for seq, blob in rows.fetchall():
             if counters[1] <= self.max_bytes:
                 break
+            if (sandbox_id, seq) in self._sizes:  # still under way: its end rewrites it
+                continue
             entry = types_pb2.Operation.FromString(blob)
             freed = _bodies(entry)
             for name in BODIES:
@@ -308,13 +358,12 @@ class OpLog:
                 (entry.SerializeToString(), sandbox_id, seq),
             )
             counters[1] -= freed
-        self.db.execute(
-            "UPDATE logs SET body_bytes=? WHERE sandbox_id=?", (counters[1], sandbox_id)
-        )
+        self.db.execute("COMMIT")
 
     # ---------------------------------------------------------------- reading
 
     def get(self, sandbox_id: str, op_id: str) -> types_pb2.Operation | None:
+        self.flush()
         row = self.db.execute(
             "SELECT entry FROM ops WHERE sandbox_id=? AND op_id=?", (sandbox_id, op_id)
         ).fetchone()
@@ -337,6 +386,7 @@ class OpLog:
     ) -> tuple[list[types_pb2.Operation], bool]:
         """Entries after ``after_seq`` in order, at most ``limit`` (0: :data:`MAX_PAGE`), and
         whether more follow."""
+        self.flush()
         limit = min(limit or MAX_PAGE, MAX_PAGE)
         rows = self.db.execute(
             "SELECT entry FROM ops WHERE sandbox_id=? AND seq>? ORDER BY seq LIMIT ?",
@@ -364,13 +414,17 @@ class OpLog:
         )
 
     def forget(self, sandbox_id: str) -> None:
+        self.flush()
         with self.db:
             self.db.execute("DELETE FROM ops WHERE sandbox_id=?", (sandbox_id,))
             self.db.execute("DELETE FROM logs WHERE sandbox_id=?", (sandbox_id,))
         self._logs.pop(sandbox_id, None)
+        for key in [k for k in self._sizes if k[0] == sandbox_id]:
+            del self._sizes[key]
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Removes the logs of sandboxes that ended more than ``retention_s`` ago."""
+        self.flush()
         cutoff = (now or time.time()) - self.retention_s
         gone = [
             str(r[0])
@@ -391,6 +445,7 @@ class OpLog:
         """At edge start: entries still RUNNING belonged to the edge process that died, which
         ran them; whether they finished cannot be known. They become OUTCOME_UNKNOWN (a
         retry is answered so, never run again). Returns how many."""
+        self.flush()
         rows = self.db.execute(
             "SELECT sandbox_id, entry FROM ops WHERE state=?", (RUNNING,)
         ).fetchall()
