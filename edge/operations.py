@@ -210,6 +210,24 @@ class Operations:
             )
         return run
 
+    def record(
+        self,
+        sandbox_id: str,
+        kind: str,
+        request: Message,
+        principal_id: str,
+        error: DSecError | None = None,
+    ) -> None:
+        """Logs, after the fact, a call this runner did not run (a task operation's part on
+        one sandbox), under an id of the edge's."""
+        if not self.enabled:
+            return
+        got = self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
+        assert isinstance(got, Reserved)  # an id of the edge's is new
+        if error is not None:
+            _record_error(got.entry, error)
+        self.log.finish(sandbox_id, got.entry, FAILED if error is not None else SUCCEEDED)
+
     # -------------------------------------------------------------- unary calls
 
     async def unary(

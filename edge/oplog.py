@@ -111,6 +111,10 @@ def summary(request: Message) -> str:
         text = r.header.path
     elif isinstance(r, types_pb2.MovePathRequest):
         text = f"{r.source} -> {r.destination}"
+    elif hasattr(r, "child_ids"):  # a fork: its children
+        text = " ".join(r.child_ids)
+    elif hasattr(r, "name"):  # a pack_diff: the environment it makes
+        text = str(r.name)
     else:
         text = str(
             getattr(r, "path", "") or getattr(r, "session_id", "") or getattr(r, "shell", "")

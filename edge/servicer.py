@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf.message import Message
@@ -210,6 +210,15 @@ class EdgeServicer:
     async def ForkSandbox(
         self, request: edge_pb2.ForkSandboxRequest, context: Any
     ) -> edge_pb2.ForkSandboxResponse:
+        return await self._logged(
+            "fork_sandbox",
+            request,
+            context,
+            lambda: self._fork(request),
+            edge_pb2.ForkSandboxResponse,
+        )
+
+    async def _fork(self, request: edge_pb2.ForkSandboxRequest) -> edge_pb2.ForkSandboxResponse:
         kind, stall_s, children = await self.manager.fork(
             request.sandbox_id,
             list(request.child_ids),
@@ -253,12 +262,17 @@ class EdgeServicer:
     async def StopSandbox(
         self, request: edge_pb2.StopSandboxRequest, context: Any
     ) -> edge_pb2.StopSandboxResponse:
-        rec = await self.manager.stop(
-            request.sandbox_id,
-            reason=_reason_name(request.reason),
-            grace_s=grace_s(request.grace_s) or 2.0,
+        async def stop() -> edge_pb2.StopSandboxResponse:
+            rec = await self.manager.stop(
+                request.sandbox_id,
+                reason=_reason_name(request.reason),
+                grace_s=grace_s(request.grace_s) or 2.0,
+            )
+            return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "stop_sandbox", request, context, stop, edge_pb2.StopSandboxResponse
         )
-        return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
 
     async def DeleteSandbox(
         self, request: edge_pb2.DeleteSandboxRequest, context: Any
@@ -276,15 +290,38 @@ class EdgeServicer:
     async def PauseSandbox(
         self, request: edge_pb2.PauseSandboxRequest, context: Any
     ) -> edge_pb2.PauseSandboxResponse:
-        return edge_pb2.PauseSandboxResponse(
-            sandbox=sandbox_pb(await self.manager.pause(request.sandbox_id))
+        async def pause() -> edge_pb2.PauseSandboxResponse:
+            rec = await self.manager.pause(request.sandbox_id)
+            return edge_pb2.PauseSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "pause_sandbox", request, context, pause, edge_pb2.PauseSandboxResponse
         )
 
     async def ResumeSandbox(
         self, request: edge_pb2.ResumeSandboxRequest, context: Any
     ) -> edge_pb2.ResumeSandboxResponse:
-        return edge_pb2.ResumeSandboxResponse(
-            sandbox=sandbox_pb(await self.manager.resume(request.sandbox_id))
+        async def resume() -> edge_pb2.ResumeSandboxResponse:
+            rec = await self.manager.resume(request.sandbox_id)
+            return edge_pb2.ResumeSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "resume_sandbox", request, context, resume, edge_pb2.ResumeSandboxResponse
+        )
+
+    async def _logged(
+        self,
+        kind: str,
+        request: Any,
+        context: Any,
+        call: Callable[[], Awaitable[Any]],
+        response_type: type[Message],
+    ) -> Any:
+        """A lifecycle call of the sandbox, in its operation log (under an id of the edge's:
+        these are idempotent or keyed by the API server, and stay tied to their caller)."""
+        self._known(request.sandbox_id)
+        return await self.ops.unary(
+            request.sandbox_id, kind, request, principal_of(context), call, response_type
         )
 
     async def ActOnSandboxes(
@@ -304,6 +341,8 @@ class EdgeServicer:
             skip_terminated=request.skip_terminated,
         )
         out = edge_pb2.ActOnSandboxesResponse()
+        kind = f"{action.lower()}_sandbox"
+        principal = principal_of(context)
         for sid, rec, err in results:
             r = out.results.add(sandbox_id=sid)
             if err is not None:
@@ -311,6 +350,8 @@ class EdgeServicer:
             else:
                 assert rec is not None
                 r.sandbox.CopyFrom(sandbox_pb(rec))
+            if err is None or err.reason != "SANDBOX_NOT_FOUND":  # a task operation's part
+                self.ops.record(sid, kind, _TASK_REQUEST[action](sandbox_id=sid), principal, err)
         return out
 
     async def GetNodeStatus(
@@ -904,9 +945,14 @@ class EdgeServicer:
     async def UpdateNetworkPolicy(
         self, request: edge_pb2.UpdateNetworkPolicyRequest, context: Any
     ) -> edge_pb2.UpdateNetworkPolicyResponse:
-        policy = network_from_pb(request.policy)
-        rec = await self.manager.update_network_policy(request.sandbox_id, policy)
-        return edge_pb2.UpdateNetworkPolicyResponse(sandbox=sandbox_pb(rec))
+        async def update() -> edge_pb2.UpdateNetworkPolicyResponse:
+            policy = network_from_pb(request.policy)
+            rec = await self.manager.update_network_policy(request.sandbox_id, policy)
+            return edge_pb2.UpdateNetworkPolicyResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "update_network_policy", request, context, update, edge_pb2.UpdateNetworkPolicyResponse
+        )
 
     async def GetModifiedFiles(
         self, request: edge_pb2.GetModifiedFilesRequest, context: Any
@@ -921,7 +967,13 @@ class EdgeServicer:
     async def PackDiff(
         self, request: edge_pb2.PackDiffRequest, context: Any
     ) -> edge_pb2.PackDiffResponse:
-        return await self.layers.pack_diff(request)
+        return await self._logged(  # type: ignore[no-any-return]
+            "pack_diff",
+            request,
+            context,
+            lambda: self.layers.pack_diff(request),
+            edge_pb2.PackDiffResponse,
+        )
 
     async def ImportImage(
         self, request: edge_pb2.ImportImageRequest, context: Any
@@ -979,6 +1031,12 @@ forwarding.install(EdgeServicer, EDGE_ROUTES)
 
 
 _LIST_EXECS = EDGE_ROUTES["ListExecs"]
+#: The request a task operation's part is logged as, per action (ActOnSandboxes).
+_TASK_REQUEST: dict[str, Callable[..., Message]] = {
+    "PAUSE": edge_pb2.PauseSandboxRequest,
+    "RESUME": edge_pb2.ResumeSandboxRequest,
+    "STOP": edge_pb2.StopSandboxRequest,
+}
 
 
 def _labelled(request: types_pb2.ExecRequest) -> types_pb2.ExecRequest:

@@ -254,8 +254,11 @@ class _Replayer:
         if op.state not in ("SUCCEEDED", "FAILED"):
             why = f"its outcome was {op.state}"
             return ReplayStep(op.seq, op.kind, summary, False, skipped=why)
-        if op.kind not in REQUESTS or op.kind == "exec_interactive":
-            why = f"{op.kind} operations are not replayed (their input came live)"
+        if op.kind == "exec_interactive":
+            why = "an interactive command is not replayed (its input came live)"
+            return ReplayStep(op.seq, op.kind, summary, False, skipped=why)
+        if op.kind not in REQUESTS:
+            why = f"{op.kind}: the sandbox's lifecycle, not its contents: not replayed"
             return ReplayStep(op.seq, op.kind, summary, False, skipped=why)
         if not op.request or (op.kind == "upload_file" and not op.content):
             why = "its request (or uploaded bytes) was not kept in the log"

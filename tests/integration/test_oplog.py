@@ -287,6 +287,29 @@ def test_the_export_and_the_cli_show_the_log(
     assert "later" in tail and follow.returncode == 0
 
 
+def test_lifecycle_calls_are_logged_in_order_with_their_caller(
+    client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sb = make_sandbox(task_id="oplog-lifecycle")
+    sb.run("echo before")
+    sb.pause()
+    sb.resume()
+    client.pause_task("oplog-lifecycle")
+    sb.run("echo after")  # resumes it
+    sb.stop()
+    ops = sb.log()
+    assert [op.kind for op in ops] == [
+        "exec",
+        "pause_sandbox",
+        "resume_sandbox",
+        "pause_sandbox",  # the task's pause, on this sandbox
+        "exec",
+        "stop_sandbox",
+    ]
+    assert all(op.state == "SUCCEEDED" and op.principal_id for op in ops), ops
+    assert len({op.principal_id for op in ops}) == 1
+
+
 def test_the_cap_drops_the_oldest_bodies_and_keeps_every_entry(
     make_sandbox: Callable[..., Sandbox],
 ) -> None:
