@@ -73,6 +73,9 @@ class Running:
     done: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    #: The task running it when it is detached from its caller (held here: asyncio keeps
+    #: only weak references to tasks).
+    task: asyncio.Task[Any] | None = None
     #: The first caller's events (a stream), None once it left.
     queue: asyncio.Queue[Any] | None = None
     #: Set once the command's exec id is known (a stream's ``started``) or the run ended.
@@ -258,6 +261,7 @@ class Operations:
                 await repeat(got)
             return await self._repeat_unary(sandbox_id, got, response_type)
         run = self._begin(sandbox_id, got.entry)
+        detach = detached and not run.entry.generated_id
 
         async def body() -> Message:
             try:
@@ -266,23 +270,31 @@ class Operations:
                 _record_error(run.entry, err)
                 self._end(sandbox_id, run, _failed_state(err), err)
                 raise
-            except asyncio.CancelledError as exc:
+            except asyncio.CancelledError:
+                if detach:  # the edge is going down under it: RUNNING, OUTCOME_UNKNOWN next
+                    run.done.set_exception(
+                        OutcomeUnknown(
+                            "the edge shut down while this operation ran",
+                            metadata={"operation_id": run.entry.operation_id},
+                        )
+                    )
+                    raise
                 run.entry.error.reason = "CANCELLED"
                 run.entry.error_code = code_number(grpc.StatusCode.CANCELLED)
                 run.entry.error_message = "its caller cancelled it"
                 self._end(sandbox_id, run, FAILED, Cancelled(run.entry.error_message))
-                raise exc
+                raise
             self._record_response(run.entry, result)
             if recorded is not None:
                 recorded(run.entry)
             self._end(sandbox_id, run, SUCCEEDED, result)
             return result
 
-        if run.entry.generated_id or not detached:
+        if not detach:
             return await body()
-        task = asyncio.create_task(body(), name=f"operation {kind} {run.entry.operation_id}")
-        task.add_done_callback(_consume)
-        result: Message = await asyncio.shield(task)
+        run.task = asyncio.create_task(body(), name=f"operation {kind} {run.entry.operation_id}")
+        run.task.add_done_callback(_consume)
+        result: Message = await asyncio.shield(run.task)
         return result
 
     @staticmethod
@@ -368,8 +380,8 @@ class Operations:
                 self._end(sandbox_id, run, SUCCEEDED if ended else failed)
             return
         run.queue = asyncio.Queue()
-        task = asyncio.create_task(self._pump(sandbox_id, run, record, open_events))
-        task.add_done_callback(_consume)
+        run.task = asyncio.create_task(self._pump(sandbox_id, run, record, open_events))
+        run.task.add_done_callback(_consume)
         try:
             while True:
                 item = await run.queue.get()
