@@ -81,12 +81,14 @@ def request_digest(kind: str, request: Message) -> str:
     """sha256 (hex) of the call's kind and its request without the operation id: what tells a
     retry (the same request) from another request reusing the id."""
     field = _id_holder(request)
-    saved = field.operation_id
-    field.operation_id = ""
+    saved = getattr(field, "operation_id", "")  # a lifecycle request has none
+    if saved:
+        field.operation_id = ""
     try:
         body = request.SerializeToString(deterministic=True)
     finally:
-        field.operation_id = saved
+        if saved:
+            field.operation_id = saved
     return hashlib.sha256(kind.encode() + b"\0" + body).hexdigest()
 
 

@@ -135,3 +135,14 @@ def test_a_bounded_copy_keeps_head_and_tail() -> None:
     assert bounded_copy(data, 500) == data
     cut = bounded_copy(data, 40)
     assert cut.startswith(b"a" * 20) and cut.endswith(b"b" * 20) and b"160 bytes" in cut
+
+
+def test_a_lifecycle_call_without_an_id_field_is_logged_under_the_edge_s(tmp_path: Path) -> None:
+    from dsec.edge.v1 import edge_pb2
+
+    log = OpLog(tmp_path / "oplog.db")
+    for request in (edge_pb2.PauseSandboxRequest(sandbox_id=SB), edge_pb2.StopSandboxRequest()):
+        got = log.reserve(SB, "pause_sandbox", request)
+        assert isinstance(got, Reserved) and got.entry.generated_id
+    fork = log.reserve(SB, "fork_sandbox", edge_pb2.ForkSandboxRequest(child_ids=["sb-a", "sb-b"]))
+    assert isinstance(fork, Reserved) and fork.entry.summary == "sb-a sb-b"
