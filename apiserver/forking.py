@@ -16,6 +16,7 @@ from typing import Any
 
 from apiserver.creation import Caller, release_quota
 from apiserver.routing import downstream
+from common import forwarding
 from common.channels import DEFAULT_DEADLINE_S
 from common.ids import edge_of, new_sandbox_id
 from dsec.apiserver.v1 import apiserver_pb2
@@ -63,6 +64,7 @@ async def fork(
                     principal_id=who.principal_id,
                 ),
                 timeout=FORK_DEADLINE_S,
+                metadata=((forwarding.PRINCIPAL_METADATA, who.principal_id),),
             ),
             "edge",
         )

@@ -72,7 +72,8 @@ class _Forwarder:
     ) -> Any:
         try:
             stub = await self.gw.edge_for(who, sandbox_id)
-            return await downstream(getattr(stub, method)(request, timeout=timeout), "edge")
+            call = getattr(stub, method)(request, timeout=timeout, metadata=_named(who))
+            return await downstream(call, "edge")
         except (SandboxNotFound, Unavailable) as err:
             await self._raise_explained(who, sandbox_id, err)
             raise
@@ -114,7 +115,7 @@ class _Forwarder:
         except (SandboxNotFound, Unavailable) as err:
             await self._raise_explained(who, request.sandbox_id, err)
             raise
-        call = getattr(stub, route.target)(request)
+        call = getattr(stub, route.target)(request, metadata=_named(who))
         try:
             async for item in call:
                 yield item
@@ -159,7 +160,12 @@ class _Forwarder:
         except (SandboxNotFound, Unavailable) as err:
             await self._raise_explained(who, sandbox_id, err)
             raise
-        return getattr(stub, route.target)(whole)
+        return getattr(stub, route.target)(whole, metadata=_named(who))
+
+
+def _named(who: Caller) -> tuple[tuple[str, str], ...]:
+    """The metadata naming the caller to the edge (its operation log records who called)."""
+    return ((forwarding.PRINCIPAL_METADATA, who.principal_id),)
 
 
 class SandboxServicer(_Forwarder):

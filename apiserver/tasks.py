@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping
 
 from apiserver.gateway import Caller, Gateway
+from common import forwarding
 from common.convert import grace_s as checked_grace
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
@@ -67,7 +68,11 @@ class TaskOperations:
         )
         timeout = TASK_EDGE_DEADLINE_S + grace_s
         answers = await self.gw.fan_out_each(
-            lambda stub: stub.ActOnSandboxes(request, timeout=timeout)
+            lambda stub: stub.ActOnSandboxes(
+                request,
+                timeout=timeout,
+                metadata=((forwarding.PRINCIPAL_METADATA, who.principal_id),),
+            )
         )
         results: list[apiserver_pb2.TaskSandboxResult] = []
         edge_errors: list[apiserver_pb2.TaskEdgeError] = []

@@ -36,6 +36,10 @@ from libdsec.errors import InvalidArgument
 #: The package of the messages a sandbox call carries (its request names the sandbox).
 SANDBOX_PACKAGE = "dsec.types.v1"
 
+#: The call metadata naming the caller's principal, sent by the API server with every call it
+#: passes to an edge (the edge's operation log records who called).
+PRINCIPAL_METADATA = "dsec-principal"
+
 #: A deadline read from a request, in seconds (e.g. an exec's timeout plus a margin).
 Deadline = Callable[[Any], float]
 

@@ -95,6 +95,11 @@ class CompatConfig(ServiceConfig, VipConfig):
     #: host:port of SWE-ReX's remote-runtime API; "" (default) = not served. Needs the
     #: ``swerex`` extra (swe-rex), which the rest of compat does not.
     swerex_listen: str = ""
+    #: Largest JSON body of a call (write_file carries the file's content in it).
+    swerex_max_body_bytes: int = 64 * MIB
+    #: Largest /upload request (the file, or a directory zipped by RemoteRuntime, with the
+    #: form around it), counted as it streams in.
+    swerex_max_upload_bytes: int = 1024 * MIB
 
     @property
     def host(self) -> str:
@@ -202,6 +207,8 @@ class CompatConfig(ServiceConfig, VipConfig):
         taken = {self.port, self.sandbox_fusion_port if self.sandbox_fusion_listen else -1}
         if port in taken and port != 0:
             raise ConfigError(f"{name} must differ from the other listeners' ports")
+        if min(self.swerex_max_body_bytes, self.swerex_max_upload_bytes) < 1:
+            raise ConfigError("DSEC_COMPAT_SWEREX_MAX_*_BYTES must be positive")
 
 
 def _loopback(host: str) -> bool:

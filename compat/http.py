@@ -1,19 +1,22 @@
 """HTTP for the compatibility front ends: Starlette's routing, requests and responses, plus
-the little both front ends add to them.
+the little the front ends add to them.
 
 Each front end is a Starlette application (``compat.e2b``'s control API and envd,
-``compat.sandboxfusion``); what they add here is a bounded body read (a body over its limit
-is an ``HttpError`` 413, never read whole), paths matched with or without a trailing slash
-(E2B's and SandboxFusion's services accept both; Starlette would redirect), and
-``HttpError``, which each front end renders as the error body its clients read
-(``compat.e2b.http.error``; FastAPI's ``{"detail": ...}`` for the SandboxFusion and SWE-ReX
-front ends, whose reference servers are FastAPI apps: :func:`detail` and the exception
-handlers :func:`status_detail` and :func:`token_refused`).
+``compat.sandboxfusion``, ``compat.swe_rex``); what they add here is a bounded body read (a
+body over its limit is an ``HttpError`` 413, never read whole: :func:`read_body`, and
+:func:`bounded` for a stream read otherwise, such as a multipart upload), paths matched with or
+without a trailing slash (E2B's, SandboxFusion's and SWE-ReX's services accept both; Starlette
+would redirect), and ``HttpError``, which each front end renders as the error body its clients
+read (``compat.e2b.http.error``; FastAPI's ``{"detail": ...}`` for the SandboxFusion and SWE-ReX
+front ends, whose reference servers are FastAPI apps: :func:`detail`, the exception handlers
+:func:`http_error`, :func:`status_detail` and :func:`token_refused`, and :func:`serve_http`,
+their ASGI entry).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -32,9 +35,12 @@ __all__ = [
     "Request",
     "Scope",
     "Send",
+    "bounded",
     "detail",
+    "http_error",
     "read_body",
     "read_json",
+    "serve_http",
     "status_detail",
     "token_refused",
     "without_trailing_slash",
@@ -50,16 +56,22 @@ class HttpError(Exception):
         self.message = message
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it grows past `limit` bytes."""
-    parts: list[bytes] = []
+async def bounded(
+    stream: AsyncIterator[bytes], limit: int, what: str = "request body"
+) -> AsyncGenerator[bytes, None]:
+    """`stream`'s chunks, refused with 413 (naming `what` and `limit`) as soon as they add up
+    to more than `limit` bytes: the chunk that crosses it is not passed on."""
     size = 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise HttpError(413, f"request body larger than {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
+            raise HttpError(413, f"{what} larger than {limit} bytes")
+        yield chunk
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it grows past `limit` bytes."""
+    return b"".join([chunk async for chunk in bounded(request.stream(), limit)])
 
 
 def _no_constant(name: str) -> Any:
@@ -91,9 +103,29 @@ def without_trailing_slash(scope: Scope) -> Scope:
     return scope if trimmed == path else {**scope, "path": trimmed}
 
 
+async def serve_http(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """`app` on an HTTP request, its path matched with or without a trailing slash; a
+    websocket is closed (1003: these APIs have none), lifespan events are ignored, and a
+    client that went away mid-request ends it quietly."""
+    if scope["type"] != "http":
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1003})
+        return
+    try:
+        await app(without_trailing_slash(scope), receive, send)
+    except ClientDisconnect:
+        return
+
+
 def detail(status: int, value: Any) -> JSONResponse:
     """FastAPI's error body (``{"detail": ...}``), which FastAPI servers' clients read."""
     return JSONResponse({"detail": value}, status)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """An :class:`HttpError` as FastAPI's error body."""
+    assert isinstance(exc, HttpError)
+    return detail(exc.status, exc.message)
 
 
 async def status_detail(request: Request, exc: Exception) -> Response:

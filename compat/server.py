@@ -61,7 +61,7 @@ async def main() -> None:
         from compat.swe_rex.app import SweRexApp
 
         sockets.append(_listen(config.swerex_host, config.swerex_port))
-        by_port[sockets[-1].getsockname()[1]] = SweRexApp(pool)
+        by_port[sockets[-1].getsockname()[1]] = SweRexApp(config, pool)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # scope["server"] is the local address of the socket the connection came in on.

@@ -8,6 +8,7 @@
     dsec sandbox cp ./local ID:/work/f  |  dsec sandbox cp ID:/work/f -   (one file, streamed)
     dsec sandbox logs ID [EXEC_ID] [-f]           output of its background commands
     dsec sandbox ps ID                            its commands (exec ids for logs)
+    dsec sandbox log ID [--follow] [--json]       its operation log: every call that changed it
     dsec sandbox pause|resume|stop ID
     dsec sandbox watch [--task T] [--label K=V]   one line per change until Ctrl-C
     dsec sandbox pack ID NAME                     its writable layer as a new environment
@@ -28,7 +29,7 @@ from dsecctl.cli_common import json_option, key_value, label_option
 from dsecctl.sandbox_display import add_display_parsers
 from dsecctl.sandbox_exec import cmd_exec, cmd_shell, exec_options
 from dsecctl.sandbox_files import cmd_cp
-from dsecctl.sandbox_inspect import cmd_list, cmd_logs, cmd_ps, cmd_show
+from dsecctl.sandbox_inspect import cmd_list, cmd_logs, cmd_oplog, cmd_ps, cmd_show
 from dsecctl.sandbox_lifecycle import (
     add_create_parser,
     cmd_fork,
@@ -134,6 +135,22 @@ def add_parser(sub: Any) -> None:
     scp.add_argument("dst", help="ID:/path, LOCAL_PATH or - (stdout)")
     scp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     scp.set_defaults(fn=cmd_cp)
+
+    sol = ssub.add_parser(
+        "log",
+        help="its operation log: every call that changed it, in order, with its result",
+        description=(
+            "The sandbox's operation log (kept by its edge, also for a while after it ended): "
+            "each exec, file write, upload, remove, move, chmod, mkdir and session, in order, "
+            "with its operation id, caller, times and result. --json prints the trajectory "
+            "export (one JSON object per line, schema dsec.operation/v1, with the requests and "
+            "kept output); --follow prints entries as they end until the sandbox ends."
+        ),
+    )
+    sol.add_argument("sandbox_id", help="the sandbox's id (sb-...)")
+    sol.add_argument("-f", "--follow", action="store_true", help="print entries as they end")
+    json_option(sol, "print the trajectory export (JSON Lines)")
+    sol.set_defaults(fn=cmd_oplog)
 
     slg = ssub.add_parser(
         "logs",

@@ -241,3 +241,34 @@ def _follow(sb: Any, execs: list[str], printer: _LogPrinter) -> None:
                 printer.write(exec_id, ev)
     except KeyboardInterrupt:
         return
+
+
+# ------------------------------------------------------------ operation log
+
+
+def cmd_oplog(args: argparse.Namespace) -> int:
+    """``dsec sandbox log ID [--follow] [--json]``: the sandbox's operation log."""
+    with client() as c:
+        sb = c.get(args.sandbox_id)
+        ops = sb.follow_log() if args.follow else iter(sb.log(with_bodies=args.json))
+        for op in ops:
+            if args.json:
+                print_json_line(op.to_json(sb.id))
+            else:
+                print(_operation_line(op), flush=True)
+    return 0
+
+
+def _operation_line(op: Any) -> str:
+    """One entry: seq, time, kind, state and result, operation id, what it was."""
+    import time as _time
+
+    at = _time.strftime("%H:%M:%S", _time.localtime(op.started_at)) if op.started_at else "-"
+    took = f"{op.ended_at - op.started_at:.2f}s" if op.ended_at and op.started_at else "-"
+    if op.state != "SUCCEEDED":
+        result = f"{op.state} {op.error_reason}".strip()
+    elif op.exit_code is not None:
+        result = f"exit {op.exit_code}" if not op.signal else f"signal {op.signal}"
+    else:
+        result = "ok"
+    return f"{op.seq:>5} {at} {took:>7} {op.kind:<14} {result:<18} {op.operation_id}  {op.summary}"

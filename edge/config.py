@@ -66,6 +66,19 @@ class EdgeConfig(ServiceConfig):
     default_ttl_s: int = 3600
     #: How long a terminated sandbox's record stays readable (its reason) before it is forgotten.
     terminated_retention_s: float = 3600.0
+    #: The operation log (edge/oplog.py, <state_dir>/oplog.db): "on", or "off" for
+    #: measurements only (calls are not logged, and those carrying an operation id, which
+    #: the SDK's always do, are refused UNIMPLEMENTED OPERATION_LOG_OFF).
+    oplog: str = "on"
+    #: Per sandbox, the bytes of
+    #: bodies kept (requests, output copies, responses); past it the oldest entries lose their
+    #: bodies, every entry with its digests and exit status stays.
+    oplog_max_mb: int = 64
+    #: Of a streamed command's output, what an entry keeps per stream (head and tail), in KiB;
+    #: also the largest upload whose bytes are kept for replay.
+    oplog_copy_kb: int = 1024
+    #: How long an ended sandbox's log is kept (readable, exportable); 0 = removed at its end.
+    oplog_retention_s: float = 3600.0
     reap_interval_s: float = 1.0
     #: On SIGTERM: "keep" sandboxes running (re-adopted when the edge comes back,
     #: e.g. an upgrade) or "stop" them all and release every mount (a local
@@ -263,6 +276,13 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError("DSEC_EDGE_DISK_RESERVE_MB must be >= 0, the check interval > 0")
         if self.sandbox_log_max_kb < 64:
             raise ConfigError("DSEC_EDGE_SANDBOX_LOG_MAX_KB must be >= 64")
+        if self.oplog not in ("on", "off"):
+            raise ConfigError(f"DSEC_EDGE_OPLOG={self.oplog!r}: expected on or off")
+        if self.oplog_max_mb < 1 or self.oplog_copy_kb < 1 or self.oplog_retention_s < 0:
+            raise ConfigError(
+                "DSEC_EDGE_OPLOG_MAX_MB and DSEC_EDGE_OPLOG_COPY_KB must be >= 1, "
+                "DSEC_EDGE_OPLOG_RETENTION_S >= 0"
+            )
         if self.layer_verify not in ("full", "sampled", "store"):
             raise ConfigError(
                 f"DSEC_EDGE_LAYER_VERIFY={self.layer_verify!r}: expected full, sampled or store"

@@ -90,6 +90,7 @@ class SandboxManager:
             raise ValueError(f"edge id {edge_id!r} must match [a-z0-9]{{1,16}}")
         self.edge_id = edge_id
         #: The records on disk (recovery reads them back).
+        self.state_dir = state_dir
         self.store = RecordStore(state_dir / "sandboxes")
         self.backends: dict[str, SandboxBackend] = {}
         for b in backends:

@@ -34,6 +34,8 @@ from edge.layers_adapter import LayersAdapter
 from edge.manager import Capacity, SandboxManager
 from edge.network.claims import NetworkClaimError
 from edge.node import NodeServices
+from edge.operations import Operations
+from edge.oplog import OpLog
 from edge.quota import QuotaReleaser
 from edge.servicer import EdgeServicer
 from libdsec.errors import from_rpc_error
@@ -199,6 +201,16 @@ async def main() -> None:
         disk_check_interval_s=cfg.disk_check_interval_s,
     )
     await manager.recover()
+    oplog = OpLog(
+        cfg.state_dir / "oplog.db",
+        max_bytes=cfg.oplog_max_mb << 20,
+        copy_bytes=cfg.oplog_copy_kb << 10,
+        retention_s=cfg.oplog_retention_s,
+    )
+    unknown = oplog.recover()
+    if unknown:
+        log.warning("%d operations were under way when the edge stopped: OUTCOME_UNKNOWN", unknown)
+    operations = Operations(oplog, enabled=cfg.oplog == "on")
     server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
     info = types_pb2.EdgeInfo()  # filled in once the address is bound (register below)
     fncall, no_fncall = make_fncall(cfg)
@@ -209,8 +221,11 @@ async def main() -> None:
         layers=LayersAdapter(node.environments if node is not None else None, manager),
         controls=host_controls + backend_controls,
         pause_reclaim=node.pause_reclaim if node is not None else None,
+        operations=operations,
     )
     server.add(servicer, "dsec.edge.v1.EdgeService")
+    server.background(lambda: operations.follow_endings(manager))
+    server.on_close(oplog.close)
     serve_in_background(cfg, server, manager, node, backends, fncall, info)
     await server.run()
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf.message import Message
@@ -24,8 +25,19 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
+from edge.operations import OPERATION_LABEL, Operations
+from edge.oplog import OpLog
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
-from libdsec.errors import Internal, InvalidArgument, Unavailable, item_status
+from libdsec.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OperationIdReused,
+    Unavailable,
+    Unimplemented,
+    item_status,
+)
 
 #: An operator's drain reason is shown in listings: one line, not a document.
 MAX_DRAIN_REASON = 512
@@ -35,6 +47,26 @@ KEEPALIVE_DEFAULT_MS = 5000
 WATCH_QUEUE = 200_000
 #: Sandboxes per message of a WatchSandboxes replay (a message per sandbox costs far more).
 REPLAY_BATCH = 512
+
+#: The forwarded calls that change the sandbox, logged in its operation log (exactly once by
+#: operation id: edge/operations.py), with their responses. Execs and uploads are written below.
+LOGGED_CALLS: dict[str, type[Message]] = {
+    "WriteFile": types_pb2.WriteFileResponse,
+    "RemovePath": types_pb2.RemovePathResponse,
+    "MovePath": types_pb2.MovePathResponse,
+    "ChmodPath": types_pb2.ChmodPathResponse,
+    "MakeDir": types_pb2.MakeDirResponse,
+    "CreateSession": types_pb2.CreateSessionResponse,
+    "CloseSession": types_pb2.CloseSessionResponse,
+}
+
+
+def principal_of(context: Any) -> str:
+    """The caller the API server named (\"\" for a call made on the edge directly)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == forwarding.PRINCIPAL_METADATA:
+            return str(value)
+    return ""
 
 
 def _watched(
@@ -111,8 +143,11 @@ class EdgeServicer:
         layers: LayersAdapter | None = None,
         controls: list[Control] | None = None,
         pause_reclaim: PauseReclaim | None = None,
+        operations: Operations | None = None,
     ) -> None:
         self.manager = manager
+        #: The sandboxes' operation logs and the exactly-once runner over them.
+        self.ops = operations or Operations(OpLog(manager.state_dir / "oplog.db"))
         self.pause_reclaim = pause_reclaim
         self.controls = [
             edge_pb2.HostControl(
@@ -175,6 +210,15 @@ class EdgeServicer:
     async def ForkSandbox(
         self, request: edge_pb2.ForkSandboxRequest, context: Any
     ) -> edge_pb2.ForkSandboxResponse:
+        return await self._logged(
+            "fork_sandbox",
+            request,
+            context,
+            lambda: self._fork(request),
+            edge_pb2.ForkSandboxResponse,
+        )
+
+    async def _fork(self, request: edge_pb2.ForkSandboxRequest) -> edge_pb2.ForkSandboxResponse:
         kind, stall_s, children = await self.manager.fork(
             request.sandbox_id,
             list(request.child_ids),
@@ -218,17 +262,23 @@ class EdgeServicer:
     async def StopSandbox(
         self, request: edge_pb2.StopSandboxRequest, context: Any
     ) -> edge_pb2.StopSandboxResponse:
-        rec = await self.manager.stop(
-            request.sandbox_id,
-            reason=_reason_name(request.reason),
-            grace_s=grace_s(request.grace_s) or 2.0,
+        async def stop() -> edge_pb2.StopSandboxResponse:
+            rec = await self.manager.stop(
+                request.sandbox_id,
+                reason=_reason_name(request.reason),
+                grace_s=grace_s(request.grace_s) or 2.0,
+            )
+            return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "stop_sandbox", request, context, stop, edge_pb2.StopSandboxResponse
         )
-        return edge_pb2.StopSandboxResponse(sandbox=sandbox_pb(rec))
 
     async def DeleteSandbox(
         self, request: edge_pb2.DeleteSandboxRequest, context: Any
     ) -> edge_pb2.DeleteSandboxResponse:
         await self.manager.delete(request.sandbox_id)
+        self.ops.log.forget(request.sandbox_id)
         return edge_pb2.DeleteSandboxResponse()
 
     async def SetSandboxTimeout(
@@ -240,15 +290,38 @@ class EdgeServicer:
     async def PauseSandbox(
         self, request: edge_pb2.PauseSandboxRequest, context: Any
     ) -> edge_pb2.PauseSandboxResponse:
-        return edge_pb2.PauseSandboxResponse(
-            sandbox=sandbox_pb(await self.manager.pause(request.sandbox_id))
+        async def pause() -> edge_pb2.PauseSandboxResponse:
+            rec = await self.manager.pause(request.sandbox_id)
+            return edge_pb2.PauseSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "pause_sandbox", request, context, pause, edge_pb2.PauseSandboxResponse
         )
 
     async def ResumeSandbox(
         self, request: edge_pb2.ResumeSandboxRequest, context: Any
     ) -> edge_pb2.ResumeSandboxResponse:
-        return edge_pb2.ResumeSandboxResponse(
-            sandbox=sandbox_pb(await self.manager.resume(request.sandbox_id))
+        async def resume() -> edge_pb2.ResumeSandboxResponse:
+            rec = await self.manager.resume(request.sandbox_id)
+            return edge_pb2.ResumeSandboxResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "resume_sandbox", request, context, resume, edge_pb2.ResumeSandboxResponse
+        )
+
+    async def _logged(
+        self,
+        kind: str,
+        request: Any,
+        context: Any,
+        call: Callable[[], Awaitable[Any]],
+        response_type: type[Message],
+    ) -> Any:
+        """A lifecycle call of the sandbox, in its operation log (under an id of the edge's:
+        these are idempotent or keyed by the API server, and stay tied to their caller)."""
+        self._known(request.sandbox_id)
+        return await self.ops.unary(
+            request.sandbox_id, kind, request, principal_of(context), call, response_type
         )
 
     async def ActOnSandboxes(
@@ -268,6 +341,8 @@ class EdgeServicer:
             skip_terminated=request.skip_terminated,
         )
         out = edge_pb2.ActOnSandboxesResponse()
+        kind = f"{action.lower()}_sandbox"
+        principal = principal_of(context)
         for sid, rec, err in results:
             r = out.results.add(sandbox_id=sid)
             if err is not None:
@@ -275,6 +350,8 @@ class EdgeServicer:
             else:
                 assert rec is not None
                 r.sandbox.CopyFrom(sandbox_pb(rec))
+            if err is None or err.reason != "SANDBOX_NOT_FOUND":  # a task operation's part
+                self.ops.record(sid, kind, _TASK_REQUEST[action](sandbox_id=sid), principal, err)
         return out
 
     async def GetNodeStatus(
@@ -470,10 +547,57 @@ class EdgeServicer:
     # The hops of common/forwarding.py (EDGE_ROUTES): chronus's call of the same name.
 
     async def forward_unary(self, route: Route, request: Any, context: Any) -> Message:
+        response_type = LOGGED_CALLS.get(route.method)
+        if response_type is None:
+            if route.method == "SignalExec" and request.operation_id and not request.exec_id:
+                request.exec_id = await self._exec_of_operation(request)
+            result = await self._forward(route, request)
+            if route.method == "ListExecs":
+                for info in result.execs:  # type: ignore[attr-defined]
+                    _unlabelled(info)
+            elif route.method == "WaitExec":
+                _unlabelled(result.info)  # type: ignore[attr-defined]
+            return result
+        self._known(request.sandbox_id)
+        return await self.ops.unary(
+            request.sandbox_id,
+            forwarding.snake_case(route.method),
+            request,
+            principal_of(context),
+            lambda: self._forward(route, request),
+            response_type,
+        )
+
+    async def _forward(self, route: Route, request: Any) -> Message:
         async with self._ending_says_why(request.sandbox_id):
             channel = await self._channel(request.sandbox_id)
             result: Message = await channel.unary(route.target, request)
         return result
+
+    def _known(self, sandbox_id: str) -> None:
+        """Raises unless the sandbox is one of this edge's (before its log takes an entry)."""
+        if not sandbox_id:
+            raise InvalidArgument("sandbox_id is required")
+        self.manager.get(sandbox_id)
+
+    async def _exec_of_operation(self, request: types_pb2.SignalExecRequest) -> str:
+        """The exec id of the command an exec operation started: the log's, or (a sync exec
+        still running: its id comes with its result) the sandbox's exec with its label."""
+        exec_id = self.ops.exec_id_of(request.sandbox_id, request.operation_id)
+        if exec_id:
+            return exec_id
+        listing = await self._forward(
+            _LIST_EXECS, types_pb2.ListExecsRequest(sandbox_id=request.sandbox_id)
+        )
+        for info in listing.execs:  # type: ignore[attr-defined]
+            if info.labels.get(OPERATION_LABEL) == request.operation_id:
+                return str(info.exec_id)
+        raise NotFound(
+            f"operation {request.operation_id!r} runs no command in sandbox "
+            f"{request.sandbox_id} now",
+            reason="EXEC_NOT_FOUND",
+            metadata={"operation_id": request.operation_id},
+        )
 
     async def forward_server_stream(
         self, route: Route, request: Any, context: Any
@@ -487,10 +611,68 @@ class EdgeServicer:
         self, route: Route, requests: AsyncIterator[Any], context: Any
     ) -> Message:
         sandbox_id, whole = await forwarding.opened(route, requests)
+        if route.method == "UploadFile":
+            return await self._upload(route, sandbox_id, whole, principal_of(context))
+        return await self._forward_client(route, sandbox_id, whole)
+
+    async def _forward_client(
+        self, route: Route, sandbox_id: str, whole: AsyncIterator[Any]
+    ) -> Message:
         async with self._ending_says_why(sandbox_id):
             channel = await self._channel(sandbox_id)
             result: Message = await channel.client_stream(route.target, whole)
         return result
+
+    async def _upload(
+        self, route: Route, sandbox_id: str, whole: AsyncIterator[Any], principal: str
+    ) -> Message:
+        """An upload through the operation log: its header is the logged request, its bytes'
+        digest (and the bytes, when small) are logged with it. A repeat's bytes are read and
+        must be the same; nothing is written again."""
+        first = await anext(whole)
+        header = types_pb2.UploadFileRequest(header=first.header)
+        content = hashlib.sha256()
+        kept: list[bytes] = []
+        size = 0
+        limit = self.ops.log.copy_bytes
+
+        async def teed() -> AsyncIterator[Any]:
+            nonlocal size
+            yield first
+            async for item in whole:
+                size += len(item.chunk)
+                content.update(item.chunk)
+                if size <= limit:
+                    kept.append(item.chunk)
+                yield item
+
+        def recorded(entry: types_pb2.Operation) -> None:
+            entry.content_digest = content.hexdigest()
+            if size <= limit:
+                entry.content = b"".join(kept)
+
+        async def repeat(entry: types_pb2.Operation) -> None:
+            async for _ in teed():
+                pass
+            if entry.content_digest and entry.content_digest != content.hexdigest():
+                raise OperationIdReused(
+                    f"operation {entry.operation_id!r} of sandbox {sandbox_id} is entry "
+                    f"{entry.seq}, an upload of other bytes; a new request needs a new id",
+                    metadata={"operation_id": entry.operation_id, "seq": str(entry.seq)},
+                )
+
+        self._known(sandbox_id)
+        return await self.ops.unary(
+            sandbox_id,
+            "upload_file",
+            header,
+            principal,
+            lambda: self._forward_client(route, sandbox_id, teed()),
+            types_pb2.UploadFileResponse,
+            detached=False,  # its bytes come from its caller
+            repeat=repeat,
+            recorded=recorded,
+        )
 
     @contextlib.asynccontextmanager
     async def _ending_says_why(self, sandbox_id: str) -> AsyncIterator[None]:
@@ -538,26 +720,62 @@ class EdgeServicer:
             self.manager.note_violation(sandbox_id, "output_truncations")
 
     async def Exec(self, request: types_pb2.ExecRequest, context: Any) -> types_pb2.ExecResult:
-        async with self._ending_says_why(request.sandbox_id):
-            channel, request = await self._exec_channel(request)
-            result: types_pb2.ExecResult = await channel.unary("exec", request)
-        self._count_truncation(request.sandbox_id, result.exit)
-        return result
+        self._known(request.sandbox_id)
+
+        async def call() -> types_pb2.ExecResult:
+            async with self._ending_says_why(request.sandbox_id):
+                channel, sent = await self._exec_channel(_labelled(request))
+                result: types_pb2.ExecResult = await channel.unary("exec", sent)
+            self._count_truncation(request.sandbox_id, result.exit)
+            return result
+
+        done = await self.ops.unary(
+            request.sandbox_id, "exec", request, principal_of(context), call, types_pb2.ExecResult
+        )
+        assert isinstance(done, types_pb2.ExecResult)
+        return done
 
     async def ExecStream(
         self, request: types_pb2.ExecRequest, context: Any
     ) -> AsyncIterator[types_pb2.ExecEvent]:
-        if request.trusted:
-            channel, request = await self._exec_channel(request)
-            items = channel.server_stream("exec_stream", request)
-        else:
-            items = self._across_pauses(
-                "exec_stream", request, types_pb2.ExecEvent, ExecContinuation(request)
-            )
-        async for item in items:
-            if item.HasField("exit"):
-                self._count_truncation(request.sandbox_id, item.exit)
+        self._known(request.sandbox_id)
+
+        async def events() -> AsyncIterator[types_pb2.ExecEvent]:
+            sent = _labelled(request)
+            if sent.trusted:
+                channel, sent = await self._exec_channel(sent)
+                items = channel.server_stream("exec_stream", sent)
+            else:
+                items = self._across_pauses(
+                    "exec_stream", sent, types_pb2.ExecEvent, ExecContinuation(sent)
+                )
+            async for item in items:
+                if item.HasField("exit"):
+                    self._count_truncation(request.sandbox_id, item.exit)
+                yield item
+
+        async for item in self.ops.stream(
+            request.sandbox_id,
+            "exec_stream",
+            request,
+            principal_of(context),
+            events,
+            lambda exec_id: self._attach(request, exec_id),
+        ):
             yield item
+
+    def _attach(
+        self, request: types_pb2.ExecRequest, exec_id: str
+    ) -> AsyncIterator[types_pb2.ExecEvent]:
+        """A repeat of an exec stream's operation: the command's events from its start."""
+        attach = types_pb2.AttachExecRequest(
+            sandbox_id=request.sandbox_id,
+            exec_id=exec_id,
+            keepalive_interval_ms=request.keepalive_interval_ms,
+        )
+        return self._across_pauses(
+            "attach_exec", attach, types_pb2.ExecEvent, ExecContinuation(attach)
+        )
 
     async def ExecInteractive(
         self, request_iterator: AsyncIterator[types_pb2.ExecInput], context: Any
@@ -565,25 +783,46 @@ class EdgeServicer:
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("input") != "start":
             raise InvalidArgument("the first ExecInput must carry `start`")
-        trusted = first.start.trusted
-        channel, start = await self._exec_channel(first.start)
-        if start is not first.start:
-            first = types_pb2.ExecInput(start=start)
+        request = first.start
+        self._known(request.sandbox_id)
+        logged = request.operation_id and self.ops.log.get(request.sandbox_id, request.operation_id)
+        if logged:
+            raise FailedPrecondition(
+                f"operation {request.operation_id!r} is an interactive command already started "
+                f"(exec {logged.exec_id or 'not started'}): a retry cannot take its input over; "
+                "attach to it (AttachExec) and send input by its exec id (ControlExec)",
+                reason="OPERATION_NOT_REATTACHABLE",
+                metadata={"operation_id": request.operation_id, "exec_id": logged.exec_id},
+            )
 
-        async def inputs() -> AsyncIterator[types_pb2.ExecInput]:
-            yield first
-            async for item in request_iterator:
+        async def events() -> AsyncIterator[types_pb2.ExecEvent]:
+            channel, start = await self._exec_channel(_labelled(request))
+
+            async def inputs() -> AsyncIterator[types_pb2.ExecInput]:
+                yield types_pb2.ExecInput(start=start)
+                async for item in request_iterator:
+                    yield item
+
+            items = channel.bidi("exec_input", inputs())
+            if not request.trusted:
+                items = with_keepalives(
+                    items,
+                    self._sandbox_state(start.sandbox_id),
+                    lambda: types_pb2.ExecEvent(keepalive=types_pb2.Keepalive(at=ts(time.time()))),
+                    (start.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000,
+                )
+            async for item in items:
                 yield item
 
-        items = channel.bidi("exec_input", inputs())
-        if not trusted:
-            items = with_keepalives(
-                items,
-                self._sandbox_state(start.sandbox_id),
-                lambda: types_pb2.ExecEvent(keepalive=types_pb2.Keepalive(at=ts(time.time()))),
-                (start.keepalive_interval_ms or KEEPALIVE_DEFAULT_MS) / 1000,
-            )
-        async for item in items:
+        async for item in self.ops.stream(
+            request.sandbox_id,
+            "exec_interactive",
+            request,
+            principal_of(context),
+            events,
+            lambda exec_id: self._attach(request, exec_id),
+            detached=False,  # its input comes from its caller
+        ):
             yield item
 
     async def AttachExec(
@@ -593,6 +832,37 @@ class EdgeServicer:
             "attach_exec", request, types_pb2.ExecEvent, ExecContinuation(request)
         ):
             yield item
+
+    async def ListOperations(
+        self, request: types_pb2.ListOperationsRequest, context: Any
+    ) -> types_pb2.ListOperationsResponse:
+        """The sandbox's operation log, a page at a time; kept after its end (for
+        ``oplog_retention_s``), so an ended sandbox's log is still read here."""
+        if not request.sandbox_id:
+            raise InvalidArgument("sandbox_id is required")
+        if not self.ops.enabled:
+            raise Unimplemented(
+                "the operation log is off on this edge (DSEC_EDGE_OPLOG=off)",
+                reason="OPERATION_LOG_OFF",
+            )
+        log = self.ops.log
+        rec = self.manager.records.get(request.sandbox_id)
+        if not log.has_log(request.sandbox_id):
+            if rec is None:
+                raise NotFound(
+                    f"sandbox {request.sandbox_id} has no operation log here: deleted, ended "
+                    "longer ago than its edge keeps logs, or never created",
+                    reason="OPERATION_LOG_NOT_FOUND",
+                    metadata={"sandbox_id": request.sandbox_id},
+                )
+            return types_pb2.ListOperationsResponse(sandbox_ended=not rec.live)
+        entries, more = log.page(
+            request.sandbox_id, request.after_seq, request.limit, with_bodies=request.with_bodies
+        )
+        out = types_pb2.ListOperationsResponse(operations=entries, more=more)
+        out.next_seq = entries[-1].seq if entries else request.after_seq
+        out.sandbox_ended = rec is None or not rec.live
+        return out
 
     async def WatchDir(
         self, request: types_pb2.WatchDirRequest, context: Any
@@ -675,9 +945,14 @@ class EdgeServicer:
     async def UpdateNetworkPolicy(
         self, request: edge_pb2.UpdateNetworkPolicyRequest, context: Any
     ) -> edge_pb2.UpdateNetworkPolicyResponse:
-        policy = network_from_pb(request.policy)
-        rec = await self.manager.update_network_policy(request.sandbox_id, policy)
-        return edge_pb2.UpdateNetworkPolicyResponse(sandbox=sandbox_pb(rec))
+        async def update() -> edge_pb2.UpdateNetworkPolicyResponse:
+            policy = network_from_pb(request.policy)
+            rec = await self.manager.update_network_policy(request.sandbox_id, policy)
+            return edge_pb2.UpdateNetworkPolicyResponse(sandbox=sandbox_pb(rec))
+
+        return await self._logged(
+            "update_network_policy", request, context, update, edge_pb2.UpdateNetworkPolicyResponse
+        )
 
     async def GetModifiedFiles(
         self, request: edge_pb2.GetModifiedFilesRequest, context: Any
@@ -692,7 +967,13 @@ class EdgeServicer:
     async def PackDiff(
         self, request: edge_pb2.PackDiffRequest, context: Any
     ) -> edge_pb2.PackDiffResponse:
-        return await self.layers.pack_diff(request)
+        return await self._logged(  # type: ignore[no-any-return]
+            "pack_diff",
+            request,
+            context,
+            lambda: self.layers.pack_diff(request),
+            edge_pb2.PackDiffResponse,
+        )
 
     async def ImportImage(
         self, request: edge_pb2.ImportImageRequest, context: Any
@@ -737,6 +1018,7 @@ EDGE_ROUTES = forwarding.routes(
         "ExecInteractive",
         "AttachExec",
         "WatchDir",
+        "ListOperations",
         # the backend's, not chronus's (edge/display_calls.py)
         "GetDisplayInfo",
         "Screenshot",
@@ -746,6 +1028,29 @@ EDGE_ROUTES = forwarding.routes(
     target=lambda name: _CHRONUS_NAMES.get(name) or forwarding.snake_case(name),
 )
 forwarding.install(EdgeServicer, EDGE_ROUTES)
+
+
+_LIST_EXECS = EDGE_ROUTES["ListExecs"]
+#: The request a task operation's part is logged as, per action (ActOnSandboxes).
+_TASK_REQUEST: dict[str, Callable[..., Message]] = {
+    "PAUSE": edge_pb2.PauseSandboxRequest,
+    "RESUME": edge_pb2.ResumeSandboxRequest,
+    "STOP": edge_pb2.StopSandboxRequest,
+}
+
+
+def _labelled(request: types_pb2.ExecRequest) -> types_pb2.ExecRequest:
+    """The request as sent into the sandbox: an operation's command carries its id as a label
+    (ExecInfo.labels; SignalExec by operation id finds a sync command by it)."""
+    if request.operation_id and len(request.labels) < 16:
+        request.labels[OPERATION_LABEL] = request.operation_id
+    return request
+
+
+def _unlabelled(info: types_pb2.ExecInfo) -> None:
+    """An ExecInfo as the caller sees it: its operation id in its own field, not a label."""
+    if OPERATION_LABEL in info.labels:
+        info.operation_id = info.labels.pop(OPERATION_LABEL)
 
 
 class ExecContinuation:

@@ -11,6 +11,7 @@ Errors are classes of :mod:`libdsec.errors` (root :class:`DSecError`), each
 bound to one gRPC status code and a stable ``reason``.
 """
 
+from libdsec._oplog import Operation, ReplayReport, ReplayStep
 from libdsec.aio import (
     AsyncClient,
     AsyncDirWatch,
@@ -88,11 +89,14 @@ __all__ = [
     "ModifiedFile",
     "NetworkPolicy",
     "NewToken",
+    "Operation",
     "Output",
     "Principal",
     "Process",
     "Project",
     "Quota",
+    "ReplayReport",
+    "ReplayStep",
     "Sandbox",
     "SandboxInfo",
     "SandboxOptions",

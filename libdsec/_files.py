@@ -26,6 +26,7 @@ from libdsec._transport import (
     STREAM_KEEPALIVE_INTERVAL_S,
     Link,
     Transport,
+    new_operation_id,
     stalled,
     stream_error,
 )
@@ -72,10 +73,16 @@ class AsyncFiles:
         mode: int = 0,
         append: bool = False,
         make_parents: bool = True,
+        operation_id: str | None = None,
     ) -> FileInfo:
+        """Writes ``data`` to ``path`` (over 4 MiB: an upload). ``operation_id`` names the
+        write in the sandbox's operation log: a repeat of a logged id writes nothing again
+        (see :meth:`AsyncSandbox.run`); the SDK makes one when none is given."""
         raw = data.encode() if isinstance(data, str) else data
         if len(raw) > 4 * 1024 * 1024:
-            return await self.upload(raw, path, mode=mode, make_parents=make_parents)
+            return await self.upload(
+                raw, path, mode=mode, make_parents=make_parents, operation_id=operation_id
+            )
         resp = await self._call(
             "WriteFile",
             types_pb2.WriteFileRequest(
@@ -85,6 +92,7 @@ class AsyncFiles:
                 mode=mode,
                 append=append,
                 make_parents=make_parents,
+                operation_id=operation_id or new_operation_id(),
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -114,22 +122,42 @@ class AsyncFiles:
         except NotFound:
             return False
 
-    async def mkdir(self, path: str, *, mode: int = 0, parents: bool = True) -> FileInfo:
+    async def mkdir(
+        self, path: str, *, mode: int = 0, parents: bool = True, operation_id: str | None = None
+    ) -> FileInfo:
         resp = await self._call(
             "MakeDir",
             types_pb2.MakeDirRequest(
-                sandbox_id=self.sandbox_id, path=path, mode=mode, parents=parents
+                sandbox_id=self.sandbox_id,
+                path=path,
+                mode=mode,
+                parents=parents,
+                operation_id=operation_id or new_operation_id(),
             ),
         )
         return FileInfo.from_pb(resp.info)
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
+    async def remove(
+        self, path: str, *, recursive: bool = False, operation_id: str | None = None
+    ) -> None:
         await self._call(
             "RemovePath",
-            types_pb2.RemovePathRequest(sandbox_id=self.sandbox_id, path=path, recursive=recursive),
+            types_pb2.RemovePathRequest(
+                sandbox_id=self.sandbox_id,
+                path=path,
+                recursive=recursive,
+                operation_id=operation_id or new_operation_id(),
+            ),
         )
 
-    async def move(self, source: str, destination: str, *, overwrite: bool = False) -> FileInfo:
+    async def move(
+        self,
+        source: str,
+        destination: str,
+        *,
+        overwrite: bool = False,
+        operation_id: str | None = None,
+    ) -> FileInfo:
         resp = await self._call(
             "MovePath",
             types_pb2.MovePathRequest(
@@ -137,14 +165,20 @@ class AsyncFiles:
                 source=source,
                 destination=destination,
                 overwrite=overwrite,
+                operation_id=operation_id or new_operation_id(),
             ),
         )
         return FileInfo.from_pb(resp.info)
 
-    async def chmod(self, path: str, mode: int) -> FileInfo:
+    async def chmod(self, path: str, mode: int, *, operation_id: str | None = None) -> FileInfo:
         resp = await self._call(
             "ChmodPath",
-            types_pb2.ChmodPathRequest(sandbox_id=self.sandbox_id, path=path, mode=mode),
+            types_pb2.ChmodPathRequest(
+                sandbox_id=self.sandbox_id,
+                path=path,
+                mode=mode,
+                operation_id=operation_id or new_operation_id(),
+            ),
         )
         return FileInfo.from_pb(resp.info)
 
@@ -156,11 +190,13 @@ class AsyncFiles:
         mode: int = 0,
         make_parents: bool = True,
         chunk_bytes: int = CHUNK,
+        operation_id: str | None = None,
     ) -> FileInfo:
         """Streams ``source`` (bytes, a local path, or a binary file object) into ``path``.
 
         The file appears atomically when the whole stream has arrived; a
-        failed upload leaves nothing behind. Memory use is one chunk.
+        failed upload leaves nothing behind. Memory use is one chunk. ``operation_id``: as
+        :meth:`write`'s (a repeat must send the same bytes; nothing is written again).
         """
         size = 0
         fh: IO[bytes] | None = None
@@ -181,6 +217,7 @@ class AsyncFiles:
                     mode=mode,
                     make_parents=make_parents,
                     size_bytes=size,
+                    operation_id=operation_id or new_operation_id(),
                 )
             )
             if data is not None:

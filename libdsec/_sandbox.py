@@ -11,15 +11,20 @@ background command), :class:`AsyncSession` (a persistent shell).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import os
 from collections.abc import AsyncIterator, Iterable, Mapping
 from functools import cached_property
-from typing import Any, Unpack
+from typing import IO, Any, Unpack
 
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.types.v1 import types_pb2
 from libdsec._display import AsyncDisplay
 from libdsec._files import AsyncFiles
-from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link, Transport
+from libdsec._oplog import Operation, operation_log
+from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S, Link, Transport, new_operation_id
 from libdsec.errors import DSecError, Unavailable, item_error
 from libdsec.options import SessionRunOptions, SessionStreamOptions
 from libdsec.types import (
@@ -55,9 +60,11 @@ def _exec_request(
     user: str = "",
     follow: bool = False,
     pty_size: tuple[int, int] | None = None,
+    operation_id: str | None = None,
 ) -> types_pb2.ExecRequest:
     req = types_pb2.ExecRequest(
         sandbox_id=sandbox_id,
+        operation_id=operation_id or new_operation_id(),
         cwd=cwd or "",
         env=dict(env or {}),
         timeout_s=timeout_s or 0.0,
@@ -79,6 +86,10 @@ def _exec_request(
     else:
         req.argv.extend(cmd)
     return req
+
+
+#: The kills of abandoned operations under way (a task must be referenced until it ends).
+_KILLS: set[asyncio.Task[None]] = set()
 
 
 class AsyncProcess:
@@ -183,7 +194,11 @@ class AsyncSession:
         c = self.sandbox.client
         await c.transport.unary(
             c.transport.exec.CloseSession,
-            types_pb2.CloseSessionRequest(sandbox_id=self.sandbox.id, session_id=self.session_id),
+            types_pb2.CloseSessionRequest(
+                sandbox_id=self.sandbox.id,
+                session_id=self.session_id,
+                operation_id=new_operation_id(),
+            ),
             timeout=c.timeout,
         )
 
@@ -284,6 +299,7 @@ class AsyncSandbox:
         trusted: bool = False,
         user: str = "",
         labels: Mapping[str, str] | None = None,
+        operation_id: str | None = None,
     ) -> ExecResult:
         """Runs a command to completion. A string runs under ``/bin/sh -c``; a list is an argv.
 
@@ -303,6 +319,16 @@ class AsyncSandbox:
         USER and LOGNAME from there, cwd its home unless given); unknown:
         :class:`InvalidArgument` ``USER_NOT_FOUND``. ``labels`` tag the command
         (:attr:`ExecInfo.labels`).
+
+        Exactly once: ``operation_id`` names this step in the sandbox's operation log. A run
+        with an id already logged returns the logged result (or waits for the command still
+        running) and never runs it again, through any API server, after an SDK restart; an id
+        whose command was under way when its edge died raises ``OutcomeUnknown``. Without one,
+        the SDK makes one, and its own retries (an API server restart) reuse it. The command
+        belongs to its operation: it runs on when the caller's connection goes, and a run
+        cancelled by its caller (``asyncio`` cancellation) kills it::
+
+            r = await sb.run("git commit -am step", operation_id=f"{task}-{episode}-{turn}")
         """
         c = self.client
         req = _exec_request(
@@ -318,11 +344,31 @@ class AsyncSandbox:
             trusted=trusted,
             user=user,
             labels=labels,
+            operation_id=operation_id,
         )
         deadline = (timeout_s or 600.0) + 60.0
-        return ExecResult.from_pb(
-            await c.transport.unary(c.transport.exec.Exec, req, timeout=deadline)
+        try:
+            result = await c.transport.unary(c.transport.exec.Exec, req, timeout=deadline)
+        except asyncio.CancelledError:
+            self._kill_operation(req.operation_id)
+            raise
+        return ExecResult.from_pb(result)
+
+    def _kill_operation(self, operation_id: str) -> None:
+        """Kills the command of an operation its caller gave up on (a cancelled run, a stream
+        left early), in the background: its edge would otherwise run it to its end."""
+        c = self.client
+        request = types_pb2.SignalExecRequest(
+            sandbox_id=self.id, operation_id=operation_id, signal=9
         )
+
+        async def kill() -> None:
+            with contextlib.suppress(DSecError):
+                await c.transport.unary(c.transport.exec.SignalExec, request, timeout=10.0)
+
+        task = asyncio.get_running_loop().create_task(kill())
+        _KILLS.add(task)
+        task.add_done_callback(_KILLS.discard)
 
     async def stream(
         self,
@@ -340,6 +386,7 @@ class AsyncSandbox:
         labels: Mapping[str, str] | None = None,
         background: bool = False,
         stdin_open: bool = False,
+        operation_id: str | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Yields :class:`Started`, then :class:`Output` events as produced, then one :class:`Exited`.
 
@@ -355,6 +402,10 @@ class AsyncSandbox:
 
         ``stdin_open`` (and a ``pty``, ``(rows, cols)`` or True) keep the command's input open
         for :meth:`AsyncProcess.send_stdin` / ``resize`` by its exec id, as with :meth:`start`.
+
+        ``operation_id``: as :meth:`run`'s; a stream opened again with a logged id gets the
+        command's events from its start (a live command's from the sandbox, an ended one's
+        as logged: its head and tail) and never runs it again.
         """
         c = self.client
         req = _exec_request(
@@ -374,14 +425,19 @@ class AsyncSandbox:
             background=background,
             follow=background,
             stdin_open=stdin_open or (background and bool(pty)),
+            operation_id=operation_id,
         )
         req.keepalive_interval_ms = round(STREAM_KEEPALIVE_INTERVAL_S * 1000)
         exited = False
-        async for ev in c.transport.stream(c.transport.exec.ExecStream, req):
-            e = event_from_pb(ev)
-            if e is not None:
-                exited = exited or isinstance(e, Exited)
-                yield e
+        try:
+            async for ev in c.transport.stream(c.transport.exec.ExecStream, req):
+                e = event_from_pb(ev)
+                if e is not None:
+                    exited = exited or isinstance(e, Exited)
+                    yield e
+        finally:
+            if not exited and not background:  # left early: the command dies with the stream
+                self._kill_operation(req.operation_id)
         if not exited:
             raise Unavailable(
                 "the stream ended without an exit status", reason="STREAM_ENDED_EARLY"
@@ -401,6 +457,7 @@ class AsyncSandbox:
         user: str = "",
         stdin_open: bool = False,
         pty: bool | tuple[int, int] = False,
+        operation_id: str | None = None,
     ) -> AsyncProcess:
         """Starts a background command; returns at once with a handle to wait on, kill, reattach
         or send input to. ``stdin_open=True`` keeps its stdin (a pipe) open for
@@ -427,6 +484,7 @@ class AsyncSandbox:
             stdin_open=stdin_open or bool(pty),
             labels=labels,
             user=user,
+            operation_id=operation_id,
         )
         async for ev in c.transport.stream(c.transport.exec.ExecStream, req):
             if ev.WhichOneof("event") == "started":
@@ -454,7 +512,11 @@ class AsyncSandbox:
         resp = await c.transport.unary(
             c.transport.exec.CreateSession,
             types_pb2.CreateSessionRequest(
-                sandbox_id=self.id, shell=shell, cwd=cwd, env=dict(env or {})
+                sandbox_id=self.id,
+                shell=shell,
+                cwd=cwd,
+                env=dict(env or {}),
+                operation_id=new_operation_id(),
             ),
             timeout=c.timeout,
         )
@@ -653,6 +715,55 @@ class AsyncSandbox:
             timeout=timeout or 60.0,
         )
         return [ModifiedFile(f.path, f.deleted) for f in resp.files]
+
+    async def log(
+        self, *, after_seq: int = 0, with_bodies: bool = False, timeout: float | None = None
+    ) -> list[Operation]:
+        """The sandbox's operation log: every call that changed it, in order (an exec with
+        its exit status and output digests, a file write, an upload, ...), also after it
+        ended while its edge keeps it. ``with_bodies`` adds the requests and the kept output::
+
+            for op in await sb.log():
+                print(op.seq, op.kind, op.state, op.exit_code, op.summary())
+        """
+        ops, _ = await operation_log(
+            self.client.transport,
+            self.id,
+            after_seq=after_seq,
+            with_bodies=with_bodies,
+            timeout=self.client.timeout if timeout is None else timeout,
+        )
+        return ops
+
+    async def follow_log(
+        self, *, after_seq: int = 0, interval_s: float = 0.5
+    ) -> AsyncIterator[Operation]:
+        """The log's entries as each operation ends (every entry after ``after_seq``, in
+        order), until the sandbox has ended and its last operation is written."""
+        rpc, timeout = self.client.transport, self.client.timeout
+        while True:
+            ops, ended = await operation_log(rpc, self.id, after_seq=after_seq, timeout=timeout)
+            for op in ops:
+                if op.state == "RUNNING":
+                    break  # in order: this one and what follows come again next time
+                yield op
+                after_seq = op.seq
+            else:
+                if ended:
+                    return
+            await asyncio.sleep(interval_s)
+
+    async def export_log(self, destination: str | os.PathLike[str] | IO[str]) -> int:
+        """Writes the trajectory export (JSON Lines, one object per operation, schema
+        ``dsec.operation/v1``, see the README) to a path or a text file; returns the count."""
+        ops = await self.log(with_bodies=True)
+        lines = [json.dumps(op.to_json(self.id), sort_keys=True) + "\n" for op in ops]
+        if isinstance(destination, (str, os.PathLike)):
+            with open(destination, "w") as fh:
+                fh.writelines(lines)
+        else:
+            destination.writelines(lines)
+        return len(ops)
 
     async def delete(self) -> None:
         rpc = self.client.transport

@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -195,14 +196,22 @@ def method_name(method: Any) -> str:
 
 
 def idempotent(name: str, request: Any) -> bool:
-    """Whether the call ``name`` (see :func:`method_name`) of ``request`` may run twice: one of
-    :data:`SDK_IDEMPOTENT`, or a create whose every sandbox carries an idempotency key (a
-    repeated create returns the first one's sandbox)."""
+    """Whether the call ``name`` (see :func:`method_name`) of ``request`` may be sent twice:
+    one of :data:`SDK_IDEMPOTENT`; a create whose every sandbox carries an idempotency key (a
+    repeated create returns the first one's sandbox); or a call into a sandbox with an
+    operation id (its edge runs it once and answers a repeat with the logged result)."""
     if name == "dsec.apiserver.v1.SandboxService/CreateSandbox":
         return bool(request.idempotency_key)
     if name == "dsec.apiserver.v1.SandboxService/CreateSandboxes":
         return all(item.idempotency_key for item in request.items)
-    return name in _IDEMPOTENT_METHODS
+    return name in _IDEMPOTENT_METHODS or bool(getattr(request, "operation_id", ""))
+
+
+def new_operation_id() -> str:
+    """An operation id the SDK makes for a call given none: unique, and reused by the SDK's
+    own retries of that call. (A caller that may itself retry a step, e.g. after a restart,
+    passes its own: ``operation_id="ep17-turn3"``.)"""
+    return f"sdk-{uuid.uuid4().hex}"
 
 
 def retried(err: DSecError) -> bool:

@@ -32,6 +32,7 @@ from dsec.types.v1 import types_pb2
 from libdsec._config import resolve
 from libdsec._display import AsyncDisplay
 from libdsec._files import CHUNK, AsyncDirWatch, AsyncFiles
+from libdsec._oplog import ReplayReport, operation_log, replay
 from libdsec._sandbox import AsyncProcess, AsyncSandbox, AsyncSession, sandbox_info
 from libdsec._tagged import TaggedStream
 from libdsec._transport import (
@@ -329,6 +330,31 @@ class AsyncClient:
             else:
                 out.append(AsyncSandbox(self, r.sandbox))
         return out
+
+    async def replay(
+        self,
+        source_id: str,
+        *,
+        upto: int | None = None,
+        **options: Unpack[SandboxOptions],
+    ) -> ReplayReport:
+        """Re-runs the logged operations of sandbox ``source_id`` in order, up to and
+        including entry ``upto``, in a fresh sandbox (the create options as for
+        :meth:`create`; ``image`` defaults to the source's), comparing each result with the log's
+        digests: for debugging a reward, reproducing an episode::
+
+            report = await dsec.replay(sb.id)
+            if not report.reproduced:
+                print("diverges at", report.first_divergence)
+
+        The replay sandbox is left running (``report.sandbox_id``) for inspection: stop it.
+        A source whose log is gone raises NotFound (``OPERATION_LOG_NOT_FOUND``).
+        """
+        ops, _ = await operation_log(self._rpc, source_id, with_bodies=True, timeout=self.timeout)
+        if "image" not in options:
+            options["image"] = (await self._info(source_id)).image
+        sandbox = await self.create(**options)
+        return await replay(self, sandbox.id, source_id, ops, upto=upto)
 
     async def get(self, sandbox_id: str, *, timeout: float | None = None) -> AsyncSandbox:
         """Reattaches to an existing sandbox (e.g. from another process)."""

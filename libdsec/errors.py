@@ -23,6 +23,8 @@ Tree::
     ├── AlreadyExists             ALREADY_EXISTS
     ├── FailedPrecondition        FAILED_PRECONDITION  wrong lifecycle state
     │   ├── SandboxTerminated
+    │   ├── OutcomeUnknown        an operation under way when its edge died (never run again)
+    │   ├── OperationIdReused     an operation id already names another request
     │   ├── ClientClosed          a handle used after its client was closed (SDK-side)
     │   ├── LayerCorrupt
     │   └── BackendNotOffered     no edge of the cluster offers the backend asked for
@@ -79,6 +81,8 @@ __all__ = [
     "NodeDiskLow",
     "NodeMemoryFull",
     "NotFound",
+    "OperationIdReused",
+    "OutcomeUnknown",
     "PathNotFound",
     "PermissionDenied",
     "QuotaExceeded",
@@ -185,6 +189,21 @@ class SandboxTerminated(FailedPrecondition):
     """The sandbox has ended; ``metadata["termination_reason"]`` says why."""
 
     default_reason = "SANDBOX_TERMINATED"
+
+
+class OutcomeUnknown(FailedPrecondition):
+    """The operation (``metadata["operation_id"]``) was under way when the edge running it
+    died: it may have run, in full or in part. A retry with its id is answered so and never
+    runs it again; ``metadata["exec_id"]`` names its command when it had started."""
+
+    default_reason = "OUTCOME_UNKNOWN"
+
+
+class OperationIdReused(FailedPrecondition):
+    """The operation id (``metadata["operation_id"]``) already names another request in the
+    sandbox's operation log (entry ``metadata["seq"]``): a new request needs a new id."""
+
+    default_reason = "OPERATION_ID_REUSED"
 
 
 class LayerCorrupt(FailedPrecondition):

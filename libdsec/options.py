@@ -196,6 +196,10 @@ class ExecOptions(TypedDict, total=False):
     user: str
     #: tags of the command (:attr:`ExecInfo.labels`)
     labels: Mapping[str, str] | None
+    #: this operation's id in the sandbox's operation log: a call with an id already logged
+    #: returns that operation's result and never runs again (default: a new one per call,
+    #: kept across the SDK's own retries)
+    operation_id: str | None
 
 
 class SessionRunOptions(ExecOptions, total=False):
@@ -337,6 +341,8 @@ class WriteOptions(TypedDict, total=False):
     append: bool
     #: create missing parent directories; default True
     make_parents: bool
+    #: its id in the sandbox's operation log (see :class:`ExecOptions`)
+    operation_id: str | None
 
 
 class ListDirOptions(TypedDict, total=False):
@@ -361,6 +367,9 @@ class MkdirOptions(TypedDict, total=False):
     #: create missing parents; default True
     parents: bool
 
+    #: its id in the sandbox's operation log (see :class:`ExecOptions`)
+    operation_id: str | None
+
 
 class RemoveOptions(TypedDict, total=False):
     """The keywords of ``Files.remove``."""
@@ -368,12 +377,18 @@ class RemoveOptions(TypedDict, total=False):
     #: a directory with what it holds; default False
     recursive: bool
 
+    #: its id in the sandbox's operation log (see :class:`ExecOptions`)
+    operation_id: str | None
+
 
 class MoveOptions(TypedDict, total=False):
     """The keywords of ``Files.move``."""
 
     #: replace an existing destination; default False
     overwrite: bool
+
+    #: its id in the sandbox's operation log (see :class:`ExecOptions`)
+    operation_id: str | None
 
 
 class UploadOptions(TypedDict, total=False):
@@ -385,6 +400,9 @@ class UploadOptions(TypedDict, total=False):
     make_parents: bool
     #: bytes per message; default 1 MiB
     chunk_bytes: int
+
+    #: its id in the sandbox's operation log (see :class:`ExecOptions`)
+    operation_id: str | None
 
 
 class DownloadOptions(TypedDict, total=False):

@@ -38,6 +38,7 @@ from typing import IO, Any, Generic, Self, TypeVar, Unpack, cast
 
 from libdsec._display import AsyncDisplay
 from libdsec._files import AsyncDirWatch
+from libdsec._oplog import Operation, ReplayReport
 from libdsec._transport import STREAM_KEEPALIVE_INTERVAL_S
 from libdsec.aio import (
     AsyncClient,
@@ -237,6 +238,17 @@ class Client:
             self._async.create_many(count, specs=specs, wait=wait, timeout=timeout, **options)
         )
         return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
+
+    def replay(
+        self,
+        source_id: str,
+        *,
+        upto: int | None = None,
+        **options: Unpack[SandboxOptions],
+    ) -> ReplayReport:
+        """Re-runs a sandbox's logged operations in a fresh one (see
+        :meth:`AsyncClient.replay`)."""
+        return self._loop.run(self._async.replay(source_id, upto=upto, **options))
 
     def get(self, sandbox_id: str, *, timeout: float | None = None) -> Sandbox:
         """Reattaches to an existing sandbox (e.g. one created by another process)."""
@@ -560,8 +572,8 @@ class Files:
     def move(self, source: str, destination: str, **options: Unpack[MoveOptions]) -> FileInfo:
         return self._c._loop.run(self._f.move(source, destination, **options))
 
-    def chmod(self, path: str, mode: int) -> FileInfo:
-        return self._c._loop.run(self._f.chmod(path, mode))
+    def chmod(self, path: str, mode: int, *, operation_id: str | None = None) -> FileInfo:
+        return self._c._loop.run(self._f.chmod(path, mode, operation_id=operation_id))
 
     def upload(
         self,
@@ -804,6 +816,23 @@ class Sandbox:
     def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
         """See :meth:`AsyncSandbox.modified_files`."""
         return self._c._loop.run(self._s.modified_files(timeout=timeout))
+
+    def log(
+        self, *, after_seq: int = 0, with_bodies: bool = False, timeout: float | None = None
+    ) -> list[Operation]:
+        """The sandbox's operation log (see :meth:`AsyncSandbox.log`)."""
+        return self._c._loop.run(
+            self._s.log(after_seq=after_seq, with_bodies=with_bodies, timeout=timeout)
+        )
+
+    def follow_log(self, *, after_seq: int = 0, interval_s: float = 0.5) -> Iterator[Operation]:
+        """The log's entries as they end, until the sandbox ends (see
+        :meth:`AsyncSandbox.follow_log`)."""
+        return self._c._loop.iterate(self._s.follow_log(after_seq=after_seq, interval_s=interval_s))
+
+    def export_log(self, destination: str | os.PathLike[str] | IO[str]) -> int:
+        """The trajectory export, JSON Lines (see :meth:`AsyncSandbox.export_log`)."""
+        return self._c._loop.run(self._s.export_log(destination))
 
     def delete(self) -> None:
         self._c._loop.run(self._s.delete())

@@ -608,7 +608,7 @@ class ExecInfo:
     """A command of :meth:`AsyncSandbox.processes` or :meth:`AsyncProcess.wait`. ``argv`` is
     what ran (a command string is ``["/bin/sh", "-c", command]``), ``cwd`` the effective
     working directory, ``env`` only what the request added, ``user`` as requested ("" =
-    the sandbox's default user)."""
+    the sandbox's default user), ``operation_id`` the operation that started it."""
 
     exec_id: str
     command: str
@@ -622,6 +622,7 @@ class ExecInfo:
     env: dict[str, str] = field(default_factory=dict)
     pty: bool = False
     user: str = ""
+    operation_id: str = ""
 
     @classmethod
     def from_pb(cls, i: types_pb2.ExecInfo) -> ExecInfo:
@@ -639,6 +640,7 @@ class ExecInfo:
             dict(i.env),
             i.pty,
             i.user,
+            i.operation_id,
         )
 
 

@@ -38,17 +38,17 @@ from starlette.routing import Mount, Route
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.http import (
-    ClientDisconnect,
     HttpError,
     Receive,
     Request,
     Scope,
     Send,
     detail,
+    http_error,
     read_body,
+    serve_http,
     status_detail,
     token_refused,
-    without_trailing_slash,
 )
 from compat.sandboxfusion import mapping
 from compat.sandboxfusion.models import (
@@ -119,7 +119,7 @@ class SandboxFusionApp:
             exception_handlers={
                 404: status_detail,
                 405: status_detail,
-                HttpError: _http_error,
+                HttpError: http_error,
                 RequestInvalid: _request_invalid,
                 Unauthenticated: token_refused,
                 PermissionDenied: token_refused,
@@ -128,14 +128,8 @@ class SandboxFusionApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1003})
-            return
         try:
-            await self.app(without_trailing_slash(scope), receive, send)
-        except ClientDisconnect:
-            return
+            await serve_http(self.app, scope, receive, send)
         except Exception:  # answered 500 by `_internal` (unless the answer had begun)
             path = _TOKEN.sub("/t/<token>", str(scope["path"]))  # tokens are never logged
             log.exception("sandbox-fusion: %s %s failed", scope["method"], path)
@@ -295,11 +289,6 @@ def _unsupported(what: str) -> Callable[[Request], Awaitable[Response]]:
         return detail(501, f"dsec's SandboxFusion front end does not serve {what}")
 
     return endpoint
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HttpError)
-    return detail(exc.status, exc.message)
 
 
 async def _request_invalid(request: Request, exc: Exception) -> Response:

@@ -15,6 +15,12 @@ which RemoteRuntime raises again as the same class (``SessionDoesNotExistError``
 ``CommandTimeoutError``, ``FileNotFoundError``, ``NotImplementedError`` ..., with dsec's reason
 in the message); a body that does not validate is 422 with FastAPI's ``{"detail": [...]}``.
 
+Bodies are bounded as they stream in: a JSON call's by ``DSEC_COMPAT_SWEREX_MAX_BODY_BYTES``
+(64 MiB), an upload's by ``DSEC_COMPAT_SWEREX_MAX_UPLOAD_BYTES`` (1 GiB). Past its limit a
+request is 413 ``{"detail": "... larger than N bytes"}`` (RemoteRuntime raises aiohttp's
+``ClientResponseError``, status 413), before its token or sandbox is looked at: a refused upload
+reaches no sandbox, and its partial temporary file is closed (so deleted) at once.
+
 The SWE-ReX session names of each sandbox (name -> chronus session id) are the only state kept
 here, in a bounded LRU: a restart of this process forgets them (the shells stay in the sandbox).
 """
@@ -30,7 +36,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from swerex.exceptions import SwerexException
@@ -45,16 +52,20 @@ from swerex.runtime.abstract import (
 )
 
 from compat.clients import ClientPool
+from compat.config import CompatConfig
 from compat.http import (
-    ClientDisconnect,
+    HttpError,
     Receive,
     Request,
     Scope,
     Send,
+    bounded,
     detail,
+    http_error,
+    read_body,
+    serve_http,
     status_detail,
     token_refused,
-    without_trailing_slash,
 )
 from libdsec.errors import NotFound, PermissionDenied, Unauthenticated
 from libdsec.harness.swerex import DsecRuntime, swerex_errors
@@ -91,7 +102,8 @@ def transferred(exc: Exception) -> JSONResponse:
 
 
 class SweRexApp:
-    def __init__(self, pool: ClientPool) -> None:
+    def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
+        self.config = config
         self.pool = pool
         self._sessions: OrderedDict[str, dict[str, str]] = OrderedDict()
         prefix = "/sandboxes/{sandbox_id}"
@@ -105,6 +117,7 @@ class SweRexApp:
             exception_handlers={
                 404: status_detail,
                 405: status_detail,
+                HttpError: http_error,
                 Unauthenticated: token_refused,
                 PermissionDenied: token_refused,
                 500: _internal,
@@ -112,14 +125,7 @@ class SweRexApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1003})
-            return
-        try:
-            await self.app(without_trailing_slash(scope), receive, send)
-        except ClientDisconnect:
-            return
+        await serve_http(self.app, scope, receive, send)
 
     def _names(self, sandbox_id: str) -> dict[str, str]:
         """The sandbox's session names (kept for the next request)."""
@@ -160,7 +166,8 @@ class SweRexApp:
         if adapter is None:
             return detail(404, "Not Found")
         try:
-            body = adapter.validate_json(await request.body() or b"{}")
+            raw = await read_body(request, self.config.swerex_max_body_bytes)
+            body = adapter.validate_json(raw or b"{}")
         except ValidationError as exc:
             return detail(422, exc.errors(include_url=False, include_context=False))
         return await self._with_runtime(request, lambda rt: getattr(rt, name)(body))
@@ -175,7 +182,7 @@ class SweRexApp:
     async def upload(self, request: Request) -> Response:
         """A file (streamed into the sandbox) or, with ``unzip=true``, a zipped directory
         (RemoteRuntime zips a directory) unpacked under ``target_path``."""
-        form = await request.form()
+        form = await self._form(request)
         file, target = form.get("file"), form.get("target_path")
         if not isinstance(file, UploadFile) or not isinstance(target, str) or not target:
             await form.close()
@@ -201,6 +208,19 @@ class SweRexApp:
             return await self._with_runtime(request, put)
         finally:
             await form.close()
+
+    async def _form(self, request: Request) -> FormData:
+        """The upload's multipart form, read up to ``swerex_max_upload_bytes`` (Starlette's
+        ``request.form()``, with the bound): past it, 413, and the parser closes the temporary
+        files it spooled the parts to."""
+        if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            raise HttpError(422, "upload needs a multipart/form-data body")
+        limit = self.config.swerex_max_upload_bytes
+        parser = MultiPartParser(request.headers, bounded(request.stream(), limit, "upload"))
+        try:
+            return await parser.parse()
+        except MultiPartException as exc:
+            raise HttpError(400, exc.message) from None
 
 
 def _inside(target: str, name: str) -> str:

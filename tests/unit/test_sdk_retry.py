@@ -17,6 +17,7 @@ import pytest
 
 from common.grpc_server import GrpcServer
 from dsec.apiserver.v1 import apiserver_pb2
+from dsec.types.v1 import types_pb2
 from libdsec import AsyncClient, _transport
 from libdsec._transport import RETRY_FIRST_BACKOFF_S, RETRY_MAX_BACKOFF_S, Transport
 from libdsec.errors import DeadlineExceeded, DSecError, Unavailable
@@ -56,6 +57,10 @@ class Scripted:
         await self._attempt("CreateSandbox", request)
         return apiserver_pb2.CreateSandboxResponse()
 
+    async def Exec(self, request: Any, context: Any) -> Any:
+        await self._attempt("Exec", request)
+        return types_pb2.ExecResult(exec_id="ex-1", exit=types_pb2.ExitStatus(exit_code=0))
+
     async def CreateSandboxes(self, request: Any, context: Any) -> Any:
         await self._attempt("CreateSandboxes", request)
         out = apiserver_pb2.CreateSandboxesResponse()
@@ -74,6 +79,7 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[Scripted, Transport]]:
     servicer = Scripted()
     server = GrpcServer("test", f"unix:{tmp_path / 'api.sock'}")
     server.add(servicer, "dsec.apiserver.v1.SandboxService")
+    server.add(servicer, "dsec.apiserver.v1.ExecService")
     await server.start()
     transport = Transport(server.address, "token")
     try:
@@ -198,3 +204,22 @@ async def test_the_sdk_keys_every_create_so_its_retries_make_one_sandbox(
         await dsec.create_many(specs=[{"image": "busybox", "idempotency_key": "x"}, {}])
         last = servicer.requests("CreateSandboxes")[-1]
         assert last.items[0].idempotency_key == "x" and last.items[1].idempotency_key
+
+
+async def test_a_command_with_an_operation_id_is_retried_under_the_same_id(
+    served: tuple[Scripted, Transport],
+) -> None:
+    """Its edge runs an operation id once: the SDK retries a run like a read, with one id."""
+    servicer, t = served
+    servicer.script["Exec"] = restarting(2)
+    with pytest.raises(Unavailable):  # no id: it may have run
+        await t.unary(t.exec.Exec, types_pb2.ExecRequest(command="x"), timeout=5)
+    assert len(servicer.times("Exec")) == 1
+    async with AsyncClient(t.target, token="token") as dsec:
+        sb = await dsec.get("sb-e0-0000000000000001", timeout=5)  # scripted: any answer
+        servicer.script["Exec"] = restarting(2)
+        await sb.run("make install", timeout_s=5)
+        ids = [r.operation_id for r in servicer.requests("Exec")[1:]]
+        assert len(ids) == 3 and len(set(ids)) == 1 and ids[0].startswith("sdk-")
+        await sb.run("make install", operation_id="ep1-turn1", timeout_s=5)
+        assert servicer.requests("Exec")[-1].operation_id == "ep1-turn1"

@@ -927,6 +927,11 @@ class ExecServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.FromString,
                 _registered_method=True)
+        self.ListOperations = channel.unary_unary(
+                '/dsec.apiserver.v1.ExecService/ListOperations',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.FromString,
+                _registered_method=True)
         self.CreateSession = channel.unary_unary(
                 '/dsec.apiserver.v1.ExecService/CreateSession',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateSessionRequest.SerializeToString,
@@ -1014,6 +1019,13 @@ class ExecServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListOperations(self, request, context):
+        """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateSession(self, request, context):
         """Persistent shell sessions: cwd, env and started services survive between calls.
         """
@@ -1090,6 +1102,11 @@ def add_ExecServiceServicer_to_server(servicer, server):
                     servicer.ListExecs,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.SerializeToString,
+            ),
+            'ListOperations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOperations,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.SerializeToString,
             ),
             'CreateSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSession,
@@ -1335,6 +1352,33 @@ class ExecService:
             '/dsec.apiserver.v1.ExecService/ListExecs',
             dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOperations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.ExecService/ListOperations',
+            dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -387,6 +387,8 @@ class ExecServiceStub:
     ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
     """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
+    ListOperations: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListOperationsRequest, _types_pb2.ListOperationsResponse]
+    """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
     CloseSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]
@@ -419,6 +421,8 @@ class ExecServiceAsyncStub(ExecServiceStub):
     ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
     """Stdin, end of stdin or a terminal resize for a running command, by exec_id."""
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
+    ListOperations: _aio.UnaryUnaryMultiCallable[_types_pb2.ListOperationsRequest, _types_pb2.ListOperationsResponse]  # type: ignore[assignment]
+    """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     """Persistent shell sessions: cwd, env and started services survive between calls."""
     CloseSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]  # type: ignore[assignment]
@@ -496,6 +500,14 @@ class ExecServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.ListExecsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.ListExecsResponse, _abc.Awaitable[_types_pb2.ListExecsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListOperations(
+        self,
+        request: _types_pb2.ListOperationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ListOperationsResponse, _abc.Awaitable[_types_pb2.ListOperationsResponse]]:
+        """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
 
     @_abc_1.abstractmethod
     def CreateSession(

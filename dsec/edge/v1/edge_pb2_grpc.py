@@ -160,6 +160,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
                 response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.FromString,
                 _registered_method=True)
+        self.ListOperations = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/ListOperations',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.FromString,
+                _registered_method=True)
         self.CreateSession = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/CreateSession',
                 request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.CreateSessionRequest.SerializeToString,
@@ -497,6 +502,13 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListOperations(self, request, context):
+        """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -824,6 +836,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.ListExecs,
                     request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.FromString,
                     response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.SerializeToString,
+            ),
+            'ListOperations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOperations,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.SerializeToString,
             ),
             'CreateSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSession,
@@ -1661,6 +1678,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/ListExecs',
             dsec_dot_types_dot_v1_dot_types__pb2.ListExecsRequest.SerializeToString,
             dsec_dot_types_dot_v1_dot_types__pb2.ListExecsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOperations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/ListOperations',
+            dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.ListOperationsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,8 @@ class EdgeServiceStub:
     SignalExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]
     ControlExec: _grpc.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]
     ListExecs: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]
+    ListOperations: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListOperationsRequest, _types_pb2.ListOperationsResponse]
+    """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
     CreateSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]
     ListSessions: _grpc.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]
@@ -193,6 +195,8 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     SignalExec: _aio.UnaryUnaryMultiCallable[_types_pb2.SignalExecRequest, _types_pb2.SignalExecResponse]  # type: ignore[assignment]
     ControlExec: _aio.UnaryUnaryMultiCallable[_types_pb2.ControlExecRequest, _types_pb2.ControlExecResponse]  # type: ignore[assignment]
     ListExecs: _aio.UnaryUnaryMultiCallable[_types_pb2.ListExecsRequest, _types_pb2.ListExecsResponse]  # type: ignore[assignment]
+    ListOperations: _aio.UnaryUnaryMultiCallable[_types_pb2.ListOperationsRequest, _types_pb2.ListOperationsResponse]  # type: ignore[assignment]
+    """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
     CreateSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CreateSessionRequest, _types_pb2.CreateSessionResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_types_pb2.CloseSessionRequest, _types_pb2.CloseSessionResponse]  # type: ignore[assignment]
     ListSessions: _aio.UnaryUnaryMultiCallable[_types_pb2.ListSessionsRequest, _types_pb2.ListSessionsResponse]  # type: ignore[assignment]
@@ -440,6 +444,14 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _types_pb2.ListExecsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_types_pb2.ListExecsResponse, _abc.Awaitable[_types_pb2.ListExecsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListOperations(
+        self,
+        request: _types_pb2.ListOperationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.ListOperationsResponse, _abc.Awaitable[_types_pb2.ListOperationsResponse]]:
+        """The sandbox's operation log, in order (also of an ended sandbox, while its edge keeps it)."""
 
     @_abc_1.abstractmethod
     def CreateSession(

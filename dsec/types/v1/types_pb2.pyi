@@ -414,6 +414,34 @@ MOUSE_BUTTON_MIDDLE: MouseButton.ValueType  # 1
 MOUSE_BUTTON_RIGHT: MouseButton.ValueType  # 2
 Global___MouseButton: _TypeAlias = MouseButton  # noqa: Y015
 
+class _OperationState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OperationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OperationState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OPERATION_STATE_UNSPECIFIED: _OperationState.ValueType  # 0
+    OPERATION_STATE_RUNNING: _OperationState.ValueType  # 1
+    OPERATION_STATE_SUCCEEDED: _OperationState.ValueType  # 2
+    """the call returned (an exec: whatever its exit code)"""
+    OPERATION_STATE_FAILED: _OperationState.ValueType  # 3
+    """the call failed: error_* say how; it did not run again"""
+    OPERATION_STATE_OUTCOME_UNKNOWN: _OperationState.ValueType  # 4
+    """the edge ended while it ran: it may have run, in part"""
+
+class OperationState(_OperationState, metaclass=_OperationStateEnumTypeWrapper):
+    """---------------------------------------------------------------- operation log"""
+
+OPERATION_STATE_UNSPECIFIED: OperationState.ValueType  # 0
+OPERATION_STATE_RUNNING: OperationState.ValueType  # 1
+OPERATION_STATE_SUCCEEDED: OperationState.ValueType  # 2
+"""the call returned (an exec: whatever its exit code)"""
+OPERATION_STATE_FAILED: OperationState.ValueType  # 3
+"""the call failed: error_* say how; it did not run again"""
+OPERATION_STATE_OUTCOME_UNKNOWN: OperationState.ValueType  # 4
+"""the edge ended while it ran: it may have run, in part"""
+Global___OperationState: _TypeAlias = OperationState  # noqa: Y015
+
 @_typing.final
 class Resources(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -974,6 +1002,7 @@ class ExecRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     command: _builtins.str
     cwd: _builtins.str
@@ -1003,6 +1032,11 @@ class ExecRequest(_message.Message):
     user: _builtins.str
     """Run as this user of the sandbox's /etc/passwd (name or numeric uid); "" = as chronus.
     HOME, USER, LOGNAME from passwd (env wins); cwd defaults to the home directory.
+    """
+    operation_id: _builtins.str
+    """Names this operation in the sandbox's operation log (edge/oplog.py): a call with an id
+    already logged returns that operation's result (or attaches to it) and never runs again.
+    At most 128 chars of [A-Za-z0-9._:@/-]; "" = the edge gives one (no exactly-once).
     """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -1039,10 +1073,11 @@ class ExecRequest(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         follow: _builtins.bool = ...,
         user: _builtins.str = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pty_size", b"pty_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "follow", b"follow", "keepalive_interval_ms", b"keepalive_interval_ms", "labels", b"labels", "max_output_bytes", b"max_output_bytes", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "command", b"command", "cwd", b"cwd", "env", b"env", "follow", b"follow", "keepalive_interval_ms", b"keepalive_interval_ms", "labels", b"labels", "max_output_bytes", b"max_output_bytes", "operation_id", b"operation_id", "pty", b"pty", "pty_size", b"pty_size", "sandbox_id", b"sandbox_id", "session_id", b"session_id", "stdin", b"stdin", "stdin_open", b"stdin_open", "timeout_s", b"timeout_s", "trusted", b"trusted", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1337,6 +1372,7 @@ class ExecInfo(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     PTY_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     exec_id: _builtins.str
     command: _builtins.str
     status: Global___ExecStatus.ValueType
@@ -1347,6 +1383,8 @@ class ExecInfo(_message.Message):
     pty: _builtins.bool
     user: _builtins.str
     """as requested ("" = chronus's own user)"""
+    operation_id: _builtins.str
+    """the operation that started it (ExecRequest.operation_id)"""
     @_builtins.property
     def exit(self) -> Global___ExitStatus:
         """set once EXITED"""
@@ -1381,10 +1419,11 @@ class ExecInfo(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         pty: _builtins.bool = ...,
         user: _builtins.str = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "command", b"command", "cwd", b"cwd", "env", b"env", "exec_id", b"exec_id", "exit", b"exit", "labels", b"labels", "pid", b"pid", "pty", b"pty", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "command", b"command", "cwd", b"cwd", "env", b"env", "exec_id", b"exec_id", "exit", b"exit", "labels", b"labels", "operation_id", b"operation_id", "pid", b"pid", "pty", b"pty", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1483,20 +1522,26 @@ class SignalExecRequest(_message.Message):
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     EXEC_ID_FIELD_NUMBER: _builtins.int
     SIGNAL_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     exec_id: _builtins.str
     signal: _builtins.int
     """e.g. 15 SIGTERM, 9 SIGKILL; delivered to the process group"""
+    operation_id: _builtins.str
+    """Instead of exec_id: the command the operation of this id started (an SDK cancels a
+    `run` whose exec id it never saw this way).
+    """
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         exec_id: _builtins.str = ...,
         signal: _builtins.int = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exec_id", b"exec_id", "sandbox_id", b"sandbox_id", "signal", b"signal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exec_id", b"exec_id", "operation_id", b"operation_id", "sandbox_id", b"sandbox_id", "signal", b"signal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1648,10 +1693,13 @@ class CreateSessionRequest(_message.Message):
     SHELL_FIELD_NUMBER: _builtins.int
     CWD_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     shell: _builtins.str
     """"" = /bin/bash if present, else /bin/sh"""
     cwd: _builtins.str
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -1661,10 +1709,11 @@ class CreateSessionRequest(_message.Message):
         shell: _builtins.str = ...,
         cwd: _builtins.str = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cwd", b"cwd", "env", b"env", "sandbox_id", b"sandbox_id", "shell", b"shell"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cwd", b"cwd", "env", b"env", "operation_id", b"operation_id", "sandbox_id", b"sandbox_id", "shell", b"shell"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1726,17 +1775,21 @@ class CloseSessionRequest(_message.Message):
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     session_id: _builtins.str
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation_id", b"operation_id", "sandbox_id", b"sandbox_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1905,6 +1958,7 @@ class WriteFileRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     APPEND_FIELD_NUMBER: _builtins.int
     MAKE_PARENTS_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     data: _builtins.bytes
@@ -1914,6 +1968,8 @@ class WriteFileRequest(_message.Message):
     append: _builtins.bool
     make_parents: _builtins.bool
     """create missing parent directories"""
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
@@ -1923,10 +1979,11 @@ class WriteFileRequest(_message.Message):
         mode: _builtins.int = ...,
         append: _builtins.bool = ...,
         make_parents: _builtins.bool = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "mode", b"mode", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2054,12 +2111,15 @@ class MakeDirRequest(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     PARENTS_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
     """0 = 0o755"""
     parents: _builtins.bool
     """like mkdir -p; no error if it exists"""
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
@@ -2067,10 +2127,11 @@ class MakeDirRequest(_message.Message):
         path: _builtins.str = ...,
         mode: _builtins.int = ...,
         parents: _builtins.bool = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "parents", b"parents", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "operation_id", b"operation_id", "parents", b"parents", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2103,20 +2164,24 @@ class RemovePathRequest(_message.Message):
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     RECURSIVE_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     recursive: _builtins.bool
     """required for a non-empty directory"""
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         path: _builtins.str = ...,
         recursive: _builtins.bool = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation_id", b"operation_id", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2145,10 +2210,13 @@ class MovePathRequest(_message.Message):
     SOURCE_FIELD_NUMBER: _builtins.int
     DESTINATION_FIELD_NUMBER: _builtins.int
     OVERWRITE_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     source: _builtins.str
     destination: _builtins.str
     overwrite: _builtins.bool
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
@@ -2156,10 +2224,11 @@ class MovePathRequest(_message.Message):
         source: _builtins.str = ...,
         destination: _builtins.str = ...,
         overwrite: _builtins.bool = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "overwrite", b"overwrite", "sandbox_id", b"sandbox_id", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "operation_id", b"operation_id", "overwrite", b"overwrite", "sandbox_id", b"sandbox_id", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2192,19 +2261,23 @@ class ChmodPathRequest(_message.Message):
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         path: _builtins.str = ...,
         mode: _builtins.int = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2245,12 +2318,15 @@ class UploadHeader(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     MAKE_PARENTS_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
     make_parents: _builtins.bool
     size_bytes: _builtins.int
     """expected total; 0 = unknown. A mismatch fails the upload."""
+    operation_id: _builtins.str
+    """as ExecRequest.operation_id"""
     def __init__(
         self,
         *,
@@ -2259,10 +2335,11 @@ class UploadHeader(_message.Message):
         mode: _builtins.int = ...,
         make_parents: _builtins.bool = ...,
         size_bytes: _builtins.int = ...,
+        operation_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "mode", b"mode", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3837,3 +3914,191 @@ class VncData(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___VncData: _TypeAlias = VncData  # noqa: Y015
+
+@_typing.final
+class Operation(_message.Message):
+    """One entry of a sandbox's operation log, kept by its edge (edge/oplog.py): every mutating call
+    into the sandbox, in the order the edge took them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REQUEST_DIGEST_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    EXEC_ID_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    STDOUT_FIELD_NUMBER: _builtins.int
+    STDERR_FIELD_NUMBER: _builtins.int
+    STDOUT_DIGEST_FIELD_NUMBER: _builtins.int
+    STDERR_DIGEST_FIELD_NUMBER: _builtins.int
+    STDOUT_BYTES_FIELD_NUMBER: _builtins.int
+    STDERR_BYTES_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    RESPONSE_DIGEST_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    BODIES_DROPPED_FIELD_NUMBER: _builtins.int
+    GENERATED_ID_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    CONTENT_DIGEST_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """1, 2, ... per sandbox: the order the edge took them in"""
+    operation_id: _builtins.str
+    kind: _builtins.str
+    """the call: "exec", "exec_stream", "write_file", "upload_file", ..."""
+    principal_id: _builtins.str
+    """who called ("" = called on the edge directly)"""
+    state: Global___OperationState.ValueType
+    request_digest: _builtins.str
+    """sha256 (hex) of the request without its operation_id"""
+    request: _builtins.bytes
+    """the request message (of kind's call); empty when not kept"""
+    exec_id: _builtins.str
+    """exec kinds"""
+    stdout: _builtins.bytes
+    """exec kinds: what the caller got (a stream's: a bounded copy, head and tail)"""
+    stderr: _builtins.bytes
+    stdout_digest: _builtins.str
+    """sha256 (hex) of all of it"""
+    stderr_digest: _builtins.str
+    stdout_bytes: _builtins.int
+    """how much the caller got (the copy may hold less)"""
+    stderr_bytes: _builtins.int
+    response: _builtins.bytes
+    """other kinds: the response message"""
+    response_digest: _builtins.str
+    error_code: _builtins.int
+    """its gRPC code"""
+    error_message: _builtins.str
+    bodies_dropped: _builtins.bool
+    """the log's cap dropped request, output and response copies"""
+    generated_id: _builtins.bool
+    """the caller sent no operation_id: the edge made this one"""
+    content: _builtins.bytes
+    """upload_file: the bytes uploaded, when they fit the copy size"""
+    content_digest: _builtins.str
+    """upload_file: sha256 (hex) of them"""
+    summary: _builtins.str
+    """what it was, in a line: the command, the path (200 chars at most)"""
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def ended_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def exit(self) -> Global___ExitStatus:
+        """exec kinds, once ended"""
+
+    @_builtins.property
+    def error(self) -> Global___ErrorInfo:
+        """FAILED / OUTCOME_UNKNOWN: reason, metadata"""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        operation_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        principal_id: _builtins.str = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        ended_at: _timestamp_pb2.Timestamp | None = ...,
+        state: Global___OperationState.ValueType = ...,
+        request_digest: _builtins.str = ...,
+        request: _builtins.bytes = ...,
+        exec_id: _builtins.str = ...,
+        exit: Global___ExitStatus | None = ...,
+        stdout: _builtins.bytes = ...,
+        stderr: _builtins.bytes = ...,
+        stdout_digest: _builtins.str = ...,
+        stderr_digest: _builtins.str = ...,
+        stdout_bytes: _builtins.int = ...,
+        stderr_bytes: _builtins.int = ...,
+        response: _builtins.bytes = ...,
+        response_digest: _builtins.str = ...,
+        error: Global___ErrorInfo | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+        bodies_dropped: _builtins.bool = ...,
+        generated_id: _builtins.bool = ...,
+        content: _builtins.bytes = ...,
+        content_digest: _builtins.str = ...,
+        summary: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "error", b"error", "exit", b"exit", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bodies_dropped", b"bodies_dropped", "content", b"content", "content_digest", b"content_digest", "ended_at", b"ended_at", "error", b"error", "error_code", b"error_code", "error_message", b"error_message", "exec_id", b"exec_id", "exit", b"exit", "generated_id", b"generated_id", "kind", b"kind", "operation_id", b"operation_id", "principal_id", b"principal_id", "request", b"request", "request_digest", b"request_digest", "response", b"response", "response_digest", b"response_digest", "seq", b"seq", "started_at", b"started_at", "state", b"state", "stderr", b"stderr", "stderr_bytes", b"stderr_bytes", "stderr_digest", b"stderr_digest", "stdout", b"stdout", "stdout_bytes", b"stdout_bytes", "stdout_digest", b"stdout_digest", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Operation: _TypeAlias = Operation  # noqa: Y015
+
+@_typing.final
+class ListOperationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    WITH_BODIES_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    after_seq: _builtins.int
+    """entries with seq > this"""
+    limit: _builtins.int
+    """0 = 1000 (the most per page)"""
+    with_bodies: _builtins.bool
+    """include request, output copies and response (else digests only)"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        after_seq: _builtins.int = ...,
+        limit: _builtins.int = ...,
+        with_bodies: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "limit", b"limit", "sandbox_id", b"sandbox_id", "with_bodies", b"with_bodies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOperationsRequest: _TypeAlias = ListOperationsRequest  # noqa: Y015
+
+@_typing.final
+class ListOperationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    SANDBOX_ENDED_FIELD_NUMBER: _builtins.int
+    next_seq: _builtins.int
+    """after_seq for the next page (= the last entry's seq)"""
+    more: _builtins.bool
+    """another page follows"""
+    sandbox_ended: _builtins.bool
+    """the sandbox has ended: nothing more will be logged"""
+    @_builtins.property
+    def operations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Operation]: ...
+    def __init__(
+        self,
+        *,
+        operations: _abc.Iterable[Global___Operation] | None = ...,
+        next_seq: _builtins.int = ...,
+        more: _builtins.bool = ...,
+        sandbox_ended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["more", b"more", "next_seq", b"next_seq", "operations", b"operations", "sandbox_ended", b"sandbox_ended"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOperationsResponse: _TypeAlias = ListOperationsResponse  # noqa: Y015
