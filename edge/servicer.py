@@ -318,8 +318,11 @@ class EdgeServicer:
         response_type: type[Message],
     ) -> Any:
         """A lifecycle call of the sandbox, in its operation log (under an id of the edge's:
-        these are idempotent or keyed by the API server, and stay tied to their caller)."""
-        self._known(request.sandbox_id)
+        these are idempotent or keyed by the API server, and stay tied to their caller). A
+        sandbox this edge does not know is left to the call, which refuses it as it always
+        did (its arguments checked first), and nothing is logged."""
+        if request.sandbox_id not in self.manager.records:
+            return await call()
         return await self.ops.unary(
             request.sandbox_id, kind, request, principal_of(context), call, response_type
         )
