@@ -76,6 +76,8 @@ class Running:
     #: The task running it when it is detached from its caller (held here: asyncio keeps
     #: only weak references to tasks).
     task: asyncio.Task[Any] | None = None
+    #: Set when SignalExec by its operation id ended it (a sync run: its call is cancelled).
+    killed: bool = False
     #: The first caller's events (a stream), None once it left.
     queue: asyncio.Queue[Any] | None = None
     #: Set once the command's exec id is known (a stream's ``started``) or the run ended.
@@ -271,6 +273,12 @@ class Operations:
                 self._end(sandbox_id, run, _failed_state(err), err)
                 raise
             except asyncio.CancelledError:
+                if run.killed:
+                    run.entry.error.reason = "KILLED"
+                    run.entry.error_code = code_number(grpc.StatusCode.CANCELLED)
+                    run.entry.error_message = "killed by a SignalExec on its operation id"
+                    self._end(sandbox_id, run, FAILED, Cancelled(run.entry.error_message))
+                    raise
                 if detach:  # the edge is going down under it: RUNNING, OUTCOME_UNKNOWN next
                     run.done.set_exception(
                         OutcomeUnknown(
@@ -475,6 +483,16 @@ class Operations:
                     self.log.ended(rec.sandbox_id, rec.terminated_at)
         finally:
             manager.unsubscribe(q)
+
+    def kill(self, sandbox_id: str, operation_id: str) -> bool:
+        """Ends a detached unary operation under way (its call into the sandbox is cancelled:
+        chronus kills the command). False if it is not running here."""
+        run = self.running.get((sandbox_id, operation_id))
+        if run is None or run.task is None or run.task.done():
+            return False
+        run.killed = True
+        run.task.cancel()
+        return True
 
     def exec_id_of(self, sandbox_id: str, operation_id: str) -> str:
         """The exec id of a logged exec operation ("" if not known yet)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -553,7 +554,11 @@ class EdgeServicer:
         response_type = LOGGED_CALLS.get(route.method)
         if response_type is None:
             if route.method == "SignalExec" and request.operation_id and not request.exec_id:
-                request.exec_id = await self._exec_of_operation(request)
+                request.exec_id = self._exec_of_operation(request)
+                if not request.exec_id:  # a sync run under way: its call is ended, chronus kills
+                    return types_pb2.SignalExecResponse(
+                        delivered=self.ops.kill(request.sandbox_id, request.operation_id)
+                    )
             result = await self._forward(route, request)
             if route.method == "ListExecs":
                 for info in result.execs:  # type: ignore[attr-defined]
@@ -583,24 +588,19 @@ class EdgeServicer:
             raise InvalidArgument("sandbox_id is required")
         self.manager.get(sandbox_id)
 
-    async def _exec_of_operation(self, request: types_pb2.SignalExecRequest) -> str:
-        """The exec id of the command an exec operation started: the log's, or (a sync exec
-        still running: its id comes with its result) the sandbox's exec with its label."""
+    def _exec_of_operation(self, request: types_pb2.SignalExecRequest) -> str:
+        """The exec id of the command an exec operation started (a stream's, from its
+        ``started``), or "" for a sync run still under way, whose exec id comes with its
+        result: that one can only be killed, by ending its call (SIGKILL, else refused)."""
         exec_id = self.ops.exec_id_of(request.sandbox_id, request.operation_id)
-        if exec_id:
-            return exec_id
-        listing = await self._forward(
-            _LIST_EXECS, types_pb2.ListExecsRequest(sandbox_id=request.sandbox_id)
-        )
-        for info in listing.execs:  # type: ignore[attr-defined]
-            if info.labels.get(OPERATION_LABEL) == request.operation_id:
-                return str(info.exec_id)
-        raise NotFound(
-            f"operation {request.operation_id!r} runs no command in sandbox "
-            f"{request.sandbox_id} now",
-            reason="EXEC_NOT_FOUND",
-            metadata={"operation_id": request.operation_id},
-        )
+        if not exec_id and request.signal != signal.SIGKILL:
+            raise FailedPrecondition(
+                f"operation {request.operation_id!r} is a sync run: by its operation id it can "
+                "only be killed (signal 9); its exec id comes with its result",
+                reason="SYNC_RUN_KILL_ONLY",
+                metadata={"operation_id": request.operation_id},
+            )
+        return exec_id
 
     async def forward_server_stream(
         self, route: Route, request: Any, context: Any
@@ -727,7 +727,7 @@ class EdgeServicer:
 
         async def call() -> types_pb2.ExecResult:
             async with self._ending_says_why(request.sandbox_id):
-                channel, sent = await self._exec_channel(_labelled(request))
+                channel, sent = await self._exec_channel(request)
                 result: types_pb2.ExecResult = await channel.unary("exec", sent)
             self._count_truncation(request.sandbox_id, result.exit)
             return result
@@ -1033,7 +1033,6 @@ EDGE_ROUTES = forwarding.routes(
 forwarding.install(EdgeServicer, EDGE_ROUTES)
 
 
-_LIST_EXECS = EDGE_ROUTES["ListExecs"]
 #: The request a task operation's part is logged as, per action (ActOnSandboxes).
 _TASK_REQUEST: dict[str, Callable[..., Message]] = {
     "PAUSE": edge_pb2.PauseSandboxRequest,
@@ -1043,8 +1042,8 @@ _TASK_REQUEST: dict[str, Callable[..., Message]] = {
 
 
 def _labelled(request: types_pb2.ExecRequest) -> types_pb2.ExecRequest:
-    """The request as sent into the sandbox: an operation's command carries its id as a label
-    (ExecInfo.labels; SignalExec by operation id finds a sync command by it)."""
+    """A streamed or background command as sent into the sandbox: its operation id as a
+    label, given back as ExecInfo.operation_id (a sync run, gone when it answers, has none)."""
     if request.operation_id and len(request.labels) < 16:
         request.labels[OPERATION_LABEL] = request.operation_id
     return request

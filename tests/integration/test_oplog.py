@@ -7,6 +7,8 @@ appended to a file per run), so "ran once" is observed, not inferred from a resp
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -15,10 +17,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import pytest
 
+from common.auth import auth_metadata
+from dsec.apiserver.v1 import apiserver_pb2_grpc
+from dsec.types.v1 import types_pb2
 from dsecctl.cluster import LocalCluster
 from libdsec import Client, Sandbox
+from libdsec.aio import AsyncClient
 from libdsec.errors import (
     InvalidArgument,
     NotFound,
@@ -210,12 +217,41 @@ def test_file_calls_streams_and_uploads_run_once_by_id(
 
 
 def test_a_cancelled_run_and_a_stream_left_early_kill_their_command(
-    make_sandbox: Callable[..., Sandbox],
+    container_cluster: LocalCluster, make_sandbox: Callable[..., Sandbox]
 ) -> None:
     sb = make_sandbox()
     for _ in sb.stream("sleep 77", operation_id="left-early"):
         break  # leaves the stream: the command dies with it
     wait_for(lambda: not any(p.running for p in sb.processes() if "77" in p.command), 10)
+
+    async def cancelled_run() -> None:
+        async with AsyncClient(container_cluster.apiserver, token=container_cluster.token) as c:
+            asb = await c.get(sb.id)
+            run = asyncio.ensure_future(asb.run("sleep 66", operation_id="cancelled"))
+            await asyncio.sleep(1.0)
+            run.cancel()  # the SDK kills it (SignalExec by operation id)
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+            await asyncio.sleep(0.5)  # the kill is sent in the background
+
+    asyncio.run(cancelled_run())
+    wait_for(lambda: not any(p.running for p in sb.processes() if "66" in p.command), 10)
+    entry = wait_for(
+        lambda: next(op for op in sb.log() if op.operation_id == "cancelled" and op.ended_at)
+    )
+    assert (entry.state, entry.error_reason) == ("FAILED", "KILLED")
+    # By its operation id, a sync run under way can only be killed: another signal is refused.
+    t, out = in_thread(lambda: sb.run("sleep 2; echo done", operation_id="sync-term"))
+    time.sleep(0.5)
+    with grpc.insecure_channel(container_cluster.apiserver) as channel:
+        stub = apiserver_pb2_grpc.ExecServiceStub(channel)
+        term = types_pb2.SignalExecRequest(sandbox_id=sb.id, operation_id="sync-term", signal=15)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SignalExec(term, metadata=auth_metadata(container_cluster.token), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "signal 9" in str(err.value.details())
+    t.join(30)
+    assert out["value"].stdout == b"done\n"  # refused: the run went on
 
 
 def test_replay_of_a_20_operation_session_reproduces_files_and_outputs(
