@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from google.protobuf.message import Message
 
 from dsec.types.v1 import types_pb2
@@ -42,7 +41,6 @@ from edge.oplog import (
     SUCCEEDED,
     OpLog,
     Reserved,
-    bounded_copy,
     digest,
     operation_id_of,
 )
@@ -110,16 +108,16 @@ def _raise_logged(entry: types_pb2.Operation) -> None:
 
 
 class StreamRecord:
-    """What an exec stream's events leave in its entry: exec id, bounded output copies, the
-    digests of all of it, the exit status."""
+    """What an exec stream's events leave in its entry: exec id, the output's digests and
+    sizes, a copy of its head and tail (``copy_bytes`` in all, per stream; held as it
+    streams, so memory stays bounded), the exit status."""
 
     def __init__(self, entry: types_pb2.Operation, copy_bytes: int) -> None:
         self.entry = entry
-        self.copy_bytes = copy_bytes
-        self.out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        self.held = {"stdout": 0, "stderr": 0}
+        self.half = copy_bytes // 2
+        self.head = {"stdout": bytearray(), "stderr": bytearray()}
+        self.tail = {"stdout": bytearray(), "stderr": bytearray()}
         self.digests = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
-        self.exited = False
 
     def observe(self, ev: types_pb2.ExecEvent) -> bool:
         """Takes one event; True when it made the exec id known."""
@@ -130,20 +128,22 @@ class StreamRecord:
         if kind in ("stdout", "stderr"):
             data = getattr(ev, kind).data
             self.digests[kind].update(data)
-            self.out[kind].append(data)
-            self.held[kind] += len(data)
-            if self.held[kind] > 2 * self.copy_bytes:  # keep the memory bounded as it streams
-                joined = bounded_copy(b"".join(self.out[kind]), self.copy_bytes)
-                self.out[kind], self.held[kind] = [joined], len(joined)
+            head, tail = self.head[kind], self.tail[kind]
+            room = max(0, self.half - len(head))
+            head += data[:room]
+            tail += data[room:]
+            del tail[: max(0, len(tail) - self.half)]
             setattr(self.entry, f"{kind}_bytes", getattr(self.entry, f"{kind}_bytes") + len(data))
         elif kind == "exit":
             self.entry.exit.CopyFrom(ev.exit)
-            self.exited = True
         return False
 
     def close(self) -> None:
         for kind in ("stdout", "stderr"):
-            setattr(self.entry, kind, bounded_copy(b"".join(self.out[kind]), self.copy_bytes))
+            head, tail = bytes(self.head[kind]), bytes(self.tail[kind])
+            dropped = getattr(self.entry, f"{kind}_bytes") - len(head) - len(tail)
+            marker = f"\n[... {dropped} bytes not kept ...]\n".encode() if dropped else b""
+            setattr(self.entry, kind, head + marker + tail)
             setattr(self.entry, f"{kind}_digest", self.digests[kind].hexdigest())
 
 
@@ -179,11 +179,6 @@ class Operations:
                 "operation id cannot be run exactly once here",
                 reason="OPERATION_LOG_OFF",
             )
-
-    def _reserve(
-        self, sandbox_id: str, kind: str, request: Message, principal_id: str
-    ) -> Reserved | types_pb2.Operation:
-        return self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
 
     def _begin(self, sandbox_id: str, entry: types_pb2.Operation) -> Running:
         run = Running(entry)
@@ -257,7 +252,7 @@ class Operations:
         if not self.enabled:
             self._unlogged(request)
             return await call()
-        got = self._reserve(sandbox_id, kind, request, principal_id)
+        got = self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
         if not isinstance(got, Reserved):
             if repeat is not None:
                 await repeat(got)
@@ -274,10 +269,11 @@ class Operations:
                 raise
             except asyncio.CancelledError:
                 if run.killed:
-                    run.entry.error.reason = "KILLED"
-                    run.entry.error_code = code_number(grpc.StatusCode.CANCELLED)
-                    run.entry.error_message = "killed by a SignalExec on its operation id"
-                    self._end(sandbox_id, run, FAILED, Cancelled(run.entry.error_message))
+                    killed = Cancelled(
+                        "killed by a SignalExec on its operation id", reason="KILLED"
+                    )
+                    _record_error(run.entry, killed)
+                    self._end(sandbox_id, run, FAILED, killed)
                     raise
                 if detach:  # the edge is going down under it: RUNNING, OUTCOME_UNKNOWN next
                     run.done.set_exception(
@@ -287,10 +283,9 @@ class Operations:
                         )
                     )
                     raise
-                run.entry.error.reason = "CANCELLED"
-                run.entry.error_code = code_number(grpc.StatusCode.CANCELLED)
-                run.entry.error_message = "its caller cancelled it"
-                self._end(sandbox_id, run, FAILED, Cancelled(run.entry.error_message))
+                cancelled = Cancelled("its caller cancelled it")
+                _record_error(run.entry, cancelled)
+                self._end(sandbox_id, run, FAILED, cancelled)
                 raise
             self._record_response(run.entry, result)
             if recorded is not None:
@@ -358,7 +353,7 @@ class Operations:
             async for ev in open_events():
                 yield ev
             return
-        got = self._reserve(sandbox_id, kind, request, principal_id)
+        got = self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
         if not isinstance(got, Reserved):
             async for ev in self._repeat_stream(sandbox_id, got, attach):
                 yield ev
@@ -370,9 +365,7 @@ class Operations:
             failed: int = FAILED
             try:
                 async for ev in open_events():
-                    if record.observe(ev):
-                        self.log.update(sandbox_id, run.entry)
-                        run.started.set()
+                    self._observe(sandbox_id, run, record, ev)
                     yield ev
                 ended = True
             except DSecError as err:
@@ -382,9 +375,7 @@ class Operations:
             finally:
                 record.close()
                 if not ended and not run.entry.error.reason:
-                    run.entry.error.reason = "CANCELLED"
-                    run.entry.error_code = code_number(grpc.StatusCode.CANCELLED)
-                    run.entry.error_message = "its caller left; the command was killed"
+                    _record_error(run.entry, Cancelled("its caller left; the command was killed"))
                 self._end(sandbox_id, run, SUCCEEDED if ended else failed)
             return
         run.queue = asyncio.Queue()
@@ -401,6 +392,15 @@ class Operations:
         finally:
             run.queue = None  # the caller left: the command runs on, its result is logged
 
+    def _observe(
+        self, sandbox_id: str, run: Running, record: StreamRecord, ev: types_pb2.ExecEvent
+    ) -> None:
+        """One event of a logged stream: into its record; its exec id, once known, into the
+        log (what a repeat attaches to, what SignalExec by operation id finds)."""
+        if record.observe(ev):
+            self.log.update(sandbox_id, run.entry)
+            run.started.set()
+
     async def _pump(
         self,
         sandbox_id: str,
@@ -414,9 +414,7 @@ class Operations:
         failure: DSecError | None = None
         try:
             async for ev in open_events():
-                if record.observe(ev):
-                    self.log.update(sandbox_id, run.entry)
-                    run.started.set()
+                self._observe(sandbox_id, run, record, ev)
                 if run.queue is not None:
                     run.queue.put_nowait(ev)
         except DSecError as err:

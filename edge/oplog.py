@@ -104,6 +104,15 @@ def operation_id_of(request: Message) -> str:
     return str(holder.operation_id) if hasattr(holder, "operation_id") else ""
 
 
+def reused(sandbox_id: str, entry: types_pb2.Operation, what: str) -> OperationIdReused:
+    """The error of a request reusing the id of ``entry`` (which was ``what``)."""
+    return OperationIdReused(
+        f"operation {entry.operation_id!r} of sandbox {sandbox_id} is entry {entry.seq}, "
+        f"{what}; a new request needs a new id",
+        metadata={"operation_id": entry.operation_id, "seq": str(entry.seq)},
+    )
+
+
 def summary(request: Message) -> str:
     """What a request was, in one line: the command, the path (cut at 200 characters)."""
     r: Any = request
@@ -126,16 +135,6 @@ def summary(request: Message) -> str:
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def bounded_copy(data: bytes, limit: int) -> bytes:
-    """``data`` if it fits ``limit``, else its head and tail (half each) around a marker."""
-    if len(data) <= limit:
-        return data
-    half = limit // 2
-    return (
-        data[:half] + f"\n[... {len(data) - 2 * half} bytes not kept ...]\n".encode() + data[-half:]
-    )
 
 
 def _bodies(entry: types_pb2.Operation) -> int:
@@ -228,7 +227,6 @@ class OpLog:
         request: Message,
         *,
         principal_id: str = "",
-        keep_request: bool = True,
     ) -> Reserved | types_pb2.Operation:
         """Reserves the request's operation id (one is made when it has none): a new entry
         (RUNNING) as :class:`Reserved`, or the entry already logged under that id.
@@ -254,8 +252,7 @@ class OpLog:
             summary=summary(request),
         )
         entry.started_at.FromNanoseconds(time.time_ns())
-        if keep_request:
-            entry.request = request.SerializeToString(deterministic=True)
+        entry.request = request.SerializeToString(deterministic=True)
         size = _bodies(entry)
         row = (sandbox_id, seq, op_id, RUNNING, size, entry.SerializeToString())
         try:
@@ -267,11 +264,7 @@ class OpLog:
             found = self.get(sandbox_id, op_id)
             assert found is not None
             if found.request_digest != entry.request_digest or found.kind != kind:
-                raise OperationIdReused(
-                    f"operation {op_id!r} of sandbox {sandbox_id} is entry {found.seq}, "
-                    f"a different {found.kind} request; a new request needs a new id",
-                    metadata={"operation_id": op_id, "seq": str(found.seq)},
-                ) from None
+                raise reused(sandbox_id, found, f"a different {found.kind} request") from None
             return found
         self._sizes[(sandbox_id, seq)] = size
         self._grown(sandbox_id, counters, seq, size)
@@ -380,12 +373,6 @@ class OpLog:
             return True
         row = self.db.execute("SELECT 1 FROM logs WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return row is not None
-
-    def ended_at(self, sandbox_id: str) -> float | None:
-        row = self.db.execute(
-            "SELECT ended_at FROM logs WHERE sandbox_id=?", (sandbox_id,)
-        ).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
 
     def page(
         self, sandbox_id: str, after_seq: int = 0, limit: int = 0, *, with_bodies: bool = False

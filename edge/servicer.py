@@ -27,14 +27,13 @@ from edge.layers_adapter import LayersAdapter
 from edge.manager import SandboxManager
 from edge.model import SandboxRecord, SandboxSpec
 from edge.operations import OPERATION_LABEL, Operations
-from edge.oplog import OpLog
+from edge.oplog import OpLog, reused
 from edge.pause_streams import SandboxState, across_pauses, with_keepalives
 from libdsec.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
-    OperationIdReused,
     Unavailable,
     Unimplemented,
     item_status,
@@ -658,11 +657,7 @@ class EdgeServicer:
             async for _ in teed():
                 pass
             if entry.content_digest and entry.content_digest != content.hexdigest():
-                raise OperationIdReused(
-                    f"operation {entry.operation_id!r} of sandbox {sandbox_id} is entry "
-                    f"{entry.seq}, an upload of other bytes; a new request needs a new id",
-                    metadata={"operation_id": entry.operation_id, "seq": str(entry.seq)},
-                )
+                raise reused(sandbox_id, entry, "an upload of other bytes")
 
         self._known(sandbox_id)
         return await self.ops.unary(

@@ -15,7 +15,6 @@ from edge.oplog import (
     SUCCEEDED,
     OpLog,
     Reserved,
-    bounded_copy,
     request_digest,
 )
 from libdsec.errors import InvalidArgument, OperationIdReused
@@ -130,13 +129,6 @@ def test_a_failed_entry_keeps_its_error(tmp_path: Path) -> None:
     assert got.HasField("ended_at")
 
 
-def test_a_bounded_copy_keeps_head_and_tail() -> None:
-    data = b"a" * 100 + b"b" * 100
-    assert bounded_copy(data, 500) == data
-    cut = bounded_copy(data, 40)
-    assert cut.startswith(b"a" * 20) and cut.endswith(b"b" * 20) and b"160 bytes" in cut
-
-
 def test_a_lifecycle_call_without_an_id_field_is_logged_under_the_edge_s(tmp_path: Path) -> None:
     from dsec.edge.v1 import edge_pb2
 
@@ -146,3 +138,25 @@ def test_a_lifecycle_call_without_an_id_field_is_logged_under_the_edge_s(tmp_pat
         assert isinstance(got, Reserved) and got.entry.generated_id
     fork = log.reserve(SB, "fork_sandbox", edge_pb2.ForkSandboxRequest(child_ids=["sb-a", "sb-b"]))
     assert isinstance(fork, Reserved) and fork.entry.summary == "sb-a sb-b"
+
+
+def test_a_stream_s_record_keeps_head_and_tail_and_digests_all() -> None:
+    import hashlib
+
+    from edge.operations import StreamRecord
+
+    entry = types_pb2.Operation()
+    record = StreamRecord(entry, copy_bytes=100)
+    data = bytes(range(256)) * 40  # 10,240 bytes in chunks of 37
+    for i in range(0, len(data), 37):
+        record.observe(types_pb2.ExecEvent(stdout=types_pb2.OutputChunk(data=data[i : i + 37])))
+    record.close()
+    assert entry.stdout.startswith(data[:50]) and entry.stdout.endswith(data[-50:])
+    assert b"[... 10140 bytes not kept ...]" in entry.stdout
+    assert entry.stdout_bytes == len(data)
+    assert entry.stdout_digest == hashlib.sha256(data).hexdigest()
+    small = types_pb2.Operation()
+    record = StreamRecord(small, copy_bytes=100)
+    record.observe(types_pb2.ExecEvent(stderr=types_pb2.OutputChunk(data=b"x" * 80)))
+    record.close()
+    assert small.stderr == b"x" * 80  # under the copy size: whole, no marker
