@@ -135,7 +135,7 @@ def _collect(msg: Any) -> None:
     _note("double_nan", math.isnan(msg.f_double))
     _note("double_inf", math.isinf(msg.f_double))
     _note("color", msg.color)
-    _note("string_len", min(len(msg.f_string.encode()), HUGE + 1) > 1000)
+    _note("string_len", len(msg.f_string.encode()) >= 1000)  # _huge: 1000..HUGE bytes
     _note("string", msg.f_string)
     _note("nums_len", len(msg.nums))
     _note("depth", _depth(msg))
