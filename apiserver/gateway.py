@@ -15,6 +15,7 @@ from typing import Any
 
 from apiserver.config import ApiServerConfig
 from apiserver.creation import Caller, CreateBatcher, CreateItem, CreationPipeline
+from apiserver.queue import CreateQueue, checked_priority, checked_wait_s, queueable
 from apiserver.routing import AuthCache, EdgeDirectory, OwnerCache, downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
 from common.ids import edge_of
@@ -70,6 +71,7 @@ class Gateway:
             max_wait_s=cfg.create_batch_wait_s,
         )
         self._normalized: dict[bytes, types_pb2.SandboxSpec] = {}
+        self.queue = CreateQueue(self, cfg.instance_name)
 
     async def caller(self, token: str) -> Caller:
         p = await self.auth.principal(token)
@@ -129,9 +131,21 @@ class Gateway:
 
     async def create(self, who: Caller, req: Any) -> types_pb2.Sandbox:
         """Creates one sandbox. With an idempotency key (durable, in IAM), a retry on
-        any API server instance returns the first attempt's sandbox."""
+        any API server instance returns the first attempt's sandbox. With ``wait_s``, a
+        create the cluster has no room for waits in the queue (``apiserver/queue.py``)."""
+        wait_s = checked_wait_s(req.wait_s)
+        checked_priority(req.priority)
         item = CreateItem(who, self.normalize_shared(req.spec), req.idempotency_key, req.wait_ready)
-        await self.batcher.create(item)
+        refusal: DSecError | None = None
+        if not (wait_s and self.queue.backlogged):  # creates are waiting: no jumping ahead
+            await self.batcher.create(item)
+            if item.error is None or not (wait_s and queueable(item.error)):
+                if item.error is not None:
+                    raise item.error
+                assert item.result is not None
+                return item.result
+            refusal, item.error = item.error, None
+        await self.queue.wait_for_room([item], [req], [refusal])
         if item.error is not None:
             raise item.error
         assert item.result is not None
@@ -143,6 +157,10 @@ class Gateway:
         """Creates a burst: chunks go through the pipeline concurrently; one result per item."""
         if len(requests) > MAX_CREATE_MANY:
             raise InvalidArgument(f"at most {MAX_CREATE_MANY} items per CreateSandboxes call")
+        for req in requests:
+            checked_wait_s(req.wait_s)
+            checked_priority(req.priority)
+        backlogged = self.queue.backlogged
         items: list[CreateItem] = []
         # A key repeated inside the burst names the same sandbox: only its first item is
         # created, the others get its outcome. (Sent through the pipeline, a repeat waited
@@ -163,6 +181,11 @@ class Gateway:
                 repeats.append((it, first))
         repeated = {id(it) for it, _ in repeats}
         valid = [it for it in items if it.error is None and id(it) not in repeated]
+        request_of = {id(it): req for it, req in zip(items, requests, strict=True)}
+        # Creates are waiting already: the ones that may wait join the queue behind them.
+        queued_now = [it for it in valid if backlogged and request_of[id(it)].wait_s]
+        valid = [it for it in valid if not (backlogged and request_of[id(it)].wait_s)]
+        tried = valid
         await self.pipeline.place(valid)
         valid = [it for it in valid if it.error is None]
         size = max(1, self.cfg.create_chunk)
@@ -174,6 +197,15 @@ class Gateway:
                 await self.pipeline.run(chunk)
 
         await asyncio.gather(*(one(c) for c in chunks))
+        refused = [it for it in tried if request_of[id(it)].wait_s and queueable(it.error)]
+        to_queue = queued_now + refused
+        if to_queue:
+            refusals = [it.error for it in to_queue]
+            for it in to_queue:
+                it.error = None
+            await self.queue.wait_for_room(
+                to_queue, [request_of[id(it)] for it in to_queue], refusals
+            )
         for it, first in repeats:
             it.result, it.error = first.result, first.error
         return [(it.result, it.error) for it in items]

@@ -50,6 +50,7 @@ async def main() -> None:
     server.add(EnvironmentServicer(gw), "dsec.apiserver.v1.EnvironmentService")
     server.add(NodeServicer(gw), "dsec.apiserver.v1.NodeService")
     server.background(edges.run)
+    server.background(gw.queue.run)
     if cfg.vip:
         _announce(server, cfg)
     if cfg.viewer_addr != "off":

@@ -24,6 +24,7 @@ from common.channels import DEFAULT_DEADLINE_S
 from common.convert import grace_s
 from common.forwarding import Route
 from common.grpc_server import internal_error
+from common.ids import is_queue_id
 from common.tagged import serve_tagged
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
@@ -202,6 +203,9 @@ class SandboxServicer(_Forwarder):
         self, request: apiserver_pb2.GetSandboxRequest, context: Any
     ) -> apiserver_pb2.GetSandboxResponse:
         who = await self.gw.caller(bearer_token(context))
+        if is_queue_id(request.sandbox_id):
+            sb = await self.gw.queue.get(who, request.sandbox_id)
+            return apiserver_pb2.GetSandboxResponse(sandbox=sb)
         return apiserver_pb2.GetSandboxResponse(sandbox=await self.gw.get(who, request.sandbox_id))
 
     async def ListSandboxes(
@@ -228,6 +232,13 @@ class SandboxServicer(_Forwarder):
             sandboxes += await self._lost(who, request, {sb.id for sb in sandboxes})
         if not request.include_subprojects:
             sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
+        if not request.states or types_pb2.SANDBOX_STATE_PENDING in request.states:
+            sandboxes += await self.gw.queue.listing(
+                who,
+                request.task_id,
+                dict(request.label_selector),
+                request.include_subprojects,
+            )
         sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
         page = sandboxes[offset : offset + page_size]
         nxt = str(offset + page_size) if offset + page_size < len(sandboxes) else ""
@@ -252,6 +263,12 @@ class SandboxServicer(_Forwarder):
         self, request: apiserver_pb2.StopSandboxRequest, context: Any
     ) -> apiserver_pb2.StopSandboxResponse:
         grace = grace_s(request.grace_s)
+        if is_queue_id(request.sandbox_id):
+            who = await self.gw.caller(bearer_token(context))
+            view, placed = await self.gw.queue.stop(who, request.sandbox_id)
+            if view is not None:
+                return apiserver_pb2.StopSandboxResponse(sandbox=view)
+            request = apiserver_pb2.StopSandboxRequest(sandbox_id=placed, grace_s=request.grace_s)
         try:
             resp = await self._call(
                 context,
@@ -440,6 +457,12 @@ class SandboxServicer(_Forwarder):
         return apiserver_pb2.GetModifiedFilesResponse(
             files=[apiserver_pb2.ModifiedFile(path=f.path, deleted=f.deleted) for f in resp.files]
         )
+
+    async def ListQueue(
+        self, request: apiserver_pb2.ListQueueRequest, context: Any
+    ) -> apiserver_pb2.ListQueueResponse:
+        who = await self.gw.caller(bearer_token(context))
+        return await self.gw.queue.summary(who, request.include_entries)
 
     async def WatchSandboxes(
         self, request: apiserver_pb2.WatchSandboxesRequest, context: Any

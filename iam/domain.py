@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from iam.store import (
+    QUEUE_RETENTION_S,
     IamStore,
     ProjectRecord,
+    QueueChange,
+    QueueRow,
     Quota,
     Reservation,
     ReserveOutcome,
@@ -311,10 +314,34 @@ class Iam:
     async def reserved_edges(self) -> dict[str, int]:
         return await self._run(self.store.reserved_edges)  # type: ignore[no-any-return]
 
+    # --------------------------------------------------------------- queue
+    # The store keeps each entry serialized (``QueueRow.body``); the servicer encodes and
+    # decodes them (dsec.iam.v1.QueueEntry), so this module stays free of generated code.
+
+    async def queue_add(self, rows: list[QueueRow]) -> list[QueueRow]:
+        return await self._run(self.store.queue_add, rows)  # type: ignore[no-any-return]
+
+    async def queue_get(self, queue_ids: list[str]) -> list[QueueRow]:
+        return await self._run(self.store.queue_get, queue_ids)  # type: ignore[no-any-return]
+
+    async def queue_list(self, project_prefix: str, waiting_only: bool) -> list[QueueRow]:
+        return await self._run(self.store.queue_list, project_prefix, waiting_only)  # type: ignore[no-any-return]
+
+    async def queue_update(self, queue_ids: list[str], change: QueueChange) -> list[QueueRow]:
+        """``change`` runs on each row inside the store's transaction (see IamStore)."""
+        return await self._run(self.store.queue_update, queue_ids, change)  # type: ignore[no-any-return]
+
+    async def lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, str]:
+        return await self._run(self.store.lease, name, holder, ttl_s, time.time())  # type: ignore[no-any-return]
+
     async def purge_loop(self, interval_s: float = 600.0) -> None:
-        """Forgets idempotency keys older than their 24 h lifetime, now and then."""
+        """Forgets idempotency keys older than their 24 h lifetime, and queue entries that
+        ended more than an hour ago, now and then."""
         while True:
             n = await self._run(self.store.purge_expired_keys)
             if n:
                 log.info("purged %d expired idempotency keys", n)
+            n = await self._run(self.store.queue_purge, time.time() - QUEUE_RETENTION_S)
+            if n:
+                log.info("purged %d ended queue entries", n)
             await asyncio.sleep(interval_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from common.auth import bearer_token
@@ -9,15 +10,25 @@ from common.convert import enum_name, from_ts, ts
 from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from iam.domain import Iam, Principal
-from iam.store import ProjectRecord, Quota, Reservation, TokenRecord
+from iam.store import ProjectRecord, QueueRow, Quota, Reservation, TokenRecord
 from libdsec.errors import InvalidArgument, item_status
 
 #: Items per ReserveQuotas call.
 MAX_BATCH = 100_000
 
 
+#: The largest weight a project may have in the create queue's fair share.
+MAX_SHARE_WEIGHT = 1000.0
+
+
 def quota_from_pb(q: iam_pb2.Quota) -> Quota:
-    return Quota(q.cpu_millis, q.memory_mb, q.sandboxes, dict(q.sandboxes_by_backend))
+    w = q.share_weight
+    if not (w == 0 or 0.001 <= w <= MAX_SHARE_WEIGHT):  # NaN fails both
+        raise InvalidArgument(
+            f"quota.share_weight={w} must be 0 (= 1) or in 0.001..{MAX_SHARE_WEIGHT:g}",
+            reason="INVALID_SHARE_WEIGHT",
+        )
+    return Quota(q.cpu_millis, q.memory_mb, q.sandboxes, dict(q.sandboxes_by_backend), w)
 
 
 def project_pb(rec: ProjectRecord) -> iam_pb2.Project:
@@ -29,6 +40,7 @@ def project_pb(rec: ProjectRecord) -> iam_pb2.Project:
             memory_mb=rec.quota.memory_mb,
             sandboxes=rec.quota.sandboxes,
             sandboxes_by_backend=rec.quota.sandboxes_by_backend,
+            share_weight=rec.quota.share_weight,
         ),
         usage=iam_pb2.Usage(
             cpu_millis=rec.usage.cpu_millis,
@@ -62,6 +74,15 @@ def principal_pb(p: Principal) -> iam_pb2.Principal:
         project_id=p.project_id,
         expires_at=ts(p.expires_at),
     )
+
+
+def _entries(rows: list[QueueRow]) -> list[iam_pb2.QueueEntry]:
+    out = []
+    for row in rows:
+        e = iam_pb2.QueueEntry.FromString(row.body)
+        e.seq, e.state, e.ended_at = row.seq, row.state, row.ended_at  # type: ignore[assignment]
+        out.append(e)
+    return out
 
 
 class IamServicer:
@@ -251,6 +272,95 @@ class IamServicer:
         as_of = from_ts(request.as_of) or 0.0
         n = await self.iam.reconcile(request.edge_id, set(request.live_sandbox_ids), as_of)
         return iam_pb2.ReconcileQuotaResponse(released=n)
+
+    # -------------------------------------------------------------- queue
+
+    async def Enqueue(
+        self, request: iam_pb2.EnqueueRequest, context: Any
+    ) -> iam_pb2.EnqueueResponse:
+        if len(request.entries) > MAX_BATCH:
+            raise InvalidArgument(f"at most {MAX_BATCH} entries per Enqueue call")
+        now = time.time()
+        rows = []
+        for e in request.entries:
+            if not e.queue_id or not e.project_id:
+                raise InvalidArgument("every entry needs queue_id and project_id")
+            e.state = iam_pb2.QUEUE_STATE_WAITING
+            e.enqueued_at = e.enqueued_at or now
+            rows.append(
+                QueueRow(
+                    e.queue_id,
+                    e.project_id,
+                    e.idempotency_key,
+                    e.state,
+                    0,
+                    e.SerializeToString(),
+                )
+            )
+        return iam_pb2.EnqueueResponse(entries=_entries(await self.iam.queue_add(rows)))
+
+    async def GetQueued(
+        self, request: iam_pb2.GetQueuedRequest, context: Any
+    ) -> iam_pb2.GetQueuedResponse:
+        if request.queue_ids:
+            rows = await self.iam.queue_get(list(request.queue_ids))
+            if request.waiting_only:
+                rows = [r for r in rows if r.state == iam_pb2.QUEUE_STATE_WAITING]
+        else:
+            rows = await self.iam.queue_list(request.project_prefix, request.waiting_only)
+        return iam_pb2.GetQueuedResponse(entries=_entries(rows))
+
+    async def UpdateQueued(
+        self, request: iam_pb2.UpdateQueuedRequest, context: Any
+    ) -> iam_pb2.UpdateQueuedResponse:
+        by_id: dict[str, iam_pb2.QueueUpdate] = {}
+        for u in request.updates:
+            if not u.queue_id:
+                raise InvalidArgument("every update needs queue_id")
+            enum_name(iam_pb2.QueueState, u.state, "updates.state")
+            if u.state == iam_pb2.QUEUE_STATE_WAITING:
+                raise InvalidArgument("an entry cannot be put back to WAITING", reason="BAD_STATE")
+            if u.state == iam_pb2.QUEUE_STATE_PLACED and not u.placed_sandbox_id:
+                raise InvalidArgument("a PLACED update needs placed_sandbox_id")
+            by_id[u.queue_id] = u
+        now = time.time()
+
+        def change(row: QueueRow) -> QueueRow | None:
+            """Only a waiting entry changes: the first end (placed, cancelled, timed out,
+            failed) wins, and a later one is answered with the entry as it ended."""
+            if row.state != iam_pb2.QUEUE_STATE_WAITING:
+                return None
+            u = by_id[row.queue_id]
+            e = iam_pb2.QueueEntry.FromString(row.body)
+            if u.reason:
+                e.reason = u.reason
+            if u.state:
+                e.state = u.state
+                e.placed_sandbox_id = u.placed_sandbox_id
+                e.error.CopyFrom(u.error)
+                e.ended_at = now
+            return QueueRow(
+                row.queue_id,
+                row.project_id,
+                row.key,
+                e.state,
+                row.seq,
+                e.SerializeToString(),
+                e.ended_at,
+            )
+
+        rows = await self.iam.queue_update(list(by_id), change)
+        return iam_pb2.UpdateQueuedResponse(entries=_entries(rows))
+
+    async def AcquireLease(
+        self, request: iam_pb2.AcquireLeaseRequest, context: Any
+    ) -> iam_pb2.AcquireLeaseResponse:
+        if not request.name or not request.holder:
+            raise InvalidArgument("name and holder are required")
+        if not 0.1 <= request.ttl_s <= 600:  # NaN fails too
+            raise InvalidArgument(f"ttl_s={request.ttl_s} must be in 0.1..600")
+        held, holder = await self.iam.lease(request.name, request.holder, request.ttl_s)
+        return iam_pb2.AcquireLeaseResponse(held=held, holder=holder)
 
     async def GetUsage(
         self, request: iam_pb2.GetUsageRequest, context: Any

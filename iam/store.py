@@ -21,7 +21,7 @@ Blocking: callers run these methods in a worker thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +39,8 @@ class Quota:
     memory_mb: int = 0
     sandboxes: int = 0
     sandboxes_by_backend: dict[str, int] = field(default_factory=dict)
+    #: The project's weight in the create queue's fair share (0 = 1); not a limit.
+    share_weight: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -47,13 +49,20 @@ class Quota:
                 "memory_mb": self.memory_mb,
                 "sandboxes": self.sandboxes,
                 "by_backend": self.sandboxes_by_backend,
+                "share_weight": self.share_weight,
             }
         )
 
     @classmethod
     def from_json(cls, raw: str) -> Quota:
         d = json.loads(raw)
-        return cls(d["cpu_millis"], d["memory_mb"], d["sandboxes"], dict(d.get("by_backend", {})))
+        return cls(
+            d["cpu_millis"],
+            d["memory_mb"],
+            d["sandboxes"],
+            dict(d.get("by_backend", {})),
+            float(d.get("share_weight", 0.0)),
+        )
 
 
 @dataclass
@@ -119,6 +128,32 @@ class ReserveOutcome:
 RESERVED = ReserveOutcome(reserved=True)
 
 
+#: Queue entry states (the values of dsec.iam.v1.QueueState; the store compares only WAITING).
+QUEUE_WAITING = 1
+QUEUE_PLACED = 2
+#: How long an ended queue entry stays readable (get on its queue id) before it is purged.
+QUEUE_RETENTION_S = 3600.0
+
+
+@dataclass
+class QueueRow:
+    """One create waiting its turn (or that ended waiting). ``body`` is the whole entry,
+    serialized by the servicer; the store reads only the columns it indexes."""
+
+    queue_id: str
+    project_id: str
+    key: str  # idempotency key ("" = none): one waiting or placed entry per (project, key)
+    state: int
+    seq: int  # arrival order, set by the store
+    body: bytes
+    ended_at: float = 0.0
+
+
+#: Applied to each row of ``queue_update`` inside its transaction: the new row, or None to
+#: leave it unchanged.
+QueueChange = Callable[[QueueRow], "QueueRow | None"]
+
+
 @dataclass(frozen=True)
 class KeyBinding:
     sandbox_id: str
@@ -179,6 +214,32 @@ class IamStore(Protocol):
     def reservations_of_edge(self, edge_id: str, older_than: float) -> list[str]: ...
     def reserved_edges(self) -> dict[str, int]: ...
     def purge_expired_keys(self, now: float | None = None) -> int: ...
+
+    def queue_add(self, rows: Sequence[QueueRow]) -> list[QueueRow]:
+        """Adds waiting entries in order (seq); an entry whose (project, key) is already
+        waiting or placed is not added: that entry is returned in its place."""
+        ...
+
+    def queue_get(self, queue_ids: Sequence[str]) -> list[QueueRow]: ...
+
+    def queue_list(self, project_prefix: str, waiting_only: bool) -> list[QueueRow]:
+        """Entries of a project subtree ("" = all), in arrival order."""
+        ...
+
+    def queue_update(self, queue_ids: Sequence[str], change: QueueChange) -> list[QueueRow]:
+        """Applies ``change`` to each row in one transaction; returns the rows after it."""
+        ...
+
+    def queue_purge(self, ended_before: float) -> int: ...
+
+    def lease(self, name: str, holder: str, ttl_s: float, now: float) -> tuple[bool, str]:
+        """Takes or renews lease ``name`` for ``holder`` unless another holder's has not
+        lapsed; returns (held by ``holder``, the holder)."""
+        ...
+
+
+def in_subtree(project_id: str, prefix: str) -> bool:
+    return not prefix or project_id == prefix or project_id.startswith(prefix + "/")
 
 
 class ReservationPlan:

@@ -28,8 +28,12 @@ from psycopg import errors as pg_errors
 
 from iam.store import (
     KEY_TTL_S,
+    QUEUE_PLACED,
+    QUEUE_WAITING,
     KeyBinding,
     ProjectRecord,
+    QueueChange,
+    QueueRow,
     Quota,
     Reservation,
     ReservationPlan,
@@ -37,6 +41,7 @@ from iam.store import (
     TokenRecord,
     Usage,
     chains_of,
+    in_subtree,
     project_row,
     raise_outcome,
     release_deltas,
@@ -92,6 +97,22 @@ SCHEMA = [
     )""",
     "CREATE INDEX IF NOT EXISTS idempotency_keys_sandbox ON idempotency_keys(sandbox_id)",
     "CREATE INDEX IF NOT EXISTS idempotency_keys_created ON idempotency_keys(created_at)",
+    """CREATE TABLE IF NOT EXISTS queue (
+        seq BIGSERIAL PRIMARY KEY,
+        queue_id TEXT NOT NULL UNIQUE,
+        project_id TEXT COLLATE "C" NOT NULL,
+        idem_key TEXT NOT NULL,
+        state INTEGER NOT NULL,
+        body BYTEA NOT NULL,
+        ended_at DOUBLE PRECISION NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX IF NOT EXISTS queue_state ON queue(state)",
+    "CREATE INDEX IF NOT EXISTS queue_key ON queue(project_id, idem_key)",
+    """CREATE TABLE IF NOT EXISTS leases (
+        name TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    )""",
 ]
 
 #: Any constant: serializes schema creation among IAM processes starting together.
@@ -484,6 +505,110 @@ class PostgresIamStore:
                 c.execute("DELETE FROM idempotency_keys WHERE created_at < %s", (cutoff,)).rowcount
             )
         )
+
+    # ------------------------------------------------------------- queue
+
+    _QUEUE_COLUMNS = "queue_id, project_id, idem_key, state, seq, body, ended_at"
+
+    @staticmethod
+    def _row(r: Any) -> QueueRow:
+        return QueueRow(r[0], r[1], r[2], int(r[3]), int(r[4]), bytes(r[5]), float(r[6]))
+
+    def queue_add(self, rows: Sequence[QueueRow]) -> list[QueueRow]:
+        def tx(c: psycopg.Connection[Any]) -> list[QueueRow]:
+            out: list[QueueRow] = []
+            keyed = sorted({(r.project_id, r.key) for r in rows if r.key})
+            for project_id, key in keyed:  # two IAM processes adding one key: one waits
+                c.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"queue:{project_id}:{key}",)
+                )
+            for row in rows:
+                if row.key:
+                    hit = c.execute(
+                        f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE project_id=%s AND"
+                        " idem_key=%s AND state IN (%s, %s) ORDER BY seq DESC LIMIT 1",
+                        (row.project_id, row.key, QUEUE_WAITING, QUEUE_PLACED),
+                    ).fetchone()
+                    if hit is not None:
+                        out.append(self._row(hit))
+                        continue
+                seq = c.execute(
+                    "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
+                    " VALUES (%s, %s, %s, %s, %s) RETURNING seq",
+                    (row.queue_id, row.project_id, row.key, row.state, row.body),
+                ).fetchone()
+                row.seq = int(seq[0]) if seq else 0
+                out.append(row)
+            return out
+
+        return self._run(tx)
+
+    def queue_get(self, queue_ids: Sequence[str]) -> list[QueueRow]:
+        rows = self._run(
+            lambda c: c.execute(
+                f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE queue_id = ANY(%s)",
+                (list(queue_ids),),
+            ).fetchall()
+        )
+        return [self._row(r) for r in rows]
+
+    def queue_list(self, project_prefix: str, waiting_only: bool) -> list[QueueRow]:
+        where = "WHERE state=%s" if waiting_only else ""
+        args: list[Any] = [QUEUE_WAITING] if waiting_only else []
+        rows = self._run(
+            lambda c: c.execute(
+                f"SELECT {self._QUEUE_COLUMNS} FROM queue {where} ORDER BY seq", args
+            ).fetchall()
+        )
+        return [self._row(r) for r in rows if in_subtree(r[1], project_prefix)]
+
+    def queue_update(self, queue_ids: Sequence[str], change: QueueChange) -> list[QueueRow]:
+        def tx(c: psycopg.Connection[Any]) -> list[QueueRow]:
+            out: list[QueueRow] = []
+            for qid in sorted(queue_ids):  # one lock order: no deadlock between two updates
+                hit = c.execute(
+                    f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE queue_id=%s FOR UPDATE",
+                    (qid,),
+                ).fetchone()
+                if hit is None:
+                    continue
+                row = self._row(hit)
+                new = change(row)
+                if new is not None:
+                    c.execute(
+                        "UPDATE queue SET state=%s, body=%s, ended_at=%s WHERE queue_id=%s",
+                        (new.state, new.body, new.ended_at, qid),
+                    )
+                    row = new
+                out.append(row)
+            return out
+
+        return self._run(tx)
+
+    def queue_purge(self, ended_before: float) -> int:
+        return self._run(
+            lambda c: (
+                c.execute(
+                    "DELETE FROM queue WHERE state<>%s AND ended_at>0 AND ended_at<%s",
+                    (QUEUE_WAITING, ended_before),
+                ).rowcount
+            )
+        )
+
+    def lease(self, name: str, holder: str, ttl_s: float, now: float) -> tuple[bool, str]:
+        def tx(c: psycopg.Connection[Any]) -> tuple[bool, str]:
+            c.execute(
+                "INSERT INTO leases (name, holder, expires_at) VALUES (%s, %s, %s)"
+                " ON CONFLICT (name) DO UPDATE SET holder=EXCLUDED.holder,"
+                " expires_at=EXCLUDED.expires_at"
+                " WHERE leases.holder=EXCLUDED.holder OR leases.expires_at<%s",
+                (name, holder, now + ttl_s, now),
+            )
+            row = c.execute("SELECT holder FROM leases WHERE name=%s", (name,)).fetchone()
+            current = str(row[0]) if row else ""
+            return current == holder, current
+
+        return self._run(tx)
 
 
 def _like_prefix(value: str) -> str:

@@ -19,8 +19,12 @@ from typing import Any, TypeVar
 
 from iam.store import (
     KEY_TTL_S,
+    QUEUE_PLACED,
+    QUEUE_WAITING,
     KeyBinding,
     ProjectRecord,
+    QueueChange,
+    QueueRow,
     Quota,
     Reservation,
     ReservationPlan,
@@ -28,6 +32,7 @@ from iam.store import (
     TokenRecord,
     Usage,
     chains_of,
+    in_subtree,
     project_row,
     raise_outcome,
     release_deltas,
@@ -81,6 +86,22 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     PRIMARY KEY (project_id, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_keys_created ON idempotency_keys(created_at);
+CREATE TABLE IF NOT EXISTS queue (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue_id TEXT NOT NULL UNIQUE,
+    project_id TEXT NOT NULL,
+    idem_key TEXT NOT NULL,
+    state INTEGER NOT NULL,
+    body BLOB NOT NULL,
+    ended_at REAL NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS queue_state ON queue(state);
+CREATE INDEX IF NOT EXISTS queue_key ON queue(project_id, idem_key);
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
 
 
@@ -397,6 +418,94 @@ class SqliteIamStore:
             return db.execute(
                 "DELETE FROM idempotency_keys WHERE created_at < ?", (cutoff,)
             ).rowcount
+
+    # ------------------------------------------------------------- queue
+
+    _QUEUE_COLUMNS = "queue_id, project_id, idem_key, state, seq, body, ended_at"
+
+    def queue_add(self, rows: Sequence[QueueRow]) -> list[QueueRow]:
+        out: list[QueueRow] = []
+        with self._tx() as db:
+            for row in rows:
+                if row.key:
+                    hit = db.execute(
+                        f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE project_id=? AND"
+                        " idem_key=? AND state IN (?, ?) ORDER BY seq DESC LIMIT 1",
+                        (row.project_id, row.key, QUEUE_WAITING, QUEUE_PLACED),
+                    ).fetchone()
+                    if hit is not None:
+                        out.append(QueueRow(*hit))
+                        continue
+                cur = db.execute(
+                    "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (row.queue_id, row.project_id, row.key, row.state, row.body),
+                )
+                row.seq = int(cur.lastrowid or 0)
+                out.append(row)
+        return out
+
+    def queue_get(self, queue_ids: Sequence[str]) -> list[QueueRow]:
+        out: list[QueueRow] = []
+        with self._lock:
+            for chunk in chunked(list(queue_ids), self.CHUNK):
+                out += [
+                    QueueRow(*r)
+                    for r in self._db.execute(
+                        f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE queue_id IN"
+                        f" ({_marks(chunk)})",
+                        list(chunk),
+                    )
+                ]
+        return out
+
+    def queue_list(self, project_prefix: str, waiting_only: bool) -> list[QueueRow]:
+        where = "WHERE state=?" if waiting_only else ""
+        args: list[Any] = [QUEUE_WAITING] if waiting_only else []
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {self._QUEUE_COLUMNS} FROM queue {where} ORDER BY seq", args
+            ).fetchall()
+        return [QueueRow(*r) for r in rows if in_subtree(r[1], project_prefix)]
+
+    def queue_update(self, queue_ids: Sequence[str], change: QueueChange) -> list[QueueRow]:
+        out: list[QueueRow] = []
+        with self._tx() as db:
+            for qid in queue_ids:
+                hit = db.execute(
+                    f"SELECT {self._QUEUE_COLUMNS} FROM queue WHERE queue_id=?", (qid,)
+                ).fetchone()
+                if hit is None:
+                    continue
+                row = QueueRow(*hit)
+                new = change(row)
+                if new is not None:
+                    db.execute(
+                        "UPDATE queue SET state=?, body=?, ended_at=? WHERE queue_id=?",
+                        (new.state, new.body, new.ended_at, qid),
+                    )
+                    row = new
+                out.append(row)
+        return out
+
+    def queue_purge(self, ended_before: float) -> int:
+        with self._tx() as db:
+            return db.execute(
+                "DELETE FROM queue WHERE state<>? AND ended_at>0 AND ended_at<?",
+                (QUEUE_WAITING, ended_before),
+            ).rowcount
+
+    def lease(self, name: str, holder: str, ttl_s: float, now: float) -> tuple[bool, str]:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO leases (name, holder, expires_at) VALUES (?, ?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET holder=excluded.holder,"
+                " expires_at=excluded.expires_at"
+                " WHERE leases.holder=excluded.holder OR leases.expires_at<?",
+                (name, holder, now + ttl_s, now),
+            )
+            current = db.execute("SELECT holder FROM leases WHERE name=?", (name,)).fetchone()[0]
+        return current == holder, str(current)
 
 
 def _marks(chunk: Sequence[Any]) -> str:

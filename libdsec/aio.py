@@ -65,6 +65,7 @@ from libdsec.types import (
     NewToken,
     Principal,
     Project,
+    QueueSummary,
     Quota,
     SandboxInfo,
     TaskResult,
@@ -237,6 +238,8 @@ class AsyncClient:
         *,
         wait: bool = True,
         timeout: float | None = 180.0,
+        wait_s: float = 0.0,
+        priority: int = 0,
         **options: Unpack[CreateOptions],
     ) -> AsyncSandbox:
         """Creates a sandbox and (by default) waits until it accepts commands.
@@ -260,12 +263,27 @@ class AsyncClient:
         retried like any idempotent call while the API server (or a service behind it) is
         unavailable, until ``timeout``: one sandbox, even if the first attempt's answer was
         lost.
+
+        ``wait_s`` > 0: when the cluster (or the project's quota) has no room now, the create
+        waits in the queue, in fair share with other projects and tasks, up to ``wait_s``
+        seconds, and raises :class:`~libdsec.errors.QueueTimeout` if it was never placed
+        (``timeout`` then counts from the end of that wait). ``priority`` orders the queued
+        creates of one project (higher first). A create no edge could ever hold is refused at
+        once (:class:`~libdsec.errors.ExceedsEveryEdge`)::
+
+            sb = await dsec.create(image="busybox", cpu=1, wait_s=600, task_id="swe-123")
         """
         key, sandbox_options = split_key(options)
         req = apiserver_pb2.CreateSandboxRequest(
-            spec=make_spec(**sandbox_options), idempotency_key=key, wait_ready=wait
+            spec=make_spec(**sandbox_options),
+            idempotency_key=key,
+            wait_ready=wait,
+            wait_s=wait_s,
+            priority=priority,
         )
-        resp = await self._rpc.unary(self._rpc.sandboxes.CreateSandbox, req, timeout=timeout)
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.CreateSandbox, req, timeout=_queue_timeout(timeout, wait_s)
+        )
         info = SandboxInfo.from_pb(resp.sandbox)
         if info.terminated:
             raise SandboxTerminated(
@@ -277,6 +295,23 @@ class AsyncClient:
             )
         return AsyncSandbox(self, info)
 
+    async def queue(
+        self, *, include_entries: bool = False, timeout: float | None = None
+    ) -> QueueSummary:
+        """The create queue of this project subtree: creates waiting (``wait_s``) per project
+        and task, the oldest wait, and (``include_entries``) each waiting create in serving
+        order::
+
+            q = await dsec.queue()
+            print(q.waiting, [(g.task_id, g.waiting) for g in q.groups])
+        """
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.ListQueue,
+            apiserver_pb2.ListQueueRequest(include_entries=include_entries),
+            timeout=timeout,
+        )
+        return QueueSummary.from_pb(resp)
+
     async def create_many(
         self,
         count: int | None = None,
@@ -284,6 +319,8 @@ class AsyncClient:
         specs: Sequence[CreateOptions] | None = None,
         wait: bool = True,
         timeout: float | None = 600.0,
+        wait_s: float = 0.0,
+        priority: int = 0,
         **options: Unpack[SandboxOptions],
     ) -> list[AsyncSandbox | DSecError]:
         """Creates many sandboxes in one call: ``count`` alike (the options as for
@@ -298,7 +335,9 @@ class AsyncClient:
         Every item without a key gets a fresh one from the SDK, so the call is retried while
         the API server is unavailable (as :meth:`create` is) without doubling any sandbox.
         Returns, in order, a sandbox or the error that item got (nothing is
-        raised for per-item failures).
+        raised for per-item failures). ``wait_s`` and ``priority`` as for :meth:`create`:
+        the items the cluster has no room for wait in the queue (the call answers when every
+        item is placed or has failed).
         """
         req = apiserver_pb2.CreateSandboxesRequest()
         if specs is None:
@@ -307,7 +346,7 @@ class AsyncClient:
             if "idempotency_key" in options:
                 raise InvalidArgument("idempotency keys go in specs=[...], one per item")
             template = apiserver_pb2.CreateSandboxRequest(
-                spec=make_spec(**options), wait_ready=wait
+                spec=make_spec(**options), wait_ready=wait, wait_s=wait_s, priority=priority
             )
             add = req.items.add
             for _ in range(count):
@@ -320,9 +359,15 @@ class AsyncClient:
             for item in specs:
                 key, sandbox_options = split_key(item)
                 req.items.add(
-                    spec=make_spec(**sandbox_options), idempotency_key=key, wait_ready=wait
+                    spec=make_spec(**sandbox_options),
+                    idempotency_key=key,
+                    wait_ready=wait,
+                    wait_s=wait_s,
+                    priority=priority,
                 )
-        resp = await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req, timeout=timeout)
+        resp = await self._rpc.unary(
+            self._rpc.sandboxes.CreateSandboxes, req, timeout=_queue_timeout(timeout, wait_s)
+        )
         out: list[AsyncSandbox | DSecError] = []
         for r in resp.results:
             if r.error.code:
@@ -730,3 +775,8 @@ __all__ = [
     "ExitStatus",
     "make_spec",
 ]
+
+
+def _queue_timeout(timeout: float | None, wait_s: float) -> float | None:
+    """A create's deadline: its ``timeout`` after the longest it may wait in the queue."""
+    return None if timeout is None else timeout + max(0.0, wait_s)

@@ -25,6 +25,7 @@ Tree::
     │   ├── SandboxTerminated
     │   ├── OutcomeUnknown        an operation under way when its edge died (never run again)
     │   ├── OperationIdReused     an operation id already names another request
+    │   ├── ExceedsEveryEdge      more cpu/memory than any edge has (never queued)
     │   ├── ClientClosed          a handle used after its client was closed (SDK-side)
     │   ├── LayerCorrupt
     │   └── BackendNotOffered     no edge of the cluster offers the backend asked for
@@ -39,6 +40,7 @@ Tree::
     ├── Unauthenticated           UNAUTHENTICATED      bad or missing token
     ├── PermissionDenied          PERMISSION_DENIED
     ├── DeadlineExceeded          DEADLINE_EXCEEDED
+    │   └── QueueTimeout          a create waited its wait_s in the queue, never placed
     ├── Cancelled                 CANCELLED
     ├── Unimplemented             UNIMPLEMENTED        not in this version/backend
     │   └── BackendCapabilityMissing   the sandbox's backend lacks the capability
@@ -71,6 +73,7 @@ __all__ = [
     "DSecError",
     "DeadlineExceeded",
     "EdgeCapacity",
+    "ExceedsEveryEdge",
     "FailedPrecondition",
     "ImageNotFound",
     "Internal",
@@ -85,6 +88,7 @@ __all__ = [
     "OutcomeUnknown",
     "PathNotFound",
     "PermissionDenied",
+    "QueueTimeout",
     "QuotaExceeded",
     "ResourceExhausted",
     "SandboxNotFound",
@@ -220,6 +224,14 @@ class BackendNotOffered(FailedPrecondition):
     default_reason = "BACKEND_NOT_OFFERED"
 
 
+class ExceedsEveryEdge(FailedPrecondition):
+    """No edge of the cluster that offers the backend (and matches its node selector) could
+    hold the sandbox even empty: more cpu or memory than the largest has. Never queued: a
+    wait cannot help."""
+
+    default_reason = "EXCEEDS_EVERY_EDGE"
+
+
 class ResourceExhausted(DSecError):
     """Quota or capacity is short; retry later or ask for less."""
 
@@ -282,6 +294,13 @@ class PermissionDenied(DSecError):
 class DeadlineExceeded(DSecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     default_reason = "DEADLINE_EXCEEDED"
+
+
+class QueueTimeout(DeadlineExceeded):
+    """A create with ``wait_s`` waited that long in the queue and was never placed; the
+    message names what it waited for (the last refusal), ``metadata["queue_id"]`` its entry."""
+
+    default_reason = "QUEUE_TIMEOUT"
 
 
 class Cancelled(DSecError):

@@ -101,6 +101,7 @@ from libdsec.types import (
     NewToken,
     Principal,
     Project,
+    QueueSummary,
     Quota,
     SandboxInfo,
     TaskResult,
@@ -206,6 +207,8 @@ class Client:
         *,
         wait: bool = True,
         timeout: float | None = 180.0,
+        wait_s: float = 0.0,
+        priority: int = 0,
         **options: Unpack[CreateOptions],
     ) -> Sandbox:
         """Creates a sandbox and (by default) waits until it accepts commands; the options are
@@ -214,10 +217,23 @@ class Client:
 
             with dsec.create(image="busybox", cpu=0.5, memory_mb=256, task_id="swe-123") as sb:
                 print(sb.run("echo hi").text)
+
+        ``wait_s`` > 0 waits that long in the create queue when the cluster is full (fair
+        share; :class:`~libdsec.errors.QueueTimeout` if never placed), ``priority`` orders a
+        project's queued creates.
         """
         return Sandbox(
-            self, self._loop.run(self._async.create(wait=wait, timeout=timeout, **options))
+            self,
+            self._loop.run(
+                self._async.create(
+                    wait=wait, timeout=timeout, wait_s=wait_s, priority=priority, **options
+                )
+            ),
         )
+
+    def queue(self, *, include_entries: bool = False, timeout: float | None = None) -> QueueSummary:
+        """The create queue of this project subtree (see :meth:`AsyncClient.queue`)."""
+        return self._loop.run(self._async.queue(include_entries=include_entries, timeout=timeout))
 
     def create_many(
         self,
@@ -226,6 +242,8 @@ class Client:
         specs: Sequence[CreateOptions] | None = None,
         wait: bool = True,
         timeout: float | None = 600.0,
+        wait_s: float = 0.0,
+        priority: int = 0,
         **options: Unpack[SandboxOptions],
     ) -> list[Sandbox | DSecError]:
         """Many sandboxes in one call, ``count`` alike or one per item of ``specs``; in order,
@@ -235,7 +253,15 @@ class Client:
                 print(r.id if isinstance(r, Sandbox) else f"failed: {r.reason}")
         """
         out = self._loop.run(
-            self._async.create_many(count, specs=specs, wait=wait, timeout=timeout, **options)
+            self._async.create_many(
+                count,
+                specs=specs,
+                wait=wait,
+                timeout=timeout,
+                wait_s=wait_s,
+                priority=priority,
+                **options,
+            )
         )
         return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in out]
 

@@ -62,12 +62,15 @@ class Principal:
 
 @dataclass(frozen=True)
 class Quota:
-    """Limits of a project subtree; 0 = no limit of its own."""
+    """Limits of a project subtree; 0 = no limit of its own. ``share_weight``: the
+    project's weight in the create queue's fair share (0 = 1), set by its parent like the
+    limits."""
 
     cpu_millis: int = 0
     memory_mb: int = 0
     sandboxes: int = 0
     sandboxes_by_backend: dict[str, int] = field(default_factory=dict)
+    share_weight: float = 0.0
 
     def to_pb(self) -> iam_pb2.Quota:
         return iam_pb2.Quota(
@@ -75,6 +78,7 @@ class Quota:
             memory_mb=self.memory_mb,
             sandboxes=self.sandboxes,
             sandboxes_by_backend={_backend_key(k): v for k, v in self.sandboxes_by_backend.items()},
+            share_weight=self.share_weight,
         )
 
     @classmethod
@@ -84,6 +88,7 @@ class Quota:
             q.memory_mb,
             q.sandboxes,
             {k.removeprefix("BACKEND_").lower(): v for k, v in q.sandboxes_by_backend.items()},
+            getattr(q, "share_weight", 0.0),
         )
 
 
@@ -348,6 +353,8 @@ class SandboxInfo:
     last_active_at: datetime | None = None  # the last call into it (the idle timer's start)
     principal_id: str = ""  # the token that created it
     forked_from: str = ""  # a fork's child: the sandbox it was copied from
+    #: A create that waited in the queue (``wait_s``): where it is, or was.
+    queue: QueueInfo | None = None
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -385,11 +392,72 @@ class SandboxInfo:
             last_active_at=_dt(s.last_active_at),
             principal_id=s.principal_id,
             forked_from=s.forked_from,
+            queue=QueueInfo.from_pb(s.queue) if s.HasField("queue") else None,
         )
 
     @property
     def terminated(self) -> bool:
         return self.state == "TERMINATED"
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A create's place in the create queue (``wait_s``). While it waits, the sandbox's id is
+    ``queue_id`` (``sb-queued-...``) and its state PENDING; once placed, ``placed_sandbox_id``
+    is the sandbox (get and stop accept either id)."""
+
+    queue_id: str
+    position: int  # 1 = served next; 0 = not waiting (placed or ended)
+    reason: str  # why it could not be placed yet (the last refusal)
+    enqueued_at: datetime | None
+    deadline: datetime | None
+    placed_sandbox_id: str
+    priority: int
+
+    @classmethod
+    def from_pb(cls, q: types_pb2.QueueStatus) -> QueueInfo:
+        return cls(
+            queue_id=q.queue_id,
+            position=q.position,
+            reason=q.reason,
+            enqueued_at=_dt(q.enqueued_at),
+            deadline=_dt(q.deadline),
+            placed_sandbox_id=q.placed_sandbox_id,
+            priority=q.priority,
+        )
+
+
+@dataclass(frozen=True)
+class QueueGroup:
+    """Creates waiting in the queue for one project and task (``Client.queue()``)."""
+
+    project_id: str
+    task_id: str
+    waiting: int
+    oldest_wait_s: float
+    share_weight: float
+
+
+@dataclass(frozen=True)
+class QueueSummary:
+    """The create queue of the caller's project subtree (``Client.queue()``)."""
+
+    waiting: int
+    groups: list[QueueGroup]
+    entries: list[SandboxInfo]  # PENDING, in serving order (with include_entries)
+    dispatcher: str  # the API server instance serving the queue
+
+    @classmethod
+    def from_pb(cls, r: Any) -> QueueSummary:
+        return cls(
+            waiting=r.waiting,
+            groups=[
+                QueueGroup(g.project_id, g.task_id, g.waiting, g.oldest_wait_s, g.share_weight)
+                for g in r.groups
+            ],
+            entries=[SandboxInfo.from_pb(e) for e in r.entries],
+            dispatcher=r.dispatcher,
+        )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from libdsec.errors import BackendNotOffered, DSecError, NoEligibleEdge
+from libdsec.errors import BackendNotOffered, DSecError, ExceedsEveryEdge, NoEligibleEdge
 
 
 @dataclass
@@ -274,16 +274,41 @@ class Placer:
             return cloud
         return onprem
 
-    def not_offered(self, req: Request) -> BackendNotOffered | None:
-        """The error when no registered edge (healthy or not) offers the backend: retrying
-        cannot help, unlike edges that offer it but have no room or health right now. With no
-        edge registered at all the cluster may be starting: that stays NoEligibleEdge."""
-        if not self.edges or any(req.backend in e.backends for e in self.edges.values()):
+    def not_offered(self, req: Request) -> DSecError | None:
+        """The error when no registered edge (healthy or not) could ever take the request: none
+        offers the backend, or none that does (and matches the node selector) is large enough
+        even empty. Retrying or queueing cannot help, unlike edges that have no room or health
+        right now. With no edge registered at all the cluster may be starting: that stays
+        NoEligibleEdge."""
+        if not self.edges:
             return None
+        if any(req.backend in e.backends for e in self.edges.values()):
+            return self._exceeds_every_edge(req)
         offered = sorted({b.lower() for e in self.edges.values() for b in e.backends})
         return BackendNotOffered(
             f"no edge of the cluster offers backend {req.backend.lower()}"
             f" ({len(self.edges)} edges offer: {', '.join(offered) or 'nothing'})",
+            metadata={"backend": req.backend},
+        )
+
+    def _exceeds_every_edge(self, req: Request) -> ExceedsEveryEdge | None:
+        matching = [
+            e
+            for e in self.edges.values()
+            if req.backend in e.backends
+            and all(e.labels.get(k) == v for k, v in req.node_selector.items())
+        ]
+        if not matching or any(
+            req.cpu_millis <= e.cpu_capacity and req.memory_mb <= e.memory_capacity
+            for e in matching
+        ):
+            return None  # (no edge matches the selector: labels may change, it stays retryable)
+        cpu = max(e.cpu_capacity for e in matching)
+        mem = max(e.memory_capacity for e in matching)
+        return ExceedsEveryEdge(
+            f"the sandbox asks for {req.cpu_millis}m cpu and {req.memory_mb} MB; the largest of"
+            f" the {len(matching)} edges that offer {req.backend.lower()} has {cpu}m cpu and"
+            f" {mem} MB",
             metadata={"backend": req.backend},
         )
 

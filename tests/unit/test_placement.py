@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from libdsec.errors import BackendNotOffered, NoEligibleEdge
+from libdsec.errors import BackendNotOffered, ExceedsEveryEdge, NoEligibleEdge
 from placement.policy import EdgeView, Placer, Request
 
 
@@ -104,8 +104,9 @@ def test_a_backend_no_edge_offers_is_not_offered_rather_than_exhausted() -> None
         placer.place(Request("FNCALL", 100, 100))
     _, chosen, err = placer.place_group(Request("FNCALL", 100, 100), 2)
     assert isinstance(err, NoEligibleEdge) and not chosen
+    placer.update_edge(edge(0, cpu=7000))
     with pytest.raises(NoEligibleEdge, match="not enough free capacity"):
-        placer.place(Request("CONTAINER", 10_000, 100))
+        placer.place(Request("CONTAINER", 2000, 100))
     assert placer.place_group(Request("CONTAINER", 100, 100), 2)[2] is None
     # With no edge registered at all (a cluster starting), nothing is known yet: exhausted.
     with pytest.raises(NoEligibleEdge, match="no edges are registered"):
@@ -183,8 +184,14 @@ def test_place_group_places_what_fits_and_names_why_the_rest_did_not() -> None:
     assert len(chosen) == 6  # 3 per edge of 1000 millis
     assert isinstance(err, NoEligibleEdge) and "6 of 10 placed" in str(err)
     assert {table[i].edge_id for i in chosen} == {"e0", "e1"}
-    _, chosen, err = placer.place_group(Request("CONTAINER", 1500, 1), 1)
+    placer.update([edge(0, cap=1000, cpu=900), edge(1, cap=1000, cpu=900)])
+    _, chosen, err = placer.place_group(Request("CONTAINER", 300, 1), 1)
     assert chosen == [] and err is not None and "2 not enough free capacity" in str(err)
+    # Larger than either edge even empty: refused for good (a queued create would never fit).
+    _, chosen, err = placer.place_group(Request("CONTAINER", 1500, 1), 1)
+    assert chosen == [] and isinstance(err, ExceedsEveryEdge)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "1500m cpu" in str(err) and "largest of the 2 edges" in str(err)
 
 
 def test_place_group_bursts_to_cloud_past_the_threshold() -> None:
@@ -220,7 +227,7 @@ def test_when_only_the_overlay_makes_edges_look_full_the_edges_decide() -> None:
     _, chosen, err = placer.place_group(Request("CONTAINER", 500, 1), 2)
     assert err is None and len(chosen) == 2  # the snapshot says they are empty
     assert placer.place(Request("CONTAINER", 500, 1))
-    with pytest.raises(NoEligibleEdge):  # genuinely too big, overlay or not
+    with pytest.raises(ExceedsEveryEdge):  # genuinely too big, overlay or not
         placer.place(Request("CONTAINER", 1500, 1))
     placer.forget("e0", 500, 1, count=10)
     placer.forget("e1", 500, 1, count=10)

@@ -40,6 +40,8 @@ class CreateSandboxRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     WAIT_READY_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     idempotency_key: _builtins.str
     """A retried create with the same key (per project, kept 24 h) returns the
     sandbox of the first attempt instead of creating another.
@@ -47,6 +49,17 @@ class CreateSandboxRequest(_message.Message):
     wait_ready: _builtins.bool
     """Wait until the sandbox is RUNNING before returning (default true via
     the SDK); false returns once admitted (PENDING/STARTING).
+    """
+    wait_s: _builtins.float
+    """Wait up to this many seconds for room instead of being refused when the cluster (or the
+    project's quota) is full: the create joins the queue, served in weighted fair share across
+    projects and, inside a project, across tasks; the call answers once placed, or fails with
+    QUEUE_TIMEOUT. 0 = refuse at once (no queue); at most 86400. A request no edge could ever
+    hold is refused at once either way.
+    """
+    priority: _builtins.int
+    """Inside its project, a queued create of a higher priority is served before lower ones
+    (across the project's tasks); fair share between projects is unchanged. -1000..1000.
     """
     @_builtins.property
     def spec(self) -> _types_pb2.SandboxSpec: ...
@@ -56,10 +69,12 @@ class CreateSandboxRequest(_message.Message):
         spec: _types_pb2.SandboxSpec | None = ...,
         idempotency_key: _builtins.str = ...,
         wait_ready: _builtins.bool = ...,
+        wait_s: _builtins.float = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "spec", b"spec", "wait_ready", b"wait_ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "priority", b"priority", "spec", b"spec", "wait_ready", b"wait_ready", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -84,6 +99,93 @@ class CreateSandboxResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CreateSandboxResponse: _TypeAlias = CreateSandboxResponse  # noqa: Y015
+
+@_typing.final
+class ListQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCLUDE_ENTRIES_FIELD_NUMBER: _builtins.int
+    include_entries: _builtins.bool
+    """also every waiting create (position order), not only the totals"""
+    def __init__(
+        self,
+        *,
+        include_entries: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_entries", b"include_entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueueRequest: _TypeAlias = ListQueueRequest  # noqa: Y015
+
+@_typing.final
+class QueueGroup(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    OLDEST_WAIT_S_FIELD_NUMBER: _builtins.int
+    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    task_id: _builtins.str
+    waiting: _builtins.int
+    oldest_wait_s: _builtins.float
+    share_weight: _builtins.float
+    """the project's weight"""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        waiting: _builtins.int = ...,
+        oldest_wait_s: _builtins.float = ...,
+        share_weight: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["oldest_wait_s", b"oldest_wait_s", "project_id", b"project_id", "share_weight", b"share_weight", "task_id", b"task_id", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueGroup: _TypeAlias = QueueGroup  # noqa: Y015
+
+@_typing.final
+class ListQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    DISPATCHER_FIELD_NUMBER: _builtins.int
+    waiting: _builtins.int
+    dispatcher: _builtins.str
+    """the API server instance serving the queue"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueGroup]:
+        """per project and task, most waiting first"""
+
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Sandbox]:
+        """PENDING, with `queue` set (include_entries)"""
+
+    def __init__(
+        self,
+        *,
+        groups: _abc.Iterable[Global___QueueGroup] | None = ...,
+        waiting: _builtins.int = ...,
+        entries: _abc.Iterable[_types_pb2.Sandbox] | None = ...,
+        dispatcher: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dispatcher", b"dispatcher", "entries", b"entries", "groups", b"groups", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueueResponse: _TypeAlias = ListQueueResponse  # noqa: Y015
 
 @_typing.final
 class CreateSandboxesRequest(_message.Message):

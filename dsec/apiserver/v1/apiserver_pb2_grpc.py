@@ -128,6 +128,11 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesResponse.FromString,
                 _registered_method=True)
+        self.ListQueue = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/ListQueue',
+                request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueRequest.SerializeToString,
+                response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServiceServicer:
@@ -283,6 +288,13 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQueue(self, request, context):
+        """The create queue of the caller's project subtree: depth and waits per project and task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -375,6 +387,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.WatchSandboxes,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesResponse.SerializeToString,
+            ),
+            'ListQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueue,
+                    request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueRequest.FromString,
+                    response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -865,6 +882,33 @@ class SandboxService:
             '/dsec.apiserver.v1.SandboxService/WatchSandboxes',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/ListQueue',
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueRequest.SerializeToString,
+            dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.ListQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

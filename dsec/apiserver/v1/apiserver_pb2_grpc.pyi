@@ -112,6 +112,8 @@ class SandboxServiceStub:
     keepalive means the watch is established: every change after it is reported, at least
     once (a change may come twice after an edge's stream broke and was reopened).
     """
+    ListQueue: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.ListQueueRequest, _apiserver_pb2.ListQueueResponse]
+    """The create queue of the caller's project subtree: depth and waits per project and task."""
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
@@ -184,6 +186,8 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     keepalive means the watch is established: every change after it is reported, at least
     once (a change may come twice after an edge's stream broke and was reopened).
     """
+    ListQueue: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.ListQueueRequest, _apiserver_pb2.ListQueueResponse]  # type: ignore[assignment]
+    """The create queue of the caller's project subtree: depth and waits per project and task."""
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
     """----------------------------------------------------------------- sandboxes"""
@@ -361,6 +365,14 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         keepalive means the watch is established: every change after it is reported, at least
         once (a change may come twice after an edge's stream broke and was reopened).
         """
+
+    @_abc_1.abstractmethod
+    def ListQueue(
+        self,
+        request: _apiserver_pb2.ListQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apiserver_pb2.ListQueueResponse, _abc.Awaitable[_apiserver_pb2.ListQueueResponse]]:
+        """The create queue of the caller's project subtree: depth and waits per project and task."""
 
 def add_SandboxServiceServicer_to_server(servicer: SandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

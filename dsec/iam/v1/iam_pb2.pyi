@@ -32,6 +32,31 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _QueueState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueueStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueueState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUE_STATE_UNSPECIFIED: _QueueState.ValueType  # 0
+    QUEUE_STATE_WAITING: _QueueState.ValueType  # 1
+    QUEUE_STATE_PLACED: _QueueState.ValueType  # 2
+    QUEUE_STATE_TIMED_OUT: _QueueState.ValueType  # 3
+    QUEUE_STATE_CANCELLED: _QueueState.ValueType  # 4
+    QUEUE_STATE_FAILED: _QueueState.ValueType  # 5
+    """refused for good (error)"""
+
+class QueueState(_QueueState, metaclass=_QueueStateEnumTypeWrapper): ...
+
+QUEUE_STATE_UNSPECIFIED: QueueState.ValueType  # 0
+QUEUE_STATE_WAITING: QueueState.ValueType  # 1
+QUEUE_STATE_PLACED: QueueState.ValueType  # 2
+QUEUE_STATE_TIMED_OUT: QueueState.ValueType  # 3
+QUEUE_STATE_CANCELLED: QueueState.ValueType  # 4
+QUEUE_STATE_FAILED: QueueState.ValueType  # 5
+"""refused for good (error)"""
+Global___QueueState: _TypeAlias = QueueState  # noqa: Y015
+
 class _Role:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -96,6 +121,291 @@ ACTION_MANAGE_PROJECTS: Action.ValueType  # 2
 """subprojects and quotas"""
 ACTION_MANAGE_TOKENS: Action.ValueType  # 3
 Global___Action: _TypeAlias = Action  # noqa: Y015
+
+@_typing.final
+class QueueEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_ID_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    ENQUEUED_AT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PLACED_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
+    queue_id: _builtins.str
+    project_id: _builtins.str
+    principal_id: _builtins.str
+    task_id: _builtins.str
+    priority: _builtins.int
+    seq: _builtins.int
+    """arrival order (set by IAM)"""
+    enqueued_at: _builtins.float
+    """unix seconds"""
+    deadline: _builtins.float
+    idempotency_key: _builtins.str
+    request: _builtins.bytes
+    """the CreateSandboxRequest (normalized spec)"""
+    state: Global___QueueState.ValueType
+    placed_sandbox_id: _builtins.str
+    reason: _builtins.str
+    """why not placed yet / why it ended"""
+    ended_at: _builtins.float
+    share_weight: _builtins.float
+    """the project's weight when it was queued (0 = 1)"""
+    @_builtins.property
+    def error(self) -> _types_pb2.ItemStatus:
+        """FAILED: the error"""
+
+    def __init__(
+        self,
+        *,
+        queue_id: _builtins.str = ...,
+        project_id: _builtins.str = ...,
+        principal_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        enqueued_at: _builtins.float = ...,
+        deadline: _builtins.float = ...,
+        idempotency_key: _builtins.str = ...,
+        request: _builtins.bytes = ...,
+        state: Global___QueueState.ValueType = ...,
+        placed_sandbox_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        error: _types_pb2.ItemStatus | None = ...,
+        ended_at: _builtins.float = ...,
+        share_weight: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "ended_at", b"ended_at", "enqueued_at", b"enqueued_at", "error", b"error", "idempotency_key", b"idempotency_key", "placed_sandbox_id", b"placed_sandbox_id", "principal_id", b"principal_id", "priority", b"priority", "project_id", b"project_id", "queue_id", b"queue_id", "reason", b"reason", "request", b"request", "seq", b"seq", "share_weight", b"share_weight", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueEntry: _TypeAlias = QueueEntry  # noqa: Y015
+
+@_typing.final
+class EnqueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnqueueRequest: _TypeAlias = EnqueueRequest  # noqa: Y015
+
+@_typing.final
+class EnqueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]:
+        """one per request entry: it, or the entry its key is bound to"""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnqueueResponse: _TypeAlias = EnqueueResponse  # noqa: Y015
+
+@_typing.final
+class GetQueuedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_IDS_FIELD_NUMBER: _builtins.int
+    PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
+    WAITING_ONLY_FIELD_NUMBER: _builtins.int
+    project_prefix: _builtins.str
+    """with no ids: every entry of this subtree ("" = all)"""
+    waiting_only: _builtins.bool
+    @_builtins.property
+    def queue_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        queue_ids: _abc.Iterable[_builtins.str] | None = ...,
+        project_prefix: _builtins.str = ...,
+        waiting_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project_prefix", b"project_prefix", "queue_ids", b"queue_ids", "waiting_only", b"waiting_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueuedRequest: _TypeAlias = GetQueuedRequest  # noqa: Y015
+
+@_typing.final
+class GetQueuedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueuedResponse: _TypeAlias = GetQueuedResponse  # noqa: Y015
+
+@_typing.final
+class QueueUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PLACED_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    queue_id: _builtins.str
+    state: Global___QueueState.ValueType
+    """UNSPECIFIED = keep (only the reason changes)"""
+    placed_sandbox_id: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def error(self) -> _types_pb2.ItemStatus: ...
+    def __init__(
+        self,
+        *,
+        queue_id: _builtins.str = ...,
+        state: Global___QueueState.ValueType = ...,
+        placed_sandbox_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        error: _types_pb2.ItemStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "placed_sandbox_id", b"placed_sandbox_id", "queue_id", b"queue_id", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueUpdate: _TypeAlias = QueueUpdate  # noqa: Y015
+
+@_typing.final
+class UpdateQueuedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueUpdate]: ...
+    def __init__(
+        self,
+        *,
+        updates: _abc.Iterable[Global___QueueUpdate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateQueuedRequest: _TypeAlias = UpdateQueuedRequest  # noqa: Y015
+
+@_typing.final
+class UpdateQueuedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]:
+        """each entry after its update (an ended entry is unchanged)"""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateQueuedResponse: _TypeAlias = UpdateQueuedResponse  # noqa: Y015
+
+@_typing.final
+class AcquireLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    holder: _builtins.str
+    ttl_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        ttl_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "name", b"name", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireLeaseRequest: _TypeAlias = AcquireLeaseRequest  # noqa: Y015
+
+@_typing.final
+class AcquireLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    held: _builtins.bool
+    """by the caller, until now + ttl_s"""
+    holder: _builtins.str
+    """the current holder"""
+    def __init__(
+        self,
+        *,
+        held: _builtins.bool = ...,
+        holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "holder", b"holder"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcquireLeaseResponse: _TypeAlias = AcquireLeaseResponse  # noqa: Y015
 
 @_typing.final
 class Principal(_message.Message):
@@ -168,9 +478,12 @@ class Quota(_message.Message):
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     SANDBOXES_FIELD_NUMBER: _builtins.int
     SANDBOXES_BY_BACKEND_FIELD_NUMBER: _builtins.int
+    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
     cpu_millis: _builtins.int
     memory_mb: _builtins.int
     sandboxes: _builtins.int
+    share_weight: _builtins.float
+    """The project's weight in the create queue's fair share among its siblings' (0 = 1)."""
     @_builtins.property
     def sandboxes_by_backend(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """key: Backend name, e.g. "BACKEND_CONTAINER" """
@@ -182,10 +495,11 @@ class Quota(_message.Message):
         memory_mb: _builtins.int = ...,
         sandboxes: _builtins.int = ...,
         sandboxes_by_backend: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        share_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millis", b"cpu_millis", "memory_mb", b"memory_mb", "sandboxes", b"sandboxes", "sandboxes_by_backend", b"sandboxes_by_backend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_millis", b"cpu_millis", "memory_mb", b"memory_mb", "sandboxes", b"sandboxes", "sandboxes_by_backend", b"sandboxes_by_backend", "share_weight", b"share_weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

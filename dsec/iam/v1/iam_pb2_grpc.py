@@ -114,6 +114,26 @@ class IamServiceStub:
                 request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.SerializeToString,
                 response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.FromString,
                 _registered_method=True)
+        self.Enqueue = channel.unary_unary(
+                '/dsec.iam.v1.IamService/Enqueue',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueResponse.FromString,
+                _registered_method=True)
+        self.GetQueued = channel.unary_unary(
+                '/dsec.iam.v1.IamService/GetQueued',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedResponse.FromString,
+                _registered_method=True)
+        self.UpdateQueued = channel.unary_unary(
+                '/dsec.iam.v1.IamService/UpdateQueued',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedResponse.FromString,
+                _registered_method=True)
+        self.AcquireLease = channel.unary_unary(
+                '/dsec.iam.v1.IamService/AcquireLease',
+                request_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseRequest.SerializeToString,
+                response_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class IamServiceServicer:
@@ -229,6 +249,35 @@ class IamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Enqueue(self, request, context):
+        """The create queue (creates with wait_s), durable here so that it survives API server
+        restarts. Adds entries (a (project, key) already waiting or placed answers that entry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQueued(self, request, context):
+        """Entries by id (any state), or every entry of a project subtree / the whole queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateQueued(self, request, context):
+        """State changes: placed, timed out, cancelled, failed (only from WAITING), or a new reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireLease(self, request, context):
+        """A lease (the queue's dispatcher): held by one holder until it lapses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -311,6 +360,26 @@ def add_IamServiceServicer_to_server(servicer, server):
                     servicer.ListReservedEdges,
                     request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.FromString,
                     response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.SerializeToString,
+            ),
+            'Enqueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Enqueue,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueResponse.SerializeToString,
+            ),
+            'GetQueued': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueued,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedResponse.SerializeToString,
+            ),
+            'UpdateQueued': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateQueued,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedResponse.SerializeToString,
+            ),
+            'AcquireLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireLease,
+                    request_deserializer=dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseRequest.FromString,
+                    response_serializer=dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -745,6 +814,114 @@ class IamService:
             '/dsec.iam.v1.IamService/ListReservedEdges',
             dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesRequest.SerializeToString,
             dsec_dot_iam_dot_v1_dot_iam__pb2.ListReservedEdgesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Enqueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/Enqueue',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.EnqueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueued(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/GetQueued',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.GetQueuedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateQueued(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/UpdateQueued',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.UpdateQueuedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.iam.v1.IamService/AcquireLease',
+            dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseRequest.SerializeToString,
+            dsec_dot_iam_dot_v1_dot_iam__pb2.AcquireLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

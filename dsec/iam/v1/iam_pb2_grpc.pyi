@@ -78,6 +78,16 @@ class IamServiceStub:
     """Which edges hold reservations, and how many (the watcher releases those
     of edges that are gone).
     """
+    Enqueue: _grpc.UnaryUnaryMultiCallable[_iam_pb2.EnqueueRequest, _iam_pb2.EnqueueResponse]
+    """The create queue (creates with wait_s), durable here so that it survives API server
+    restarts. Adds entries (a (project, key) already waiting or placed answers that entry).
+    """
+    GetQueued: _grpc.UnaryUnaryMultiCallable[_iam_pb2.GetQueuedRequest, _iam_pb2.GetQueuedResponse]
+    """Entries by id (any state), or every entry of a project subtree / the whole queue."""
+    UpdateQueued: _grpc.UnaryUnaryMultiCallable[_iam_pb2.UpdateQueuedRequest, _iam_pb2.UpdateQueuedResponse]
+    """State changes: placed, timed out, cancelled, failed (only from WAITING), or a new reason."""
+    AcquireLease: _grpc.UnaryUnaryMultiCallable[_iam_pb2.AcquireLeaseRequest, _iam_pb2.AcquireLeaseResponse]
+    """A lease (the queue's dispatcher): held by one holder until it lapses."""
 
 @_typing.type_check_only
 class IamServiceAsyncStub(IamServiceStub):
@@ -118,6 +128,16 @@ class IamServiceAsyncStub(IamServiceStub):
     """Which edges hold reservations, and how many (the watcher releases those
     of edges that are gone).
     """
+    Enqueue: _aio.UnaryUnaryMultiCallable[_iam_pb2.EnqueueRequest, _iam_pb2.EnqueueResponse]  # type: ignore[assignment]
+    """The create queue (creates with wait_s), durable here so that it survives API server
+    restarts. Adds entries (a (project, key) already waiting or placed answers that entry).
+    """
+    GetQueued: _aio.UnaryUnaryMultiCallable[_iam_pb2.GetQueuedRequest, _iam_pb2.GetQueuedResponse]  # type: ignore[assignment]
+    """Entries by id (any state), or every entry of a project subtree / the whole queue."""
+    UpdateQueued: _aio.UnaryUnaryMultiCallable[_iam_pb2.UpdateQueuedRequest, _iam_pb2.UpdateQueuedResponse]  # type: ignore[assignment]
+    """State changes: placed, timed out, cancelled, failed (only from WAITING), or a new reason."""
+    AcquireLease: _aio.UnaryUnaryMultiCallable[_iam_pb2.AcquireLeaseRequest, _iam_pb2.AcquireLeaseResponse]  # type: ignore[assignment]
+    """A lease (the queue's dispatcher): held by one holder until it lapses."""
 
 class IamServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -251,5 +271,39 @@ class IamServiceServicer(metaclass=_abc_1.ABCMeta):
         """Which edges hold reservations, and how many (the watcher releases those
         of edges that are gone).
         """
+
+    @_abc_1.abstractmethod
+    def Enqueue(
+        self,
+        request: _iam_pb2.EnqueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.EnqueueResponse, _abc.Awaitable[_iam_pb2.EnqueueResponse]]:
+        """The create queue (creates with wait_s), durable here so that it survives API server
+        restarts. Adds entries (a (project, key) already waiting or placed answers that entry).
+        """
+
+    @_abc_1.abstractmethod
+    def GetQueued(
+        self,
+        request: _iam_pb2.GetQueuedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.GetQueuedResponse, _abc.Awaitable[_iam_pb2.GetQueuedResponse]]:
+        """Entries by id (any state), or every entry of a project subtree / the whole queue."""
+
+    @_abc_1.abstractmethod
+    def UpdateQueued(
+        self,
+        request: _iam_pb2.UpdateQueuedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.UpdateQueuedResponse, _abc.Awaitable[_iam_pb2.UpdateQueuedResponse]]:
+        """State changes: placed, timed out, cancelled, failed (only from WAITING), or a new reason."""
+
+    @_abc_1.abstractmethod
+    def AcquireLease(
+        self,
+        request: _iam_pb2.AcquireLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_iam_pb2.AcquireLeaseResponse, _abc.Awaitable[_iam_pb2.AcquireLeaseResponse]]:
+        """A lease (the queue's dispatcher): held by one holder until it lapses."""
 
 def add_IamServiceServicer_to_server(servicer: IamServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -136,6 +136,8 @@ class _TerminationReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Ter
     """stopped because its job was preempted (StopTask)"""
     TERMINATION_REASON_RESUME_FAILED: _TerminationReason.ValueType  # 13
     """a paused sandbox's memory or state could not come back"""
+    TERMINATION_REASON_QUEUE_TIMEOUT: _TerminationReason.ValueType  # 14
+    """waited in the create queue (wait_s) and was never placed"""
 
 class TerminationReason(_TerminationReason, metaclass=_TerminationReasonEnumTypeWrapper):
     """Why a sandbox ended. An RL framework treats every reason except STOPPED as a
@@ -169,6 +171,8 @@ TERMINATION_REASON_PREEMPTED: TerminationReason.ValueType  # 12
 """stopped because its job was preempted (StopTask)"""
 TERMINATION_REASON_RESUME_FAILED: TerminationReason.ValueType  # 13
 """a paused sandbox's memory or state could not come back"""
+TERMINATION_REASON_QUEUE_TIMEOUT: TerminationReason.ValueType  # 14
+"""waited in the create queue (wait_s) and was never placed"""
 Global___TerminationReason: _TypeAlias = TerminationReason  # noqa: Y015
 
 class _QosClass:
@@ -802,6 +806,7 @@ class Sandbox(_message.Message):
     PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     FORKED_FROM_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"sb-<edge_id>-<random>": the owning edge is encoded"""
     project_id: _builtins.str
@@ -833,6 +838,10 @@ class Sandbox(_message.Message):
     def memory(self) -> Global___SandboxMemory:
         """measured by GetSandbox; List and Watch carry the last measurement"""
 
+    @_builtins.property
+    def queue(self) -> Global___QueueStatus:
+        """set for a create that waited in the queue (wait_s)"""
+
     def __init__(
         self,
         *,
@@ -850,14 +859,63 @@ class Sandbox(_message.Message):
         principal_id: _builtins.str = ...,
         memory: Global___SandboxMemory | None = ...,
         forked_from: _builtins.str = ...,
+        queue: Global___QueueStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "memory", b"memory", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "memory", b"memory", "queue", b"queue", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "forked_from", b"forked_from", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "forked_from", b"forked_from", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "queue", b"queue", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
+
+@_typing.final
+class QueueStatus(_message.Message):
+    """A create that waits its turn (CreateSandboxRequest.wait_s). While it waits its id is
+    "sb-queued-<random>" (state PENDING); once placed, that id names the placed sandbox
+    (`placed_sandbox_id`) in get and stop.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_ID_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ENQUEUED_AT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    PLACED_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    queue_id: _builtins.str
+    """"sb-queued-<random>" """
+    position: _builtins.int
+    """1 = served next (in fair-share order); 0 = not waiting"""
+    reason: _builtins.str
+    """why it could not be placed yet (the last refusal)"""
+    placed_sandbox_id: _builtins.str
+    """"" while waiting"""
+    priority: _builtins.int
+    @_builtins.property
+    def enqueued_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        queue_id: _builtins.str = ...,
+        position: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        enqueued_at: _timestamp_pb2.Timestamp | None = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        placed_sandbox_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "enqueued_at", b"enqueued_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "enqueued_at", b"enqueued_at", "placed_sandbox_id", b"placed_sandbox_id", "position", b"position", "priority", b"priority", "queue_id", b"queue_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueStatus: _TypeAlias = QueueStatus  # noqa: Y015
 
 @_typing.final
 class SandboxMemory(_message.Message):

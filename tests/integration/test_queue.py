@@ -1,0 +1,239 @@
+"""Creates that wait their turn (``wait_s``): the create queue, end to end.
+
+The module's cluster has one small container node (1280 MiB at memory overcommit 1: two
+sandboxes of 512 MiB) and two API servers; every test fills the node itself and leaves it
+empty. What is checked: fair share between two projects as room frees one sandbox at a
+time, a pause that gives memory back placing a queued create at once, the deadline
+(QUEUE_TIMEOUT naming what it waited for), a cancel while queued, bad input, a create no
+edge could ever hold, and an API server SIGKILLed while a burst waits (each create placed
+exactly once afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from dsecctl.cluster import LocalCluster
+from libdsec import Client, Quota, Sandbox
+from libdsec.errors import (
+    Cancelled,
+    DSecError,
+    ExceedsEveryEdge,
+    InvalidArgument,
+    QueueTimeout,
+    ResourceExhausted,
+)
+from libdsec.types import SandboxInfo
+from tests.helpers import wait_for
+from tests.integration.conftest import ClusterWith, container_edge
+
+NODE_MEMORY_MB = 1280
+BIG = 512  # two fit
+
+
+@pytest.fixture(scope="module")
+def qc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
+    edge = container_edge("q0", {"DSEC_EDGE_MEMORY_OVERCOMMIT": "1"}, memory_mb=NODE_MEMORY_MB)
+    with cluster_with("q0", edges=[edge], apiservers=2) as c:
+        yield c
+
+
+def project(c: LocalCluster, name: str, weight: float = 0.0) -> str:
+    with Client(c.apiserver, token=c.token) as admin:
+        p = admin.create_project(name, quota=Quota(share_weight=weight))
+        return admin.create_token(f"{name}-agent", project=p.project_id, agent=True).secret
+
+
+@pytest.fixture
+def clean(qc: LocalCluster) -> Iterator[None]:
+    """After a test: every waiting create cancelled, every sandbox stopped, the node empty."""
+    try:
+        yield
+    finally:
+        with Client(qc.apiserver, token=qc.token) as admin:
+            for e in admin.queue(include_entries=True).entries:
+                with contextlib.suppress(DSecError):
+                    admin.get(e.id).stop(grace_s=0)
+            for s in admin.list(include_subprojects=True):
+                if not s.terminated:
+                    with contextlib.suppress(DSecError):
+                        admin.get(s.id).stop(grace_s=0)
+            wait_for(lambda: admin.queue().waiting == 0, 20)
+            wait_for(lambda: not live(admin, subprojects=True), 60)
+        time.sleep(1.2)  # placement's view of the node (probed every 0.5 s) has them gone
+
+
+@pytest.fixture
+def pool(clean: None) -> Iterator[ThreadPoolExecutor]:
+    """Threads for creates that wait; a failed test does not wait for them (``clean``, torn
+    down after this, cancels what still waits, which ends them)."""
+    ex = ThreadPoolExecutor(2)
+    yield ex
+    ex.shutdown(wait=False)
+
+
+def placed(c: Client) -> list[SandboxInfo]:
+    """Every sandbox of the caller's project, whatever its state (queue entries aside)."""
+    return [s for s in c.list() if not s.id.startswith("sb-queued-")]
+
+
+def live(c: Client, subprojects: bool = False) -> list[SandboxInfo]:
+    return [
+        s
+        for s in c.list(include_subprojects=subprojects)
+        if not s.terminated and not s.id.startswith("sb-queued-")
+    ]
+
+
+def fill(c: Client, n: int = 2, memory_mb: int = BIG) -> list[Sandbox]:
+    return [c.create(image="busybox", cpu=0.1, memory_mb=memory_mb) for _ in range(n)]
+
+
+def test_two_projects_are_placed_alternately_as_room_frees(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    ta, tb, th = project(qc, "qa"), project(qc, "qb"), project(qc, "qh")
+    with (
+        Client(qc.apiserver, token=ta) as a,
+        Client(qc.process("apiserver1").address, token=tb) as b,
+        Client(qc.apiserver, token=th) as h,
+    ):
+        holders = fill(h)
+        with pytest.raises(ResourceExhausted):  # full, and no wait_s: refused at once, as before
+            a.create(image="busybox", cpu=0.1, memory_mb=BIG)
+        # A's six arrive before B's six: fair share, not arrival order, decides.
+        fa = pool.submit(a.create_many, 6, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=180)
+        wait_for(lambda: a.queue().waiting == 6, 15)
+        fb = pool.submit(b.create_many, 6, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=180)
+        wait_for(lambda: b.queue().waiting == 6, 15)
+        q = a.queue(include_entries=True)
+        assert [(g.task_id, g.waiting) for g in q.groups] == [("", 6)] and q.dispatcher
+        first = q.entries[0]
+        assert first.state == "PENDING" and first.id.startswith("sb-queued-")
+        assert first.queue is not None and first.queue.position >= 1
+        assert "full" in first.queue.reason, first.queue.reason  # the last refusal
+        assert a.get(first.id).info.state == "PENDING"  # get by the queue id
+        assert any(s.id == first.id for s in a.list(states=["PENDING"]))
+        assert h.queue().waiting == 0  # nothing of another project
+        victims: list[Sandbox] = list(holders)
+        for step in range(1, 13):
+            victims.pop(0).stop(grace_s=0)
+            wait_for(lambda n=step: len(placed(a)) + len(placed(b)) >= n, 30)
+            na, nb = len(placed(a)), len(placed(b))
+            # Each freed place went to one of them, and the counts stay within one of each other.
+            assert na + nb == step and abs(na - nb) <= 1, (step, na, nb)
+            if not victims:
+                victims = [
+                    c.get(s.id)
+                    for c in (a, b)
+                    for s in sorted(live(c), key=lambda s: str(s.created_at))
+                ]
+        created = fa.result(60) + fb.result(60)
+        assert all(isinstance(s, Sandbox) for s in created), created
+        assert len({s.id for s in created if isinstance(s, Sandbox)}) == 12
+
+
+def test_a_pause_that_gives_memory_back_places_a_queued_create_at_once(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    with Client(qc.apiserver, token=qc.token) as c:
+        holders = fill(c)
+        waiting = pool.submit(c.create, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60)
+        wait_for(lambda: c.queue().waiting == 1, 15)
+        holders[0].pause()
+        paused = time.monotonic()
+        sb = waiting.result(30)
+        took = time.monotonic() - paused
+        assert sb.info.state == "RUNNING" and sb.info.queue is not None
+        assert sb.info.queue.placed_sandbox_id == sb.id
+        assert took < 1.5, f"placed {took:.2f} s after the pause"
+        assert sb.run("echo placed").text == "placed\n"
+
+
+def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    with Client(qc.apiserver, token=qc.token) as c:
+        fill(c)
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout) as info:
+            c.create(image="busybox", cpu=0.1, memory_mb=BIG, wait_s=2)
+        took = time.monotonic() - t0
+        err = info.value
+        assert 2 <= took < 6, took
+        assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.reason == "QUEUE_TIMEOUT"
+        assert "waited 2 s" in str(err) and "not enough free capacity" in str(err), str(err)
+        ended = c.get(err.metadata["queue_id"]).info
+        assert ended.state == "TERMINATED" and ended.termination_reason == "QUEUE_TIMEOUT"
+        # A stop while queued cancels: the waiting call ends with the reason, nothing is placed.
+        waiting = pool.submit(c.create, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60)
+        wait_for(lambda: c.queue().waiting == 1, 15)
+        qid = c.queue(include_entries=True).entries[0].id
+        c.get(qid).stop()
+        with pytest.raises(Cancelled, match="cancelled"):
+            waiting.result(15)
+        gone = c.get(qid).info
+        assert gone.state == "TERMINATED" and gone.termination_reason == "STOPPED"
+        assert c.queue().waiting == 0 and len(live(c)) == 2
+
+
+def test_bad_input_and_a_create_no_edge_could_hold_are_refused_at_once(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    with Client(qc.apiserver, token=qc.token) as c:
+        for bad in (-1.0, 86_401.0, float("nan")):
+            with pytest.raises(InvalidArgument, match="wait_s"):
+                c.create(image="busybox", wait_s=bad)
+        with pytest.raises(InvalidArgument, match="priority"):
+            c.create(image="busybox", wait_s=5, priority=5000)
+        with pytest.raises(InvalidArgument, match="share_weight"):
+            c.create_project("qbad", quota=Quota(share_weight=-2))
+        t0 = time.monotonic()
+        with pytest.raises(ExceedsEveryEdge) as info:  # more memory than the node has
+            c.create(image="busybox", memory_mb=4096, wait_s=600)
+        assert time.monotonic() - t0 < 5 and "1280 MB" in str(info.value)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.queue().waiting == 0
+        with pytest.raises(DSecError) as other:  # a backend no edge offers: at once, too
+            c.create(backend="vm", wait_s=600)
+        assert other.value.reason == "BACKEND_NOT_OFFERED"
+
+
+def test_an_api_server_killed_while_a_burst_waits_places_each_create_once(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    """100 creates wait behind a big sandbox; the API server they came through (and that
+    may serve the queue) is SIGKILLed and restarted. The SDK's retry (same idempotency keys)
+    finds their entries; the other API server takes the queue over; every create gets one
+    sandbox, and the project holds exactly 100."""
+    token = project(qc, "qburst")
+    with Client(qc.apiserver, token=token) as c:
+        (big,) = fill(c, 1, memory_mb=1024)
+        burst = pool.submit(
+            c.create_many,
+            100,
+            image="busybox",
+            cpu=0.05,
+            memory_mb=64,
+            ttl_s=4,
+            wait_s=300,
+            wait=False,
+        )
+        wait_for(lambda: c.queue().waiting >= 90, 30)
+        qc.kill("apiserver")
+        time.sleep(1.0)
+        qc.restart("apiserver")
+        big.stop(grace_s=0)
+        results = burst.result(240)
+        sandboxes = [r for r in results if isinstance(r, Sandbox)]
+        assert len(sandboxes) == 100, [r for r in results if not isinstance(r, Sandbox)][:3]
+        assert len({s.id for s in sandboxes}) == 100
+        wait_for(lambda: c.queue().waiting == 0, 10)
+        ids = {s.id for s in placed(c)} - {big.id}
+        assert ids == {s.id for s in sandboxes}  # nothing placed twice, nothing extra
