@@ -71,7 +71,7 @@ class Gateway:
             max_wait_s=cfg.create_batch_wait_s,
         )
         self._normalized: dict[bytes, types_pb2.SandboxSpec] = {}
-        self.queue = CreateQueue(self, cfg.instance_name)
+        self.queue = CreateQueue(iam, self.pipeline, self.get, cfg.instance_name)
 
     async def caller(self, token: str) -> Caller:
         p = await self.auth.principal(token)

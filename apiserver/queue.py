@@ -39,17 +39,17 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from apiserver.creation import Caller, CreateItem
+from apiserver.creation import Caller, CreateItem, CreationPipeline
 from apiserver.routing import downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
 from common.convert import ts
 from common.ids import new_queue_id
 from dsec.apiserver.v1 import apiserver_pb2
-from dsec.iam.v1 import iam_pb2
+from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.types.v1 import types_pb2
 from libdsec.errors import (
     Cancelled,
@@ -62,9 +62,6 @@ from libdsec.errors import (
     item_error,
     item_status,
 )
-
-if TYPE_CHECKING:
-    from apiserver.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +255,16 @@ class CreateQueue:
     """This API server's part of the queue: its waiting calls, and the dispatcher when it
     holds the lease."""
 
-    def __init__(self, gw: Gateway, instance: str) -> None:
-        self.gw = gw
-        self.iam = gw.iam
+    def __init__(
+        self,
+        iam: iam_pb2_grpc.IamServiceStub,
+        pipeline: CreationPipeline,
+        get: Callable[[Caller, str], Awaitable[types_pb2.Sandbox]],
+        instance: str,
+    ) -> None:
+        self.iam = iam
+        self.pipeline = pipeline
+        self.get_sandbox = get
         self.holder = f"{instance or 'apiserver'}/{os.getpid()}/{secrets.token_hex(3)}"
         self.fair = FairShare()
         self.dispatching = False
@@ -363,13 +367,13 @@ class CreateQueue:
     async def _settle(self, it: CreateItem, e: iam_pb2.QueueEntry) -> None:
         if e.state == PLACED:
             try:
-                sb = await self.gw.get(it.who, e.placed_sandbox_id)
+                sb = await self.get_sandbox(it.who, e.placed_sandbox_id)
                 while it.wait_ready and sb.state in (
                     types_pb2.SANDBOX_STATE_PENDING,
                     types_pb2.SANDBOX_STATE_STARTING,
                 ):
                     await asyncio.sleep(0.05)
-                    sb = await self.gw.get(it.who, e.placed_sandbox_id)
+                    sb = await self.get_sandbox(it.who, e.placed_sandbox_id)
             except DSecError as err:
                 it.error = err
                 return
@@ -489,7 +493,7 @@ class CreateQueue:
             who = Caller(e.principal_id, e.project_id, "")
             # Its own spec object: one placement group per entry, served in this order.
             items.append(CreateItem(who, req.spec, req.idempotency_key, wait_ready=False))
-        await self.gw.pipeline.run(items)
+        await self.pipeline.run(items)
         placed = []
         for e, it in zip(run, items, strict=True):
             if it.result is not None:
@@ -558,7 +562,7 @@ class CreateQueue:
     async def get(self, who: Caller, queue_id: str) -> types_pb2.Sandbox:
         e = await self._entry(who, queue_id)
         if e.state == PLACED:
-            sb = await self.gw.get(who, e.placed_sandbox_id)
+            sb = await self.get_sandbox(who, e.placed_sandbox_id)
             fill_status(sb.queue, e, 0)
             return sb
         position = 0

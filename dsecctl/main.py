@@ -316,6 +316,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("nodes (as the watcher knows them):")
         for line in node_lines(nodes) if nodes_error is None else [nodes_error]:
             print(f"  {line}")
+    queue_line = _queue_status(cluster)
+    if not args.json:
+        print(f"create queue: {queue_line}")
     # A node the watcher counts UNHEALTHY is a failure; not being able to ask (the API server
     # or watcher down: already a failed service above; a token that is not an operator's) is not.
     bad += any(node_row(n)["health"] == "UNHEALTHY" for n in nodes)
@@ -327,6 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "services": services,
                 "nodes": [node_row(n) for n in nodes],
                 "nodes_error": nodes_error,
+                "queue": queue_line,
                 "vip": vip,
             }
         )
@@ -343,6 +347,43 @@ def _vip_status(cluster: LocalCluster) -> dict[str, Any] | None:
         "router": cluster.vip.peer,
         "next_hops": next_hops_in(str(state["router"]), cluster.vip.address),
     }
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    """``dsec queue``: creates waiting for room, per project and task."""
+    with client() as c:
+        q = c.queue(include_entries=args.entries)
+    if args.json:
+        print_json(q)
+        return 0
+    for line in queue_lines(q, args.entries):
+        print(line)
+    return 0
+
+
+def queue_lines(q: Any, entries: bool = False) -> list[str]:
+    lines = [f"{q.waiting} creates waiting (served by {q.dispatcher or 'no API server yet'})"]
+    for g in q.groups:
+        task = g.task_id or "-"
+        lines.append(
+            f"  {g.project_id:<24} task {task:<20} waiting {g.waiting:<6}"
+            f" oldest {g.oldest_wait_s:.1f} s  weight {g.share_weight:g}"
+        )
+    for e in q.entries if entries else []:
+        assert e.queue is not None
+        lines.append(f"  #{e.queue.position:<5} {e.id}  {e.project_id}  {e.queue.reason}")
+    return lines
+
+
+def _queue_status(cluster: LocalCluster) -> str:
+    from libdsec import Client
+    from libdsec.errors import DSecError
+
+    try:
+        with Client(cluster.apiserver, token=cluster.token) as c:
+            return queue_lines(c.queue())[0]
+    except DSecError as err:
+        return f"cannot read the create queue: [{err.reason}] {err.message}"
 
 
 def _nodes(cluster: LocalCluster) -> tuple[list[Any], str | None]:
@@ -520,7 +561,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     with client() as c:
         if args.action == "create":
             q = Quota(
-                cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
+                cpu_millis=args.cpu_millis,
+                memory_mb=args.memory_mb,
+                sandboxes=args.sandboxes,
+                share_weight=args.share_weight,
             )
             p = c.create_project(args.name, parent=args.parent, quota=q, exist_ok=args.exist_ok)
             if args.json:
@@ -532,7 +576,10 @@ def cmd_project(args: argparse.Namespace) -> int:
             )
         elif args.action == "quota":
             q = Quota(
-                cpu_millis=args.cpu_millis, memory_mb=args.memory_mb, sandboxes=args.sandboxes
+                cpu_millis=args.cpu_millis,
+                memory_mb=args.memory_mb,
+                sandboxes=args.sandboxes,
+                share_weight=args.share_weight,
             )
             _print_project(c.set_quota(args.project_id, q), args.json)
         elif args.action == "show":
@@ -806,6 +853,10 @@ def _cluster_parsers(sub: Any) -> None:
         "--timeout", type=float, default=120.0, help="seconds each service has to be SERVING"
     )
     restart.set_defaults(fn=cmd_restart)
+    queue = sub.add_parser("queue", help="creates waiting for room (wait_s): per project and task")
+    queue.add_argument("--entries", action="store_true", help="also each waiting create, in order")
+    json_option(queue, "print the queue as one JSON object")
+    queue.set_defaults(fn=cmd_queue)
     status = sub.add_parser("status", help="health, supervisor state and restarts of every service")
     json_option(status, "print the services as one JSON object")
     status.set_defaults(fn=cmd_status)
@@ -892,6 +943,12 @@ def _quota_options(p: argparse.ArgumentParser) -> None:
         "--memory-mb", type=int, default=0, help="memory in MiB at most (0: no own limit)"
     )
     p.add_argument("--sandboxes", type=int, default=0, help="sandboxes at once (0: no own limit)")
+    p.add_argument(
+        "--share-weight",
+        type=float,
+        default=0.0,
+        help="weight in the create queue's fair share among projects (0: 1)",
+    )
 
 
 def _project_parsers(sub: Any) -> None:

@@ -126,6 +126,16 @@ def add_create_parser(ssub: Any) -> None:
     )
     sc.add_argument("--count", type=int, default=1, help="create this many in one call")
     sc.add_argument(
+        "--wait-s",
+        type=float,
+        default=0.0,
+        help="when the cluster is full, wait up to this many seconds in the create queue"
+        " (fair share; QUEUE_TIMEOUT after) instead of being refused at once",
+    )
+    sc.add_argument(
+        "--priority", type=int, default=0, help="order among the project's queued creates"
+    )
+    sc.add_argument(
         "--no-wait", action="store_true", help="return once created, before they are running"
     )
     json_option(sc, "print the sandbox (with --count: an array of sandboxes or errors) as JSON")
@@ -175,7 +185,9 @@ def cmd_create(args: argparse.Namespace) -> int:
         if args.count == 1:
             if args.idempotency_key:
                 options["idempotency_key"] = args.idempotency_key
-            sb = c.create(wait=not args.no_wait, **options)
+            sb = c.create(
+                wait=not args.no_wait, wait_s=args.wait_s, priority=args.priority, **options
+            )
             if args.json:
                 print_json(sb.info)
             else:
@@ -202,9 +214,11 @@ def _create_many(c: Any, args: argparse.Namespace, options: dict[str, Any]) -> l
     def create(wait: bool) -> list[Any]:
         if key:
             specs = [{**options, "idempotency_key": f"{key}-{i}"} for i in range(args.count)]
-            made = c.create_many(specs=specs, wait=wait)
+            made = c.create_many(specs=specs, wait=wait, wait_s=args.wait_s, priority=args.priority)
         else:
-            made = c.create_many(args.count, wait=wait, **options)
+            made = c.create_many(
+                args.count, wait=wait, wait_s=args.wait_s, priority=args.priority, **options
+            )
         return [r if isinstance(r, DSecError) else r.info for r in made]
 
     with progress(f"creating {args.count} sandboxes", total=args.count) as bar:

@@ -240,7 +240,9 @@ class EdgeConfig(ServiceConfig):
     def validate(self) -> None:
         super().validate()
         if not EDGE_ID.match(self.edge_id):
-            raise ConfigError(f"DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}} and not be \"queued\" (reserved)")
+            raise ConfigError(
+                f'DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}} and not be "queued" (reserved)'
+            )
         if self.runtime not in ("container", "null"):
             raise ConfigError(f"DSEC_EDGE_RUNTIME={self.runtime!r}: expected container or null")
         for image, count in {**self.warm_pool, **self.microvm_warm_pool}.items():

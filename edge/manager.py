@@ -87,7 +87,9 @@ class SandboxManager:
         disk_check_interval_s: float = 0.25,
     ) -> None:
         if not EDGE_ID.match(edge_id):
-            raise ValueError(f"edge id {edge_id!r} must match [a-z0-9]{{1,16}} and not be \"queued\" (reserved)")
+            raise ValueError(
+                f'edge id {edge_id!r} must match [a-z0-9]{{1,16}} and not be "queued" (reserved)'
+            )
         self.edge_id = edge_id
         #: The records on disk (recovery reads them back).
         self.state_dir = state_dir

@@ -87,7 +87,9 @@ class WatcherServicer:
     ) -> watcher_pb2.RegisterEdgeResponse:
         info = request.info
         if not EDGE_ID.match(info.edge_id):
-            raise InvalidArgument(f"edge_id {info.edge_id!r} must match [a-z0-9]{{1,16}} and not be \"queued\" (reserved)")
+            raise InvalidArgument(
+                f'edge_id {info.edge_id!r} must match [a-z0-9]{{1,16}} and not be "queued" (reserved)'
+            )
         if not info.address:
             raise InvalidArgument("address is required")
         holder = self.view.holder(info.edge_id, info.address, info.incarnation)

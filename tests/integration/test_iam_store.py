@@ -20,7 +20,11 @@ import pytest
 from iam.server import open_store
 from iam.store import (
     KEY_TTL_S,
+    QUEUE_PLACED,
+    QUEUE_WAITING,
     IamStore,
+    QueueChange,
+    QueueRow,
     Quota,
     Reservation,
     TokenRecord,
@@ -350,3 +354,45 @@ def test_a_sqlite_database_of_the_older_schema_is_migrated(tmp_path: Path) -> No
     indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
     db.close()
     assert "idempotency_keys_sandbox" not in indexes
+
+
+def test_the_create_queue_keeps_one_entry_per_key_and_its_first_end(store: IamStore) -> None:
+    """The queue's storage (both kinds): arrival order, one waiting-or-placed entry per
+    (project, key), a change applied only to a waiting entry (the first end wins), the
+    subtree filter, the purge of ended entries, and a lease held by one holder at a time."""
+
+    def row(qid: str, project: str = "root/a", key: str = "") -> QueueRow:
+        return QueueRow(qid, project, key, QUEUE_WAITING, 0, qid.encode())
+
+    added = store.queue_add([row("q1", key="k"), row("q2"), row("q3", "root/b", key="k")])
+    assert [r.queue_id for r in added] == ["q1", "q2", "q3"]
+    assert added[0].seq < added[1].seq < added[2].seq
+    # The same key in the same project answers the waiting entry; another project's is its own.
+    again = store.queue_add([row("q4", key="k")])
+    assert [r.queue_id for r in again] == ["q1"] and again[0].body == b"q1"
+    assert [r.queue_id for r in store.queue_list("root/a", True)] == ["q1", "q2"]
+    assert {r.queue_id for r in store.queue_list("", True)} == {"q1", "q2", "q3"}
+
+    def end(state: int) -> QueueChange:
+        """As IAM's servicer changes an entry: only while it waits (it sees the row as it is
+        inside the transaction)."""
+        return lambda r: (
+            QueueRow(r.queue_id, r.project_id, r.key, state, r.seq, b"x", 100.0)
+            if r.state == QUEUE_WAITING
+            else None
+        )
+
+    (placed,) = store.queue_update(["q1"], end(QUEUE_PLACED))
+    assert placed.state == QUEUE_PLACED
+    (kept,) = store.queue_update(["q1"], end(4))  # a cancel after the placement: no change
+    assert kept.state == QUEUE_PLACED
+    # Placed still holds the key: a retry with it finds the placed entry.
+    assert [r.queue_id for r in store.queue_add([row("q5", key="k")])] == ["q1"]
+    assert [r.queue_id for r in store.queue_list("root/a", True)] == ["q2"]
+    assert store.queue_purge(ended_before=200.0) == 1
+    assert store.queue_get(["q1", "q2"])[0].queue_id == "q2"
+    # A lease: one holder until it lapses.
+    assert store.lease("create-queue", "a", 3.0, now=1000.0) == (True, "a")
+    assert store.lease("create-queue", "b", 3.0, now=1001.0) == (False, "a")
+    assert store.lease("create-queue", "a", 3.0, now=1002.0) == (True, "a")  # renewed
+    assert store.lease("create-queue", "b", 3.0, now=1006.0) == (True, "b")  # lapsed

@@ -12,6 +12,9 @@ exactly once afterwards).
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +33,7 @@ from libdsec.errors import (
     ResourceExhausted,
 )
 from libdsec.types import SandboxInfo
-from tests.helpers import wait_for
+from tests.helpers import dsec_status, wait_for
 from tests.integration.conftest import ClusterWith, container_edge
 
 NODE_MEMORY_MB = 1280
@@ -175,6 +178,17 @@ def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
         waiting = pool.submit(c.create, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60)
         wait_for(lambda: c.queue().waiting == 1, 15)
         qid = c.queue(include_entries=True).entries[0].id
+        # The operator's view: `dsec queue` and `dsec status`.
+        shown = subprocess.run(
+            [sys.executable, "-m", "dsecctl", "queue", "--entries"],
+            env={**os.environ, "DSEC_HOME": str(qc.home)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "1 creates waiting" in shown and qid in shown and "root " in shown, shown
+        assert "create queue: 1 creates waiting" in dsec_status(qc.home)
         c.get(qid).stop()
         with pytest.raises(Cancelled, match="cancelled"):
             waiting.result(15)

@@ -1,0 +1,78 @@
+"""The create queue's serving order (apiserver/queue.py FairShare): weighted fair share
+across projects, fair share and priority across a project's tasks, arrival order inside a
+task, no credit for time spent idle, and the same order for the same arrivals."""
+
+from __future__ import annotations
+
+import pytest
+
+from apiserver.queue import FairShare, _runs, checked_priority, checked_wait_s
+from dsec.iam.v1 import iam_pb2
+from libdsec.errors import InvalidArgument
+
+
+def entries(
+    spec: list[tuple[str, str, int]], weight: dict[str, float] | None = None
+) -> list[iam_pb2.QueueEntry]:
+    """(project, task, priority) in arrival order."""
+    w = weight or {}
+    return [
+        iam_pb2.QueueEntry(
+            queue_id=f"q{i}",
+            project_id=p,
+            principal_id=p,
+            task_id=t,
+            priority=prio,
+            seq=i,
+            share_weight=w.get(p, 0.0),
+        )
+        for i, (p, t, prio) in enumerate(spec, 1)
+    ]
+
+
+def names(es: list[iam_pb2.QueueEntry]) -> list[str]:
+    return [f"{e.project_id}{e.task_id}" for e in es]
+
+
+def test_equal_projects_alternate_whatever_the_arrival_order() -> None:
+    es = entries([("a", "", 0)] * 5 + [("b", "", 0)] * 5)
+    order = FairShare().order(es, 10)
+    assert names(order) == ["a", "b"] * 5
+    assert [e.seq for e in order if e.project_id == "a"] == [1, 2, 3, 4, 5]  # FIFO inside
+    assert FairShare().order(es, 10) == order  # deterministic
+
+
+def test_weights_give_shares_in_proportion() -> None:
+    es = entries([("a", "", 0)] * 30 + [("b", "", 0)] * 30, {"a": 2.0})
+    first = names(FairShare().order(es, 30))
+    assert first.count("a") == 20 and first.count("b") == 10
+
+
+def test_tasks_share_a_project_and_priority_goes_first() -> None:
+    es = entries([("p", "t1", 0)] * 4 + [("p", "t2", 0)] * 4 + [("p", "t3", 5)] * 2)
+    assert names(FairShare().order(es, 10)) == ["pt3", "pt3"] + ["pt1", "pt2"] * 4
+
+
+def test_placements_count_and_an_idle_project_earns_no_credit() -> None:
+    fair = FairShare()
+    a_only = entries([("a", "", 0)] * 10)
+    fair.placed(fair.order(a_only, 6))  # a alone for a while: 6 placed
+    # b starts waiting now: it starts at a's level, not 6 behind it.
+    later = entries([("b", "", 0)] * 4)
+    for e in later:
+        e.seq += 10  # arrived after a's
+    assert names(fair.order(a_only[6:] + later, 8)) == ["a", "b"] * 4
+
+
+def test_runs_keep_the_order_one_project_per_call() -> None:
+    es = entries([("a", "", 0), ("a", "", 0), ("b", "", 0), ("a", "", 0)])
+    assert [[e.queue_id for e in r] for r in _runs(es)] == [["q1", "q2"], ["q3"], ["q4"]]
+
+
+@pytest.mark.parametrize("bad", [-1.0, 86_401.0, float("nan"), float("inf")])
+def test_bad_wait_and_priority_are_refused_naming_them(bad: float) -> None:
+    with pytest.raises(InvalidArgument, match="wait_s"):
+        checked_wait_s(bad)
+    with pytest.raises(InvalidArgument, match="priority"):
+        checked_priority(1001)
+    assert checked_wait_s(0) == 0 and checked_priority(-1000) == -1000
