@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from apiserver.creation import Caller, CreateItem, CreationPipeline
+from apiserver.creation import CREATE_DEADLINE_S, Caller, CreateItem, CreationPipeline
 from apiserver.routing import downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
 from common.convert import ts
@@ -194,18 +194,54 @@ class FairShare:
             self.task_vt[key] = self.task_vt.get(key, 0.0) + 1.0
 
 
-def _runs(batch: list[iam_pb2.QueueEntry]) -> list[list[iam_pb2.QueueEntry]]:
-    """Consecutive entries of one project and principal (one edge call each)."""
-    runs: list[list[iam_pb2.QueueEntry]] = []
-    for e in batch:
-        if runs and (runs[-1][0].project_id, runs[-1][0].principal_id) == (
-            e.project_id,
-            e.principal_id,
-        ):
-            runs[-1].append(e)
-        else:
-            runs.append([e])
-    return runs
+_Pair = tuple[iam_pb2.QueueEntry, apiserver_pb2.CreateSandboxRequest]
+
+
+def _request(e: iam_pb2.QueueEntry) -> apiserver_pb2.CreateSandboxRequest:
+    return apiserver_pb2.CreateSandboxRequest.FromString(e.request)
+
+
+def _first_run(batch: list[_Pair]) -> list[_Pair]:
+    """The leading entries of one project and principal (one edge call)."""
+    head = batch[0][0]
+    n = 1
+    while n < len(batch) and (batch[n][0].project_id, batch[n][0].principal_id) == (
+        head.project_id,
+        head.principal_id,
+    ):
+        n += 1
+    return batch[:n]
+
+
+def _shape(spec: types_pb2.SandboxSpec) -> tuple[int, str]:
+    return spec.backend, repr(sorted(spec.node_selector.items()))
+
+
+class _Blocked:
+    """What entries of this round could not get: room for a shape (per backend and node
+    selector, the smallest cpu/memory refused), or a project's quota."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        self.projects: set[str] = set()
+
+    def add(self, e: iam_pb2.QueueEntry, req: apiserver_pb2.CreateSandboxRequest, err: Any) -> None:
+        if isinstance(err, QuotaExceeded):
+            self.projects.add(e.project_id)
+            return
+        r = req.spec.resources
+        self.shapes.setdefault(_shape(req.spec), []).append(
+            (r.cpu_millis, r.memory_mb, r.gpu_count)
+        )
+
+    def holds(self, e: iam_pb2.QueueEntry, req: apiserver_pb2.CreateSandboxRequest) -> bool:
+        if e.project_id in self.projects:
+            return True
+        r = req.spec.resources
+        return any(
+            r.cpu_millis >= c and r.memory_mb >= m and r.gpu_count >= g
+            for c, m, g in self.shapes.get(_shape(req.spec), [])
+        )
 
 
 # ---------------------------------------------------------------------- views
@@ -368,9 +404,12 @@ class CreateQueue:
         if e.state == PLACED:
             try:
                 sb = await self.get_sandbox(it.who, e.placed_sandbox_id)
-                while it.wait_ready and sb.state in (
-                    types_pb2.SANDBOX_STATE_PENDING,
-                    types_pb2.SANDBOX_STATE_STARTING,
+                until = time.monotonic() + CREATE_DEADLINE_S
+                while (
+                    it.wait_ready
+                    and sb.state
+                    in (types_pb2.SANDBOX_STATE_PENDING, types_pb2.SANDBOX_STATE_STARTING)
+                    and time.monotonic() < until
                 ):
                     await asyncio.sleep(0.05)
                     sb = await self.get_sandbox(it.who, e.placed_sandbox_id)
@@ -403,23 +442,32 @@ class CreateQueue:
             if not ids:
                 continue
             try:
+                # Only the entries that ended: a call waiting among thousands costs nothing
+                # until its entry changes.
                 resp = await self.iam.GetQueued(
-                    iam_pb2.GetQueuedRequest(queue_ids=ids), timeout=DEFAULT_DEADLINE_S
+                    iam_pb2.GetQueuedRequest(queue_ids=ids, ended_only=True),
+                    timeout=DEFAULT_DEADLINE_S,
                 )
             except Exception as exc:  # IAM restarting: ask again next round
                 log.debug("GetQueued failed: %s", exc)
                 continue
-            overdue = []
-            now = time.time()
             for e in resp.entries:
-                if e.state != WAITING:
-                    for w in self._waiters.get(e.queue_id, []):
-                        if not w.future.done():
-                            w.future.set_result(e)
-                elif now > e.deadline + DEADLINE_SLACK_S:
-                    overdue.append(e)
+                for w in self._waiters.get(e.queue_id, []):
+                    if not w.future.done():
+                        w.future.set_result(e)
+            now = time.time()
+            overdue = [
+                qid
+                for qid, ws in self._waiters.items()
+                if ws and now > ws[0].deadline + DEADLINE_SLACK_S and not ws[0].future.done()
+            ]
             if overdue:  # no dispatcher ended them (none holds the lease): end them here
-                await self._end(overdue, TIMED_OUT)
+                with contextlib.suppress(Exception):
+                    got = await self.iam.GetQueued(
+                        iam_pb2.GetQueuedRequest(queue_ids=overdue, waiting_only=True),
+                        timeout=DEFAULT_DEADLINE_S,
+                    )
+                    await self._end(list(got.entries), TIMED_OUT)
 
     # ---------------------------------------------------------- dispatcher
 
@@ -461,19 +509,25 @@ class CreateQueue:
         if not live:
             return
         self.rounds += 1
-        batch = self.fair.order(live, MAX_ROUND)
+        batch = [(e, _request(e)) for e in self.fair.order(live, MAX_ROUND)]
         updates: list[iam_pb2.QueueUpdate] = []
         # In serving order, one run of consecutive entries of one project (and principal) per
         # pipeline call: the edges admit one call's items in order, but two calls racing to
-        # one edge would not keep the order between them. The round stops at the first run
-        # that could not all be placed: the entries after it wait for the next room.
-        for run in _runs(batch):
-            placed = await self._place(run, updates)
+        # one edge would not keep the order between them. What one entry could not get, the
+        # entries after it that ask for as much or more of it are not tried for this round
+        # (a shape that found no room, a project at its quota); smaller ones still are, so a
+        # big request at the head does not hold the small ones behind it.
+        blocked = _Blocked()
+        while batch:
+            batch = [(e, r) for e, r in batch if not blocked.holds(e, r)]
+            if not batch:
+                break
+            run = _first_run(batch)
+            batch = batch[len(run) :]
+            placed = await self._place(run, updates, blocked)
             self.fair.placed(placed)
             self.placed_total += len(placed)
             self.waiting -= len(placed)
-            if len(placed) < len(run):
-                break
         if updates:
             await downstream(
                 self.iam.UpdateQueued(
@@ -483,19 +537,23 @@ class CreateQueue:
             )
 
     async def _place(
-        self, run: list[iam_pb2.QueueEntry], updates: list[iam_pb2.QueueUpdate]
+        self,
+        run: list[tuple[iam_pb2.QueueEntry, apiserver_pb2.CreateSandboxRequest]],
+        updates: list[iam_pb2.QueueUpdate],
+        blocked: _Blocked,
     ) -> list[iam_pb2.QueueEntry]:
-        """Sends entries through the creation pipeline; adds their outcomes to ``updates``;
-        returns the placed ones."""
+        """Sends entries through the creation pipeline; adds their outcomes to ``updates``
+        and what they could not get to ``blocked``; returns the placed ones."""
         items = []
-        for e in run:
-            req = apiserver_pb2.CreateSandboxRequest.FromString(e.request)
+        for e, req in run:
             who = Caller(e.principal_id, e.project_id, "")
             # Its own spec object: one placement group per entry, served in this order.
             items.append(CreateItem(who, req.spec, req.idempotency_key, wait_ready=False))
         await self.pipeline.run(items)
         placed = []
-        for e, it in zip(run, items, strict=True):
+        for (e, req), it in zip(run, items, strict=True):
+            if queueable(it.error):
+                blocked.add(e, req, it.error)
             if it.result is not None:
                 placed.append(e)
                 updates.append(

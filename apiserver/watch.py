@@ -9,6 +9,12 @@ during a broken stream, is still reported; a broken stream is reopened with back
 caller's first keepalive comes once every edge known at the start is followed (or has failed
 once): a change after it is reported. Changes are at least once (a change near an edge
 stream's break may come twice).
+
+Creates waiting in the queue (``wait_s``) are not on any edge: the watch asks IAM for the
+subtree's queue entries every :data:`QUEUE_POLL_S` and reports each change of one (joined:
+PENDING with ``queue`` set; placed: the same id with ``queue.placed_sandbox_id``, after which
+the sandbox is reported under its own id by its edge; ended unplaced: TERMINATED with
+QUEUE_TIMEOUT or STOPPED).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from apiserver.creation import Caller
 from apiserver.gateway import Gateway
+from apiserver.queue import pending_view
 from apiserver.routing import within
+from common.channels import DEFAULT_DEADLINE_S
 from common.convert import ts
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
+from dsec.iam.v1 import iam_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError, InvalidArgument
 
@@ -54,6 +63,8 @@ DIRECTORY_POLL_S = 1.0
 #: Changes buffered for a slow caller; beyond it the edge streams wait (and, far behind,
 #: end with WATCH_OVERFLOW and replay).
 QUEUE = 10_000
+#: How often a watch asks IAM about the subtree's queued creates.
+QUEUE_POLL_S = 0.5
 
 
 def replay_start(request: apiserver_pb2.WatchSandboxesRequest) -> float:
@@ -117,6 +128,7 @@ class SandboxWatch:
         if not self._unready:
             self.out.put_nowait(_Ready())
         directory = asyncio.create_task(self._directory())
+        queued = asyncio.create_task(self._queue())
         try:
             while True:
                 try:
@@ -134,7 +146,7 @@ class SandboxWatch:
                 elif within(item.project_id, self.who.project_id):  # the edge filtered already
                     yield apiserver_pb2.WatchSandboxesResponse(changed=item)
         finally:
-            tasks = [directory, *self.tasks.values()]
+            tasks = [directory, queued, *self.tasks.values()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -156,6 +168,35 @@ class SandboxWatch:
                 task = self.tasks.get(edge_id)
                 if task is None or task.done():
                     self._follow(edge_id)
+
+    async def _queue(self) -> None:
+        """The subtree's queued creates, as they join, are placed or end (since the start)."""
+        seen: dict[str, tuple[int, str]] = {}
+        while True:
+            try:
+                resp = await self.gw.iam.GetQueued(
+                    iam_pb2.GetQueuedRequest(project_prefix=self.who.project_id),
+                    timeout=DEFAULT_DEADLINE_S,
+                )
+            except grpc.aio.AioRpcError as exc:  # IAM away: asked again next round
+                log.info("watch: the create queue is unknown: %s", exc.code().name)
+                resp = None
+            for e in resp.entries if resp is not None else []:
+                changed_at = e.ended_at or e.enqueued_at
+                key = (e.state, e.placed_sandbox_id)
+                if seen.get(e.queue_id) == key or changed_at < self.started_at:
+                    seen[e.queue_id] = key
+                    continue
+                seen[e.queue_id] = key
+                task = self.edge_request.task_id
+                if task and e.task_id != task:
+                    continue
+                sb = pending_view(e)
+                labels = self.edge_request.label_selector
+                if any(sb.spec.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                await self.out.put(sb)
+            await asyncio.sleep(QUEUE_POLL_S)
 
     async def _edge(self, edge_id: str) -> None:
         try:

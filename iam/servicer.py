@@ -306,6 +306,8 @@ class IamServicer:
             rows = await self.iam.queue_get(list(request.queue_ids))
             if request.waiting_only:
                 rows = [r for r in rows if r.state == iam_pb2.QUEUE_STATE_WAITING]
+            elif request.ended_only:
+                rows = [r for r in rows if r.state != iam_pb2.QUEUE_STATE_WAITING]
         else:
             rows = await self.iam.queue_list(request.project_prefix, request.waiting_only)
         return iam_pb2.GetQueuedResponse(entries=_entries(rows))

@@ -297,6 +297,8 @@ class Placer:
             for e in self.edges.values()
             if req.backend in e.backends
             and all(e.labels.get(k) == v for k, v in req.node_selector.items())
+            and e.cpu_capacity > 0  # a registered edge not probed yet: its size is unknown
+            and e.memory_capacity > 0
         ]
         if not matching or any(
             req.cpu_millis <= e.cpu_capacity and req.memory_mb <= e.memory_capacity

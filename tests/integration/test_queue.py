@@ -159,6 +159,22 @@ def test_a_pause_that_gives_memory_back_places_a_queued_create_at_once(
         assert sb.run("echo placed").text == "placed\n"
 
 
+def test_a_big_create_at_the_head_does_not_hold_a_small_one_behind_it(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    tx, ty = project(qc, "qx"), project(qc, "qy")
+    with Client(qc.apiserver, token=tx) as x, Client(qc.apiserver, token=ty) as y:
+        (holder,) = fill(x, 1)  # 768 MiB left
+        big = pool.submit(x.create, image="busybox", cpu=0.1, memory_mb=1024, wait_s=60)
+        wait_for(lambda: x.queue().waiting == 1, 15)
+        t0 = time.monotonic()
+        small = y.create(image="busybox", cpu=0.1, memory_mb=256, wait_s=30)
+        assert time.monotonic() - t0 < 5 and small.info.state == "RUNNING"
+        assert not big.done() and x.queue().waiting == 1  # the big one still waits its turn
+        holder.stop(grace_s=0)
+        assert big.result(30).info.state == "RUNNING"
+
+
 def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
     qc: LocalCluster, pool: ThreadPoolExecutor
 ) -> None:
@@ -175,7 +191,10 @@ def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
         ended = c.get(err.metadata["queue_id"]).info
         assert ended.state == "TERMINATED" and ended.termination_reason == "QUEUE_TIMEOUT"
         # A stop while queued cancels: the waiting call ends with the reason, nothing is placed.
-        waiting = pool.submit(c.create, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60)
+        changes = c.watch(task_id="qw", timeout=30)
+        waiting = pool.submit(
+            c.create, image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60, task_id="qw"
+        )
         wait_for(lambda: c.queue().waiting == 1, 15)
         qid = c.queue(include_entries=True).entries[0].id
         # The operator's view: `dsec queue` and `dsec status`.
@@ -194,6 +213,14 @@ def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
             waiting.result(15)
         gone = c.get(qid).info
         assert gone.state == "TERMINATED" and gone.termination_reason == "STOPPED"
+        # The watch saw it join the queue and end there.
+        seen = []
+        with changes:
+            for info in changes:
+                seen.append((info.id, info.state, info.termination_reason))
+                if info.terminated:
+                    break
+        assert seen == [(qid, "PENDING", None), (qid, "TERMINATED", "STOPPED")], seen
         assert c.queue().waiting == 0 and len(live(c)) == 2
 
 

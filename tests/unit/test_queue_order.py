@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from apiserver.queue import FairShare, _runs, checked_priority, checked_wait_s
+from apiserver.queue import (
+    FairShare,
+    _Blocked,
+    _first_run,
+    _request,
+    checked_priority,
+    checked_wait_s,
+)
+from dsec.apiserver.v1 import apiserver_pb2
 from dsec.iam.v1 import iam_pb2
-from libdsec.errors import InvalidArgument
+from dsec.types.v1 import types_pb2
+from libdsec.errors import InvalidArgument, NoEligibleEdge, QuotaExceeded
 
 
 def entries(
@@ -64,9 +73,28 @@ def test_placements_count_and_an_idle_project_earns_no_credit() -> None:
     assert names(fair.order(a_only[6:] + later, 8)) == ["a", "b"] * 4
 
 
-def test_runs_keep_the_order_one_project_per_call() -> None:
+def _sized(e: iam_pb2.QueueEntry, cpu: int, mem: int) -> iam_pb2.QueueEntry:
+    spec = types_pb2.SandboxSpec(backend=types_pb2.BACKEND_CONTAINER)
+    spec.resources.cpu_millis, spec.resources.memory_mb = cpu, mem
+    e.request = apiserver_pb2.CreateSandboxRequest(spec=spec).SerializeToString()
+    return e
+
+
+def test_a_run_is_one_project_and_what_found_no_room_holds_only_as_large() -> None:
     es = entries([("a", "", 0), ("a", "", 0), ("b", "", 0), ("a", "", 0)])
-    assert [[e.queue_id for e in r] for r in _runs(es)] == [["q1", "q2"], ["q3"], ["q4"]]
+    pairs = [(_sized(e, 1000, 512), _request(e)) for e in es]
+    assert [e.queue_id for e, _ in _first_run(pairs)] == ["q1", "q2"]
+    assert [e.queue_id for e, _ in _first_run(pairs[2:])] == ["q3"]
+    blocked = _Blocked()
+    big = _sized(iam_pb2.QueueEntry(project_id="c"), 1000, 4096)
+    blocked.add(big, _request(big), NoEligibleEdge("full"))
+    small = _sized(iam_pb2.QueueEntry(project_id="d"), 1000, 512)
+    bigger = _sized(iam_pb2.QueueEntry(project_id="d"), 2000, 8192)
+    assert not blocked.holds(small, _request(small))  # a smaller ask is still tried
+    assert blocked.holds(bigger, _request(bigger))
+    blocked.add(small, _request(small), QuotaExceeded("d at its quota"))
+    tiny = _sized(iam_pb2.QueueEntry(project_id="d"), 10, 16)
+    assert blocked.holds(tiny, _request(tiny))  # the whole project waits for its quota
 
 
 @pytest.mark.parametrize("bad", [-1.0, 86_401.0, float("nan"), float("inf")])

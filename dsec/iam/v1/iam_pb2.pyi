@@ -243,9 +243,12 @@ class GetQueuedRequest(_message.Message):
     QUEUE_IDS_FIELD_NUMBER: _builtins.int
     PROJECT_PREFIX_FIELD_NUMBER: _builtins.int
     WAITING_ONLY_FIELD_NUMBER: _builtins.int
+    ENDED_ONLY_FIELD_NUMBER: _builtins.int
     project_prefix: _builtins.str
     """with no ids: every entry of this subtree ("" = all)"""
     waiting_only: _builtins.bool
+    ended_only: _builtins.bool
+    """with ids: only those that are no longer waiting"""
     @_builtins.property
     def queue_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -254,10 +257,11 @@ class GetQueuedRequest(_message.Message):
         queue_ids: _abc.Iterable[_builtins.str] | None = ...,
         project_prefix: _builtins.str = ...,
         waiting_only: _builtins.bool = ...,
+        ended_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["project_prefix", b"project_prefix", "queue_ids", b"queue_ids", "waiting_only", b"waiting_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_only", b"ended_only", "project_prefix", b"project_prefix", "queue_ids", b"queue_ids", "waiting_only", b"waiting_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
