@@ -30,7 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from apiserver.creation import Caller
 from apiserver.gateway import Gateway
-from apiserver.queue import pending_view
+from apiserver.queue import WAITING, pending_view
 from apiserver.routing import within
 from common.channels import DEFAULT_DEADLINE_S
 from common.convert import ts
@@ -65,6 +65,9 @@ DIRECTORY_POLL_S = 1.0
 QUEUE = 10_000
 #: How often a watch asks IAM about the subtree's queued creates.
 QUEUE_POLL_S = 0.5
+#: Queue entries carry IAM's clock: a change this much before the watch's start (by this API
+#: server's clock) is still reported (at least once, as the edges' replays are).
+QUEUE_SKEW_S = 2.0
 
 
 def replay_start(request: apiserver_pb2.WatchSandboxesRequest) -> float:
@@ -172,6 +175,8 @@ class SandboxWatch:
     async def _queue(self) -> None:
         """The subtree's queued creates, as they join, are placed or end (since the start)."""
         seen: dict[str, tuple[int, str]] = {}
+        task_id = self.edge_request.task_id
+        labels = dict(self.edge_request.label_selector)
         while True:
             try:
                 resp = await self.gw.iam.GetQueued(
@@ -182,19 +187,25 @@ class SandboxWatch:
                 log.info("watch: the create queue is unknown: %s", exc.code().name)
                 resp = None
             for e in resp.entries if resp is not None else []:
-                changed_at = e.ended_at or e.enqueued_at
                 key = (e.state, e.placed_sandbox_id)
-                if seen.get(e.queue_id) == key or changed_at < self.started_at:
-                    seen[e.queue_id] = key
+                first = e.queue_id not in seen
+                if seen.get(e.queue_id) == key:
                     continue
                 seen[e.queue_id] = key
-                task = self.edge_request.task_id
-                if task and e.task_id != task:
+                since = self.started_at - QUEUE_SKEW_S
+                if (e.ended_at or e.enqueued_at) < since:
+                    continue  # changed before the watch started
+                if task_id and e.task_id != task_id:
                     continue
                 sb = pending_view(e)
-                labels = self.edge_request.label_selector
                 if any(sb.spec.labels.get(k) != v for k, v in labels.items()):
                     continue
+                if first and e.state != WAITING and e.enqueued_at >= since:
+                    # It joined and ended between two polls: it was PENDING first.
+                    joined = iam_pb2.QueueEntry()
+                    joined.CopyFrom(e)
+                    joined.state, joined.placed_sandbox_id, joined.ended_at = WAITING, "", 0.0
+                    await self.out.put(pending_view(joined))
                 await self.out.put(sb)
             await asyncio.sleep(QUEUE_POLL_S)
 
