@@ -39,7 +39,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,47 +117,50 @@ def queueable(err: DSecError | None) -> bool:
 
 
 class FairShare:
-    """The order in which waiting entries are served: weighted fair share across projects
-    and, inside a project, across its tasks.
+    """The order in which waiting entries are served: weighted fair share of the cluster across
+    projects and, inside a project, fair share of placements across its tasks.
 
-    Each project has a virtual time that grows by ``1 / weight`` per sandbox placed for it;
-    the next entry served is the head of the project with the smallest virtual time (ties:
-    the project whose oldest entry arrived first). Inside that project, the task whose
-    oldest entry has the highest ``priority`` goes first, then the task with the fewest
-    placements so far (equal weights), then arrival order. A project (or task) that starts
-    waiting again starts at the smallest virtual time of those already waiting: time spent
-    idle earns no credit. The order is a function of the arrival order (``seq``) and the
-    placements made so far: deterministic.
+    Projects: the next entry served is the head of the project whose share in use is the
+    smallest: (sandboxes it holds now, as IAM counts them, + those picked ahead of it in this
+    order) / its weight; ties go to the project whose oldest entry arrived first. A project
+    that holds many sandboxes already (a burst that took the free room before others came)
+    therefore waits until the others have caught up, and idle time earns nothing.
+
+    Inside that project: the task whose head has the highest ``priority`` goes first, then the
+    task with the fewest placements from the queue so far, then arrival order; a task that
+    starts waiting again starts level with the project's waiting tasks. The order is a function
+    of the arrival order (``seq``), what each project holds, and what the queue placed:
+    deterministic.
     """
 
     def __init__(self) -> None:
-        self.vt: dict[str, float] = {}
         self.task_vt: dict[tuple[str, str], float] = {}
-        self._active: set[str] = set()
         self._active_tasks: set[tuple[str, str]] = set()
 
     @staticmethod
     def weight(e: iam_pb2.QueueEntry) -> float:
         return e.share_weight if e.share_weight > 0 else 1.0
 
-    def _join(self, projects: set[str], tasks: set[tuple[str, str]]) -> None:
-        """Projects and tasks that start waiting start at the floor of those waiting."""
-        floor = min((self.vt[p] for p in projects & self._active if p in self.vt), default=0.0)
-        for p in projects - self._active:
-            self.vt[p] = max(self.vt.get(p, 0.0), floor)
-        for p in projects:
+    def _join(self, tasks: set[tuple[str, str]]) -> None:
+        """Tasks that start waiting start at the floor of their project's waiting tasks."""
+        for p in {t[0] for t in tasks}:
             mine = {t for t in tasks if t[0] == p}
             known = [self.task_vt[t] for t in mine & self._active_tasks if t in self.task_vt]
-            tfloor = min(known, default=0.0)
+            floor = min(known, default=0.0)
             for t in mine - self._active_tasks:
-                self.task_vt[t] = max(self.task_vt.get(t, 0.0), tfloor)
-        self._active, self._active_tasks = projects, tasks
+                self.task_vt[t] = max(self.task_vt.get(t, 0.0), floor)
+        self._active_tasks = tasks
 
     def order(
-        self, entries: Iterable[iam_pb2.QueueEntry], limit: int, *, join: bool = True
+        self,
+        entries: Iterable[iam_pb2.QueueEntry],
+        limit: int,
+        in_use: Mapping[str, int] | None = None,
+        *,
+        join: bool = True,
     ) -> list[iam_pb2.QueueEntry]:
-        """The first ``limit`` entries in serving order (``join`` = False: a look that
-        changes no state, e.g. positions for ``get``)."""
+        """The first ``limit`` entries in serving order; ``in_use``: the sandboxes each
+        project holds now (``join`` = False: a look that changes no state, e.g. positions)."""
         queues: dict[str, dict[str, list[iam_pb2.QueueEntry]]] = {}
         weights: dict[str, float] = {}
         for e in entries:
@@ -167,19 +170,19 @@ class FairShare:
             for q in tasks.values():
                 q.sort(key=lambda e: (-e.priority, e.seq))
                 q.reverse()  # pop() from the end = the head
-        projects = set(queues)
         task_keys = {(p, t) for p, tasks in queues.items() for t in tasks}
         if join:
-            self._join(projects, task_keys)
-        vt = {p: self.vt.get(p, 0.0) for p in projects}
+            self._join(task_keys)
+        held = in_use or {}
+        share = {p: held.get(p, 0) / weights[p] for p in queues}
         tvt = {t: self.task_vt.get(t, 0.0) for t in task_keys}
         out: list[iam_pb2.QueueEntry] = []
         while queues and len(out) < limit:
-            p = min(queues, key=lambda p: (vt[p], min(q[-1].seq for q in queues[p].values())))
+            p = min(queues, key=lambda p: (share[p], min(q[-1].seq for q in queues[p].values())))
             tasks = queues[p]
             t = min(tasks, key=lambda t: (-tasks[t][-1].priority, tvt[(p, t)], tasks[t][-1].seq))
             out.append(tasks[t].pop())
-            vt[p] += 1.0 / weights[p]
+            share[p] += 1.0 / weights[p]
             tvt[(p, t)] += 1.0
             if not tasks[t]:
                 del tasks[t]
@@ -189,7 +192,6 @@ class FairShare:
 
     def placed(self, entries: Iterable[iam_pb2.QueueEntry]) -> None:
         for e in entries:
-            self.vt[e.project_id] = self.vt.get(e.project_id, 0.0) + 1.0 / self.weight(e)
             key = (e.project_id, e.task_id)
             self.task_vt[key] = self.task_vt.get(key, 0.0) + 1.0
 
@@ -509,7 +511,7 @@ class CreateQueue:
         if not live:
             return
         self.rounds += 1
-        batch = [(e, _request(e)) for e in self.fair.order(live, MAX_ROUND)]
+        batch = [(e, _request(e)) for e in self.fair.order(live, MAX_ROUND, resp.in_use)]
         updates: list[iam_pb2.QueueUpdate] = []
         # In serving order, one run of consecutive entries of one project (and principal) per
         # pipeline call: the edges admit one call's items in order, but two calls racing to
@@ -612,7 +614,7 @@ class CreateQueue:
             ),
             "iam",
         )
-        ordered = self.fair.order(resp.entries, len(resp.entries), join=False)
+        ordered = self.fair.order(resp.entries, len(resp.entries), resp.in_use, join=False)
         pos = {e.queue_id: i for i, e in enumerate(ordered, 1)}
         mine = [e for e in ordered if within(e.project_id, project_prefix)]
         return mine, pos

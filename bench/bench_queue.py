@@ -13,11 +13,18 @@ its place. Two ways to get them all:
   loop every trainer writes around a refusal today.
 
 Reported per way: the time until the last sandbox was placed; the requests sent (create items,
-so the refused ones that had to be sent again count as wasted); and fairness: over the time
-both projects still had sandboxes to get, the largest gap between the two projects' placed
-counts (0-1 = alternating; the weighted share says equal).
+so the refused ones that had to be sent again count as wasted); and fairness, as the share of
+the node each project held while both still had sandboxes to get (equal weights: equal
+shares): the largest and the time-averaged gap between the two projects' sandboxes held, from
+one lifetime (+2 s of TTL enforcement) after the start: the first allotment goes to whichever
+burst arrived first, as the node was empty; from its first turnover on, freed places are shared.
 
-usage: python bench/bench_queue.py [--count 2000] [--slots 200] [--life-s 3]
+The defaults make the node the bottleneck on a 2-core machine, which creates (and tears
+down) ~15 containers/s: 40 places x 10 s = 4 creates/s of room. With the issue's 200 places
+and 3 s lives (67/s), the create path, not the node, is what limits both ways here (see the
+issue's closing note for that run).
+
+usage: python bench/bench_queue.py [--count 400] [--slots 40] [--life-s 10]
 """
 
 from __future__ import annotations
@@ -148,14 +155,25 @@ def run_way(
         for name, sbs in results.items()
         for s in sbs
     )
-    last = {name: max(t for t, n in placed if n == name) for name in ("a", "b")}
-    contended_until = min(last.values())
+    contended_until = min(max(t for t, n in placed if n == name) for name in ("a", "b"))
+    # Held sandboxes over time: each from its creation to its TTL.
+    events = sorted(
+        [(t, 1, name) for t, name in placed] + [(t + life_s, -1, name) for t, name in placed]
+    )
+    held = {"a": 0, "b": 0}
+    settled = t0 + life_s + 2.0  # the first allotment has turned over
     gap = 0
-    counts = {"a": 0, "b": 0}
-    for at, name in placed:
-        counts[name] += 1
-        if at <= contended_until:
-            gap = max(gap, abs(counts["a"] - counts["b"]))
+    area = span = 0.0
+    last = t0
+    for at, delta, name in events:
+        counted = settled <= last and at <= contended_until
+        if counted:
+            area += abs(held["a"] - held["b"]) * (at - last)
+            span += at - last
+        held[name] += delta
+        if settled <= at <= contended_until:
+            gap = max(gap, abs(held["a"] - held["b"]))
+        last = at
     items = sum(sum(v) for v in sent.values())
     return {
         "placed_s": placed[-1][0] - t0,
@@ -164,14 +182,15 @@ def run_way(
         "wasted": items - 2 * half,
         "calls": sum(len(v) for v in sent.values()),
         "max_gap": gap,
+        "mean_gap": area / span if span else 0.0,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--count", type=int, default=2000)
-    ap.add_argument("--slots", type=int, default=200)
-    ap.add_argument("--life-s", type=int, default=3)
+    ap.add_argument("--count", type=int, default=400)
+    ap.add_argument("--slots", type=int, default=40)
+    ap.add_argument("--life-s", type=int, default=10)
     args = ap.parse_args()
     rows: list[list[object]] = []
     got: list[dict[str, float]] = []
@@ -188,6 +207,7 @@ def main() -> None:
                     int(r["items_sent"]),
                     int(r["wasted"]),
                     int(r["max_gap"]),
+                    r["mean_gap"],
                 ]
             )
             time.sleep(args.life_s + 2)  # the node empties before the next way
@@ -195,13 +215,22 @@ def main() -> None:
     table(
         f"{args.count} creates of two projects, a node holding {args.slots},"
         f" each sandbox living {args.life_s} s",
-        ["way", "all placed (s)", "calls", "items sent", "wasted items", "max gap A-B"],
+        [
+            "way",
+            "all placed (s)",
+            "calls",
+            "items sent",
+            "wasted items",
+            "held gap max",
+            "held gap mean",
+        ],
         rows,
     )
     print(
         f"\nqueue vs retry loop: {q['placed_s'] / retry['placed_s']:.2f}x the time,"
         f" {q['items_sent'] / retry['items_sent']:.3f}x the items sent,"
-        f" max gap {q['max_gap']:.0f} vs {retry['max_gap']:.0f}"
+        f" held gap max {q['max_gap']:.0f} vs {retry['max_gap']:.0f},"
+        f" mean {q['mean_gap']:.1f} vs {retry['mean_gap']:.1f} (of {args.slots} places)"
     )
 
 

@@ -331,6 +331,18 @@ class Iam:
         """``change`` runs on each row inside the store's transaction (see IamStore)."""
         return await self._run(self.store.queue_update, queue_ids, change)  # type: ignore[no-any-return]
 
+    async def sandboxes_in_use(self, project_ids: set[str]) -> dict[str, int]:
+        """The sandboxes each project's subtree holds now (its usage)."""
+
+        def read() -> dict[str, int]:
+            out = {}
+            for pid in project_ids:
+                rec = self.store.get_project(pid)
+                out[pid] = rec.usage.sandboxes if rec is not None else 0
+            return out
+
+        return await self._run(read)  # type: ignore[no-any-return]
+
     async def lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, str]:
         return await self._run(self.store.lease, name, holder, ttl_s, time.time())  # type: ignore[no-any-return]
 

@@ -310,6 +310,9 @@ class IamServicer:
                 rows = [r for r in rows if r.state != iam_pb2.QUEUE_STATE_WAITING]
         else:
             rows = await self.iam.queue_list(request.project_prefix, request.waiting_only)
+            if request.waiting_only:
+                in_use = await self.iam.sandboxes_in_use({r.project_id for r in rows})
+                return iam_pb2.GetQueuedResponse(entries=_entries(rows), in_use=in_use)
         return iam_pb2.GetQueuedResponse(entries=_entries(rows))
 
     async def UpdateQueued(

@@ -62,15 +62,25 @@ def test_tasks_share_a_project_and_priority_goes_first() -> None:
     assert names(FairShare().order(es, 10)) == ["pt3", "pt3"] + ["pt1", "pt2"] * 4
 
 
-def test_placements_count_and_an_idle_project_earns_no_credit() -> None:
+def test_a_project_holding_more_waits_until_the_others_catch_up() -> None:
+    """Fair share of the cluster, not of the queue: a (holding 6 already, e.g. its burst took
+    the free room before b came) waits until b holds as many; then they alternate."""
+    es = entries([("a", "", 0)] * 10 + [("b", "", 0)] * 10)
+    order = names(FairShare().order(es, 14, {"a": 6, "b": 0}))
+    assert order == ["b"] * 6 + ["a", "b"] * 4
+    # Weighted: with weight 2, a's 6 count as 3.
+    es = entries([("a", "", 0)] * 10 + [("b", "", 0)] * 10, {"a": 2.0})
+    assert names(FairShare().order(es, 3, {"a": 6, "b": 0})) == ["b", "b", "b"]
+
+
+def test_a_task_that_starts_waiting_earns_no_credit_for_idle_time() -> None:
     fair = FairShare()
-    a_only = entries([("a", "", 0)] * 10)
-    fair.placed(fair.order(a_only, 6))  # a alone for a while: 6 placed
-    # b starts waiting now: it starts at a's level, not 6 behind it.
-    later = entries([("b", "", 0)] * 4)
+    t1 = entries([("p", "t1", 0)] * 10)
+    fair.placed(fair.order(t1, 6))  # t1 alone for a while: 6 placed
+    later = entries([("p", "t2", 0)] * 4)
     for e in later:
-        e.seq += 10  # arrived after a's
-    assert names(fair.order(a_only[6:] + later, 8)) == ["a", "b"] * 4
+        e.seq += 10  # arrived after t1's
+    assert names(fair.order(t1[6:] + later, 8)) == ["pt1", "pt2"] * 4
 
 
 def _sized(e: iam_pb2.QueueEntry, cpu: int, mem: int) -> iam_pb2.QueueEntry:
