@@ -26,6 +26,11 @@ from edge.display import Action, Button, Click, Drag, Move, Press, Scroll, Type
 ABS_MAX = 32767
 #: After each key or button state change: the guest reads one report before the next.
 KEY_PAUSE_S = 0.01
+#: After each wheel notch. To the USB tablet a notch is motion, not a button: QEMU merges it
+#: with the next motion the guest has not read yet, and X then reports the notch where the
+#: pointer went next (a drag after a scroll). The guest polls every ~10 ms, slower under TCG on
+#: a busy host: a notch waits longer than a key.
+WHEEL_PAUSE_S = 0.05
 #: Intermediate pointer positions of a drag (applications that watch the motion see it).
 DRAG_STEPS = 10
 
@@ -165,8 +170,8 @@ def key_qcodes(keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _click(button: str) -> list[Step]:
-    return [Step([_btn(button, True)], KEY_PAUSE_S), Step([_btn(button, False)], KEY_PAUSE_S)]
+def _click(button: str, pause_s: float = KEY_PAUSE_S) -> list[Step]:
+    return [Step([_btn(button, True)], pause_s), Step([_btn(button, False)], pause_s)]
 
 
 def _steps(action: Action, size: tuple[int, int]) -> list[Step]:
@@ -182,7 +187,7 @@ def _steps(action: Action, size: tuple[int, int]) -> list[Step]:
         for field, notches in (("dy", action.dy), ("dx", action.dx)):
             button = _WHEEL[field][0 if notches > 0 else 1]
             for _ in range(abs(notches)):
-                out += _click(button)
+                out += _click(button, WHEEL_PAUSE_S)
         return out
     if isinstance(action, Drag):
         out = [Step(move_events(action.from_x, action.from_y, size), 0.0)]
