@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -223,6 +224,34 @@ def test_the_deadline_ends_a_queued_create_and_a_stop_cancels_one(
                     break
         assert seen == [(qid, "PENDING", None), (qid, "TERMINATED", "STOPPED")], seen
         assert c.queue().waiting == 0 and len(live(c)) == 2
+
+
+def test_a_caller_that_goes_away_while_queued_still_gets_its_sandbox_on_retry(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    key = f"gone-{secrets.token_hex(4)}"
+    with Client(qc.apiserver, token=qc.token) as c:
+        holders = fill(c)
+        gone = Client(qc.apiserver, token=qc.token)
+        call = pool.submit(
+            gone.create,
+            image="busybox",
+            cpu=0.1,
+            memory_mb=BIG,
+            wait_s=60,
+            idempotency_key=key,
+        )
+        wait_for(lambda: c.queue().waiting == 1, 15)
+        gone.close()  # the caller disconnects mid-wait (its process died, say)
+        with contextlib.suppress(DSecError):
+            call.result(15)
+        assert c.queue().waiting == 1  # its entry waits on, with nobody attached
+        holders[0].stop(grace_s=0)
+        wait_for(lambda: c.queue().waiting == 0, 15)  # placed in its turn, nobody waiting
+        # The caller's retry (same key) gets that sandbox: nothing is created twice.
+        again = c.create(image="busybox", cpu=0.1, memory_mb=BIG, wait_s=60, idempotency_key=key)
+        assert again.info.state == "RUNNING"
+        assert {s.id for s in live(c)} == {holders[1].id, again.id}
 
 
 def test_bad_input_and_a_create_no_edge_could_hold_are_refused_at_once(
