@@ -88,9 +88,27 @@ def instance_of(c: Client) -> str:
 class Load:
     """``threads`` clients (one connection each) calling an idempotent RPC in a loop."""
 
-    def __init__(self, v: VipLab, threads: int = 6) -> None:
+    def __init__(
+        self, v: VipLab, threads: int = 6, spread: tuple[str, ...] = ("apiserver", "apiserver1")
+    ) -> None:
         self.clients = [v.client() for _ in range(threads)]
         self.on = [instance_of(c) for c in self.clients]
+        # ECMP hashes each connection: a few may all land on one instance (6 of 6 on one of
+        # two: 1 in 32). New connections replace some until every instance of ``spread`` has
+        # one (bounded: an instance the route does not reach stays missing, and tests say so).
+        for _ in range(40):
+            missing = [name for name in spread if name not in self.on]
+            if not missing:
+                break
+            c = v.client()
+            name = instance_of(c)
+            if name not in missing:
+                c.close()
+                continue
+            crowded = max(set(self.on), key=self.on.count)
+            i = self.on.index(crowded)
+            self.clients[i].close()
+            self.clients[i], self.on[i] = c, name
         self.ok: list[list[float]] = [[] for _ in self.clients]
         self.failed: list[str] = []
         self._stop = threading.Event()
