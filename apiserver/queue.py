@@ -116,6 +116,11 @@ def queueable(err: DSecError | None) -> bool:
 # ------------------------------------------------------------------ fair share
 
 
+def weight(share_weight: Mapping[str, float] | None, project_id: str) -> float:
+    """A project's weight in the fair share (IAM's answer; missing or 0 = 1)."""
+    return (share_weight or {}).get(project_id) or 1.0
+
+
 class FairShare:
     """The order in which waiting entries are served: weighted fair share of the cluster across
     projects and, inside a project, fair share of placements across its tasks.
@@ -137,10 +142,6 @@ class FairShare:
         self.task_vt: dict[tuple[str, str], float] = {}
         self._active_tasks: set[tuple[str, str]] = set()
 
-    @staticmethod
-    def weight(e: iam_pb2.QueueEntry) -> float:
-        return e.share_weight if e.share_weight > 0 else 1.0
-
     def _join(self, tasks: set[tuple[str, str]]) -> None:
         """Tasks that start waiting start at the floor of their project's waiting tasks."""
         for p in {t[0] for t in tasks}:
@@ -156,16 +157,17 @@ class FairShare:
         entries: Iterable[iam_pb2.QueueEntry],
         limit: int,
         in_use: Mapping[str, int] | None = None,
+        share_weight: Mapping[str, float] | None = None,
         *,
         join: bool = True,
     ) -> list[iam_pb2.QueueEntry]:
         """The first ``limit`` entries in serving order; ``in_use``: the sandboxes each
-        project holds now (``join`` = False: a look that changes no state, e.g. positions)."""
+        project holds now, ``share_weight``: each one's weight (missing or 0 = 1; ``join`` =
+        False: a look that changes no state, e.g. positions)."""
         queues: dict[str, dict[str, list[iam_pb2.QueueEntry]]] = {}
-        weights: dict[str, float] = {}
         for e in entries:
             queues.setdefault(e.project_id, {}).setdefault(e.task_id, []).append(e)
-            weights[e.project_id] = self.weight(e)
+        weights = {p: weight(share_weight, p) for p in queues}
         for tasks in queues.values():
             for q in tasks.values():
                 q.sort(key=lambda e: (-e.priority, e.seq))
@@ -311,9 +313,6 @@ class CreateQueue:
         self._waiters: dict[str, list[_Waiter]] = {}
         self._wake = asyncio.Event()
         self._poll_wake = asyncio.Event()
-        self._weights: dict[str, tuple[float, float]] = {}  # project -> (weight, fetched at)
-        self.rounds = 0
-        self.placed_total = 0
 
     async def run(self) -> None:
         """The dispatcher (when this server holds the lease) and the waiting calls' poller."""
@@ -326,27 +325,6 @@ class CreateQueue:
         return bool(self._waiters) or self.waiting > 0
 
     # ------------------------------------------------------------- enqueue
-
-    async def _weight(self, who: Caller) -> float:
-        hit = self._weights.get(who.project_id)
-        now = time.monotonic()
-        if hit is not None and now - hit[1] < 10.0:
-            return hit[0]
-        try:
-            resp = await downstream(
-                self.iam.GetProject(
-                    iam_pb2.GetProjectRequest(project_id=who.project_id),
-                    metadata=(("authorization", f"Bearer {who.token}"),),
-                    timeout=DEFAULT_DEADLINE_S,
-                ),
-                "iam",
-            )
-            weight = resp.project.quota.share_weight or 1.0
-        except DSecError as err:  # the default weight, rather than failing the create
-            log.warning("share weight of %s unknown (%s): 1", who.project_id, err)
-            weight = 1.0
-        self._weights[who.project_id] = (weight, now)
-        return weight
 
     async def wait_for_room(
         self,
@@ -374,7 +352,6 @@ class CreateQueue:
                     idempotency_key=it.key,
                     request=body.SerializeToString(),
                     reason=why.message if why is not None else "waiting for its turn",
-                    share_weight=await self._weight(it.who),
                 )
             )
         resp = await downstream(
@@ -510,8 +487,10 @@ class CreateQueue:
             await self._end(expired, TIMED_OUT)
         if not live:
             return
-        self.rounds += 1
-        batch = [(e, _request(e)) for e in self.fair.order(live, MAX_ROUND, resp.in_use)]
+        batch = [
+            (e, _request(e))
+            for e in self.fair.order(live, MAX_ROUND, resp.in_use, resp.share_weight)
+        ]
         updates: list[iam_pb2.QueueUpdate] = []
         # In serving order, one run of consecutive entries of one project (and principal) per
         # pipeline call: the edges admit one call's items in order, but two calls racing to
@@ -528,7 +507,6 @@ class CreateQueue:
             batch = batch[len(run) :]
             placed = await self._place(run, updates, blocked)
             self.fair.placed(placed)
-            self.placed_total += len(placed)
             self.waiting -= len(placed)
         if updates:
             await downstream(
@@ -605,19 +583,21 @@ class CreateQueue:
 
     async def positions(
         self, project_prefix: str = ""
-    ) -> tuple[list[iam_pb2.QueueEntry], dict[str, int]]:
-        """Every waiting entry (of the subtree) and each one's place in the serving order
-        of the whole queue (1 = next)."""
+    ) -> tuple[list[iam_pb2.QueueEntry], dict[str, int], Mapping[str, float]]:
+        """Every waiting entry (of the subtree), each one's place in the serving order of the
+        whole queue (1 = next), and the projects' weights."""
         resp = await downstream(
             self.iam.GetQueued(
                 iam_pb2.GetQueuedRequest(waiting_only=True), timeout=DEFAULT_DEADLINE_S
             ),
             "iam",
         )
-        ordered = self.fair.order(resp.entries, len(resp.entries), resp.in_use, join=False)
+        ordered = self.fair.order(
+            resp.entries, len(resp.entries), resp.in_use, resp.share_weight, join=False
+        )
         pos = {e.queue_id: i for i, e in enumerate(ordered, 1)}
         mine = [e for e in ordered if within(e.project_id, project_prefix)]
-        return mine, pos
+        return mine, pos, resp.share_weight
 
     async def get(self, who: Caller, queue_id: str) -> types_pb2.Sandbox:
         e = await self._entry(who, queue_id)
@@ -627,7 +607,7 @@ class CreateQueue:
             return sb
         position = 0
         if e.state == WAITING:
-            _, pos = await self.positions()
+            _, pos, _ = await self.positions()
             position = pos.get(queue_id, 0)
         return pending_view(e, position)
 
@@ -659,7 +639,7 @@ class CreateQueue:
     async def listing(
         self, who: Caller, task_id: str, labels: dict[str, str], subprojects: bool
     ) -> list[types_pb2.Sandbox]:
-        mine, pos = await self.positions(who.project_id)
+        mine, pos, _ = await self.positions(who.project_id)
         out = []
         for e in mine:
             if task_id and e.task_id != task_id:
@@ -673,14 +653,16 @@ class CreateQueue:
         return out
 
     async def summary(self, who: Caller, include_entries: bool) -> apiserver_pb2.ListQueueResponse:
-        mine, pos = await self.positions(who.project_id)
+        mine, pos, weights = await self.positions(who.project_id)
         now = time.time()
         groups: dict[tuple[str, str], apiserver_pb2.QueueGroup] = {}
         for e in mine:
             g = groups.get((e.project_id, e.task_id))
             if g is None:
                 g = groups[(e.project_id, e.task_id)] = apiserver_pb2.QueueGroup(
-                    project_id=e.project_id, task_id=e.task_id, share_weight=FairShare.weight(e)
+                    project_id=e.project_id,
+                    task_id=e.task_id,
+                    share_weight=weight(weights, e.project_id),
                 )
             g.waiting += 1
             g.oldest_wait_s = max(g.oldest_wait_s, now - e.enqueued_at)

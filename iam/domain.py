@@ -331,15 +331,16 @@ class Iam:
         """``change`` runs on each row inside the store's transaction (see IamStore)."""
         return await self._run(self.store.queue_update, queue_ids, change)  # type: ignore[no-any-return]
 
-    async def sandboxes_in_use(self, project_ids: set[str]) -> dict[str, int]:
-        """The sandboxes each project's subtree holds now (its usage)."""
+    async def queue_shares(self, project_ids: set[str]) -> tuple[dict[str, int], dict[str, float]]:
+        """What each project's subtree holds now (its usage) and its weight (its quota's)."""
 
-        def read() -> dict[str, int]:
-            out = {}
+        def read() -> tuple[dict[str, int], dict[str, float]]:
+            in_use, weights = {}, {}
             for pid in project_ids:
                 rec = self.store.get_project(pid)
-                out[pid] = rec.usage.sandboxes if rec is not None else 0
-            return out
+                in_use[pid] = rec.usage.sandboxes if rec is not None else 0
+                weights[pid] = rec.quota.share_weight if rec is not None else 0.0
+            return in_use, weights
 
         return await self._run(read)  # type: ignore[no-any-return]
 

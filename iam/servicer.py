@@ -311,8 +311,10 @@ class IamServicer:
         else:
             rows = await self.iam.queue_list(request.project_prefix, request.waiting_only)
             if request.waiting_only:
-                in_use = await self.iam.sandboxes_in_use({r.project_id for r in rows})
-                return iam_pb2.GetQueuedResponse(entries=_entries(rows), in_use=in_use)
+                in_use, weights = await self.iam.queue_shares({r.project_id for r in rows})
+                return iam_pb2.GetQueuedResponse(
+                    entries=_entries(rows), in_use=in_use, share_weight=weights
+                )
         return iam_pb2.GetQueuedResponse(entries=_entries(rows))
 
     async def UpdateQueued(

@@ -21,10 +21,9 @@ from libdsec.errors import InvalidArgument, NoEligibleEdge, QuotaExceeded
 
 
 def entries(
-    spec: list[tuple[str, str, int]], weight: dict[str, float] | None = None
+    spec: list[tuple[str, str, int]],
 ) -> list[iam_pb2.QueueEntry]:
     """(project, task, priority) in arrival order."""
-    w = weight or {}
     return [
         iam_pb2.QueueEntry(
             queue_id=f"q{i}",
@@ -33,7 +32,6 @@ def entries(
             task_id=t,
             priority=prio,
             seq=i,
-            share_weight=w.get(p, 0.0),
         )
         for i, (p, t, prio) in enumerate(spec, 1)
     ]
@@ -52,8 +50,8 @@ def test_equal_projects_alternate_whatever_the_arrival_order() -> None:
 
 
 def test_weights_give_shares_in_proportion() -> None:
-    es = entries([("a", "", 0)] * 30 + [("b", "", 0)] * 30, {"a": 2.0})
-    first = names(FairShare().order(es, 30))
+    es = entries([("a", "", 0)] * 30 + [("b", "", 0)] * 30)
+    first = names(FairShare().order(es, 30, {}, {"a": 2.0}))
     assert first.count("a") == 20 and first.count("b") == 10
 
 
@@ -69,8 +67,7 @@ def test_a_project_holding_more_waits_until_the_others_catch_up() -> None:
     order = names(FairShare().order(es, 14, {"a": 6, "b": 0}))
     assert order == ["b"] * 6 + ["a", "b"] * 4
     # Weighted: with weight 2, a's 6 count as 3.
-    es = entries([("a", "", 0)] * 10 + [("b", "", 0)] * 10, {"a": 2.0})
-    assert names(FairShare().order(es, 3, {"a": 6, "b": 0})) == ["b", "b", "b"]
+    assert names(FairShare().order(es, 3, {"a": 6, "b": 0}, {"a": 2.0})) == ["b", "b", "b"]
 
 
 def test_a_task_that_starts_waiting_earns_no_credit_for_idle_time() -> None:

@@ -141,7 +141,6 @@ class QueueEntry(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
-    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
     queue_id: _builtins.str
     project_id: _builtins.str
     principal_id: _builtins.str
@@ -160,8 +159,6 @@ class QueueEntry(_message.Message):
     reason: _builtins.str
     """why not placed yet / why it ended"""
     ended_at: _builtins.float
-    share_weight: _builtins.float
-    """the project's weight when it was queued (0 = 1)"""
     @_builtins.property
     def error(self) -> _types_pb2.ItemStatus:
         """FAILED: the error"""
@@ -184,11 +181,10 @@ class QueueEntry(_message.Message):
         reason: _builtins.str = ...,
         error: _types_pb2.ItemStatus | None = ...,
         ended_at: _builtins.float = ...,
-        share_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "ended_at", b"ended_at", "enqueued_at", b"enqueued_at", "error", b"error", "idempotency_key", b"idempotency_key", "placed_sandbox_id", b"placed_sandbox_id", "principal_id", b"principal_id", "priority", b"priority", "project_id", b"project_id", "queue_id", b"queue_id", "reason", b"reason", "request", b"request", "seq", b"seq", "share_weight", b"share_weight", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "ended_at", b"ended_at", "enqueued_at", b"enqueued_at", "error", b"error", "idempotency_key", b"idempotency_key", "placed_sandbox_id", b"placed_sandbox_id", "principal_id", b"principal_id", "priority", b"priority", "project_id", b"project_id", "queue_id", b"queue_id", "reason", b"reason", "request", b"request", "seq", b"seq", "state", b"state", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -291,8 +287,29 @@ class GetQueuedResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ShareWeightEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ENTRIES_FIELD_NUMBER: _builtins.int
     IN_USE_FIELD_NUMBER: _builtins.int
+    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]: ...
     @_builtins.property
@@ -301,15 +318,20 @@ class GetQueuedResponse(_message.Message):
         waiting entry holds now (its subtree's usage), for fair share of the cluster.
         """
 
+    @_builtins.property
+    def share_weight(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """and each one's weight now (its quota's; 0 = 1)"""
+
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___QueueEntry] | None = ...,
         in_use: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        share_weight: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "in_use", b"in_use"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "in_use", b"in_use", "share_weight", b"share_weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
