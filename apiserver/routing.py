@@ -97,7 +97,9 @@ class EdgeDirectory:
         )
         self._watcher = watcher_pb2_grpc.WatcherServiceStub(self._watcher_channel)
         self._refreshing: asyncio.Task[None] | None = None
-        self._last_refresh = 0.0
+        #: When the newest snapshot learned so far was asked for (monotonic): it holds every
+        #: edge the watcher knew at that moment.
+        self._fresh_since = 0.0
         self.unhealthy: set[str] = set()
 
     async def refresh(self) -> None:
@@ -106,6 +108,7 @@ class EdgeDirectory:
     async def snapshot(self) -> watcher_pb2.ClusterSnapshot:
         """The watcher's snapshot now (every edge it knows, with health); refreshes the
         addresses on the way."""
+        asked = time.monotonic()
         resp = await downstream(
             self._watcher.GetClusterSnapshot(
                 watcher_pb2.GetClusterSnapshotRequest(), timeout=DEFAULT_DEADLINE_S
@@ -113,6 +116,7 @@ class EdgeDirectory:
             "watcher",
         )
         self._learn_snapshot(resp.snapshot)
+        self._fresh_since = max(self._fresh_since, asked)
         return resp.snapshot
 
     def _learn_snapshot(self, snapshot: watcher_pb2.ClusterSnapshot) -> None:
@@ -129,7 +133,6 @@ class EdgeDirectory:
             # edges it does not know are not gone, keep their addresses.
             addresses = {**self.addresses, **addresses}
         self.addresses = addresses
-        self._last_refresh = time.monotonic()
 
     async def lost(
         self,
@@ -155,11 +158,15 @@ class EdgeDirectory:
             "watcher",
         )
 
-    async def _refresh_shared(self) -> None:
-        # Concurrent misses share one snapshot fetch.
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self.refresh())
-        await asyncio.shield(self._refreshing)
+    async def _refresh_since(self, missed_at: float) -> None:
+        """Learn a snapshot asked for after ``missed_at``. An edge a sandbox id names may have
+        joined after the last snapshot (a sandbox created through another API server a moment
+        ago), so a fetch that began before the miss does not answer it; concurrent misses
+        share one fetch."""
+        while self._fresh_since < missed_at:
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self.refresh())
+            await asyncio.shield(self._refreshing)
 
     def learn(self, edge_id: str, address: str) -> None:
         """An edge's address as another service just gave it (placement's answer)."""
@@ -167,8 +174,8 @@ class EdgeDirectory:
 
     async def address(self, edge_id: str) -> str | None:
         addr = self.addresses.get(edge_id)
-        if addr is None and time.monotonic() - self._last_refresh > 0.2:
-            await self._refresh_shared()
+        if addr is None:
+            await self._refresh_since(time.monotonic())
             addr = self.addresses.get(edge_id)
         return addr
 

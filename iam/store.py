@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from libdsec.errors import DSecError, NotFound, QuotaExceeded
+from libdsec.errors import AlreadyExists, DSecError, NotFound, QuotaExceeded
 
 #: How long an idempotency key keeps pointing at its sandbox.
 KEY_TTL_S = 24 * 3600.0
@@ -147,6 +147,12 @@ class QueueRow:
     seq: int  # arrival order, set by the store
     body: bytes
     ended_at: float = 0.0
+
+
+def queue_id_exists(queue_id: str) -> DSecError:
+    """A queue id is used once: a second add under it (other than an idempotent repeat, which
+    answers the first entry) is refused, whatever state the first one is in."""
+    return AlreadyExists(f"queue entry {queue_id} exists", reason="QUEUE_ID_EXISTS")
 
 
 #: Applied to each row of ``queue_update`` inside its transaction: the new row, or None to

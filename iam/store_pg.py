@@ -43,6 +43,7 @@ from iam.store import (
     chains_of,
     in_subtree,
     project_row,
+    queue_id_exists,
     raise_outcome,
     release_deltas,
     token_row,
@@ -532,11 +533,14 @@ class PostgresIamStore:
                     if hit is not None:
                         out.append(self._row(hit))
                         continue
-                seq = c.execute(
-                    "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
-                    " VALUES (%s, %s, %s, %s, %s) RETURNING seq",
-                    (row.queue_id, row.project_id, row.key, row.state, row.body),
-                ).fetchone()
+                try:
+                    seq = c.execute(
+                        "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
+                        " VALUES (%s, %s, %s, %s, %s) RETURNING seq",
+                        (row.queue_id, row.project_id, row.key, row.state, row.body),
+                    ).fetchone()
+                except pg_errors.UniqueViolation:
+                    raise queue_id_exists(row.queue_id) from None
                 row.seq = int(seq[0]) if seq else 0
                 out.append(row)
             return out

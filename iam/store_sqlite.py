@@ -34,6 +34,7 @@ from iam.store import (
     chains_of,
     in_subtree,
     project_row,
+    queue_id_exists,
     raise_outcome,
     release_deltas,
     token_row,
@@ -436,11 +437,14 @@ class SqliteIamStore:
                     if hit is not None:
                         out.append(QueueRow(*hit))
                         continue
-                cur = db.execute(
-                    "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    (row.queue_id, row.project_id, row.key, row.state, row.body),
-                )
+                try:
+                    cur = db.execute(
+                        "INSERT INTO queue (queue_id, project_id, idem_key, state, body)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        (row.queue_id, row.project_id, row.key, row.state, row.body),
+                    )
+                except sqlite3.IntegrityError:
+                    raise queue_id_exists(row.queue_id) from None
                 row.seq = int(cur.lastrowid or 0)
                 out.append(row)
         return out

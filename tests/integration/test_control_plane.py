@@ -116,14 +116,19 @@ def test_any_api_server_serves_any_sandbox(cp: LocalCluster) -> None:
     with Client(a, token=token) as ca, Client(b, token=token) as cb:
         assert ca.whoami().project_id == cb.whoami().project_id
         made = ca.create_many(6, image="busybox", cpu=0.1, memory_mb=32, task_id="route")
-        ids = {s.id for s in made if not isinstance(s, Exception)}
-        assert len(ids) == 6
-        one = next(iter(ids))
-        assert cb.get(one).info.state == "RUNNING"  # created through A, read through B
-        assert set(live(cp, token, "route")) == ids
-        assert set(cb.stop_all(task_id="route")) == ids  # bulk stop by task, every edge
-        assert live(cp, token, "route") == []
-        assert ca.get(one).info.termination_reason == "STOPPED"
+        try:
+            ids = {s.id for s in made if not isinstance(s, Exception)}
+            assert len(ids) == 6
+            # Created through A, read through B at once: B learns the edges it has not heard
+            # of yet (each one of them, not only the one a snapshot happened to show).
+            for one in sorted(ids):
+                assert cb.get(one).info.state == "RUNNING"
+            assert set(live(cp, token, "route")) == ids
+            assert set(cb.stop_all(task_id="route")) == ids  # bulk stop by task, every edge
+            assert live(cp, token, "route") == []
+            assert ca.get(one).info.termination_reason == "STOPPED"
+        finally:  # the small edge cpc must be empty for the tests after this one
+            ca.stop_all(task_id="route")
 
 
 def test_idempotency_keys_are_durable_across_api_servers(cp: LocalCluster) -> None:

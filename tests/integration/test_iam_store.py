@@ -372,6 +372,12 @@ def test_the_create_queue_keeps_one_entry_per_key_and_its_first_end(store: IamSt
     assert [r.queue_id for r in again] == ["q1"] and again[0].body == b"q1"
     assert [r.queue_id for r in store.queue_list("root/a", True)] == ["q1", "q2"]
     assert {r.queue_id for r in store.queue_list("", True)} == {"q1", "q2", "q3"}
+    # A queue id is used once: a second add under it is refused, typed, and adds nothing
+    # (the whole batch rolls back).
+    with pytest.raises(AlreadyExists) as dup:
+        store.queue_add([row("q9"), row("q2", "root/b")])
+    assert dup.value.reason == "QUEUE_ID_EXISTS"
+    assert store.queue_get(["q9"]) == []
 
     def end(state: int) -> QueueChange:
         """As IAM's servicer changes an entry: only while it waits (it sees the row as it is
