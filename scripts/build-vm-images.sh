@@ -154,7 +154,7 @@ Description=Xorg on the VM's display (:0)
 After=systemd-user-sessions.service
 
 [Service]
-ExecStart=/usr/lib/xorg/Xorg :0 -ac -nolisten tcp -s 0 -dpms -novtswitch -keeptty vt7
+ExecStart=/usr/lib/xorg/Xorg :0 -ac -nolisten tcp -s 0 -dpms -novtswitch -keeptty -r vt7
 Restart=always
 
 [Install]
@@ -208,6 +208,18 @@ Section "ServerFlags"
     Option "SuspendTime" "0"
     Option "OffTime" "0"
 EndSection
+EOF
+    # No key autorepeat (Xorg -r above, and Xfce's settings daemon, which would turn it back
+    # on): an agent's keys are discrete presses, and under TCG on a busy host a key's release
+    # can reach X later than the repeat delay, which typed "hellooo" for "hello".
+    mkdir -p "$root/etc/xdg/xfce4/xfconf/xfce-perchannel-xml"
+    cat >"$root/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/keyboards.xml" <<'EOF'
+<?xml version="1.0" encoding="UTF-8"?>
+<channel name="keyboards" version="1.0">
+  <property name="Default" type="empty">
+    <property name="KeyRepeat" type="bool" value="false"/>
+  </property>
+</channel>
 EOF
     # Chromium runs as root in the sandbox when an agent asks: no sandbox, no first-run.
     mkdir -p "$root/etc/chromium.d"

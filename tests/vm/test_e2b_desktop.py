@@ -123,6 +123,9 @@ def test_create_gives_a_desktop_on_a_vm(desktop: Desktop, client: Client) -> Non
     assert info.backend.lower() == "vm"
     assert info.image == "desktop"
     assert desktop.get_screen_size() == (WIDTH, HEIGHT)
+    # No key autorepeat once the session is up (Xfce's settings daemon would turn it on): a
+    # key whose release reaches a slow guest late is still one character.
+    assert "auto repeat:  off" in desktop.commands.run("xset q").stdout
 
 
 def test_screenshot_is_a_png_of_the_screen(desktop: Desktop) -> None:
