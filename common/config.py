@@ -43,6 +43,9 @@ class ServiceConfig:
     log_format: str = "json"
     #: OTLP/gRPC endpoint for traces, e.g. "localhost:4317"; "" = no exporter.
     otlp_endpoint: str = ""
+    #: Of the traces this service starts (a front door's calls that arrive without a trace
+    #: context), the fraction recorded: 1.0 = all. A caller's own decision is always kept.
+    trace_sample_ratio: float = 1.0
     #: Seconds in-flight calls get to finish on SIGTERM.
     shutdown_grace_s: float = 5.0
 
@@ -57,6 +60,8 @@ class ServiceConfig:
             raise ConfigError("listen must not be empty")
         if self.shutdown_grace_s < 0:
             raise ConfigError("shutdown_grace_s must be >= 0")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:  # NaN too
+            raise ConfigError("trace_sample_ratio must be between 0 and 1")
 
 
 C = TypeVar("C", bound=ServiceConfig)

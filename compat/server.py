@@ -22,13 +22,14 @@ from types import FrameType
 import uvicorn
 
 from common.config import ConfigError, load
-from common.telemetry import setup_logging
+from common.telemetry import setup_logging, setup_tracing
 from common.vip import RouteAgentHandle
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b.app import E2bApp
 from compat.http import Receive, Scope, Send
 from compat.sandboxfusion.app import SandboxFusionApp
+from compat.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,21 @@ log = logging.getLogger(__name__)
 async def main() -> None:
     config = load(CompatConfig, "COMPAT")
     setup_logging("compat", config.log_level, config.log_format)
+    # Before any libdsec client is made: with a provider set they carry trace context.
+    setup_tracing(
+        "compat",
+        config.otlp_endpoint,
+        starts_traces=True,
+        sample_ratio=config.trace_sample_ratio,
+    )
     pool = ClientPool(
         config.apiserver, max_clients=config.clients_max, ttl_s=config.token_check_ttl_s
     )
     e2b = E2bApp(config, pool)
     sockets = [_listen(config.host, config.port)]
+    e2b_traced = traced(e2b, "e2b")
     by_port: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
-        sockets[0].getsockname()[1]: e2b
+        sockets[0].getsockname()[1]: e2b_traced
     }
     fusion: SandboxFusionApp | None = None
     if config.sandbox_fusion_listen:
@@ -55,17 +64,17 @@ async def main() -> None:
                 raise ConfigError(f"{config.sandbox_fusion_token_file} holds no token")
         fusion = SandboxFusionApp(config, pool, default_token=token)
         sockets.append(_listen(config.sandbox_fusion_host, config.sandbox_fusion_port))
-        by_port[sockets[-1].getsockname()[1]] = fusion
+        by_port[sockets[-1].getsockname()[1]] = traced(fusion, "sandboxfusion")
     if config.swerex_listen:
         # Imported only when served: it needs the `swerex` extra (swe-rex).
         from compat.swe_rex.app import SweRexApp
 
         sockets.append(_listen(config.swerex_host, config.swerex_port))
-        by_port[sockets[-1].getsockname()[1]] = SweRexApp(config, pool)
+        by_port[sockets[-1].getsockname()[1]] = traced(SweRexApp(config, pool), "swerex")
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # scope["server"] is the local address of the socket the connection came in on.
-        target = by_port.get(scope.get("server", ("", 0))[1], e2b)
+        target = by_port.get(scope.get("server", ("", 0))[1], e2b_traced)
         await target(scope, receive, send)
 
     server = _Server(

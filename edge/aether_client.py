@@ -16,6 +16,11 @@ across a pause. When the connection closes every open call fails with
 UNAVAILABLE (reason ``CHANNEL_CLOSED``) and ``on_close`` runs, so the edge can
 decide whether the sandbox died.
 
+Traces: the Request of a command (``exec``, ``exec_stream``, ``exec_input``'s start) carries
+the W3C context of the edge's current span when it is recorded; chronus answers with the
+command's span (``Response.span``), which this side exports on its behalf
+(:func:`common.telemetry.record_in_sandbox_span`).
+
 Each stream's queue is bounded, so a slow consumer (a client downloading a
 large file slowly) applies backpressure to the reader instead of growing the
 edge's memory; the cost is that other calls to the same sandbox wait too.
@@ -32,6 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from common.telemetry import record_in_sandbox_span, traceparent_of_current_span
 from dsec.aether.v1 import aether_pb2
 from dsec.chronus.v1 import chronus_pb2
 from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable, status_for
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 MAX_FRAME = 8 * 1024 * 1024
 _LEN = struct.Struct(">I")
 _END = object()
+#: Calls whose Request opens a command: traced into the sandbox (chronus.tracing).
+_COMMAND_CALLS = frozenset({"exec", "exec_stream", "exec_input"})
 
 
 class AetherConnection:
@@ -316,6 +324,8 @@ class AetherConnection:
     async def _request(self, sid: int, call: str, message: Any) -> None:
         req = chronus_pb2.Request()
         getattr(req, call).CopyFrom(message)
+        if call in _COMMAND_CALLS and (call != "exec_input" or message.HasField("start")):
+            req.traceparent = traceparent_of_current_span()
         await self._send(aether_pb2.Frame(stream_id=sid, request=req))
 
     async def _finish(self, sid: int, cancel: bool) -> None:
@@ -349,10 +359,46 @@ class AetherConnection:
                 raise DeadlineExceeded(
                     f"sandbox {self.sandbox_id} did not answer in {timeout_s} s"
                 ) from None
+            if isinstance(item, chronus_pb2.Response) and item.HasField("span"):
+                self._export_span(item)
             value = self._unwrap(item)
             if value is _END:
                 return
             yield value
+
+    def _export_span(self, response: chronus_pb2.Response) -> None:
+        """Exports the command's span chronus recorded (under chronus's service name)."""
+        span = response.span
+        field = response.WhichOneof("result")
+        exit = (
+            response.exec_result.exit
+            if field == "exec_result"
+            else response.exec_event.exit
+            if field == "exec_event"
+            else None
+        )
+        attributes: dict[str, str | int | bool] = {"dsec.sandbox_id": self.sandbox_id}
+        if field == "exec_result" and response.exec_result.exec_id:
+            attributes["dsec.exec_id"] = response.exec_result.exec_id
+        error = ""
+        if exit is not None:
+            attributes["process.exit.code"] = exit.exit_code
+            if exit.signal:
+                attributes["dsec.exec.signal"] = exit.signal
+            if exit.timed_out:
+                attributes["dsec.exec.timed_out"] = True
+            error = exit.error or ("timed out" if exit.timed_out else "")
+        record_in_sandbox_span(
+            "chronus",
+            "chronus.exec",
+            trace_id=span.trace_id,
+            parent_span_id=span.parent_span_id,
+            span_id=span.span_id,
+            start_unix_ns=span.start_unix_ns,
+            end_unix_ns=span.end_unix_ns,
+            attributes=attributes,
+            error=error,
+        )
 
     async def unary(self, call: str, request: Any, timeout_s: float | None = None) -> Any:
         sid, q = self._open()
