@@ -181,13 +181,16 @@ def _in_a_trace(details: Any) -> bool:
     return trace.get_current_span().get_span_context().is_valid and _traced_call(details)
 
 
-def server_interceptors(service: str) -> list[grpc.aio.ServerInterceptor]:
-    """The tracing interceptor of a service's gRPC server."""
+def server_interceptors(
+    service: str, tracer_provider: trace.TracerProvider | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The tracing interceptor of a service's gRPC server (``tracer_provider``: the global
+    one by default)."""
     if _handwritten():
         from common.tracing_handwritten import TracingServerInterceptor
 
         return [TracingServerInterceptor(service)]
-    tracer = trace.get_tracer("opentelemetry.instrumentation.grpc")
+    tracer = trace.get_tracer("opentelemetry.instrumentation.grpc", tracer_provider=tracer_provider)
     return [_ServerInterceptor(tracer, filter_=_traced_call)]
 
 
