@@ -145,6 +145,8 @@ SDK_PROGRAM = textwrap.dedent(
             with trace.get_tracer("rollout").start_as_current_span("rollout.step") as step:
                 result = sb.run("true")
                 assert result.exit_code == 0, result
+                events = list(sb.stream("echo streamed"))  # ExecStream: across pauses
+                assert events[-1].status.exit_code == 0, events
             print(format(step.get_span_context().trace_id, "032x"))
         finally:
             sb.stop()
@@ -166,42 +168,43 @@ def test_an_sdk_run_is_one_trace_down_to_the_command_in_the_sandbox(traced: Trac
     assert out.returncode == 0, out.stderr
     trace_id = out.stdout.split()[-1]
 
-    def command_span() -> Span | None:
-        return next(
-            (
-                s
-                for s in traced.sink.snapshot()
-                if s.trace_id == trace_id and s.service == "dsec-chronus"
-            ),
-            None,
-        )
+    def in_trace() -> dict[str, Span]:
+        return {s.span_id: s for s in traced.sink.snapshot() if s.trace_id == trace_id}
 
-    chronus = wait_for(command_span, timeout_s=20)
-    assert chronus.name == "chronus.exec"
-    assert chronus.attributes["process.exit.code"] == 0
-    assert chronus.attributes["dsec.sandbox_id"].startswith("sb-")
+    def command_spans() -> list[Span] | None:  # the run's and the stream's
+        spans = [s for s in in_trace().values() if s.service == "dsec-chronus"]
+        return spans if len(spans) == 2 else None
 
-    def chain() -> list[Span] | None:
-        """chronus's span, its parent, ... up to the program's root span, once all exported."""
-        spans = {s.span_id: s for s in traced.sink.snapshot() if s.trace_id == trace_id}
-        path = [chronus]
-        while path[-1].parent_span_id:
-            parent = spans.get(path[-1].parent_span_id)
-            if parent is None:
-                return None  # not exported yet (or a broken link: the wait fails)
-            path.append(parent)
-        return path
+    edge_calls = set()
+    for chronus in wait_for(command_spans, timeout_s=20):
+        assert chronus.name == "chronus.exec"
+        assert chronus.attributes["process.exit.code"] == 0
+        assert chronus.attributes["dsec.sandbox_id"].startswith("sb-")
+        path = wait_for(lambda chronus=chronus: chain(chronus, in_trace()), timeout_s=20)
+        services = [s.service for s in path]
+        assert path[-1].name == "rollout.step" and path[-1].service == "rollout", services
+        # The command's parent is the edge's server span of the call; above it the API
+        # server's client and server spans, and the SDK's client span under the program's.
+        edge = path[1]
+        assert (edge.service, edge.kind) == ("dsec-edge", 2), services  # SERVER
+        edge_calls.add(edge.name)
+        assert services.index("dsec-edge") < services.index("dsec-apiserver"), services
+        assert services[-2:] == ["rollout", "rollout"], services  # the SDK's client span
+    assert edge_calls == {
+        "/dsec.edge.v1.EdgeService/Exec",
+        "/dsec.edge.v1.EdgeService/ExecStream",
+    }
 
-    path = wait_for(chain, timeout_s=20)
-    services = [s.service for s in path]
-    assert path[-1].name == "rollout.step" and path[-1].service == "rollout", services
-    # The command's parent is the edge's server span of the call; above it the API server's
-    # client and server spans, and the SDK's client span under the program's own.
-    edge = path[1]
-    assert (edge.service, edge.kind) == ("dsec-edge", 2), services  # SERVER
-    assert edge.name.startswith("/dsec.edge.v1.EdgeService/Exec"), edge.name
-    assert {"dsec-edge", "dsec-apiserver", "rollout"} <= set(services), services
-    assert services.index("dsec-edge") < services.index("dsec-apiserver") < len(services) - 1
+
+def chain(chronus: Span, spans: dict[str, Span]) -> list[Span] | None:
+    """chronus's span, its parent, ... up to the program's root span, once all exported."""
+    path = [chronus]
+    while path[-1].parent_span_id:
+        parent = spans.get(path[-1].parent_span_id)
+        if parent is None:
+            return None  # not exported yet (or a broken link: the wait fails)
+        path.append(parent)
+    return path
 
 
 def test_one_create_shares_a_trace_across_the_control_plane(traced: Traced) -> None:
