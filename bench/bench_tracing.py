@@ -98,9 +98,7 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-async def _phase(
-    op: Any, clients: int, seconds: float, pids: list[int]
-) -> dict[str, float]:
+async def _phase(op: Any, clients: int, seconds: float, pids: list[int]) -> dict[str, float]:
     """``clients`` loops of ``op`` for ``seconds`` (after a 1 s warm-up)."""
     latencies: list[float] = []
     recording = False
