@@ -265,8 +265,11 @@ def record_error(code: grpc.StatusCode, reason: str) -> None:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {reason}"))
 
 
-def traceparent_of_current_span() -> str:
-    """The W3C ``traceparent`` of the current span if it is recorded, else ""."""
+def traceparent_for_sandbox() -> str:
+    """The W3C ``traceparent`` of the current span for a call into a sandbox: "" unless the
+    span is recorded and this process exports what the sandbox will send back."""
+    if _exporting is None:
+        return ""
     ctx = trace.get_current_span().get_span_context()
     if not (ctx.is_valid and ctx.trace_flags.sampled):
         return ""

@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from common.telemetry import record_in_sandbox_span, traceparent_of_current_span
+from common.telemetry import record_in_sandbox_span, traceparent_for_sandbox
 from dsec.aether.v1 import aether_pb2
 from dsec.chronus.v1 import chronus_pb2
 from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable, status_for
@@ -329,7 +329,7 @@ class AetherConnection:
         req = chronus_pb2.Request()
         getattr(req, call).CopyFrom(message)
         if call in _COMMAND_CALLS and (call != "exec_input" or message.HasField("start")):
-            req.traceparent = traceparent_of_current_span()
+            req.traceparent = traceparent_for_sandbox()
             if req.traceparent:
                 self._traced[sid] = (req.traceparent, time.time_ns())
         await self._send(aether_pb2.Frame(stream_id=sid, request=req))
