@@ -293,7 +293,10 @@ def test_an_idle_cluster_exports_no_spans(traced: Traced) -> None:
         after = len(sink.snapshot())
         return after if after == before else None
 
-    count = wait_for(settled, timeout_s=20, interval_s=0)
+    try:
+        count = wait_for(settled, timeout_s=20, interval_s=0)
+    except AssertionError:  # spans keep coming: the assertion below names them
+        count = len(sink.snapshot())
     time.sleep(6)  # a window for the background loops above, each of which runs in it
     new = sink.snapshot()[count:]
     assert not new, sorted({(s.service, s.name) for s in new})
