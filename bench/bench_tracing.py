@@ -43,6 +43,9 @@ from dsecctl.cluster import EdgeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = Path("/var/lib/dsec/images")
+#: Room on the null edge for every create of a row (they are not stopped: a stop would be
+#: another call in the measured loop).
+NULL_SANDBOXES = 100_000
 
 #: (label, interceptors, sample ratio or None for off, whether the SDK traces too)
 ROWS: list[tuple[str, str, float | None, bool]] = [
@@ -175,7 +178,14 @@ def _one_row(
         }
         env["DSEC_APISERVER_TRACE_SAMPLE_RATIO"] = str(ratio)
     edges = [
-        EdgeSpec(edge_id="bnull", runtime="null", labels={"bench": "null"}),
+        EdgeSpec(
+            edge_id="bnull",
+            runtime="null",
+            labels={"bench": "null"},
+            cpu_millis=NULL_SANDBOXES * 10,
+            memory_mb=NULL_SANDBOXES * 16,
+            max_sandboxes=NULL_SANDBOXES,
+        ),
         EdgeSpec(
             edge_id="bctr",
             runtime="container",
