@@ -85,7 +85,13 @@ async def _health(
     return grpc.StatusCode.OK
 
 
-def _only(exporter: InMemorySpanExporter) -> ReadableSpan:
+async def _only(exporter: InMemorySpanExporter) -> ReadableSpan:
+    """The one span the call made, once it ended: the server may end it just after the
+    client has its answer."""
+    for _ in range(500):
+        if exporter.get_finished_spans():
+            break
+        await asyncio.sleep(0.01)
     (span,) = exporter.get_finished_spans()
     exporter.clear()
     return span
@@ -108,7 +114,7 @@ async def test_a_failed_call_span_has_its_status_code_and_reason(
 ) -> None:
     channel, exporter = traced_watcher
     assert await _health(channel, edge_id) == code
-    span = _only(exporter)
+    span = await _only(exporter)
     assert span.name == f"/{WATCHER}/GetEdgeHealth"
     assert span.attributes is not None
     assert span.attributes["rpc.grpc.status_code"] == code.value[0]
@@ -122,7 +128,7 @@ async def test_a_call_continues_its_callers_trace(
     channel, exporter = traced_watcher
     traceparent = f"00-{TRACE_ID}-{PARENT_ID}-01"
     assert await _health(channel, "e1", (("traceparent", traceparent),)) == grpc.StatusCode.OK
-    span = _only(exporter)
+    span = await _only(exporter)
     assert format(span.context.trace_id, "032x") == TRACE_ID
     assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT_ID
     assert span.attributes is not None and span.attributes["rpc.grpc.status_code"] == 0
@@ -144,7 +150,7 @@ async def test_a_malformed_traceparent_in_metadata_is_ignored(
 ) -> None:
     channel, exporter = traced_watcher
     assert await _health(channel, "e1", (("traceparent", traceparent),)) == grpc.StatusCode.OK
-    span = _only(exporter)
+    span = await _only(exporter)
     assert span.parent is None  # a trace of its own, as without the header
     assert span.context.trace_id != 0
 
@@ -165,11 +171,7 @@ async def test_a_cancelled_stream_ends_its_span_and_logs_no_error(
             await call.read()
         call.cancel()
 
-        for _ in range(500):  # the server learns of the cancellation a moment later
-            if exporter.get_finished_spans():
-                break
-            await asyncio.sleep(0.01)
-        span = _only(exporter)
+        span = await _only(exporter)  # the server learns of the cancellation a moment later
     assert span.name == f"/{WATCHER}/WatchCluster"
     assert span.attributes is not None
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
