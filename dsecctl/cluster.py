@@ -76,6 +76,21 @@ class ServiceProcess:
     #: An environment entry ("NAME=value") only this process has, to find its PID by; ""
     #: = its listen address (one that listens on 0.0.0.0, behind a virtual IP, needs one).
     marker: str = ""
+    #: Its Prometheus endpoint, host:port serving GET /metrics ("": none; common/metrics.py).
+    metrics: str = ""
+
+
+#: Where each service serves its metrics in a fixed-port cluster (`dsec up`), moved with
+#: ``port_base`` like every other port: API server i and compat i at the port + i, edge i
+#: at 7200 + i.
+METRICS_PORTS = {
+    "iam": 7151,
+    "placement": 7152,
+    "watcher": 7153,
+    "apiserver": 7160,
+    "compat": 7170,
+    "edge": 7200,
+}
 
 
 @dataclass(frozen=True)
@@ -345,21 +360,28 @@ class LocalCluster:
         daemons = host_daemons.plan(self.host_daemons)
         self.checked = [self._daemon_process(d) for d in daemons.checked]
         plan = [self._daemon_process(d) for d in daemons.start]
-        plan += wiring.control_plane(
+        control = wiring.control_plane(
             database=self.iam_database or f"sqlite:{self.home / 'iam' / 'iam.db'}",
             token_file=self.token_file,
         )
+        for p in control:
+            self._serve_metrics(p, METRICS_PORTS[p.name])
+        plan += control
         for i, e in enumerate(self.edges):
             plan.append(
-                wiring.edge(
-                    e,
-                    self._address(f"edge-{e.edge_id}", 7110 + i),
-                    state_dir=self.home / "edges" / e.edge_id,
-                    # Supervised, an edge's stop is a restart or an upgrade: its sandboxes stay.
-                    on_shutdown="keep" if self.supervised else e.on_shutdown,
-                    # An edge treats every child of its cgroup parent as its own (orphan
-                    # cleanup): clusters sharing this machine must not share a parent.
-                    cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
+                self._serve_metrics(
+                    wiring.edge(
+                        e,
+                        self._address(f"edge-{e.edge_id}", 7110 + i),
+                        state_dir=self.home / "edges" / e.edge_id,
+                        # Supervised, an edge's stop is a restart or an upgrade: its
+                        # sandboxes stay.
+                        on_shutdown="keep" if self.supervised else e.on_shutdown,
+                        # An edge treats every child of its cgroup parent as its own (orphan
+                        # cleanup): clusters sharing this machine must not share a parent.
+                        cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
+                    ),
+                    METRICS_PORTS["edge"] + i,
                 )
             )
         self.wiring = wiring
@@ -395,7 +417,7 @@ class LocalCluster:
         if vip is not None and host is not None:
             Wiring.behind_vip(p, vip, host.local("vip", name))
         p.host = host
-        return p
+        return self._serve_metrics(p, METRICS_PORTS["apiserver"] + i)
 
     def _compat_process(self, i: int, apiserver: str) -> ServiceProcess:
         """Compatibility front end instance ``i`` ("compat", "compat1", ...)."""
@@ -411,7 +433,7 @@ class LocalCluster:
         if self.compat_vip is not None and host is not None:
             Wiring.behind_vip(p, self.compat_vip, host.local("vip", name))
         p.host = host
-        return p
+        return self._serve_metrics(p, METRICS_PORTS["compat"] + i)
 
     def add_apiserver(self, host: Host, timeout_s: float = 60.0) -> ServiceProcess:
         """One more API server instance, on ``host``, started and SERVING (behind the
@@ -422,6 +444,13 @@ class LocalCluster:
         self.processes.append(p)
         self.apiservers += 1
         self.start_services([p], timeout_s)
+        return p
+
+    def _serve_metrics(self, p: ServiceProcess, default_port: int) -> ServiceProcess:
+        """``p`` serving its metrics (GET /metrics) on an HTTP port of its host."""
+        p.metrics = self._http_address(p.name, default_port)
+        prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+        p.env[f"{prefix}METRICS_ADDR"] = p.metrics
         return p
 
     def _http_address(self, name: str, default_port: int) -> str:
@@ -718,6 +747,7 @@ class LocalCluster:
                     "protocol": p.protocol,
                     **({"command": list(p.argv), "pid_file": p.pid_file} if p.argv else {}),
                     **({"marker": p.marker} if p.marker else {}),
+                    **({"metrics": f"http://{p.metrics}/metrics"} if p.metrics else {}),
                 }
                 for p in self.processes
             },
@@ -759,6 +789,7 @@ class LocalCluster:
                     argv=tuple(s.get("command", ())),
                     pid_file=s.get("pid_file", ""),
                     marker=s.get("marker", ""),
+                    metrics=s.get("metrics", "").removeprefix("http://").removesuffix("/metrics"),
                 )
             )
         for name, s in state.get("checked", {}).items():
