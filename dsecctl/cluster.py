@@ -93,6 +93,14 @@ METRICS_PORTS = {
 }
 
 
+def serve_metrics(p: ServiceProcess, address: str) -> ServiceProcess:
+    """``p`` serving its metrics (GET /metrics) on ``address`` (host:port)."""
+    p.metrics = address
+    prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+    p.env[f"{prefix}METRICS_ADDR"] = address
+    return p
+
+
 @dataclass(frozen=True)
 class VipPlan:
     """Every API server (each on a lab host of its own) behind one virtual IP, announced over
@@ -279,8 +287,12 @@ class LocalCluster:
         bind: str = "127.0.0.1",
         compats: int = 1,
         compat_vip: VipPlan | None = None,
+        metrics: bool = True,
     ) -> None:
         self.home = home
+        #: Every service measures itself and serves /metrics (False: instruments are no-ops
+        #: and no service listens for scrapes: the benchmarks' baseline).
+        self.metrics = metrics
         #: The address services not on a lab host listen on (with TCP): loopback, or this
         #: machine's address on a lab network whose hosts must reach them (dsec up --vip).
         self.bind = bind
@@ -447,11 +459,13 @@ class LocalCluster:
         return p
 
     def _serve_metrics(self, p: ServiceProcess, default_port: int) -> ServiceProcess:
-        """``p`` serving its metrics (GET /metrics) on an HTTP port of its host."""
-        p.metrics = self._http_address(p.name, default_port)
-        prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
-        p.env[f"{prefix}METRICS_ADDR"] = p.metrics
-        return p
+        """``p`` serving its metrics (GET /metrics) on an HTTP port of its host (with metrics
+        off: not measuring at all)."""
+        if not self.metrics:
+            prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+            p.env[f"{prefix}METRICS"] = "off"
+            return p
+        return serve_metrics(p, self._http_address(p.name, default_port))
 
     def _http_address(self, name: str, default_port: int) -> str:
         """An HTTP listener of service ``name``: on its host, else loopback TCP."""
