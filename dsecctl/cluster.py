@@ -82,14 +82,14 @@ class ServiceProcess:
 
 #: Where each service serves its metrics in a fixed-port cluster (`dsec up`), moved with
 #: ``port_base`` like every other port: API server i and compat i at the port + i, edge i
-#: at 7200 + i.
+#: at 7180 + i.
 METRICS_PORTS = {
     "iam": 7151,
     "placement": 7152,
     "watcher": 7153,
     "apiserver": 7160,
     "compat": 7170,
-    "edge": 7200,
+    "edge": 7180,
 }
 
 
