@@ -162,13 +162,11 @@ def main() -> None:
                 stats["on"][2] / stats["off"][2],
             ]
         )
-    print(
-        table(
-            f"metrics on (scraped every 1 s: {len(scrapes)} scrapes, "
-            f"{statistics.fmean(scrapes) / 1024 if scrapes else 0:.1f} KiB each) vs off",
-            ["operation", "metrics", "n", "p50 ms", "p99 ms", "mean ms"],
-            rows,
-        )
+    table(
+        f"metrics on (scraped every 1 s: {len(scrapes)} scrapes, "
+        f"{statistics.fmean(scrapes) / 1024 if scrapes else 0:.1f} KiB each) vs off",
+        ["operation", "metrics", "n", "p50 ms", "p99 ms", "mean ms"],
+        rows,
     )
 
 
