@@ -242,14 +242,17 @@ class SandboxManager:
             refusal = (await self._blocking_checks([spec]))[id(spec)]
             if refusal is not None:
                 raise refusal
-            if sandbox_id in self.records:  # a concurrent retry got in first
-                return await self.create(
-                    sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
-                )
+        except DSecError as err:
+            self._refused(err)
+            raise
+        if sandbox_id in self.records:  # a concurrent retry got in first
+            return await self.create(
+                sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
+            )
+        try:
             self.admission.admit(spec)
         except DSecError as err:
-            if self.metrics is not None:
-                self.metrics.refused(err.reason)
+            self._refused(err)
             raise
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
@@ -263,6 +266,10 @@ class SandboxManager:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         return rec, False
+
+    def _refused(self, err: DSecError) -> None:
+        if self.metrics is not None:
+            self.metrics.refused(err.reason)
 
     async def create_many(
         self,
@@ -307,8 +314,7 @@ class SandboxManager:
             )
             if refusal is not None:
                 out.append((None, False, refusal))
-                if self.metrics is not None:
-                    self.metrics.refused(refusal.reason)
+                self._refused(refusal)
                 continue
             # Each record gets its own spec: a running sandbox's spec can change (its
             # network policy), and must not change its batch-mates'.
