@@ -43,6 +43,14 @@ class ServiceConfig:
     log_format: str = "json"
     #: OTLP/gRPC endpoint for traces, e.g. "localhost:4317"; "" = no exporter.
     otlp_endpoint: str = ""
+    #: "on": the service measures itself (common/metrics.py); "off": every instrument is a
+    #: no-op (what the metrics cost is measured against it: bench/bench_observability.py).
+    metrics: str = "on"
+    #: Prometheus endpoint: "host:port" serving GET /metrics (port 0: any free one, logged);
+    #: "" = none.
+    metrics_addr: str = ""
+    #: Seconds between OTLP metric pushes to ``otlp_endpoint``; 0 = metrics over OTLP off.
+    otlp_metrics_interval_s: float = 0.0
     #: Seconds in-flight calls get to finish on SIGTERM.
     shutdown_grace_s: float = 5.0
 
@@ -57,6 +65,21 @@ class ServiceConfig:
             raise ConfigError("listen must not be empty")
         if self.shutdown_grace_s < 0:
             raise ConfigError("shutdown_grace_s must be >= 0")
+        if self.metrics not in ("on", "off"):
+            raise ConfigError(f"metrics must be on or off, not {self.metrics!r}")
+        if self.metrics == "off" and (self.metrics_addr or self.otlp_metrics_interval_s):
+            raise ConfigError("metrics is off: metrics_addr and otlp_metrics_interval_s need it on")
+        if self.metrics_addr and not _host_port(self.metrics_addr):
+            raise ConfigError(f"metrics_addr must be host:port, not {self.metrics_addr!r}")
+        if self.otlp_metrics_interval_s < 0:
+            raise ConfigError("otlp_metrics_interval_s must be >= 0")
+        if self.otlp_metrics_interval_s and not self.otlp_endpoint:
+            raise ConfigError("otlp_metrics_interval_s needs otlp_endpoint (where to push)")
+
+
+def _host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) < 65536)
 
 
 C = TypeVar("C", bound=ServiceConfig)

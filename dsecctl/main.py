@@ -291,6 +291,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             details = [f"last lines of {p.log_path}:"] + [
                 f" {line}" for line in cluster.log_tail(p, lines=10).splitlines()
             ]
+        if p.metrics:
+            row["metrics"] = f"http://{p.metrics}/metrics"
+            details = [*details, f"metrics {row['metrics']}"]
         row["details"] = details
         services.append(row)
         if not args.json:
