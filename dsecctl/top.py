@@ -331,7 +331,7 @@ def render(frame: Frame, interval_s: float | None) -> RenderableType:
     since = (
         f"  state changes since {_clock(frame.history_since)}"
         if frame.history_since is not None
-        else "  (no watch: state changes are shown while dsec top runs)"
+        else "  (--once: no watch, no state changes)"
     )
     parts: list[RenderableType] = [
         Text(f"dsec top  project {frame.project_id}  {_clock(frame.at)}{every}{since}", "bold"),
