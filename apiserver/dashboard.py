@@ -27,7 +27,8 @@ Where the changes come from: one :class:`DashboardFeed` per API server, the API 
 watch of every sandbox (:class:`~apiserver.watch.SandboxWatch`, the code behind
 WatchSandboxes, over the root project, fanned in from every edge), fanned out to each open
 event stream by project subtree. It runs only while the dashboard is used: it starts with the
-first request and stops :data:`FEED_IDLE_S` after the last stream closed, so an API server
+first request and stops :data:`FEED_IDLE_S` after the last stream closed (the last request),
+so an API server
 nobody looks at keeps no extra edge streams. The history (apiserver/statelog.py) is in memory,
 bounded, and starts when the feed does: it goes back to the feed's start at most (the
 ``history_since`` of every answer).
@@ -72,7 +73,8 @@ from libdsec.errors import DSecError, InvalidArgument, Unauthenticated, Unavaila
 
 log = logging.getLogger(__name__)
 
-#: The feed stops this long after the last event stream closed and the last request.
+#: The feed stops this long after the last event stream closed and the last request
+#: (DSEC_APISERVER_DASHBOARD_IDLE_S).
 FEED_IDLE_S = 900.0
 #: Keepalive of the feed's own watch (how soon it notices it is idle).
 FEED_KEEPALIVE_MS = 5000
@@ -201,15 +203,21 @@ class DashboardFeed:
         self.idle_s = idle_s
         self.log = StateLog()
         self.subscribers: set[Subscriber] = set()
-        #: Whether the watch is established (its first keepalive came): changes are seen.
+        #: Whether the feed runs (from a use until it stops idle) and whether its watch is
+        #: established (its first keepalive came): changes are seen.
+        self.running = False
         self.watching = False
         self._wanted = asyncio.Event()
         self._last_use = 0.0
 
     def use(self) -> None:
-        """Someone looks: the feed runs (starts if it was stopped)."""
+        """Someone looks: the feed runs. A stopped one starts, with an empty history from
+        now (at once, so that this request's answer says so)."""
         self._last_use = time.monotonic()
-        self._wanted.set()
+        if not self.running:
+            self.running = True
+            self.log.start(time.time())
+            self._wanted.set()
 
     def subscribe(self, scope: str) -> Subscriber:
         self.use()
@@ -226,15 +234,20 @@ class DashboardFeed:
 
     async def run(self) -> None:
         """The API server's background loop: waits to be used, watches until idle, again."""
+        if self.running:  # restarted after a crash (the server's supervision): go on
+            self._wanted.set()
         while True:
             await self._wanted.wait()
-            self.log.start(time.time())
+            self._wanted.clear()
             log.info("dashboard feed started")
             try:
                 await self._watch_until_idle()
             finally:
                 self.watching = False
-            self._wanted.clear()
+            if not self.idle():  # used again while the watch was being closed: go on
+                self._wanted.set()
+                continue
+            self.running = False
             log.info("dashboard feed stopped (unused for %.0f s)", self.idle_s)
 
     async def _watch_until_idle(self) -> None:

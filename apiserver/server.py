@@ -55,7 +55,7 @@ async def main() -> None:
     if cfg.vip:
         _announce(server, cfg)
     if cfg.viewer_addr != "off":
-        feed = DashboardFeed(gw)  # runs only while the dashboard is used
+        feed = DashboardFeed(gw, cfg.dashboard_idle_s)  # runs only while the dashboard is used
         server.background(feed.run)
         viewer = Viewer(cfg, gw, routes=Dashboard(gw, feed).routes())
         viewer_socket = viewer.bind()  # a taken port fails the start, not a background task

@@ -21,6 +21,8 @@ default; ``off`` serves none), three things:
   the reason ``<REASON>: <message>`` (e.g. 4501 ``BACKEND_CAPABILITY: ...`` for a sandbox
   without a display); the VNC server's end of the stream closes it with 1000.
 
+The same listener serves the dashboard (``/dashboard``, apiserver/dashboard.py).
+
 A token lives in the URL because a browser cannot put headers on a page load or a websocket;
 uvicorn's access log stays off so it is not written to logs. The token is checked when the
 page is loaded and when the websocket opens, as a gRPC stream is checked when it opens.

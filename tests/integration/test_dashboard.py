@@ -52,13 +52,15 @@ API_PATHS = [
     "/dashboard/api/events",
 ]
 EDGE = "dash0"
+#: The dashboard feed's idle time here (DSEC_APISERVER_DASHBOARD_IDLE_S; 900 s by default).
+IDLE_S = 3
 
 
 @pytest.fixture(scope="module")
 def container_cluster(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     """A cluster of this module's own: the operator's view (every sandbox, the node's load)
-    shows only this module's sandboxes."""
-    with cluster_with(EDGE) as c:
+    shows only this module's sandboxes. The dashboard's watch stops after 3 s unused."""
+    with cluster_with(EDGE, extra_env={"DSEC_APISERVER_DASHBOARD_IDLE_S": str(IDLE_S)}) as c:
         yield c
 
 
@@ -266,6 +268,36 @@ def test_event_stream_brings_the_projects_changes_only(
     finally:
         reader.close()
     assert b.id not in "\n".join(reader.raw)
+
+
+def test_the_feed_stops_unused_and_starts_again_empty(
+    container_cluster: LocalCluster,
+    http: httpx.Client,
+    projects: dict[str, Project],
+    make_in: Callable[..., Sandbox],
+) -> None:
+    """The history goes back to the feed's start: after IDLE_S unused the API server's watch
+    ends (no edge streams left open for nobody), and the next use starts an empty one."""
+
+    def history() -> dict[str, Any]:  # each request is a use: the feed runs
+        r = http.get("/dashboard/api/history", headers=bearer(projects["a"].token))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    wait_for(lambda: history()["watching"], timeout_s=30)
+    a = make_in("a", task_id="t-idle")
+    a.pause()
+    seen = wait_for(
+        lambda: (h := history()) and any(c["sandbox_id"] == a.id for c in h["changes"]) and h,
+        timeout_s=30,
+    )
+    log = container_cluster.process("apiserver").log_path
+    stops = log.read_text().count("dashboard feed stopped")
+    # Unused now: it stops within IDLE_S and the watch's keepalive (5 s).
+    wait_for(lambda: log.read_text().count("dashboard feed stopped") > stops, timeout_s=30)
+    again = history()
+    assert again["history_since"] > seen["history_since"]
+    assert not any(c["sandbox_id"] == a.id for c in again["changes"]), again
 
 
 # ---------------------------------------------------------------- browser

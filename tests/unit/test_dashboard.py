@@ -11,9 +11,11 @@ import json
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from apiserver.config import ApiServerConfig
 from apiserver.dashboard import PAGE, csp, recent, sandbox_json, sse
 from apiserver.routing import within
 from apiserver.statelog import StateLog
+from common.config import ConfigError, load
 from dsec.types.v1 import types_pb2
 
 
@@ -131,3 +133,11 @@ def test_the_page_runs_only_its_own_inline_code() -> None:
     assert PAGE.count("<script") == PAGE.count('<script nonce="{{nonce}}">') == 1
     assert PAGE.count("<style") == PAGE.count('<style nonce="{{nonce}}">') == 1
     assert "http://" not in PAGE and "https://" not in PAGE and "innerHTML" not in PAGE
+
+
+def test_the_feeds_idle_time_is_read_and_checked() -> None:
+    cfg = load(ApiServerConfig, "APISERVER", {"DSEC_APISERVER_DASHBOARD_IDLE_S": "30"})
+    assert cfg.dashboard_idle_s == 30.0
+    for bad in ("0", "nan", "-5"):
+        with pytest.raises(ConfigError, match="DSEC_APISERVER_DASHBOARD_IDLE_S"):
+            load(ApiServerConfig, "APISERVER", {"DSEC_APISERVER_DASHBOARD_IDLE_S": bad})
