@@ -87,7 +87,9 @@ SUBSCRIBER_QUEUE = 2000
 SSE_KEEPALIVE_S = 15.0
 #: How often an operator's event stream carries the nodes.
 NODES_EVERY_S = 5.0
-#: Terminated sandboxes in an answer (the most recently ended; live ones all).
+#: Sandboxes in an answer: the newest live ones and the most recently ended ones (a page of a
+#: whole large cluster, an operator's, shows these; the answer says how many there are).
+LIVE_SHOWN = 5000
 TERMINATED_SHOWN = 500
 #: What every answer carries: nothing cached (the token and the data are the caller's), no
 #: Referer sent to anything the page links.
@@ -172,12 +174,17 @@ def error_json(err: DSecError) -> dict[str, Any]:
     return {"error": {"code": err.code.name, "reason": err.reason, "message": err.message}}
 
 
-def recent(sandboxes: list[dict[str, Any]], terminated_shown: int) -> list[dict[str, Any]]:
-    """Every live sandbox and the ``terminated_shown`` most recently ended ones, oldest first."""
+def recent(
+    sandboxes: list[dict[str, Any]], live_shown: int, terminated_shown: int
+) -> list[dict[str, Any]]:
+    """The ``live_shown`` newest live sandboxes and the ``terminated_shown`` most recently
+    ended ones, in the order given."""
     ended = [s for s in sandboxes if s["state"] == "TERMINATED"]
     ended.sort(key=lambda s: s["terminated_at"] or 0.0, reverse=True)
-    keep = {s["id"] for s in ended[:terminated_shown]}
-    return [s for s in sandboxes if s["state"] != "TERMINATED" or s["id"] in keep]
+    live = [s for s in sandboxes if s["state"] != "TERMINATED"]
+    live.sort(key=lambda s: s["created_at"] or 0.0, reverse=True)
+    keep = {s["id"] for s in [*live[:live_shown], *ended[:terminated_shown]]}
+    return [s for s in sandboxes if s["id"] in keep]
 
 
 # ---------------------------------------------------------------------- feed
@@ -416,9 +423,11 @@ class Dashboard:
 
     # ----------------------------------------------------------------- JSON
 
-    async def _sandboxes(self, who: Caller, task_id: str = "") -> list[dict[str, Any]]:
+    async def _sandboxes(self, who: Caller, task_id: str = "") -> dict[str, Any]:
+        """``sandboxes`` (see :func:`recent`) and ``sandboxes_total`` (all there are)."""
         found = await self.gw.list_sandboxes(who, task_id=task_id, include_subprojects=True)
-        return recent([sandbox_json(sb) for sb in found], TERMINATED_SHOWN)
+        shown = recent([sandbox_json(sb) for sb in found], LIVE_SHOWN, TERMINATED_SHOWN)
+        return {"sandboxes": shown, "sandboxes_total": len(found)}
 
     def _history(self, who: Caller, task_id: str = "") -> list[dict[str, Any]]:
         return [
@@ -443,7 +452,7 @@ class Dashboard:
             found = await self._sandboxes(who, self._task(request))
         except DSecError as err:
             return self._refused(err)
-        return self._json({**self._feed_state(), "project_id": who.project_id, "sandboxes": found})
+        return self._json({**self._feed_state(), "project_id": who.project_id, **found})
 
     async def history(self, request: Request) -> Response:
         try:
@@ -477,8 +486,7 @@ class Dashboard:
             **self._feed_state(),
             "project_id": who.project_id,
             "principal_id": who.principal_id,
-            "terminated_shown": TERMINATED_SHOWN,
-            "sandboxes": await self._sandboxes(who),
+            **await self._sandboxes(who),
             "history": self._history(who),
             "nodes": nodes,
             "nodes_error": nodes_error,

@@ -46,6 +46,8 @@ INTERVAL_RANGE_S = (0.5, 3600.0)
 TERMINATIONS_SHOWN = 10
 #: State changes shown per task in the text frame (the most recent).
 CHANGES_SHOWN = 8
+#: Sandboxes shown per task in the text frame (live ones first, oldest first; --json has all).
+ROWS_PER_TASK = 30
 #: The watch is opened again this long after it broke.
 WATCH_RETRY_S = 2.0
 
@@ -281,7 +283,7 @@ def _tasks(frame: Frame) -> Iterable[RenderableType]:
         )
         for column in ("SANDBOX", "STATE", "AGE", "NODE", "IMAGE", "ENDED"):
             table.add_column(column, no_wrap=True)
-        for s in sandboxes:
+        for s in sandboxes[:ROWS_PER_TASK]:
             end = s["terminated_at"] or frame.at
             table.add_row(
                 s["id"],
@@ -292,6 +294,8 @@ def _tasks(frame: Frame) -> Iterable[RenderableType]:
                 s["termination_reason"] or "",
             )
         yield table
+        if len(sandboxes) > ROWS_PER_TASK:
+            yield Text(f"  ... and {len(sandboxes) - ROWS_PER_TASK} more", style="dim")
         for c in history.get(task_id, [])[-CHANGES_SHOWN:]:
             step = f"{c['previous']} → {c['state']}" if c["previous"] else c["state"]
             reason = f" ({c['reason']})" if c["reason"] else ""

@@ -110,12 +110,14 @@ def test_sandbox_json_names_states_and_reasons() -> None:
 
 def test_recent_keeps_live_ones_and_the_latest_ends() -> None:
     sbs = [
-        {"id": "live", "state": "RUNNING", "terminated_at": None},
-        {"id": "old", "state": "TERMINATED", "terminated_at": 1.0},
-        {"id": "new", "state": "TERMINATED", "terminated_at": 3.0},
-        {"id": "mid", "state": "TERMINATED", "terminated_at": 2.0},
+        {"id": "live-old", "state": "RUNNING", "created_at": 1.0, "terminated_at": None},
+        {"id": "old", "state": "TERMINATED", "created_at": 0.0, "terminated_at": 1.0},
+        {"id": "live-new", "state": "PAUSED", "created_at": 5.0, "terminated_at": None},
+        {"id": "new", "state": "TERMINATED", "created_at": 0.0, "terminated_at": 3.0},
+        {"id": "mid", "state": "TERMINATED", "created_at": 0.0, "terminated_at": 2.0},
     ]
-    assert [s["id"] for s in recent(sbs, 2)] == ["live", "new", "mid"]
+    assert [s["id"] for s in recent(sbs, 5, 2)] == ["live-old", "live-new", "new", "mid"]
+    assert [s["id"] for s in recent(sbs, 1, 0)] == ["live-new"]
 
 
 def test_events_are_one_json_line_each() -> None:
