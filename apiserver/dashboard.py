@@ -15,7 +15,8 @@ or a bad one is HTTP 401 with nothing of any project):
   keeps it in the tab's sessionStorage, takes it out of the address bar, and sends it as an
   ``Authorization`` header from then on; without a token it is a sign-in form (401).
 - ``GET /dashboard/api/sandboxes[?task=T]``, ``/dashboard/api/history[?task=T]``,
-  ``/dashboard/api/nodes`` (operators; others 403 OPERATOR_ONLY): JSON.
+  ``/dashboard/api/nodes`` (operators; others 403 OPERATOR_ONLY): JSON; an error is
+  ``{"error": {"code", "reason", "message"}}`` with the HTTP status of its code.
 - ``GET /dashboard/api/events``: Server-Sent Events. First ``snapshot`` (all of the above),
   then ``sandbox`` per change (the sandbox and, when its state changed, the change),
   ``nodes`` every :data:`NODES_EVERY_S` for operators, ``keepalive`` every
@@ -27,11 +28,12 @@ Where the changes come from: one :class:`DashboardFeed` per API server, the API 
 watch of every sandbox (:class:`~apiserver.watch.SandboxWatch`, the code behind
 WatchSandboxes, over the root project, fanned in from every edge), fanned out to each open
 event stream by project subtree. It runs only while the dashboard is used: it starts with the
-first request and stops :data:`FEED_IDLE_S` after the last stream closed (the last request),
-so an API server
-nobody looks at keeps no extra edge streams. The history (apiserver/statelog.py) is in memory,
-bounded, and starts when the feed does: it goes back to the feed's start at most (the
-``history_since`` of every answer).
+first request and stops ``DSEC_APISERVER_DASHBOARD_IDLE_S`` (:data:`FEED_IDLE_S`) after the
+last stream closed and the last request, so an API server nobody looks at keeps no extra edge
+streams. The history (apiserver/statelog.py) is in memory, bounded, and starts when the feed
+does: it goes back to the feed's start at most (the ``history_since`` of every answer).
+Answers carry the newest :data:`LIVE_SHOWN` live and :data:`TERMINATED_SHOWN` ended sandboxes
+and how many there are in all.
 
 Timers: the feed's watch has the keepalive of any watch (it notices a stalled edge as
 WatchSandboxes does); a paused sandbox changes nothing; a lost node's sandboxes come as
