@@ -328,6 +328,14 @@ class DashboardFeed:
 # ---------------------------------------------------------------------- HTTP
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone. Starlette does not tell a streaming response under
+    ASGI 2.4 (uvicorn's) until a write fails, which for an idle stream is the next keepalive:
+    its subscription would outlive the page by up to :data:`SSE_KEEPALIVE_S`."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def sse(event: str, data: Any) -> str:
     """One Server-Sent Event (JSON on one line: json.dumps writes no newline)."""
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
@@ -502,20 +510,21 @@ class Dashboard:
         operator = is_operator(principal)
         headers = {**COMMON_HEADERS, "x-accel-buffering": "no"}  # no proxy buffering
         return StreamingResponse(
-            self._stream(who, principal, operator),
+            self._stream(request, who, principal, operator),
             media_type="text/event-stream",
             headers=headers,
         )
 
     async def _stream(
-        self, who: Caller, principal: iam_pb2.Principal, operator: bool
+        self, request: Request, who: Caller, principal: iam_pb2.Principal, operator: bool
     ) -> AsyncIterator[str]:
         """The event stream; any error ends it with an ``error`` event naming its reason (the
         page shows it and reconnects, or stops for a token refused)."""
         # Subscribed here, inside the stream, so that whatever ends the stream unsubscribes;
         # and before the snapshot is taken, so that no change falls between the two.
         sub = self.feed.subscribe(who.project_id)
-        frames = self._frames(who, principal, operator, sub)
+        gone = asyncio.ensure_future(_disconnected(request))
+        frames = self._frames(who, principal, operator, sub, gone)
         try:
             async with contextlib.aclosing(frames):
                 async for frame in frames:
@@ -523,42 +532,60 @@ class Dashboard:
         except DSecError as err:
             yield sse("error", error_json(err)["error"])
         finally:
+            gone.cancel()
             self.feed.unsubscribe(sub)
 
     async def _frames(
-        self, who: Caller, principal: iam_pb2.Principal, operator: bool, sub: Subscriber
+        self,
+        who: Caller,
+        principal: iam_pb2.Principal,
+        operator: bool,
+        sub: Subscriber,
+        gone: asyncio.Future[None],
     ) -> AsyncGenerator[str, None]:
+        """The stream's frames until the client is ``gone`` (or an error)."""
         yield sse("snapshot", await self._snapshot(who, principal))
         clock = time.monotonic
         next_keepalive = clock() + SSE_KEEPALIVE_S
         next_nodes = clock() + NODES_EVERY_S if operator else float("inf")
-        while True:
-            if sub.overflowed:
-                raise Unavailable(
-                    "this event stream fell too far behind the changes: reconnect",
-                    reason="WATCH_OVERFLOW",
+        getter: asyncio.Future[tuple[str, Any]] | None = None
+        try:
+            while True:
+                if sub.overflowed:
+                    raise Unavailable(
+                        "this event stream fell too far behind the changes: reconnect",
+                        reason="WATCH_OVERFLOW",
+                    )
+                wait_s = max(0.0, min(next_keepalive, next_nodes) - clock())
+                if getter is None:
+                    getter = asyncio.ensure_future(sub.queue.get())
+                waiting: set[asyncio.Future[Any]] = {getter, gone}
+                done, _ = await asyncio.wait(
+                    waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
                 )
-            wait_s = max(0.0, min(next_keepalive, next_nodes) - clock())
-            try:
-                name, event = await asyncio.wait_for(sub.queue.get(), timeout=wait_s)
-            except TimeoutError:
-                pass
-            else:
-                if name == "live":  # what changed before the watch was established
-                    yield sse("snapshot", await self._snapshot(who, principal))
-                else:
-                    yield sse(name, event)
-                continue
-            now = clock()
-            if now >= next_keepalive:
-                next_keepalive = now + SSE_KEEPALIVE_S
-                # A long stream outlives a token: a revoked or expired one ends it.
-                await self.gw.caller(who.token)
-                self.feed.use()
-                yield sse("keepalive", self._feed_state())
-            if now >= next_nodes:
-                next_nodes = now + NODES_EVERY_S
-                yield sse("nodes", await self._nodes_event())
+                if gone in done:
+                    return
+                if getter in done:
+                    name, event = getter.result()
+                    getter = None
+                    if name == "live":  # what changed before the watch was established
+                        yield sse("snapshot", await self._snapshot(who, principal))
+                    else:
+                        yield sse(name, event)
+                    continue
+                now = clock()
+                if now >= next_keepalive:
+                    next_keepalive = now + SSE_KEEPALIVE_S
+                    # A long stream outlives a token: a revoked or expired one ends it.
+                    await self.gw.caller(who.token)
+                    self.feed.use()
+                    yield sse("keepalive", self._feed_state())
+                if now >= next_nodes:
+                    next_nodes = now + NODES_EVERY_S
+                    yield sse("nodes", await self._nodes_event())
+        finally:
+            if getter is not None:
+                getter.cancel()
 
     async def _nodes_event(self) -> dict[str, Any]:
         try:

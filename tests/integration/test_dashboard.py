@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -232,6 +233,11 @@ class EventReader:
 
     def close(self) -> None:
         self._stop.set()
+        # A close() does not wake the thread blocked reading the socket (nor release the
+        # connection) until the server writes again: shut the socket down, as a closed page does.
+        sock = self.response.extensions["network_stream"].get_extra_info("socket")
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
         self.response.close()
         self._ctx.__exit__(None, None, None)
         self._thread.join(timeout=10)
