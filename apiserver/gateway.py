@@ -309,6 +309,52 @@ class Gateway:
             return lost
         return resp.sandbox
 
+    async def list_sandboxes(
+        self,
+        who: Caller,
+        *,
+        task_id: str = "",
+        labels: dict[str, str] | None = None,
+        states: list[types_pb2.SandboxState.ValueType] | None = None,
+        include_subprojects: bool = False,
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes (its project's, or its whole subtree's), oldest first: every
+        edge's (terminated ones too, as long as the edge keeps them), those of edges declared
+        lost (TERMINATED, EDGE_LOST) and the creates waiting in the queue (PENDING). An edge
+        that does not answer is left out (and logged). ListSandboxes and the dashboard."""
+        labels = labels or {}
+        states = states or []
+        req = edge_pb2.ListSandboxesRequest(
+            project_prefix=who.project_id,
+            task_id=task_id,
+            label_selector=labels,
+            states=states,
+            include_terminated=True,
+        )
+        answers = await self.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
+        sandboxes = [sb for a in answers for sb in a.sandboxes]
+        if not states or types_pb2.SANDBOX_STATE_TERMINATED in states:
+            sandboxes += await self._lost_listing(who, task_id, labels, {sb.id for sb in sandboxes})
+        if not include_subprojects:
+            sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
+        if not states or types_pb2.SANDBOX_STATE_PENDING in states:
+            sandboxes += await self.queue.listing(who, task_id, labels, include_subprojects)
+        sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
+        return sandboxes
+
+    async def _lost_listing(
+        self, who: Caller, task_id: str, labels: dict[str, str], listed: set[str]
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes of edges declared lost (an edge that answers again wins)."""
+        try:
+            resp = await self.edges.lost(
+                project_prefix=who.project_id, task_id=task_id, label_selector=labels
+            )
+        except DSecError as exc:  # the watcher is down: the edges' answers stand
+            log.warning("lost-sandbox listing failed: %s", exc)
+            return []
+        return [sb for sb in resp.sandboxes if sb.id not in listed]
+
     async def explain(self, who: Caller, sandbox_id: str, err: DSecError) -> DSecError:
         """What a call gets when the sandbox's edge could not serve it (``err``): if the edge
         was declared lost, SandboxTerminated (EDGE_LOST), like a sandbox that ended on a live

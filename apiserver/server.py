@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from apiserver.config import ApiServerConfig
+from apiserver.dashboard import Dashboard, DashboardFeed
 from apiserver.environments import EnvironmentServicer
 from apiserver.gateway import Gateway
 from apiserver.nodes import NodeServicer
@@ -68,7 +69,9 @@ async def main() -> None:
     if cfg.vip:
         _announce(server, cfg)
     if cfg.viewer_addr != "off":
-        viewer = Viewer(cfg, gw)
+        feed = DashboardFeed(gw, cfg.dashboard_idle_s)  # runs only while the dashboard is used
+        server.background(feed.run)
+        viewer = Viewer(cfg, gw, routes=Dashboard(gw, feed).routes())
         viewer_socket = viewer.bind()  # a taken port fails the start, not a background task
         server.background(lambda: viewer.serve(viewer_socket))
         server.on_close(viewer_socket.close)
