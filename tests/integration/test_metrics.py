@@ -45,7 +45,6 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dsec.json"
 PROMETHEUS = shutil.which("prometheus")
 
 
-
 @pytest.fixture(scope="module")
 def mc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     with cluster_with("met", edges=[container_edge("met")]) as c:
