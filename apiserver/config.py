@@ -50,6 +50,9 @@ class ApiServerConfig(ServiceConfig, VipConfig):
     viewer_url: str = ""
     #: Where Debian's noVNC is (package novnc); without it the page answers 503 naming it.
     novnc_dir: Path = Path("/usr/share/novnc")
+    #: The dashboard's watch (apiserver/dashboard.py) stops this long after its last use;
+    #: its history of state changes starts again empty at the next.
+    dashboard_idle_s: float = 900.0
 
     def validate(self) -> None:
         super().validate()
@@ -69,6 +72,10 @@ class ApiServerConfig(ServiceConfig, VipConfig):
             raise ConfigError("create chunk/batch sizes and in-flight counts must be >= 1")
         if self.create_batch_wait_s < 0:
             raise ConfigError("DSEC_APISERVER_CREATE_BATCH_WAIT_S must be >= 0")
+        if not self.dashboard_idle_s >= 1:
+            raise ConfigError(
+                f"DSEC_APISERVER_DASHBOARD_IDLE_S={self.dashboard_idle_s}: must be >= 1 (seconds)"
+            )
 
     def _validate_viewer(self) -> None:
         if self.viewer_addr == "off":

@@ -9,8 +9,9 @@ edge addresses, sandbox owners), or asked for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from apiserver.config import ApiServerConfig
@@ -19,6 +20,7 @@ from apiserver.queue import CreateQueue, checked_priority, checked_wait_s, queue
 from apiserver.routing import AuthCache, EdgeDirectory, OwnerCache, downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
 from common.ids import edge_of
+from common.metrics import Metrics
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsec.iam.v1 import iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
@@ -47,8 +49,18 @@ class Gateway:
         iam: iam_pb2_grpc.IamServiceStub,
         placement: placement_pb2_grpc.PlacementServiceStub,
         edges: EdgeDirectory,
+        metrics: Metrics | None = None,
     ) -> None:
         self.cfg = cfg
+        #: Creates under way in this server (each item of a burst counts), when measured.
+        self.in_flight = (
+            metrics.meter.create_up_down_counter(
+                "dsec_apiserver_creates_in_flight",
+                description="Creates this API server is working on (a burst's items each)",
+            )
+            if metrics is not None
+            else None
+        )
         self.iam = iam
         self.placement = placement
         self.edges = edges
@@ -71,7 +83,7 @@ class Gateway:
             max_wait_s=cfg.create_batch_wait_s,
         )
         self._normalized: dict[bytes, types_pb2.SandboxSpec] = {}
-        self.queue = CreateQueue(iam, self.pipeline, self.get, cfg.instance_name)
+        self.queue = CreateQueue(iam, self.pipeline, self.get, cfg.instance_name, metrics)
 
     async def caller(self, token: str) -> Caller:
         p = await self.auth.principal(token)
@@ -133,6 +145,22 @@ class Gateway:
         """Creates one sandbox. With an idempotency key (durable, in IAM), a retry on
         any API server instance returns the first attempt's sandbox. With ``wait_s``, a
         create the cluster has no room for waits in the queue (``apiserver/queue.py``)."""
+        with self._counted(1):
+            return await self._create(who, req)
+
+    @contextlib.contextmanager
+    def _counted(self, n: int) -> Iterator[None]:
+        """``n`` creates in flight for the span of the block."""
+        if self.in_flight is None:
+            yield
+            return
+        self.in_flight.add(n)
+        try:
+            yield
+        finally:
+            self.in_flight.add(-n)
+
+    async def _create(self, who: Caller, req: Any) -> types_pb2.Sandbox:
         wait_s = checked_wait_s(req.wait_s)
         checked_priority(req.priority)
         item = CreateItem(who, self.normalize_shared(req.spec), req.idempotency_key, req.wait_ready)
@@ -157,6 +185,12 @@ class Gateway:
         """Creates a burst: chunks go through the pipeline concurrently; one result per item."""
         if len(requests) > MAX_CREATE_MANY:
             raise InvalidArgument(f"at most {MAX_CREATE_MANY} items per CreateSandboxes call")
+        with self._counted(len(requests)):
+            return await self._create_many(who, requests)
+
+    async def _create_many(
+        self, who: Caller, requests: list[Any]
+    ) -> list[tuple[types_pb2.Sandbox | None, DSecError | None]]:
         for req in requests:
             checked_wait_s(req.wait_s)
             checked_priority(req.priority)
@@ -274,6 +308,52 @@ class Gateway:
                 raise
             return lost
         return resp.sandbox
+
+    async def list_sandboxes(
+        self,
+        who: Caller,
+        *,
+        task_id: str = "",
+        labels: dict[str, str] | None = None,
+        states: list[types_pb2.SandboxState.ValueType] | None = None,
+        include_subprojects: bool = False,
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes (its project's, or its whole subtree's), oldest first: every
+        edge's (terminated ones too, as long as the edge keeps them), those of edges declared
+        lost (TERMINATED, EDGE_LOST) and the creates waiting in the queue (PENDING). An edge
+        that does not answer is left out (and logged). ListSandboxes and the dashboard."""
+        labels = labels or {}
+        states = states or []
+        req = edge_pb2.ListSandboxesRequest(
+            project_prefix=who.project_id,
+            task_id=task_id,
+            label_selector=labels,
+            states=states,
+            include_terminated=True,
+        )
+        answers = await self.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
+        sandboxes = [sb for a in answers for sb in a.sandboxes]
+        if not states or types_pb2.SANDBOX_STATE_TERMINATED in states:
+            sandboxes += await self._lost_listing(who, task_id, labels, {sb.id for sb in sandboxes})
+        if not include_subprojects:
+            sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
+        if not states or types_pb2.SANDBOX_STATE_PENDING in states:
+            sandboxes += await self.queue.listing(who, task_id, labels, include_subprojects)
+        sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
+        return sandboxes
+
+    async def _lost_listing(
+        self, who: Caller, task_id: str, labels: dict[str, str], listed: set[str]
+    ) -> list[types_pb2.Sandbox]:
+        """The caller's sandboxes of edges declared lost (an edge that answers again wins)."""
+        try:
+            resp = await self.edges.lost(
+                project_prefix=who.project_id, task_id=task_id, label_selector=labels
+            )
+        except DSecError as exc:  # the watcher is down: the edges' answers stand
+            log.warning("lost-sandbox listing failed: %s", exc)
+            return []
+        return [sb for sb in resp.sandboxes if sb.id not in listed]
 
     async def explain(self, who: Caller, sandbox_id: str, err: DSecError) -> DSecError:
         """What a call gets when the sandbox's edge could not serve it (``err``): if the edge

@@ -25,18 +25,27 @@ from libdsec.errors import NotFound, PermissionDenied
 ROOT_PROJECT = "root"
 
 
+def is_operator(principal: iam_pb2.Principal) -> bool:
+    return principal.project_id == ROOT_PROJECT and principal.role == iam_pb2.ROLE_ADMIN
+
+
+def require_operator(principal: iam_pb2.Principal) -> None:
+    """PERMISSION_DENIED (OPERATOR_ONLY) unless ``principal`` operates the cluster. The
+    dashboard's node panel (apiserver/dashboard.py) asks the same."""
+    if not is_operator(principal):
+        raise PermissionDenied(
+            "managing nodes needs an ADMIN token of the root project "
+            f"(this token: {iam_pb2.Role.Name(principal.role)} of {principal.project_id})",
+            reason="OPERATOR_ONLY",
+        )
+
+
 class NodeServicer:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
     async def _operator(self, context: Any) -> None:
-        principal = await self.gw.auth.principal(bearer_token(context))
-        if principal.project_id != ROOT_PROJECT or principal.role != iam_pb2.ROLE_ADMIN:
-            raise PermissionDenied(
-                "managing nodes needs an ADMIN token of the root project "
-                f"(this token: {iam_pb2.Role.Name(principal.role)} of {principal.project_id})",
-                reason="OPERATOR_ONLY",
-            )
+        require_operator(await self.gw.auth.principal(bearer_token(context)))
 
     async def ListNodes(
         self, request: apiserver_pb2.ListNodesRequest, context: Any

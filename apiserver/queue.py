@@ -48,6 +48,7 @@ from apiserver.routing import downstream, not_found, within
 from common.channels import DEFAULT_DEADLINE_S
 from common.convert import ts
 from common.ids import new_queue_id
+from common.metrics import LATENCY_BUCKETS_S, Metrics
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.types.v1 import types_pb2
@@ -301,7 +302,20 @@ class CreateQueue:
         pipeline: CreationPipeline,
         get: Callable[[Caller, str], Awaitable[types_pb2.Sandbox]],
         instance: str,
+        metrics: Metrics | None = None,
     ) -> None:
+        #: How long each queued create of this server waited, by how it ended (IAM's
+        #: dsec_queue_waiting counts the ones waiting now, by project).
+        self.waits = (
+            metrics.meter.create_histogram(
+                "dsec_queue_wait_seconds",
+                unit="s",
+                description="Time queued creates waited, by outcome (placed, timed_out, ...)",
+                explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+            )
+            if metrics is not None
+            else None
+        )
         self.iam = iam
         self.pipeline = pipeline
         self.get_sandbox = get
@@ -360,7 +374,12 @@ class CreateQueue:
         )
         self._wake.set()
         outcomes = await asyncio.gather(*(self._wait(e) for e in resp.entries))
+        ended = time.time()
         for it, entry in zip(items, outcomes, strict=True):
+            if self.waits is not None:
+                outcome = iam_pb2.QueueState.Name(entry.state).removeprefix("QUEUE_STATE_")
+                waited = (entry.ended_at or ended) - entry.enqueued_at
+                self.waits.record(max(0.0, waited), {"outcome": outcome.lower()})
             await self._settle(it, entry)
 
     async def _wait(self, entry: iam_pb2.QueueEntry) -> iam_pb2.QueueEntry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from apiserver.config import ApiServerConfig
+from apiserver.dashboard import Dashboard, DashboardFeed
 from apiserver.environments import EnvironmentServicer
 from apiserver.gateway import Gateway
 from apiserver.nodes import NodeServicer
@@ -19,10 +20,11 @@ from apiserver.viewer import Viewer
 from common.channels import open_channel
 from common.config import load
 from common.grpc_server import GrpcServer
+from common.metrics import ProjectScope, for_service
 from common.telemetry import setup_logging, setup_tracing
 from common.vip import RouteAgentHandle
 from dsec.apiserver.v1 import apiserver_pb2  # noqa: F401  (registers the service descriptors)
-from dsec.iam.v1 import iam_pb2_grpc
+from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
 from dsec.placement.v1 import placement_pb2_grpc
 
 
@@ -42,9 +44,22 @@ async def main() -> None:
     iam = iam_pb2_grpc.IamServiceStub(iam_channel)
     placement = placement_pb2_grpc.PlacementServiceStub(placement_channel)
     edges = EdgeDirectory(cfg.watcher)
-    gw = Gateway(cfg, iam, placement, edges)
+    metrics = for_service("apiserver", cfg)
+    gw = Gateway(cfg, iam, placement, edges, metrics)
 
-    server = GrpcServer("apiserver", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    async def operator_scope(token: str) -> ProjectScope:
+        """A scrape's token: an admin sees its subtree's project series; others none."""
+        p = await gw.auth.principal(token)
+        return p.project_id if p.role == iam_pb2.ROLE_ADMIN else None
+
+    server = GrpcServer(
+        "apiserver",
+        cfg.listen,
+        grace_s=cfg.shutdown_grace_s,
+        metrics=metrics,
+        metrics_listen=cfg.metrics_addr,
+        metrics_authorize=operator_scope,
+    )
     server.add(SandboxServicer(gw), "dsec.apiserver.v1.SandboxService")
     server.add(ExecServicer(gw), "dsec.apiserver.v1.ExecService")
     server.add(FileServicer(gw), "dsec.apiserver.v1.FileService")
@@ -59,7 +74,9 @@ async def main() -> None:
     if cfg.vip:
         _announce(server, cfg)
     if cfg.viewer_addr != "off":
-        viewer = Viewer(cfg, gw)
+        feed = DashboardFeed(gw, cfg.dashboard_idle_s)  # runs only while the dashboard is used
+        server.background(feed.run)
+        viewer = Viewer(cfg, gw, routes=Dashboard(gw, feed).routes())
         viewer_socket = viewer.bind()  # a taken port fails the start, not a background task
         server.background(lambda: viewer.serve(viewer_socket))
         server.on_close(viewer_socket.close)

@@ -219,45 +219,16 @@ class SandboxServicer(_Forwarder):
             offset = int(request.page_token or "0")
         except ValueError:
             raise InvalidArgument("malformed page_token") from None
-        req = edge_pb2.ListSandboxesRequest(
-            project_prefix=who.project_id,
+        sandboxes = await self.gw.list_sandboxes(
+            who,
             task_id=request.task_id,
-            label_selector=request.label_selector,
-            states=request.states,
-            include_terminated=True,
+            labels=dict(request.label_selector),
+            states=list(request.states),
+            include_subprojects=request.include_subprojects,
         )
-        answers = await self.gw.fan_out(lambda s: s.ListSandboxes(req, timeout=DEFAULT_DEADLINE_S))
-        sandboxes = [sb for a in answers for sb in a.sandboxes]
-        if not request.states or types_pb2.SANDBOX_STATE_TERMINATED in request.states:
-            sandboxes += await self._lost(who, request, {sb.id for sb in sandboxes})
-        if not request.include_subprojects:
-            sandboxes = [sb for sb in sandboxes if sb.project_id == who.project_id]
-        if not request.states or types_pb2.SANDBOX_STATE_PENDING in request.states:
-            sandboxes += await self.gw.queue.listing(
-                who,
-                request.task_id,
-                dict(request.label_selector),
-                request.include_subprojects,
-            )
-        sandboxes.sort(key=lambda sb: (sb.created_at.seconds, sb.created_at.nanos, sb.id))
         page = sandboxes[offset : offset + page_size]
         nxt = str(offset + page_size) if offset + page_size < len(sandboxes) else ""
         return apiserver_pb2.ListSandboxesResponse(sandboxes=page, next_page_token=nxt)
-
-    async def _lost(
-        self, who: Caller, request: apiserver_pb2.ListSandboxesRequest, listed: set[str]
-    ) -> list[types_pb2.Sandbox]:
-        """The caller's sandboxes of edges declared lost (an edge that answers again wins)."""
-        try:
-            resp = await self.gw.edges.lost(
-                project_prefix=who.project_id,
-                task_id=request.task_id,
-                label_selector=dict(request.label_selector),
-            )
-        except DSecError as exc:  # the watcher is down: the edges' answers stand
-            log.warning("lost-sandbox listing failed: %s", exc)
-            return []
-        return [sb for sb in resp.sandboxes if sb.id not in listed]
 
     async def StopSandbox(
         self, request: apiserver_pb2.StopSandboxRequest, context: Any

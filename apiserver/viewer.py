@@ -21,6 +21,8 @@ default; ``off`` serves none), three things:
   the reason ``<REASON>: <message>`` (e.g. 4501 ``BACKEND_CAPABILITY: ...`` for a sandbox
   without a display); the VNC server's end of the stream closes it with 1000.
 
+The same listener serves the dashboard (``/dashboard``, apiserver/dashboard.py).
+
 A token lives in the URL because a browser cannot put headers on a page load or a websocket;
 uvicorn's access log stays off so it is not written to logs. The token is checked when the
 page is loaded and when the websocket opens, as a gRPC stream is checked when it opens.
@@ -40,7 +42,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -49,7 +51,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -122,7 +124,7 @@ def viewer_url(cfg: ApiServerConfig, sandbox_id: str) -> str:
     return f"{base}/view/{quote(sandbox_id, safe='')}" if base else ""
 
 
-def _token(conn: Request | WebSocket) -> str:
+def request_token(conn: Request | WebSocket) -> str:
     """The token of ``?token=`` or of ``Authorization: Bearer``; "" when neither."""
     token = conn.query_params.get("token", "")
     if token:
@@ -153,7 +155,8 @@ class _Unavailable:
 class Viewer:
     """The viewer's ASGI application and its server (see the module doc)."""
 
-    def __init__(self, cfg: ApiServerConfig, gw: Gateway) -> None:
+    def __init__(self, cfg: ApiServerConfig, gw: Gateway, routes: Sequence[BaseRoute] = ()) -> None:
+        """``routes``: more pages on the same listener (the dashboard, apiserver/dashboard.py)."""
         self.cfg = cfg
         self.gw = gw
         self.novnc_dir = Path(cfg.novnc_dir)
@@ -174,6 +177,7 @@ class Viewer:
                 Mount("/view/novnc", app=novnc),
                 Route("/view/{sandbox_id}", self.page, methods=["GET"]),
                 WebSocketRoute("/view/{sandbox_id}/websockify", self.websockify),
+                *routes,
             ]
         )
 
@@ -201,7 +205,7 @@ class Viewer:
         sandbox_id = request.path_params["sandbox_id"]
         if self.missing:
             return PlainTextResponse(self.missing, status_code=503)
-        token = _token(request)
+        token = request_token(request)
         try:
             await self._authorize(token, sandbox_id)
         except DSecError as err:
@@ -223,7 +227,7 @@ class Viewer:
     async def websockify(self, ws: WebSocket) -> None:
         sandbox_id = ws.path_params["sandbox_id"]
         try:
-            who, stub = await self._authorize(_token(ws), sandbox_id)
+            who, stub = await self._authorize(request_token(ws), sandbox_id)
         except DSecError as err:
             await self._refuse(ws, err)
             return
@@ -322,8 +326,8 @@ class Viewer:
         await server.startup(sockets=[sock])
         if self.missing:
             log.warning("viewer: %s; /view answers 503", self.missing)
-        log.info("viewer on %s (pages at %s/view/<sandbox id>)", self.cfg.viewer_addr,
-                 viewer_base_url(self.cfg))  # fmt: skip
+        log.info("viewer on %s (pages at %s/view/<sandbox id>, dashboard at %s/dashboard)",
+                 self.cfg.viewer_addr, viewer_base_url(self.cfg), viewer_base_url(self.cfg))  # fmt: skip
         try:
             await server.main_loop()
         finally:

@@ -105,10 +105,18 @@ class SandboxWatch:
     """One caller's WatchSandboxes: a task per edge, fanned into one queue."""
 
     def __init__(
-        self, gw: Gateway, who: Caller, request: apiserver_pb2.WatchSandboxesRequest
+        self,
+        gw: Gateway,
+        who: Caller,
+        request: apiserver_pb2.WatchSandboxesRequest,
+        *,
+        recheck_token: bool = True,
     ) -> None:
         self.gw = gw
         self.who = who
+        #: A caller's token is checked again at every keepalive; the API server's own watch
+        #: (the dashboard's feed, apiserver/dashboard.py) has none.
+        self.recheck_token = recheck_token
         self.interval_s = keepalive_interval_s(request)
         self.edge_request = edge_pb2.WatchSandboxesRequest(
             keepalive_interval_ms=EDGE_KEEPALIVE_MS,
@@ -142,7 +150,8 @@ class SandboxWatch:
                     raise item
                 if isinstance(item, _Ready):
                     # A long stream outlives a token: a revoked or expired one ends it.
-                    await self.gw.caller(self.who.token)
+                    if self.recheck_token:
+                        await self.gw.caller(self.who.token)
                     yield apiserver_pb2.WatchSandboxesResponse(
                         keepalive=types_pb2.Keepalive(at=ts(time.time()))
                     )

@@ -43,6 +43,14 @@ class ServiceConfig:
     log_format: str = "json"
     #: OTLP/gRPC endpoint for traces, e.g. "localhost:4317"; "" = no exporter.
     otlp_endpoint: str = ""
+    #: "on": the service measures itself (common/metrics.py); "off": every instrument is a
+    #: no-op (what the metrics cost is measured against it: bench/bench_observability.py).
+    metrics: str = "on"
+    #: Prometheus endpoint: "host:port" serving GET /metrics (port 0: any free one, logged);
+    #: "" = none.
+    metrics_addr: str = ""
+    #: Seconds between OTLP metric pushes to ``otlp_endpoint``; 0 = metrics over OTLP off.
+    otlp_metrics_interval_s: float = 0.0
     #: Of the traces this service starts (a front door's calls that arrive without a trace
     #: context), the fraction recorded: 1.0 = all. A caller's own decision is always kept.
     trace_sample_ratio: float = 1.0
@@ -62,6 +70,21 @@ class ServiceConfig:
             raise ConfigError("shutdown_grace_s must be >= 0")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:  # NaN too
             raise ConfigError("trace_sample_ratio must be between 0 and 1")
+        if self.metrics not in ("on", "off"):
+            raise ConfigError(f"metrics must be on or off, not {self.metrics!r}")
+        if self.metrics == "off" and (self.metrics_addr or self.otlp_metrics_interval_s):
+            raise ConfigError("metrics is off: metrics_addr and otlp_metrics_interval_s need it on")
+        if self.metrics_addr and not _host_port(self.metrics_addr):
+            raise ConfigError(f"metrics_addr must be host:port, not {self.metrics_addr!r}")
+        if self.otlp_metrics_interval_s < 0:
+            raise ConfigError("otlp_metrics_interval_s must be >= 0")
+        if self.otlp_metrics_interval_s and not self.otlp_endpoint:
+            raise ConfigError("otlp_metrics_interval_s needs otlp_endpoint (where to push)")
+
+
+def _host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) < 65536)
 
 
 C = TypeVar("C", bound=ServiceConfig)

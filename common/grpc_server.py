@@ -12,8 +12,9 @@ decides, for every method of every service:
 - ``CancelledError`` is never swallowed.
 
 It also adds gRPC health and reflection (what `dsec grpc` and grpcurl need), the tracing
-interceptor, and graceful shutdown: health NOT_SERVING -> stop(grace) ->
-cancel background tasks -> close resources.
+interceptor, every call counted by method and status with its duration (when the service has
+:class:`~common.metrics.Metrics`, served by its metrics endpoint), and graceful shutdown:
+health NOT_SERVING -> stop(grace) -> cancel background tasks -> close resources.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import inspect
 import logging
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from contextlib import AsyncExitStack
@@ -34,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from common.metrics import LATENCY_BUCKETS_S, Authorize, Metrics, MetricsEndpoint
 from common.telemetry import record_error, server_interceptors
 from libdsec.errors import DSecError, InvalidArgument, error_trailer
 
@@ -106,14 +109,46 @@ async def _checked_iter(requests: AsyncIterator[Any], method: str) -> AsyncItera
         yield item
 
 
-def _wrap(method: MethodDescriptor, fn: Callable[..., Any]) -> Callable[..., Any]:
+class RpcMetrics:
+    """Every call a server answers: a count by method and status code, and its duration (a
+    stream's from open to end). Bounded labels: the service's methods and the 17 codes."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        meter = metrics.meter
+        self.calls = meter.create_counter(
+            "dsec_rpc_server_calls", description="gRPC calls answered, by method and status code"
+        )
+        self.duration = meter.create_histogram(
+            "dsec_rpc_server_duration_seconds",
+            unit="s",
+            description="gRPC call duration (a stream's: open to end), by method and code",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
+
+    def record(self, method: str, code: str, started: float) -> None:
+        labels = {"method": method, "code": code}
+        self.calls.add(1, labels)
+        self.duration.record(time.perf_counter() - started, labels)
+
+
+def _code(context: grpc.aio.ServicerContext, default: str) -> str:
+    """The status an aborted call went out with (``default`` when grpc does not say)."""
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else default
+
+
+def _wrap(
+    method: MethodDescriptor, fn: Callable[..., Any], rpc: RpcMetrics | None = None
+) -> Callable[..., Any]:
     name = method.full_name
+    short = f"{method.containing_service.name}/{method.name}"
     client_stream = method.client_streaming
     if method.server_streaming:
 
         async def stream_handler(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
+            started, code = time.perf_counter(), "OK"
             try:
                 if client_stream:
                     request = _checked_iter(request, name)
@@ -121,33 +156,54 @@ def _wrap(method: MethodDescriptor, fn: Callable[..., Any]) -> Callable[..., Any
                     _check(request, name)
                 async for item in fn(request, context):
                     yield item
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except grpc.aio.AbortError:
+                code = _code(context, "UNKNOWN")
                 raise
             except DSecError as err:
+                code = err.code.name
                 await _abort(context, err)
             except Exception as exc:
+                code = "INTERNAL"
                 await _abort(context, internal_error(name, exc))
+            finally:
+                if rpc is not None:
+                    rpc.record(short, code, started)
 
         return stream_handler
 
     async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started, code = time.perf_counter(), "OK"
         try:
             if client_stream:
                 request = _checked_iter(request, name)
             else:
                 _check(request, name)
             return await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            code = _code(context, "UNKNOWN")
             raise
         except DSecError as err:
+            code = err.code.name
             await _abort(context, err)
         except Exception as exc:
+            code = "INTERNAL"
             await _abort(context, internal_error(name, exc))
+        finally:
+            if rpc is not None:
+                rpc.record(short, code, started)
 
     return unary_handler
 
 
-def service_handler(servicer: object, service: ServiceDescriptor) -> grpc.GenericRpcHandler:
+def service_handler(
+    servicer: object, service: ServiceDescriptor, rpc: RpcMetrics | None = None
+) -> grpc.GenericRpcHandler:
     """A generic handler serving every method of ``service`` from ``servicer``.
 
     A method the servicer does not define answers UNIMPLEMENTED with the
@@ -161,7 +217,7 @@ def service_handler(servicer: object, service: ServiceDescriptor) -> grpc.Generi
             fn = _unimplemented(method)
         elif method.server_streaming and not inspect.isasyncgenfunction(fn):
             raise TypeError(f"{type(servicer).__name__}.{method.name} must be an async generator")
-        wrapped = _wrap(method, fn)
+        wrapped = _wrap(method, fn, rpc)
         kind = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
@@ -208,10 +264,27 @@ class GrpcServer:
         await server.run()                      # until SIGTERM/SIGINT
     """
 
-    def __init__(self, name: str, listen: str, *, grace_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        listen: str,
+        *,
+        grace_s: float = 5.0,
+        metrics: Metrics | None = None,
+        metrics_listen: str = "",
+        metrics_authorize: Authorize | None = None,
+    ) -> None:
         self.name = name
         self.listen = listen
         self.grace_s = grace_s
+        #: The service's metrics (RPCs counted here); served on ``metrics_listen`` unless "".
+        self.metrics = metrics
+        self._rpc = RpcMetrics(metrics) if metrics is not None else None
+        self.metrics_endpoint = (
+            MetricsEndpoint(metrics, metrics_listen, metrics_authorize)
+            if metrics is not None and metrics_listen
+            else None
+        )
         self._services: list[tuple[object, ServiceDescriptor]] = []
         self._background: list[Callable[[], Awaitable[None]]] = []
         self._closers: list[Callable[[], Awaitable[object] | None]] = []
@@ -266,7 +339,7 @@ class GrpcServer:
         )
         names: list[str] = []
         for servicer, desc in self._services:
-            server.add_generic_rpc_handlers((service_handler(servicer, desc),))
+            server.add_generic_rpc_handlers((service_handler(servicer, desc, self._rpc),))
             names.append(desc.full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names += [
@@ -279,6 +352,8 @@ class GrpcServer:
             raise OSError(f"{self.name}: cannot listen on {self.listen}")
         await server.start()
         self.server = server
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
         for _, desc in self._services:
             await self.health.set(desc.full_name, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", self._overall())
@@ -335,6 +410,10 @@ class GrpcServer:
                 await asyncio.sleep(1.0)
 
     async def _close(self) -> None:
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.close()
+        if self.metrics is not None:
+            self.metrics.shutdown()
         async with AsyncExitStack():
             for fn in reversed(self._closers):
                 try:

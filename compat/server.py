@@ -22,12 +22,14 @@ from types import FrameType
 import uvicorn
 
 from common.config import ConfigError, load
+from common.metrics import MetricsEndpoint, for_service
 from common.telemetry import setup_logging, setup_tracing
 from common.vip import RouteAgentHandle
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b.app import E2bApp
 from compat.http import Receive, Scope, Send
+from compat.metrics import HttpMetrics
 from compat.sandboxfusion.app import SandboxFusionApp
 from compat.tracing import traced
 
@@ -47,11 +49,12 @@ async def main() -> None:
     pool = ClientPool(
         config.apiserver, max_clients=config.clients_max, ttl_s=config.token_check_ttl_s
     )
+    metrics = for_service("compat", config)
+    http_metrics = HttpMetrics(metrics)
     e2b = E2bApp(config, pool)
     sockets = [_listen(config.host, config.port)]
-    e2b_traced = traced(e2b, "e2b")
     by_port: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
-        sockets[0].getsockname()[1]: e2b_traced
+        sockets[0].getsockname()[1]: http_metrics.wrap("e2b", traced(e2b, "e2b"))
     }
     fusion: SandboxFusionApp | None = None
     if config.sandbox_fusion_listen:
@@ -64,17 +67,23 @@ async def main() -> None:
                 raise ConfigError(f"{config.sandbox_fusion_token_file} holds no token")
         fusion = SandboxFusionApp(config, pool, default_token=token)
         sockets.append(_listen(config.sandbox_fusion_host, config.sandbox_fusion_port))
-        by_port[sockets[-1].getsockname()[1]] = traced(fusion, "sandboxfusion")
+        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap(
+            "sandboxfusion", traced(fusion, "sandboxfusion")
+        )
     if config.swerex_listen:
         # Imported only when served: it needs the `swerex` extra (swe-rex).
         from compat.swe_rex.app import SweRexApp
 
         sockets.append(_listen(config.swerex_host, config.swerex_port))
-        by_port[sockets[-1].getsockname()[1]] = traced(SweRexApp(config, pool), "swerex")
+        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap(
+            "swerex", traced(SweRexApp(config, pool), "swerex")
+        )
+
+    default = by_port[sockets[0].getsockname()[1]]
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # scope["server"] is the local address of the socket the connection came in on.
-        target = by_port.get(scope.get("server", ("", 0))[1], e2b_traced)
+        target = by_port.get(scope.get("server", ("", 0))[1], default)
         await target(scope, receive, send)
 
     server = _Server(
@@ -113,9 +122,15 @@ async def main() -> None:
         agent = _announce(config, e2b)
         agent_task = asyncio.create_task(agent.run())
         server.before_exit = agent.withdraw
+    endpoint = MetricsEndpoint(metrics, config.metrics_addr) if config.metrics_addr else None
+    if endpoint is not None:
+        await endpoint.start()
     try:
         await server.serve(sockets=sockets)
     finally:
+        if endpoint is not None:
+            await endpoint.close()
+        metrics.shutdown()
         if agent is not None and agent_task is not None:
             await agent.close()
             agent_task.cancel()

@@ -76,6 +76,29 @@ class ServiceProcess:
     #: An environment entry ("NAME=value") only this process has, to find its PID by; ""
     #: = its listen address (one that listens on 0.0.0.0, behind a virtual IP, needs one).
     marker: str = ""
+    #: Its Prometheus endpoint, host:port serving GET /metrics ("": none; common/metrics.py).
+    metrics: str = ""
+
+
+#: Where each service serves its metrics in a fixed-port cluster (`dsec up`), moved with
+#: ``port_base`` like every other port: API server i and compat i at the port + i, edge i
+#: at 7180 + i.
+METRICS_PORTS = {
+    "iam": 7151,
+    "placement": 7152,
+    "watcher": 7153,
+    "apiserver": 7160,
+    "compat": 7170,
+    "edge": 7180,
+}
+
+
+def serve_metrics(p: ServiceProcess, address: str) -> ServiceProcess:
+    """``p`` serving its metrics (GET /metrics) on ``address`` (host:port)."""
+    p.metrics = address
+    prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+    p.env[f"{prefix}METRICS_ADDR"] = address
+    return p
 
 
 @dataclass(frozen=True)
@@ -264,8 +287,12 @@ class LocalCluster:
         bind: str = "127.0.0.1",
         compats: int = 1,
         compat_vip: VipPlan | None = None,
+        metrics: bool = True,
     ) -> None:
         self.home = home
+        #: Every service measures itself and serves /metrics (False: instruments are no-ops
+        #: and no service listens for scrapes: the benchmarks' baseline).
+        self.metrics = metrics
         #: The address services not on a lab host listen on (with TCP): loopback, or this
         #: machine's address on a lab network whose hosts must reach them (dsec up --vip).
         self.bind = bind
@@ -345,21 +372,28 @@ class LocalCluster:
         daemons = host_daemons.plan(self.host_daemons)
         self.checked = [self._daemon_process(d) for d in daemons.checked]
         plan = [self._daemon_process(d) for d in daemons.start]
-        plan += wiring.control_plane(
+        control = wiring.control_plane(
             database=self.iam_database or f"sqlite:{self.home / 'iam' / 'iam.db'}",
             token_file=self.token_file,
         )
+        for p in control:
+            self._serve_metrics(p, METRICS_PORTS[p.name])
+        plan += control
         for i, e in enumerate(self.edges):
             plan.append(
-                wiring.edge(
-                    e,
-                    self._address(f"edge-{e.edge_id}", 7110 + i),
-                    state_dir=self.home / "edges" / e.edge_id,
-                    # Supervised, an edge's stop is a restart or an upgrade: its sandboxes stay.
-                    on_shutdown="keep" if self.supervised else e.on_shutdown,
-                    # An edge treats every child of its cgroup parent as its own (orphan
-                    # cleanup): clusters sharing this machine must not share a parent.
-                    cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
+                self._serve_metrics(
+                    wiring.edge(
+                        e,
+                        self._address(f"edge-{e.edge_id}", 7110 + i),
+                        state_dir=self.home / "edges" / e.edge_id,
+                        # Supervised, an edge's stop is a restart or an upgrade: its
+                        # sandboxes stay.
+                        on_shutdown="keep" if self.supervised else e.on_shutdown,
+                        # An edge treats every child of its cgroup parent as its own (orphan
+                        # cleanup): clusters sharing this machine must not share a parent.
+                        cgroup_parent=f"dsec-{e.edge_id}-{hashlib.sha1(str(self.home).encode()).hexdigest()[:8]}",
+                    ),
+                    METRICS_PORTS["edge"] + i,
                 )
             )
         self.wiring = wiring
@@ -395,7 +429,7 @@ class LocalCluster:
         if vip is not None and host is not None:
             Wiring.behind_vip(p, vip, host.local("vip", name))
         p.host = host
-        return p
+        return self._serve_metrics(p, METRICS_PORTS["apiserver"] + i)
 
     def _compat_process(self, i: int, apiserver: str) -> ServiceProcess:
         """Compatibility front end instance ``i`` ("compat", "compat1", ...)."""
@@ -411,7 +445,7 @@ class LocalCluster:
         if self.compat_vip is not None and host is not None:
             Wiring.behind_vip(p, self.compat_vip, host.local("vip", name))
         p.host = host
-        return p
+        return self._serve_metrics(p, METRICS_PORTS["compat"] + i)
 
     def add_apiserver(self, host: Host, timeout_s: float = 60.0) -> ServiceProcess:
         """One more API server instance, on ``host``, started and SERVING (behind the
@@ -423,6 +457,15 @@ class LocalCluster:
         self.apiservers += 1
         self.start_services([p], timeout_s)
         return p
+
+    def _serve_metrics(self, p: ServiceProcess, default_port: int) -> ServiceProcess:
+        """``p`` serving its metrics (GET /metrics) on an HTTP port of its host (with metrics
+        off: not measuring at all)."""
+        if not self.metrics:
+            prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+            p.env[f"{prefix}METRICS"] = "off"
+            return p
+        return serve_metrics(p, self._http_address(p.name, default_port))
 
     def _http_address(self, name: str, default_port: int) -> str:
         """An HTTP listener of service ``name``: on its host, else loopback TCP."""
@@ -718,6 +761,7 @@ class LocalCluster:
                     "protocol": p.protocol,
                     **({"command": list(p.argv), "pid_file": p.pid_file} if p.argv else {}),
                     **({"marker": p.marker} if p.marker else {}),
+                    **({"metrics": f"http://{p.metrics}/metrics"} if p.metrics else {}),
                 }
                 for p in self.processes
             },
@@ -759,6 +803,7 @@ class LocalCluster:
                     argv=tuple(s.get("command", ())),
                     pid_file=s.get("pid_file", ""),
                     marker=s.get("marker", ""),
+                    metrics=s.get("metrics", "").removeprefix("http://").removesuffix("/metrics"),
                 )
             )
         for name, s in state.get("checked", {}).items():

@@ -30,6 +30,8 @@
                                                      any service, over gRPC reflection
     dsec node list | dsec node drain NAME [--reason R] | dsec node undrain NAME
                                                      the cluster's nodes (operators)
+    dsec top [--interval S] [--once] [--task T]      nodes, sandboxes per task, state changes,
+                                                     terminations, refreshing (dsecctl/top.py)
     dsec demo                                        a short tour through libdsec
 
 Every command that prints data takes --json; a failure exits non-zero with one line on stderr
@@ -71,6 +73,7 @@ from dsecctl.node_cli import list_nodes, node_lines, node_row
 from dsecctl.ray_home import forget_home, recorded_deployment, write_home
 from dsecctl.sandbox_cli import add_parser as add_sandbox_parser
 from dsecctl.supervisor import UP_STATES
+from dsecctl.top import add_parser as add_top_parser
 from dsecctl.vip_router import (
     LocalVip,
     VipRouterError,
@@ -291,6 +294,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             details = [f"last lines of {p.log_path}:"] + [
                 f" {line}" for line in cluster.log_tail(p, lines=10).splitlines()
             ]
+        if p.metrics:
+            row["metrics"] = f"http://{p.metrics}/metrics"
+            details = [*details, f"metrics {row['metrics']}"]
         row["details"] = details
         services.append(row)
         if not args.json:
@@ -798,6 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_grpc_parser(sub)
     _env_parsers(sub)
     add_node_parser(sub)
+    add_top_parser(sub)
     return p
 
 

@@ -63,6 +63,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dsecctl.cluster import (
+    METRICS_PORTS,
     EdgeSpec,
     ServiceProcess,
     VipPlan,
@@ -70,6 +71,7 @@ from dsecctl.cluster import (
     find_service_pid,
     log_tail,
     release_edge,
+    serve_metrics,
     service_health,
     stop_edge_sandboxes,
     wait_edges_healthy,
@@ -565,6 +567,7 @@ class ServiceGroup:
                     "actor_pid": os.getpid(),
                     "address": s.spec.address,
                     "protocol": s.spec.protocol,
+                    **({"metrics": f"http://{s.spec.metrics}/metrics"} if s.spec.metrics else {}),
                     "pid": s.pid,
                     "restarts": s.restarts,
                     "state": state,
@@ -697,7 +700,7 @@ class Deployment:
             edge_id=edge_id, runtime="container", labels={"node": edge_id}, extra_env=extra
         )
         home = hashlib.sha1(str(self.node_dir).encode()).hexdigest()[:8]
-        return self.wiring.edge(
+        edge = self.wiring.edge(
             spec,
             f"{ip}:{PORTS['edge']}",
             state_dir=self.node_dir / "edges" / edge_id,
@@ -705,6 +708,7 @@ class Deployment:
             on_shutdown="keep",
             cgroup_parent=f"dsec-{edge_id}-{home}",
         )
+        return serve_metrics(edge, f"{ip}:{METRICS_PORTS['edge']}")
 
     def _behind_vip(self, p: ServiceProcess) -> ServiceProcess:
         """An API server announcing the deployment's virtual IP, if it has one."""
@@ -734,17 +738,25 @@ class Deployment:
                 database=self.settings.iam_database or f"sqlite:{self.node_dir / 'iam' / 'iam.db'}",
                 token_file=self.node_dir / "iam" / "token",
             )
+            for p in control:
+                serve_metrics(p, f"{head_ip}:{METRICS_PORTS[p.name]}")
             control.append(
-                self._behind_vip(
-                    w.apiserver("apiserver", first, viewer=f"{head_ip}:{PORTS['viewer']}")
+                serve_metrics(
+                    self._behind_vip(
+                        w.apiserver("apiserver", first, viewer=f"{head_ip}:{PORTS['viewer']}")
+                    ),
+                    f"{head_ip}:{METRICS_PORTS['apiserver']}",
                 )
             )
             if self.settings.compat:
                 control.append(
-                    w.compat(
-                        f"{head_ip}:{PORTS['compat']}",
-                        fusion=f"{head_ip}:{PORTS['sandbox_fusion']}",
-                        apiserver=self.apiserver,
+                    serve_metrics(
+                        w.compat(
+                            f"{head_ip}:{PORTS['compat']}",
+                            fusion=f"{head_ip}:{PORTS['sandbox_fusion']}",
+                            apiserver=self.apiserver,
+                        ),
+                        f"{head_ip}:{METRICS_PORTS['compat']}",
                     )
                 )
             ray.get(self._group(CONTROL, head["NodeID"], control).start.remote(t))
@@ -754,8 +766,11 @@ class Deployment:
                 ip = others[0]["NodeManagerAddress"]
                 # Behind a virtual IP every instance listens on the same port.
                 port = PORTS["apiserver"] if vip else PORTS["apiserver1"]
-                second = self._behind_vip(
-                    w.apiserver("apiserver1", f"{ip}:{port}", viewer=f"{ip}:{PORTS['viewer1']}")
+                second = serve_metrics(
+                    self._behind_vip(
+                        w.apiserver("apiserver1", f"{ip}:{port}", viewer=f"{ip}:{PORTS['viewer1']}")
+                    ),
+                    f"{ip}:{METRICS_PORTS['apiserver'] + 1}",
                 )
                 starts.append(
                     self._group(SECOND_APISERVER, others[0]["NodeID"], [second]).start.remote(t)

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from edge.admission import AccountingError, Admission, Capacity, Load
 from edge.backends.contract import (
@@ -57,6 +57,9 @@ from libdsec.errors import (
     SandboxTerminated,
     Unavailable,
 )
+
+if TYPE_CHECKING:
+    from edge.metrics import EdgeMetrics
 
 #: What other modules import from here (Capacity and AccountingError live in edge.admission).
 __all__ = ["ACTIONS", "ACT_CONCURRENCY", "AccountingError", "Capacity", "Load", "SandboxManager"]
@@ -131,6 +134,9 @@ class SandboxManager:
         #: Releases that would have taken the accounting below zero (a bug; see
         #: Admission.account).
         self.accounting_errors = 0
+        #: Where starts, refusals, endings, pauses and resumes are counted (edge/metrics.py;
+        #: set by the composition root, None in tests that build a manager alone).
+        self.metrics: EdgeMetrics | None = None
 
     @property
     def capacity(self) -> Capacity:
@@ -231,15 +237,23 @@ class SandboxManager:
             if wait_ready:
                 await self._wait_ready(existing)
             return existing, True
-        self.admission.validate(sandbox_id, spec)
-        refusal = (await self._blocking_checks([spec]))[id(spec)]
-        if refusal is not None:
-            raise refusal
+        try:
+            self.admission.validate(sandbox_id, spec)
+            refusal = (await self._blocking_checks([spec]))[id(spec)]
+            if refusal is not None:
+                raise refusal
+        except DSecError as err:
+            self._refused(err)
+            raise
         if sandbox_id in self.records:  # a concurrent retry got in first
             return await self.create(
                 sandbox_id, spec, project_id, principal_id, wait_ready=wait_ready
             )
-        self.admission.admit(spec)
+        try:
+            self.admission.admit(spec)
+        except DSecError as err:
+            self._refused(err)
+            raise
         rec = SandboxRecord(sandbox_id, project_id, principal_id, spec, self.edge_id)
         self.records[sandbox_id] = rec
         self.admission.account(rec, +1)
@@ -252,6 +266,10 @@ class SandboxManager:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         return rec, False
+
+    def _refused(self, err: DSecError) -> None:
+        if self.metrics is not None:
+            self.metrics.refused(err.reason)
 
     async def create_many(
         self,
@@ -296,6 +314,7 @@ class SandboxManager:
             )
             if refusal is not None:
                 out.append((None, False, refusal))
+                self._refused(refusal)
                 continue
             # Each record gets its own spec: a running sandbox's spec can change (its
             # network policy), and must not change its batch-mates'.
@@ -354,6 +373,7 @@ class SandboxManager:
 
     async def _start(self, rec: SandboxRecord) -> None:
         backend = self.backend_of(rec)
+        started = time.monotonic()
         self._set_state(rec, "STARTING")
         try:
             await backend.start(rec)
@@ -377,6 +397,8 @@ class SandboxManager:
             rec.started_at = time.time()
             rec.last_active_at = rec.started_at
             self._set_state(rec, "RUNNING")
+            if self.metrics is not None:
+                self.metrics.sandbox_started(rec, rec.spec.backend, started)
 
     async def _wait_ready(self, rec: SandboxRecord) -> None:
         ev = self._ready.get(rec.sandbox_id)
@@ -423,6 +445,8 @@ class SandboxManager:
                 return rec
             self._paused(rec, outcome)
             self._set_state(rec, "PAUSED")
+            if self.metrics is not None:
+                self.metrics.paused(rec.spec.backend, outcome)
         return rec
 
     def _paused(self, rec: SandboxRecord, outcome: PauseOutcome) -> None:
@@ -458,11 +482,14 @@ class SandboxManager:
             # Taken before the backend call, so concurrent resumes of others see it (if it
             # does not fit: NodeMemoryFull, and the sandbox stays PAUSED).
             need = self.admission.take_back(rec)
+            started = time.monotonic()
             try:
                 await pausable.resume(rec)
             except ResumeFailed as exc:
                 # Its memory or state cannot come back: retrying would fail the same way.
                 log.warning("resume of %s failed: %s", sandbox_id, exc)
+                if self.metrics is not None:
+                    self.metrics.resumed(rec.spec.backend, started, ok=False)
                 await self.end(rec, "RESUME_FAILED", str(exc))
                 self.get_live(sandbox_id)  # SandboxTerminated, with the reason
                 raise  # (not reached)
@@ -473,6 +500,8 @@ class SandboxManager:
             rec.memory = {}
             rec.last_active_at = time.time()
             self._set_state(rec, "RUNNING")
+            if self.metrics is not None:
+                self.metrics.resumed(rec.spec.backend, started, ok=True)
         return rec
 
     async def fork(
@@ -755,6 +784,8 @@ class SandboxManager:
         rec.released_mb = 0
         self._transitions.pop(sid, None)
         self._set_state(rec, TERMINAL)
+        if self.metrics is not None:
+            self.metrics.ended(rec, rec.spec.backend)
         log.info(
             "sandbox %s terminated: %s %s",
             sid,

@@ -16,6 +16,7 @@ from common.channels import DEFAULT_DEADLINE_S, open_channel
 from common.config import load
 from common.convert import ts
 from common.grpc_server import GrpcServer
+from common.metrics import for_service
 from common.telemetry import setup_logging, setup_tracing
 from common.version import DSEC_VERSION
 from dsec.edge.v1 import edge_pb2  # noqa: F401  (registers the service descriptor)
@@ -32,6 +33,7 @@ from edge.fncall.adapter import FnCallAdapter
 from edge.fncall.service import FnCallService
 from edge.layers_adapter import LayersAdapter
 from edge.manager import Capacity, SandboxManager
+from edge.metrics import EdgeMetrics
 from edge.network.claims import NetworkClaimError
 from edge.node import NodeServices
 from edge.operations import Operations
@@ -211,7 +213,14 @@ async def main() -> None:
     if unknown:
         log.warning("%d operations were under way when the edge stopped: OUTCOME_UNKNOWN", unknown)
     operations = Operations(oplog, enabled=cfg.oplog == "on")
-    server = GrpcServer(f"edge-{cfg.edge_id}", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    metrics = for_service(f"edge-{cfg.edge_id}", cfg)
+    server = GrpcServer(
+        f"edge-{cfg.edge_id}",
+        cfg.listen,
+        grace_s=cfg.shutdown_grace_s,
+        metrics=metrics,
+        metrics_listen=cfg.metrics_addr,
+    )
     info = types_pb2.EdgeInfo()  # filled in once the address is bound (register below)
     fncall, no_fncall = make_fncall(cfg)
     servicer = EdgeServicer(
@@ -224,6 +233,14 @@ async def main() -> None:
         operations=operations,
     )
     server.add(servicer, "dsec.edge.v1.EdgeService")
+    manager.metrics = EdgeMetrics(
+        metrics,
+        records=lambda: manager.records.values(),
+        capacity=manager.capacity,
+        node_status=servicer.node_status,
+        disk_guard=manager.reaper.disk_guard,
+        network=node.network if node is not None else None,
+    )
     server.background(lambda: operations.follow_endings(manager))
     server.on_close(oplog.close)
     serve_in_background(cfg, server, manager, node, backends, fncall, info)

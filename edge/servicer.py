@@ -370,6 +370,10 @@ class EdgeServicer:
                 reason="NODE_STATUS_INVALID",
             ) from exc
 
+    async def node_status(self) -> edge_pb2.GetNodeStatusResponse:
+        """What GetNodeStatus answers (without sandbox ids): the edge's metrics read it."""
+        return await self._node_status(edge_pb2.GetNodeStatusRequest())
+
     async def _node_status(
         self, request: edge_pb2.GetNodeStatusRequest
     ) -> edge_pb2.GetNodeStatusResponse:

@@ -6,10 +6,12 @@ import asyncio
 
 from common.config import load
 from common.grpc_server import GrpcServer
+from common.metrics import for_service
 from common.telemetry import setup_logging, setup_tracing
 from dsec.iam.v1 import iam_pb2  # noqa: F401  (registers the service descriptor)
 from iam.config import IamConfig
 from iam.domain import Iam
+from iam.metrics import IamMetrics
 from iam.servicer import IamServicer
 from iam.store import IamStore
 from iam.store_sqlite import SqliteIamStore
@@ -29,7 +31,15 @@ def open_store(database: str) -> IamStore:
 def build(cfg: IamConfig) -> tuple[GrpcServer, Iam]:
     store = open_store(cfg.database)
     iam = Iam(store)
-    server = GrpcServer("iam", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    metrics = for_service("iam", cfg)
+    server = GrpcServer(
+        "iam",
+        cfg.listen,
+        grace_s=cfg.shutdown_grace_s,
+        metrics=metrics,
+        metrics_listen=cfg.metrics_addr,
+        metrics_authorize=IamMetrics(metrics, iam).authorize,
+    )
     server.add(IamServicer(iam, cfg.auth_cache_ttl_s), "dsec.iam.v1.IamService")
     server.background(iam.purge_loop)
     server.on_close(lambda: asyncio.to_thread(store.close))

@@ -355,6 +355,7 @@ class SandboxInfo:
     forked_from: str = ""  # a fork's child: the sandbox it was copied from
     #: A create that waited in the queue (``wait_s``): where it is, or was.
     queue: QueueInfo | None = None
+    terminated_at: datetime | None = None  # when it ended (None while it lives)
 
     @classmethod
     def from_pb(cls, s: types_pb2.Sandbox) -> SandboxInfo:
@@ -393,6 +394,7 @@ class SandboxInfo:
             principal_id=s.principal_id,
             forked_from=s.forked_from,
             queue=QueueInfo.from_pb(s.queue) if s.HasField("queue") else None,
+            terminated_at=_dt(s.termination.at) if reason else None,
         )
 
     @property

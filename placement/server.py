@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.config import load
 from common.grpc_server import GrpcServer
+from common.metrics import for_service
 from common.telemetry import setup_logging, setup_tracing
 from dsec.placement.v1 import placement_pb2  # noqa: F401  (registers the service descriptor)
 from placement.config import PlacementConfig
@@ -23,8 +24,17 @@ async def main() -> None:
         overlay_grace_s=cfg.overlay_grace_s,
     )
     follower = SnapshotFollower(placer, cfg.watcher)
-    server = GrpcServer("placement", cfg.listen, grace_s=cfg.shutdown_grace_s)
-    servicer = PlacementServicer(placer, follower, cfg.snapshot_max_age_s, cfg.view_warmup_s)
+    metrics = for_service("placement", cfg)
+    server = GrpcServer(
+        "placement",
+        cfg.listen,
+        grace_s=cfg.shutdown_grace_s,
+        metrics=metrics,
+        metrics_listen=cfg.metrics_addr,
+    )
+    servicer = PlacementServicer(
+        placer, follower, cfg.snapshot_max_age_s, cfg.view_warmup_s, metrics=metrics
+    )
     server.add(servicer, "dsec.placement.v1.PlacementService")
     server.background(follower.run)
     server.background(lambda: servicer.report_view_health(server.health))

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from common.config import WATCHER_WARMUP_S
 from common.convert import enum_name
+from common.metrics import Metrics
 from dsec.placement.v1 import placement_pb2
 from dsec.types.v1 import types_pb2
 from libdsec.errors import DSecError, InvalidArgument, Unavailable, item_status
@@ -76,7 +77,17 @@ class PlacementServicer:
         follower: SnapshotFollower,
         max_age_s: float,
         warmup_s: float = WATCHER_WARMUP_S,
+        metrics: Metrics | None = None,
     ) -> None:
+        #: Every item placed or refused (and why), counted when the service has metrics.
+        self.decisions = (
+            metrics.meter.create_counter(
+                "dsec_placement_decisions",
+                description="Items placed or refused, by outcome and reason",
+            )
+            if metrics is not None
+            else None
+        )
         self.placer = placer
         self.follower = follower
         self.max_age_s = max_age_s
@@ -108,7 +119,9 @@ class PlacementServicer:
         try:
             cands = self.placer.place(_request(item))
         except DSecError as err:
+            self._count(0, err)
             return placement_pb2.Placement(error=item_status(err))
+        self._count(1, None)
         return placement_pb2.Placement(
             candidates=[
                 placement_pb2.Candidate(edge_id=c.edge_id, address=c.address, cloud=c.cloud)
@@ -153,7 +166,17 @@ class PlacementServicer:
             gp.edge_indexes.extend([mapping[i] for i in chosen])
             if err is not None:
                 item_status(err, gp.error)
+            self._count(len(chosen), err, group.count - len(chosen))
         return resp
+
+    def _count(self, placed: int, err: DSecError | None, refused: int = 1) -> None:
+        """``placed`` items placed, and ``refused`` refused with ``err`` (None: none)."""
+        if self.decisions is None:
+            return
+        if placed:
+            self.decisions.add(placed, {"outcome": "placed", "reason": ""})
+        if err is not None and refused > 0:
+            self.decisions.add(refused, {"outcome": "refused", "reason": err.reason})
 
     async def GetPlacementStatus(
         self, request: placement_pb2.GetPlacementStatusRequest, context: Any

@@ -51,6 +51,7 @@ APT_PACKAGES_NO_RECOMMENDS=(
     libvirt-dev pkg-config                           # libvirt-python builds against them
     novnc python3-websockify                         # the desktop's live view in a browser
     tesseract-ocr chromium chromium-driver           # desktop tests: OCR, the viewer in Chromium
+    prometheus                                       # scrapes every service's /metrics (tests)
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.config import load
 from common.grpc_server import GrpcServer
+from common.metrics import for_service
 from common.telemetry import setup_logging, setup_tracing
 from dsec.watcher.v1 import watcher_pb2  # noqa: F401  (registers the service descriptor)
 from watcher.config import WatcherConfig
@@ -23,7 +24,15 @@ async def main() -> None:
         cfg.unhealthy_after, cfg.forget_after_s, max_clock_skew_s=cfg.max_clock_skew_s
     )
     ledger = SandboxLedger(cfg.sandbox_poll_interval_s, cfg.lost_retention_s)
-    server = GrpcServer("watcher", cfg.listen, grace_s=cfg.shutdown_grace_s)
+    metrics = for_service("watcher", cfg)
+    view.observe(metrics)
+    server = GrpcServer(
+        "watcher",
+        cfg.listen,
+        grace_s=cfg.shutdown_grace_s,
+        metrics=metrics,
+        metrics_listen=cfg.metrics_addr,
+    )
     servicer = WatcherServicer(view, cfg.reregister_interval_s, ledger)
     server.add(servicer, "dsec.watcher.v1.WatcherService")
     reconciler = None

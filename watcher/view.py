@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from common.metrics import Metrics, counts_by
 from common.version import DSEC_VERSION, compatible
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,22 @@ class ClusterView:
         #: UNHEALTHY: a restarted edge): the prober probes at once instead of at its interval,
         #: so placement uses the edge again within milliseconds of its return.
         self.probe_now = asyncio.Event()
+
+    def observe(self, metrics: Metrics) -> None:
+        """Edges by health (and why), read at each scrape."""
+
+        def edges(_: CallbackOptions) -> list[Observation]:
+            points = counts_by(
+                self.edges.values(),
+                lambda e: e.health,
+                lambda e: e.health_reason,
+                names=("health", "reason"),
+            )
+            return [Observation(n, labels) for labels, n in points]
+
+        metrics.meter.create_observable_gauge(
+            "dsec_watcher_edges", callbacks=[edges], description="Edges known, by health"
+        )
 
     def _publish(self, kind: str, payload: Any) -> None:
         self.version += 1

@@ -147,6 +147,7 @@ class Resolver:
         self.learn = learn
         self.timeout_s = timeout_s
         self.refused: dict[str, int] = {}  # client address -> names refused
+        self.refused_total = 0  # every name refused since the start (the edge's metrics)
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -189,9 +190,11 @@ class Resolver:
         verdict = self.decide(client, name)
         if verdict is None:
             self.refused[client] = self.refused.get(client, 0) + 1
+            self.refused_total += 1
             return reply(msg, dns.rcode.REFUSED)
         if verdict is False:
             self.refused[client] = self.refused.get(client, 0) + 1
+            self.refused_total += 1
             return reply(msg, dns.rcode.NXDOMAIN)
         try:
             answer = await asyncio.wait_for(
@@ -211,6 +214,7 @@ class Resolver:
                 and self.decide(client, rname) is False
             ):
                 self.refused[client] = self.refused.get(client, 0) + 1
+                self.refused_total += 1
                 return reply(msg, dns.rcode.NXDOMAIN)
         learned = addresses(parsed)
         if learned:

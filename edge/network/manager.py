@@ -119,6 +119,13 @@ class NetworkManager:
         self._node_ready = False
         self._node_lock = asyncio.Lock()
         self._resolver: dns.Resolver | None = None
+        #: Connections the name gate refused since the start, every sandbox's (metrics).
+        self.gate_refusals = 0
+
+    @property
+    def dns_refusals(self) -> int:
+        """Names the resolver refused since it started, to every sandbox (metrics)."""
+        return self._resolver.refused_total if self._resolver is not None else 0
 
     @property
     def gateway(self) -> str:
@@ -582,6 +589,7 @@ class NetworkManager:
         return None
 
     def _gate_refused(self, a: Attempt, why: str) -> None:
+        self.gate_refusals += 1
         state = self._owner_of(a.client[0])
         if state is None:
             return

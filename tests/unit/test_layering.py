@@ -17,6 +17,7 @@ DOMAIN_MODULES = [
     "iam/store_pg.py",
     "placement/policy.py",
     "watcher/view.py",
+    "apiserver/statelog.py",
     "watcher/ledger.py",
     "edge/manager.py",
     "edge/admission.py",

@@ -431,6 +431,7 @@ class ContainerBackend:
         self.channels.keep(sid, conn)
         self._warm_unclaimed.pop(w.cid, None)  # the sandbox's record owns it from here
         rec.runtime = self._runtime_record(proc, w.image, self._socket_path(sid))
+        rec.runtime["warm"] = True  # a warm sandbox served this create (edge/metrics.py)
         try:
             _apply_qos(
                 rec, proc.pid, proc.cgroup_path

@@ -502,6 +502,7 @@ class MicrovmBackend:
         runtime = dict(w.prep.runtime)
         runtime["qemu_name"] = wid
         runtime["from"] = "warm " + runtime.get("from", "")
+        runtime["warm"] = True  # a warm sandbox served this create (edge/metrics.py)
         rec.runtime = runtime
         self.vms.pop(wid, None)
         vm.sandbox_id, vm.rec, vm.qemu_name = sid, rec, wid
