@@ -31,7 +31,12 @@ from dsec.placement.v1 import placement_pb2_grpc
 async def main() -> None:
     cfg = load(ApiServerConfig, "APISERVER")
     setup_logging("apiserver", cfg.log_level, cfg.log_format)
-    setup_tracing("apiserver", cfg.otlp_endpoint)
+    setup_tracing(
+        "apiserver",
+        cfg.otlp_endpoint,
+        starts_traces=True,
+        sample_ratio=cfg.trace_sample_ratio,
+    )
     iam_channel = open_channel(cfg.iam, "apiserver")
     placement_channel = open_channel(
         cfg.placement, "apiserver", retry_services=["dsec.placement.v1.PlacementService"]

@@ -22,6 +22,7 @@ from chronus.files import Files
 from chronus.proc import grow_fd_table, rss_bytes
 from chronus.sessions import SessionManager
 from chronus.threads import Condition, Event, Lock, start_thread
+from chronus.tracing import command_span, parse_traceparent
 from chronus.watchers import Watchers
 from insandbox import wire
 from insandbox.log import get_logger
@@ -79,6 +80,8 @@ class Stream:
         self._queued_bytes = 0
         self._input_handler: Callable[[Input], None] | None = None
         self._cancel_callbacks: list[Callable[[], None]] = []
+        #: (trace id, the edge's span id) when the Request carried a sampled traceparent.
+        self.trace: tuple[bytes, bytes] | None = None
 
     # ---------------------------------------------------------- reader thread
     def push(self, req: Input, size: int) -> None:
@@ -105,10 +108,17 @@ class Stream:
             cb()
 
     # --------------------------------------------------------- handler thread
-    def send(self, arm: str, value: dict[str, Any]) -> None:
+    def send(self, arm: str, value: dict[str, Any], span: dict[str, Any] | None = None) -> None:
         if self.cancelled:
             raise Cancelled()
-        self.engine.send({"stream_id": self.stream_id, "response": {arm: value}})
+        response = {arm: value} if span is None else {arm: value, "span": span}
+        self.engine.send({"stream_id": self.stream_id, "response": response})
+
+    def span_of(self, ex: Exec) -> dict[str, Any] | None:
+        """The CommandSpan of ``ex`` (exited) if this call is traced."""
+        if self.trace is None or ex.exit is None:
+            return None
+        return command_span(self.trace, ex.started_at, ex.exit)
 
     def recv(self) -> Input:
         """The next Request on this stream; None after HalfClose."""
@@ -231,6 +241,9 @@ class Engine:
     def _run(self, stream: Stream, request: dict[str, Any]) -> None:
         end: dict[str, Any] = {}
         try:
+            traceparent = request.pop("traceparent", "")
+            if traceparent:
+                stream.trace = parse_traceparent(traceparent)
             if len(request) != 1:
                 raise invalid("a Request carries exactly one call")
             ((arm, body),) = request.items()
@@ -259,8 +272,11 @@ class Engine:
     def _keepalive_s(self, ms: int) -> float:
         return (ms or self.config.keepalive_ms) / 1000.0
 
-    def _pump(self, stream: Stream, sub: Subscription, keepalive_s: float) -> None:
-        """Forward an exec's events until its exit (the last event)."""
+    def _pump(
+        self, stream: Stream, sub: Subscription, keepalive_s: float, ex: Exec | None = None
+    ) -> None:
+        """Forward an exec's events until its exit (the last event; with the command's span
+        if the call is traced and ``ex`` given)."""
         stream.on_cancel(sub.cancel)
         while True:
             try:
@@ -272,7 +288,9 @@ class Engine:
             if kind == "cancel":
                 raise Cancelled()
             if kind == "exit":
-                stream.send("exec_event", {"exit": ev[1]})
+                stream.send(
+                    "exec_event", {"exit": ev[1]}, None if ex is None else stream.span_of(ex)
+                )
                 return
             stream.send("exec_event", {kind: {"data": ev[2], "offset": ev[1]}})
 
@@ -289,7 +307,7 @@ class Engine:
         except Cancelled:
             ex.kill()
             raise
-        stream.send("exec_result", ex.result())
+        stream.send("exec_result", ex.result(), stream.span_of(ex))
         self.execs.forget(ex)
 
     def _run_streaming(self, stream: Stream, ex: Exec, keepalive_ms: int) -> None:
@@ -298,7 +316,7 @@ class Engine:
         sub = ex.subscribe()
         try:
             stream.send("exec_event", self._started(ex))
-            self._pump(stream, sub, self._keepalive_s(keepalive_ms))
+            self._pump(stream, sub, self._keepalive_s(keepalive_ms), ex)
         except Cancelled:
             if ex.background:
                 pass

@@ -51,6 +51,9 @@ class ServiceConfig:
     metrics_addr: str = ""
     #: Seconds between OTLP metric pushes to ``otlp_endpoint``; 0 = metrics over OTLP off.
     otlp_metrics_interval_s: float = 0.0
+    #: Of the traces this service starts (a front door's calls that arrive without a trace
+    #: context), the fraction recorded: 1.0 = all. A caller's own decision is always kept.
+    trace_sample_ratio: float = 1.0
     #: Seconds in-flight calls get to finish on SIGTERM.
     shutdown_grace_s: float = 5.0
 
@@ -65,6 +68,8 @@ class ServiceConfig:
             raise ConfigError("listen must not be empty")
         if self.shutdown_grace_s < 0:
             raise ConfigError("shutdown_grace_s must be >= 0")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:  # NaN too
+            raise ConfigError("trace_sample_ratio must be between 0 and 1")
         if self.metrics not in ("on", "off"):
             raise ConfigError(f"metrics must be on or off, not {self.metrics!r}")
         if self.metrics == "off" and (self.metrics_addr or self.otlp_metrics_interval_s):

@@ -37,7 +37,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from common.metrics import LATENCY_BUCKETS_S, Authorize, Metrics, MetricsEndpoint
-from common.telemetry import TracingServerInterceptor
+from common.telemetry import record_error, server_interceptors
 from libdsec.errors import DSecError, InvalidArgument, error_trailer
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ def _serializer(msg: Any) -> bytes:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: DSecError) -> None:
+    record_error(err.code, err.reason)  # the server span: status code and dsec's reason
     await context.abort(err.code, err.message, trailing_metadata=error_trailer(err))
 
 
@@ -334,7 +335,7 @@ class GrpcServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(
-            interceptors=[TracingServerInterceptor(self.name)], options=SERVER_OPTIONS
+            interceptors=server_interceptors(self.name), options=SERVER_OPTIONS
         )
         names: list[str] = []
         for servicer, desc in self._services:

@@ -3,29 +3,63 @@
 Logs: one JSON object per line on stderr (``ts``, ``level``, ``logger``,
 ``msg``, the active ``trace_id``, and any ``extra=`` fields).
 
-Traces: a tracer provider with no exporter by default (spans are created and
-propagated, so trace ids appear in logs, but nothing is sent); with an OTLP
-endpoint configured, spans go there in batches. Spans are named
-``<svc>.<noun>.<verb>``; gRPC spans come from the interceptors below, which
-propagate W3C trace context in call metadata.
+Traces (see docs/observe-traces.md): gRPC spans come from OpenTelemetry's own gRPC
+instrumentation (``opentelemetry-instrumentation-grpc``), which propagates W3C trace context
+in call metadata and records ``rpc.grpc.status_code``; the boundary (common/grpc_server.py)
+adds dsec's reason (:func:`record_error`). Two things are ours:
+
+- Server streams: the library keeps a stream's span current across its ``yield``; a stream
+  the client cancels is closed at the yield by grpc from another context, where detaching
+  fails ("Failed to detach context", an ERROR found by tests/fuzz). Here a stream's span is
+  current only while the handler runs (each step of its generator).
+- Who starts a trace: only the front doors (the API server, the compatibility front ends,
+  and the SDK when its caller configures a tracer). Internal services continue traces but
+  never start one, and no service's client call opens a span outside a trace: background
+  probes, heartbeats and registrations make no traces (:func:`setup_tracing`).
+
+Without an OTLP endpoint nothing is recorded (context is still propagated, so trace ids
+appear in logs): recording every span cost ~10% of an API server's CPU on the create path.
+
+A span recorded inside a sandbox, where no OpenTelemetry runs (memory), comes back to the
+edge in the frames and is exported here on the sandbox's behalf
+(:func:`record_in_sandbox_span`).
+
+``DSEC_TRACE_INTERCEPTORS=handwritten`` selects dsec's former interceptors
+(common/tracing_handwritten.py) instead of the library's: bench/bench_tracing.py compares both.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import json
 import logging
+import os
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+from opentelemetry.instrumentation.grpc._aio_server import (
+    OpenTelemetryAioServerInterceptor,
+    _OpenTelemetryAioServicerContext,
+)
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -70,205 +104,264 @@ def setup_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
     root.setLevel(level.upper())
 
 
-def setup_tracing(service: str, otlp_endpoint: str = "") -> TracerProvider:
+# ------------------------------------------------------------------------------- tracing
+
+#: Selects the gRPC interceptors: "otel" (default, OpenTelemetry's) or "handwritten".
+INTERCEPTORS_ENV = "DSEC_TRACE_INTERCEPTORS"
+
+#: gRPC status codes that are the server's failure, not the caller's (OpenTelemetry's
+#: semantic conventions for RPC server spans): only these make a server span's status ERROR.
+SERVER_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+#: Calls never traced: health checks (supervisord, `dsec status`, the watcher's probes) and
+#: reflection (`dsec grpc`) would be one root span each.
+_UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+#: Where spans recorded elsewhere (inside sandboxes) are handed for export; set by
+#: setup_tracing when it exports.
+_exporting: SpanProcessor | None = None
+
+
+def setup_tracing(
+    service: str,
+    otlp_endpoint: str = "",
+    *,
+    starts_traces: bool = False,
+    sample_ratio: float = 1.0,
+) -> TracerProvider:
     """Installs the global tracer provider; exports over OTLP only when asked.
 
-    Without an exporter, spans are not recorded (a parent-based sampler that
-    drops new traces): their context, trace ids in logs and propagation to other
-    services still work, but nothing is kept that nobody would read. Recording
-    every span costs ~10% of an API server's CPU on the create path.
+    ``starts_traces``: a call that arrives without a trace context starts one, kept with
+    probability ``sample_ratio`` (the front doors: API server, compatibility front ends).
+    Otherwise the service only continues its callers' traces (their sampling decision is
+    kept), so that background calls between services (probes, heartbeats, registrations) and
+    an operator's direct calls leave no trace.
+
+    Without an exporter, new traces are not recorded: their context, trace ids in logs and
+    propagation to other services still work, but nothing is kept that nobody would read.
+    Recording every span costs ~10% of an API server's CPU on the create path.
     """
+    global _exporting
+    root: Sampler = ALWAYS_OFF
+    if otlp_endpoint and starts_traces:
+        root = ALWAYS_ON if sample_ratio >= 1.0 else TraceIdRatioBased(sample_ratio)
     provider = TracerProvider(
         resource=Resource.create({"service.name": f"dsec-{service}"}),
-        sampler=ParentBased(ALWAYS_ON if otlp_endpoint else ALWAYS_OFF),
+        sampler=ParentBased(root),
     )
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
-        )
+        _exporting = BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+        provider.add_span_processor(_exporting)
     trace.set_tracer_provider(provider)
     return provider
 
 
-def _span_name(service: str, method: str) -> str:
-    # "/dsec.iam.v1.IamService/CreateProject" -> "iam.project.create"-like names
-    # would need a table; "<svc>.<Service>.<Method>" is stable and greppable.
-    _, _, tail = method.rpartition("/")
-    svc = method.strip("/").split("/")[0].rsplit(".", 1)[-1]
-    return f"{service}.{svc}.{tail}"
+def _handwritten() -> bool:
+    return os.environ.get(INTERCEPTORS_ENV, "otel") == "handwritten"
 
 
-class _MetadataGetter:
-    def get(self, carrier: Any, key: str) -> list[str] | None:
-        for item in carrier or ():
-            k, v = item
-            if k == key:
-                return [v]
-        return None
-
-    def keys(self, carrier: Any) -> list[str]:
-        return [k for k, _ in carrier or ()]
+def _traced_call(details: Any) -> bool:
+    method = details.method
+    if isinstance(method, bytes):  # a client call's details (grpc issue 31092)
+        method = method.decode()
+    return not method.startswith(_UNTRACED_PREFIXES)
 
 
-class TracingServerInterceptor(grpc.aio.ServerInterceptor):
-    """Opens a SERVER span per call, continuing the caller's trace."""
-
-    def __init__(self, service: str) -> None:
-        self.service = service
-        self.tracer = trace.get_tracer(f"dsec.{service}")
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        name = _span_name(self.service, details.method)
-        parent = propagate.extract(details.invocation_metadata, getter=_MetadataGetter())  # type: ignore[arg-type]
-        tracer = self.tracer
-
-        def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with tracer.start_as_current_span(
-                    name, context=parent, kind=SpanKind.SERVER
-                ) as span:
-                    try:
-                        return await fn(request, context)
-                    except BaseException as exc:
-                        _record(span, exc)
-                        raise
-
-            return call
-
-        def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
-            # The span is current only while the handler runs (each step of its generator),
-            # never across a `yield`: a stream the client cancels is closed at its yield, by
-            # grpc, from another context, where detaching a context attached in this one
-            # fails (OpenTelemetry logged "Failed to detach context" as an ERROR: found by
-            # tests/fuzz cancelling watches).
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
-                items = fn(request, context)
-                try:
-                    while True:
-                        with trace.use_span(span, end_on_exit=False):
-                            try:
-                                item = await items.__anext__()
-                            except StopAsyncIteration:
-                                break
-                        yield item
-                except BaseException as exc:
-                    _record(span, exc)
-                    raise
-                finally:
-                    try:
-                        await items.aclose()
-                    finally:
-                        span.end()
-
-            return call
-
-        replace: dict[str, Any] = {}
-        for attr in ("unary_unary", "stream_unary"):
-            fn = getattr(handler, attr)
-            if fn is not None:
-                replace[attr] = wrap_unary(fn)
-        for attr in ("unary_stream", "stream_stream"):
-            fn = getattr(handler, attr)
-            if fn is not None:
-                replace[attr] = wrap_stream(fn)
-        return handler._replace(**replace)  # type: ignore[attr-defined,no-any-return]
+def _in_a_trace(details: Any) -> bool:
+    """A service's outgoing call opens a span only inside a trace: a call from a background
+    loop (a probe, a heartbeat) neither starts one nor carries a context."""
+    return trace.get_current_span().get_span_context().is_valid and _traced_call(details)
 
 
-def _record(span: trace.Span, exc: BaseException) -> None:
-    code = getattr(exc, "code", None)
-    span.set_attribute("rpc.error", type(exc).__name__)
-    if callable(code):
-        return
-    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+def server_interceptors(
+    service: str, tracer_provider: trace.TracerProvider | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The tracing interceptor of a service's gRPC server (``tracer_provider``: the global
+    one by default)."""
+    if _handwritten():
+        from common.tracing_handwritten import TracingServerInterceptor
 
-
-class _ClientTracing:
-    def __init__(self, service: str) -> None:
-        self.service = service
-        self.tracer = trace.get_tracer(f"dsec.{service}.client")
-
-    def _start(self, details: grpc.aio.ClientCallDetails) -> tuple[Any, grpc.aio.ClientCallDetails]:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        span = self.tracer.start_span(
-            _span_name(self.service, method) + ".call", kind=SpanKind.CLIENT
-        )
-        ctx = trace.set_span_in_context(span)
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=ctx)
-        metadata = list(details.metadata or []) + list(carrier.items())
-        new = grpc.aio.ClientCallDetails(
-            method=details.method,
-            timeout=details.timeout,
-            metadata=grpc.aio.Metadata(*metadata),
-            credentials=details.credentials,
-            wait_for_ready=details.wait_for_ready,
-        )
-        return span, new
-
-
-class TracingUnaryUnary(_ClientTracing, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        span, details = self._start(details)
-        start = time.perf_counter()
-        try:
-            call = await continuation(details, request)
-            await call  # surfaces the status so the span can record it
-            return call
-        except grpc.aio.AioRpcError as exc:
-            span.set_status(Status(StatusCode.ERROR, exc.code().name))
-            raise
-        finally:
-            span.set_attribute("rpc.duration_ms", (time.perf_counter() - start) * 1000)
-            span.end()
-
-
-class TracingUnaryStream(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        span, details = self._start(details)
-        token = otel_context.attach(trace.set_span_in_context(span))
-        try:
-            call = await continuation(details, request)
-            call.add_done_callback(lambda _c: span.end())
-            return call
-        finally:
-            otel_context.detach(token)
-
-
-class TracingStreamUnary(_ClientTracing, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
-        span, details = self._start(details)
-        call = await continuation(details, request_iterator)
-        call.add_done_callback(lambda _c: span.end())
-        return call
-
-
-class TracingStreamStream(_ClientTracing, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
-        span, details = self._start(details)
-        call = await continuation(details, request_iterator)
-        call.add_done_callback(lambda _c: span.end())
-        return call
+        return [TracingServerInterceptor(service)]
+    tracer = trace.get_tracer("opentelemetry.instrumentation.grpc", tracer_provider=tracer_provider)
+    return [_ServerInterceptor(tracer, filter_=_traced_call)]
 
 
 def client_interceptors(service: str) -> list[grpc.aio.ClientInterceptor]:
-    return [
-        TracingUnaryUnary(service),
-        TracingUnaryStream(service),
-        TracingStreamUnary(service),
-        TracingStreamStream(service),
-    ]
+    """The tracing interceptors of a service's outgoing channels."""
+    if _handwritten():
+        from common.tracing_handwritten import client_interceptors as handwritten
+
+        return handwritten(service)
+    return aio_client_interceptors(filter_=_in_a_trace)  # type: ignore[no-any-return]
+
+
+class _ServerInterceptor(OpenTelemetryAioServerInterceptor):  # type: ignore[misc]
+    """OpenTelemetry's server interceptor, with three changes. Its server streams do not keep
+    their span current across a ``yield`` (see the module's docstring). And two savings that
+    bench/bench_tracing.py priced (the library's interceptor cost ~40 us more CPU per call than
+    dsec's former one, most of it in these): a span carries the ``rpc.*`` attributes only, not
+    the peer's address and user agent parsed from the call for every call (a cluster's peers
+    are its own services, on Unix sockets in a local cluster); and a call without trace
+    context attaches none (the library extracts and attaches an empty one)."""
+
+    @contextlib.contextmanager
+    def _set_remote_context(self, servicer_context: Any) -> Iterator[None]:
+        metadata = servicer_context.invocation_metadata() or ()
+        carrier = {md.key: md.value for md in metadata if md.key in _PROPAGATED_KEYS}
+        if not carrier:
+            yield
+            return
+        token = otel_context.attach(propagate.extract(carrier))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def _start_span(
+        self, handler_call_details: Any, context: Any, set_status_on_exception: bool = False
+    ) -> Any:
+        return self._tracer.start_as_current_span(
+            name=handler_call_details.method,
+            kind=SpanKind.SERVER,
+            attributes=_rpc_attributes(handler_call_details.method),
+            set_status_on_exception=set_status_on_exception,
+        )
+
+    def _intercept_aio_server_stream(
+        self, behavior: Callable[..., AsyncGenerator[Any]], details: grpc.HandlerCallDetails
+    ) -> Callable[..., AsyncIterator[Any]]:
+        tracer = self._tracer
+        attributes = _rpc_attributes(details.method)
+
+        async def stream(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
+            metadata = context.invocation_metadata() or ()
+            carrier = {md.key: md.value for md in metadata if md.key in _PROPAGATED_KEYS}
+            parent = propagate.extract(carrier) if carrier else None
+            span = tracer.start_span(
+                details.method, context=parent, kind=SpanKind.SERVER, attributes=attributes
+            )
+            items = behavior(request_or_iterator, _OpenTelemetryAioServicerContext(context, span))
+            try:
+                while True:
+                    with trace.use_span(span, end_on_exit=False, record_exception=False):
+                        try:
+                            item = await items.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    yield item
+            except (GeneratorExit, asyncio.CancelledError):
+                span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+                raise
+            except grpc.aio.AbortError:
+                raise  # recorded by the servicer context's abort
+            except BaseException as exc:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                raise
+            finally:
+                try:
+                    await items.aclose()
+                finally:
+                    span.end()
+
+        return stream
+
+
+#: The metadata keys of W3C trace context (what the global propagator reads).
+_PROPAGATED_KEYS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _rpc_attributes(full_method: str) -> Mapping[str, str | int]:
+    """A server span's attributes at its start (OpenTelemetry's RPC conventions); the status
+    code is the call's until it fails (the servicer context's abort, :func:`record_error`)."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return MappingProxyType(
+        {
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": method,
+            "rpc.grpc.status_code": grpc.StatusCode.OK.value[0],
+        }
+    )
+
+
+def record_error(code: grpc.StatusCode, reason: str) -> None:
+    """Marks the current server span with a failed call's status code and dsec's reason
+    (``dsec.reason``); its status is ERROR for a server-side failure (:data:`SERVER_FAILURES`),
+    not for the caller's own error (NOT_FOUND, INVALID_ARGUMENT, ...)."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_attribute("dsec.reason", reason)
+    if code in SERVER_FAILURES:
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {reason}"))
+
+
+def traceparent_for_sandbox() -> str:
+    """The W3C ``traceparent`` of the current span for a call into a sandbox: "" unless the
+    span is recorded and this process exports what the sandbox will send back."""
+    if _exporting is None:
+        return ""
+    ctx = trace.get_current_span().get_span_context()
+    if not (ctx.is_valid and ctx.trace_flags.sampled):
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
+
+
+_SCOPE = InstrumentationScope("dsec.insandbox")
+_resources: dict[str, Resource] = {}
+
+
+def record_in_sandbox_span(
+    service: str,
+    name: str,
+    *,
+    trace_id: bytes,
+    parent_span_id: bytes,
+    span_id: bytes,
+    start_unix_ns: int,
+    end_unix_ns: int,
+    attributes: Mapping[str, str | int | bool],
+    error: str = "",
+) -> None:
+    """Exports a span recorded inside a sandbox (by ``service``, e.g. chronus, which runs no
+    OpenTelemetry) as that service's: its resource's service.name is ``dsec-<service>``.
+    Ids that are not 16/8/8 bytes (a misbehaving sandbox) drop the span."""
+    if _exporting is None or len(trace_id) != 16 or len(parent_span_id) != 8:
+        return
+    if len(span_id) != 8 or not any(span_id) or end_unix_ns < start_unix_ns:
+        return
+    resource = _resources.get(service)
+    if resource is None:
+        resource = _resources[service] = Resource.create({"service.name": f"dsec-{service}"})
+    sampled = TraceFlags(TraceFlags.SAMPLED)
+    tid = int.from_bytes(trace_id, "big")
+    span = ReadableSpan(
+        name,
+        # A span recorded elsewhere is handed over whole: ReadableSpan is what the SDK's span
+        # processors take (the SDK's Tracer would give it an id and times of its own).
+        context=SpanContext(tid, int.from_bytes(span_id, "big"), False, sampled),
+        parent=SpanContext(tid, int.from_bytes(parent_span_id, "big"), False, sampled),
+        resource=resource,
+        attributes=dict(attributes),
+        kind=SpanKind.INTERNAL,
+        status=Status(StatusCode.ERROR, error) if error else Status(StatusCode.UNSET),
+        start_time=start_unix_ns,
+        end_time=end_unix_ns,
+        instrumentation_scope=_SCOPE,
+    )
+    _exporting.on_end(span)

@@ -23,7 +23,7 @@ import uvicorn
 
 from common.config import ConfigError, load
 from common.metrics import MetricsEndpoint, for_service
-from common.telemetry import setup_logging
+from common.telemetry import setup_logging, setup_tracing
 from common.vip import RouteAgentHandle
 from compat.clients import ClientPool
 from compat.config import CompatConfig
@@ -31,6 +31,7 @@ from compat.e2b.app import E2bApp
 from compat.http import Receive, Scope, Send
 from compat.metrics import HttpMetrics
 from compat.sandboxfusion.app import SandboxFusionApp
+from compat.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ log = logging.getLogger(__name__)
 async def main() -> None:
     config = load(CompatConfig, "COMPAT")
     setup_logging("compat", config.log_level, config.log_format)
+    # Before any libdsec client is made: with a provider set they carry trace context.
+    setup_tracing(
+        "compat",
+        config.otlp_endpoint,
+        starts_traces=True,
+        sample_ratio=config.trace_sample_ratio,
+    )
     pool = ClientPool(
         config.apiserver, max_clients=config.clients_max, ttl_s=config.token_check_ttl_s
     )
@@ -46,7 +54,7 @@ async def main() -> None:
     e2b = E2bApp(config, pool)
     sockets = [_listen(config.host, config.port)]
     by_port: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
-        sockets[0].getsockname()[1]: http_metrics.wrap("e2b", e2b)
+        sockets[0].getsockname()[1]: http_metrics.wrap("e2b", traced(e2b, "e2b"))
     }
     fusion: SandboxFusionApp | None = None
     if config.sandbox_fusion_listen:
@@ -59,13 +67,17 @@ async def main() -> None:
                 raise ConfigError(f"{config.sandbox_fusion_token_file} holds no token")
         fusion = SandboxFusionApp(config, pool, default_token=token)
         sockets.append(_listen(config.sandbox_fusion_host, config.sandbox_fusion_port))
-        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap("sandboxfusion", fusion)
+        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap(
+            "sandboxfusion", traced(fusion, "sandboxfusion")
+        )
     if config.swerex_listen:
         # Imported only when served: it needs the `swerex` extra (swe-rex).
         from compat.swe_rex.app import SweRexApp
 
         sockets.append(_listen(config.swerex_host, config.swerex_port))
-        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap("swerex", SweRexApp(config, pool))
+        by_port[sockets[-1].getsockname()[1]] = http_metrics.wrap(
+            "swerex", traced(SweRexApp(config, pool), "swerex")
+        )
 
     default = by_port[sockets[0].getsockname()[1]]
 

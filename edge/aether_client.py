@@ -16,6 +16,13 @@ across a pause. When the connection closes every open call fails with
 UNAVAILABLE (reason ``CHANNEL_CLOSED``) and ``on_close`` runs, so the edge can
 decide whether the sandbox died.
 
+Traces: the Request of a command (``exec``, ``exec_stream``, ``exec_input``'s start) carries
+the W3C context of the edge's current span when it is recorded; chronus answers with the
+command's span (``Response.span``), which this side exports on its behalf
+(:func:`common.telemetry.record_in_sandbox_span`). The sandbox is not trusted with it: a span
+is exported only with the ids this side sent on that stream, and its times are clamped to the
+call's (a sandbox cannot plant spans in other traces, nor stretch its own).
+
 Each stream's queue is bounded, so a slow consumer (a client downloading a
 large file slowly) applies backpressure to the reader instead of growing the
 edge's memory; the cost is that other calls to the same sandbox wait too.
@@ -32,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from common.telemetry import record_in_sandbox_span, traceparent_for_sandbox
 from dsec.aether.v1 import aether_pb2
 from dsec.chronus.v1 import chronus_pb2
 from libdsec.errors import ChannelClosed, DeadlineExceeded, Unavailable, status_for
@@ -41,6 +49,8 @@ log = logging.getLogger(__name__)
 MAX_FRAME = 8 * 1024 * 1024
 _LEN = struct.Struct(">I")
 _END = object()
+#: Calls whose Request opens a command: traced into the sandbox (chronus.tracing).
+_COMMAND_CALLS = frozenset({"exec", "exec_stream", "exec_input"})
 
 
 class AetherConnection:
@@ -82,6 +92,8 @@ class AetherConnection:
         self._backpressure = False
         self._nonce = 0  # of our Pings; the Pongs awaited by ping()
         self._pongs: dict[int, asyncio.Future[None]] = {}
+        #: Traced streams: stream id -> (traceparent sent, when, in ns since the epoch).
+        self._traced: dict[int, tuple[str, int]] = {}
 
     # ------------------------------------------------------------ connect
 
@@ -316,10 +328,15 @@ class AetherConnection:
     async def _request(self, sid: int, call: str, message: Any) -> None:
         req = chronus_pb2.Request()
         getattr(req, call).CopyFrom(message)
+        if call in _COMMAND_CALLS and (call != "exec_input" or message.HasField("start")):
+            req.traceparent = traceparent_for_sandbox()
+            if req.traceparent:
+                self._traced[sid] = (req.traceparent, time.time_ns())
         await self._send(aether_pb2.Frame(stream_id=sid, request=req))
 
     async def _finish(self, sid: int, cancel: bool) -> None:
         self._streams.pop(sid, None)
+        self._traced.pop(sid, None)
         if cancel and not self.closed.is_set():
             with contextlib.suppress(Unavailable):
                 await self._send(aether_pb2.Frame(stream_id=sid, cancel=aether_pb2.Cancel()))
@@ -349,10 +366,58 @@ class AetherConnection:
                 raise DeadlineExceeded(
                     f"sandbox {self.sandbox_id} did not answer in {timeout_s} s"
                 ) from None
+            if isinstance(item, chronus_pb2.Response) and item.HasField("span"):
+                self._export_span(sid, item)
             value = self._unwrap(item)
             if value is _END:
                 return
             yield value
+
+    def _export_span(self, sid: int, response: chronus_pb2.Response) -> None:
+        """Exports the command's span chronus recorded (under chronus's service name), if it
+        belongs to the trace and span this side sent on the stream (once)."""
+        sent = self._traced.pop(sid, None)
+        span = response.span
+        if sent is None:
+            return
+        traceparent, sent_ns = sent
+        _, trace_id, parent_id, _ = traceparent.split("-")
+        if span.trace_id.hex() != trace_id or span.parent_span_id.hex() != parent_id:
+            log.warning("%s: a command span of another trace, dropped", self.sandbox_id)
+            return
+        field = response.WhichOneof("result")
+        exit = (
+            response.exec_result.exit
+            if field == "exec_result"
+            else response.exec_event.exit
+            if field == "exec_event"
+            else None
+        )
+        now_ns = time.time_ns()
+        attributes: dict[str, str | int | bool] = {"dsec.sandbox_id": self.sandbox_id}
+        if field == "exec_result" and response.exec_result.exec_id:
+            attributes["dsec.exec_id"] = response.exec_result.exec_id
+        error = ""
+        if exit is not None:
+            attributes["process.exit.code"] = exit.exit_code
+            if exit.signal:
+                attributes["dsec.exec.signal"] = exit.signal
+            if exit.timed_out:
+                attributes["dsec.exec.timed_out"] = True
+            error = exit.error or ("timed out" if exit.timed_out else "")
+        record_in_sandbox_span(
+            "chronus",
+            "chronus.exec",
+            trace_id=span.trace_id,
+            parent_span_id=span.parent_span_id,
+            span_id=span.span_id,
+            # Within the call: a command cannot start before it was asked for, nor end later
+            # than now (a VM guest's clock may also be a little off the host's).
+            start_unix_ns=min(max(span.start_unix_ns, sent_ns), now_ns),
+            end_unix_ns=min(max(span.end_unix_ns, sent_ns), now_ns),
+            attributes=attributes,
+            error=error,
+        )
 
     async def unary(self, call: str, request: Any, timeout_s: float | None = None) -> Any:
         sid, q = self._open()

@@ -7,6 +7,11 @@ channel: the SDK's here, the services' through ``common/channels.py``. The servi
 retry UNAVAILABLE (:data:`SERVICE_RETRY`, on the whole services a caller marks idempotent); the
 SDK retries its idempotent calls itself (:meth:`Transport.unary`), until the call's deadline, so
 that a client rides through a restart of the API server or of a service behind it.
+
+Traces: when the caller has configured an OpenTelemetry tracer provider, every call carries
+W3C trace context and makes a client span (OpenTelemetry's gRPC instrumentation): the SDK
+starts a trace, or continues the caller's current one, through the API server down to the
+command in the sandbox. Without one nothing is added to the channel (:func:`tracing_interceptors`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import json
 import random
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -259,6 +265,30 @@ async def stream(call: Any, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S) -> As
         call.cancel()
 
 
+def tracing_interceptors() -> list[grpc.aio.ClientInterceptor] | None:
+    """OpenTelemetry's gRPC client interceptors if the caller configured a tracer provider
+    (``opentelemetry.trace.set_tracer_provider``, before the client is made), else None.
+
+    The default no-op provider means nothing changes and nothing costs: no interceptor on
+    the channel, and OpenTelemetry is not even imported by the SDK (a program that set a
+    provider has imported it already)."""
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        return None
+    try:
+        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    except ImportError:  # libdsec installed without it: no traces from the SDK
+        return None
+    interceptors: list[grpc.aio.ClientInterceptor] = aio_client_interceptors(
+        tracer_provider=provider
+    )
+    return interceptors
+
+
 class Transport:
     """One channel to the API servers, the caller's token, and a stub per public service."""
 
@@ -269,7 +299,9 @@ class Transport:
         self.token = token
         #: The bearer token, sent as metadata with every call.
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(
+            target, options=CHANNEL_OPTIONS, interceptors=tracing_interceptors()
+        )
         self.sandboxes = apiserver_pb2_grpc.SandboxServiceStub(self.channel)
         self.exec = apiserver_pb2_grpc.ExecServiceStub(self.channel)
         self.files = apiserver_pb2_grpc.FileServiceStub(self.channel)

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from common.telemetry import TracingServerInterceptor
+from common.telemetry import server_interceptors
 from dsec.apiserver.v1 import apiserver_pb2
 from dsec.edge.v1 import edge_pb2
 from dsec.iam.v1 import iam_pb2
@@ -287,8 +287,10 @@ async def test_a_stream_closed_from_another_context_logs_no_error(
     details = SimpleNamespace(
         method="/dsec.watcher.v1.WatcherService/WatchCluster", invocation_metadata=()
     )
-    wrapped = await TracingServerInterceptor("watcher").intercept_service(continuation, details)  # type: ignore[arg-type]
-    stream = wrapped.unary_stream(b"", None)
+    (interceptor,) = server_interceptors("watcher")
+    wrapped = await interceptor.intercept_service(continuation, details)  # type: ignore[arg-type]
+    context = SimpleNamespace(invocation_metadata=lambda: (), peer=lambda: "ipv4:127.0.0.1:1")
+    stream = wrapped.unary_stream(b"", context)
     assert await stream.__anext__() == b"one"
     with caplog.at_level(logging.ERROR):
         # closed from a task of its own: a copy of the context, as grpc's cancellation is

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -146,3 +147,79 @@ async def test_an_unheld_silent_channel_closes_and_a_release_unanswered_fails(
             await conn.release(timeout_s=0.5)  # still frozen: no Pong
         await asyncio.wait_for(conn.closed.wait(), timeout=3.0)  # not held: judged dead
         assert conn.close_reason  # why it closed is kept for the calls it fails
+
+
+# ------------------------------------------------------------------ a command's span
+
+
+async def _chronus(path: Path, answer: str) -> asyncio.Server:
+    """Answers an exec with a result and a CommandSpan: its own (``answer="own"``, times a
+    minute off both ways), or one claiming another trace (``"forged"``)."""
+    from dsec.chronus.v1 import chronus_pb2
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(_frame(hello=aether_pb2.Hello(protocol_version=1, pid=1)))
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                (n,) = _LEN.unpack(await reader.readexactly(4))
+                frame = aether_pb2.Frame.FromString(await reader.readexactly(n))
+                if frame.WhichOneof("body") != "request":
+                    continue
+                _, trace_id, parent_id, _ = frame.request.traceparent.split("-")
+                if answer == "forged":
+                    trace_id = "ab" * 16
+                now = time.time_ns()
+                span = chronus_pb2.CommandSpan(
+                    trace_id=bytes.fromhex(trace_id),
+                    parent_span_id=bytes.fromhex(parent_id),
+                    span_id=b"\x01" * 8,
+                    start_unix_ns=now - 60 * 10**9,
+                    end_unix_ns=now + 60 * 10**9,
+                )
+                response = chronus_pb2.Response(span=span)
+                response.exec_result.exec_id = "ex-1"
+                writer.write(_frame(stream_id=frame.stream_id, response=response))
+                writer.write(_frame(stream_id=frame.stream_id, end=aether_pb2.StreamEnd()))
+
+    return await asyncio.start_unix_server(serve, path=str(path))
+
+
+@pytest.mark.parametrize("answer", ["own", "forged"])
+async def test_a_commands_span_is_exported_only_in_the_trace_it_was_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common import telemetry
+    from dsec.types.v1 import types_pb2
+
+    exported = InMemorySpanExporter()
+    monkeypatch.setattr(telemetry, "_exporting", SimpleSpanProcessor(exported))
+    server = await _chronus(tmp_path / "agent", answer)
+    conn = AetherConnection(str(tmp_path / "agent"), "sb-x")
+    try:
+        await conn.connect(timeout_s=5)
+        with TracerProvider().get_tracer("edge").start_as_current_span("edge.exec") as edge:
+            t0 = time.time_ns()
+            result = await conn.unary("exec", types_pb2.ExecRequest(command="true"), 5)
+            t1 = time.time_ns()
+        assert result.exec_id == "ex-1"
+    finally:
+        await conn.close()
+        server.close()
+    spans = exported.get_finished_spans()
+    if answer == "forged":
+        assert spans == ()
+        return
+    (span,) = spans
+    assert span.resource.attributes["service.name"] == "dsec-chronus"
+    assert span.context is not None and span.parent is not None
+    assert span.context.trace_id == edge.get_span_context().trace_id
+    assert span.parent.span_id == edge.get_span_context().span_id
+    assert span.context.span_id == int.from_bytes(b"\x01" * 8, "big")
+    # The sandbox's times are clamped to the call's.
+    assert span.start_time is not None and span.end_time is not None
+    assert t0 <= span.start_time <= span.end_time <= t1
+    assert span.attributes is not None and span.attributes["dsec.exec_id"] == "ex-1"

@@ -261,7 +261,7 @@ def _random_value(rng: random.Random, msg_name: str, depth: int = 0) -> dict[str
                 items.append(rng.randrange(-(2**63), 2**63))
             elif ftype == 13:
                 items.append(rng.randrange(2**32))
-            elif ftype == 4:
+            elif ftype in (4, 6):  # uint64, fixed64
                 items.append(rng.randrange(2**64))
             else:
                 raise AssertionError(f"type {ftype} not covered")

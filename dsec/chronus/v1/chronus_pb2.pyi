@@ -58,6 +58,12 @@ class Request(_message.Message):
     WATCH_DIR_FIELD_NUMBER: _builtins.int
     WAIT_FOR_PORT_FIELD_NUMBER: _builtins.int
     RESTORE_SESSION_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """The W3C trace context (a `traceparent` header value) of the edge's span for this call; set
+    by the edge on exec, exec_stream and exec_input's start, only when that span is recorded.
+    chronus then times the command and answers with a CommandSpan. A malformed one is ignored.
+    """
     @_builtins.property
     def exec(self) -> _types_pb2.ExecRequest:
         """-> one exec_result"""
@@ -167,10 +173,11 @@ class Request(_message.Message):
         watch_dir: _types_pb2.WatchDirRequest | None = ...,
         wait_for_port: _types_pb2.WaitForPortRequest | None = ...,
         restore_session: Global___RestoreSessionRequest | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "restore_session", b"restore_session", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "restore_session", b"restore_session", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_exec", b"attach_exec", "call", b"call", "chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_file", b"download_file", "exec", b"exec", "exec_input", b"exec_input", "exec_stream", b"exec_stream", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "modified_files", b"modified_files", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "restore_session", b"restore_session", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "traceparent", b"traceparent", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_dir", b"watch_dir", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["exec", "exec_stream", "exec_input", "attach_exec", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_file", "http", "status", "modified_files", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_dir", "wait_for_port", "restore_session"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
@@ -208,6 +215,7 @@ class Response(_message.Message):
     REMOVE_WATCHER_FIELD_NUMBER: _builtins.int
     WATCH_EVENT_FIELD_NUMBER: _builtins.int
     WAIT_FOR_PORT_FIELD_NUMBER: _builtins.int
+    SPAN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def exec_result(self) -> _types_pb2.ExecResult: ...
     @_builtins.property
@@ -260,6 +268,13 @@ class Response(_message.Message):
     def watch_event(self) -> _types_pb2.WatchDirResponse: ...
     @_builtins.property
     def wait_for_port(self) -> _types_pb2.WaitForPortResponse: ...
+    @_builtins.property
+    def span(self) -> Global___CommandSpan:
+        """With the exec_result of a traced exec, or the exit event of a traced stream: the command's
+        span as chronus recorded it. No OpenTelemetry SDK runs inside a sandbox (memory), so the
+        edge exports it on chronus's behalf (common/telemetry.py: record_in_sandbox_span).
+        """
+
     def __init__(
         self,
         *,
@@ -289,16 +304,55 @@ class Response(_message.Message):
         remove_watcher: _types_pb2.RemoveWatcherResponse | None = ...,
         watch_event: _types_pb2.WatchDirResponse | None = ...,
         wait_for_port: _types_pb2.WaitForPortResponse | None = ...,
+        span: Global___CommandSpan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "span", b"span", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chmod_path", b"chmod_path", "close_session", b"close_session", "control_exec", b"control_exec", "create_session", b"create_session", "create_watcher", b"create_watcher", "download_chunk", b"download_chunk", "exec_event", b"exec_event", "exec_result", b"exec_result", "http", b"http", "list_dir", b"list_dir", "list_execs", b"list_execs", "list_sessions", b"list_sessions", "make_dir", b"make_dir", "move_path", b"move_path", "read_file", b"read_file", "remove_path", b"remove_path", "remove_watcher", b"remove_watcher", "result", b"result", "signal_exec", b"signal_exec", "span", b"span", "stat_path", b"stat_path", "status", b"status", "upload_file", b"upload_file", "wait_exec", b"wait_exec", "wait_for_port", b"wait_for_port", "watch_event", b"watch_event", "watcher_events", b"watcher_events", "write_file", b"write_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["exec_result", "exec_event", "wait_exec", "signal_exec", "list_execs", "create_session", "close_session", "list_sessions", "read_file", "write_file", "list_dir", "stat_path", "make_dir", "remove_path", "move_path", "chmod_path", "upload_file", "download_chunk", "http", "status", "control_exec", "create_watcher", "watcher_events", "remove_watcher", "watch_event", "wait_for_port"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___Response: _TypeAlias = Response  # noqa: Y015
+
+@_typing.final
+class CommandSpan(_message.Message):
+    """A span recorded inside the sandbox: the command from its start to its exit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRACE_ID_FIELD_NUMBER: _builtins.int
+    PARENT_SPAN_ID_FIELD_NUMBER: _builtins.int
+    SPAN_ID_FIELD_NUMBER: _builtins.int
+    START_UNIX_NS_FIELD_NUMBER: _builtins.int
+    END_UNIX_NS_FIELD_NUMBER: _builtins.int
+    trace_id: _builtins.bytes
+    """16 bytes, the request's traceparent's"""
+    parent_span_id: _builtins.bytes
+    """8 bytes: the edge's span (the traceparent's parent id)"""
+    span_id: _builtins.bytes
+    """8 bytes, chosen by chronus"""
+    start_unix_ns: _builtins.int
+    """the command started (CLOCK_REALTIME in the sandbox)"""
+    end_unix_ns: _builtins.int
+    """it exited"""
+    def __init__(
+        self,
+        *,
+        trace_id: _builtins.bytes = ...,
+        parent_span_id: _builtins.bytes = ...,
+        span_id: _builtins.bytes = ...,
+        start_unix_ns: _builtins.int = ...,
+        end_unix_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_unix_ns", b"end_unix_ns", "parent_span_id", b"parent_span_id", "span_id", b"span_id", "start_unix_ns", b"start_unix_ns", "trace_id", b"trace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandSpan: _TypeAlias = CommandSpan  # noqa: Y015
 
 @_typing.final
 class RestoreSessionRequest(_message.Message):
