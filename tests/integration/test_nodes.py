@@ -230,6 +230,7 @@ def test_a_second_edge_process_with_a_live_edge_s_id_exits(
     env = dict(lc.process("edge-na").env)
     env["DSEC_EDGE_LISTEN"] = f"unix:{tmp_path / 'twin.sock'}"
     env["DSEC_EDGE_STATE_DIR"] = str(tmp_path / "state")
+    env["DSEC_EDGE_METRICS_ADDR"] = "127.0.0.1:0"  # its own, as its own socket (not the twin's)
     log_path = tmp_path / "twin.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
