@@ -183,19 +183,19 @@ def test_every_service_is_a_target_and_up(mc: LocalCluster, prom: Prometheus) ->
     assert "dsec-edge-met" in services
 
 
+#: What one sandbox's life adds, each by exactly one (the test's own calls only).
+LIFE = {
+    "started": 'sum(dsec_edge_sandboxes_started_total{backend="CONTAINER"})',
+    "pauses": 'sum(dsec_edge_pauses_total{backend="CONTAINER"})',
+    "resumes": 'sum(dsec_edge_resumes_total{backend="CONTAINER",outcome="ok"})',
+    "stopped": 'sum(dsec_edge_terminations_total{reason="STOPPED"})',
+    "creates": 'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/CreateSandbox",code="OK"})',
+    "not_found": 'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/GetSandbox",code="NOT_FOUND"})',
+}
+
+
 def test_a_sandboxs_life_is_counted_by_the_edge(mc: LocalCluster, prom: Prometheus) -> None:
-    before = {
-        "started": prom.value('sum(dsec_edge_sandboxes_started_total{backend="CONTAINER"})'),
-        "pauses": prom.value('sum(dsec_edge_pauses_total{backend="CONTAINER"})'),
-        "resumes": prom.value('sum(dsec_edge_resumes_total{backend="CONTAINER",outcome="ok"})'),
-        "stopped": prom.value('sum(dsec_edge_terminations_total{reason="STOPPED"})'),
-        "creates": prom.value(
-            'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/CreateSandbox",code="OK"})'
-        ),
-        "not_found": prom.value(
-            'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/GetSandbox",code="NOT_FOUND"})'
-        ),
-    }
+    before = {k: prom.value(expr) for k, expr in LIFE.items()}
     with Client(mc.apiserver, token=mc.token) as c:
         s = c.create(image="busybox", cpu=0.1, memory_mb=64, task_id="met")
         try:
@@ -213,18 +213,7 @@ def test_a_sandboxs_life_is_counted_by_the_edge(mc: LocalCluster, prom: Promethe
         with pytest.raises(SandboxNotFound):
             c.get("sb-met-0000000000000000")
     prom.scraped_since(time.time())
-    after = {
-        "started": prom.value('sum(dsec_edge_sandboxes_started_total{backend="CONTAINER"})'),
-        "pauses": prom.value('sum(dsec_edge_pauses_total{backend="CONTAINER"})'),
-        "resumes": prom.value('sum(dsec_edge_resumes_total{backend="CONTAINER",outcome="ok"})'),
-        "stopped": prom.value('sum(dsec_edge_terminations_total{reason="STOPPED"})'),
-        "creates": prom.value(
-            'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/CreateSandbox",code="OK"})'
-        ),
-        "not_found": prom.value(
-            'sum(dsec_rpc_server_calls_total{job="dsec",method="SandboxService/GetSandbox",code="NOT_FOUND"})'
-        ),
-    }
+    after = {k: prom.value(expr) for k, expr in LIFE.items()}
     assert {k: after[k] - before[k] for k in before} == {k: 1.0 for k in before}
     # Durations were measured: a start, a pause and a resume each took some time.
     for name in ("start", "pause", "resume"):
