@@ -93,11 +93,15 @@ METRICS_PORTS = {
 }
 
 
+def env_prefix(p: ServiceProcess) -> str:
+    """The ``DSEC_<SVC>_`` of ``p``'s variables (from its listen address's)."""
+    return next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
+
+
 def serve_metrics(p: ServiceProcess, address: str) -> ServiceProcess:
     """``p`` serving its metrics (GET /metrics) on ``address`` (host:port)."""
     p.metrics = address
-    prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
-    p.env[f"{prefix}METRICS_ADDR"] = address
+    p.env[f"{env_prefix(p)}METRICS_ADDR"] = address
     return p
 
 
@@ -462,8 +466,7 @@ class LocalCluster:
         """``p`` serving its metrics (GET /metrics) on an HTTP port of its host (with metrics
         off: not measuring at all)."""
         if not self.metrics:
-            prefix = next(k for k in p.env if k.endswith("_LISTEN")).removesuffix("LISTEN")
-            p.env[f"{prefix}METRICS"] = "off"
+            p.env[f"{env_prefix(p)}METRICS"] = "off"
             return p
         return serve_metrics(p, self._http_address(p.name, default_port))
 
