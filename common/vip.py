@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import ipaddress
 import json
@@ -54,7 +53,6 @@ log = logging.getLogger(__name__)
 
 #: Where Debian's frr package puts its daemons.
 FRR_DIR = "/usr/lib/frr"
-_PR_SET_PDEATHSIG = 1
 #: A route agent that died is started again after this long.
 RESPAWN_S = 1.0
 
@@ -121,10 +119,12 @@ router bgp {cfg.vip_asn}
 """
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the thread that started it dies (``kill -9``)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+#: Prefix of a child's argv: SIGKILL it when the thread that started it dies (``kill -9``).
+#: util-linux's ``setpriv`` sets the parent-death signal and execs the child. Not a
+#: ``preexec_fn``: that runs Python between fork and exec, and a fork of a process with gRPC's
+#: threads can deadlock there (a lock held by another thread at the fork is never released);
+#: a child stuck so never execs, and its instance waited for it forever.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
 
 
 # ------------------------------------------------------------------------ the route agent
@@ -164,6 +164,7 @@ class RouteAgent:
         out = open(self.dir / "bgpd.out", "wb")
         self.bgpd = subprocess.Popen(
             [
+                *DIE_WITH_PARENT,
                 str(binary),
                 "-S",  # no user change: the parent-death signal survives
                 "-Z",  # no zebra: this bgpd only announces
@@ -182,7 +183,6 @@ class RouteAgent:
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
         )
         out.close()
         deadline = time.monotonic() + 10
@@ -372,10 +372,9 @@ class RouteAgentHandle:
         # thread that forked, and this one lives as long as the process.
         fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(VipConfig)}
         return subprocess.Popen(
-            [sys.executable, "-m", "common.vip", json.dumps(fields), self.check],
+            [*DIE_WITH_PARENT, sys.executable, "-m", "common.vip", json.dumps(fields), self.check],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
         )
 
     async def run(self) -> None:

@@ -16,7 +16,7 @@ from edge.backends import qos
 from edge.backends.guest_console import Console
 from edge.backends.microvm import qemu
 from edge.backends.microvm.guest import GuestKit
-from edge.backends.microvm.vm import Shape, cpu_quota_us, sched_idle
+from edge.backends.microvm.vm import SCHED_IDLE, Shape, cpu_quota_us
 from edge.model import SandboxSpec
 from edge.network import guest as guest_net
 from edge.network.manager import NetworkManager
@@ -94,13 +94,12 @@ class QemuHost:
             with open(self.logs / f"{vm_id}.qemu", "ab") as err:
                 return await asyncio.to_thread(
                     subprocess.Popen,
-                    machine.argv(self.qemu_binary),
+                    [*(SCHED_IDLE if best_effort else []), *machine.argv(self.qemu_binary)],
                     pass_fds=machine.fds(),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     start_new_session=True,
-                    preexec_fn=sched_idle if best_effort else None,
                 )
         finally:
             for s in listeners:

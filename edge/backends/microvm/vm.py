@@ -87,9 +87,10 @@ def write_back(path: Path) -> None:
         os.close(fd)
 
 
-def sched_idle() -> None:
-    """In QEMU's process between fork and exec (see QemuHost.spawn)."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+#: Prefix of QEMU's argv for a BEST_EFFORT guest: util-linux's ``chrt`` puts it under
+#: SCHED_IDLE and execs it, so every thread QEMU starts inherits the policy. Not a
+#: ``preexec_fn``: Python between fork and exec in the edge (gRPC's threads) can deadlock.
+SCHED_IDLE = ["chrt", "--idle", "0"]
 
 
 def disk_id(rec: SandboxRecord) -> str:
