@@ -17,15 +17,17 @@ adds dsec's reason (:func:`record_error`). Two things are ours:
   never start one, and no service's client call opens a span outside a trace: background
   probes, heartbeats and registrations make no traces (:func:`setup_tracing`).
 
-Without an OTLP endpoint nothing is recorded (context is still propagated, so trace ids
-appear in logs): recording every span cost ~10% of an API server's CPU on the create path.
+What records and exports the spans is dsec's tracer provider (common/tracer.py: the API's
+calls answered at a fraction of the SDK's cost per span). Without an OTLP endpoint nothing is
+recorded (context is still propagated, so trace ids appear in logs).
 
 A span recorded inside a sandbox, where no OpenTelemetry runs (memory), comes back to the
 edge in the frames and is exported here on the sandbox's behalf
 (:func:`record_in_sandbox_span`).
 
 ``DSEC_TRACE_INTERCEPTORS=handwritten`` selects dsec's former interceptors
-(common/tracing_handwritten.py) instead of the library's: bench/bench_tracing.py compares both.
+(common/tracing_handwritten.py) instead of the library's, ``DSEC_TRACE_PROVIDER=sdk`` the
+OpenTelemetry SDK's provider instead of dsec's: bench/bench_tracing.py compares them.
 """
 
 from __future__ import annotations
@@ -50,16 +52,12 @@ from opentelemetry.instrumentation.grpc._aio_server import (
     _OpenTelemetryAioServicerContext,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.sampling import (
-    ALWAYS_OFF,
-    ALWAYS_ON,
-    ParentBased,
-    Sampler,
-    TraceIdRatioBased,
-)
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from common import tracer
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -126,9 +124,12 @@ SERVER_FAILURES = frozenset(
 #: reflection (`dsec grpc`) would be one root span each.
 _UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
-#: Where spans recorded elsewhere (inside sandboxes) are handed for export; set by
-#: setup_tracing when it exports.
-_exporting: SpanProcessor | None = None
+#: Selects the tracer provider: "dsec" (default, common/tracer.py) or "sdk" (OpenTelemetry's).
+PROVIDER_ENV = "DSEC_TRACE_PROVIDER"
+
+#: What exports spans recorded elsewhere (inside sandboxes); set by setup_tracing when this
+#: process exports.
+_exporting: tracer.TracerProvider | SpanProcessor | None = None
 
 
 def setup_tracing(
@@ -137,7 +138,7 @@ def setup_tracing(
     *,
     starts_traces: bool = False,
     sample_ratio: float = 1.0,
-) -> TracerProvider:
+) -> trace.TracerProvider:
     """Installs the global tracer provider; exports over OTLP only when asked.
 
     ``starts_traces``: a call that arrives without a trace context starts one, kept with
@@ -146,14 +147,32 @@ def setup_tracing(
     kept), so that background calls between services (probes, heartbeats, registrations) and
     an operator's direct calls leave no trace.
 
-    Without an exporter, new traces are not recorded: their context, trace ids in logs and
-    propagation to other services still work, but nothing is kept that nobody would read.
-    Recording every span costs ~10% of an API server's CPU on the create path.
+    Without an exporter nothing is recorded: context, trace ids in logs and propagation to
+    other services still work, but nothing is kept that nobody would read.
     """
     global _exporting
-    root: Sampler = ALWAYS_OFF
-    if otlp_endpoint and starts_traces:
-        root = ALWAYS_ON if sample_ratio >= 1.0 else TraceIdRatioBased(sample_ratio)
+    ratio = (
+        (1.0 if sample_ratio >= 1.0 else sample_ratio) if starts_traces and otlp_endpoint else 0.0
+    )
+    if os.environ.get(PROVIDER_ENV, "dsec") == "sdk":
+        provider: trace.TracerProvider = _sdk_provider(service, otlp_endpoint, ratio)
+    else:
+        exporter = tracer.OtlpExporter(otlp_endpoint) if otlp_endpoint else None
+        provider = tracer.TracerProvider(service, ratio, exporter)
+        _exporting = provider if exporter else None
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def _sdk_provider(service: str, otlp_endpoint: str, ratio: float) -> trace.TracerProvider:
+    """OpenTelemetry's SDK provider, batch processor and OTLP exporter, as before
+    common/tracer.py (``DSEC_TRACE_PROVIDER=sdk``: what bench/bench_tracing.py compares)."""
+    global _exporting
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, TraceIdRatioBased
+
+    root = ALWAYS_OFF if ratio <= 0 else ALWAYS_ON if ratio >= 1 else TraceIdRatioBased(ratio)
     provider = TracerProvider(
         resource=Resource.create({"service.name": f"dsec-{service}"}),
         sampler=ParentBased(root),
@@ -164,7 +183,6 @@ def setup_tracing(
 
         _exporting = BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
         provider.add_span_processor(_exporting)
-    trace.set_tracer_provider(provider)
     return provider
 
 
@@ -345,21 +363,29 @@ def record_in_sandbox_span(
         return
     if len(span_id) != 8 or not any(span_id) or end_unix_ns < start_unix_ns:
         return
+    tid = int.from_bytes(trace_id, "big")
+    sampled = TraceFlags(TraceFlags.SAMPLED)
+    context = SpanContext(tid, int.from_bytes(span_id, "big"), False, sampled)
+    parent = SpanContext(tid, int.from_bytes(parent_span_id, "big"), False, sampled)
+    status = Status(StatusCode.ERROR, error) if error else Status(StatusCode.UNSET)
+    if isinstance(_exporting, tracer.TracerProvider):
+        _exporting.record(
+            service, name, context, parent, start_unix_ns, end_unix_ns, attributes, status
+        )
+        return
     resource = _resources.get(service)
     if resource is None:
         resource = _resources[service] = Resource.create({"service.name": f"dsec-{service}"})
-    sampled = TraceFlags(TraceFlags.SAMPLED)
-    tid = int.from_bytes(trace_id, "big")
     span = ReadableSpan(
         name,
         # A span recorded elsewhere is handed over whole: ReadableSpan is what the SDK's span
         # processors take (the SDK's Tracer would give it an id and times of its own).
-        context=SpanContext(tid, int.from_bytes(span_id, "big"), False, sampled),
-        parent=SpanContext(tid, int.from_bytes(parent_span_id, "big"), False, sampled),
+        context=context,
+        parent=parent,
         resource=resource,
         attributes=dict(attributes),
         kind=SpanKind.INTERNAL,
-        status=Status(StatusCode.ERROR, error) if error else Status(StatusCode.UNSET),
+        status=status,
         start_time=start_unix_ns,
         end_time=end_unix_ns,
         instrumentation_scope=_SCOPE,

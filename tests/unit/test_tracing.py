@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from chronus.tracing import command_span, parse_traceparent
+from common import tracer
 from common.grpc_server import find_service, service_handler
 from common.telemetry import server_interceptors
 from dsec.watcher.v1 import watcher_pb2
@@ -53,11 +54,35 @@ class Servicer:
             await asyncio.sleep(0.01)
 
 
-@pytest.fixture
-async def traced_watcher() -> AsyncIterator[tuple[grpc.aio.Channel, InMemorySpanExporter]]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()  # always on: every span recorded
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+class Recorded:
+    """dsec's provider's spans (common/tracer.py), read as the SDK's in-memory exporter's."""
+
+    def __init__(self) -> None:
+        self.spans: list[tracer.RecordedSpan] = []
+
+    def put(self, span: tracer.RecordedSpan) -> None:
+        self.spans.append(span)
+
+    def get_finished_spans(self) -> tuple[tracer.RecordedSpan, ...]:
+        return tuple(self.spans)
+
+    def clear(self) -> None:
+        self.spans.clear()
+
+
+@pytest.fixture(params=["sdk", "dsec"])
+async def traced_watcher(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[grpc.aio.Channel, InMemorySpanExporter]]:
+    """Every span recorded, by OpenTelemetry's SDK or by dsec's provider (the services')."""
+    provider: trace.TracerProvider
+    if request.param == "sdk":
+        exporter: Any = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        exporter = Recorded()
+        provider = tracer.TracerProvider("watcher", 1.0, exporter)
     server = grpc.aio.server(interceptors=server_interceptors("watcher", provider))
     server.add_generic_rpc_handlers((service_handler(Servicer(), find_service(WATCHER)),))
     port = server.add_insecure_port("127.0.0.1:0")
