@@ -16,7 +16,7 @@
     dsec project create NAME [--parent P] [--cpu-millis N] [--memory-mb N] [--sandboxes N]
     dsec project list [--recursive] | dsec project show [ID] | dsec project quota ID [--sandboxes N ...]
     dsec project delete ID                           an empty one; its tokens are revoked
-    dsec token create NAME [--project P] [--agent] [--admin] [--ttl-s N]
+    dsec token create NAME [--project P] [--agent] [--admin] [--ttl-s N] [--e2b]
     dsec token list | dsec token revoke ID
     dsec sandbox create|list|show|exec|shell|cp|logs|ps|pause|resume|stop|watch|pack ...
                                                      see dsecctl/sandbox_cli.py and docs/CLI.md
@@ -172,7 +172,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if cluster.compat:
         print(
             f"e2b SDK:  export E2B_API_URL={cluster.compat_url} E2B_SANDBOX_URL={cluster.compat_url}"
-            " E2B_API_KEY=$(dsec token create me)"
+            " E2B_API_KEY=$(dsec token create me --e2b)"
         )
         print(
             f"verl:     sandbox_fusion_url={cluster.sandbox_fusion_url}/t/$(dsec token create verl"
@@ -628,6 +628,7 @@ def cmd_token(args: argparse.Namespace) -> int:
                 agent=args.agent,
                 admin=args.admin,
                 ttl_s=args.ttl_s,
+                e2b=args.e2b,
             )
             if args.json:  # the secret too: it is shown once
                 print_json(t)
@@ -999,6 +1000,11 @@ def _token_parsers(sub: Any) -> None:
     tc.add_argument("--admin", action="store_true", help="role admin (default member)")
     tc.add_argument(
         "--ttl-s", type=int, default=0, help="expires after this many seconds (0: never)"
+    )
+    tc.add_argument(
+        "--e2b",
+        action="store_true",
+        help="shaped as an E2B API key (e2b_<hex>): E2B's SDKs check a key's shape",
     )
     json_option(tc, "print the token, secret included, as one JSON object")
     tl = tsub.add_parser("list", help="tokens of a project, revoked ones too")

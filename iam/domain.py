@@ -78,8 +78,18 @@ def within(project_id: str, scope: str) -> bool:
     return project_id == scope or project_id.startswith(scope + "/")
 
 
+#: A token in E2B's key shape (``CreateTokenRequest.e2b_format``): "e2b_", then the 16 hex
+#: digits of its id and the 64 of its secret (E2B's SDKs accept ``e2b_[0-9a-f]+``).
+_E2B_TOKEN = re.compile(r"\Ae2b_([0-9a-f]{16})([0-9a-f]{64})\Z")
+
+
 def parse_token(token: str) -> tuple[str, str]:
-    """``dsec_<id>_<secret>`` -> (id, secret)."""
+    """``dsec_<id>_<secret>`` or ``e2b_<id><secret>`` -> (id, secret)."""
+    if token.startswith("e2b_"):
+        m = _E2B_TOKEN.match(token)
+        if m is None:
+            raise Unauthenticated("malformed token", reason="BAD_TOKEN")
+        return m.group(1), m.group(2)
     parts = token.split("_")
     if len(parts) != 3 or parts[0] != "dsec" or not parts[1] or not parts[2]:
         raise Unauthenticated("malformed token", reason="BAD_TOKEN")
@@ -237,10 +247,13 @@ class Iam:
     # -------------------------------------------------------------- tokens
 
     async def _new_token(
-        self, project_id: str, name: str, kind: int, role: int, ttl_s: int
+        self, project_id: str, name: str, kind: int, role: int, ttl_s: int, e2b: bool = False
     ) -> tuple[str, TokenRecord]:
         token_id = secrets.token_hex(8)
-        secret = secrets.token_urlsafe(32).replace("_", "A").replace("-", "B")
+        if e2b:
+            secret = secrets.token_hex(32)
+        else:
+            secret = secrets.token_urlsafe(32).replace("_", "A").replace("-", "B")
         now = time.time()
         rec = TokenRecord(
             token_id,
@@ -254,10 +267,17 @@ class Iam:
             False,
         )
         await self._run(self.store.add_token, rec)
-        return f"dsec_{token_id}_{secret}", rec
+        return (f"e2b_{token_id}{secret}" if e2b else f"dsec_{token_id}_{secret}"), rec
 
     async def create_token(
-        self, who: Principal, project_id: str, name: str, kind: int, role: int, ttl_s: int
+        self,
+        who: Principal,
+        project_id: str,
+        name: str,
+        kind: int,
+        role: int,
+        ttl_s: int,
+        e2b: bool = False,
     ) -> tuple[str, TokenRecord]:
         project_id = project_id or who.project_id
         self.require(who, ACTION_MANAGE_TOKENS, project_id)
@@ -270,7 +290,7 @@ class Iam:
             raise InvalidArgument("token name must be 1..100 characters")
         if await self._run(self.store.get_project, project_id) is None:
             raise NotFound(f"project {project_id} not found", reason="PROJECT_NOT_FOUND")
-        return await self._new_token(project_id, name, kind or KIND_HUMAN, role, ttl_s)
+        return await self._new_token(project_id, name, kind or KIND_HUMAN, role, ttl_s, e2b)
 
     async def list_tokens(
         self, who: Principal, project_id: str, include_revoked: bool

@@ -162,7 +162,13 @@ class IamServicer:
     ) -> iam_pb2.CreateTokenResponse:
         who = await self._caller(context)
         token, rec = await self.iam.create_token(
-            who, request.project_id, request.name, request.kind, request.role, request.ttl_s
+            who,
+            request.project_id,
+            request.name,
+            request.kind,
+            request.role,
+            request.ttl_s,
+            request.e2b_format,
         )
         return iam_pb2.CreateTokenResponse(info=token_pb(rec), token=token)
 

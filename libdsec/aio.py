@@ -730,15 +730,19 @@ class AsyncClient:
         agent: bool = False,
         admin: bool = False,
         ttl_s: int = 0,
+        e2b: bool = False,
         timeout: float | None = None,
     ) -> NewToken:
-        """A token for a human or an agent (same API); the secret is returned once."""
+        """A token for a human or an agent (same API); the secret is returned once.
+        ``e2b``: shaped as an E2B API key (``e2b_<hex>``), which E2B's SDKs check before
+        sending a key; it works everywhere a dsec token does."""
         req = iam_pb2.CreateTokenRequest(
             project_id=project,
             name=name,
             kind=iam_pb2.PRINCIPAL_KIND_AGENT if agent else iam_pb2.PRINCIPAL_KIND_HUMAN,
             role=iam_pb2.ROLE_ADMIN if admin else iam_pb2.ROLE_MEMBER,
             ttl_s=ttl_s,
+            e2b_format=e2b,
         )
         resp = await self._project_call("CreateToken", req, timeout)
         return NewToken(TokenInfo.from_pb(resp.info), resp.token)

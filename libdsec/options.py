@@ -509,6 +509,8 @@ class TokenOptions(TypedDict, total=False):
     admin: bool
     #: 0: never expires
     ttl_s: int
+    #: shaped as an E2B API key (``e2b_<hex>``)
+    e2b: bool
     timeout: float | None
 
 

@@ -5,6 +5,7 @@ at it (the way a user's unchanged code would be pointed)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from tests.integration.conftest import ClusterWith, container_edge
 class E2bTarget:
     cluster: LocalCluster
     url: str
-    key: str  # a dsec token (agent) of the root project, used as E2B_API_KEY
+    #: A dsec token (agent) of the root project in E2B's key shape (``e2b_<hex>``, what E2B's
+    #: SDKs check), used as E2B_API_KEY.
+    key: str
 
 
 @contextmanager
@@ -26,7 +29,8 @@ def e2b_cluster(cluster_with: ClusterWith, name: str) -> Iterator[E2bTarget]:
     """A cluster of one container edge (e2b0) with the compat front end, always stopped."""
     with cluster_with(name, edges=[container_edge("e2b0")]) as c:
         with Client(c.apiserver, token=c.token) as admin:
-            key = admin.create_token("e2b-tests", agent=True).secret
+            key = admin.create_token("e2b-tests", agent=True, e2b=True).secret
+        assert re.fullmatch(r"e2b_[0-9a-f]+", key), key
         yield E2bTarget(c, c.compat_url, key)
 
 

@@ -52,6 +52,24 @@ async def test_tokens_expire_and_revoke(iam) -> None:  # type: ignore[no-untyped
         await domain.authenticate(token[:-2] + "xx")
 
 
+async def test_an_e2b_shaped_token_is_an_ordinary_token(iam) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    domain, admin = iam
+    token, rec = await domain.create_token(admin, "", "e2b", 1, ROLE_MEMBER, 0, e2b=True)
+    # The shape E2B's SDKs check before sending a key (e2b/api/__init__.py, _API_KEY_PATTERN).
+    assert re.fullmatch(r"e2b_[0-9a-f]+", token) and len(token) == 4 + 80
+    who = await domain.authenticate(token)
+    assert (who.name, who.project_id, who.role) == ("e2b", admin.project_id, ROLE_MEMBER)
+    for bad in (token[:-1], token + "0", token[:-1] + "g", token.upper(), "e2b_"):
+        with pytest.raises(Unauthenticated) as info:
+            await domain.authenticate(bad)
+        assert info.value.reason in ("BAD_TOKEN", "TOKEN_NOT_FOUND", "BAD_SECRET"), bad
+    await domain.revoke_token(admin, rec.token_id)
+    with pytest.raises(Unauthenticated, match="revoked"):
+        await domain.authenticate(token)
+
+
 async def test_subprojects_cannot_act_on_parents_or_siblings(iam) -> None:  # type: ignore[no-untyped-def]
     domain, admin = iam
     a = await domain.create_project(admin, "", "a", Quota(sandboxes=10))

@@ -962,6 +962,7 @@ class CreateTokenRequest(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
+    E2B_FORMAT_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """"" = the caller's project"""
     name: _builtins.str
@@ -970,6 +971,10 @@ class CreateTokenRequest(_message.Message):
     """not above the caller's own role"""
     ttl_s: _builtins.int
     """0 = never expires"""
+    e2b_format: _builtins.bool
+    """The token looks like an E2B API key ("e2b_" and 80 hex digits) instead of
+    "dsec_<id>_<secret>": E2B's SDKs check a key's shape before sending it. Same rights.
+    """
     def __init__(
         self,
         *,
@@ -978,10 +983,11 @@ class CreateTokenRequest(_message.Message):
         kind: Global___PrincipalKind.ValueType = ...,
         role: Global___Role.ValueType = ...,
         ttl_s: _builtins.int = ...,
+        e2b_format: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "name", b"name", "project_id", b"project_id", "role", b"role", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["e2b_format", b"e2b_format", "kind", b"kind", "name", b"name", "project_id", b"project_id", "role", b"role", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
