@@ -2,7 +2,9 @@
 
 Writes are atomic (temporary file + rename) unless appending, uploads and
 downloads stream in chunks so a 50 MB file never sits in memory, and every
-OSError maps to a stable reason (chronus.errors).
+OSError maps to a stable reason (chronus.errors). A write, an upload or a mkdir that names a
+``user`` leaves what it creates (the file or directory, and the parents it makes) owned by
+that user and its group, as E2B's envd does; the operation itself is still chronus's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from chronus.errors import (
     from_os_error,
     invalid,
 )
+from chronus.users import resolve_user
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
@@ -81,10 +84,41 @@ class Files:
         return self.info(path, st)
 
     @staticmethod
-    def _make_parents(path: str) -> None:
+    def _owner(req: dict[str, Any]) -> tuple[int, int] | None:
+        """(uid, gid) of the request's ``user``; None without one."""
+        spec = req.get("user") or ""
+        if not spec:
+            return None
+        user = resolve_user(spec)
+        return user.uid, user.gid
+
+    @staticmethod
+    def _make_dirs(path: str, mode: int, owner: tuple[int, int] | None) -> None:
+        """``mkdir -p path``; each directory it makes is ``owner``'s."""
+        if owner is None:
+            os.makedirs(path, mode, exist_ok=True)
+            return
+        missing = []
+        d = path
+        while not os.path.isdir(d):
+            missing.append(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, mode)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue  # made meanwhile: not ours to chown
+            os.chown(d, *owner)
+
+    def _make_parents(self, path: str, owner: tuple[int, int] | None = None) -> None:
         parent = os.path.dirname(path)
         try:
-            os.makedirs(parent, 0o755, exist_ok=True)
+            self._make_dirs(parent, 0o755, owner)
         except OSError as exc:
             raise from_os_error(exc, parent) from None
 
@@ -122,8 +156,9 @@ class Files:
         data: bytes = req.get("data", b"")
         if len(data) > MAX_WRITE_BYTES:
             raise invalid(f"data is at most {MAX_WRITE_BYTES} bytes; use upload_file")
+        owner = self._owner(req)
         if req.get("make_parents"):
-            self._make_parents(path)
+            self._make_parents(path, owner)
         mode = int(req.get("mode", 0))
         try:
             if req.get("append"):
@@ -132,6 +167,8 @@ class Files:
                     _write_all(fd, data)
                     if mode:
                         os.fchmod(fd, mode)
+                    if owner is not None:
+                        os.fchown(fd, *owner)
                 finally:
                     os.close(fd)
             else:
@@ -140,12 +177,18 @@ class Files:
                         mode = stat.S_IMODE(os.stat(path).st_mode)
                     except FileNotFoundError:
                         mode = 0o644
-                self._atomic_write(path, mode, lambda fd: _write_all(fd, data))
+                self._atomic_write(path, mode, lambda fd: _write_all(fd, data), owner)
         except OSError as exc:
             raise from_os_error(exc, path) from None
         return {"info": self.stat_info(path)}
 
-    def _atomic_write(self, path: str, mode: int, fill: Callable[[int], None]) -> None:
+    def _atomic_write(
+        self,
+        path: str,
+        mode: int,
+        fill: Callable[[int], None],
+        owner: tuple[int, int] | None = None,
+    ) -> None:
         if os.path.isdir(path):
             raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
         tmp = self._temp_path(path)
@@ -153,6 +196,8 @@ class Files:
         try:
             try:
                 fill(fd)
+                if owner is not None:
+                    os.fchown(fd, *owner)  # before the mode: a chown clears setuid bits
                 os.fchmod(fd, mode)
             finally:
                 os.close(fd)
@@ -184,11 +229,14 @@ class Files:
     def make_dir(self, req: dict[str, Any]) -> dict[str, Any]:
         path = self.resolve(req.get("path", ""))
         mode = int(req.get("mode", 0)) or 0o755
+        owner = self._owner(req)
         try:
             if req.get("parents"):
-                os.makedirs(path, mode, exist_ok=True)
+                self._make_dirs(path, mode, owner)
             else:
                 os.mkdir(path, mode)
+                if owner is not None:
+                    os.chown(path, *owner)
         except FileExistsError:
             raise ChronusError(ALREADY_EXISTS, "PATH_EXISTS", f"{path}: exists") from None
         except OSError as exc:
@@ -245,8 +293,9 @@ class Files:
         path = self.resolve(header.get("path", ""))
         expected = int(header.get("size_bytes", 0))
         mode = int(header.get("mode", 0)) or 0o644
+        owner = self._owner(header)
         if header.get("make_parents"):
-            self._make_parents(path)
+            self._make_parents(path, owner)
         written = 0
 
         def fill(fd: int) -> None:
@@ -260,7 +309,7 @@ class Files:
                 raise _SizeMismatch()
 
         try:
-            self._atomic_write(path, mode, fill)
+            self._atomic_write(path, mode, fill, owner)
         except _SizeMismatch:
             raise invalid(
                 f"upload of {path}: header said {expected} bytes, got {written}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -11,13 +12,23 @@ from common.vip import VipConfig
 from libdsec.options import Backend
 
 MIB = 1024 * 1024
+#: A user name (or numeric uid) as the sandbox's /etc/passwd holds it.
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,31}|[0-9]{1,10}")
 
 
 def _default_templates() -> dict[str, str]:
-    # E2B's default template is "base" (Debian with bash); bookworm is dsec's Debian image.
-    # e2b-desktop's default template is "desktop": dsec's desktop VM image (Xfce, xdotool,
-    # x11vnc and noVNC: what that SDK runs inside), scripts/build-vm-images.sh.
-    return {"base": "bookworm", "desktop": "desktop"}
+    # E2B's default template is "base": dsec's e2b-base image has what E2B's has (Debian
+    # with bash, sudo, curl, git, python, pip, build tools) and its account `user`
+    # (scripts/build-base-images.sh). e2b-desktop's default template is "desktop": dsec's
+    # desktop VM image (Xfce, xdotool, x11vnc and noVNC: what that SDK runs inside),
+    # scripts/build-vm-images.sh.
+    return {"base": "e2b-base", "desktop": "desktop"}
+
+
+def _default_template_users() -> dict[str, str]:
+    # E2B runs commands and file operations as `user` (home /home/user, sudo without a
+    # password) unless root is asked for; dsec's own images have root only.
+    return {"base": "user"}
 
 
 def _default_template_backends() -> dict[str, str]:
@@ -60,7 +71,10 @@ class CompatConfig(ServiceConfig, VipConfig):
     domain: str = ""
     #: Output of one E2B command kept and streamed, per stream (dsec caps it; head+tail).
     max_output_bytes: int = 16 * MIB
-    #: The user commands and file operations run as when the SDK names none.
+    #: E2B template -> the user its sandboxes' commands and file operations run as when the
+    #: SDK names none ("base=user"; the account must exist in the template's image).
+    template_users: dict[str, str] = field(default_factory=_default_template_users)
+    #: ... for a template not listed there.
     default_user: str = "root"
     #: At most this many callers' libdsec clients are kept (LRU); each caller's token is
     #: checked against the API server again after token_check_ttl_s.
@@ -151,6 +165,12 @@ class CompatConfig(ServiceConfig, VipConfig):
                     f"DSEC_COMPAT_TEMPLATE_MEMORY_MB: template {template!r}: {mb!r} is not a "
                     "size in MB"
                 )
+        for template, user in {**self.template_users, "": self.default_user}.items():
+            if not _USER_NAME.fullmatch(user):
+                where = f"template {template!r}" if template else "DSEC_COMPAT_DEFAULT_USER"
+                raise ConfigError(
+                    f"DSEC_COMPAT_TEMPLATE_USERS: {where}: {user!r} is not a user name"
+                )
         if self.default_network not in {"none", "open"}:
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:
@@ -159,6 +179,10 @@ class CompatConfig(ServiceConfig, VipConfig):
             self._validate_sandbox_fusion()
         if self.swerex_listen:
             self._validate_swerex()
+
+    def user_for(self, template: str) -> str:
+        """The default user of a sandbox of E2B template `template`."""
+        return self.template_users.get(template, self.default_user)
 
     def memory_for(self, template: str) -> int:
         """The memory (MB) of a sandbox of E2B template `template`."""

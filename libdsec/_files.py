@@ -74,14 +74,22 @@ class AsyncFiles:
         append: bool = False,
         make_parents: bool = True,
         operation_id: str | None = None,
+        user: str = "",
     ) -> FileInfo:
         """Writes ``data`` to ``path`` (over 4 MiB: an upload). ``operation_id`` names the
         write in the sandbox's operation log: a repeat of a logged id writes nothing again
-        (see :meth:`AsyncSandbox.run`); the SDK makes one when none is given."""
+        (see :meth:`AsyncSandbox.run`); the SDK makes one when none is given. ``user``: the
+        file, and the parent directories the write creates, are this user's (a user of the
+        sandbox's /etc/passwd; default root)."""
         raw = data.encode() if isinstance(data, str) else data
         if len(raw) > 4 * 1024 * 1024:
             return await self.upload(
-                raw, path, mode=mode, make_parents=make_parents, operation_id=operation_id
+                raw,
+                path,
+                mode=mode,
+                make_parents=make_parents,
+                operation_id=operation_id,
+                user=user,
             )
         resp = await self._call(
             "WriteFile",
@@ -93,6 +101,7 @@ class AsyncFiles:
                 append=append,
                 make_parents=make_parents,
                 operation_id=operation_id or new_operation_id(),
+                user=user,
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -123,8 +132,16 @@ class AsyncFiles:
             return False
 
     async def mkdir(
-        self, path: str, *, mode: int = 0, parents: bool = True, operation_id: str | None = None
+        self,
+        path: str,
+        *,
+        mode: int = 0,
+        parents: bool = True,
+        operation_id: str | None = None,
+        user: str = "",
     ) -> FileInfo:
+        """Makes the directory ``path``; ``user``: it and the parents it makes are this
+        user's (as :meth:`write`'s)."""
         resp = await self._call(
             "MakeDir",
             types_pb2.MakeDirRequest(
@@ -133,6 +150,7 @@ class AsyncFiles:
                 mode=mode,
                 parents=parents,
                 operation_id=operation_id or new_operation_id(),
+                user=user,
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -191,6 +209,7 @@ class AsyncFiles:
         make_parents: bool = True,
         chunk_bytes: int = CHUNK,
         operation_id: str | None = None,
+        user: str = "",
     ) -> FileInfo:
         """Streams ``source`` (bytes, a local path, or a binary file object) into ``path``.
 
@@ -218,6 +237,7 @@ class AsyncFiles:
                     make_parents=make_parents,
                     size_bytes=size,
                     operation_id=operation_id or new_operation_id(),
+                    user=user,
                 )
             )
             if data is not None:

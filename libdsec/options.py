@@ -343,6 +343,8 @@ class WriteOptions(TypedDict, total=False):
     make_parents: bool
     #: its id in the sandbox's operation log (see :class:`ExecOptions`)
     operation_id: str | None
+    #: the owner of what it creates (a user of the sandbox's /etc/passwd); default root
+    user: str
 
 
 class ListDirOptions(TypedDict, total=False):
@@ -369,6 +371,8 @@ class MkdirOptions(TypedDict, total=False):
 
     #: its id in the sandbox's operation log (see :class:`ExecOptions`)
     operation_id: str | None
+    #: the owner of what it creates (a user of the sandbox's /etc/passwd); default root
+    user: str
 
 
 class RemoveOptions(TypedDict, total=False):
@@ -403,6 +407,8 @@ class UploadOptions(TypedDict, total=False):
 
     #: its id in the sandbox's operation log (see :class:`ExecOptions`)
     operation_id: str | None
+    #: the owner of what it creates (a user of the sandbox's /etc/passwd); default root
+    user: str
 
 
 class DownloadOptions(TypedDict, total=False):

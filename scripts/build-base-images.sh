@@ -19,7 +19,7 @@
 set -euo pipefail
 
 IMAGE_DIR=${DSEC_IMAGE_DIR:-/var/lib/dsec/images}
-ALL_IMAGES=(busybox bookworm python)
+ALL_IMAGES=(busybox bookworm python e2b-base)
 
 # Bump to force a rebuild of every image after a change the recipes below do not capture.
 RECIPE_VERSION=1
@@ -29,6 +29,11 @@ BOOKWORM_INCLUDE=python3,git,gcc,g++,make,ca-certificates,procps
 # The FnCall python environment (edge/fncall): bookworm plus numpy, which its warm interpreters
 # pre-import. A separate image, so the bookworm image (and everything built on it) stays as is.
 PYTHON_INCLUDE=$BOOKWORM_INCLUDE,python3-numpy
+# E2B's `base` template (compat/e2b maps it here): what E2B's base image offers — bash, sudo,
+# curl, wget, git, python3 (also as `python`), pip and venv, the usual build tools — and E2B's
+# user model: an account `user` (uid 1000, home /home/user, bash) that may sudo without a
+# password; commands through the E2B front end run as it unless root is asked for.
+E2B_BASE_INCLUDE=$BOOKWORM_INCLUDE,bash,sudo,curl,wget,python3-pip,python3-venv,python-is-python3,build-essential,unzip,less
 
 log() { printf 'build-base-images: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -67,6 +72,27 @@ recipe_busybox() {
     printf 'recipe-version=%s\nmkfs=%s\nbusybox-static=%s\n' "$RECIPE_VERSION" "${MKFS_OPTS[*]}" \
         "$(dpkg-query -W -f='${Version}' busybox-static)"
     declare -f build_busybox_rootfs
+}
+
+# debootstrap ROOT with the packages INCLUDE (comma-separated), cleaned of what a sandbox does
+# not need.
+debootstrap_rootfs() {
+    local root=$1 include=$2 mirror
+    mirror=$(detect_mirror)
+    log "debootstrap $BOOKWORM_SUITE from $mirror (takes a few minutes)"
+    debootstrap --variant=minbase --include="$include" \
+        "$BOOKWORM_SUITE" "$root" "$mirror" >"$root.debootstrap.log" 2>&1 || {
+        tail -n 30 "$root.debootstrap.log" >&2
+        die "debootstrap failed (log above)"
+    }
+    # Keep it small: no package caches or index files (apt-get update refetches them).
+    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/cache/apt/archives/partial/* \
+        "$root"/var/cache/apt/*.bin "$root"/var/lib/apt/lists/*
+    mkdir -p "$root/var/lib/apt/lists/partial"
+    # debootstrap copies the build host's resolver config and hostname; the runtime provides its own.
+    : >"$root/etc/resolv.conf"
+    echo sandbox >"$root/etc/hostname"
+    mkdir -p "$root/work"
 }
 
 build_bookworm_rootfs() {
@@ -112,6 +138,28 @@ build_python_rootfs() {
     mkdir -p "$root/work"
     # A broken image must fail here, not in every warm pool at start.
     chroot "$root" /usr/bin/python3 -c 'import numpy' || die "numpy does not import in $root"
+}
+
+build_e2b-base_rootfs() {
+    local root=$1
+    debootstrap_rootfs "$root" "$E2B_BASE_INCLUDE"
+    chroot "$root" useradd --create-home --uid 1000 --user-group --shell /bin/bash user
+    printf 'user ALL=(ALL:ALL) NOPASSWD: ALL\n' >"$root/etc/sudoers.d/user"
+    chmod 440 "$root/etc/sudoers.d/user"
+    # A broken image must fail here, not in the first E2B sandbox.
+    chroot "$root" visudo -cq || die "the sudoers files of $root do not parse"
+    local tool
+    for tool in bash sudo curl wget git python python3 pip3 gcc make; do
+        chroot "$root" sh -c "command -v $tool" >/dev/null || die "$tool is missing from $root"
+    done
+    [[ $(stat -c %u:%g "$root/home/user") == 1000:1000 ]] || die "/home/user is not uid 1000's in $root"
+}
+
+recipe_e2b-base() {
+    printf 'recipe-version=%s\nmkfs=%s\nsuite=%s\ninclude=%s\ndebootstrap=%s\n' \
+        "$RECIPE_VERSION" "${MKFS_OPTS[*]}" "$BOOKWORM_SUITE" "$E2B_BASE_INCLUDE" \
+        "$(dpkg-query -W -f='${Version}' debootstrap)"
+    declare -f debootstrap_rootfs build_e2b-base_rootfs
 }
 
 recipe_python() {

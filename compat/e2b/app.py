@@ -27,7 +27,7 @@ from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.control import ControlApi
-from compat.e2b.envd.call import CALL, DEFAULT_KEEPALIVE_S, EnvdCall
+from compat.e2b.envd.call import CALL, DEFAULT_KEEPALIVE_S, DefaultUsers, EnvdCall
 from compat.e2b.envd.files import FilesRest
 from compat.e2b.envd.filesystem import FilesystemService
 from compat.e2b.envd.gen.filesystem.filesystem_connect import FilesystemASGIApplication
@@ -78,6 +78,7 @@ class E2bApp:
     def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
         self.config = config
         self.pool = pool
+        self.users = DefaultUsers(config)
         self.control = ControlApi(config, pool)
         self.files = FilesRest()
         self.ports = PortProxy(config, pool)
@@ -139,7 +140,12 @@ class E2bApp:
         try:
             async with self.pool.lease(access_token(request)) as client:
                 call = EnvdCall(
-                    client, r.sandbox_id, envd_user(request), self.config, max(interval, 1.0)
+                    client,
+                    r.sandbox_id,
+                    envd_user(request),
+                    self.config,
+                    max(interval, 1.0),
+                    await self.users.of(client, r.sandbox_id),
                 )
                 token = CALL.set(call)
                 try:

@@ -166,6 +166,7 @@ class ControlApi:
             raise HttpError(400, "iam: workload identity tokens are not supported by dsec")
         labels = mapping.labels_for(body.get("metadata"))
         labels[mapping.LABEL_TEMPLATE] = template
+        labels[mapping.LABEL_USER] = self.config.user_for(template)
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
         memory_mb = self.config.memory_for(template)
         labels[mapping.LABEL_MEMORY] = str(memory_mb)

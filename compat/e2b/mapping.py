@@ -32,6 +32,8 @@ ENVD_VERSION = "0.6.1"
 
 LABEL_TEMPLATE = "e2b.template"
 LABEL_CPU = "e2b.cpu"
+#: The user a sandbox's commands and file operations run as when the SDK names none.
+LABEL_USER = "e2b.user"
 LABEL_MEMORY = "e2b.memory_mb"
 RESERVED_PREFIX = "e2b."
 

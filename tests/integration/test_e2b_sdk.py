@@ -32,7 +32,7 @@ from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith
 from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
-pytestmark = pytest.mark.images("busybox", "bookworm")
+pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
 MIB = 1 << 20
 
@@ -123,10 +123,37 @@ def test_a_command_past_its_timeout_raises_and_is_killed(shared: Sandbox) -> Non
     assert not shared.files.exists(marker)
 
 
+def test_the_base_template_follows_e2bs_user_model(shared: Sandbox) -> None:
+    """E2B's `base`: commands as `user` in /home/user, root on request; what the SDK's file
+    calls create is the user's, so the user's commands may change it; the tools E2B's base
+    image has are there. sudo is, but cannot raise privileges under dsec's confinement of
+    commands (no_new_privs): it says so, and root is asked for with user="root"."""
+    assert shared.commands.run("id -un; echo $HOME; pwd").stdout == "user\n/home/user\n/home/user\n"
+    with pytest.raises(CommandExitException) as refused:
+        shared.commands.run("sudo -n id -un")
+    assert "no new privileges" in refused.value.stderr
+    assert shared.commands.run("id -un; pwd", user="root").stdout == "root\n/root\n"
+    shared.files.write("/home/user/made/here/mine.txt", "x")
+    r = shared.commands.run(
+        "stat -c %U:%G made/here/mine.txt made/here made; echo more >> made/here/mine.txt;"
+        " cat made/here/mine.txt"
+    )
+    assert r.stdout == "user:user\nuser:user\nuser:user\nxmore\n"
+    assert shared.files.make_dir("dir-of-mine") is True
+    assert shared.commands.run("stat -c %U /home/user/dir-of-mine").stdout == "user\n"
+    shared.files.write("/tmp/roots.txt", "r", user="root")
+    assert shared.commands.run("stat -c %U:%G /tmp/roots.txt").stdout == "root:root\n"
+    with pytest.raises(CommandExitException):
+        shared.commands.run("echo no >> /tmp/roots.txt")  # the user may not write root's file
+    tools = "bash sudo curl wget git python python3 pip3 gcc make"
+    r = shared.commands.run(f"for t in {tools}; do command -v $t >/dev/null || echo $t; done")
+    assert r.stdout == "", f"missing from e2b-base: {r.stdout}"
+
+
 def test_envs_cwd_and_on_stdout_callbacks(shared: Sandbox) -> None:
     assert shared.commands.run("echo $A-$B", envs={"A": "1", "B": "2"}).stdout == "1-2\n"
     assert shared.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
-    assert shared.commands.run("pwd").stdout == "/root\n"  # the user's home, as in envd
+    assert shared.commands.run("pwd").stdout == "/home/user\n"  # the user's home, as in envd
     seen: list[str] = []
     errs: list[str] = []
     r = shared.commands.run(
@@ -211,7 +238,7 @@ def test_files_write_read_list_info_mkdir_rename_remove(shared: Sandbox) -> None
         shared.files.read(f"{d}/a.txt")
     # relative paths are under the user's home, as in envd
     shared.files.write("rel.txt", "home")
-    assert shared.commands.run("cat /root/rel.txt").stdout == "home"
+    assert shared.commands.run("cat /home/user/rel.txt").stdout == "home"
 
 
 def test_octet_stream_and_multipart_uploads(shared: Sandbox) -> None:

@@ -27,7 +27,7 @@ from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith, container_edge
 from tests.integration.e2b_support import E2bTarget, e2b_environment
 
-pytestmark = pytest.mark.images("busybox", "bookworm")
+pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
 DOMAIN = "dsec.test"
 
@@ -81,7 +81,7 @@ def test_other_templates_are_unchanged_and_the_stream_url_reaches_port_6080(
     try:
         with Client(target.cluster.apiserver, token=target.key) as c:
             info = c.get(sb.sandbox_id).info
-        assert (info.backend.lower(), info.image) == ("container", "bookworm")
+        assert (info.backend.lower(), info.image) == ("container", "e2b-base")
 
         # e2b-desktop's _VNCServer: f"https://{desktop.get_host(6080)}/vnc.html"
         url = f"https://{sb.get_host(6080)}/vnc.html?autoconnect=true&resize=scale"

@@ -19,7 +19,7 @@ from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith
 from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
-pytestmark = pytest.mark.images("busybox", "bookworm")
+pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_SDK_PYTHON = ROOT / ".venv-e2b-old" / "bin" / "python"

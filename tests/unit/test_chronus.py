@@ -630,6 +630,54 @@ def test_session_busy_and_background(client: ChronusClient) -> None:
 # ---------------------------------------------------------------- files
 
 
+def test_what_a_write_upload_or_mkdir_for_a_user_creates_is_that_users(
+    client: ChronusClient, tmp_path: Path
+) -> None:
+    """E2B's rule (its envd chowns): the file or directory and the parents the call makes
+    belong to the named user and its group; parents that were there stay as they were."""
+    nobody = (65534, 65534)  # this host's /etc/passwd: nobody:x:65534:65534
+    base = tmp_path / "home"
+    base.mkdir()
+    f = base / "new" / "deeper" / "f.txt"
+    info = client.one(
+        {"write_file": {"path": str(f), "data": b"x", "make_parents": True, "user": "nobody"}}
+    )["info"]
+    assert (info["uid"], info["gid"]) == nobody
+    for made in (f, f.parent, f.parent.parent):
+        assert (made.stat().st_uid, made.stat().st_gid) == nobody, made
+    assert (base.stat().st_uid, base.stat().st_gid) == (0, 0)  # there before: untouched
+    # Over an existing root-owned file (an atomic replace), and appending to one.
+    g = base / "g.txt"
+    g.write_text("root's")
+    client.one({"write_file": {"path": str(g), "data": b"mine", "user": "65534"}})
+    assert (g.read_text(), g.stat().st_uid) == ("mine", 65534)
+    h = base / "h.txt"
+    h.write_text("a")
+    client.one({"write_file": {"path": str(h), "data": b"b", "append": True, "user": "nobody"}})
+    assert (h.read_text(), h.stat().st_uid) == ("ab", 65534)
+    d = base / "d1" / "d2"
+    client.one({"make_dir": {"path": str(d), "parents": True, "user": "nobody"}})
+    assert [p.stat().st_uid for p in (d, d.parent)] == [65534, 65534]
+    client.one({"make_dir": {"path": str(base / "d3"), "user": "nobody"}})
+    assert (base / "d3").stat().st_uid == 65534
+    up = base / "up" / "u.bin"
+    header = {"path": str(up), "size_bytes": 4, "make_parents": True, "user": "nobody"}
+    sid = client.open({"upload_file": {"header": header}})
+    for chunk in (b"ab", b"cd"):
+        client.send(sid, {"request": {"upload_file": {"chunk": chunk}}})
+    client.send(sid, {"half_close": {}})
+    (resp,) = client.responses(sid)
+    assert resp["upload_file"]["info"]["uid"] == 65534
+    assert (up.read_bytes(), up.stat().st_uid, up.parent.stat().st_uid) == (b"abcd", 65534, 65534)
+    # Without a user: chronus's own (root), as before.
+    client.one({"write_file": {"path": str(base / "r.txt"), "data": b"r"}})
+    assert (base / "r.txt").stat().st_uid == 0
+    with pytest.raises(CallError) as exc:
+        client.one({"write_file": {"path": str(base / "x"), "data": b"", "user": "no-such"}})
+    assert (exc.value.code, exc.value.reason) == (3, "USER_NOT_FOUND")
+    assert not (base / "x").exists()
+
+
 def test_file_ops(client: ChronusClient, tmp_path: Path) -> None:
     p = tmp_path / "d" / "f.txt"
     with pytest.raises(CallError) as exc:

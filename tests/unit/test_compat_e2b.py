@@ -96,7 +96,9 @@ def test_metadata_becomes_labels_and_bad_keys_are_named() -> None:
 
 
 def test_templates_timeouts_and_network() -> None:
-    assert mapping.target_for("base", CONFIG) == mapping.TemplateTarget("bookworm", "")
+    assert mapping.target_for("base", CONFIG) == mapping.TemplateTarget("e2b-base", "")
+    # E2B's user model for its base template; dsec's own images have root only
+    assert (CONFIG.user_for("base"), CONFIG.user_for("bookworm")) == ("user", "root")
     assert mapping.target_for("docker/python:3.11", CONFIG) == mapping.TemplateTarget(
         "docker/python:3.11", ""
     )
@@ -198,3 +200,14 @@ def test_template_backends_are_configurable_and_checked() -> None:
     assert mapping.target_for("desktop", config) == mapping.TemplateTarget("desktop", "")
     with pytest.raises(ConfigError, match=r"template 'gui' names backend 'qemu'.*container"):
         load(CompatConfig, "compat", {"DSEC_COMPAT_TEMPLATE_BACKENDS": "gui=qemu"})
+
+
+def test_template_users_are_configurable_and_checked() -> None:
+    env = {"DSEC_COMPAT_TEMPLATE_USERS": "base=user,py=1000", "DSEC_COMPAT_DEFAULT_USER": "nobody"}
+    config = load(CompatConfig, "compat", env)
+    assert [config.user_for(t) for t in ("base", "py", "other")] == ["user", "1000", "nobody"]
+    for bad in ("base=Bad User", "base=", "base=../root"):
+        with pytest.raises(ConfigError, match="is not a user name"):
+            load(CompatConfig, "compat", {"DSEC_COMPAT_TEMPLATE_USERS": bad})
+    with pytest.raises(ConfigError, match="DSEC_COMPAT_DEFAULT_USER"):
+        load(CompatConfig, "compat", {"DSEC_COMPAT_DEFAULT_USER": "a b"})

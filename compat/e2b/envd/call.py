@@ -19,6 +19,7 @@ from connectrpc.errors import ConnectError
 from compat.config import CompatConfig
 from compat.e2b import dsec
 from compat.e2b.errors import connect_error
+from compat.e2b.mapping import LABEL_USER
 from libdsec import AsyncClient, AsyncSandbox
 from libdsec.errors import DSecError
 
@@ -37,6 +38,8 @@ class EnvdCall:
     config: CompatConfig
     #: seconds between keepalive events on an idle stream (Keepalive-Ping-Interval)
     keepalive_s: float = DEFAULT_KEEPALIVE_S
+    #: the sandbox's default user (its template's, :class:`DefaultUsers`)
+    default_user: str = "root"
 
     @property
     def sandbox(self) -> AsyncSandbox:
@@ -44,12 +47,12 @@ class EnvdCall:
 
     @property
     def effective_user(self) -> str:
-        return self.user or self.config.default_user
+        return self.user or self.default_user
 
     @property
     def run_as(self) -> str:
-        """The user to pass to dsec: "" when it is the default one (no switch)."""
-        return "" if self.effective_user == self.config.default_user else self.effective_user
+        """The user to pass to dsec: "" for root (chronus's own: no switch)."""
+        return "" if self.effective_user == "root" else self.effective_user
 
     @property
     def home(self) -> str:
@@ -66,6 +69,34 @@ class EnvdCall:
 
     def error(self, exc: DSecError) -> ConnectError:
         return connect_error(exc, self.sandbox_id)
+
+
+class DefaultUsers:
+    """Each sandbox's default user, from the label its create through this front end set
+    (``e2b.user``: its template's user); kept per sandbox id, which is never reused. A
+    sandbox made otherwise has none: the configured default."""
+
+    #: Sandboxes remembered (the oldest are forgotten first).
+    MAX = 10_000
+
+    def __init__(self, config: CompatConfig) -> None:
+        self.config = config
+        self._known: dict[str, str] = {}
+
+    async def of(self, client: AsyncClient, sandbox_id: str) -> str:
+        user = self._known.get(sandbox_id)
+        if user is not None:
+            return user
+        try:
+            info = await client.get(sandbox_id)
+        except DSecError:
+            # Not this caller's sandbox, or gone: the call itself fails with the reason.
+            return self.config.default_user
+        user = info.info.labels.get(LABEL_USER) or self.config.default_user
+        if len(self._known) >= self.MAX:
+            del self._known[next(iter(self._known))]
+        self._known[sandbox_id] = user
+        return user
 
 
 CALL: ContextVar[EnvdCall] = ContextVar("compat_e2b_envd_call")

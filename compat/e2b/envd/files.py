@@ -157,7 +157,7 @@ class FilesRest:
 
     async def _upload_one(self, call: EnvdCall, path: str, body: AsyncIterator[bytes]) -> None:
         pipe = BodyPipe(asyncio.get_running_loop())
-        task = asyncio.create_task(call.sandbox.files.upload(pipe, path))  # type: ignore[arg-type]
+        task = asyncio.create_task(call.sandbox.files.upload(pipe, path, user=call.run_as))  # type: ignore[arg-type]
         try:
             async for chunk in body:
                 if task.done():
@@ -218,7 +218,10 @@ class FilesRest:
                             raw = query_path
                         path = call.resolve(raw)
                         pipe = BodyPipe(asyncio.get_running_loop())
-                        task = asyncio.create_task(call.sandbox.files.upload(pipe, path))  # type: ignore[arg-type]
+                        upload = call.sandbox.files.upload
+                        task = asyncio.create_task(
+                            upload(pipe, path, user=call.run_as)  # type: ignore[arg-type]
+                        )
                     elif kind == "data" and pipe is not None and task is not None:
                         await _put(pipe, value, task)
                     elif kind == "end" and pipe is not None and task is not None:

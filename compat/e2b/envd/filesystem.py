@@ -104,9 +104,9 @@ class FilesystemService(Filesystem):
         files = call.sandbox.files
         try:
             try:
-                info = await files.mkdir(path, parents=False)
+                info = await files.mkdir(path, parents=False, user=call.run_as)
             except NotFound:  # a parent is missing: envd makes them all
-                info = await files.mkdir(path, parents=True)
+                info = await files.mkdir(path, parents=True, user=call.run_as)
         except AlreadyExists:
             existing = await files.stat(path)
             if existing.is_dir:
@@ -127,7 +127,8 @@ class FilesystemService(Filesystem):
         try:
             parent = posixpath.dirname(dst)
             try:
-                await files.mkdir(parent, parents=True)  # envd makes the destination's parents
+                # envd makes the destination's parents (the user's)
+                await files.mkdir(parent, parents=True, user=call.run_as)
             except AlreadyExists:
                 pass
             info = await files.move(src, dst, overwrite=True)  # rename(2) replaces, as in envd

@@ -2017,6 +2017,7 @@ class WriteFileRequest(_message.Message):
     APPEND_FIELD_NUMBER: _builtins.int
     MAKE_PARENTS_FIELD_NUMBER: _builtins.int
     OPERATION_ID_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     data: _builtins.bytes
@@ -2028,6 +2029,11 @@ class WriteFileRequest(_message.Message):
     """create missing parent directories"""
     operation_id: _builtins.str
     """as ExecRequest.operation_id"""
+    user: _builtins.str
+    """The owner of what this creates: the file, and the missing parent directories it makes
+    (this user of the sandbox's /etc/passwd, name or numeric uid, and its group); "" = as
+    chronus (root). The operation itself is chronus's, as E2B's envd does it.
+    """
     def __init__(
         self,
         *,
@@ -2038,10 +2044,11 @@ class WriteFileRequest(_message.Message):
         append: _builtins.bool = ...,
         make_parents: _builtins.bool = ...,
         operation_id: _builtins.str = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2170,6 +2177,7 @@ class MakeDirRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     PARENTS_FIELD_NUMBER: _builtins.int
     OPERATION_ID_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
@@ -2178,6 +2186,11 @@ class MakeDirRequest(_message.Message):
     """like mkdir -p; no error if it exists"""
     operation_id: _builtins.str
     """as ExecRequest.operation_id"""
+    user: _builtins.str
+    """The owner of what this creates: the file, and the missing parent directories it makes
+    (this user of the sandbox's /etc/passwd, name or numeric uid, and its group); "" = as
+    chronus (root). The operation itself is chronus's, as E2B's envd does it.
+    """
     def __init__(
         self,
         *,
@@ -2186,10 +2199,11 @@ class MakeDirRequest(_message.Message):
         mode: _builtins.int = ...,
         parents: _builtins.bool = ...,
         operation_id: _builtins.str = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "operation_id", b"operation_id", "parents", b"parents", "path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "operation_id", b"operation_id", "parents", b"parents", "path", b"path", "sandbox_id", b"sandbox_id", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2377,6 +2391,7 @@ class UploadHeader(_message.Message):
     MAKE_PARENTS_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     OPERATION_ID_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
@@ -2385,6 +2400,11 @@ class UploadHeader(_message.Message):
     """expected total; 0 = unknown. A mismatch fails the upload."""
     operation_id: _builtins.str
     """as ExecRequest.operation_id"""
+    user: _builtins.str
+    """The owner of what this creates: the file, and the missing parent directories it makes
+    (this user of the sandbox's /etc/passwd, name or numeric uid, and its group); "" = as
+    chronus (root). The operation itself is chronus's, as E2B's envd does it.
+    """
     def __init__(
         self,
         *,
@@ -2394,10 +2414,11 @@ class UploadHeader(_message.Message):
         make_parents: _builtins.bool = ...,
         size_bytes: _builtins.int = ...,
         operation_id: _builtins.str = ...,
+        user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
