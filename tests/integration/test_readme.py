@@ -52,7 +52,7 @@ BLOCK_TIMEOUT_S = 600
 #: Variables bash sets for itself: not carried from one shell block to the next.
 SHELL_OWN = frozenset({"_", "SHLVL", "PWD", "OLDPWD", "BASH_EXECUTION_STRING"})
 
-pytestmark = pytest.mark.images("busybox", "bookworm", "python")
+pytestmark = pytest.mark.images("busybox", "bookworm", "python", "e2b-base")
 
 
 @dataclass(frozen=True)
