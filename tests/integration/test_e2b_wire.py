@@ -157,6 +157,53 @@ def test_host_routing_envd_and_a_port_with_the_traffic_token(
     assert r.status_code == 204
 
 
+def test_allow_public_traffic_true_creates_but_ports_still_need_the_token(
+    target: E2bTarget, http: httpx.Client
+) -> None:
+    """What SDKs <= 2.50 send with any ``network=`` option: the sandbox is made, and its
+    ports are served only with the traffic access token, as without it."""
+    from e2b import Sandbox
+
+    key = {"X-API-Key": target.key}
+    r = http.post(
+        "/v2/sandboxes",
+        json={"templateID": "base", "network": {"allowPublicTraffic": True}},
+        headers=key,
+    )
+    assert r.status_code == 201, r.text
+    sandbox_id = r.json()["sandboxID"]
+    try:
+        sb = Sandbox.connect(sandbox_id)
+        sb.commands.run(
+            "cd /tmp && echo public > index.html && python3 -m http.server 8001",
+            background=True,
+            timeout=0,
+        )
+        host = {"Host": f"8001-{sandbox_id}.dsec.test"}
+        token = {"e2b-traffic-access-token": target.key}
+        r = wait_for(
+            lambda: (
+                (x := http.get("/index.html", headers={**host, **token})).status_code == 200 and x
+            ),
+            timeout_s=20,
+        )
+        assert r.text == "public\n"
+        assert http.get("/index.html", headers=host).status_code == 401
+    finally:
+        http.delete(f"/sandboxes/{sandbox_id}", headers=key)
+    for field, value in (
+        ("egressProxy", {"url": "http://proxy:3128"}),
+        ("rules", {"pypi.org": [{"transform": {}}]}),
+        ("maskRequestHost", "example.com"),
+    ):
+        r = http.post(
+            "/v2/sandboxes",
+            json={"templateID": "base", "network": {"allowPublicTraffic": True, field: value}},
+            headers=key,
+        )
+        assert r.status_code == 400 and f"network.{field}" in r.json()["message"], r.text
+
+
 def test_list_pages_with_next_token_headers(
     target: E2bTarget, http: httpx.Client, sandbox_id: str
 ) -> None:

@@ -110,9 +110,28 @@ def test_templates_timeouts_and_network() -> None:
     assert mapping.network_for({"allow_internet_access": True}, CONFIG).open  # type: ignore[union-attr]
     policy = mapping.network_for({"network": {"allowOut": ["pypi.org"]}}, CONFIG)
     assert policy is not None and policy.allow == ["pypi.org"] and not policy.open
-    with pytest.raises(HttpError) as exc:
-        mapping.network_for({"network": {"allowPublicTraffic": True}}, CONFIG)
-    assert exc.value.status == 400 and "traffic access token" in exc.value.message
+
+
+def test_allow_public_traffic_true_is_taken_as_e2bs_default_and_changes_nothing() -> None:
+    """SDKs <= 2.50 send ``allowPublicTraffic: true`` with any ``network=`` option: the
+    policy is what it would be without it (ports keep needing the token: tests/integration)."""
+    for network in ({}, {"allowOut": ["pypi.org"]}, {"denyOut": ["10.0.0.0/8"]}):
+        for public in (True, False):
+            body = {"network": {**network, "allowPublicTraffic": public}}
+            assert mapping.network_for(body, CONFIG) == mapping.network_for(
+                {"network": network}, CONFIG
+            )
+    assert mapping.network_for({"network": {"allowPublicTraffic": True}}, CONFIG) is None
+    refused = {
+        "allowPublicTraffic": "yes",
+        "egressProxy": {"url": "http://proxy:3128"},
+        "rules": {"pypi.org": [{"transform": {}}]},
+        "maskRequestHost": "example.com",
+    }
+    for key, value in refused.items():
+        with pytest.raises(HttpError) as exc:
+            mapping.network_for({"network": {"allowPublicTraffic": True, key: value}}, CONFIG)
+        assert exc.value.status == 400 and f"network.{key}" in exc.value.message
 
 
 def test_list_pages_are_stateless_and_cover_everything_once() -> None:
