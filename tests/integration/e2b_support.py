@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from dsecctl.cluster import LocalCluster
 from libdsec import Client
@@ -22,9 +23,10 @@ class E2bTarget:
 
 
 @contextmanager
-def e2b_cluster(cluster_with: ClusterWith, name: str) -> Iterator[E2bTarget]:
-    """A cluster of one container edge (e2b0) with the compat front end, always stopped."""
-    with cluster_with(name, edges=[container_edge("e2b0")]) as c:
+def e2b_cluster(cluster_with: ClusterWith, name: str, **cluster_kw: Any) -> Iterator[E2bTarget]:
+    """A cluster of one container edge (e2b0) with the compat front end, always stopped;
+    ``cluster_kw`` goes to the cluster (``extra_env``: the front end's settings)."""
+    with cluster_with(name, edges=[container_edge("e2b0")], **cluster_kw) as c:
         with Client(c.apiserver, token=c.token) as admin:
             key = admin.create_token("e2b-tests", agent=True).secret
         yield E2bTarget(c, c.compat_url, key)
