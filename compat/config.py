@@ -84,6 +84,11 @@ class CompatConfig(ServiceConfig, VipConfig):
     max_json_bytes: int = 1 * MIB
     #: Largest request or response body forwarded into a port of a sandbox.
     max_port_body_bytes: int = 16 * MIB
+    #: Largest envd upload (``POST /files``), counted after its Content-Encoding is decoded
+    #: (all the files of a multipart body together), so a small gzip body cannot inflate
+    #: past it: 413. The default is the edge's default sandbox disk (10 GiB), which a
+    #: default sandbox fills first anyway (then 507).
+    max_upload_bytes: int = 10240 * MIB
 
     # ---- SandboxFusion front end (compat.sandboxfusion): its own listener, same process.
     #: host:port of SandboxFusion's code-execution API; "" = not served.
@@ -175,6 +180,8 @@ class CompatConfig(ServiceConfig, VipConfig):
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:
             raise ConfigError("timeouts and cache sizes must be positive")
+        if min(self.max_json_bytes, self.max_port_body_bytes, self.max_upload_bytes) < 1:
+            raise ConfigError("DSEC_COMPAT_MAX_*_BYTES must be positive")
         if self.sandbox_fusion_listen:
             self._validate_sandbox_fusion()
         if self.swerex_listen:

@@ -4,7 +4,8 @@ the little the front ends add to them.
 Each front end is a Starlette application (``compat.e2b``'s control API and envd,
 ``compat.sandboxfusion``, ``compat.swe_rex``); what they add here is a bounded body read (a
 body over its limit is an ``HttpError`` 413, never read whole: :func:`read_body`, and
-:func:`bounded` for a stream read otherwise, such as a multipart upload), paths matched with or
+:func:`bounded` for a stream read otherwise, such as a multipart upload; :func:`decoded` undoes
+a gzip Content-Encoding as the stream is read, so the limit counts decoded bytes), paths matched with or
 without a trailing slash (E2B's, SandboxFusion's and SWE-ReX's services accept both; Starlette
 would redirect), and ``HttpError``, which each front end renders as the error body its clients
 read (``compat.e2b.http.error``; FastAPI's ``{"detail": ...}`` for the SandboxFusion and SWE-ReX
@@ -16,6 +17,7 @@ their ASGI entry).
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = [
     "Scope",
     "Send",
     "bounded",
+    "decoded",
     "detail",
     "http_error",
     "read_body",
@@ -67,6 +70,65 @@ async def bounded(
         if size > limit:
             raise HttpError(413, f"{what} larger than {limit} bytes")
         yield chunk
+
+
+#: Content-Encoding names of gzip (RFC 9110 8.4.1.3: "x-gzip" is the same coding).
+GZIP_CODINGS = frozenset({"gzip", "x-gzip"})
+#: The most a decoded body produces at once: a gzip bomb is inflated this much at a time and
+#: counted by :func:`bounded` as it goes, never whole in memory.
+DECODED_PIECE_BYTES = 64 * 1024
+
+
+def decoded(stream: AsyncIterator[bytes], content_encoding: str | None) -> AsyncIterator[bytes]:
+    """`stream` with its Content-Encoding undone: none or ``identity`` as it is, gzip inflated
+    piece by piece (as many layers as the header lists). Any other coding is refused here,
+    before the body is read: ``HttpError`` 415 naming it. Malformed gzip (a bad header,
+    corrupt data, a wrong checksum, an end before the end of the gzip data) is ``HttpError``
+    400, raised while the stream is read: a consumer that keeps nothing of a stream that
+    fails (an atomic upload) keeps nothing of it."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    for coding in codings:
+        if coding not in GZIP_CODINGS:
+            raise HttpError(
+                415,
+                f"Content-Encoding {coding!r} is not supported: request bodies may be gzip "
+                "(or identity)",
+            )
+    for _ in codings:
+        stream = _gunzip(stream)
+    return stream
+
+
+def _bad_gzip(detail: str) -> HttpError:
+    return HttpError(400, f"request body is not valid gzip (Content-Encoding: gzip): {detail}")
+
+
+def _inflater() -> Any:
+    return zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16+: the gzip format, not zlib's
+
+
+async def _gunzip(stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    inflater = _inflater()
+    async for chunk in stream:
+        data = chunk
+        while data:
+            if inflater.eof:  # RFC 1952: a body may be several gzip members, one after another
+                inflater = _inflater()
+            try:
+                while True:  # never more than DECODED_PIECE_BYTES at once
+                    piece = inflater.decompress(data, DECODED_PIECE_BYTES)
+                    if piece:
+                        yield piece
+                    data = inflater.unconsumed_tail
+                    # a full piece may leave output pending inside zlib: ask again
+                    if inflater.eof or (not data and len(piece) < DECODED_PIECE_BYTES):
+                        break
+            except zlib.error as exc:
+                raise _bad_gzip(str(exc)) from None
+            data = inflater.unused_data if inflater.eof else b""
+    if not inflater.eof:
+        raise _bad_gzip("it ends before the end of its gzip data")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

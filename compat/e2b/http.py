@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse, Response
 
-from compat.http import HttpError, Request, read_body, read_json
+from compat.http import HttpError, Request, bounded, decoded, read_body, read_json
 
-__all__ = ["INTERNAL", "HttpError", "Request", "error", "internal_error", "read_body", "read_json"]
+__all__ = [
+    "INTERNAL",
+    "HttpError",
+    "Request",
+    "bounded",
+    "decoded",
+    "error",
+    "internal_error",
+    "read_body",
+    "read_json",
+]
 
 INTERNAL = "internal error in dsec's E2B front end"
 

@@ -111,12 +111,12 @@ def network_for(body: Mapping[str, Any], config: CompatConfig) -> NetworkPolicy 
     network = body.get("network") or {}
     if not isinstance(network, dict):
         raise HttpError(400, "network must be an object")
-    if network.get("allowPublicTraffic") is True:
-        raise HttpError(
-            400,
-            "network.allowPublicTraffic=true is not supported: dsec serves sandbox ports only "
-            "with the traffic access token (e2b-traffic-access-token); leave it unset or false",
-        )
+    public = network.get("allowPublicTraffic")
+    if public is not None and not isinstance(public, bool):
+        raise HttpError(400, "network.allowPublicTraffic must be a boolean")
+    # true is E2B's default (SDKs <= 2.50 send it with any network= option), so it is taken,
+    # but it changes nothing: dsec never serves a sandbox port without the traffic access
+    # token (compat.e2b.ports), whatever this says.
     for key in ("egressProxy", "rules", "maskRequestHost"):
         if network.get(key):
             raise HttpError(400, f"network.{key} is not supported by dsec")

@@ -3,7 +3,8 @@ with a port other than envd's), forwarded with libdsec's ``sb.http`` (SendHttp).
 
 E2B can make sandbox URLs public; dsec always asks for the traffic access token (the
 caller's key, returned as ``trafficAccessToken``), in ``e2b-traffic-access-token`` or
-``X-Access-Token``. Bodies are buffered (``DSEC_COMPAT_MAX_PORT_BODY_BYTES``); WebSockets
+``X-Access-Token``, also for a sandbox created with ``allowPublicTraffic: true`` (accepted
+as E2B's default, see ``mapping.network_for``). Bodies are buffered (``DSEC_COMPAT_MAX_PORT_BODY_BYTES``); WebSockets
 and streamed responses are not forwarded.
 """
 

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from dsecctl.cluster import LocalCluster
 from libdsec import Client
@@ -25,9 +26,10 @@ class E2bTarget:
 
 
 @contextmanager
-def e2b_cluster(cluster_with: ClusterWith, name: str) -> Iterator[E2bTarget]:
-    """A cluster of one container edge (e2b0) with the compat front end, always stopped."""
-    with cluster_with(name, edges=[container_edge("e2b0")]) as c:
+def e2b_cluster(cluster_with: ClusterWith, name: str, **cluster_kw: Any) -> Iterator[E2bTarget]:
+    """A cluster of one container edge (e2b0) with the compat front end, always stopped;
+    ``cluster_kw`` goes to the cluster (``extra_env``: the front end's settings)."""
+    with cluster_with(name, edges=[container_edge("e2b0")], **cluster_kw) as c:
         with Client(c.apiserver, token=c.token) as admin:
             key = admin.create_token("e2b-tests", agent=True, e2b=True).secret
         assert re.fullmatch(r"e2b_[0-9a-f]+", key), key

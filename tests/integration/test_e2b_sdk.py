@@ -388,10 +388,16 @@ def test_an_unknown_template_is_a_404(target: E2bTarget) -> None:
     assert info.value.status_code == 404 and "no-such-template" in str(info.value)
 
 
-def test_public_traffic_is_refused_with_a_reason(target: E2bTarget) -> None:
+def test_public_traffic_true_is_accepted_and_network_rules_are_refused(
+    make: Callable[..., Sandbox],
+) -> None:
+    """``allow_public_traffic=True`` is E2B's default; dsec takes it (its ports still need the
+    traffic token: test_e2b_wire)."""
+    sb = make(network={"allow_public_traffic": True})
+    assert sb.commands.run("echo up").stdout == "up\n"
     with pytest.raises(SandboxException) as info:
-        Sandbox.create(network={"allow_public_traffic": True})
-    assert info.value.status_code == 400 and "traffic access token" in str(info.value)
+        Sandbox.create(network={"allow_public_traffic": True, "mask_request_host": "x.test"})
+    assert info.value.status_code == 400 and "maskRequestHost" in str(info.value)
 
 
 def test_fork_gives_each_child_the_files_and_the_source_runs_on(

@@ -4,10 +4,12 @@ messages, missing keys, another project's key, Host-routed traffic), and an olde
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
 import textwrap
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,11 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 OLD_SDK_PYTHON = ROOT / ".venv-e2b-old" / "bin" / "python"
 OLD_SDK = "2.50.0"
 MISSING = "sb-e2b0-0000000000000000"
+#: DSEC_COMPAT_MAX_UPLOAD_BYTES of this module's front end (small: a gzip bomb meets it soon).
+UPLOAD_LIMIT = 8 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def target(cluster_with: ClusterWith) -> Iterator[E2bTarget]:
-    with e2b_cluster(cluster_with, "e2bwire") as t, e2b_environment(t):
+    limit = {"DSEC_COMPAT_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT)}
+    with e2b_cluster(cluster_with, "e2bwire", extra_env=limit) as t, e2b_environment(t):
         yield t
 
 
@@ -85,6 +90,121 @@ def test_a_malformed_connect_message_is_invalid_argument_and_serving_goes_on(
     # the same service, the same connection: still serving
     r = http.post("/filesystem.Filesystem/Stat", content=b'{"path": "/"}', headers=headers)
     assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+
+
+def connect_call(
+    http: httpx.Client, target: E2bTarget, sandbox_id: str, method: str, body: dict[str, object]
+) -> httpx.Response:
+    return http.post(
+        f"/filesystem.Filesystem/{method}",
+        json=body,
+        headers={**envd_headers(target, sandbox_id), "Content-Type": "application/json"},
+    )
+
+
+def test_gzip_uploads_are_stored_decoded(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    from e2b import Sandbox
+
+    sb = Sandbox.connect(sandbox_id)
+    text = "gzip through the SDK\n" * 1000
+    sb.files.write("/tmp/sdk-gz.txt", text, gzip=True)  # octet-stream, Content-Encoding: gzip
+    assert sb.files.read("/tmp/sdk-gz.txt") == text
+    # multipart (write_files' form) with the whole body gzipped, by hand: the SDK never does
+    boundary = "dsecboundary"
+    form = (
+        f"--{boundary}\r\n"
+        'Content-Disposition: form-data; name="file"; filename="/tmp/mp-a.txt"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\nalpha\r\n"
+        f"--{boundary}\r\n"
+        'Content-Disposition: form-data; name="file"; filename="/tmp/mp-b.txt"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\nbeta\r\n"
+        f"--{boundary}--\r\n"
+    ).encode()
+    r = http.post(
+        "/files",
+        content=gzip.compress(form),
+        headers={
+            **envd_headers(target, sandbox_id),
+            "Content-Type": f"multipart/form-data; boundary={boundary}",
+            "Content-Encoding": "gzip",
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert [f["path"] for f in r.json()] == ["/tmp/mp-a.txt", "/tmp/mp-b.txt"]
+    assert sb.files.read("/tmp/mp-a.txt") == "alpha" and sb.files.read("/tmp/mp-b.txt") == "beta"
+
+
+def test_a_bad_gzip_upload_is_400_another_coding_415_a_bomb_413_and_none_writes(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    headers = {**envd_headers(target, sandbox_id), "Content-Type": "application/octet-stream"}
+
+    def upload(path: str, body: bytes, encoding: str) -> httpx.Response:
+        return http.post(
+            "/files",
+            params={"path": path},
+            content=body,
+            headers={**headers, "Content-Encoding": encoding},
+        )
+
+    def exists(path: str) -> bool:
+        r = http.get("/files", params={"path": path}, headers=envd_headers(target, sandbox_id))
+        assert r.status_code in (200, 404), r.text
+        return r.status_code == 200
+
+    packed = gzip.compress(b"payload " * 4096)
+    r = upload("/tmp/bad-gz.txt", b"plainly not gzip", "gzip")
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith("request body is not valid gzip (Content-Encoding: gzip)")
+    r = upload("/tmp/cut-gz.txt", packed[: len(packed) // 2], "gzip")
+    assert r.status_code == 400 and "ends before the end of its gzip data" in r.json()["message"]
+    r = upload("/tmp/br.txt", b"\x0b\x02\x80hello\x03", "br")
+    assert r.status_code == 415 and "Content-Encoding 'br'" in r.json()["message"], r.text
+    # 64 MiB of zeros in ~64 KiB: inflated past the front end's limit, refused there
+    deflater = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    bomb = b"".join(deflater.compress(bytes(1 << 20)) for _ in range(64)) + deflater.flush()
+    r = upload("/tmp/bomb.txt", bomb, "gzip")
+    assert r.status_code == 413, r.text
+    assert r.json()["message"] == f"upload (decoded) larger than {UPLOAD_LIMIT} bytes"
+    # refused before any decoded byte: the upload never started. (One refused once under way,
+    # cut or bomb, is aborted, and what had arrived may stay: see compat/e2b/envd/files.py.)
+    for path in ("/tmp/bad-gz.txt", "/tmp/br.txt"):
+        assert not exists(path), path
+    # the same service goes on serving: a good one lands
+    assert upload("/tmp/good-gz.txt", packed, "gzip").status_code == 200
+    r = http.get(
+        "/files", params={"path": "/tmp/good-gz.txt"}, headers=envd_headers(target, sandbox_id)
+    )
+    assert r.content == b"payload " * 4096
+
+
+def test_remove_of_a_missing_path_succeeds_and_other_errors_stay(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    for path in ("/tmp/never-was", "/tmp/no-such-dir/deeper/file"):
+        r = connect_call(http, target, sandbox_id, "Remove", {"path": path})
+        assert r.status_code == 200 and r.json() == {}, r.text
+    # a real remove still removes
+    r = http.post(
+        "/files",
+        params={"path": "/tmp/doomed.txt"},
+        content=b"x",
+        headers={**envd_headers(target, sandbox_id), "Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200, r.text
+    assert (
+        connect_call(http, target, sandbox_id, "Remove", {"path": "/tmp/doomed.txt"}).json() == {}
+    )
+    r = connect_call(http, target, sandbox_id, "Stat", {"path": "/tmp/doomed.txt"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+    # ... and a sandbox that is not there is still an error, not a silent success
+    r = connect_call(http, target, MISSING, "Remove", {"path": "/tmp/never-was"})
+    assert r.status_code == 503 and r.json() == {
+        "code": "unavailable",
+        "message": f"The sandbox {MISSING} was not found",
+    }
 
 
 def test_envd_needs_the_access_token(
@@ -155,6 +275,53 @@ def test_host_routing_envd_and_a_port_with_the_traffic_token(
         "/health", headers={"Host": f"49983-{sandbox_id}.dsec.test", "X-Access-Token": target.key}
     )
     assert r.status_code == 204
+
+
+def test_allow_public_traffic_true_creates_but_ports_still_need_the_token(
+    target: E2bTarget, http: httpx.Client
+) -> None:
+    """What SDKs <= 2.50 send with any ``network=`` option: the sandbox is made, and its
+    ports are served only with the traffic access token, as without it."""
+    from e2b import Sandbox
+
+    key = {"X-API-Key": target.key}
+    r = http.post(
+        "/v2/sandboxes",
+        json={"templateID": "base", "network": {"allowPublicTraffic": True}},
+        headers=key,
+    )
+    assert r.status_code == 201, r.text
+    sandbox_id = r.json()["sandboxID"]
+    try:
+        sb = Sandbox.connect(sandbox_id)
+        sb.commands.run(
+            "cd /tmp && echo public > index.html && python3 -m http.server 8001",
+            background=True,
+            timeout=0,
+        )
+        host = {"Host": f"8001-{sandbox_id}.dsec.test"}
+        token = {"e2b-traffic-access-token": target.key}
+        r = wait_for(
+            lambda: (
+                (x := http.get("/index.html", headers={**host, **token})).status_code == 200 and x
+            ),
+            timeout_s=20,
+        )
+        assert r.text == "public\n"
+        assert http.get("/index.html", headers=host).status_code == 401
+    finally:
+        http.delete(f"/sandboxes/{sandbox_id}", headers=key)
+    for field, value in (
+        ("egressProxy", {"url": "http://proxy:3128"}),
+        ("rules", {"pypi.org": [{"transform": {}}]}),
+        ("maskRequestHost", "example.com"),
+    ):
+        r = http.post(
+            "/v2/sandboxes",
+            json={"templateID": "base", "network": {"allowPublicTraffic": True, field: value}},
+            headers=key,
+        )
+        assert r.status_code == 400 and f"network.{field}" in r.json()["message"], r.text
 
 
 def test_list_pages_with_next_token_headers(

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
+import gzip
+import os
+import tracemalloc
+import zlib
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -14,8 +18,9 @@ from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.envd.process import end_event
 from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
-from compat.e2b.http import HttpError, Request
+from compat.e2b.http import HttpError, Request, bounded, decoded
 from compat.e2b.routing import access_token, api_key, envd_user, route
+from compat.http import DECODED_PIECE_BYTES
 from libdsec import ExitStatus, SandboxInfo
 
 CONFIG = CompatConfig()
@@ -112,9 +117,28 @@ def test_templates_timeouts_and_network() -> None:
     assert mapping.network_for({"allow_internet_access": True}, CONFIG).open  # type: ignore[union-attr]
     policy = mapping.network_for({"network": {"allowOut": ["pypi.org"]}}, CONFIG)
     assert policy is not None and policy.allow == ["pypi.org"] and not policy.open
-    with pytest.raises(HttpError) as exc:
-        mapping.network_for({"network": {"allowPublicTraffic": True}}, CONFIG)
-    assert exc.value.status == 400 and "traffic access token" in exc.value.message
+
+
+def test_allow_public_traffic_true_is_taken_as_e2bs_default_and_changes_nothing() -> None:
+    """SDKs <= 2.50 send ``allowPublicTraffic: true`` with any ``network=`` option: the
+    policy is what it would be without it (ports keep needing the token: tests/integration)."""
+    for network in ({}, {"allowOut": ["pypi.org"]}, {"denyOut": ["10.0.0.0/8"]}):
+        for public in (True, False):
+            body = {"network": {**network, "allowPublicTraffic": public}}
+            assert mapping.network_for(body, CONFIG) == mapping.network_for(
+                {"network": network}, CONFIG
+            )
+    assert mapping.network_for({"network": {"allowPublicTraffic": True}}, CONFIG) is None
+    refused = {
+        "allowPublicTraffic": "yes",
+        "egressProxy": {"url": "http://proxy:3128"},
+        "rules": {"pypi.org": [{"transform": {}}]},
+        "maskRequestHost": "example.com",
+    }
+    for key, value in refused.items():
+        with pytest.raises(HttpError) as exc:
+            mapping.network_for({"network": {"allowPublicTraffic": True, key: value}}, CONFIG)
+        assert exc.value.status == 400 and f"network.{key}" in exc.value.message
 
 
 def test_list_pages_are_stateless_and_cover_everything_once() -> None:
@@ -211,3 +235,93 @@ def test_template_users_are_configurable_and_checked() -> None:
             load(CompatConfig, "compat", {"DSEC_COMPAT_TEMPLATE_USERS": bad})
     with pytest.raises(ConfigError, match="DSEC_COMPAT_DEFAULT_USER"):
         load(CompatConfig, "compat", {"DSEC_COMPAT_DEFAULT_USER": "a b"})
+
+
+def test_the_upload_limit_is_configurable_and_checked() -> None:
+    assert CONFIG.max_upload_bytes == 10 << 30  # the edge's default sandbox disk
+    config = load(CompatConfig, "compat", {"DSEC_COMPAT_MAX_UPLOAD_BYTES": "4096"})
+    assert config.max_upload_bytes == 4096
+    with pytest.raises(ConfigError, match="DSEC_COMPAT_MAX_\\*_BYTES must be positive"):
+        load(CompatConfig, "compat", {"DSEC_COMPAT_MAX_UPLOAD_BYTES": "0"})
+
+
+# ------------------------------------------------------- Content-Encoding of uploads
+
+
+async def chunks(data: Iterable[bytes] | bytes, size: int = 1000) -> AsyncIterator[bytes]:
+    if isinstance(data, bytes):
+        data = [data[i : i + size] for i in range(0, len(data), size)]
+    for chunk in data:
+        yield chunk
+
+
+async def collect(stream: AsyncIterator[bytes]) -> bytes:
+    return b"".join([c async for c in stream])
+
+
+async def test_gzip_bodies_are_inflated_and_identity_ones_kept() -> None:
+    data = os.urandom(50_000) + b"a" * 200_000
+    packed = gzip.compress(data)
+    assert await collect(decoded(chunks(packed), "gzip")) == data
+    assert await collect(decoded(chunks(packed, 7), "x-gzip")) == data
+    assert await collect(decoded(chunks(data), None)) == data
+    assert await collect(decoded(chunks(data), "identity")) == data
+    assert await collect(decoded(chunks(gzip.compress(packed)), "gzip, gzip")) == data
+    # RFC 1952: members one after another are one body
+    two = gzip.compress(b"first ") + gzip.compress(b"second")
+    assert await collect(decoded(chunks(two, 5), "GZip")) == b"first second"
+    assert await collect(decoded(chunks(gzip.compress(b"")), "gzip")) == b""
+
+
+async def test_malformed_gzip_is_a_400_that_says_so() -> None:
+    packed = gzip.compress(b"hello world " * 1000)
+    bad_crc = packed[:-8] + bytes([packed[-8] ^ 0xFF]) + packed[-7:]
+    for body in (b"this is not gzip", packed[: len(packed) // 2], bad_crc, b"", packed + b"junk"):
+        with pytest.raises(HttpError) as exc:
+            await collect(decoded(chunks(body), "gzip"))
+        assert exc.value.status == 400, body[:20]
+        assert exc.value.message.startswith(
+            "request body is not valid gzip (Content-Encoding: gzip): "
+        )
+
+
+async def test_another_coding_is_a_415_naming_it_before_the_body_is_read() -> None:
+    async def unread() -> AsyncIterator[bytes]:
+        raise AssertionError("the body was read")
+        yield b""  # pragma: no cover
+
+    for header, named in (("br", "br"), ("gzip, deflate", "deflate"), ("compress", "compress")):
+        with pytest.raises(HttpError) as exc:
+            decoded(unread(), header)
+        assert exc.value.status == 415 and f"Content-Encoding {named!r}" in exc.value.message
+
+
+async def test_a_gzip_bomb_stops_at_the_limit_with_413_in_little_memory() -> None:
+    """64 MiB of zeros in ~64 KiB of gzip, against a 1 MiB limit: refused with 413 after a
+    little of the body, inflated a piece at a time (never the whole)."""
+    deflater = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    bomb = b"".join(deflater.compress(zeros) for _ in range(64)) + deflater.flush()
+    assert len(bomb) < 128 * 1024
+    pulled = 0
+    pieces: list[int] = []
+
+    async def source() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        for i in range(0, len(bomb), 16 * 1024):
+            pulled += 16 * 1024
+            yield bomb[i : i + 16 * 1024]
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(HttpError) as exc:
+            async for piece in bounded(decoded(source(), "gzip"), 1 << 20, "upload (decoded)"):
+                pieces.append(len(piece))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert exc.value.status == 413
+    assert exc.value.message == f"upload (decoded) larger than {1 << 20} bytes"
+    assert max(pieces) <= DECODED_PIECE_BYTES and sum(pieces) <= 1 << 20
+    assert pulled <= 16 * 1024  # 1 MiB of zeros is in the first 16 KiB of the body
+    assert peak < 4 << 20, peak

@@ -26,7 +26,7 @@ from compat.e2b.envd.gen.filesystem import filesystem_pb as pb
 from compat.e2b.envd.gen.filesystem.filesystem_connect import Filesystem
 from compat.e2b.envd.streams import with_keepalives
 from libdsec import FileInfo
-from libdsec.errors import AlreadyExists, DSecError, NotFound
+from libdsec.errors import AlreadyExists, DSecError, NotFound, PathNotFound
 from libdsec.types import FileEvent
 
 _TYPES = {
@@ -163,6 +163,8 @@ class FilesystemService(Filesystem):
         call = current()
         try:
             await call.sandbox.files.remove(call.resolve(request.path), recursive=True)
+        except PathNotFound:
+            pass  # envd removes as os.RemoveAll does: a path that is not there is removed
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.RemoveResponse()
