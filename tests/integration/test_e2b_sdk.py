@@ -368,6 +368,22 @@ def test_kill_ends_the_sandbox(make: Callable[..., Sandbox]) -> None:
         sb.commands.run("true")
 
 
+def test_a_sandbox_killed_during_wait_raises_not_running_saying_so(
+    make: Callable[..., Sandbox],
+) -> None:
+    """As on E2B: the wait ends as a dropped connection, the SDK's health probe finds the
+    sandbox gone, and it raises SandboxNotRunningException saying the sandbox was killed
+    (not the timeout wording of a sandbox that was never there)."""
+    sb = make()
+    cmd = sb.commands.run("sleep 60", background=True)
+    assert sb.kill() is True
+    start = time.monotonic()
+    with pytest.raises(SandboxNotRunningException) as info:
+        cmd.wait()
+    assert time.monotonic() - start < 30
+    assert "killed or reached its end of life while the request was in flight" in str(info.value)
+
+
 # ---------------------------------------------------------------------- bad input
 
 

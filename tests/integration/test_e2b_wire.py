@@ -437,3 +437,36 @@ def test_fork_refuses_a_bad_count_and_says_which_kind_of_fork_it_made(
     [child] = r.json()
     assert child["sandbox"]["sandboxID"] != sandbox_id
     http.delete(f"/sandboxes/{child['sandbox']['sandboxID']}", headers=headers)
+
+
+def connect_frames(body: bytes) -> list[tuple[int, dict[str, object]]]:
+    """A Connect server stream's envelopes: (flags, JSON message); flag 2 is its end."""
+    frames, i = [], 0
+    while i + 5 <= len(body):
+        flags, size = body[i], int.from_bytes(body[i + 1 : i + 5], "big")
+        frames.append((flags, json.loads(body[i + 5 : i + 5 + size] or b"{}")))
+        i += 5 + size
+    return frames
+
+
+def test_a_process_cut_by_the_requests_deadline_ends_deadline_exceeded(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    """envd kills a process when the request's Connect-Timeout-Ms passes, and the stream
+    ends with that deadline's error, not an end event: a client that does not time out on
+    its own (this one) still reads a deadline_exceeded."""
+    message = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "echo up; sleep 30"]}})
+    headers = {
+        **envd_headers(target, sandbox_id),
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+        "Connect-Timeout-Ms": "2000",
+    }
+    body = b"\0" + len(message).to_bytes(4, "big") + message.encode()
+    r = http.post("/process.Process/Start", content=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    frames = connect_frames(r.content)
+    events = [m["event"] for flags, m in frames if flags == 0]
+    assert "start" in events[0] and not any("end" in e for e in events)  # type: ignore[operator]
+    flags, end = frames[-1]
+    assert flags == 2 and end["error"]["code"] == "deadline_exceeded", frames  # type: ignore[index]

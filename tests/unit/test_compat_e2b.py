@@ -10,18 +10,24 @@ import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 
 from common.config import ConfigError, load
 from compat.config import CompatConfig
 from compat.e2b import mapping
-from compat.e2b.envd.process import end_event
+from compat.e2b.envd.call import CALL, EnvdCall, mapped
+from compat.e2b.envd.process import ended, end_event
 from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
 from compat.e2b.http import HttpError, Request, bounded, decoded
 from compat.e2b.routing import access_token, api_key, envd_user, route
 from compat.http import DECODED_PIECE_BYTES
-from libdsec import ExitStatus, SandboxInfo
+from libdsec import AsyncClient, ExitStatus, SandboxInfo
+from libdsec.errors import SandboxTerminated, Unavailable
 
 CONFIG = CompatConfig()
 
@@ -188,6 +194,58 @@ def test_end_events_read_like_envd() -> None:
     killed = end_event(ExitStatus(-1, 9, False, 0.1, False, False, "")).event
     assert killed is not None and (killed.value.exit_code, killed.value.exited) == (-1, False)
     assert killed.value.status == "signal: killed"
+
+
+def test_a_process_killed_at_the_requests_deadline_ends_the_stream_deadline_exceeded() -> None:
+    timed_out = ExitStatus(-1, 9, True, 1.0, False, False, "")
+    with pytest.raises(ConnectError) as exc:
+        ended(timed_out, deadline=True)
+    assert exc.value.code == Code.DEADLINE_EXCEEDED
+    # without a request deadline (a Connect to the process) it is an ordinary end
+    end = ended(timed_out, deadline=False).event
+    assert end is not None and end.value.status == "signal: killed"
+    done = ended(ExitStatus(0, 0, False, 0.1, False, False, ""), deadline=True).event
+    assert done is not None and done.value.exit_code == 0
+
+
+async def test_a_sandbox_ending_mid_stream_is_an_unavailable_the_sdk_probes() -> None:
+    """Before the first message: E2B's proxy answer ("was not found"); after it (the
+    sandbox gone, or first its channel closed): a message naming neither of the proxy's
+    answers, so the SDK probes /health."""
+
+    async def stream(first: bool) -> AsyncIterator[int]:
+        if first:
+            yield 1
+        raise SandboxTerminated("sandbox ended", metadata={"termination_reason": "KILLED"})
+
+    async def channel_closed() -> AsyncIterator[int]:  # what a kill looks like first
+        yield 1
+        raise Unavailable("channel to sandbox closed: edge closed the channel")
+
+    for first, code_words in ((False, "was not found"), (True, "ended before the stream")):
+        call = EnvdCall(cast(AsyncClient, None), "sb-e0-abcdef12", "", CONFIG)
+        token = CALL.set(call)
+        try:
+            got: list[int] = []
+            with pytest.raises(ConnectError) as exc:
+                async for item in mapped(lambda: stream(first)):  # noqa: B023
+                    got.append(item)
+            assert exc.value.code == Code.UNAVAILABLE and code_words in exc.value.message
+            assert got == ([1] if first else [])
+        finally:
+            CALL.reset(token)
+    assert "was not found" not in exc.value.message
+    assert "port is not open" not in exc.value.message
+    call = EnvdCall(cast(AsyncClient, None), "sb-e0-abcdef12", "", CONFIG)
+    token = CALL.set(call)
+    try:
+        with pytest.raises(ConnectError) as exc:
+            async for _ in mapped(channel_closed):
+                pass
+        assert exc.value.code == Code.UNAVAILABLE
+        assert "ended before the stream completed" in exc.value.message
+    finally:
+        CALL.reset(token)
 
 
 async def test_keepalives_flow_while_the_source_is_quiet_and_it_is_not_cancelled() -> None:

@@ -18,10 +18,10 @@ from connectrpc.errors import ConnectError
 
 from compat.config import CompatConfig
 from compat.e2b import dsec
-from compat.e2b.errors import connect_error
+from compat.e2b.errors import connect_error, sandbox_gone
 from compat.e2b.mapping import LABEL_USER
 from libdsec import AsyncClient, AsyncSandbox
-from libdsec.errors import DSecError
+from libdsec.errors import DSecError, Unavailable
 
 T = TypeVar("T")
 
@@ -110,11 +110,33 @@ def invalid(message: str) -> ConnectError:
     return ConnectError(Code.INVALID_ARGUMENT, message)
 
 
+def ended_midstream(sandbox_id: str) -> ConnectError:
+    """What a stream that was under way ends with when its sandbox ends (killed, or its
+    TTL). On E2B the connection to the sandbox drops, and the SDK (2.5x and later) treats
+    an UNAVAILABLE whose message names neither of the proxy's answers ("was not found",
+    "port is not open") the same way: it probes ``/health`` and, the sandbox being gone,
+    raises ``SandboxNotRunningException`` ("killed or reached its end of life while the
+    request was in flight"). A "was not found" here would skip the probe and blame the
+    sandbox's TTL."""
+    return ConnectError(
+        Code.UNAVAILABLE,
+        f"the connection to sandbox {sandbox_id} ended before the stream completed"
+        " (the sandbox was killed or ended)",
+    )
+
+
 async def mapped(fn: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
-    """A server stream whose dsec errors leave as Connect errors."""
+    """A server stream whose dsec errors leave as Connect errors; once a message has been
+    sent, a sandbox that ends (or its channel closing) is :func:`ended_midstream`."""
     call = current()
+    started = False
     try:
         async for item in fn():
+            started = True
             yield item
     except DSecError as exc:
+        if started and (sandbox_gone(exc) or isinstance(exc, Unavailable)):
+            # the channel to the sandbox closed under the stream (a kill closes it before
+            # the sandbox is reported gone): as on E2B, the SDK's probe tells which it was
+            raise ended_midstream(call.sandbox_id) from None
         raise call.error(exc) from None

@@ -84,6 +84,20 @@ def end_event(status: ExitStatus) -> pb.ProcessEvent:
     return _event(end=end)
 
 
+#: What envd's stream ends with when the request's deadline passes (Go's ``ctx.Err()``).
+DEADLINE_MESSAGE = "context deadline exceeded"
+
+
+def ended(status: ExitStatus, *, deadline: bool) -> pb.ProcessEvent:
+    """The end event of a Start stream, or, for a process killed because the request's
+    deadline (``Connect-Timeout-Ms``) passed, envd's answer then: the stream's own
+    ``deadline_exceeded`` (envd kills the process with the request's context, so the stream
+    ends with that context's error and sends no end event)."""
+    if deadline and status.timed_out:
+        raise ConnectError(Code.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
+    return end_event(status)
+
+
 def _config_of(info: ExecInfo) -> pb.ProcessConfig:
     raw = info.labels.get(LABEL_CMD)
     if raw:
@@ -134,7 +148,7 @@ class ProcessService(Process):
         self.max_output_bytes = max_output_bytes
 
     async def _follow(
-        self, events: AsyncIterator[ExecEvent], pty: bool
+        self, events: AsyncIterator[ExecEvent], pty: bool, *, deadline: bool = False
     ) -> AsyncIterator[pb.ProcessEvent]:
         async for ev in with_keepalives(events, current().keepalive_s):
             if ev is KEEPALIVE:
@@ -144,7 +158,7 @@ class ProcessService(Process):
             elif isinstance(ev, Output):
                 yield data_event(ev, pty)
             elif isinstance(ev, Exited):
-                yield end_event(ev.status)
+                yield ended(ev.status, deadline=deadline)
                 return
 
     def start(
@@ -193,7 +207,8 @@ class ProcessService(Process):
                 timeout_s=timeout_s,
                 max_output_bytes=self.max_output_bytes,
             )
-            async for ev in self._follow(events, pty is not None):
+            follow = self._follow(events, pty is not None, deadline=timeout_s is not None)
+            async for ev in follow:
                 yield pb.StartResponse(event=ev)
 
         return mapped(run)
