@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 from typing import cast
 
 import pytest
-
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
@@ -21,7 +20,7 @@ from common.config import ConfigError, load
 from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.envd.call import CALL, EnvdCall, mapped
-from compat.e2b.envd.process import ended, end_event
+from compat.e2b.envd.process import end_event, ended
 from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
 from compat.e2b.http import HttpError, Request, bounded, decoded
 from compat.e2b.routing import access_token, api_key, envd_user, route
