@@ -20,7 +20,7 @@ from chronus.errors import (
     from_os_error,
     invalid,
 )
-from chronus.users import resolve_user
+from chronus.users import AccountNames, resolve_user
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
 if TYPE_CHECKING:
@@ -50,7 +50,13 @@ class Files:
         return os.path.normpath(os.path.join(self.workdir, path))
 
     @staticmethod
-    def info(path: str, st: os.stat_result) -> dict[str, Any]:
+    def info(path: str, st: os.stat_result, names: AccountNames | None = None) -> dict[str, Any]:
+        """The FileInfo of `path` from its stat `st`; `names` names owners (a listing passes
+        one for all its entries, so the account files are read once per call). For a symlink
+        (an lstat), the link's own size, owner, times and text, and in ``target`` what it
+        finally resolves to, as E2B's envd reports a link."""
+        if names is None:
+            names = AccountNames()
         mode = st.st_mode
         if stat.S_ISREG(mode):
             ftype = FILE_TYPE_REGULAR
@@ -68,12 +74,20 @@ class Files:
             "modified_at": {"seconds": st.st_mtime_ns // 10**9, "nanos": st.st_mtime_ns % 10**9},
             "uid": st.st_uid,
             "gid": st.st_gid,
+            "owner": names.user(st.st_uid),
+            "group": names.group(st.st_gid),
         }
         if ftype == FILE_TYPE_SYMLINK:
             try:
                 info["symlink_target"] = os.readlink(path)
             except OSError:
                 pass
+            try:
+                followed = os.stat(path)
+            except OSError:
+                pass  # dangling, a loop, or not searchable: no target
+            else:
+                info["target"] = Files.info(os.path.realpath(path), followed, names)
         return info
 
     def stat_info(self, path: str, follow: bool = True) -> dict[str, Any]:
@@ -214,10 +228,11 @@ class Files:
         except OSError as exc:
             raise from_os_error(exc, path) from None
         entries = []
+        accounts = AccountNames()
         for name in names[:limit]:
             full = os.path.join(path, name)
             try:
-                entries.append(self.info(full, os.lstat(full)))
+                entries.append(self.info(full, os.lstat(full), accounts))
             except OSError:
                 continue  # removed while we listed
         return {"entries": entries, "truncated": len(names) > limit}

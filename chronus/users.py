@@ -74,3 +74,39 @@ def resolve_user(spec: str, etc: str = "/etc") -> User:
                         groups.append(int(g[2]))
             return User(name, int(fields[2]), gid, fields[5], groups)
     raise invalid(f"no user {spec!r} in the sandbox's {etc}/passwd", "USER_NOT_FOUND")
+
+
+class AccountNames:
+    """User and group names by id, from the sandbox's /etc/passwd and /etc/group, as E2B's
+    envd names a file's owner (Go's os/user without cgo: the first line with that id wins,
+    and an id with no line is named by its number).
+
+    Make one per call (a listing shares it): the files are read on first use and then kept
+    only as long as the instance, since a command may add users between two calls.
+    """
+
+    __slots__ = ("_etc", "_groups", "_users")
+
+    def __init__(self, etc: str = "/etc") -> None:
+        self._etc = etc
+        self._users: dict[str, str] | None = None
+        self._groups: dict[str, str] | None = None
+
+    @staticmethod
+    def _names(path: str, min_fields: int) -> dict[str, str]:
+        names: dict[str, str] = {}
+        for fields in _lines(path):
+            name = fields[0].lstrip()
+            if len(fields) >= min_fields and name and name[0] not in "+-#":
+                names.setdefault(fields[2], name)
+        return names
+
+    def user(self, uid: int) -> str:
+        if self._users is None:
+            self._users = self._names(f"{self._etc}/passwd", 7)
+        return self._users.get(str(uid), str(uid))
+
+    def group(self, gid: int) -> str:
+        if self._groups is None:
+            self._groups = self._names(f"{self._etc}/group", 4)
+        return self._groups.get(str(gid), str(gid))

@@ -716,12 +716,29 @@ class ExecInfo:
 
 @dataclass(frozen=True)
 class FileInfo:
+    """A file, directory or symlink in a sandbox, as one stat saw it.
+
+    ``type`` is ``REGULAR``, ``DIRECTORY``, ``SYMLINK`` or ``OTHER``; ``mode`` the permission
+    bits (``0o644``, with setuid/setgid/sticky); ``owner``/``group`` the names of ``uid``/``gid``
+    in the sandbox's /etc/passwd and /etc/group, or the number as a string. For a symlink
+    (a stat that did not follow it) ``symlink_target`` is the link's text and ``target`` what
+    it finally resolves to (``target.path`` absolute), None when it dangles::
+
+        info = sb.files.stat("/usr/bin/python3", follow_symlinks=False)
+        info.symlink_target, info.target and info.target.path  # "python3.11", "/usr/bin/python3.11"
+    """
+
     path: str
     type: str  # REGULAR, DIRECTORY, SYMLINK, OTHER
     size: int
     mode: int
     modified_at: datetime | None
     symlink_target: str
+    uid: int = 0
+    gid: int = 0
+    owner: str = ""
+    group: str = ""
+    target: FileInfo | None = None
 
     @classmethod
     def from_pb(cls, f: types_pb2.FileInfo) -> FileInfo:
@@ -732,6 +749,11 @@ class FileInfo:
             f.mode,
             _dt(f.modified_at),
             f.symlink_target,
+            f.uid,
+            f.gid,
+            f.owner,
+            f.group,
+            cls.from_pb(f.target) if f.HasField("target") else None,
         )
 
     @property

@@ -760,6 +760,70 @@ def test_file_ops(client: ChronusClient, tmp_path: Path) -> None:
     assert exc.value.code == 3
 
 
+def test_stat_and_list_name_owners_and_follow_links_as_envd_reports_them(
+    client: ChronusClient, tmp_path: Path
+) -> None:
+    """A symlink's info is the link's own (size, owner, text) plus, in ``target``, the stat of
+    what it finally resolves to at its absolute path; owners are named from /etc/passwd and
+    /etc/group (this host's: root:0, nobody:65534, group nogroup:65534), else numbered."""
+    real = tmp_path / "dir" / "real.txt"
+    real.parent.mkdir()
+    real.write_text("hello")
+    real.chmod(0o640)
+    os.chown(real, 65534, 65534)
+    hop = tmp_path / "hop"
+    hop.symlink_to("dir/real.txt")  # relative
+    link = tmp_path / "link"
+    link.symlink_to("hop")  # a chain of two
+    os.lchown(link, 4242, 4343)  # ids in neither file
+
+    st = client.one({"stat_path": {"path": str(link)}})["info"]
+    assert (st["type"], st["size_bytes"], st["symlink_target"]) == (3, len("hop"), "hop")
+    assert (st["uid"], st["gid"], st["owner"], st["group"]) == (4242, 4343, "4242", "4343")
+    target = st["target"]
+    assert (target["path"], target["type"], target["mode"]) == (str(real), 1, 0o640)
+    assert (target["size_bytes"], target["owner"], target["group"]) == (5, "nobody", "nogroup")
+    followed = client.one({"stat_path": {"path": str(link), "follow_symlinks": True}})["info"]
+    assert (followed["path"], followed["owner"]) == (str(link), "nobody")
+    assert "target" not in followed
+
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "missing")
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    for path in (dangling, loop):
+        info = client.one({"stat_path": {"path": str(path)}})["info"]
+        assert info["type"] == 3 and "target" not in info, path
+        assert (info["owner"], info["group"]) == ("root", "root")
+
+    listing = {e["path"]: e for e in client.one({"list_dir": {"path": str(tmp_path)}})["entries"]}
+    assert listing[str(link)]["target"]["path"] == str(real)
+    assert listing[str(hop)]["target"]["path"] == str(real)
+    directory = listing[str(tmp_path / "dir")]
+    assert directory["owner"] == "root" and "target" not in directory
+    assert "target" not in listing[str(dangling)]
+
+
+def test_account_names_are_read_per_instance_first_line_winning(tmp_path: Path) -> None:
+    """Go's os/user without cgo, which envd names owners with: the first line with an id
+    wins, "+"/"-" NIS lines and short lines are skipped, a missing id is its number."""
+    from chronus.users import AccountNames
+
+    (tmp_path / "passwd").write_text(
+        "# comment\n+nis:x:7:7::/:/bin/sh\nshort:x:8:8\n"
+        "alice:x:1000:1000::/home/alice:/bin/sh\nalias:x:1000:1000::/:/bin/sh\n"
+    )
+    (tmp_path / "group").write_text("staff:x:50:alice\nshort:x:51\n")
+    names = AccountNames(str(tmp_path))
+    assert [names.user(u) for u in (1000, 7, 8, 9)] == ["alice", "7", "8", "9"]
+    assert [names.group(g) for g in (50, 51)] == ["staff", "51"]
+    # A user added afterwards (by a command) is seen by the next call's instance, not this one.
+    with open(tmp_path / "passwd", "a") as f:
+        f.write("bob:x:1001:1001::/home/bob:/bin/sh\n")
+    assert names.user(1001) == "1001"
+    assert AccountNames(str(tmp_path)).user(1001) == "bob"
+
+
 def test_upload_and_download_50mb_streaming(
     chronus: tuple[ChronusClient, int, Path], tmp_path: Path
 ) -> None:

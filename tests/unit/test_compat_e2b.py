@@ -20,12 +20,15 @@ from common.config import ConfigError, load
 from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.envd.call import CALL, EnvdCall, mapped
+from compat.e2b.envd.filesystem import entry
+from compat.e2b.envd.gen.filesystem import filesystem_pb as envd_fs
 from compat.e2b.envd.process import end_event, ended
 from compat.e2b.envd.streams import KEEPALIVE, with_keepalives
 from compat.e2b.http import HttpError, Request, bounded, decoded
 from compat.e2b.routing import access_token, api_key, envd_user, route
 from compat.http import DECODED_PIECE_BYTES
-from libdsec import AsyncClient, ExitStatus, SandboxInfo
+from dsec.types.v1 import types_pb2
+from libdsec import AsyncClient, ExitStatus, FileInfo, SandboxInfo
 from libdsec.errors import SandboxTerminated, Unavailable
 
 CONFIG = CompatConfig()
@@ -77,6 +80,50 @@ def test_routing_by_headers_and_by_host() -> None:
     assert (r.kind, r.sandbox_id, r.port) == ("port", "sb-e0-abcdef12", 8000)
     assert route(request({"Host": "49983-sb-e0-abcdef12.x"})).kind == "envd"
     assert route(request({"Host": "127.0.0.1:7130"})).kind == "control"
+
+
+def test_entries_follow_envds_rules_for_symlinks_owners_and_modes() -> None:
+    """envd's GetEntryInfo (e2b-dev/infra packages/shared/pkg/filesystem/entry.go): a link's
+    own size, owner and Go permission string, its target's type and mode, and the resolved
+    target path; a link that does not resolve has no type, mode 0 and itself as target."""
+    T = types_pb2
+    target = T.FileInfo(path="/srv/real", type=T.FILE_TYPE_DIRECTORY, mode=0o1750, owner="root")
+    link = FileInfo.from_pb(
+        T.FileInfo(
+            path="/home/user/ln",
+            type=T.FILE_TYPE_SYMLINK,
+            size_bytes=9,
+            mode=0o777,
+            symlink_target="../../srv/real",
+            uid=1000,
+            gid=1000,
+            owner="user",
+            group="user",
+            target=target,
+        )
+    )
+    assert (link.uid, link.owner, link.target and link.target.path) == (1000, "user", "/srv/real")
+    e = entry(link)
+    assert (e.name, e.path, e.size, e.owner, e.group) == ("ln", "/home/user/ln", 9, "user", "user")
+    assert (e.type, e.mode, e.permissions) == (envd_fs.FileType.DIRECTORY, 0o750, "Lrwxrwxrwx")
+    assert e.symlink_target == "/srv/real"
+
+    dangling = FileInfo.from_pb(
+        T.FileInfo(path="/tmp/d", type=T.FILE_TYPE_SYMLINK, mode=0o777, symlink_target="x")
+    )
+    e = entry(dangling)
+    assert (e.type, e.mode, e.symlink_target) == (envd_fs.FileType.UNSPECIFIED, 0, "/tmp/d")
+
+    perms = {
+        (T.FILE_TYPE_DIRECTORY, 0o1777): "dtrwxrwxrwx",  # /tmp
+        (T.FILE_TYPE_REGULAR, 0o4755): "urwxr-xr-x",  # a setuid program
+        (T.FILE_TYPE_DIRECTORY, 0o2750): "dgrwxr-x---",
+        (T.FILE_TYPE_REGULAR, 0o640): "-rw-r-----",
+    }
+    for (kind, mode), want in perms.items():
+        e = entry(FileInfo.from_pb(T.FileInfo(path="/f", type=kind, mode=mode, owner="1234")))
+        assert (e.permissions, e.mode, e.owner) == (want, mode & 0o777, "1234")
+        assert not e.has_field("symlink_target")
 
 
 def test_keys_and_the_envd_user() -> None:

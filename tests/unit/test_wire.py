@@ -112,6 +112,14 @@ CASES: list[Message] = [
         uid=4294967295,
         gid=0,
     ),
+    T.FileInfo(  # a message inside itself: a symlink's followed target
+        path="/l",
+        type=T.FILE_TYPE_SYMLINK,
+        owner="user",
+        group="4343",
+        target=T.FileInfo(path="/abs/c", type=T.FILE_TYPE_DIRECTORY, owner="root"),
+    ),
+    T.FileInfo(path="/d", target=T.FileInfo()),  # an empty target is still a target
     T.ListDirResponse(
         entries=[T.FileInfo(path=f"/d/{i}", type=T.FILE_TYPE_REGULAR) for i in range(5)],
         truncated=True,

@@ -4,8 +4,8 @@ Paths follow envd's rule (relative = under the user's home, see ``EnvdCall.resol
 call is one or a few libdsec calls. ``ListDir`` with a depth walks the tree with one listing
 per directory; ``WatchDir`` and the polled watchers (``CreateWatcher`` /
 ``GetWatcherEvents`` / ``RemoveWatcher``) are dsec's watchers inside the sandbox.
-dsec has no owners, groups or extended attributes in its file info: ``owner``/``group`` are
-empty and ``metadata`` is always empty (the SDK refuses file metadata by envd version).
+Entries follow envd's for symlinks and owners (see ``entry``); dsec keeps no extended
+attributes, so ``metadata`` is always empty (the SDK refuses file metadata by envd version).
 """
 
 from __future__ import annotations
@@ -42,27 +42,46 @@ _EVENTS = {
     "chmod": pb.EventType.CHMOD,
 }
 
+#: Go's FileMode letters for the special bits, in its order ("dalTLDpSugct?").
+_SPECIAL_BITS = ((stat_bits.S_ISUID, "u"), (stat_bits.S_ISGID, "g"), (stat_bits.S_ISVTX, "t"))
+
 
 def permissions(info: FileInfo) -> str:
-    """Go's ``FileMode.String()`` form, as envd reports it ("drwxr-xr-x")."""
-    kind = {"DIRECTORY": "d", "SYMLINK": "L"}.get(info.type, "-")
-    return kind + stat_bits.filemode(info.mode & 0o777)[1:]
+    """Go's ``FileMode.String()`` of an lstat, as envd reports it: the type and special-bit
+    letters in Go's order, or "-" when there are none, then rwx ("drwxr-xr-x", "Lrwxrwxrwx",
+    "dtrwxrwxrwx" for /tmp, "urwxr-xr-x" for a setuid file)."""
+    letters = {"DIRECTORY": "d", "SYMLINK": "L"}.get(info.type, "")
+    for bit, letter in _SPECIAL_BITS:
+        if info.mode & bit:
+            letters += letter
+    rwx = "".join(c if info.mode & (0o400 >> i) else "-" for i, c in enumerate("rwxrwxrwx"))
+    return (letters or "-") + rwx
 
 
 def entry(info: FileInfo) -> pb.EntryInfo:
+    """envd's entry of an lstat (``GetEntryInfo`` in e2b-dev/infra's
+    packages/shared/pkg/filesystem/entry.go): size, owner, group, time and permissions are the
+    link's own, but a symlink's type and mode are its target's and ``symlink_target`` is the
+    fully resolved path; a link that does not resolve has no type, mode 0 and its own path
+    as target. ``mode`` is the permission bits only (Go's ``Perm()``)."""
+    kind, mode = info.type, info.mode
+    if info.type == "SYMLINK":
+        kind, mode = (info.target.type, info.target.mode) if info.target else ("", 0)
     out = pb.EntryInfo(
         name=posixpath.basename(info.path) or info.path,
-        type=_TYPES.get(info.type, pb.FileType.UNSPECIFIED),
+        type=_TYPES.get(kind, pb.FileType.UNSPECIFIED),
         path=info.path,
         size=info.size,
-        mode=info.mode,
+        mode=mode & 0o777,
         permissions=permissions(info),
+        owner=info.owner,
+        group=info.group,
     )
     if info.modified_at is not None:
         ts = info.modified_at.timestamp()
         out.modified_time = Timestamp(seconds=int(ts), nanos=int((ts % 1) * 1e9))
     if info.type == "SYMLINK":
-        out.symlink_target = info.symlink_target
+        out.symlink_target = info.target.path if info.target else info.path
     return out
 
 

@@ -1919,6 +1919,9 @@ class FileInfo(_message.Message):
     SYMLINK_TARGET_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
     GID_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     type: Global___FileType.ValueType
     size_bytes: _builtins.int
@@ -1927,8 +1930,20 @@ class FileInfo(_message.Message):
     symlink_target: _builtins.str
     uid: _builtins.int
     gid: _builtins.int
+    owner: _builtins.str
+    """Names of uid and gid in the sandbox's /etc/passwd and /etc/group when they are there,
+    else the number in decimal ("1000"), as E2B's envd reports a file's owner.
+    """
+    group: _builtins.str
     @_builtins.property
     def modified_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def target(self) -> Global___FileInfo:
+        """A symlink's target, followed: the stat of what the link finally resolves to, with `path`
+        the fully resolved absolute path. Unset when the entry is not a symlink, or when the
+        link dangles, loops or cannot be followed. (`symlink_target` is the link's own text.)
+        """
+
     def __init__(
         self,
         *,
@@ -1940,10 +1955,13 @@ class FileInfo(_message.Message):
         symlink_target: _builtins.str = ...,
         uid: _builtins.int = ...,
         gid: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        group: _builtins.str = ...,
+        target: Global___FileInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["modified_at", b"modified_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["modified_at", b"modified_at", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gid", b"gid", "mode", b"mode", "modified_at", b"modified_at", "path", b"path", "size_bytes", b"size_bytes", "symlink_target", b"symlink_target", "type", b"type", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gid", b"gid", "group", b"group", "mode", b"mode", "modified_at", b"modified_at", "owner", b"owner", "path", b"path", "size_bytes", b"size_bytes", "symlink_target", b"symlink_target", "target", b"target", "type", b"type", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
