@@ -26,6 +26,7 @@ from e2b.exceptions import (
     TimeoutException,
 )
 from e2b.sandbox.commands.command_handle import PtySize
+from e2b.sandbox.filesystem.filesystem import FileType
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from tests.helpers import wait_for
@@ -239,6 +240,43 @@ def test_files_write_read_list_info_mkdir_rename_remove(shared: Sandbox) -> None
     # relative paths are under the user's home, as in envd
     shared.files.write("rel.txt", "home")
     assert shared.commands.run("cat /home/user/rel.txt").stdout == "home"
+
+
+def test_info_and_list_follow_symlinks_and_name_owners_as_envd(shared: Sandbox) -> None:
+    """envd's entries: a link's own size, owner and "L" permissions, its target's type and
+    mode, the fully resolved target (the link's own path when it dangles); owner and group
+    are the sandbox's names, as `stat` inside prints them."""
+    d = f"/tmp/links-{uuid.uuid4().hex[:8]}"
+    shared.commands.run(
+        f"mkdir -p {d}/sub && printf hello > {d}/sub/f.txt && chmod 640 {d}/sub/f.txt"
+        f" && ln -s sub/f.txt {d}/hop && ln -s hop {d}/ln && ln -s nowhere {d}/dangling"
+    )
+    owner, group, size = shared.commands.run(f"stat -c '%U %G %s' {d}/ln").stdout.split()
+    assert (owner, group) == ("user", "user")  # the shared sandbox runs commands as user
+
+    link = shared.files.get_info(f"{d}/ln")
+    assert (link.name, link.path, link.size) == ("ln", f"{d}/ln", int(size))
+    assert (link.type, link.mode, link.permissions) == (FileType.FILE, 0o640, "Lrwxrwxrwx")
+    assert (link.owner, link.group, link.symlink_target) == (owner, group, f"{d}/sub/f.txt")
+    real = shared.files.get_info(f"{d}/sub/f.txt")
+    assert (real.size, real.permissions, real.owner, real.symlink_target) == (
+        5,
+        "-rw-r-----",
+        "user",
+        None,
+    )
+    dangling = shared.files.get_info(f"{d}/dangling")
+    assert (dangling.type, dangling.mode, dangling.symlink_target) == (None, 0, f"{d}/dangling")
+    assert dangling.permissions == "Lrwxrwxrwx"
+    root = shared.files.get_info("/etc/passwd")
+    assert (root.owner, root.group) == ("root", "root")
+    assert shared.files.get_info("/tmp").permissions == "dtrwxrwxrwx"
+
+    listed = {e.name: e for e in shared.files.list(d)}
+    assert listed["hop"].symlink_target == listed["ln"].symlink_target == f"{d}/sub/f.txt"
+    assert (listed["sub"].type, listed["sub"].owner) == (FileType.DIR, "user")
+    assert "dangling" not in listed  # no type: the SDK skips it, as it does envd's
+    shared.files.remove(d)
 
 
 def test_octet_stream_and_multipart_uploads(shared: Sandbox) -> None:
