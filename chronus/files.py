@@ -36,6 +36,26 @@ DEFAULT_MAX_ENTRIES = 10000
 
 FILE_TYPE_REGULAR, FILE_TYPE_DIRECTORY, FILE_TYPE_SYMLINK, FILE_TYPE_OTHER = 1, 2, 3, 4
 
+# An atomic write's temporary file is `.<base>.dsec-<kind><8 hex>.tmp`, next to its target;
+# <kind> is what the rename into place does: makes a new file, makes a new empty one, or
+# replaces one that was there.
+TEMP_MARK = ".dsec-"
+TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES = "n", "e", "r"
+
+
+def temp_kind(name: str) -> str | None:
+    """The <kind> of `name` if it is an atomic write's temporary file ("" when it has none),
+    None if it is not one."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    at = name.rfind(TEMP_MARK)
+    if at <= 0:
+        return None
+    tail = name[at + len(TEMP_MARK) : -len(".tmp")]
+    if len(tail) == 9 and tail[0] in (TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES):
+        return tail[0]
+    return ""
+
 
 class Files:
     def __init__(self, workdir: str) -> None:
@@ -137,9 +157,9 @@ class Files:
             raise from_os_error(exc, parent) from None
 
     @staticmethod
-    def _temp_path(path: str) -> str:
+    def _temp_path(path: str, kind: str) -> str:
         d, base = os.path.split(path)
-        return os.path.join(d, f".{base}.dsec-{os.urandom(4).hex()}.tmp")
+        return os.path.join(d, f".{base}{TEMP_MARK}{kind}{os.urandom(4).hex()}.tmp")
 
     # ---------------------------------------------------------------- ops
     def read_file(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +225,10 @@ class Files:
     ) -> None:
         if os.path.isdir(path):
             raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
-        tmp = self._temp_path(path)
+        # The temporary's name says whether the target was there, so that watchers report the
+        # rename into place as E2B's envd reports its in-place write (see chronus.watchers).
+        existed = os.path.lexists(path)
+        tmp = self._temp_path(path, TEMP_REPLACES if existed else TEMP_NEW)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -213,8 +236,14 @@ class Files:
                 if owner is not None:
                     os.fchown(fd, *owner)  # before the mode: a chown clears setuid bits
                 os.fchmod(fd, mode)
+                empty = os.fstat(fd).st_size == 0
             finally:
                 os.close(fd)
+            if empty and not existed:
+                # Known only now (an upload is streamed); watchers ignore a temporary's renames.
+                marked = self._temp_path(path, TEMP_NEW_EMPTY)
+                os.rename(tmp, marked)
+                tmp = marked
             os.rename(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)

@@ -11,8 +11,18 @@ Event types follow Go's fsnotify (what E2B's envd reports): CREATE for IN_CREATE
 IN_MOVED_TO, WRITE for IN_MODIFY, REMOVE for IN_DELETE, RENAME for IN_MOVED_FROM, CHMOD for
 IN_ATTRIB. A directory created in a recursive watcher's tree is watched at once; what was
 created in it before that is reported as CREATE from a scan (so `mkdir -p a/b && touch
-a/b/f` is seen whole), which may rarely report an entry twice. The temporary files of
-chronus's own atomic writes are not reported (a WriteFile shows as its target's CREATE).
+a/b/f` is seen whole), which may rarely report an entry twice.
+
+The temporary files of chronus's own atomic writes (chronus.files) are never reported, and
+the rename of one into place is reported as what envd's in-place write of the same file
+shows (envd opens the target O_CREAT|O_TRUNC, chowns it, writes): a new file CREATE, CHMOD,
+WRITE; a new empty one CREATE, CHMOD (nothing is written); a file that was there CHMOD,
+WRITE (chown, then the truncation and the writes, which the kernel merges while unread). So
+a client sees the same events from dsec's and from E2B's API, and a write over a file is a
+WRITE, not the CREATE its rename would otherwise be. envd may report a long write's WRITE
+more than once (the kernel merges repeated IN_MODIFY only while it is unread); here it is
+always once. The temporary's name carries which case it is; its IN_MOVED_FROM and the
+target's IN_MOVED_TO are paired by their cookie.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from chronus.errors import (
     ChronusError,
     from_os_error,
 )
+from chronus.files import TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES, temp_kind
 from chronus.threads import Condition
 from insandbox.log import get_logger
 
@@ -92,11 +103,15 @@ def _event_type(mask: int) -> int:
     return 0
 
 
-def _own_temp(name: str) -> bool:
-    """Whether `name` is the temporary file of one of chronus's atomic writes
-    (chronus.files: `.<base>.dsec-<8 hex>.tmp`): its rename into place is reported as the
-    file's CREATE, the temporary itself never."""
-    return name.startswith(".") and name.endswith(".tmp") and ".dsec-" in name
+#: What the rename of an atomic write's temporary into place is reported as, by the
+#: temporary's kind (chronus.files.temp_kind): envd's events for the same write.
+_ATOMIC_WRITE_EVENTS = {
+    TEMP_NEW: (CREATE, CHMOD, WRITE),
+    TEMP_NEW_EMPTY: (CREATE, CHMOD),
+    TEMP_REPLACES: (CHMOD, WRITE),
+}
+#: Renames of temporaries seen (IN_MOVED_FROM) whose IN_MOVED_TO has not come, at most.
+MAX_PENDING_MOVES = 256
 
 
 class Watcher:
@@ -114,13 +129,15 @@ class Watcher:
         #: wd -> the directory's path relative to root ("" for root)
         self.dirs: dict[int, str] = {}
 
-    def push(self, name: str, kind: int) -> None:
+    def push(self, name: str, *kinds: int) -> None:
+        """Buffers an event for `name` of each of `kinds`, together: a drain sees all or none."""
         with self.cond:
-            if len(self.events) >= MAX_EVENTS:
-                self.overflowed = True
-                self.dropped += 1
-            else:
-                self.events.append((name, kind))
+            for kind in kinds:
+                if len(self.events) >= MAX_EVENTS:
+                    self.overflowed = True
+                    self.dropped += 1
+                else:
+                    self.events.append((name, kind))
             self.cond.notify_all()
 
     def drain(self) -> tuple[list[tuple[str, int]], bool]:
@@ -142,6 +159,8 @@ class Watchers:
         self._lock = Condition()  # guards the tables below
         self._watchers: dict[str, Watcher] = {}
         self._wds: dict[int, set[Watcher]] = {}
+        #: inotify cookie -> the kind of the temporary moved away (reactor thread only)
+        self._temp_moves: dict[int, str] = {}
 
     # ----------------------------------------------------------- inotify
     def _open(self) -> None:
@@ -286,18 +305,40 @@ class Watchers:
             while offset + 16 <= len(data):
                 wd = int.from_bytes(data[offset : offset + 4], "little", signed=True)
                 mask = int.from_bytes(data[offset + 4 : offset + 8], "little")
+                cookie = int.from_bytes(data[offset + 8 : offset + 12], "little")
                 size = int.from_bytes(data[offset + 12 : offset + 16], "little")
                 raw = data[offset + 16 : offset + 16 + size].split(b"\0", 1)[0]
                 offset += 16 + size
-                self._dispatch(wd, mask, os.fsdecode(raw))
+                self._dispatch(wd, mask, os.fsdecode(raw), cookie)
 
-    def _dispatch(self, wd: int, mask: int, name: str) -> None:
+    def _atomic_write_events(self, mask: int, name: str, cookie: int) -> tuple[int, ...] | None:
+        """For the moves of atomic writes' temporaries: () for an event not to report (the
+        temporary's own), the events to report instead of a rename into place's CREATE; None
+        for any other event."""
+        kind = temp_kind(name) if name else None
+        if mask & IN_MOVED_FROM and kind is not None:
+            if len(self._temp_moves) >= MAX_PENDING_MOVES:  # their IN_MOVED_TO was lost
+                self._temp_moves.clear()
+            self._temp_moves[cookie] = kind
+            return ()
+        if mask & IN_MOVED_TO and cookie in self._temp_moves:
+            moved = self._temp_moves.pop(cookie)
+            if kind is not None:
+                return ()  # renamed to another temporary (chronus.files marks an empty one)
+            return _ATOMIC_WRITE_EVENTS.get(moved)  # unmarked: CREATE, as any rename
+        if kind is not None:
+            return ()
+        return None
+
+    def _dispatch(self, wd: int, mask: int, name: str, cookie: int = 0) -> None:
         if mask & IN_Q_OVERFLOW:
+            self._temp_moves.clear()
             for w in self._watchers.values():
                 with w.cond:
                     w.overflowed = True
                     w.cond.notify_all()
             return
+        instead = self._atomic_write_events(mask, name, cookie)
         for w in list(self._wds.get(wd, ())):
             rel = w.dirs.get(wd)
             if rel is None:
@@ -316,10 +357,10 @@ class Watchers:
                             del self._wds[wd]
                 continue
             kind = _event_type(mask)
-            if not kind or not name or _own_temp(name):
+            if not kind or not name or instead == ():
                 continue
             full_rel = f"{rel}/{name}" if rel else name
-            w.push(full_rel, kind)
+            w.push(full_rel, *(instead or (kind,)))
             if w.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 path = os.path.join(w.root, full_rel)
                 try:

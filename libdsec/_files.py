@@ -322,6 +322,10 @@ class AsyncFiles:
             wid = await sb.files.create_watcher("/work")
             await sb.files.write("/work/a.txt", "x")
             events = await sb.files.watcher_events(wid)   # [FileEvent("a.txt", "create"), ...]
+
+        A :meth:`write` or :meth:`upload` (atomic: its temporary file is never reported) is
+        ``create``, ``chmod``, ``write`` for a new file (``create``, ``chmod`` if empty) and
+        ``chmod``, ``write`` over one that was there, as E2B's envd reports its writes.
         """
         resp = await self._call(
             "GetWatcherEvents",

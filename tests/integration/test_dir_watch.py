@@ -106,8 +106,18 @@ def test_watch_streams_events_and_closing_removes_the_watch(
     sb = make_sandbox()
     with sb.files.watch("/work") as changes:
         sb.files.write("/work/s.txt", "x")  # established on return: this is reported
-        got = next(changes)
-    assert got == FileEvent("s.txt", "create")
+        got = [next(changes) for _ in range(3)]
+        sb.files.write("/work/s.txt", "y")  # over the file: a write, not a create
+        got += [next(changes) for _ in range(2)]
+    # A write (atomic: a temporary renamed into place) is reported as E2B's envd reports its
+    # in-place write: create, chmod, write for a new file; chmod, write for one that was there.
+    assert got == [
+        FileEvent("s.txt", "create"),
+        FileEvent("s.txt", "chmod"),
+        FileEvent("s.txt", "write"),
+        FileEvent("s.txt", "chmod"),
+        FileEvent("s.txt", "write"),
+    ]
     # Each closed watch released its watcher inside the sandbox: 64 polled ones fit after
     # 64 watches were opened and closed.
     for _ in range(64):

@@ -324,6 +324,32 @@ def test_watch_dir_reports_changes(shared: Sandbox) -> None:
         handle.stop()
 
 
+def test_a_write_is_watched_as_e2b_reports_it(shared: Sandbox) -> None:
+    # envd writes a file in place (O_CREAT|O_TRUNC, chown, write); dsec renames a written
+    # temporary into place and reports it as envd's events: a new file CREATE, CHMOD, WRITE
+    # (E2B's own suite counts the three), one that was there CHMOD, WRITE.
+    d = f"/tmp/watch-{uuid.uuid4().hex[:8]}"
+    shared.files.make_dir(d)
+    handle = shared.files.watch_dir(d)
+    t = FilesystemEventType
+    try:
+        shared.files.write(f"{d}/f.txt", "first")
+        created = wait_for(lambda: handle.get_new_events(), timeout_s=10)
+        assert [(e.name, e.type) for e in created] == [
+            ("f.txt", t.CREATE),
+            ("f.txt", t.CHMOD),
+            ("f.txt", t.WRITE),
+        ]
+        shared.files.write(f"{d}/f.txt", "second")
+        written = wait_for(lambda: handle.get_new_events(), timeout_s=10)
+        assert [(e.name, e.type) for e in written] == [("f.txt", t.CHMOD), ("f.txt", t.WRITE)]
+    finally:
+        handle.stop()
+    # Still an atomic replace: the new contents whole, no temporary left beside them.
+    assert shared.files.read(f"{d}/f.txt") == "second"
+    assert [e.name for e in shared.files.list(d)] == ["f.txt"]
+
+
 async def test_watch_dir_with_the_async_sdk(target: E2bTarget) -> None:
     sb = await AsyncSandbox.create(metadata={"test": "async-watch"})
     try:

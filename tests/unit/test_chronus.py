@@ -876,6 +876,36 @@ def test_upload_size_mismatch_leaves_nothing(client: ChronusClient, tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_write_over_a_file_is_whole_to_readers_and_leaves_no_temporary(
+    client: ChronusClient, tmp_path: Path
+) -> None:
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"old")
+    sid = client.open({"upload_file": {"header": {"path": str(target), "size_bytes": 8}}})
+    client.send(sid, {"request": {"upload_file": {"chunk": b"new1"}}})
+    # Half of it is in the temporary (named as replacing a file: watchers report a WRITE);
+    # a reader still sees the old file whole.
+    deadline = time.monotonic() + 5
+    temps: list[Path] = []
+    while time.monotonic() < deadline:
+        temps = [p for p in tmp_path.iterdir() if p.name != "data.bin"]
+        if temps and temps[0].stat().st_size == 4:
+            break
+        time.sleep(0.02)
+    assert [p.name[: len(".data.bin.dsec-r")] for p in temps] == [".data.bin.dsec-r"]
+    assert target.read_bytes() == b"old"
+    client.send(sid, {"request": {"upload_file": {"chunk": b"new2"}}})
+    client.send(sid, {"half_close": {}})
+    (resp,) = client.responses(sid)
+    assert resp["upload_file"]["bytes_written"] == 8
+    assert target.read_bytes() == b"new1new2"
+    # A new empty file (its temporary is renamed once more, to say so) is there, empty, alone.
+    client.one({"write_file": {"path": str(tmp_path / "empty"), "data": b"", "mode": 0o640}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "empty"]
+    st = (tmp_path / "empty").stat()
+    assert (st.st_size, st.st_mode & 0o777) == (0, 0o640)
+
+
 # ----------------------------------------------------------- http, status
 
 

@@ -76,6 +76,60 @@ def test_polled_watcher_reports_each_kind(client: ChronusClient, work: Path) -> 
     assert (exc.value.code, exc.value.reason) == (5, "WATCHER_NOT_FOUND")
 
 
+def poll_some(
+    client: ChronusClient, watcher_id: str, timeout: float = 5.0
+) -> list[tuple[str, int]]:
+    """The events of the first poll that has any."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = client.one({"watcher_events": {"watcher_id": watcher_id}})
+        if resp.get("events"):
+            return [(e.get("name", ""), e.get("type", 0)) for e in resp["events"]]
+        time.sleep(0.05)
+    raise AssertionError("no event")
+
+
+def upload(client: ChronusClient, path: Path, chunks: list[bytes]) -> None:
+    header = {"path": str(path), "size_bytes": sum(map(len, chunks))}
+    sid = client.open({"upload_file": {"header": header}})
+    for chunk in chunks:
+        client.send(sid, {"request": {"upload_file": {"chunk": chunk}}})
+    client.send(sid, {"half_close": {}})
+    (resp,) = client.responses(sid)
+    assert resp["upload_file"]["bytes_written"] == len(b"".join(chunks))
+
+
+def test_atomic_writes_are_reported_as_envd_reports_its_in_place_writes(
+    client: ChronusClient, work: Path
+) -> None:
+    # E2B's envd opens the target O_CREAT|O_TRUNC, chowns it and writes; chronus renames a
+    # temporary into place. A watcher sees the same events from both, each write's together.
+    (work / "sub").mkdir()
+    wid = client.one({"create_watcher": {"path": str(work), "recursive": True}})["watcher_id"]
+    client.one({"write_file": {"path": str(work / "a.txt"), "data": b"first"}})
+    assert poll_some(client, wid) == [("a.txt", CREATE), ("a.txt", CHMOD), ("a.txt", WRITE)]
+    client.one({"write_file": {"path": str(work / "a.txt"), "data": b"second"}})
+    assert poll_some(client, wid) == [("a.txt", CHMOD), ("a.txt", WRITE)]
+    client.one({"write_file": {"path": str(work / "sub" / "empty"), "data": b""}})
+    assert poll_some(client, wid) == [("sub/empty", CREATE), ("sub/empty", CHMOD)]
+    client.one({"write_file": {"path": str(work / "sub" / "empty"), "data": b""}})
+    assert poll_some(client, wid) == [("sub/empty", CHMOD), ("sub/empty", WRITE)]
+    upload(client, work / "up.bin", [b"ab" * 40000, b"cd" * 40000])  # one WRITE for both chunks
+    assert poll_some(client, wid) == [("up.bin", CREATE), ("up.bin", CHMOD), ("up.bin", WRITE)]
+    upload(client, work / "up.bin", [b"ef"])
+    assert poll_some(client, wid) == [("up.bin", CHMOD), ("up.bin", WRITE)]
+    # Still atomic: the contents are whole, and no temporary is left or was ever reported.
+    assert (work / "a.txt").read_bytes() == b"second"
+    assert (work / "up.bin").read_bytes() == b"ef"
+    assert sorted(p.name for p in work.rglob("*")) == ["a.txt", "empty", "sub", "up.bin"]
+    # A rename of any other file over one that is there stays a plain CREATE.
+    (work / "other").write_text("x")
+    os.rename(work / "other", work / "a.txt")
+    seen = poll_until(client, wid, {("a.txt", CREATE)})
+    assert ("a.txt", CHMOD) not in seen
+    client.one({"remove_watcher": {"watcher_id": wid}})
+
+
 def test_non_recursive_ignores_subdirectories(client: ChronusClient, work: Path) -> None:
     (work / "sub").mkdir()
     wid = client.one({"create_watcher": {"path": str(work)}})["watcher_id"]

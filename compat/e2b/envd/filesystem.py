@@ -3,7 +3,9 @@
 Paths follow envd's rule (relative = under the user's home, see ``EnvdCall.resolve``); each
 call is one or a few libdsec calls. ``ListDir`` with a depth walks the tree with one listing
 per directory; ``WatchDir`` and the polled watchers (``CreateWatcher`` /
-``GetWatcherEvents`` / ``RemoveWatcher``) are dsec's watchers inside the sandbox.
+``GetWatcherEvents`` / ``RemoveWatcher``) are dsec's watchers inside the sandbox, whose
+events map one to one: chronus already reports its atomic writes as envd's in-place writes
+(CREATE, CHMOD, WRITE; CHMOD, WRITE over a file), which only it can tell from a plain rename.
 Entries follow envd's for symlinks and owners (see ``entry``); dsec keeps no extended
 attributes, so ``metadata`` is always empty (the SDK refuses file metadata by envd version).
 """
