@@ -21,7 +21,7 @@ from apiserver.watch import SandboxWatch
 from common import forwarding
 from common.auth import auth_metadata, bearer_token
 from common.channels import DEFAULT_DEADLINE_S
-from common.convert import grace_s
+from common.convert import grace_s, metrics_window
 from common.forwarding import Route
 from common.grpc_server import internal_error
 from common.ids import is_queue_id
@@ -414,6 +414,15 @@ class SandboxServicer(_Forwarder):
             ),
         )
         return apiserver_pb2.UpdateNetworkPolicyResponse(sandbox=resp.sandbox)
+
+    async def GetSandboxMetrics(
+        self, request: types_pb2.GetSandboxMetricsRequest, context: Any
+    ) -> types_pb2.GetSandboxMetricsResponse:
+        metrics_window(request)  # a bad window is the caller's error, before any hop
+        resp: types_pb2.GetSandboxMetricsResponse = await self._call(
+            context, request.sandbox_id, "GetSandboxMetrics", request
+        )
+        return resp
 
     async def GetModifiedFiles(
         self, request: apiserver_pb2.GetModifiedFilesRequest, context: Any

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -60,3 +61,18 @@ def grace_s(value: float, field: str = "grace_s") -> float:
             metadata={"field": field, "value": str(value)},
         )
     return value
+
+
+def metrics_window(request: Any) -> tuple[float, float]:
+    """A GetSandboxMetricsRequest's [start, end] in Unix seconds: no start is the oldest
+    sample kept, no end is now; an end before the start is INVALID_ARGUMENT (BAD_TIME_RANGE)."""
+    start = (from_ts(request.start) or 0.0) if request.HasField("start") else 0.0
+    end = from_ts(request.end) if request.HasField("end") else None
+    if end is None:
+        end = time.time()
+    if end < start:
+        raise InvalidArgument(
+            f"metrics window: end ({end:.0f}) is before start ({start:.0f})",
+            reason="BAD_TIME_RANGE",
+        )
+    return start, end

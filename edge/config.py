@@ -132,6 +132,10 @@ class EdgeConfig(ServiceConfig):
     watch_interval_s: float = 1.0
     #: A sandbox at its pids limit this long, with forks failing, ends PIDS_EXHAUSTED.
     pids_exhausted_after_s: float = 3.0
+    #: A running container sandbox's CPU, memory and disk use is sampled this often, and the
+    #: samples of the last usage_keep_s are kept (GetSandboxMetrics; edge/usage.py).
+    usage_sample_s: float = 5.0
+    usage_keep_s: float = 600.0
     #: The layer store: content-addressed EROFS layers and named environments. A local
     #: directory on one machine; in a cluster a shared filesystem at the same path on every node.
     layer_store: Path = Path("/var/lib/dsec/store")
@@ -239,6 +243,16 @@ class EdgeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
+        if not self.watch_interval_s <= self.usage_sample_s <= 3600:
+            raise ConfigError(
+                f"DSEC_EDGE_USAGE_SAMPLE_S={self.usage_sample_s:g} must be between "
+                f"DSEC_EDGE_WATCH_INTERVAL_S ({self.watch_interval_s:g}) and 3600"
+            )
+        if not self.usage_sample_s <= self.usage_keep_s <= 7 * 86400:
+            raise ConfigError(
+                f"DSEC_EDGE_USAGE_KEEP_S={self.usage_keep_s:g} must be between "
+                "DSEC_EDGE_USAGE_SAMPLE_S and 604800 (a week)"
+            )
         if not EDGE_ID.match(self.edge_id):
             raise ConfigError(
                 f'DSEC_EDGE_EDGE_ID={self.edge_id!r} must match [a-z0-9]{{1,16}} and not be "queued" (reserved)'

@@ -38,6 +38,7 @@ from edge.backends.contract import (
     PauseOutcome,
     ResumeFailed,
     SandboxBackend,
+    UsageMetrics,
     check_declared,
     offers,
     require,
@@ -47,6 +48,7 @@ from edge.drain import DrainFile, DrainState
 from edge.model import EDGE_ID, LIVE_STATES, TERMINAL, SandboxRecord, SandboxSpec
 from edge.reaper import Reaper
 from edge.records import RecordStore
+from edge.usage import UsageSamples
 from libdsec.errors import (
     DSecError,
     EdgeCapacity,
@@ -729,6 +731,11 @@ class SandboxManager:
         rec = self.records.get(sandbox_id)
         if rec is not None:
             rec.violations = {**rec.violations, counter: rec.violations.get(counter, 0) + n}
+
+    def usage_samples(self, sandbox_id: str, start: float, end: float) -> UsageSamples:
+        """The sandbox's resource-use samples taken in [start, end] (Unix time)."""
+        rec = self.get_live(sandbox_id)
+        return require(self.backend_of(rec), UsageMetrics).usage_samples(rec, start, end)
 
     async def modified_files(self, sandbox_id: str) -> builtins.list[tuple[str, bool]]:
         """(path, deleted) of every file of the read-only layers the sandbox changed."""

@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from common import forwarding
-from common.convert import enum_name, grace_s, ts
+from common.convert import enum_name, grace_s, metrics_window, ts
 from common.forwarding import Route
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
@@ -956,6 +956,25 @@ class EdgeServicer:
             "update_network_policy", request, context, update, edge_pb2.UpdateNetworkPolicyResponse
         )
 
+    async def GetSandboxMetrics(
+        self, request: types_pb2.GetSandboxMetricsRequest, context: Any
+    ) -> types_pb2.GetSandboxMetricsResponse:
+        start, end = metrics_window(request)
+        got = self.manager.usage_samples(request.sandbox_id, start, end)
+        resp = types_pb2.GetSandboxMetricsResponse(interval_s=got.interval_s, kept_s=got.kept_s)
+        for s in got.samples:
+            m = resp.metrics.add(
+                cpu_count=got.cpu_count,
+                cpu_used_pct=s.cpu_used_pct,
+                mem_used_bytes=s.mem_used_bytes,
+                mem_cache_bytes=s.mem_cache_bytes,
+                mem_total_bytes=got.mem_total_bytes,
+                disk_used_bytes=s.disk_used_bytes,
+                disk_total_bytes=s.disk_total_bytes,
+            )
+            m.at.FromNanoseconds(int(s.at * 1e9))
+        return resp
+
     async def GetModifiedFiles(
         self, request: edge_pb2.GetModifiedFilesRequest, context: Any
     ) -> edge_pb2.GetModifiedFilesResponse:
@@ -1026,6 +1045,8 @@ EDGE_ROUTES = forwarding.routes(
         "Screenshot",
         "DisplayInput",
         "VncStream",
+        # the backend's samples (edge/usage.py)
+        "GetSandboxMetrics",
     },
     target=lambda name: _CHRONUS_NAMES.get(name) or forwarding.snake_case(name),
 )

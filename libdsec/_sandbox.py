@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping
+from datetime import datetime
 from functools import cached_property
 from typing import IO, Any, Unpack
 
@@ -38,6 +39,7 @@ from libdsec.types import (
     ModifiedFile,
     NetworkPolicy,
     SandboxInfo,
+    SandboxMetric,
     event_from_pb,
 )
 
@@ -704,6 +706,26 @@ class AsyncSandbox:
         )
         self.info = SandboxInfo.from_pb(resp.sandbox)
         return self.info
+
+    async def metrics(
+        self,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        timeout: float | None = None,
+    ) -> list[SandboxMetric]:
+        """Samples of the sandbox's CPU, memory and disk use, oldest first: its edge takes one
+        every few seconds while it runs and keeps the last ten minutes (by default). ``start``
+        and ``end`` narrow the window (default: all that is kept, up to now). Container
+        sandboxes; another backend raises BackendCapabilityMissing."""
+        req = types_pb2.GetSandboxMetricsRequest(sandbox_id=self.id)
+        if start is not None:
+            req.start.FromDatetime(start)
+        if end is not None:
+            req.end.FromDatetime(end)
+        rpc = self.client.transport
+        resp = await rpc.unary(rpc.sandboxes.GetSandboxMetrics, req, timeout=timeout or 30.0)
+        return [SandboxMetric.from_pb(m) for m in resp.metrics]
 
     async def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
         """Files of the image's read-only layers this sandbox modified or deleted (from its

@@ -104,6 +104,7 @@ from libdsec.types import (
     QueueSummary,
     Quota,
     SandboxInfo,
+    SandboxMetric,
     TaskResult,
     TokenInfo,
 )
@@ -838,6 +839,16 @@ class Sandbox:
     ) -> SandboxInfo:
         """See :meth:`AsyncSandbox.update_network_policy`."""
         return self._c._loop.run(self._s.update_network_policy(policy, timeout=timeout))
+
+    def metrics(
+        self,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        timeout: float | None = None,
+    ) -> list[SandboxMetric]:
+        """See :meth:`AsyncSandbox.metrics`."""
+        return self._c._loop.run(self._s.metrics(start=start, end=end, timeout=timeout))
 
     def modified_files(self, *, timeout: float | None = None) -> list[ModifiedFile]:
         """See :meth:`AsyncSandbox.modified_files`."""

@@ -285,6 +285,36 @@ class ModifiedFile:
 
 
 @dataclass(frozen=True)
+class SandboxMetric:
+    """One sample of a sandbox's resource use (:meth:`AsyncSandbox.metrics`)."""
+
+    at: datetime
+    #: its CPU limit, in cores, and the share of it used since the sample before
+    cpu_count: float
+    cpu_used_pct: float
+    #: memory in use (page cache it could give back excluded), page cache, its limit
+    mem_used_bytes: int
+    mem_cache_bytes: int
+    mem_total_bytes: int
+    #: its writable layer: used, and its disk limit
+    disk_used_bytes: int
+    disk_total_bytes: int
+
+    @classmethod
+    def from_pb(cls, m: Any) -> SandboxMetric:
+        return cls(
+            m.at.ToDatetime(tzinfo=UTC),
+            m.cpu_count,
+            m.cpu_used_pct,
+            m.mem_used_bytes,
+            m.mem_cache_bytes,
+            m.mem_total_bytes,
+            m.disk_used_bytes,
+            m.disk_total_bytes,
+        )
+
+
+@dataclass(frozen=True)
 class MemoryInfo:
     """A sandbox's memory as its edge measured it (``get`` measures; ``list`` and ``watch``
     carry the last measurement). A pause gives memory back: a container's pages go to the

@@ -32,8 +32,9 @@ from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
 from compat.http import Receive, Scope, Send, without_trailing_slash
-from libdsec import AsyncClient, NetworkPolicy, SandboxInfo
+from libdsec import AsyncClient, NetworkPolicy, SandboxInfo, SandboxMetric
 from libdsec.errors import (
+    BackendCapabilityMissing,
     BackendNotOffered,
     DSecError,
     ImageNotFound,
@@ -48,9 +49,8 @@ Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 
 #: What E2B has and dsec does not do: answered 501 with the reason.
 _UNSUPPORTED = [
-    (r"/sandboxes/[^/]+/(snapshots|metrics|logs)", "snapshots, metrics and logs"),
+    (r"/sandboxes/[^/]+/(snapshots|logs)", "snapshots and logs"),
     (r"/v2/sandboxes/[^/]+/logs", "sandbox logs"),
-    (r"/sandboxes/metrics", "sandbox metrics"),
     (r"/(v[0-9]/)?templates(/.*)?", "E2B templates (dsec builds environments: dsec env import)"),
     (r"/snapshots(/.*)?", "snapshots"),
     (r"/volumes(/.*)?", "volumes"),
@@ -78,7 +78,10 @@ class ControlApi:
             Route("/v2/sandboxes", self._leased(self.create), methods=["POST"]),
             Route("/v2/sandboxes", self._leased(self.list_v2), methods=["GET"]),
             Route("/sandboxes", self._leased(self.list_v1), methods=["GET"]),
+            # Before /sandboxes/{id}: "metrics" is not a sandbox id.
+            Route("/sandboxes/metrics", self._leased(self.metrics_of_many), methods=["GET"]),
             Route("/sandboxes/{id}", self._leased(self.get), methods=["GET"]),
+            Route("/sandboxes/{id}/metrics", self._leased(self.metrics), methods=["GET"]),
             Route("/sandboxes/{id}", self._leased(self.kill), methods=["DELETE"]),
             Route("/sandboxes/{id}/timeout", self._leased(self.set_timeout), methods=["POST"]),
             Route("/sandboxes/{id}/refreshes", self._leased(self.refresh), methods=["POST"]),
@@ -142,6 +145,20 @@ class ControlApi:
             raise HttpError(404, f"sandbox {sandbox_id!r} not found (it has ended)")
         return info
 
+    async def _samples(
+        self, client: AsyncClient, sandbox_id: str, start: int | None, end: int | None
+    ) -> list[SandboxMetric]:
+        sb = dsec.sandbox(client, sandbox_id)
+        try:
+            return await sb.metrics(
+                start=None if start is None else datetime.fromtimestamp(start, UTC),
+                end=None if end is None else datetime.fromtimestamp(end, UTC),
+            )
+        except (NotFound, SandboxTerminated):
+            raise HttpError(404, f"sandbox {sandbox_id!r} not found") from None
+        except BackendCapabilityMissing as exc:
+            raise HttpError(501, f"sandbox metrics: {exc.message}") from None
+
     async def _set_timeout(self, client: AsyncClient, sandbox_id: str, seconds: int) -> None:
         try:
             await dsec.sandbox(client, sandbox_id).set_timeout(seconds)
@@ -196,6 +213,38 @@ class ControlApi:
                 409, f"template {template!r} runs on dsec's {target.backend} backend: {exc.message}"
             ) from None
         return JSONResponse(mapping.sandbox_json(sb.info, key, self.config), 201)
+
+    async def metrics(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """E2B's ``GET /sandboxes/{id}/metrics?start=&end=`` (Unix seconds): the samples the
+        sandbox's edge keeps (edge/usage.py), oldest first."""
+        start = mapping.unix_seconds(request.query_params.get("start"), "start")
+        end = mapping.unix_seconds(request.query_params.get("end"), "end")
+        if start is not None and end is not None and end < start:
+            raise HttpError(400, f"end ({end}) is before start ({start})")
+        samples = await self._samples(client, request.path_params["id"], start, end)
+        return JSONResponse([mapping.metric_json(m) for m in samples])
+
+    async def metrics_of_many(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """E2B's ``GET /sandboxes/metrics?sandbox_ids=a,b``: each sandbox's latest sample (a
+        sandbox not found, or with none yet, is left out)."""
+        ids = [s for s in (request.query_params.get("sandbox_ids") or "").split(",") if s]
+        if not ids:
+            raise HttpError(400, "sandbox_ids is required (comma-separated)")
+        if len(ids) > mapping.MAX_METRICS_SANDBOXES:
+            raise HttpError(
+                400, f"at most {mapping.MAX_METRICS_SANDBOXES} sandbox_ids, got {len(ids)}"
+            )
+        latest: dict[str, Any] = {}
+        for sandbox_id in dict.fromkeys(ids):
+            try:
+                samples = await self._samples(client, sandbox_id, None, None)
+            except HttpError as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            if samples:
+                latest[sandbox_id] = mapping.metric_json(samples[-1])
+        return JSONResponse({"sandboxes": latest})
 
     async def get(self, client: AsyncClient, key: str, request: Request) -> Response:
         info = await self._live(client, request.path_params["id"])

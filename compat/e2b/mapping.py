@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl
 
 from compat.config import CompatConfig
 from compat.e2b.http import HttpError
-from libdsec import NetworkPolicy, SandboxInfo
+from libdsec import NetworkPolicy, SandboxInfo, SandboxMetric
 
 #: The envd version dsec reports: the SDK turns features on by version
 #: (e2b/envd/versions.py). 0.6.1 = stdin (0.3.0), default user (0.4.0), close stdin
@@ -300,3 +300,35 @@ def page(infos: Sequence[SandboxInfo], q: ListQuery) -> tuple[list[SandboxInfo],
         last = out[-1]
         token = base64.urlsafe_b64encode(f"{_time(last.created_at)}|{last.id}".encode()).decode()
     return out, token, running
+
+
+#: Sandboxes one ``GET /sandboxes/metrics`` may name.
+MAX_METRICS_SANDBOXES = 100
+
+
+def unix_seconds(text: str | None, name: str) -> int | None:
+    """A query parameter of Unix seconds (E2B's metrics window); None when absent."""
+    if text is None or text == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise HttpError(400, f"{name} must be Unix seconds (an integer), got {text!r}") from None
+    if not 0 <= value < 1 << 40:
+        raise HttpError(400, f"{name} is out of range: {value}")
+    return value
+
+
+def metric_json(m: SandboxMetric) -> dict[str, Any]:
+    """A dsec sample as E2B's SandboxMetric."""
+    return {
+        "timestamp": m.at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "timestampUnix": int(m.at.timestamp()),
+        "cpuCount": max(1, round(m.cpu_count)),
+        "cpuUsedPct": m.cpu_used_pct,
+        "memUsed": m.mem_used_bytes,
+        "memTotal": m.mem_total_bytes,
+        "memCache": m.mem_cache_bytes,
+        "diskUsed": m.disk_used_bytes,
+        "diskTotal": m.disk_total_bytes,
+    }

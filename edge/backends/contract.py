@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from edge.model import SandboxRecord, SandboxSpec
+from edge.usage import UsageSamples
 from libdsec.errors import BackendCapabilityMissing
 
 #: Called by a backend when a sandbox ends on its own: (sandbox_id, reason, message).
@@ -93,6 +94,8 @@ class Capability(enum.Enum):
     DISPLAY = "display"
     #: Copies of a running or paused sandbox at one instant (ForkSandbox).
     FORK = "fork"
+    #: Samples of a sandbox's CPU, memory and disk use (GetSandboxMetrics).
+    METRICS = "metrics"
 
 
 @runtime_checkable
@@ -170,6 +173,12 @@ class NetworkPolicies(Protocol):
 @runtime_checkable
 class ModifiedFiles(Protocol):
     async def modified_files(self, rec: SandboxRecord) -> list[tuple[str, bool]]: ...
+
+
+@runtime_checkable
+class UsageMetrics(Protocol):
+    def usage_samples(self, rec: SandboxRecord, start: float, end: float) -> UsageSamples:
+        """The sandbox's samples taken between `start` and `end` (Unix time)."""
 
 
 @runtime_checkable
@@ -260,6 +269,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.GPUS: AttachesGpus,
     Capability.DISPLAY: Displays,
     Capability.FORK: Forks,
+    Capability.METRICS: UsageMetrics,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

@@ -123,6 +123,11 @@ class SandboxServiceStub:
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesRequest.SerializeToString,
                 response_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesResponse.FromString,
                 _registered_method=True)
+        self.GetSandboxMetrics = channel.unary_unary(
+                '/dsec.apiserver.v1.SandboxService/GetSandboxMetrics',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.FromString,
+                _registered_method=True)
         self.WatchSandboxes = channel.unary_stream(
                 '/dsec.apiserver.v1.SandboxService/WatchSandboxes',
                 request_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.WatchSandboxesRequest.SerializeToString,
@@ -278,6 +283,15 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSandboxMetrics(self, request, context):
+        """Samples of the sandbox's CPU, memory and disk use, taken by its edge every few seconds
+        while it runs and kept for a while (the response says how long). Container sandboxes;
+        another backend answers UNIMPLEMENTED (BACKEND_CAPABILITY).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchSandboxes(self, request, context):
         """The caller's sandboxes (its project and subprojects) as they are created, change state
         and end (with the termination reason), from every edge, with keepalives. The first
@@ -382,6 +396,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.GetModifiedFiles,
                     request_deserializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesRequest.FromString,
                     response_serializer=dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesResponse.SerializeToString,
+            ),
+            'GetSandboxMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSandboxMetrics,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.SerializeToString,
             ),
             'WatchSandboxes': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchSandboxes,
@@ -855,6 +874,33 @@ class SandboxService:
             '/dsec.apiserver.v1.SandboxService/GetModifiedFiles',
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesRequest.SerializeToString,
             dsec_dot_apiserver_dot_v1_dot_apiserver__pb2.GetModifiedFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSandboxMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.apiserver.v1.SandboxService/GetSandboxMetrics',
+            dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

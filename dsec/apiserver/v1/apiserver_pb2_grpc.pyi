@@ -106,6 +106,11 @@ class SandboxServiceStub:
     """Replaces the egress policy; takes effect on the next connection."""
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]
     """Which files of the read-only layers the sandbox modified or deleted."""
+    GetSandboxMetrics: _grpc.UnaryUnaryMultiCallable[_types_pb2.GetSandboxMetricsRequest, _types_pb2.GetSandboxMetricsResponse]
+    """Samples of the sandbox's CPU, memory and disk use, taken by its edge every few seconds
+    while it runs and kept for a while (the response says how long). Container sandboxes;
+    another backend answers UNIMPLEMENTED (BACKEND_CAPABILITY).
+    """
     WatchSandboxes: _grpc.UnaryStreamMultiCallable[_apiserver_pb2.WatchSandboxesRequest, _apiserver_pb2.WatchSandboxesResponse]
     """The caller's sandboxes (its project and subprojects) as they are created, change state
     and end (with the termination reason), from every edge, with keepalives. The first
@@ -180,6 +185,11 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Replaces the egress policy; takes effect on the next connection."""
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_apiserver_pb2.GetModifiedFilesRequest, _apiserver_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
     """Which files of the read-only layers the sandbox modified or deleted."""
+    GetSandboxMetrics: _aio.UnaryUnaryMultiCallable[_types_pb2.GetSandboxMetricsRequest, _types_pb2.GetSandboxMetricsResponse]  # type: ignore[assignment]
+    """Samples of the sandbox's CPU, memory and disk use, taken by its edge every few seconds
+    while it runs and kept for a while (the response says how long). Container sandboxes;
+    another backend answers UNIMPLEMENTED (BACKEND_CAPABILITY).
+    """
     WatchSandboxes: _aio.UnaryStreamMultiCallable[_apiserver_pb2.WatchSandboxesRequest, _apiserver_pb2.WatchSandboxesResponse]  # type: ignore[assignment]
     """The caller's sandboxes (its project and subprojects) as they are created, change state
     and end (with the termination reason), from every edge, with keepalives. The first
@@ -353,6 +363,17 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_apiserver_pb2.GetModifiedFilesResponse, _abc.Awaitable[_apiserver_pb2.GetModifiedFilesResponse]]:
         """Which files of the read-only layers the sandbox modified or deleted."""
+
+    @_abc_1.abstractmethod
+    def GetSandboxMetrics(
+        self,
+        request: _types_pb2.GetSandboxMetricsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.GetSandboxMetricsResponse, _abc.Awaitable[_types_pb2.GetSandboxMetricsResponse]]:
+        """Samples of the sandbox's CPU, memory and disk use, taken by its edge every few seconds
+        while it runs and kept for a while (the response says how long). Container sandboxes;
+        another backend answers UNIMPLEMENTED (BACKEND_CAPABILITY).
+        """
 
     @_abc_1.abstractmethod
     def WatchSandboxes(

@@ -105,6 +105,11 @@ class EdgeServiceStub:
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesRequest.SerializeToString,
                 response_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesResponse.FromString,
                 _registered_method=True)
+        self.GetSandboxMetrics = channel.unary_unary(
+                '/dsec.edge.v1.EdgeService/GetSandboxMetrics',
+                request_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.SerializeToString,
+                response_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.FromString,
+                _registered_method=True)
         self.GetNodeStatus = channel.unary_unary(
                 '/dsec.edge.v1.EdgeService/GetNodeStatus',
                 request_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetNodeStatusRequest.SerializeToString,
@@ -425,6 +430,13 @@ class EdgeServiceServicer:
 
     def GetModifiedFiles(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSandboxMetrics(self, request, context):
+        """Samples of a sandbox's CPU, memory and disk use (backends with the metrics capability).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -781,6 +793,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.GetModifiedFiles,
                     request_deserializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesRequest.FromString,
                     response_serializer=dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesResponse.SerializeToString,
+            ),
+            'GetSandboxMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSandboxMetrics,
+                    request_deserializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.FromString,
+                    response_serializer=dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.SerializeToString,
             ),
             'GetNodeStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetNodeStatus,
@@ -1381,6 +1398,33 @@ class EdgeService:
             '/dsec.edge.v1.EdgeService/GetModifiedFiles',
             dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesRequest.SerializeToString,
             dsec_dot_edge_dot_v1_dot_edge__pb2.GetModifiedFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSandboxMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.edge.v1.EdgeService/GetSandboxMetrics',
+            dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsRequest.SerializeToString,
+            dsec_dot_types_dot_v1_dot_types__pb2.GetSandboxMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

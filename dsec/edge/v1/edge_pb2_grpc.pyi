@@ -73,6 +73,8 @@ class EdgeServiceStub:
     """
     UpdateNetworkPolicy: _grpc.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]
     GetModifiedFiles: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]
+    GetSandboxMetrics: _grpc.UnaryUnaryMultiCallable[_types_pb2.GetSandboxMetricsRequest, _types_pb2.GetSandboxMetricsResponse]
+    """Samples of a sandbox's CPU, memory and disk use (backends with the metrics capability)."""
     GetNodeStatus: _grpc.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]
     """Capacity, load and counts; what the watcher probes."""
     SetDraining: _grpc.UnaryUnaryMultiCallable[_edge_pb2.SetDrainingRequest, _edge_pb2.SetDrainingResponse]
@@ -175,6 +177,8 @@ class EdgeServiceAsyncStub(EdgeServiceStub):
     """
     UpdateNetworkPolicy: _aio.UnaryUnaryMultiCallable[_edge_pb2.UpdateNetworkPolicyRequest, _edge_pb2.UpdateNetworkPolicyResponse]  # type: ignore[assignment]
     GetModifiedFiles: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetModifiedFilesRequest, _edge_pb2.GetModifiedFilesResponse]  # type: ignore[assignment]
+    GetSandboxMetrics: _aio.UnaryUnaryMultiCallable[_types_pb2.GetSandboxMetricsRequest, _types_pb2.GetSandboxMetricsResponse]  # type: ignore[assignment]
+    """Samples of a sandbox's CPU, memory and disk use (backends with the metrics capability)."""
     GetNodeStatus: _aio.UnaryUnaryMultiCallable[_edge_pb2.GetNodeStatusRequest, _edge_pb2.GetNodeStatusResponse]  # type: ignore[assignment]
     """Capacity, load and counts; what the watcher probes."""
     SetDraining: _aio.UnaryUnaryMultiCallable[_edge_pb2.SetDrainingRequest, _edge_pb2.SetDrainingResponse]  # type: ignore[assignment]
@@ -358,6 +362,14 @@ class EdgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _edge_pb2.GetModifiedFilesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_edge_pb2.GetModifiedFilesResponse, _abc.Awaitable[_edge_pb2.GetModifiedFilesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetSandboxMetrics(
+        self,
+        request: _types_pb2.GetSandboxMetricsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_types_pb2.GetSandboxMetricsResponse, _abc.Awaitable[_types_pb2.GetSandboxMetricsResponse]]:
+        """Samples of a sandbox's CPU, memory and disk use (backends with the metrics capability)."""
 
     @_abc_1.abstractmethod
     def GetNodeStatus(

@@ -4199,3 +4199,116 @@ class ListOperationsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListOperationsResponse: _TypeAlias = ListOperationsResponse  # noqa: Y015
+
+@_typing.final
+class SandboxMetric(_message.Message):
+    """One sample of a sandbox's resource use, taken by its edge every few seconds while it runs
+    (SandboxService.GetSandboxMetrics).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    CPU_COUNT_FIELD_NUMBER: _builtins.int
+    CPU_USED_PCT_FIELD_NUMBER: _builtins.int
+    MEM_USED_BYTES_FIELD_NUMBER: _builtins.int
+    MEM_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    MEM_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_USED_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    cpu_count: _builtins.float
+    """its CPU limit, in cores"""
+    cpu_used_pct: _builtins.float
+    """of cpu_count, over the interval since the sample before"""
+    mem_used_bytes: _builtins.int
+    """memory in use, the page cache it could give back excluded"""
+    mem_cache_bytes: _builtins.int
+    """page cache charged to it"""
+    mem_total_bytes: _builtins.int
+    """its memory limit"""
+    disk_used_bytes: _builtins.int
+    """of its writable layer"""
+    disk_total_bytes: _builtins.int
+    """its disk limit"""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        cpu_count: _builtins.float = ...,
+        cpu_used_pct: _builtins.float = ...,
+        mem_used_bytes: _builtins.int = ...,
+        mem_cache_bytes: _builtins.int = ...,
+        mem_total_bytes: _builtins.int = ...,
+        disk_used_bytes: _builtins.int = ...,
+        disk_total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "cpu_count", b"cpu_count", "cpu_used_pct", b"cpu_used_pct", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "mem_cache_bytes", b"mem_cache_bytes", "mem_total_bytes", b"mem_total_bytes", "mem_used_bytes", b"mem_used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxMetric: _TypeAlias = SandboxMetric  # noqa: Y015
+
+@_typing.final
+class GetSandboxMetricsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    @_builtins.property
+    def start(self) -> _timestamp_pb2.Timestamp:
+        """unset: from the oldest sample kept"""
+
+    @_builtins.property
+    def end(self) -> _timestamp_pb2.Timestamp:
+        """unset: to now"""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        start: _timestamp_pb2.Timestamp | None = ...,
+        end: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "sandbox_id", b"sandbox_id", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSandboxMetricsRequest: _TypeAlias = GetSandboxMetricsRequest  # noqa: Y015
+
+@_typing.final
+class GetSandboxMetricsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METRICS_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    KEPT_S_FIELD_NUMBER: _builtins.int
+    interval_s: _builtins.float
+    """between samples"""
+    kept_s: _builtins.float
+    """how far back samples are kept"""
+    @_builtins.property
+    def metrics(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxMetric]:
+        """oldest first"""
+
+    def __init__(
+        self,
+        *,
+        metrics: _abc.Iterable[Global___SandboxMetric] | None = ...,
+        interval_s: _builtins.float = ...,
+        kept_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "kept_s", b"kept_s", "metrics", b"metrics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSandboxMetricsResponse: _TypeAlias = GetSandboxMetricsResponse  # noqa: Y015

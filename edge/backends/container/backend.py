@@ -78,6 +78,7 @@ from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import toolkit_argv
+from edge.usage import UsageSamples
 from libdsec.errors import FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (insandbox/security.py reads the same name).
@@ -109,6 +110,7 @@ class ContainerBackend:
             Capability.WARM_CLAIM,
             Capability.DISK_USAGE,
             Capability.FORK,
+            Capability.METRICS,
         }
     )
     #: A child gets the files and the sessions' cwd and environment, not the processes.
@@ -125,6 +127,8 @@ class ContainerBackend:
         log_max_bytes: int = 1 << 20,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
+        usage_sample_s: float = 5.0,
+        usage_keep_s: float = 600.0,
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
         landlock: bool = True,
@@ -174,6 +178,8 @@ class ContainerBackend:
             log_max_bytes=log_max_bytes,
             watch_interval_s=watch_interval_s,
             pids_exhausted_after_s=pids_exhausted_after_s,
+            usage_sample_s=usage_sample_s,
+            usage_keep_s=usage_keep_s,
         )
         # Evaluation steps out of the agent's reach (edge/backends/container/trusted.py).
         self.trusted = TrustedSiblings(
@@ -206,6 +212,8 @@ class ContainerBackend:
             log_max_bytes=cfg.sandbox_log_max_kb * 1024,
             watch_interval_s=cfg.watch_interval_s,
             pids_exhausted_after_s=cfg.pids_exhausted_after_s,
+            usage_sample_s=cfg.usage_sample_s,
+            usage_keep_s=cfg.usage_keep_s,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.warm_pool.items()},
         )
@@ -624,6 +632,9 @@ class ContainerBackend:
 
     async def update_network_policy(self, rec: SandboxRecord, policy: dict[str, Any]) -> None:
         await self.containment.update_network(rec, policy)
+
+    def usage_samples(self, rec: SandboxRecord, start: float, end: float) -> UsageSamples:
+        return self.containment.usage_samples(rec, start, end)
 
     async def modified_files(self, rec: SandboxRecord) -> list[tuple[str, bool]]:
         return [(m.path, m.deleted) for m in await self.containment.modified_files(rec)]

@@ -16,6 +16,8 @@ optimises its reward rather than its task, stays contained and gets reported:
   forks failing for `pids_exhausted_after_s`), POLICY_VIOLATION (more blocked connects than the
   policy's max_blocked_connects), KERNEL_FAULT (a kernel oops in one of its processes, from
   /dev/kmsg);
+- samples of each running sandbox's CPU, memory and disk use every `usage_sample_s`, kept for
+  `usage_keep_s` (`usage_samples`, edge/usage.py), taken by the watchdog's pass;
 - the report of which lower-layer files the agent modified or deleted (`modified_files`);
   trusted execution, the evaluation step in a sibling made of the read-only layers, is
   `edge.backends.container.trusted`.
@@ -27,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -46,6 +49,7 @@ from edge.runtime import apparmor, cgroups, disk, integrity
 from edge.runtime.bundle import rewrite_in_place
 from edge.runtime.detached import detached_tmpfs
 from edge.runtime.runc import RuncRuntime
+from edge.usage import UsageRing, UsageSamples, memory_v1
 from libdsec.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class _Watch:
     files: _CgroupFiles | None = None  # found at its first check (after a warm claim's rename)
     cpu_ns: int = -1  # the sandbox's CPU time (cpuacct.usage) at its last full check
     counters: dict[str, int] = field(default_factory=dict)  # what that check read
+    usage: UsageRing | None = None  # its resource use, sampled (edge/usage.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class _CgroupFiles:
     pids_current: str
     pids_dir: Path
     cpu_usage: str
+    memory_usage: str = ""
+    memory_stat: str = ""
 
     @classmethod
     def of(cls, cgroup_path: str) -> _CgroupFiles:
@@ -104,6 +111,8 @@ class _CgroupFiles:
             str(pids / "pids.current"),
             pids,
             str(cpuacct / "cpuacct.usage"),
+            str(memory / "memory.usage_in_bytes"),
+            str(memory / "memory.stat"),
         )
 
 
@@ -125,6 +134,8 @@ class Containment:
         log_max_bytes: int = 1 << 20,
         watch_interval_s: float = 1.0,
         pids_exhausted_after_s: float = 3.0,
+        usage_sample_s: float = 5.0,
+        usage_keep_s: float = 600.0,
     ) -> None:
         self.runtime = runtime
         self.network = network
@@ -136,6 +147,8 @@ class Containment:
         self.log_max_bytes = log_max_bytes
         self.watch_interval_s = watch_interval_s
         self.pids_exhausted_after_s = pids_exhausted_after_s
+        self.usage_sample_s = usage_sample_s
+        self.usage_keep_s = usage_keep_s
         self.watched: dict[str, _Watch] = {}
         self._policy_cache: dict[str, tuple[float, Policy, dict[str, list[str]]]] = {}
         self.denials = DenialCounter()
@@ -401,6 +414,7 @@ class Containment:
         # pending or the kernel reported a fault. An idle sandbox's aether wakes every
         # ping_idle_s (5 s), so it is checked fully every ~5 s, for one read in between.
         cpu_ns = _int(_read_small(w.files.cpu_usage))
+        self._sample(sid, w, cpu_ns)
         if cpu_ns and cpu_ns == w.cpu_ns and not faults and not w.at_pids_limit_since:
             counters = dict(w.counters)
             refused = self.network.dns_refusals_of(sid) if self.network is not None else 0
@@ -410,6 +424,41 @@ class Containment:
         counters = self._counters(sid, w.files)
         w.cpu_ns, w.counters = cpu_ns, counters
         return counters, self._verdict(sid, w, faults, counters, w.files)
+
+    def _sample(self, sid: str, w: _Watch, cpu_ns: int) -> None:
+        """A usage sample of the sandbox when one is due (edge/usage.py). Blocking."""
+        now = time.time()
+        ring = w.usage
+        if ring is None:
+            ring = w.usage = UsageRing(math.ceil(self.usage_keep_s / self.usage_sample_s) + 1)
+        elif now - ring.last_at < self.usage_sample_s - self.watch_interval_s / 2:
+            return
+        last = ring.last()
+        cpu_s = cpu_ns / 1e9
+        if last is not None and cpu_s == last[1]:  # nothing of it ran: nothing else moved
+            ring.add(now, cpu_s, *(int(v) for v in last[2:]))
+            return
+        files = w.files
+        assert files is not None
+        mem_used, mem_cache = memory_v1(
+            _read_small(files.memory_usage), _read_small(files.memory_stat, 8192)
+        )
+        used = disk.usage(self.runtime.writable_dir(sid))
+        disk_used, disk_total = (used.used_bytes, used.total_bytes) if used else (0, 0)
+        ring.add(now, cpu_s, mem_used, mem_cache, disk_used, disk_total)
+
+    def usage_samples(self, rec: SandboxRecord, start: float, end: float) -> UsageSamples:
+        """The samples of `rec` taken in [start, end] (none before its first watchdog pass)."""
+        w = self.watched.get(rec.sandbox_id)
+        cpu_count = rec.spec.cpu_millis / 1000
+        samples = w.usage.between(start, end, cpu_count) if w and w.usage else []
+        return UsageSamples(
+            samples,
+            cpu_count,
+            rec.spec.memory_mb << 20,
+            self.usage_sample_s,
+            self.usage_keep_s,
+        )
 
     def _counters(self, sid: str, files: _CgroupFiles) -> dict[str, int]:
         v: dict[str, int] = {}
@@ -477,14 +526,14 @@ class Containment:
 # ---------------------------------------------------------------------- helpers
 
 
-def _read_small(path: str) -> bytes:
+def _read_small(path: str, size: int = 4096) -> bytes:
     """A small kernel file's content (b"" if it cannot be read: the sandbox just ended)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return b""
     try:
-        return os.read(fd, 4096)
+        return os.read(fd, size)
     except OSError:
         return b""
     finally:
