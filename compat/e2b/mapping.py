@@ -302,6 +302,8 @@ def page(infos: Sequence[SandboxInfo], q: ListQuery) -> tuple[list[SandboxInfo],
     return out, token, running
 
 
+#: Unix time of 10000-01-01: later does not fit a datetime (nor a protobuf Timestamp).
+_YEAR_10000 = 253402300800
 #: Sandboxes one ``GET /sandboxes/metrics`` may name.
 MAX_METRICS_SANDBOXES = 100
 
@@ -314,8 +316,10 @@ def unix_seconds(text: str | None, name: str) -> int | None:
         value = int(text)
     except ValueError:
         raise HttpError(400, f"{name} must be Unix seconds (an integer), got {text!r}") from None
-    if not 0 <= value < 1 << 40:
-        raise HttpError(400, f"{name} is out of range: {value}")
+    if not 0 <= value < _YEAR_10000:
+        raise HttpError(
+            400, f"{name} is out of range (Unix seconds before the year 10000): {value}"
+        )
     return value
 
 

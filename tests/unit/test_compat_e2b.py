@@ -429,3 +429,12 @@ async def test_a_gzip_bomb_stops_at_the_limit_with_413_in_little_memory() -> Non
     assert max(pieces) <= DECODED_PIECE_BYTES and sum(pieces) <= 1 << 20
     assert pulled <= 16 * 1024  # 1 MiB of zeros is in the first 16 KiB of the body
     assert peak < 4 << 20, peak
+
+
+def test_a_metrics_window_is_unix_seconds_within_a_datetimes_range() -> None:
+    assert mapping.unix_seconds(None, "start") is None and mapping.unix_seconds("", "end") is None
+    assert mapping.unix_seconds("1796563644", "start") == 1796563644
+    for bad in ("soon", "1.5", "-1", str(253402300800), str(1 << 70)):
+        with pytest.raises(HttpError) as exc:
+            mapping.unix_seconds(bad, "start")
+        assert exc.value.status == 400 and "start" in exc.value.message
