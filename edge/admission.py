@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from edge.backends.contract import AttachesGpus, SandboxBackend, require
+from edge.backends.contract import AttachesGpus, Pausable, SandboxBackend, require
 from edge.disk_guard import DiskGuard
 from edge.model import SANDBOX_ID, SandboxRecord, SandboxSpec
 from libdsec.errors import EdgeCapacity, InvalidArgument, NodeDiskLow, NodeMemoryFull
@@ -117,6 +117,10 @@ class Admission:
             # Admitted, GPUs would only be counted, never attached: refused until the backend
             # offers them (UNIMPLEMENTED BACKEND_CAPABILITY, capability gpus).
             require(self.backends[spec.backend], AttachesGpus)
+        if spec.pause_at_ttl:
+            # A pause at the TTL the backend cannot do would end the sandbox instead: refused
+            # at create (UNIMPLEMENTED BACKEND_CAPABILITY, capability pause).
+            require(self.backends[spec.backend], Pausable)
         reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
         if reserved:
             # aether and chronus take their settings (Landlock on, the channel's fd, ...) from

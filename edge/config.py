@@ -80,6 +80,9 @@ class EdgeConfig(ServiceConfig):
     #: How long an ended sandbox's log is kept (readable, exportable); 0 = removed at its end.
     oplog_retention_s: float = 3600.0
     reap_interval_s: float = 1.0
+    #: A sandbox paused at its TTL (SandboxSpec.pause_at_ttl) is kept this long for a resume
+    #: before it ends, TTL (its disk and memory stay held meanwhile).
+    paused_at_ttl_keep_s: float = 86400.0
     #: On SIGTERM: "keep" sandboxes running (re-adopted when the edge comes back,
     #: e.g. an upgrade) or "stop" them all and release every mount (a local
     #: cluster going down).
@@ -243,6 +246,11 @@ class EdgeConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
+        if not 1 <= self.paused_at_ttl_keep_s <= 30 * 86400:
+            raise ConfigError(
+                f"DSEC_EDGE_PAUSED_AT_TTL_KEEP_S={self.paused_at_ttl_keep_s:g} must be between "
+                "1 and 2592000 (30 days)"
+            )
         if not self.watch_interval_s <= self.usage_sample_s <= 3600:
             raise ConfigError(
                 f"DSEC_EDGE_USAGE_SAMPLE_S={self.usage_sample_s:g} must be between "

@@ -82,6 +82,7 @@ def spec_from_pb(spec: types_pb2.SandboxSpec) -> SandboxSpec:
         qos="LATENCY_SENSITIVE" if qos == "UNSPECIFIED" else qos,
         node_selector=dict(spec.node_selector),
         toolkits=list(spec.toolkits),
+        pause_at_ttl=spec.pause_at_ttl,
     )
 
 
@@ -105,6 +106,7 @@ def spec_pb(spec: SandboxSpec) -> types_pb2.SandboxSpec:
         qos=types_pb2.QosClass.Value("QOS_CLASS_" + spec.qos),  # type: ignore[arg-type]
         node_selector=spec.node_selector,
         toolkits=spec.toolkits,
+        pause_at_ttl=spec.pause_at_ttl,
     )
     if spec.network:
         network_to_pb(spec.network, out.network)

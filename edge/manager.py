@@ -90,6 +90,7 @@ class SandboxManager:
         reap_interval_s: float = 1.0,
         disk_guard: DiskGuard | None = None,
         disk_check_interval_s: float = 0.25,
+        paused_at_ttl_keep_s: float = 86400.0,
     ) -> None:
         if not EDGE_ID.match(edge_id):
             raise ValueError(
@@ -118,6 +119,7 @@ class SandboxManager:
             reap_interval_s=reap_interval_s,
             disk_guard=disk_guard,
             disk_check_interval_s=disk_check_interval_s,
+            paused_at_ttl_keep_s=paused_at_ttl_keep_s,
         )
         self.records: dict[str, SandboxRecord] = {}
         self._ready: dict[str, asyncio.Event] = {}
@@ -501,6 +503,9 @@ class SandboxManager:
                 raise
             rec.memory = {}
             rec.last_active_at = time.time()
+            if rec.paused_at_ttl:  # back from a pause at its TTL: a fresh TTL
+                rec.paused_at_ttl = False
+                rec.deadline_at = rec.last_active_at + rec.spec.ttl_s
             self._set_state(rec, "RUNNING")
             if self.metrics is not None:
                 self.metrics.resumed(rec.spec.backend, started, ok=True)
@@ -889,6 +894,10 @@ class SandboxManager:
 
     def _set_state(self, rec: SandboxRecord, state: str) -> None:
         rec.state = state
+        self._changed(rec)
+
+    def changed(self, rec: SandboxRecord) -> None:
+        """A record changed outside a state change (persisted, watchers told)."""
         self._changed(rec)
 
     def _changed(self, rec: SandboxRecord) -> None:

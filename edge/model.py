@@ -46,6 +46,8 @@ class SandboxSpec:
     qos: str = "LATENCY_SENSITIVE"
     node_selector: dict[str, str] = field(default_factory=dict)
     toolkits: list[str] = field(default_factory=list)
+    #: At its TTL it is paused, not ended (edge/reaper.py).
+    pause_at_ttl: bool = False
 
 
 @dataclass
@@ -76,6 +78,9 @@ class SandboxRecord:
     deadline_at: float | None = None
     #: A fork's child: the sandbox it was copied from.
     forked_from: str = ""
+    #: Paused by its TTL (spec.pause_at_ttl): a resume gives it a fresh TTL; until then its
+    #: deadline is the edge's keep period.
+    paused_at_ttl: bool = False
 
     @property
     def expires_at(self) -> float:

@@ -39,6 +39,10 @@ class Sandboxes(Protocol):
         self, sandbox_id: str, *, reason: str = ..., message: str = ..., grace_s: float = ...
     ) -> SandboxRecord: ...
 
+    async def pause(self, sandbox_id: str) -> SandboxRecord: ...
+
+    def changed(self, rec: SandboxRecord) -> None: ...
+
 
 class Reaper:
     """TTL, idle and disk-reserve endings of one manager's sandboxes."""
@@ -51,8 +55,11 @@ class Reaper:
         reap_interval_s: float,
         disk_guard: DiskGuard | None,
         disk_check_interval_s: float,
+        paused_at_ttl_keep_s: float = 86400.0,
     ) -> None:
         self.manager = manager
+        #: How long a sandbox paused at its TTL is kept for a resume before it ends, TTL.
+        self.paused_at_ttl_keep_s = paused_at_ttl_keep_s
         self.retention_s = terminated_retention_s
         self.reap_interval_s = reap_interval_s
         #: Free-space reserve of the filesystems the edge writes (None: not watched).
@@ -76,7 +83,15 @@ class Reaper:
             if rec.state not in ("RUNNING", "PAUSED"):
                 continue
             if now >= rec.expires_at:
-                await m.stop(rec.sandbox_id, reason="TTL", grace_s=1.0)
+                if rec.spec.pause_at_ttl and not rec.paused_at_ttl:
+                    await self._pause_at_ttl(rec, now)
+                    continue
+                message = (
+                    f"paused at its TTL and not resumed within {self.paused_at_ttl_keep_s:.0f} s"
+                    if rec.paused_at_ttl
+                    else ""
+                )
+                await m.stop(rec.sandbox_id, reason="TTL", message=message, grace_s=1.0)
                 reaped.append(rec.sandbox_id)
             elif (
                 rec.spec.idle_timeout_s
@@ -91,6 +106,37 @@ class Reaper:
                 await m.stop(rec.sandbox_id, reason="IDLE", grace_s=1.0)
                 reaped.append(rec.sandbox_id)
         return reaped
+
+    async def _pause_at_ttl(self, rec: SandboxRecord, now: float) -> None:
+        """The TTL of a sandbox that asked for a pause instead (spec.pause_at_ttl): paused
+        (or left paused), kept for paused_at_ttl_keep_s; a resume gives it a fresh TTL
+        (SandboxManager.resume). A pause that fails ends it, TTL, as without the option."""
+        m = self.manager
+        try:
+            if rec.state == "RUNNING":
+                await m.pause(rec.sandbox_id)
+        except DSecError as exc:
+            if rec.state == TERMINAL:
+                return
+            log.warning(
+                "sandbox %s: the pause at its TTL failed (%s): ended instead",
+                rec.sandbox_id,
+                exc,
+                extra={"sandbox_id": rec.sandbox_id},
+            )
+            await m.stop(rec.sandbox_id, reason="TTL", message=f"the pause failed: {exc}")
+            return
+        if rec.state != "PAUSED":
+            return  # ended or resumed meanwhile: the next pass sees it again
+        rec.paused_at_ttl = True
+        rec.deadline_at = now + self.paused_at_ttl_keep_s
+        m.changed(rec)
+        log.info(
+            "sandbox %s paused at its TTL (kept %.0f s unless resumed)",
+            rec.sandbox_id,
+            self.paused_at_ttl_keep_s,
+            extra={"sandbox_id": rec.sandbox_id},
+        )
 
     def _calls_in_flight(self, rec: SandboxRecord) -> bool:
         backend = self.manager.backend_of(rec)

@@ -201,6 +201,7 @@ async def main() -> None:
         if node is not None
         else DiskGuard([cfg.state_dir], cfg.disk_reserve_mb << 20),
         disk_check_interval_s=cfg.disk_check_interval_s,
+        paused_at_ttl_keep_s=cfg.paused_at_ttl_keep_s,
     )
     await manager.recover()
     oplog = OpLog(

@@ -64,6 +64,9 @@ class SandboxOptions(TypedDict, total=False):
     gpus: int | None
     #: ended (reason TTL) this many seconds after creation; default 3600
     ttl_s: int | None
+    #: paused at its TTL instead of ended; the next call (or a resume) brings it back with a
+    #: fresh TTL (E2B's autoPause); one left paused past the edge's keep period ends TTL
+    pause_at_ttl: bool
     #: ended (reason IDLE) after this many seconds without a call; default: never
     idle_timeout_s: int | None
     #: free-form labels, to list, watch or stop by (``labels={"stage": "train"}``)
@@ -162,6 +165,7 @@ def make_spec(**options: Unpack[SandboxOptions]) -> types_pb2.SandboxSpec:
         else types_pb2.QOS_CLASS_LATENCY_SENSITIVE,
         node_selector=dict(options.get("node_selector") or {}),
         toolkits=list(options.get("toolkits") or ()),
+        pause_at_ttl=bool(options.get("pause_at_ttl")),
     )
     network = options.get("network")
     if network is not None:

@@ -172,10 +172,7 @@ class ControlApi:
         template = body.get("templateID")
         if not isinstance(template, str):
             raise HttpError(400, "templateID is required")
-        if body.get("autoPause"):
-            raise HttpError(
-                400, "autoPause is not supported: a dsec sandbox ends at its timeout (TTL)"
-            )
+        pause_at_ttl = mapping.auto_pause_of(body)
         for name, what in (("mcp", "MCP gateways"), ("volumeMounts", "volume mounts")):
             if body.get(name):
                 raise HttpError(400, f"{name}: {what} are not supported by dsec")
@@ -195,6 +192,7 @@ class ControlApi:
             "env": mapping.env_for(body.get("envVars")),
             "cpu": self.config.cpu,
             "memory_mb": memory_mb,
+            "pause_at_ttl": pause_at_ttl,
         }
         if target.backend:
             options["backend"] = target.backend

@@ -336,3 +336,29 @@ def metric_json(m: SandboxMetric) -> dict[str, Any]:
         "diskUsed": m.disk_used_bytes,
         "diskTotal": m.disk_total_bytes,
     }
+
+
+def auto_pause_of(body: Mapping[str, Any]) -> bool:
+    """E2B's ``autoPause`` as dsec's ``pause_at_ttl``. dsec's pause keeps memory, and a paused
+    sandbox resumes on its next call: a filesystem-only auto-pause (``autoPauseMemory``:
+    false) and ``autoResume.enabled: false`` cannot be honoured and are refused."""
+    auto_pause = body.get("autoPause", False)
+    if not isinstance(auto_pause, bool):
+        raise HttpError(400, "autoPause must be a boolean")
+    if body.get("autoPauseMemory", True) is not True:
+        raise HttpError(
+            400,
+            "autoPauseMemory=false (a filesystem-only auto-pause) is not supported: dsec's "
+            "pause keeps the sandbox's memory",
+        )
+    resume = body.get("autoResume")
+    if resume is not None:
+        if not isinstance(resume, dict) or not isinstance(resume.get("enabled", True), bool):
+            raise HttpError(400, "autoResume must be an object {enabled: boolean}")
+        if resume.get("enabled") is False:
+            raise HttpError(
+                400,
+                "autoResume.enabled=false is not supported: a paused dsec sandbox resumes on "
+                "its next call",
+            )
+    return auto_pause

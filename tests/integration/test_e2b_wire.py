@@ -355,8 +355,14 @@ def test_unsupported_e2b_features_say_so(target: E2bTarget, http: httpx.Client) 
     key = {"X-API-Key": target.key}
     r = http.get("/templates", headers=key)
     assert r.status_code == 501 and "not supported by dsec" in r.json()["message"]
-    r = http.post("/v2/sandboxes", json={"templateID": "base", "autoPause": True}, headers=key)
-    assert r.status_code == 400 and "autoPause" in r.json()["message"]
+    # autoPause is dsec's pause_at_ttl, but not a filesystem-only one nor without auto-resume
+    for body, field in (
+        ({"autoPause": True, "autoPauseMemory": False}, "autoPauseMemory"),
+        ({"autoPause": True, "autoResume": {"enabled": False}}, "autoResume"),
+        ({"autoPause": "yes"}, "autoPause"),
+    ):
+        r = http.post("/v2/sandboxes", json={"templateID": "base", **body}, headers=key)
+        assert r.status_code == 400 and field in r.json()["message"], r.text
     r = http.post(
         "/v2/sandboxes", json={"templateID": "base", "metadata": {"x" * 64: "v"}}, headers=key
     )

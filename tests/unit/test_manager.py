@@ -161,6 +161,50 @@ async def test_pause_resume_and_transparent_resume(tmp_path: Path) -> None:
         await m.pause("sb-e1-aaaaaa01")
 
 
+async def test_a_sandbox_that_asks_is_paused_at_its_ttl_and_resumes_with_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    backend = PausableNull()
+    m = SandboxManager(
+        "e1", tmp_path, Capacity(2000, 1024, 10), [backend], paused_at_ttl_keep_s=100
+    )
+    sid = "sb-e1-aaaaaa01"
+    await m.create(sid, SandboxSpec(ttl_s=10, pause_at_ttl=True), "root", "p", wait_ready=True)
+    created = m.get(sid).created_at
+    assert await m.reap_once(created + 11) == []  # paused, not reaped
+    rec = m.get(sid)
+    assert (rec.state, rec.paused_at_ttl) == ("PAUSED", True)
+    assert rec.expires_at == pytest.approx(created + 11 + 100)  # kept for a resume
+    assert await m.reap_once(created + 50) == [] and m.get(sid).state == "PAUSED"
+    # A call resumes it (the transparent resume), with a fresh TTL from then.
+    assert (await m.touch(sid)).state == "RUNNING"
+    rec = m.get(sid)
+    assert not rec.paused_at_ttl
+    assert rec.expires_at == pytest.approx(time.time() + 10, abs=2)
+    # Its next TTL pauses it again; left paused past the keep period, it ends TTL.
+    again = rec.expires_at + 1
+    assert await m.reap_once(again) == [] and m.get(sid).state == "PAUSED"
+    assert await m.reap_once(again + 101) == [sid]
+    rec = m.get(sid)
+    assert (rec.state, rec.termination_reason) == ("TERMINATED", "TTL")
+    assert "paused at its TTL and not resumed within 100 s" in rec.termination_message
+    assert backend.calls == [("pause", sid), ("resume", sid), ("pause", sid)]
+    # Without the option the TTL ends it, as before.
+    await m.create("sb-e1-aaaaaa02", SandboxSpec(ttl_s=10), "root", "p", wait_ready=True)
+    at = m.get("sb-e1-aaaaaa02").created_at + 11
+    assert await m.reap_once(at) == ["sb-e1-aaaaaa02"]
+
+
+async def test_a_pause_at_ttl_the_backend_cannot_do_is_refused_at_create(tmp_path: Path) -> None:
+    m = manager(tmp_path)  # the plain null backend cannot pause
+    with pytest.raises(BackendCapabilityMissing) as info:
+        await m.create(
+            "sb-e1-aaaaaa01", SandboxSpec(pause_at_ttl=True), "root", "p", wait_ready=True
+        )
+    assert info.value.metadata["capability"] == "pause"
+    assert m.load().sandboxes == 0
+
+
 async def test_a_capability_the_backend_lacks_is_unimplemented_naming_both(
     tmp_path: Path,
 ) -> None:

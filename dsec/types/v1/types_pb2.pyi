@@ -633,6 +633,7 @@ class SandboxSpec(_message.Message):
     WORKDIR_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     TOOLKITS_FIELD_NUMBER: _builtins.int
+    PAUSE_AT_TTL_FIELD_NUMBER: _builtins.int
     backend: Global___Backend.ValueType
     image: _builtins.str
     """environment "name[:tag]" or "docker:repo:tag" """
@@ -645,6 +646,12 @@ class SandboxSpec(_message.Message):
     qos: Global___QosClass.ValueType
     workdir: _builtins.str
     """default cwd of commands; "" = image default or /"""
+    pause_at_ttl: _builtins.bool
+    """At its TTL the sandbox is paused instead of ended (E2B's autoPause). A call to it, or a
+    resume, brings it back with a fresh TTL; one not resumed within the edge's
+    paused_at_ttl_keep_s (default a day) ends TTL. Needs a backend that pauses (else
+    UNIMPLEMENTED at create).
+    """
     @_builtins.property
     def resources(self) -> Global___Resources: ...
     @_builtins.property
@@ -681,10 +688,11 @@ class SandboxSpec(_message.Message):
         workdir: _builtins.str = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         toolkits: _abc.Iterable[_builtins.str] | None = ...,
+        pause_at_ttl: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "network", b"network", "node_selector", b"node_selector", "qos", b"qos", "resources", b"resources", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "network", b"network", "node_selector", b"node_selector", "pause_at_ttl", b"pause_at_ttl", "qos", b"qos", "resources", b"resources", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
