@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from dsecctl.cluster import LocalCluster
+from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
 from tests.integration.conftest import ClusterWith, container_edge
 
@@ -26,10 +26,16 @@ class E2bTarget:
 
 
 @contextmanager
-def e2b_cluster(cluster_with: ClusterWith, name: str, **cluster_kw: Any) -> Iterator[E2bTarget]:
-    """A cluster of one container edge (e2b0) with the compat front end, always stopped;
-    ``cluster_kw`` goes to the cluster (``extra_env``: the front end's settings)."""
-    with cluster_with(name, edges=[container_edge("e2b0")], **cluster_kw) as c:
+def e2b_cluster(
+    cluster_with: ClusterWith,
+    name: str,
+    edge: EdgeSpec | None = None,
+    **cluster_kw: Any,
+) -> Iterator[E2bTarget]:
+    """A cluster of one container edge (``edge``, default e2b0) with the compat front end,
+    always stopped; ``cluster_kw`` goes to the cluster (``extra_env``: the front end's
+    settings)."""
+    with cluster_with(name, edges=[edge or container_edge("e2b0")], **cluster_kw) as c:
         with Client(c.apiserver, token=c.token) as admin:
             key = admin.create_token("e2b-tests", agent=True, e2b=True).secret
         assert re.fullmatch(r"e2b_[0-9a-f]+", key), key

@@ -13,7 +13,7 @@ import pytest
 
 from libdsec import Client, SandboxInfo
 from tests.integration.conftest import ClusterWith, container_edge
-from tests.integration.e2b_support import E2bTarget, e2b_environment
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
 pytestmark = pytest.mark.images("busybox", "e2b-base")
 
@@ -23,12 +23,8 @@ KEEP_S = 8
 @pytest.fixture(scope="module")
 def target(cluster_with: ClusterWith) -> Iterator[E2bTarget]:
     edge = container_edge("pt0", {"DSEC_EDGE_PAUSED_AT_TTL_KEEP_S": str(KEEP_S)})
-    with cluster_with("pausettl", edges=[edge]) as c:
-        with Client(c.apiserver, token=c.token) as admin:
-            key = admin.create_token("pause-at-ttl", agent=True, e2b=True).secret
-        target = E2bTarget(c, c.compat_url, key)
-        with e2b_environment(target):
-            yield target
+    with e2b_cluster(cluster_with, "pausettl", edge) as target, e2b_environment(target):
+        yield target
 
 
 @pytest.fixture(scope="module")

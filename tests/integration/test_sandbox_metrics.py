@@ -15,7 +15,7 @@ import pytest
 from libdsec import Client, SandboxMetric
 from libdsec.errors import InvalidArgument, SandboxTerminated
 from tests.integration.conftest import ClusterWith, container_edge
-from tests.integration.e2b_support import E2bTarget, e2b_environment
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
 
 pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
@@ -25,12 +25,8 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def target(cluster_with: ClusterWith) -> Iterator[E2bTarget]:
     edge = container_edge("mt0", {"DSEC_EDGE_USAGE_SAMPLE_S": "1", "DSEC_EDGE_USAGE_KEEP_S": "120"})
-    with cluster_with("metrics", edges=[edge]) as c:
-        with Client(c.apiserver, token=c.token) as admin:
-            key = admin.create_token("metrics-tests", agent=True, e2b=True).secret
-        target = E2bTarget(c, c.compat_url, key)
-        with e2b_environment(target):
-            yield target
+    with e2b_cluster(cluster_with, "metrics", edge) as target, e2b_environment(target):
+        yield target
 
 
 @pytest.fixture(scope="module")

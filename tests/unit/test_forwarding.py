@@ -60,6 +60,7 @@ def test_the_edge_forwards_what_it_does_not_write_by_hand() -> None:
     hand = {"Exec", "ExecStream", "ExecInteractive", "AttachExec", "WatchDir"}
     hand |= {"GetDisplayInfo", "Screenshot", "DisplayInput", "VncStream"}  # the backend's
     hand |= {"ListOperations"}  # the edge's own log
+    hand |= {"GetSandboxMetrics"}  # the backend's usage samples (edge/usage.py)
     assert set(EDGE_ROUTES) == sandbox_calls - hand
     assert EDGE_ROUTES["SendHttp"].target == "http"
     assert EDGE_ROUTES["GetWatcherEvents"].target == "watcher_events"
