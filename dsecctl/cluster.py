@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,10 +50,42 @@ from dsecctl.supervisor import UP_STATES, ProcessInfo, Program, Supervisor
 SERVICES = ("iam", "watcher", "placement", "edge", "apiserver", "compat")
 
 
+#: Ports free_port picks from: below the kernel's ephemeral range (net.ipv4.ip_local_port_range,
+#: 32768-60999 by default). A port chosen when a cluster is planned is bound by its service a
+#: moment later; one from the ephemeral range could meanwhile become any process's outgoing
+#: connection, or the port bind(0) hands the next caller (a test's own listener): the service
+#: then failed to start, "Address already in use".
+_PORTS_FROM = 20000
+#: Ports this process has handed out: never the same one twice.
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port nothing listens on, outside the ephemeral range, not handed out
+    before by this process."""
+    top = _ephemeral_start() - 1
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(_PORTS_FROM, top) if top > _PORTS_FROM else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORTS_FROM}-{top}")
 
 
 @dataclass

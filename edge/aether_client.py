@@ -181,8 +181,13 @@ class AetherConnection:
                 reason="MESSAGE_TOO_LARGE",
             )
         async with self._write_lock:
-            self._writer.write(_LEN.pack(len(data)) + data)
-            await self._writer.drain()
+            try:
+                self._writer.write(_LEN.pack(len(data)) + data)
+                await self._writer.drain()
+            except OSError as exc:
+                # The other end went away (a sandbox killed while frozen dies at its thaw)
+                # before the read loop saw it: the channel's end, as the caller knows it.
+                raise ChannelClosed(f"channel to {self.sandbox_id} closed: {exc}") from exc
         self._last_tx = time.monotonic()
 
     # -------------------------------------------------------------- loops
@@ -227,6 +232,8 @@ class AetherConnection:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             reason = f"channel lost: {exc.__class__.__name__}"
+        except ChannelClosed as exc:  # a Pong that met the other end's reset (_send)
+            reason = f"channel lost: {exc.__cause__.__class__.__name__}"
         except Exception as exc:  # a corrupt frame: the channel cannot be trusted anymore
             reason = f"protocol error: {exc}"
         finally:

@@ -20,7 +20,7 @@ import pytest
 
 from dsec.aether.v1 import aether_pb2
 from edge.aether_client import AetherConnection
-from libdsec.errors import Unavailable
+from libdsec.errors import ChannelClosed, Unavailable
 
 _LEN = struct.Struct(">I")
 
@@ -147,6 +147,39 @@ async def test_an_unheld_silent_channel_closes_and_a_release_unanswered_fails(
             await conn.release(timeout_s=0.5)  # still frozen: no Pong
         await asyncio.wait_for(conn.closed.wait(), timeout=3.0)  # not held: judged dead
         assert conn.close_reason  # why it closed is kept for the calls it fails
+
+
+class _ResetWriter:
+    """A writer whose connection was reset by the other end (its process was killed)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        raise ConnectionResetError("Connection lost")
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+
+async def test_a_release_on_a_connection_reset_meanwhile_is_a_closed_channel(
+    tmp_path: Path,
+) -> None:
+    """The sandbox was killed while frozen: the resume's Ping meets a reset connection before
+    the read loop noticed. That is ChannelClosed (Unavailable: the resume ends the sandbox
+    RESUME_FAILED), not an OSError (an INTERNAL error of the call that resumed it)."""
+    async with _connected(tmp_path) as (_peer, conn):
+        conn.hold()
+        writer = conn._writer
+        conn._writer = _ResetWriter()  # type: ignore[assignment]
+        try:
+            with pytest.raises(ChannelClosed, match="channel to sb-x closed: Connection lost"):
+                await conn.release(timeout_s=1.0)
+        finally:
+            conn._writer = writer
 
 
 # ------------------------------------------------------------------ a command's span
