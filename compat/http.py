@@ -11,12 +11,14 @@ would redirect), and ``HttpError``, which each front end renders as the error bo
 read (``compat.e2b.http.error``; FastAPI's ``{"detail": ...}`` for the SandboxFusion and SWE-ReX
 front ends, whose reference servers are FastAPI apps: :func:`detail`, the exception handlers
 :func:`http_error`, :func:`status_detail` and :func:`token_refused`, and :func:`serve_http`,
-their ASGI entry).
+their ASGI entry), and :func:`reset`, which drops a request's connection as a lost one.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -29,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from libdsec.errors import DSecError, Unauthenticated
 
 __all__ = [
+    "CONNECTION",
     "ASGIApp",
     "ClientDisconnect",
     "HttpError",
@@ -43,11 +46,31 @@ __all__ = [
     "http_error",
     "read_body",
     "read_json",
+    "reset",
     "serve_http",
     "status_detail",
     "token_refused",
     "without_trailing_slash",
 ]
+
+
+#: The scope key under which ``python -m compat``'s server puts the request's connection
+#: (its asyncio transport).
+CONNECTION = "dsec.connection"
+
+
+def reset(scope: Scope) -> bool:
+    """Drops the connection ``scope`` came on as a lost one: a TCP reset (SO_LINGER 0), which
+    a client reads as "connection reset by peer", where a close after a partial response is
+    read as a malformed one. False when the server does not give the app its connection."""
+    transport = scope.get(CONNECTION)
+    if transport is None or transport.is_closing():
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+    return True
 
 
 class HttpError(Exception):

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.config import ConfigError, load
 from common.metrics import MetricsEndpoint, for_service
@@ -28,7 +29,8 @@ from common.vip import RouteAgentHandle
 from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b.app import E2bApp
-from compat.http import Receive, Scope, Send
+from compat.e2b.envd.call import ConnectionDropped
+from compat.http import CONNECTION, Receive, Scope, Send
 from compat.metrics import HttpMetrics
 from compat.sandboxfusion.app import SandboxFusionApp
 from compat.tracing import traced
@@ -36,9 +38,30 @@ from compat.tracing import traced
 log = logging.getLogger(__name__)
 
 
+class _HttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1, with each request's connection in its scope
+    (:data:`compat.http.CONNECTION`) so that the app can reset it (:func:`compat.http.reset`):
+    an ASGI app can otherwise only let the server close it gracefully, which a client reads
+    as a malformed response rather than as a connection lost."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[CONNECTION] = self.transport  # type: ignore[literal-required]
+
+
+class _NotAnError(logging.Filter):
+    """uvicorn logs any exception out of the app with its traceback; a
+    :class:`ConnectionDropped` is how the E2B front end asks it to drop a connection (a
+    sandbox that ended under a stream, logged on one line by the front end)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ConnectionDropped))
+
+
 async def main() -> None:
     config = load(CompatConfig, "COMPAT")
     setup_logging("compat", config.log_level, config.log_format)
+    logging.getLogger("uvicorn.error").addFilter(_NotAnError())
     # Before any libdsec client is made: with a provider set they carry trace context.
     setup_tracing(
         "compat",
@@ -94,7 +117,7 @@ async def main() -> None:
             lifespan="off",
             log_config=None,
             access_log=False,
-            http="httptools",
+            http=_HttpProtocol,
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
             timeout_graceful_shutdown=int(config.shutdown_grace_s) or None,

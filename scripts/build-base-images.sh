@@ -24,6 +24,16 @@ ALL_IMAGES=(busybox bookworm python e2b-base)
 # Bump to force a rebuild of every image after a change the recipes below do not capture.
 RECIPE_VERSION=1
 MKFS_OPTS=(--quiet --all-root -zlz4hc)
+# Images with files of other accounts keep every file's owner (the others are made root's):
+# e2b-base's /home/user is uid 1000's, as E2B's user expects to write there.
+KEEPS_OWNERS=" e2b-base "
+mkfs_opts() {
+    if [[ $KEEPS_OWNERS == *" $1 "* ]]; then
+        echo --quiet -zlz4hc
+    else
+        echo "${MKFS_OPTS[*]}"
+    fi
+}
 BOOKWORM_SUITE=bookworm
 BOOKWORM_INCLUDE=python3,git,gcc,g++,make,ca-certificates,procps
 # The FnCall python environment (edge/fncall): bookworm plus numpy, which its warm interpreters
@@ -157,7 +167,7 @@ build_e2b-base_rootfs() {
 
 recipe_e2b-base() {
     printf 'recipe-version=%s\nmkfs=%s\nsuite=%s\ninclude=%s\ndebootstrap=%s\n' \
-        "$RECIPE_VERSION" "${MKFS_OPTS[*]}" "$BOOKWORM_SUITE" "$E2B_BASE_INCLUDE" \
+        "$RECIPE_VERSION" "$(mkfs_opts e2b-base)" "$BOOKWORM_SUITE" "$E2B_BASE_INCLUDE" \
         "$(dpkg-query -W -f='${Version}' debootstrap)"
     declare -f debootstrap_rootfs build_e2b-base_rootfs
 }
@@ -203,7 +213,7 @@ docker_import() {
 }
 
 build_image() {
-    local name=$1 t0 recipe_sha tmp rebuilt=no size status
+    local name=$1 t0 recipe_sha tmp rebuilt=no size status opts
     t0=$(now)
     recipe_sha=$("recipe_$name" | sha256sum | cut -d' ' -f1)
     if [[ ${FORCE:-0} != 1 && -f $IMAGE_DIR/$name.erofs && -d $IMAGE_DIR/$name.rootfs &&
@@ -215,7 +225,8 @@ build_image() {
         tmp=$(mktemp -d "$IMAGE_DIR/.$name.tmp.XXXXXX")
         TMPDIRS+=("$tmp")
         "build_${name}_rootfs" "$tmp/rootfs"
-        mkfs.erofs "${MKFS_OPTS[@]}" "$tmp/$name.erofs" "$tmp/rootfs" >/dev/null
+        read -ra opts <<<"$(mkfs_opts "$name")"
+        mkfs.erofs "${opts[@]}" "$tmp/$name.erofs" "$tmp/rootfs" >/dev/null
         sha256sum "$tmp/$name.erofs" | cut -d' ' -f1 >"$tmp/$name.sha256"
         # Install: the stamp goes last, so an interrupted install is rebuilt next time.
         # Renames within one filesystem are atomic; a mounted old image keeps working.

@@ -27,7 +27,13 @@ from compat.clients import ClientPool
 from compat.config import CompatConfig
 from compat.e2b import mapping
 from compat.e2b.control import ControlApi
-from compat.e2b.envd.call import CALL, DEFAULT_KEEPALIVE_S, DefaultUsers, EnvdCall
+from compat.e2b.envd.call import (
+    CALL,
+    DEFAULT_KEEPALIVE_S,
+    ConnectionDropped,
+    DefaultUsers,
+    EnvdCall,
+)
 from compat.e2b.envd.files import FilesRest
 from compat.e2b.envd.filesystem import FilesystemService
 from compat.e2b.envd.gen.filesystem.filesystem_connect import FilesystemASGIApplication
@@ -37,7 +43,15 @@ from compat.e2b.errors import gone_message, http_status
 from compat.e2b.http import INTERNAL, Request, error, internal_error
 from compat.e2b.ports import PortProxy
 from compat.e2b.routing import Target, access_token, envd_user, route
-from compat.http import ClientDisconnect, Message, Receive, Scope, Send, without_trailing_slash
+from compat.http import (
+    ClientDisconnect,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    reset,
+    without_trailing_slash,
+)
 from libdsec.errors import DSecError, NotFound
 
 log = logging.getLogger(__name__)
@@ -123,6 +137,11 @@ class E2bApp:
                 await self.envd(r, request, tracked)
         except ClientDisconnect:
             return
+        except ConnectionDropped as exc:
+            log.info("e2b: %s %s: %s", request.method, request.url.path, exc)
+            # a reset, as E2B's proxy drops it; else the HTTP server closes it mid-response
+            reset(scope)
+            raise
         except Exception:
             log.exception("e2b: %s %s failed", request.method, request.url.path)
             if not started:
@@ -148,9 +167,16 @@ class E2bApp:
                     await self.users.of(client, r.sandbox_id),
                 )
                 token = CALL.set(call)
+
+                async def drop_when_ended(message: Message) -> None:
+                    if call.dropped and message["type"] == "http.response.body":
+                        if not message.get("more_body", False):
+                            raise ConnectionDropped(call.sandbox_id)
+                    await send(message)
+
                 try:
                     scope = without_trailing_slash(request.scope)
-                    await self.envd_app(scope, request.receive, send)
+                    await self.envd_app(scope, request.receive, drop_when_ended)
                 finally:
                     CALL.reset(token)
         except DSecError as exc:  # the lease: a missing or bad token

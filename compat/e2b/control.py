@@ -43,6 +43,8 @@ from libdsec.errors import (
 )
 
 log = logging.getLogger(__name__)
+#: The timeout E2B's ``timeout: 0`` becomes (seconds): the smallest dsec takes, "now".
+NOW_S = 0.001
 
 #: A route's handler: the leased client, the caller's key, the request.
 Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
@@ -159,7 +161,7 @@ class ControlApi:
         except BackendCapabilityMissing as exc:
             raise HttpError(501, f"sandbox metrics: {exc.message}") from None
 
-    async def _set_timeout(self, client: AsyncClient, sandbox_id: str, seconds: int) -> None:
+    async def _set_timeout(self, client: AsyncClient, sandbox_id: str, seconds: float) -> None:
         try:
             await dsec.sandbox(client, sandbox_id).set_timeout(seconds)
         except (NotFound, SandboxTerminated):
@@ -259,7 +261,9 @@ class ControlApi:
         if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
             raise HttpError(400, "timeout must be a non-negative integer (seconds)")
         await self._live(client, request.path_params["id"])
-        await self._set_timeout(client, request.path_params["id"], timeout)
+        # E2B's 0 is "time out now"; dsec's timeouts are > 0, and the edge's reaper (every
+        # second) then does the timeout's action: a kill, or with autoPause a pause
+        await self._set_timeout(client, request.path_params["id"], timeout or NOW_S)
         return Response(status_code=204)
 
     async def refresh(self, client: AsyncClient, key: str, request: Request) -> Response:

@@ -258,15 +258,17 @@ class Environments:
             if env is not None and env.config.get("source_stamp") == stamp:
                 return env
             t0 = time.monotonic()
+            # Every file keeps its owner: the flat images are built as root, and one with
+            # files of another account (e2b-base's /home/user, uid 1000's) needs them kept.
             with self.node.pinned() as pins:
                 if source.is_dir():
                     info = self.importer.from_directory(
-                        source, kind=LayerKind.BASE, source=f"image:{source}", all_root=True
+                        source, kind=LayerKind.BASE, source=f"image:{source}"
                     )
                 else:
                     with self.node.mounted(LayerImage(source)) as tree:
                         info = self.importer.from_directory(
-                            tree, kind=LayerKind.BASE, source=f"image:{source}", all_root=True
+                            tree, kind=LayerKind.BASE, source=f"image:{source}"
                         )
                 pins.add(info.digest)
                 env = self.store.put_environment(
@@ -532,10 +534,16 @@ class Environments:
         return report
 
 
+#: How a flat base image is imported, part of its stamp: an environment imported otherwise
+#: (before: every file made root's) is imported again.
+_IMPORT_POLICY = "owners-kept"
+
+
 def _stamp(source: Path, stamp_file: Path | None) -> str:
-    """What identifies a flat base image's version: its .sha256 file, else size + mtime."""
+    """What identifies a flat base image's version: its .sha256 file, else size + mtime;
+    and the import policy."""
     if stamp_file is not None:
         with contextlib.suppress(OSError):
-            return stamp_file.read_text().strip()
+            return f"{stamp_file.read_text().strip()}+{_IMPORT_POLICY}"
     st = source.stat()
-    return f"{st.st_size}-{st.st_mtime_ns}"
+    return f"{st.st_size}-{st.st_mtime_ns}+{_IMPORT_POLICY}"

@@ -130,6 +130,10 @@ def test_the_base_template_follows_e2bs_user_model(shared: Sandbox) -> None:
     image has are there. sudo is, but cannot raise privileges under dsec's confinement of
     commands (no_new_privs): it says so, and root is asked for with user="root"."""
     assert shared.commands.run("id -un; echo $HOME; pwd").stdout == "user\n/home/user\n/home/user\n"
+    # the home is the user's (the image keeps its owners): the user's own commands write there
+    assert shared.commands.run("stat -c %U:%G .; touch own.txt && stat -c %U own.txt").stdout == (
+        "user:user\nuser\n"
+    )
     with pytest.raises(CommandExitException) as refused:
         shared.commands.run("sudo -n id -un")
     assert "no new privileges" in refused.value.stderr
@@ -376,6 +380,24 @@ def test_set_timeout_changes_the_ttl_live(make: Callable[..., Sandbox]) -> None:
     assert 850 < left <= 900
     sb.set_timeout(30)  # shorter works too
     assert (sb.get_info().end_at - datetime.now(UTC)).total_seconds() <= 30
+
+
+def test_a_timeout_of_zero_ends_it_now_or_with_auto_pause_pauses_it(
+    make: Callable[..., Sandbox],
+) -> None:
+    """E2B's ``set_timeout(0)``: the timeout's action now (dsec: the smallest timeout it
+    takes, so the edge's reaper acts within its second)."""
+    sb = make(timeout=600)
+    sb.set_timeout(0)
+    wait_for(lambda: not sb.is_running(), timeout_s=10)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sb.sandbox_id)
+    kept = make(timeout=600, lifecycle={"on_timeout": "pause"})
+    kept.files.write("/root/kept.txt", "yes")
+    kept.set_timeout(0)
+    wait_for(lambda: kept.get_info().state.value == "paused", timeout_s=10)
+    again = Sandbox.connect(kept.sandbox_id)
+    assert again.files.read("/root/kept.txt") == "yes"
 
 
 def test_pause_then_connect_keeps_files_and_a_background_process(

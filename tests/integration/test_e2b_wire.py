@@ -392,6 +392,13 @@ OLD_SCENARIO = textwrap.dedent(
     out["read"] = sb.files.read("/tmp/old.txt")
     out["listed"] = sb.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]
     out["killed"] = sb.kill()
+    sb = Sandbox.create()
+    handle = sb.commands.run("sleep 60", background=True)
+    sb.kill()
+    try:
+        handle.wait()
+    except Exception as e:  # a connection dropped mid-stream: the SDK probes /health
+        out["wait"] = f"{type(e).__name__}: {e}"
     print(json.dumps(out))
     """
 )
@@ -425,6 +432,9 @@ def test_an_older_e2b_2x_that_creates_through_post_sandboxes(target: E2bTarget) 
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["run"] == "old-sdk\n" and out["exit"] == 4 and out["read"] == "from 2.x"
     assert out["listed"] and out["killed"]
+    # this SDK reads an UNAVAILABLE end as a timeout; the dropped connection it reads as E2B's
+    assert out["wait"].startswith("TimeoutException: ")
+    assert "killed or reached its end of life while the request was in flight" in out["wait"]
     assert sys.executable != str(OLD_SDK_PYTHON)
 
 

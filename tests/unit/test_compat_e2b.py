@@ -278,6 +278,8 @@ async def test_a_sandbox_ending_mid_stream_is_an_unavailable_the_sdk_probes() ->
                     got.append(item)
             assert exc.value.code == Code.UNAVAILABLE and code_words in exc.value.message
             assert got == ([1] if first else [])
+            # under way: the router drops the connection rather than send this end
+            assert call.dropped == (["sb-e0-abcdef12"] if first else [])
         finally:
             CALL.reset(token)
     assert "was not found" not in exc.value.message

@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from connectrpc.code import Code
@@ -40,6 +40,9 @@ class EnvdCall:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     #: the sandbox's default user (its template's, :class:`DefaultUsers`)
     default_user: str = "root"
+    #: set when the sandbox ended under a stream that was under way: the router then drops
+    #: the connection instead of sending the stream's end (:class:`ConnectionDropped`)
+    dropped: list[str] = field(default_factory=list)
 
     @property
     def sandbox(self) -> AsyncSandbox:
@@ -110,14 +113,28 @@ def invalid(message: str) -> ConnectError:
     return ConnectError(Code.INVALID_ARGUMENT, message)
 
 
+class ConnectionDropped(Exception):
+    """Raised out of the ASGI app, in place of a stream's last bytes, so that the HTTP
+    server closes the connection mid-response: what a client of E2B sees when the sandbox
+    under its stream is killed (the connection to the sandbox drops). Every SDK version
+    reads a connection dropped mid-request as a transport failure, probes ``/health``
+    and, the sandbox being gone, says it "was killed or reached its end of life while the
+    request was in flight"; an ``unavailable`` end message is read so only by SDKs from
+    2.5x on (older ones call it a timeout)."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} ended under a stream: connection dropped")
+        self.sandbox_id = sandbox_id
+
+
 def ended_midstream(sandbox_id: str) -> ConnectError:
     """What a stream that was under way ends with when its sandbox ends (killed, or its
-    TTL). On E2B the connection to the sandbox drops, and the SDK (2.5x and later) treats
-    an UNAVAILABLE whose message names neither of the proxy's answers ("was not found",
-    "port is not open") the same way: it probes ``/health`` and, the sandbox being gone,
-    raises ``SandboxNotRunningException`` ("killed or reached its end of life while the
-    request was in flight"). A "was not found" here would skip the probe and blame the
-    sandbox's TTL."""
+    TTL), for whoever still reads the end: the router drops the connection first
+    (:class:`ConnectionDropped`), as E2B's does. An UNAVAILABLE whose message names neither
+    of the proxy's answers ("was not found", "port is not open"), which the SDK (2.5x and
+    later) treats as a dropped connection: it probes ``/health`` and, the sandbox being
+    gone, raises ``SandboxNotRunningException``. A "was not found" here would skip the
+    probe and blame the sandbox's TTL."""
     return ConnectError(
         Code.UNAVAILABLE,
         f"the connection to sandbox {sandbox_id} ended before the stream completed"
@@ -137,6 +154,8 @@ async def mapped(fn: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
     except DSecError as exc:
         if started and (sandbox_gone(exc) or isinstance(exc, Unavailable)):
             # the channel to the sandbox closed under the stream (a kill closes it before
-            # the sandbox is reported gone): as on E2B, the SDK's probe tells which it was
+            # the sandbox is reported gone): as on E2B, the connection drops, and the SDK's
+            # probe tells which it was
+            call.dropped.append(call.sandbox_id)
             raise ended_midstream(call.sandbox_id) from None
         raise call.error(exc) from None
