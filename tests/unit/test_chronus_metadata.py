@@ -30,16 +30,16 @@ def xattrs(path: Path) -> dict[str, bytes]:
     return {n: os.getxattr(path, n) for n in os.listxattr(path) if n.startswith("user.")}
 
 
-def test_write_sets_metadata_as_xattrs_and_reports_it(client: ChronusClient, tmp_path: Path) -> None:
+def test_write_sets_metadata_as_xattrs_and_reports_it(
+    client: ChronusClient, tmp_path: Path
+) -> None:
     target = tmp_path / "a.txt"
     info = client.one(
         {"write_file": {"path": str(target), "data": b"x", "metadata": {"author": "ann"}}}
     )["info"]
     assert info["metadata"] == {"author": "ann"}
     assert xattrs(target) == {"user.e2b.author": b"ann"}
-    assert client.one({"stat_path": {"path": str(target)}})["info"]["metadata"] == {
-        "author": "ann"
-    }
+    assert client.one({"stat_path": {"path": str(target)}})["info"]["metadata"] == {"author": "ann"}
     (entry,) = client.one({"list_dir": {"path": str(tmp_path)}})["entries"]
     assert entry["metadata"] == {"author": "ann"}
 
@@ -133,7 +133,9 @@ def test_watch_events_carry_the_entry_when_asked(client: ChronusClient, tmp_path
         "watcher_id"
     ]
     plain = client.one({"create_watcher": {"path": str(tmp_path)}})["watcher_id"]
-    client.one({"write_file": {"path": str(tmp_path / "w.txt"), "data": b"1", "metadata": {"a": "b"}}})
+    client.one(
+        {"write_file": {"path": str(tmp_path / "w.txt"), "data": b"1", "metadata": {"a": "b"}}}
+    )
     (tmp_path / "gone.txt").write_text("x")
     (tmp_path / "gone.txt").unlink()
     events: list[dict] = []
@@ -146,7 +148,9 @@ def test_watch_events_carry_the_entry_when_asked(client: ChronusClient, tmp_path
     assert write["entry"]["type"] == 1 and write["entry"]["metadata"] == {"a": "b"}
     # removed before the poll: no entry for its create, none ever for a remove
     assert all("entry" not in e for e in events if e["name"] == "gone.txt")
-    assert all("entry" not in e for e in client.one({"watcher_events": {"watcher_id": plain}})["events"])
+    assert all(
+        "entry" not in e for e in client.one({"watcher_events": {"watcher_id": plain}})["events"]
+    )
 
     for watcher_id in (wid, plain):
         client.one({"remove_watcher": {"watcher_id": watcher_id}})
