@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -170,16 +169,17 @@ def test_watch_events_carry_entries_and_network_mounts_may_be_allowed(shared: Sa
 def test_an_async_watch_stream_carries_entries(target: E2bTarget, shared: Sandbox) -> None:
     async def scenario() -> None:
         sb = await AsyncSandbox.connect(shared.sandbox_id)
+        seen = asyncio.Event()
         got: list = []
-        handle = await sb.files.watch_dir(
-            "/tmp", on_event=got.append, include_entry=True, user=ROOT
-        )
+
+        def on_event(e) -> None:  # type: ignore[no-untyped-def]
+            got.append(e)
+            if e.name == "async-w.txt" and e.entry is not None:
+                seen.set()
+
+        handle = await sb.files.watch_dir("/tmp", on_event=on_event, include_entry=True, user=ROOT)
         await sb.files.write("/tmp/async-w.txt", "x", user=ROOT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(
-            e.name == "async-w.txt" and e.entry is not None for e in got
-        ):
-            await asyncio.sleep(0.1)
+        await asyncio.wait_for(seen.wait(), 10)
         await handle.stop()
         event = next(e for e in got if e.name == "async-w.txt" and e.entry is not None)
         assert event.entry.path == "/tmp/async-w.txt"
