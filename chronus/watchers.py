@@ -46,8 +46,8 @@ from chronus.errors import (
     from_os_error,
 )
 from chronus.files import TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES, Files, temp_kind
-from chronus.users import AccountNames
 from chronus.threads import Condition
+from chronus.users import AccountNames
 from insandbox.log import get_logger
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
