@@ -23,7 +23,7 @@ from chronus.proc import grow_fd_table, rss_bytes
 from chronus.sessions import SessionManager
 from chronus.threads import Condition, Event, Lock, start_thread
 from chronus.tracing import command_span, parse_traceparent
-from chronus.watchers import Watchers
+from chronus.watchers import Watchers, event_dicts
 from insandbox import wire
 from insandbox.log import get_logger
 
@@ -483,11 +483,12 @@ class Engine:
         stream.send("create_watcher", {"watcher_id": w.watcher_id})
 
     def _call_watcher_events(self, stream: Stream, req: dict[str, Any]) -> None:
-        events, overflowed = self.watchers.get(req.get("watcher_id", "")).drain()
+        w = self.watchers.get(req.get("watcher_id", ""))
+        events, overflowed = w.drain()
         stream.send(
             "watcher_events",
             {
-                "events": [{"name": name, "type": kind} for name, kind in events],
+                "events": event_dicts(w, events),
                 "overflowed": overflowed,
             },
         )
@@ -520,8 +521,8 @@ class Engine:
                     dropped, gone = w.dropped, w.gone
                 if stream.cancelled:
                     raise Cancelled()
-                for name, kind in events:
-                    stream.send("watch_event", {"event": {"name": name, "type": kind}})
+                for event in event_dicts(w, events):
+                    stream.send("watch_event", {"event": event})
                 if overflowed:
                     stream.send(
                         "watch_event", {"overflow": {"dropped": dropped - reported_dropped}}

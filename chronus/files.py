@@ -2,7 +2,10 @@
 
 Writes are atomic (temporary file + rename) unless appending, uploads and
 downloads stream in chunks so a 50 MB file never sits in memory, and every
-OSError maps to a stable reason (chronus.errors). A write, an upload or a mkdir that names a
+OSError maps to a stable reason (chronus.errors). A file's user metadata is its extended
+attributes in the ``user.e2b.`` namespace (E2B's envd keeps its file metadata there); a write
+or upload sets the whole set on the temporary before the rename, so a write over a file
+leaves exactly the metadata it was given and a rename keeps it. A write, an upload or a mkdir that names a
 ``user`` leaves what it creates (the file or directory, and the parents it makes) owned by
 that user and its group, as E2B's envd does; the operation itself is still chronus's.
 """
@@ -35,6 +38,80 @@ DEFAULT_CHUNK_BYTES = 1 * MIB
 DEFAULT_MAX_ENTRIES = 10000
 
 FILE_TYPE_REGULAR, FILE_TYPE_DIRECTORY, FILE_TYPE_SYMLINK, FILE_TYPE_OTHER = 1, 2, 3, 4
+
+# User metadata: extended attributes under this prefix (E2B's envd's namespace). The kernel
+# caps a whole attribute name at 255 bytes; 4096 bytes in all (names and values) fit one ext4
+# block, where ext4 keeps an inode's attributes.
+METADATA_PREFIX = "user.e2b."
+MAX_METADATA_KEY_BYTES = 255 - len(METADATA_PREFIX)
+MAX_METADATA_BYTES = 4096
+
+
+def validate_metadata(metadata: dict[str, str]) -> None:
+    """INVALID_ARGUMENT INVALID_METADATA unless every key is non-empty printable ASCII of at
+    most MAX_METADATA_KEY_BYTES, every value printable ASCII, and the set at most
+    MAX_METADATA_BYTES (each key counted with its prefix)."""
+    total = 0
+    for key, value in metadata.items():
+        if not key:
+            raise invalid("metadata key must not be empty", "INVALID_METADATA")
+        if len(key) > MAX_METADATA_KEY_BYTES:
+            raise invalid(
+                f"metadata key {key[:32]!r}... is over {MAX_METADATA_KEY_BYTES} bytes",
+                "INVALID_METADATA",
+            )
+        for what, text in (("key", key), (f"value of {key!r}", value)):
+            for i, c in enumerate(text):
+                if not " " <= c <= "~":
+                    raise invalid(
+                        f"metadata {what} has a byte that is not printable ASCII ({c!r} at {i})",
+                        "INVALID_METADATA",
+                    )
+        total += len(METADATA_PREFIX) + len(key) + len(value)
+    if total > MAX_METADATA_BYTES:
+        raise invalid(
+            f"metadata is {total} bytes in all, at most {MAX_METADATA_BYTES}", "INVALID_METADATA"
+        )
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The metadata of `path` (not following a symlink: a link's own); {} where the filesystem
+    keeps no user attributes or the path is gone."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        if not name.startswith(METADATA_PREFIX):
+            continue
+        try:
+            value = os.getxattr(path, name, follow_symlinks=False).decode()
+        except (OSError, UnicodeDecodeError):
+            continue  # removed meanwhile, or bytes a map<string, string> cannot carry
+        out[name[len(METADATA_PREFIX) :]] = value
+    return out
+
+
+def write_metadata(fd: int, path: str, metadata: dict[str, str]) -> None:
+    """Makes `metadata` the whole metadata of the open file `fd`."""
+    try:
+        for name in os.listxattr(fd):
+            if name.startswith(METADATA_PREFIX) and name[len(METADATA_PREFIX) :] not in metadata:
+                os.removexattr(fd, name)
+        for key, value in metadata.items():
+            os.setxattr(fd, METADATA_PREFIX + key, value.encode())
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            if not metadata:
+                return  # nothing to keep and nothing stale can be there
+            raise ChronusError(
+                FAILED_PRECONDITION,
+                "XATTR_UNSUPPORTED",
+                f"{path}: this filesystem keeps no user extended attributes (file metadata)",
+            ) from None
+        raise
+
 
 # An atomic write's temporary file is `.<base>.dsec-<kind><8 hex>.tmp`, next to its target;
 # <kind> is what the rename into place does: makes a new file, makes a new empty one, or
@@ -97,6 +174,9 @@ class Files:
             "owner": names.user(st.st_uid),
             "group": names.group(st.st_gid),
         }
+        metadata = read_metadata(path)
+        if metadata:
+            info["metadata"] = metadata
         if ftype == FILE_TYPE_SYMLINK:
             try:
                 info["symlink_target"] = os.readlink(path)
@@ -190,6 +270,8 @@ class Files:
         data: bytes = req.get("data", b"")
         if len(data) > MAX_WRITE_BYTES:
             raise invalid(f"data is at most {MAX_WRITE_BYTES} bytes; use upload_file")
+        metadata: dict[str, str] = req.get("metadata") or {}
+        validate_metadata(metadata)
         owner = self._owner(req)
         if req.get("make_parents"):
             self._make_parents(path, owner)
@@ -198,6 +280,8 @@ class Files:
             if req.get("append"):
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode or 0o644)
                 try:
+                    if metadata:  # first: refused metadata appends nothing
+                        write_metadata(fd, path, metadata)
                     _write_all(fd, data)
                     if mode:
                         os.fchmod(fd, mode)
@@ -211,7 +295,7 @@ class Files:
                         mode = stat.S_IMODE(os.stat(path).st_mode)
                     except FileNotFoundError:
                         mode = 0o644
-                self._atomic_write(path, mode, lambda fd: _write_all(fd, data), owner)
+                self._atomic_write(path, mode, lambda fd: _write_all(fd, data), owner, metadata)
         except OSError as exc:
             raise from_os_error(exc, path) from None
         return {"info": self.stat_info(path)}
@@ -222,6 +306,7 @@ class Files:
         mode: int,
         fill: Callable[[int], None],
         owner: tuple[int, int] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         if os.path.isdir(path):
             raise ChronusError(FAILED_PRECONDITION, "IS_A_DIRECTORY", f"{path}: is a directory")
@@ -232,6 +317,10 @@ class Files:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
+                # Before the data: refused metadata (no user attributes here) costs no copy.
+                # The temporary is a new inode, so nothing stale is there to clear.
+                if metadata:
+                    write_metadata(fd, path, metadata)
                 fill(fd)
                 if owner is not None:
                     os.fchown(fd, *owner)  # before the mode: a chown clears setuid bits
@@ -337,6 +426,8 @@ class Files:
         path = self.resolve(header.get("path", ""))
         expected = int(header.get("size_bytes", 0))
         mode = int(header.get("mode", 0)) or 0o644
+        metadata: dict[str, str] = header.get("metadata") or {}
+        validate_metadata(metadata)
         owner = self._owner(header)
         if header.get("make_parents"):
             self._make_parents(path, owner)
@@ -353,7 +444,7 @@ class Files:
                 raise _SizeMismatch()
 
         try:
-            self._atomic_write(path, mode, fill, owner)
+            self._atomic_write(path, mode, fill, owner, metadata)
         except _SizeMismatch:
             raise invalid(
                 f"upload of {path}: header said {expected} bytes, got {written}"

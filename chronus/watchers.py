@@ -23,6 +23,12 @@ WRITE, not the CREATE its rename would otherwise be. envd may report a long writ
 more than once (the kernel merges repeated IN_MODIFY only while it is unread); here it is
 always once. The temporary's name carries which case it is; its IN_MOVED_FROM and the
 target's IN_MOVED_TO are paired by their cookie.
+
+A watcher asked to ``include_entry`` gives each CREATE, WRITE and CHMOD event the entry at its
+path (chronus.files' FileInfo, metadata included) as it is when the event is delivered (a
+stream's at once, a polled watcher's at the poll), none once the path is gone: envd stats
+when it handles the event, equally best effort. A directory on a network filesystem (NFS,
+CIFS/SMB, FUSE: envd's list) is refused unless ``allow_network_mounts``, as envd refuses it.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from chronus.errors import (
     ChronusError,
     from_os_error,
 )
-from chronus.files import TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES, temp_kind
+from chronus.files import TEMP_NEW, TEMP_NEW_EMPTY, TEMP_REPLACES, Files, temp_kind
 from chronus.threads import Condition
+from chronus.users import AccountNames
 from insandbox.log import get_logger
 
 TYPE_CHECKING = False  # typing costs ~2 MB at run time: annotations are strings
@@ -89,6 +96,42 @@ MASK = (
 CREATE, WRITE, REMOVE, RENAME, CHMOD = 1, 2, 3, 4, 5
 
 
+#: statfs f_type of network filesystems (<linux/magic.h>): NFS, CIFS, SMB, SMB2, FUSE.
+NETWORK_FS_TYPES = frozenset((0x6969, 0xFF534D42, 0x517B, 0xFE534D42, 0x65735546))
+#: Events whose path names an entry that is still expected there.
+_ENTRY_EVENTS = frozenset((CREATE, WRITE, CHMOD))
+
+
+def fs_type(path: str) -> int:
+    """statfs(2)'s f_type of the filesystem holding `path` (0 if statfs fails)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return 0
+    # f_type is the first member, a long (__fsword_t)
+    return int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], "little", signed=False)
+
+
+def event_dicts(w: Watcher, events: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """dsec.types.v1.FileEvent dicts of `events`, with entries if `w` asks for them."""
+    if not w.include_entry:
+        return [{"name": name, "type": kind} for name, kind in events]
+    names = AccountNames()
+    out = []
+    for name, kind in events:
+        event: dict[str, Any] = {"name": name, "type": kind}
+        if kind in _ENTRY_EVENTS:
+            path = os.path.join(w.root, name)
+            try:
+                event["entry"] = Files.info(path, os.lstat(path), names)
+            except OSError:
+                pass  # gone since: no entry, as envd
+        out.append(event)
+    return out
+
+
 def _event_type(mask: int) -> int:
     if mask & (IN_CREATE | IN_MOVED_TO):
         return CREATE
@@ -117,10 +160,13 @@ MAX_PENDING_MOVES = 256
 class Watcher:
     """One watched directory tree and its buffered events."""
 
-    def __init__(self, watcher_id: str, root: str, recursive: bool) -> None:
+    def __init__(
+        self, watcher_id: str, root: str, recursive: bool, include_entry: bool = False
+    ) -> None:
         self.watcher_id = watcher_id
         self.root = root
         self.recursive = recursive
+        self.include_entry = include_entry
         self.cond = Condition()  # guards events/overflowed/gone; notified on each change
         self.events: deque[tuple[str, int]] = deque()
         self.overflowed = False
@@ -249,6 +295,13 @@ class Watchers:
             raise from_os_error(exc, path) from None
         if not stat.S_ISDIR(st.st_mode):
             raise ChronusError(INVALID_ARGUMENT, "NOT_A_DIRECTORY", f"{path}: not a directory")
+        if not req.get("allow_network_mounts") and fs_type(path) in NETWORK_FS_TYPES:
+            raise ChronusError(
+                INVALID_ARGUMENT,
+                "NETWORK_MOUNT",
+                f"{path} is on a network filesystem, whose events may never come;"
+                " set allow_network_mounts to watch it anyway",
+            )
         with self._lock:
             if len(self._watchers) >= MAX_WATCHERS:
                 raise ChronusError(
@@ -257,7 +310,12 @@ class Watchers:
                     f"a sandbox holds at most {MAX_WATCHERS} watchers; remove one first",
                 )
             self._open()
-            w = Watcher("w-" + os.urandom(8).hex(), path, bool(req.get("recursive")))
+            w = Watcher(
+                "w-" + os.urandom(8).hex(),
+                path,
+                bool(req.get("recursive")),
+                bool(req.get("include_entry")),
+            )
             try:
                 self._watch_dir(w, path, "", follow=True)
                 if w.recursive:

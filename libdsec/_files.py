@@ -75,12 +75,25 @@ class AsyncFiles:
         make_parents: bool = True,
         operation_id: str | None = None,
         user: str = "",
+        metadata: dict[str, str] | None = None,
     ) -> FileInfo:
         """Writes ``data`` to ``path`` (over 4 MiB: an upload). ``operation_id`` names the
         write in the sandbox's operation log: a repeat of a logged id writes nothing again
         (see :meth:`AsyncSandbox.run`); the SDK makes one when none is given. ``user``: the
         file, and the parent directories the write creates, are this user's (a user of the
-        sandbox's /etc/passwd; default root)."""
+        sandbox's /etc/passwd; default root).
+
+        ``metadata`` becomes the file's whole user metadata, kept as its ``user.e2b.<key>``
+        extended attributes (E2B's envd's namespace; ``setfattr`` inside sets them too) and
+        returned in :attr:`FileInfo.metadata` by stat, list and move. A write replaces the
+        file, so one without metadata leaves none; an append keeps it unless given. Keys and
+        values printable ASCII, keys non-empty up to 246 bytes, 4 KiB in all, else
+        ``InvalidArgument`` ``INVALID_METADATA``; on a filesystem without user extended
+        attributes ``FailedPrecondition`` ``XATTR_UNSUPPORTED`` (nothing is written)::
+
+            info = await sb.files.write("/work/a.txt", "x", metadata={"author": "ann"})
+            info.metadata  # {"author": "ann"}
+        """
         raw = data.encode() if isinstance(data, str) else data
         if len(raw) > 4 * 1024 * 1024:
             return await self.upload(
@@ -90,6 +103,7 @@ class AsyncFiles:
                 make_parents=make_parents,
                 operation_id=operation_id,
                 user=user,
+                metadata=metadata,
             )
         resp = await self._call(
             "WriteFile",
@@ -102,6 +116,7 @@ class AsyncFiles:
                 make_parents=make_parents,
                 operation_id=operation_id or new_operation_id(),
                 user=user,
+                metadata=metadata or {},
             ),
         )
         return FileInfo.from_pb(resp.info)
@@ -210,12 +225,14 @@ class AsyncFiles:
         chunk_bytes: int = CHUNK,
         operation_id: str | None = None,
         user: str = "",
+        metadata: dict[str, str] | None = None,
     ) -> FileInfo:
         """Streams ``source`` (bytes, a local path, or a binary file object) into ``path``.
 
         The file appears atomically when the whole stream has arrived; a
         failed upload leaves nothing behind. Memory use is one chunk. ``operation_id``: as
-        :meth:`write`'s (a repeat must send the same bytes; nothing is written again).
+        :meth:`write`'s (a repeat must send the same bytes; nothing is written again);
+        ``metadata``: as :meth:`write`'s.
         """
         size = 0
         fh: IO[bytes] | None = None
@@ -238,6 +255,7 @@ class AsyncFiles:
                     size_bytes=size,
                     operation_id=operation_id or new_operation_id(),
                     user=user,
+                    metadata=metadata or {},
                 )
             )
             if data is not None:
@@ -295,18 +313,32 @@ class AsyncFiles:
     # ------------------------------------------------------------ watchers
 
     async def create_watcher(
-        self, path: str, recursive: bool = False, *, timeout: float | None = None
+        self,
+        path: str,
+        recursive: bool = False,
+        *,
+        include_entry: bool = False,
+        allow_network_mounts: bool = False,
+        timeout: float | None = None,
     ) -> str:
         """Starts watching the directory ``path`` (and, ``recursive``, its subdirectories,
         including ones created later) inside the sandbox; returns the watcher's id for
         :meth:`watcher_events`. The watcher lives until :meth:`remove_watcher` or the
         sandbox's end; a sandbox holds at most 64 (``ResourceExhausted``
         ``TOO_MANY_WATCHERS``). A missing path: ``PathNotFound``; not a directory:
-        ``InvalidArgument`` ``NOT_A_DIRECTORY``."""
+        ``InvalidArgument`` ``NOT_A_DIRECTORY``. ``include_entry``: each create, write and
+        chmod event carries :attr:`FileEvent.entry` (the entry when the event is polled,
+        None once it is gone). A directory on a network filesystem (NFS, CIFS/SMB, FUSE) is
+        ``InvalidArgument`` ``NETWORK_MOUNT`` unless ``allow_network_mounts`` (its events
+        may never come), as E2B's envd does."""
         resp = await self._call(
             "CreateWatcher",
             types_pb2.CreateWatcherRequest(
-                sandbox_id=self.sandbox_id, path=path, recursive=recursive
+                sandbox_id=self.sandbox_id,
+                path=path,
+                recursive=recursive,
+                include_entry=include_entry,
+                allow_network_mounts=allow_network_mounts,
             ),
             timeout,
         )
@@ -342,13 +374,21 @@ class AsyncFiles:
             timeout,
         )
 
-    async def watch(self, path: str, recursive: bool = False) -> AsyncDirWatch:
+    async def watch(
+        self,
+        path: str,
+        recursive: bool = False,
+        *,
+        include_entry: bool = False,
+        allow_network_mounts: bool = False,
+    ) -> AsyncDirWatch:
         """Streams changes of the directory ``path``: returns once the watch is established
         (every later change is reported), an async iterator of :class:`FileEvent`, closed
         with ``aclose()`` or by leaving its ``async with``. When the sandbox ends the
         iteration raises ``SandboxTerminated`` (``metadata["termination_reason"]``), when
         the directory itself is removed ``PathNotFound``; a stream silent past its
-        keepalives raises ``DeadlineExceeded`` ``STREAM_STALLED``::
+        keepalives raises ``DeadlineExceeded`` ``STREAM_STALLED``. ``include_entry`` and
+        ``allow_network_mounts``: as :meth:`create_watcher`'s::
 
             async with await sb.files.watch("/work", recursive=True) as changes:
                 async for ev in changes:
@@ -361,6 +401,8 @@ class AsyncFiles:
                 path=path,
                 recursive=recursive,
                 keepalive_interval_ms=round(STREAM_KEEPALIVE_INTERVAL_S * 1000),
+                include_entry=include_entry,
+                allow_network_mounts=allow_network_mounts,
             ),
         )
         try:

@@ -349,6 +349,8 @@ class WriteOptions(TypedDict, total=False):
     operation_id: str | None
     #: the owner of what it creates (a user of the sandbox's /etc/passwd); default root
     user: str
+    #: the file's whole metadata after the write (``user.e2b.*`` extended attributes)
+    metadata: dict[str, str] | None
 
 
 class ListDirOptions(TypedDict, total=False):
@@ -413,6 +415,8 @@ class UploadOptions(TypedDict, total=False):
     operation_id: str | None
     #: the owner of what it creates (a user of the sandbox's /etc/passwd); default root
     user: str
+    #: the file's metadata (as :class:`WriteOptions`')
+    metadata: dict[str, str] | None
 
 
 class DownloadOptions(TypedDict, total=False):

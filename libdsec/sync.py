@@ -618,10 +618,24 @@ class Files:
         return self._c._loop.iterate(self._f.iter_download(path, **options))
 
     def create_watcher(
-        self, path: str, recursive: bool = False, *, timeout: float | None = None
+        self,
+        path: str,
+        recursive: bool = False,
+        *,
+        include_entry: bool = False,
+        allow_network_mounts: bool = False,
+        timeout: float | None = None,
     ) -> str:
         """See :meth:`AsyncFiles.create_watcher`."""
-        return self._c._loop.run(self._f.create_watcher(path, recursive, timeout=timeout))
+        return self._c._loop.run(
+            self._f.create_watcher(
+                path,
+                recursive,
+                include_entry=include_entry,
+                allow_network_mounts=allow_network_mounts,
+                timeout=timeout,
+            )
+        )
 
     def watcher_events(
         self, watcher_id: str, *, timeout: float | None = None
@@ -633,7 +647,14 @@ class Files:
         """See :meth:`AsyncFiles.remove_watcher`."""
         self._c._loop.run(self._f.remove_watcher(watcher_id, timeout=timeout))
 
-    def watch(self, path: str, recursive: bool = False) -> DirWatch:
+    def watch(
+        self,
+        path: str,
+        recursive: bool = False,
+        *,
+        include_entry: bool = False,
+        allow_network_mounts: bool = False,
+    ) -> DirWatch:
         """Changes of the directory ``path`` as they happen (see :meth:`AsyncFiles.watch`):
         established when this returns; an iterator of :class:`FileEvent`, a context manager,
         ended with ``close()``::
@@ -642,7 +663,10 @@ class Files:
                 for ev in changes:
                     print(ev.type, ev.name)
         """
-        return DirWatch(self._c, self._c._loop.run(self._f.watch(path, recursive)))
+        watch = self._f.watch(
+            path, recursive, include_entry=include_entry, allow_network_mounts=allow_network_mounts
+        )
+        return DirWatch(self._c, self._c._loop.run(watch))
 
 
 class Display:

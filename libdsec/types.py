@@ -769,6 +769,9 @@ class FileInfo:
     owner: str = ""
     group: str = ""
     target: FileInfo | None = None
+    #: User metadata: the ``user.e2b.*`` extended attributes, prefix stripped (see
+    #: :meth:`AsyncFiles.write`'s ``metadata``).
+    metadata: dict[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_pb(cls, f: types_pb2.FileInfo) -> FileInfo:
@@ -784,6 +787,7 @@ class FileInfo:
             f.owner,
             f.group,
             cls.from_pb(f.target) if f.HasField("target") else None,
+            dict(f.metadata),
         )
 
     @property
@@ -794,14 +798,21 @@ class FileInfo:
 @dataclass(frozen=True)
 class FileEvent:
     """A change in a watched directory: ``name`` is the path relative to it (``"a/b.txt"``),
-    ``type`` one of ``"create"``, ``"write"``, ``"remove"``, ``"rename"``, ``"chmod"``."""
+    ``type`` one of ``"create"``, ``"write"``, ``"remove"``, ``"rename"``, ``"chmod"``;
+    ``entry`` (a watch with ``include_entry``) the entry at that path when the event was
+    delivered, for create, write and chmod while it is still there."""
 
     name: str
     type: str
+    entry: FileInfo | None = None
 
     @classmethod
     def from_pb(cls, e: types_pb2.FileEvent) -> FileEvent:
-        return cls(e.name, _enum(types_pb2.FileEventType, e.type, "FILE_EVENT_TYPE_").lower())
+        return cls(
+            e.name,
+            _enum(types_pb2.FileEventType, e.type, "FILE_EVENT_TYPE_").lower(),
+            FileInfo.from_pb(e.entry) if e.HasField("entry") else None,
+        )
 
 
 @dataclass(frozen=True)

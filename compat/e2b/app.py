@@ -43,6 +43,12 @@ from compat.e2b.errors import gone_message, http_status
 from compat.e2b.http import INTERNAL, Request, error, internal_error
 from compat.e2b.ports import PortProxy
 from compat.e2b.routing import Target, access_token, envd_user, route
+from compat.e2b.signing import (
+    SandboxTokens,
+    SignatureAmbiguous,
+    SignatureRefused,
+    signed_request,
+)
 from compat.http import (
     ClientDisconnect,
     Message,
@@ -93,7 +99,9 @@ class E2bApp:
         self.config = config
         self.pool = pool
         self.users = DefaultUsers(config)
-        self.control = ControlApi(config, pool)
+        #: each sandbox's envd access tokens, for signed file URLs (compat.e2b.signing)
+        self.tokens = SandboxTokens()
+        self.control = ControlApi(config, pool, self.tokens)
         self.files = FilesRest()
         self.ports = PortProxy(config, pool)
         self.process = ProcessASGIApplication(
@@ -127,6 +135,9 @@ class E2bApp:
 
         request = Request(scope, receive)
         r = route(request)
+        if r.kind == "control" and _signed_files(request):
+            # a signed URL under a shared E2B_SANDBOX_URL: its sandbox is found by signature
+            r = Target("envd")
         try:
             if r.kind == "control":
                 await self.control.handle(scope, receive, tracked)
@@ -156,8 +167,22 @@ class E2bApp:
             )
         except ValueError:
             interval = DEFAULT_KEEPALIVE_S
+        token = access_token(request)
+        if not token and _files(request):
+            # envd's signed URL: the signature stands for the token (compat.e2b.signing)
+            try:
+                query = dict(request.query_params)
+                sandbox_id, token = self.tokens.verify(
+                    r.sandbox_id, signed_request(request.method, query)
+                )
+            except (SignatureRefused, SignatureAmbiguous) as exc:
+                status = 401 if isinstance(exc, SignatureRefused) else 409
+                await error(status, str(exc))(request.scope, request.receive, send)
+                return
+            r = Target("envd", sandbox_id, r.port)
         try:
-            async with self.pool.lease(access_token(request)) as client:
+            async with self.pool.lease(token) as client:
+                self.tokens.seen(r.sandbox_id, token)
                 call = EnvdCall(
                     client,
                     r.sandbox_id,
@@ -166,7 +191,7 @@ class E2bApp:
                     max(interval, 1.0),
                     await self.users.of(client, r.sandbox_id),
                 )
-                token = CALL.set(call)
+                current = CALL.set(call)
 
                 async def drop_when_ended(message: Message) -> None:
                     if call.dropped and message["type"] == "http.response.body":
@@ -178,7 +203,7 @@ class E2bApp:
                     scope = without_trailing_slash(request.scope)
                     await self.envd_app(scope, request.receive, drop_when_ended)
                 finally:
-                    CALL.reset(token)
+                    CALL.reset(current)
         except DSecError as exc:  # the lease: a missing or bad token
             status = http_status(exc)
             message = f"invalid access token (the API key, a dsec token): {exc.message}"
@@ -199,6 +224,20 @@ class E2bApp:
         if info.state in ("RUNNING", "STARTING", "PENDING"):
             return Response(status_code=204)
         return error(502, gone_message(call.sandbox_id))
+
+
+def _files(request: Request) -> bool:
+    return request.url.path.rstrip("/") == "/files" and request.method in ("GET", "POST")
+
+
+def _signed_files(request: Request) -> bool:
+    """A signed ``/files`` URL without a token (the control API has no /files)."""
+    return (
+        _files(request)
+        and "signature" in request.query_params
+        and not access_token(request)
+        and not request.headers.get("x-api-key")
+    )
 
 
 #: envd's REST paths dsec does not serve: 501.

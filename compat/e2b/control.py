@@ -31,6 +31,7 @@ from compat.e2b import dsec, mapping
 from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
+from compat.e2b.signing import SandboxTokens
 from compat.http import Receive, Scope, Send, without_trailing_slash
 from libdsec import AsyncClient, NetworkPolicy, SandboxInfo, SandboxMetric
 from libdsec.errors import (
@@ -68,9 +69,13 @@ _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 class ControlApi:
-    def __init__(self, config: CompatConfig, pool: ClientPool) -> None:
+    def __init__(
+        self, config: CompatConfig, pool: ClientPool, tokens: SandboxTokens | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        #: the envd access tokens handed out, per sandbox (signed file URLs)
+        self.tokens = tokens or SandboxTokens()
         #: Why this instance must not be given traffic (its virtual IP's route agent failed:
         #: compat/server.py); "" = serving.
         self.not_serving = ""
@@ -212,7 +217,7 @@ class ControlApi:
             raise HttpError(
                 409, f"template {template!r} runs on dsec's {target.backend} backend: {exc.message}"
             ) from None
-        return JSONResponse(mapping.sandbox_json(sb.info, key, self.config), 201)
+        return JSONResponse(self._sandbox_json(sb.info, key, self.config), 201)
 
     async def metrics(self, client: AsyncClient, key: str, request: Request) -> Response:
         """E2B's ``GET /sandboxes/{id}/metrics?start=&end=`` (Unix seconds): the samples the
@@ -246,13 +251,22 @@ class ControlApi:
                 latest[sandbox_id] = mapping.metric_json(samples[-1])
         return JSONResponse({"sandboxes": latest})
 
+    def _issued(self, sandbox_id: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` (it returns ``key`` as the sandbox's envd access token), noted."""
+        self.tokens.seen(sandbox_id, key)
+        return body
+
+    def _sandbox_json(self, info: SandboxInfo, key: str, config: CompatConfig) -> dict[str, Any]:
+        return self._issued(info.id, key, mapping.sandbox_json(info, key, config))
+
     async def get(self, client: AsyncClient, key: str, request: Request) -> Response:
         info = await self._live(client, request.path_params["id"])
-        return JSONResponse(mapping.detail_json(info, key, self.config))
+        return JSONResponse(self._issued(info.id, key, mapping.detail_json(info, key, self.config)))
 
     async def kill(self, client: AsyncClient, key: str, request: Request) -> Response:
         await self._live(client, request.path_params["id"])
         await dsec.sandbox(client, request.path_params["id"]).stop(grace_s=0.5)
+        self.tokens.forget(request.path_params["id"])
         return Response(status_code=204)
 
     async def set_timeout(self, client: AsyncClient, key: str, request: Request) -> Response:
@@ -307,7 +321,7 @@ class ControlApi:
         info = await self._resume_if_paused(client, info)
         if body.get("timeout"):
             await self._set_timeout(client, info.id, mapping.timeout_for(body, self.config))
-        return JSONResponse(mapping.sandbox_json(info, key, self.config), 201)
+        return JSONResponse(self._sandbox_json(info, key, self.config), 201)
 
     async def connect(self, client: AsyncClient, key: str, request: Request) -> Response:
         body = await read_json(request, self.config.max_json_bytes)
@@ -321,9 +335,7 @@ class ControlApi:
             if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
                 raise HttpError(400, "timeout must be a non-negative integer (seconds)")
             await self._extend(client, info, timeout)
-        return JSONResponse(
-            mapping.sandbox_json(info, key, self.config), 201 if was_paused else 200
-        )
+        return JSONResponse(self._sandbox_json(info, key, self.config), 201 if was_paused else 200)
 
     async def fork(self, client: AsyncClient, key: str, request: Request) -> Response:
         """E2B's fork: ``{"count": 1..20, "timeout": s}`` -> 201 with one ``{"sandbox": ...}``
@@ -343,7 +355,7 @@ class ControlApi:
             if isinstance(child, DSecError):
                 out.append({"error": {"code": http_status(child), "message": child.message}})
             else:
-                out.append({"sandbox": mapping.sandbox_json(child.info, key, self.config)})
+                out.append({"sandbox": self._sandbox_json(child.info, key, self.config)})
         return JSONResponse(out, 201, headers={"X-Dsec-Fork-Kind": group.kind})
 
     async def update_network(self, client: AsyncClient, key: str, request: Request) -> Response:

@@ -24,11 +24,12 @@ from compat.e2b.http import HttpError
 from libdsec import NetworkPolicy, SandboxInfo, SandboxMetric
 
 #: The envd version dsec reports: the SDK turns features on by version
-#: (e2b/envd/versions.py). 0.6.1 = stdin (0.3.0), default user (0.4.0), close stdin
-#: (0.5.2), octet-stream uploads (0.5.7), recursive watch (0.1.4); not file metadata
-#: (0.6.2, xattrs), entry info in watch events (0.6.3), network-mount watches (0.6.4):
-#: dsec does not do those, and the SDK then says so itself (TemplateException).
-ENVD_VERSION = "0.6.1"
+#: (e2b/envd/versions.py, SDK 2.45.1 to 2.63). 0.6.4 = every gate there, each done here:
+#: recursive watch (0.1.4), metrics (0.1.5, disk 0.2.4), stdin (0.3.0), default user
+#: (0.4.0), close stdin (0.5.2), octet-stream uploads (0.5.7), file metadata (0.6.2,
+#: xattrs), entry info in watch events (0.6.3), network-mount watches (0.6.4). A newer
+#: SDK's gate above 0.6.4 is not crossed until its feature is done.
+ENVD_VERSION = "0.6.4"
 
 LABEL_TEMPLATE = "e2b.template"
 LABEL_CPU = "e2b.cpu"

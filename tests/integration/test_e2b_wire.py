@@ -60,7 +60,7 @@ def sandbox_id(target: E2bTarget, http: httpx.Client) -> Iterator[str]:
     assert r.status_code == 201, r.text
     body = r.json()
     assert body["envdAccessToken"] == target.key == body["trafficAccessToken"]
-    assert body["envdVersion"] == "0.6.1"
+    assert body["envdVersion"] == "0.6.4"
     yield body["sandboxID"]
     http.delete(f"/sandboxes/{body['sandboxID']}", headers={"X-API-Key": target.key})
 

@@ -15,6 +15,12 @@ that breaks off) is aborted (its gRPC call cancelled), and the bytes received so
 seen written all the same: the cancellation seems to reach the edge as the end of the stream.
 That is for the upload's path through the API server and edge to fix, not this module. In a multipart body each file appears when its part ends, so the files
 before a failure stay.
+
+File metadata arrives as envd takes it: each ``X-Metadata-<key>: <value>`` request header (the
+key lowercased) is one entry, the same set for every file of the request, and becomes the
+file's whole metadata (its ``user.e2b.<key>`` extended attributes, written by chronus with the
+file); each written file's answer carries the metadata read back. A bad key or value is 400 and
+writes nothing (chronus checks it before the first byte).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from compat.e2b.envd.call import CALL, EnvdCall
 from compat.e2b.errors import gone_message, http_status, sandbox_gone
 from compat.e2b.http import HttpError, Request, bounded, decoded, error
+from libdsec import FileInfo
 from libdsec.errors import DSecError, FailedPrecondition, NotFound
 
 #: Chunks queued between the HTTP body and the upload (each up to ~64 KiB from the server).
@@ -89,8 +96,25 @@ def _user_call(call: EnvdCall, request: Request) -> EnvdCall:
     return replace(call, user=user) if user else call
 
 
-def _written(path: str) -> dict[str, str]:
-    return {"path": path, "name": posixpath.basename(path), "type": "file"}
+#: envd's request-header prefix of file metadata (lowercase: Starlette's header names).
+METADATA_HEADER_PREFIX = "x-metadata-"
+
+
+def _metadata(request: Request) -> dict[str, str]:
+    """The request's ``X-Metadata-*`` headers, keys lowercased, the first value of each."""
+    out: dict[str, str] = {}
+    for name, value in request.headers.items():
+        key = name[len(METADATA_HEADER_PREFIX) :]
+        if name.startswith(METADATA_HEADER_PREFIX) and key and key not in out:
+            out[key] = value
+    return out
+
+
+def _written(path: str, info: FileInfo | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": path, "name": posixpath.basename(path), "type": "file"}
+    if info is not None and info.metadata:
+        out["metadata"] = dict(info.metadata)
+    return out
 
 
 def _dsec_error(call: EnvdCall, path: str, exc: DSecError) -> Response:
@@ -102,6 +126,8 @@ def _dsec_error(call: EnvdCall, path: str, exc: DSecError) -> Response:
         return error(400, f"path '{path}' is a directory")
     if exc.reason in ("NO_SPACE", "DISK_QUOTA_EXCEEDED"):
         return error(507, "not enough disk space available")
+    if exc.reason == "INVALID_METADATA":
+        return error(400, f"invalid metadata: {exc.message}")
     return error(http_status(exc), exc.message)
 
 
@@ -146,6 +172,7 @@ class FilesRest:
     async def upload(self, request: Request) -> Response:
         call = _user_call(CALL.get(), request)
         ctype, params = parse_options_header(request.headers.get("content-type", ""))
+        metadata = _metadata(request)
         try:
             encoding = request.headers.get("content-encoding")
             body = bounded(
@@ -157,21 +184,23 @@ class FilesRest:
                 boundary = params.get(b"boundary")
                 if not boundary:
                     raise HttpError(400, "multipart/form-data without a boundary")
-                written = await self._multipart(call, body, request, boundary)
+                written = await self._multipart(call, body, request, boundary, metadata)
             else:
                 raw = request.query_params.get("path")
                 if not raw:
                     raise HttpError(400, "path is required for an application/octet-stream upload")
                 path = call.resolve(raw)
-                await self._upload_one(call, path, body)
-                written = [_written(path)]
+                info = await self._upload_one(call, path, body, metadata)
+                written = [_written(path, info)]
         except HttpError as exc:
             return error(exc.status, exc.message)
         except _UploadFailed as exc:
             return _dsec_error(call, exc.path, exc.error)
         return JSONResponse(written)
 
-    async def _upload_one(self, call: EnvdCall, path: str, body: AsyncIterator[bytes]) -> None:
+    async def _upload_one(
+        self, call: EnvdCall, path: str, body: AsyncIterator[bytes], metadata: dict[str, str]
+    ) -> FileInfo:
         # The upload starts with the body's first bytes: a body refused before any (not gzip
         # at all) never reaches the sandbox. One refused later (truncated gzip, a bad
         # checksum, past the limit) aborts an upload under way; see the module's docstring.
@@ -179,7 +208,10 @@ class FilesRest:
         first = await anext(body, b"")
         pipe = BodyPipe(asyncio.get_running_loop())
         pipe.offer(first)
-        task = asyncio.create_task(call.sandbox.files.upload(pipe, path, user=call.run_as))  # type: ignore[arg-type]
+        upload = call.sandbox.files.upload
+        task = asyncio.create_task(
+            upload(pipe, path, user=call.run_as, metadata=metadata)  # type: ignore[arg-type]
+        )
         try:
             async for chunk in body:
                 if task.done():
@@ -187,7 +219,7 @@ class FilesRest:
                 await _put(pipe, chunk, task)
             if not task.done():
                 await _put(pipe, None, task)
-            await task
+            return await task
         except DSecError as exc:
             raise _UploadFailed(path, exc) from None
         finally:
@@ -197,8 +229,13 @@ class FilesRest:
                     await task
 
     async def _multipart(
-        self, call: EnvdCall, body: AsyncIterator[bytes], request: Request, boundary: bytes
-    ) -> list[dict[str, str]]:
+        self,
+        call: EnvdCall,
+        body: AsyncIterator[bytes],
+        request: Request,
+        boundary: bytes,
+        metadata: dict[str, str],
+    ) -> list[dict[str, Any]]:
         """Each file part streamed into its own upload, in order (``write_files``)."""
         events: list[tuple[str, Any]] = []
         header: dict[str, bytearray] = {"field": bytearray(), "value": bytearray()}
@@ -222,7 +259,7 @@ class FilesRest:
             },
         )
         query_path = request.query_params.get("path")
-        written: list[dict[str, str]] = []
+        written: list[dict[str, Any]] = []
         pipe: BodyPipe | None = None
         task: asyncio.Task[Any] | None = None
         path = ""
@@ -233,26 +270,33 @@ class FilesRest:
                     if kind == "part":
                         _, disposition = parse_options_header(value.get("content-disposition", ""))
                         filename = disposition.get(b"filename", b"").decode()
-                        raw = filename or query_path or ""
+                        # envd's rule: ?path= names every part's file (an upload URL's
+                        # file lands there whatever the form calls it), else its filename
+                        raw = query_path or filename
                         if not raw:
                             raise HttpError(400, "a file part without a filename (its path)")
-                        if query_path and not written and filename in ("", "blob", "file"):
-                            raw = query_path
                         path = call.resolve(raw)
+                        if any(w["path"] == path for w in written):
+                            raise HttpError(
+                                400,
+                                "you cannot upload multiple files to the same path"
+                                f" '{path}' in one upload request, only the first specified"
+                                " file was uploaded",
+                            )
                         pipe = BodyPipe(asyncio.get_running_loop())
                         upload = call.sandbox.files.upload
                         task = asyncio.create_task(
-                            upload(pipe, path, user=call.run_as)  # type: ignore[arg-type]
+                            upload(pipe, path, user=call.run_as, metadata=metadata)  # type: ignore[arg-type]
                         )
                     elif kind == "data" and pipe is not None and task is not None:
                         await _put(pipe, value, task)
                     elif kind == "end" and pipe is not None and task is not None:
                         await _put(pipe, None, task)
                         try:
-                            await task
+                            info = await task
                         except DSecError as exc:
                             raise _UploadFailed(path, exc) from None
-                        written.append(_written(path))
+                        written.append(_written(path, info))
                         pipe, task = None, None
                 events.clear()
             parser.finalize()

@@ -6,8 +6,10 @@ per directory; ``WatchDir`` and the polled watchers (``CreateWatcher`` /
 ``GetWatcherEvents`` / ``RemoveWatcher``) are dsec's watchers inside the sandbox, whose
 events map one to one: chronus already reports its atomic writes as envd's in-place writes
 (CREATE, CHMOD, WRITE; CHMOD, WRITE over a file), which only it can tell from a plain rename.
-Entries follow envd's for symlinks and owners (see ``entry``); dsec keeps no extended
-attributes, so ``metadata`` is always empty (the SDK refuses file metadata by envd version).
+Entries follow envd's for symlinks and owners (see ``entry``), and carry the file's metadata
+(its ``user.e2b.*`` extended attributes, read by chronus). Watches pass ``include_entry``
+(events carry the entry) and ``allow_network_mounts`` (without it a directory on NFS, SMB or
+FUSE is refused, as envd refuses it) to dsec's watchers.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def entry(info: FileInfo) -> pb.EntryInfo:
         permissions=permissions(info),
         owner=info.owner,
         group=info.group,
+        metadata=dict(info.metadata),
     )
     if info.modified_at is not None:
         ts = info.modified_at.timestamp()
@@ -88,9 +91,12 @@ def entry(info: FileInfo) -> pb.EntryInfo:
 
 
 def fs_event(ev: FileEvent) -> pb.FilesystemEvent:
-    return pb.FilesystemEvent(
+    out = pb.FilesystemEvent(
         name=ev.name, type=_EVENTS.get(str(ev.type).lower(), pb.EventType.UNSPECIFIED)
     )
+    if ev.entry is not None:
+        out.entry = entry(ev.entry)
+    return out
 
 
 async def _directory(call: EnvdCall, path: str) -> str:
@@ -198,7 +204,12 @@ class FilesystemService(Filesystem):
         async def run() -> AsyncIterator[pb.WatchDirResponse]:
             call = current()
             path = await _directory(call, request.path)
-            watch = await call.sandbox.files.watch(path, recursive=request.recursive)
+            watch = await call.sandbox.files.watch(
+                path,
+                recursive=request.recursive,
+                include_entry=request.include_entry,
+                allow_network_mounts=request.allow_network_mounts,
+            )
             arm: Any = Oneof("start", pb.WatchDirResponse.StartEvent())
             yield pb.WatchDirResponse(event=arm)
             async for ev in with_keepalives(aiter(watch), call.keepalive_s):  # closes the watch
@@ -218,7 +229,12 @@ class FilesystemService(Filesystem):
         call = current()
         try:
             path = await _directory(call, request.path)
-            watcher_id = await call.sandbox.files.create_watcher(path, recursive=request.recursive)
+            watcher_id = await call.sandbox.files.create_watcher(
+                path,
+                recursive=request.recursive,
+                include_entry=request.include_entry,
+                allow_network_mounts=request.allow_network_mounts,
+            )
         except DSecError as exc:
             raise call.error(exc) from None
         return pb.CreateWatcherResponse(watcher_id=watcher_id)

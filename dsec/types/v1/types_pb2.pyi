@@ -1919,6 +1919,26 @@ Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
 class FileInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PATH_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
@@ -1930,6 +1950,7 @@ class FileInfo(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     TARGET_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     type: Global___FileType.ValueType
     size_bytes: _builtins.int
@@ -1952,6 +1973,13 @@ class FileInfo(_message.Message):
         link dangles, loops or cannot be followed. (`symlink_target` is the link's own text.)
         """
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """User metadata: the file's extended attributes in the `user.e2b.` namespace, that prefix
+        stripped (E2B's envd keeps its file metadata there, so `setfattr -n user.e2b.k` inside the
+        sandbox shows up as "k"). Values that are not UTF-8 are left out.
+        """
+
     def __init__(
         self,
         *,
@@ -1966,10 +1994,11 @@ class FileInfo(_message.Message):
         owner: _builtins.str = ...,
         group: _builtins.str = ...,
         target: Global___FileInfo | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["modified_at", b"modified_at", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gid", b"gid", "group", b"group", "mode", b"mode", "modified_at", b"modified_at", "owner", b"owner", "path", b"path", "size_bytes", b"size_bytes", "symlink_target", b"symlink_target", "target", b"target", "type", b"type", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gid", b"gid", "group", b"group", "metadata", b"metadata", "mode", b"mode", "modified_at", b"modified_at", "owner", b"owner", "path", b"path", "size_bytes", b"size_bytes", "symlink_target", b"symlink_target", "target", b"target", "type", b"type", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2036,6 +2065,26 @@ Global___ReadFileResponse: _TypeAlias = ReadFileResponse  # noqa: Y015
 class WriteFileRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
@@ -2044,6 +2093,7 @@ class WriteFileRequest(_message.Message):
     MAKE_PARENTS_FIELD_NUMBER: _builtins.int
     OPERATION_ID_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     data: _builtins.bytes
@@ -2060,6 +2110,17 @@ class WriteFileRequest(_message.Message):
     (this user of the sandbox's /etc/passwd, name or numeric uid, and its group); "" = as
     chronus (root). The operation itself is chronus's, as E2B's envd does it.
     """
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The file's whole metadata after the write (see FileInfo.metadata): a write replaces the
+        file, metadata included, so a write without any leaves none. An append keeps the file's
+        metadata unless this is given. Keys and values printable ASCII (0x20-0x7e), keys
+        non-empty and at most 246 bytes, at most 4096 bytes in all counting each key's
+        `user.e2b.` prefix; else INVALID_ARGUMENT INVALID_METADATA. On a filesystem without user
+        extended attributes a write with metadata fails (FAILED_PRECONDITION XATTR_UNSUPPORTED)
+        and writes nothing.
+        """
+
     def __init__(
         self,
         *,
@@ -2071,10 +2132,11 @@ class WriteFileRequest(_message.Message):
         make_parents: _builtins.bool = ...,
         operation_id: _builtins.str = ...,
         user: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append", b"append", "data", b"data", "make_parents", b"make_parents", "metadata", b"metadata", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2411,6 +2473,26 @@ class UploadHeader(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
@@ -2418,6 +2500,7 @@ class UploadHeader(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     OPERATION_ID_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     mode: _builtins.int
@@ -2431,6 +2514,10 @@ class UploadHeader(_message.Message):
     (this user of the sandbox's /etc/passwd, name or numeric uid, and its group); "" = as
     chronus (root). The operation itself is chronus's, as E2B's envd does it.
     """
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as WriteFileRequest.metadata"""
+
     def __init__(
         self,
         *,
@@ -2441,10 +2528,11 @@ class UploadHeader(_message.Message):
         size_bytes: _builtins.int = ...,
         operation_id: _builtins.str = ...,
         user: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["make_parents", b"make_parents", "metadata", b"metadata", "mode", b"mode", "operation_id", b"operation_id", "path", b"path", "sandbox_id", b"sandbox_id", "size_bytes", b"size_bytes", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2561,18 +2649,26 @@ class FileEvent(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """path relative to the watched directory ("a/b.txt")"""
     type: Global___FileEventType.ValueType
+    @_builtins.property
+    def entry(self) -> Global___FileInfo:
+        """With include_entry: the entry at that path when the event was delivered, for create,
+        write and chmod only, and only when it is still there (never for remove or rename).
+        """
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         type: Global___FileEventType.ValueType = ...,
+        entry: Global___FileInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "name", b"name", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2585,21 +2681,31 @@ class CreateWatcherRequest(_message.Message):
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     RECURSIVE_FIELD_NUMBER: _builtins.int
+    INCLUDE_ENTRY_FIELD_NUMBER: _builtins.int
+    ALLOW_NETWORK_MOUNTS_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     """an existing directory (NOT_FOUND PATH_NOT_FOUND, INVALID_ARGUMENT NOT_A_DIRECTORY)"""
     recursive: _builtins.bool
     """subdirectories too, including ones created later"""
+    include_entry: _builtins.bool
+    """events carry FileEvent.entry"""
+    allow_network_mounts: _builtins.bool
+    """A directory on a network filesystem (NFS, CIFS/SMB, FUSE) is refused (INVALID_ARGUMENT
+    NETWORK_MOUNT: its events may never come) unless this is set, as E2B's envd does.
+    """
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         path: _builtins.str = ...,
         recursive: _builtins.bool = ...,
+        include_entry: _builtins.bool = ...,
+        allow_network_mounts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_network_mounts", b"allow_network_mounts", "include_entry", b"include_entry", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2718,11 +2824,17 @@ class WatchDirRequest(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     RECURSIVE_FIELD_NUMBER: _builtins.int
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    INCLUDE_ENTRY_FIELD_NUMBER: _builtins.int
+    ALLOW_NETWORK_MOUNTS_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     path: _builtins.str
     recursive: _builtins.bool
     keepalive_interval_ms: _builtins.int
     """0 = chronus's default (5 s)"""
+    include_entry: _builtins.bool
+    """as CreateWatcherRequest's"""
+    allow_network_mounts: _builtins.bool
+    """as CreateWatcherRequest's"""
     def __init__(
         self,
         *,
@@ -2730,10 +2842,12 @@ class WatchDirRequest(_message.Message):
         path: _builtins.str = ...,
         recursive: _builtins.bool = ...,
         keepalive_interval_ms: _builtins.int = ...,
+        include_entry: _builtins.bool = ...,
+        allow_network_mounts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keepalive_interval_ms", b"keepalive_interval_ms", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_network_mounts", b"allow_network_mounts", "include_entry", b"include_entry", "keepalive_interval_ms", b"keepalive_interval_ms", "path", b"path", "recursive", b"recursive", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
