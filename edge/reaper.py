@@ -114,7 +114,7 @@ class Reaper:
         m = self.manager
         try:
             if rec.state == "RUNNING":
-                await m.pause(rec.sandbox_id)
+                await m.pause(rec.sandbox_id, files_only=rec.spec.pause_at_ttl_files_only)
         except DSecError as exc:
             if rec.state == TERMINAL:
                 return
