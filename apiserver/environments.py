@@ -7,7 +7,9 @@ the store or a Docker engine itself. pack_diff is different: it goes to the edge
 sandbox (see SandboxServicer.PackDiff).
 
 Environments are cluster-wide names, not per project: any authenticated caller may list, import
-and compose them; deleting one needs an ADMIN token.
+and compose them; deleting one needs an ADMIN token. Except the ``snapshots/<project_id>/``
+namespace (apiserver/snapshots.py): those are that project's alone, invisible to the others,
+and it deletes its own without ADMIN.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from apiserver import snapshots
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
 from common.auth import bearer_token
@@ -69,20 +72,27 @@ class EnvironmentServicer:
         await self.gw.caller(bearer_token(context))
         return await any_edge(self.gw, lambda s: getattr(s, method)(request, timeout=timeout))
 
+    async def _project(self, context: Any) -> str:
+        return (await self.gw.caller(bearer_token(context))).project_id
+
     async def ListEnvironments(
         self, request: apiserver_pb2.ListEnvironmentsRequest, context: Any
     ) -> apiserver_pb2.ListEnvironmentsResponse:
+        project = await self._project(context)
         resp = await self._edge(
             context,
             "ListEnvironments",
             edge_pb2.ListEnvironmentsRequest(prefix=request.prefix),
             QUERY_DEADLINE_S,
         )
-        return apiserver_pb2.ListEnvironmentsResponse(environments=resp.environments)
+        return apiserver_pb2.ListEnvironmentsResponse(
+            environments=[e for e in resp.environments if snapshots.visible(project, e.name)]
+        )
 
     async def GetEnvironment(
         self, request: apiserver_pb2.GetEnvironmentRequest, context: Any
     ) -> apiserver_pb2.GetEnvironmentResponse:
+        snapshots.check_visible(await self._project(context), request.name)
         resp = await self._edge(
             context,
             "GetEnvironment",
@@ -102,6 +112,10 @@ class EnvironmentServicer:
     async def ImportImage(
         self, request: apiserver_pb2.ImportImageRequest, context: Any
     ) -> apiserver_pb2.ImportImageResponse:
+        project = await self._project(context)
+        snapshots.check_packable(project, request.name)
+        if request.base:
+            snapshots.check_visible(project, request.base)
         resp = await self._edge(
             context,
             "ImportImage",
@@ -119,6 +133,11 @@ class EnvironmentServicer:
     async def ComposeEnvironment(
         self, request: apiserver_pb2.ComposeEnvironmentRequest, context: Any
     ) -> apiserver_pb2.ComposeEnvironmentResponse:
+        project = await self._project(context)
+        snapshots.check_packable(project, request.name)
+        for used in (request.base, request.workspace, *request.toolkits):
+            if used:
+                snapshots.check_visible(project, used)
         resp = await self._edge(
             context,
             "ComposeEnvironment",
@@ -136,7 +155,10 @@ class EnvironmentServicer:
         self, request: apiserver_pb2.DeleteEnvironmentRequest, context: Any
     ) -> apiserver_pb2.DeleteEnvironmentResponse:
         principal = await self.gw.auth.principal(bearer_token(context))
-        if principal.role != iam_pb2.ROLE_ADMIN:
+        owner = snapshots.owner_of(request.name)
+        if owner is not None and owner != principal.project_id:
+            return apiserver_pb2.DeleteEnvironmentResponse(deleted=False)  # not theirs to see
+        if owner is None and principal.role != iam_pb2.ROLE_ADMIN:
             raise PermissionDenied(
                 "deleting an environment (a cluster-wide name) needs an ADMIN token"
             )

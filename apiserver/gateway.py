@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from apiserver import snapshots
 from apiserver.config import ApiServerConfig
 from apiserver.creation import Caller, CreateBatcher, CreateItem, CreationPipeline
 from apiserver.queue import CreateQueue, checked_priority, checked_wait_s, queueable
@@ -163,6 +164,7 @@ class Gateway:
     async def _create(self, who: Caller, req: Any) -> types_pb2.Sandbox:
         wait_s = checked_wait_s(req.wait_s)
         checked_priority(req.priority)
+        snapshots.check_visible(who.project_id, req.spec.image)
         item = CreateItem(who, self.normalize_shared(req.spec), req.idempotency_key, req.wait_ready)
         refusal: DSecError | None = None
         if not (wait_s and self.queue.backlogged):  # creates are waiting: no jumping ahead
@@ -205,6 +207,7 @@ class Gateway:
         for req in requests:
             it = CreateItem(who, types_pb2.SandboxSpec(), req.idempotency_key, req.wait_ready)
             try:
+                snapshots.check_visible(who.project_id, req.spec.image)
                 it.spec = self.normalize_shared(req.spec)
             except DSecError as err:
                 it.error = err

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from apiserver import forking
+from apiserver import forking, snapshots
 from apiserver.creation import Caller
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
@@ -334,7 +334,9 @@ class SandboxServicer(_Forwarder):
             context,
             request.sandbox_id,
             "PauseSandbox",
-            edge_pb2.PauseSandboxRequest(sandbox_id=request.sandbox_id),
+            edge_pb2.PauseSandboxRequest(
+                sandbox_id=request.sandbox_id, files_only=request.files_only
+            ),
             timeout=DEFAULT_DEADLINE_S * 6,
         )
         return apiserver_pb2.PauseSandboxResponse(sandbox=resp.sandbox)
@@ -386,7 +388,10 @@ class SandboxServicer(_Forwarder):
     async def PackDiff(
         self, request: apiserver_pb2.PackDiffRequest, context: Any
     ) -> apiserver_pb2.PackDiffResponse:
-        """On the owning edge: its writable layer is on that node's disk."""
+        """On the owning edge: its writable layer is on that node's disk. A name in the
+        snapshot namespace must be the caller's project's (apiserver/snapshots.py)."""
+        who = await self.gw.caller(bearer_token(context))
+        snapshots.check_packable(who.project_id, request.name)
         resp = await self._call(
             context,
             request.sandbox_id,

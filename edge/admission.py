@@ -19,7 +19,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from edge.backends.contract import AttachesGpus, Pausable, SandboxBackend, require
+from edge.backends.contract import (
+    AttachesGpus,
+    Pausable,
+    PausesFilesOnly,
+    SandboxBackend,
+    require,
+)
 from edge.disk_guard import DiskGuard
 from edge.model import SANDBOX_ID, SandboxRecord, SandboxSpec
 from libdsec.errors import EdgeCapacity, InvalidArgument, NodeDiskLow, NodeMemoryFull
@@ -121,6 +127,8 @@ class Admission:
             # A pause at the TTL the backend cannot do would end the sandbox instead: refused
             # at create (UNIMPLEMENTED BACKEND_CAPABILITY, capability pause).
             require(self.backends[spec.backend], Pausable)
+            if spec.pause_at_ttl_files_only:
+                require(self.backends[spec.backend], PausesFilesOnly)
         reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
         if reserved:
             # aether and chronus take their settings (Landlock on, the channel's fd, ...) from

@@ -83,6 +83,8 @@ def spec_from_pb(spec: types_pb2.SandboxSpec) -> SandboxSpec:
         node_selector=dict(spec.node_selector),
         toolkits=list(spec.toolkits),
         pause_at_ttl=spec.pause_at_ttl,
+        manual_resume=spec.manual_resume,
+        pause_at_ttl_files_only=spec.pause_at_ttl_files_only,
     )
 
 
@@ -107,6 +109,8 @@ def spec_pb(spec: SandboxSpec) -> types_pb2.SandboxSpec:
         node_selector=spec.node_selector,
         toolkits=spec.toolkits,
         pause_at_ttl=spec.pause_at_ttl,
+        manual_resume=spec.manual_resume,
+        pause_at_ttl_files_only=spec.pause_at_ttl_files_only,
     )
     if spec.network:
         network_to_pb(spec.network, out.network)
@@ -119,6 +123,7 @@ def sandbox_pb(rec: SandboxRecord) -> types_pb2.Sandbox:
         project_id=rec.project_id,
         principal_id=rec.principal_id,
         forked_from=rec.forked_from,
+        paused_files_only=rec.paused_files_only and rec.state == "PAUSED",
         spec=spec_pb(rec.spec),
         state=types_pb2.SandboxState.Value("SANDBOX_STATE_" + rec.state),  # type: ignore[arg-type]
         edge_id=rec.edge_id,

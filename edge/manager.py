@@ -36,6 +36,7 @@ from edge.backends.contract import (
     NetworkPolicies,
     Pausable,
     PauseOutcome,
+    PausesFilesOnly,
     ResumeFailed,
     SandboxBackend,
     UsageMetrics,
@@ -428,11 +429,14 @@ class SandboxManager:
     def _transition(self, sandbox_id: str) -> asyncio.Lock:
         return self._transitions.setdefault(sandbox_id, asyncio.Lock())
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, *, files_only: bool = False) -> SandboxRecord:
         """Stops everything in the sandbox, keeps its state and gives its memory back where
-        the backend can: what it gave back stops counting toward the node's admission."""
+        the backend can: what it gave back stops counting toward the node's admission.
+        ``files_only``: only its files are kept (a cold pause: all of its memory is given
+        back; the resume boots it afresh). A paused sandbox stays as it was paused."""
         rec = self.get_live(sandbox_id)
         pausable = require(self.backend_of(rec), Pausable)
+        cold = require(self.backend_of(rec), PausesFilesOnly) if files_only else None
         await self._wait_ready(rec)
         async with self._transition(sandbox_id):
             if rec.state == "PAUSED":
@@ -444,9 +448,13 @@ class SandboxManager:
                     reason="SANDBOX_NOT_RUNNING",
                     metadata={"state": rec.state},
                 )
-            outcome = await pausable.pause(rec)
+            if cold is not None:
+                outcome = await cold.pause_files_only(rec)
+            else:
+                outcome = await pausable.pause(rec)
             if rec.state != "RUNNING":  # it ended while pausing (stop, TTL, runtime death)
                 return rec
+            rec.paused_files_only = cold is not None
             self._paused(rec, outcome)
             self._set_state(rec, "PAUSED")
             if self.metrics is not None:
@@ -488,7 +496,10 @@ class SandboxManager:
             need = self.admission.take_back(rec)
             started = time.monotonic()
             try:
-                await pausable.resume(rec)
+                if rec.paused_files_only:
+                    await require(self.backend_of(rec), PausesFilesOnly).resume_files_only(rec)
+                else:
+                    await pausable.resume(rec)
             except ResumeFailed as exc:
                 # Its memory or state cannot come back: retrying would fail the same way.
                 log.warning("resume of %s failed: %s", sandbox_id, exc)
@@ -502,6 +513,7 @@ class SandboxManager:
                     self.admission.give_back(rec, need)
                 raise
             rec.memory = {}
+            rec.paused_files_only = False
             rec.last_active_at = time.time()
             if rec.paused_at_ttl:  # back from a pause at its TTL: a fresh TTL
                 rec.paused_at_ttl = False
@@ -573,6 +585,11 @@ class SandboxManager:
                     "sandbox can be forked",
                     reason="SANDBOX_NOT_RUNNING",
                     metadata={"state": source.state},
+                )
+            if source.paused_files_only:
+                raise FailedPrecondition(
+                    f"sandbox {sandbox_id} is paused with its files only: resume it first",
+                    reason="SANDBOX_PAUSED_FILES_ONLY",
                 )
             spec = copy.copy(source.spec)
             spec.labels = {**source.spec.labels, **labels}
@@ -683,9 +700,18 @@ class SandboxManager:
         return len(paused), sum(r.released_mb for r in paused), swapped
 
     async def touch(self, sandbox_id: str) -> SandboxRecord:
-        """Marks activity (idle timer) before a call into the sandbox; resumes a paused one."""
+        """Marks activity (idle timer) before a call into the sandbox; resumes a paused one,
+        unless it asked to be resumed only explicitly (spec.manual_resume): then
+        FAILED_PRECONDITION SANDBOX_PAUSED."""
         rec = self.get_live(sandbox_id)
         await self._wait_ready(rec)
+        if rec.state == "PAUSED" and rec.spec.manual_resume:
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id} is paused and resumes only when asked to "
+                "(manual_resume): resume it first",
+                reason="SANDBOX_PAUSED",
+                metadata={"state": "PAUSED"},
+            )
         if rec.state == "PAUSED":
             await self.resume(sandbox_id)
         if rec.state != "RUNNING":

@@ -48,6 +48,10 @@ class SandboxSpec:
     toolkits: list[str] = field(default_factory=list)
     #: At its TTL it is paused, not ended (edge/reaper.py).
     pause_at_ttl: bool = False
+    #: A paused sandbox comes back only on an explicit resume, never on a call (touch).
+    manual_resume: bool = False
+    #: The pause at the TTL keeps the files only (a cold pause).
+    pause_at_ttl_files_only: bool = False
 
 
 @dataclass
@@ -81,6 +85,8 @@ class SandboxRecord:
     #: Paused by its TTL (spec.pause_at_ttl): a resume gives it a fresh TTL; until then its
     #: deadline is the edge's keep period.
     paused_at_ttl: bool = False
+    #: Paused with its files only (a cold pause): nothing runs, its resume boots it afresh.
+    paused_files_only: bool = False
 
     @property
     def expires_at(self) -> float:

@@ -39,7 +39,7 @@ class Sandboxes(Protocol):
         self, sandbox_id: str, *, reason: str = ..., message: str = ..., grace_s: float = ...
     ) -> SandboxRecord: ...
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord: ...
+    async def pause(self, sandbox_id: str, *, files_only: bool = False) -> SandboxRecord: ...
 
     def changed(self, rec: SandboxRecord) -> None: ...
 
@@ -114,7 +114,7 @@ class Reaper:
         m = self.manager
         try:
             if rec.state == "RUNNING":
-                await m.pause(rec.sandbox_id)
+                await m.pause(rec.sandbox_id, files_only=rec.spec.pause_at_ttl_files_only)
         except DSecError as exc:
             if rec.state == TERMINAL:
                 return

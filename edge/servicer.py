@@ -291,7 +291,7 @@ class EdgeServicer:
         self, request: edge_pb2.PauseSandboxRequest, context: Any
     ) -> edge_pb2.PauseSandboxResponse:
         async def pause() -> edge_pb2.PauseSandboxResponse:
-            rec = await self.manager.pause(request.sandbox_id)
+            rec = await self.manager.pause(request.sandbox_id, files_only=request.files_only)
             return edge_pb2.PauseSandboxResponse(sandbox=sandbox_pb(rec))
 
         return await self._logged(

@@ -585,14 +585,22 @@ class AsyncSandbox:
             60 + grace_s,
         )
 
-    async def pause(self) -> SandboxInfo:
+    async def pause(self, *, memory: bool = True) -> SandboxInfo:
         """Stops everything in the sandbox and gives its memory back to the node, keeping files,
         processes and their memory contents: a container's pages go to the edge's swap area, a
         microVM is saved to local disk. ``refresh().memory`` says how much was freed. Any later
-        call (exec, files, HTTP, sessions) resumes it first; the TTL keeps counting while paused,
-        the idle timeout does not. Not RUNNING: ``FailedPrecondition``."""
+        call (exec, files, HTTP, sessions) resumes it first (unless it was created with
+        ``manual_resume``); the TTL keeps counting while paused, the idle timeout does not.
+        Not RUNNING: ``FailedPrecondition``.
+
+        ``memory=False`` keeps the files only (a cold pause, containers): every process is
+        stopped and all of its memory given back; the resume boots it afresh on its files
+        (a new init and agents, no processes, same id). ``info.paused_files_only`` says so.
+        Another backend: ``BackendCapabilityMissing`` (``files_only_pause``)."""
         return await self._lifecycle(
-            "PauseSandbox", apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id), 120
+            "PauseSandbox",
+            apiserver_pb2.PauseSandboxRequest(sandbox_id=self.id, files_only=not memory),
+            120,
         )
 
     async def set_timeout(self, seconds: float) -> SandboxInfo:

@@ -67,6 +67,11 @@ class SandboxOptions(TypedDict, total=False):
     #: paused at its TTL instead of ended; the next call (or a resume) brings it back with a
     #: fresh TTL (E2B's autoPause); one left paused past the edge's keep period ends TTL
     pause_at_ttl: bool
+    #: with ``pause_at_ttl``: that pause keeps the files only (see ``pause(memory=False)``)
+    pause_at_ttl_files_only: bool
+    #: a paused sandbox comes back only on ``resume()``: a call into it raises
+    #: ``FailedPrecondition`` (reason ``SANDBOX_PAUSED``) instead of resuming it
+    manual_resume: bool
     #: ended (reason IDLE) after this many seconds without a call; default: never
     idle_timeout_s: int | None
     #: free-form labels, to list, watch or stop by (``labels={"stage": "train"}``)
@@ -166,6 +171,8 @@ def make_spec(**options: Unpack[SandboxOptions]) -> types_pb2.SandboxSpec:
         node_selector=dict(options.get("node_selector") or {}),
         toolkits=list(options.get("toolkits") or ()),
         pause_at_ttl=bool(options.get("pause_at_ttl")),
+        pause_at_ttl_files_only=bool(options.get("pause_at_ttl_files_only")),
+        manual_resume=bool(options.get("manual_resume")),
     )
     network = options.get("network")
     if network is not None:

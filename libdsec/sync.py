@@ -835,8 +835,9 @@ class Sandbox:
         """Stops the sandbox (see :meth:`AsyncSandbox.stop`): ``sb.stop(grace_s=0.5)``."""
         return self._c._loop.run(self._s.stop(**options))
 
-    def pause(self) -> SandboxInfo:
-        return self._c._loop.run(self._s.pause())
+    def pause(self, *, memory: bool = True) -> SandboxInfo:
+        """See :meth:`AsyncSandbox.pause`: ``sb.pause(memory=False)`` keeps the files only."""
+        return self._c._loop.run(self._s.pause(memory=memory))
 
     def resume(self) -> SandboxInfo:
         return self._c._loop.run(self._s.resume())

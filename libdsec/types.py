@@ -383,6 +383,7 @@ class SandboxInfo:
     last_active_at: datetime | None = None  # the last call into it (the idle timer's start)
     principal_id: str = ""  # the token that created it
     forked_from: str = ""  # a fork's child: the sandbox it was copied from
+    paused_files_only: bool = False  # PAUSED with its files only (pause(memory=False))
     #: A create that waited in the queue (``wait_s``): where it is, or was.
     queue: QueueInfo | None = None
     terminated_at: datetime | None = None  # when it ended (None while it lives)
@@ -423,6 +424,7 @@ class SandboxInfo:
             last_active_at=_dt(s.last_active_at),
             principal_id=s.principal_id,
             forked_from=s.forked_from,
+            paused_files_only=s.paused_files_only,
             queue=QueueInfo.from_pb(s.queue) if s.HasField("queue") else None,
             terminated_at=_dt(s.termination.at) if reason else None,
         )

@@ -4,8 +4,9 @@ Routes: create (``POST /sandboxes``, ``POST /v2/sandboxes``), ``GET``/``DELETE``
 ``/sandboxes/{id}``, timeout, pause, resume (deprecated v1), connect (v1 and v2), fork
 (``POST /sandboxes/{id}/fork``: dsec's ForkSandbox), list (``GET /v2/sandboxes`` with
 metadata, state, template and start-time filters and next-token pagination; the deprecated
-``GET /sandboxes``), network updates, ``/health``. Everything else E2B has (templates,
-snapshots, volumes, secrets, metrics, logs) answers 501 saying dsec does not do it.
+``GET /sandboxes``), network updates, snapshots (compat/e2b/snapshots.py: create, list,
+delete through ``DELETE /templates/{id}``, create from one), ``/health``. Everything else
+E2B has (templates, volumes, secrets, logs) answers 501 saying dsec does not do it.
 
 Every call acts with the caller's own dsec token (``X-API-Key``): the caller's project,
 quotas and sandboxes. A sandbox of another project is a 404 exactly like a missing one
@@ -27,13 +28,13 @@ from starlette.routing import Route
 
 from compat.clients import ClientPool
 from compat.config import CompatConfig
-from compat.e2b import dsec, mapping
+from compat.e2b import dsec, mapping, snapshots
 from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
 from compat.e2b.signing import SandboxTokens
 from compat.http import Receive, Scope, Send, without_trailing_slash
-from libdsec import AsyncClient, NetworkPolicy, SandboxInfo, SandboxMetric
+from libdsec import AsyncClient, Environment, NetworkPolicy, SandboxInfo, SandboxMetric
 from libdsec.errors import (
     BackendCapabilityMissing,
     BackendNotOffered,
@@ -52,10 +53,9 @@ Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 
 #: What E2B has and dsec does not do: answered 501 with the reason.
 _UNSUPPORTED = [
-    (r"/sandboxes/[^/]+/(snapshots|logs)", "snapshots and logs"),
+    (r"/sandboxes/[^/]+/logs", "sandbox logs"),
     (r"/v2/sandboxes/[^/]+/logs", "sandbox logs"),
     (r"/(v[0-9]/)?templates(/.*)?", "E2B templates (dsec builds environments: dsec env import)"),
-    (r"/snapshots(/.*)?", "snapshots"),
     (r"/volumes(/.*)?", "volumes"),
     (r"/secrets(/.*)?", "secrets"),
     (r"/teams(/.*)?", "teams (dsec has projects)"),
@@ -79,6 +79,8 @@ class ControlApi:
         #: Why this instance must not be given traffic (its virtual IP's route agent failed:
         #: compat/server.py); "" = serving.
         self.not_serving = ""
+        #: The caller's project, by key (snapshot names are per project).
+        self._projects: dict[str, str] = {}
         routes = [
             Route("/health", self.health, methods=_ANY),
             Route("/sandboxes", self._leased(self.create), methods=["POST"]),
@@ -98,6 +100,11 @@ class ControlApi:
             Route("/sandboxes/{id}/fork", self._leased(self.fork), methods=["POST"]),
             Route("/v2/sandboxes/{id}/connect", self._leased(self.connect), methods=["POST"]),
             Route("/sandboxes/{id}/network", self._leased(self.update_network), methods=["PUT"]),
+            Route(
+                "/sandboxes/{id}/snapshots", self._leased(self.create_snapshot), methods=["POST"]
+            ),
+            Route("/snapshots", self._leased(self.list_snapshots), methods=["GET"]),
+            Route("/templates/{id}", self._leased(self.delete_template), methods=["DELETE"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -166,6 +173,24 @@ class ControlApi:
         except BackendCapabilityMissing as exc:
             raise HttpError(501, f"sandbox metrics: {exc.message}") from None
 
+    async def _project(self, client: AsyncClient, key: str) -> str:
+        project = self._projects.get(key)
+        if project is None:
+            project = (await client.whoami()).project_id
+            if len(self._projects) >= self.config.clients_max:
+                self._projects.clear()
+            self._projects[key] = project
+        return project
+
+    async def _snapshot(
+        self, client: AsyncClient, key: str, ref: snapshots.SnapshotRef
+    ) -> Environment | None:
+        """The caller's snapshot ``ref``; None if it has none of that name."""
+        try:
+            return await client.get_environment(ref.environment(await self._project(client, key)))
+        except NotFound:
+            return None
+
     async def _set_timeout(self, client: AsyncClient, sandbox_id: str, seconds: float) -> None:
         try:
             await dsec.sandbox(client, sandbox_id).set_timeout(seconds)
@@ -179,7 +204,7 @@ class ControlApi:
         template = body.get("templateID")
         if not isinstance(template, str):
             raise HttpError(400, "templateID is required")
-        pause_at_ttl = mapping.auto_pause_of(body)
+        auto_pause = mapping.auto_pause_of(body)
         for name, what in (("mcp", "MCP gateways"), ("volumeMounts", "volume mounts")):
             if body.get(name):
                 raise HttpError(400, f"{name}: {what} are not supported by dsec")
@@ -190,8 +215,17 @@ class ControlApi:
         labels[mapping.LABEL_USER] = self.config.user_for(template)
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
         memory_mb = self.config.memory_for(template)
-        labels[mapping.LABEL_MEMORY] = str(memory_mb)
         target = mapping.target_for(template, self.config)
+        snapshot = await self._snapshot_of_template(client, key, template)
+        if snapshot is not None:
+            # Its source's user and memory; its own name as the template.
+            source = snapshots.source_labels(snapshot)
+            labels[mapping.LABEL_USER] = source.get(mapping.LABEL_USER) or self.config.user_for(
+                source.get(mapping.LABEL_TEMPLATE, "")
+            )
+            memory_mb = int(source.get(mapping.LABEL_MEMORY) or memory_mb)
+            target = mapping.TemplateTarget(snapshot.name, "")
+        labels[mapping.LABEL_MEMORY] = str(memory_mb)
         options: dict[str, Any] = {
             "image": target.image,
             "ttl_s": mapping.timeout_for(body, self.config),
@@ -199,7 +233,9 @@ class ControlApi:
             "env": mapping.env_for(body.get("envVars")),
             "cpu": self.config.cpu,
             "memory_mb": memory_mb,
-            "pause_at_ttl": pause_at_ttl,
+            "pause_at_ttl": auto_pause.pause,
+            "pause_at_ttl_files_only": auto_pause.files_only,
+            "manual_resume": auto_pause.manual_resume,
         }
         if target.backend:
             options["backend"] = target.backend
@@ -295,15 +331,17 @@ class ControlApi:
             await self._set_timeout(client, info.id, seconds)
 
     async def pause(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """``{"memory": false}`` is dsec's files-only pause (``pause(memory=False)``): the
+        processes stop, the memory is all given back, the resume (connect) boots the sandbox
+        afresh on its files; a backend without it answers 501."""
         body = await read_json(request, self.config.max_json_bytes)
-        if body.get("memory") is False:
-            raise HttpError(
-                400, "memory=false (filesystem-only pause) is not supported: dsec keeps memory"
-            )
+        memory = body.get("memory", True)
+        if not isinstance(memory, bool):
+            raise HttpError(400, "memory must be a boolean")
         info = await self._live(client, request.path_params["id"])
         if info.state == "PAUSED":
             raise HttpError(409, f"sandbox {info.id!r} is already paused")
-        await dsec.sandbox(client, info.id).pause()
+        await dsec.sandbox(client, info.id).pause(memory=memory)
         return Response(status_code=204)
 
     async def _resume_if_paused(self, client: AsyncClient, info: SandboxInfo) -> SandboxInfo:
@@ -366,6 +404,66 @@ class ControlApi:
             policy or NetworkPolicy()
         )
         return Response(status_code=204)
+
+    async def _snapshot_of_template(
+        self, client: AsyncClient, key: str, template: str
+    ) -> Environment | None:
+        """The caller's snapshot a create's templateID names (not a configured template)."""
+        if template in self.config.templates:
+            return None
+        ref = snapshots.parse_ref(template, strict=False)
+        return None if ref is None else await self._snapshot(client, key, ref)
+
+    async def create_snapshot(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """E2B's snapshot: the sandbox's files (all of them) packed as the caller's project's
+        environment ``snapshots/<project>/<name>:default``; 201 with its SnapshotInfo."""
+        body = await read_json(request, self.config.max_json_bytes)
+        ref = snapshots.new_ref(body.get("name"))
+        info = await self._live(client, request.path_params["id"])
+        env = ref.environment(await self._project(client, key))
+        try:
+            await dsec.sandbox(client, info.id).pack_diff(env, default_excludes=False)
+        except (NotFound, SandboxTerminated):
+            raise HttpError(404, f"sandbox {info.id!r} not found") from None
+        except BackendCapabilityMissing as exc:
+            raise HttpError(501, f"snapshots of this sandbox: {exc.message}") from None
+        return JSONResponse(
+            snapshots.info_json(ref), 201, headers={snapshots.KIND_HEADER: snapshots.KIND}
+        )
+
+    async def list_snapshots(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """``GET /snapshots?sandboxID=&name=&limit=&nextToken=``: the caller's snapshots, by
+        name, paginated (``X-Next-Token``)."""
+        project = await self._project(client, key)
+        envs = await client.list_environments(prefix=f"{snapshots.PREFIX}{project}/")
+        # The prefix also matches subprojects' (snapshots/<project>/<sub>/...): not listed.
+        mine = [e for e in envs if e.name.count("/") == project.count("/") + 2]
+        q = request.query_params
+        items, token = snapshots.page(
+            mine,
+            sandbox_id=q.get("sandboxID") or "",
+            name=q.get("name") or "",
+            limit=q.get("limit"),
+            next_token=q.get("nextToken"),
+        )
+        headers = {"X-Next-Token": token} if token else {}
+        return JSONResponse(
+            [snapshots.info_json(snapshots.ref_of(e)) for e in items], headers=headers
+        )
+
+    async def delete_template(self, client: AsyncClient, key: str, request: Request) -> Response:
+        """``DELETE /templates/{id}``: a snapshot of the caller's is deleted (204; sandboxes
+        running from it keep running); no such snapshot: 404; E2B templates are not dsec's
+        to delete (501)."""
+        template = request.path_params["id"]
+        ref = snapshots.parse_ref(template, strict=False)
+        if ref is not None:
+            project = await self._project(client, key)
+            if await client.delete_environment(ref.environment(project)):
+                return Response(status_code=204)
+        if template in self.config.templates:
+            raise HttpError(501, "deleting E2B templates: not supported by dsec")
+        raise HttpError(404, f"snapshot {template!r} not found")
 
     async def list_v2(self, client: AsyncClient, key: str, request: Request) -> Response:
         q = mapping.parse_list_query(

@@ -339,27 +339,40 @@ def metric_json(m: SandboxMetric) -> dict[str, Any]:
     }
 
 
-def auto_pause_of(body: Mapping[str, Any]) -> bool:
-    """E2B's ``autoPause`` as dsec's ``pause_at_ttl``. dsec's pause keeps memory, and a paused
-    sandbox resumes on its next call: a filesystem-only auto-pause (``autoPauseMemory``:
-    false) and ``autoResume.enabled: false`` cannot be honoured and are refused."""
+@dataclass(frozen=True)
+class AutoPause:
+    """E2B's autoPause, autoPauseMemory and autoResume as dsec's spec fields."""
+
+    pause: bool  # pause_at_ttl
+    files_only: bool  # pause_at_ttl_files_only
+    manual_resume: bool
+
+
+def auto_pause_of(body: Mapping[str, Any]) -> AutoPause:
+    """E2B's ``autoPause`` is dsec's ``pause_at_ttl``; ``autoPauseMemory: false`` makes that
+    pause keep the files only (``pause_at_ttl_files_only``: the resume boots it afresh),
+    which, as in E2B, only an explicit resume (connect) brings back; ``autoResume.enabled:
+    false`` is ``manual_resume`` (a call into the paused sandbox does not resume it). Both
+    with ``autoResume.enabled: true`` is a contradiction: 400."""
     auto_pause = body.get("autoPause", False)
     if not isinstance(auto_pause, bool):
         raise HttpError(400, "autoPause must be a boolean")
-    if body.get("autoPauseMemory", True) is not True:
-        raise HttpError(
-            400,
-            "autoPauseMemory=false (a filesystem-only auto-pause) is not supported: dsec's "
-            "pause keeps the sandbox's memory",
-        )
+    memory = body.get("autoPauseMemory", True)
+    if not isinstance(memory, bool):
+        raise HttpError(400, "autoPauseMemory must be a boolean")
     resume = body.get("autoResume")
+    enabled: bool | None = None
     if resume is not None:
         if not isinstance(resume, dict) or not isinstance(resume.get("enabled", True), bool):
             raise HttpError(400, "autoResume must be an object {enabled: boolean}")
-        if resume.get("enabled") is False:
-            raise HttpError(
-                400,
-                "autoResume.enabled=false is not supported: a paused dsec sandbox resumes on "
-                "its next call",
-            )
-    return auto_pause
+        enabled = resume.get("enabled", True)
+    files_only = auto_pause and not memory
+    if files_only and enabled:
+        raise HttpError(
+            400,
+            "autoPauseMemory=false with autoResume.enabled=true: a filesystem-only pause is "
+            "resumed by a connect only",
+        )
+    return AutoPause(
+        pause=auto_pause, files_only=files_only, manual_resume=files_only or enabled is False
+    )

@@ -96,6 +96,9 @@ class Capability(enum.Enum):
     FORK = "fork"
     #: Samples of a sandbox's CPU, memory and disk use (GetSandboxMetrics).
     METRICS = "metrics"
+    #: A pause that keeps the files only and boots the sandbox afresh on resume
+    #: (PauseSandboxRequest.files_only).
+    FILES_ONLY_PAUSE = "files_only_pause"
 
 
 @runtime_checkable
@@ -151,6 +154,17 @@ class Pausable(Protocol):
 
     async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
         """Measured now; None when the backend cannot tell (the sandbox is gone)."""
+
+
+@runtime_checkable
+class PausesFilesOnly(Protocol):
+    async def pause_files_only(self, rec: SandboxRecord) -> PauseOutcome:
+        """Stop every process of the sandbox and give back all of its memory, keeping its
+        writable layer (and the record: id, spec, tokens). Nothing of it runs afterwards."""
+
+    async def resume_files_only(self, rec: SandboxRecord) -> None:
+        """Boot the sandbox afresh on its image with the kept writable layer (a new init,
+        new agents); its channel answers afterwards. ResumeFailed as for Pausable.resume."""
 
 
 @runtime_checkable
@@ -270,6 +284,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.DISPLAY: Displays,
     Capability.FORK: Forks,
     Capability.METRICS: UsageMetrics,
+    Capability.FILES_ONLY_PAUSE: PausesFilesOnly,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

@@ -39,6 +39,11 @@ def check_packable(rec: SandboxRecord) -> None:
         raise FailedPrecondition(
             f"sandbox {rec.sandbox_id} is {rec.state}: pack_diff needs it RUNNING or PAUSED"
         )
+    if rec.paused_files_only:
+        raise FailedPrecondition(
+            f"sandbox {rec.sandbox_id} is paused with its files only: resume it first",
+            reason="SANDBOX_PAUSED_FILES_ONLY",
+        )
 
 
 def recorded_layers(rec: SandboxRecord) -> list[LayerRef]:
@@ -53,13 +58,22 @@ def recorded_layers(rec: SandboxRecord) -> list[LayerRef]:
     return layers
 
 
+#: Provenance keys of a packed environment's config.
+SANDBOX_KEY = "sandbox"
+LABEL_PREFIX = "label."
+
+
 def environment_config(rec: SandboxRecord) -> dict[str, str]:
     """The packed environment's config: the image's environment variables and working
-    directory, and the image it was made from."""
+    directory, the image it was made from, and the sandbox (its id and labels)."""
     config = {ENV_PREFIX + k: v for k, v in (rec.runtime.get("image_env") or {}).items()}
     if rec.runtime.get("image_workdir"):
         config[WORKDIR_KEY] = str(rec.runtime["image_workdir"])
     config["parent"] = str(rec.runtime.get("image", ""))
+    # Provenance: which sandbox it was packed from, and that sandbox's labels (a snapshot's
+    # maker reads them back: the E2B front end's template and user, compat/e2b/snapshots.py).
+    config[SANDBOX_KEY] = rec.sandbox_id
+    config.update({LABEL_PREFIX + k: v for k, v in rec.spec.labels.items()})
     return config
 
 

@@ -103,6 +103,8 @@ log = logging.getLogger(__name__)
 PR_SET_CHILD_SUBREAPER = 36
 #: Name prefix of a fork's capture directory under rw/ (never a sandbox id: ids have no dot).
 FORK_CAPTURE_PREFIX = ".fork-"
+#: The writable layer a cold pause keeps (`park_upper`), beside the writable layers.
+PARKED_PREFIX = ".parked-"
 _RUNC_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 _STATUS = {
     "running": SandboxStatus.RUNNING,
@@ -516,6 +518,21 @@ class RuncRuntime:
             raise
         return dest, stats, stall
 
+    def parked_upper(self, sandbox_id: str) -> Path:
+        """Where a cold pause keeps the sandbox's writable layer (`park_upper`)."""
+        return self.rw_dir / f"{PARKED_PREFIX}{sandbox_id}"
+
+    def park_upper(self, sandbox_id: str) -> Path:
+        """Copy the writable layer of a stopped sandbox, all of it, to `parked_upper` (a cold
+        pause, before the sandbox is destroyed); its cold boot later starts with it as its
+        upper (`create`'s initial_upper). A copy, not a rename: the layer may be on a disk
+        image of its own (a disk quota). Blocking."""
+        dest = self.parked_upper(sandbox_id)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp, _stats, _ = self.capture_upper(sandbox_id, freeze=False)
+        os.rename(tmp, dest)
+        return dest
+
     def rename(
         self,
         old: str,
@@ -912,6 +929,10 @@ class RuncRuntime:
         for capture in self.rw_dir.glob(FORK_CAPTURE_PREFIX + "*"):
             shutil.rmtree(capture, ignore_errors=True)
             removed.append(f"fork-capture:{capture.name}")
+        for parked in self.rw_dir.glob(PARKED_PREFIX + "*"):
+            if parked.name.removeprefix(PARKED_PREFIX) not in keep:
+                shutil.rmtree(parked, ignore_errors=True)
+                removed.append(f"parked:{parked.name}")
         self.layers.recover(self._claims(only=keep))
         removed += [f"layer:{p}" for p in self.layers.unmount_unused()]
         return removed

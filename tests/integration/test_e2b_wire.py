@@ -355,10 +355,13 @@ def test_unsupported_e2b_features_say_so(target: E2bTarget, http: httpx.Client) 
     key = {"X-API-Key": target.key}
     r = http.get("/templates", headers=key)
     assert r.status_code == 501 and "not supported by dsec" in r.json()["message"]
-    # autoPause is dsec's pause_at_ttl, but not a filesystem-only one nor without auto-resume
+    # A filesystem-only auto-pause is resumed by a connect only: not with autoResume on.
     for body, field in (
-        ({"autoPause": True, "autoPauseMemory": False}, "autoPauseMemory"),
-        ({"autoPause": True, "autoResume": {"enabled": False}}, "autoResume"),
+        (
+            {"autoPause": True, "autoPauseMemory": False, "autoResume": {"enabled": True}},
+            "autoPauseMemory",
+        ),
+        ({"autoPause": True, "autoResume": {"enabled": "no"}}, "autoResume"),
         ({"autoPause": "yes"}, "autoPause"),
     ):
         r = http.post("/v2/sandboxes", json={"templateID": "base", **body}, headers=key)

@@ -417,15 +417,23 @@ class PauseSandboxRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    FILES_ONLY_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
+    files_only: _builtins.bool
+    """Keep the files only (a "cold" pause): every process is stopped and all of the
+    sandbox's memory given back; its writable layer, id and settings are kept, and the
+    resume boots it afresh from them (new init, new agents, no processes). Backends
+    without it (microVM, VM): UNIMPLEMENTED BACKEND_CAPABILITY.
+    """
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
+        files_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files_only", b"files_only", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -634,6 +634,8 @@ class SandboxSpec(_message.Message):
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     TOOLKITS_FIELD_NUMBER: _builtins.int
     PAUSE_AT_TTL_FIELD_NUMBER: _builtins.int
+    MANUAL_RESUME_FIELD_NUMBER: _builtins.int
+    PAUSE_AT_TTL_FILES_ONLY_FIELD_NUMBER: _builtins.int
     backend: Global___Backend.ValueType
     image: _builtins.str
     """environment "name[:tag]" or "docker:repo:tag" """
@@ -651,6 +653,15 @@ class SandboxSpec(_message.Message):
     resume, brings it back with a fresh TTL; one not resumed within the edge's
     paused_at_ttl_keep_s (default a day) ends TTL. Needs a backend that pauses (else
     UNIMPLEMENTED at create).
+    """
+    manual_resume: _builtins.bool
+    """A paused sandbox comes back only on ResumeSandbox: a call into it (exec, files, HTTP,
+    sessions) is FAILED_PRECONDITION SANDBOX_PAUSED instead of resuming it (E2B's
+    autoResume: false).
+    """
+    pause_at_ttl_files_only: _builtins.bool
+    """With pause_at_ttl: the pause at the TTL keeps the files only (PauseSandboxRequest.
+    files_only), not the processes and their memory.
     """
     @_builtins.property
     def resources(self) -> Global___Resources: ...
@@ -689,10 +700,12 @@ class SandboxSpec(_message.Message):
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         toolkits: _abc.Iterable[_builtins.str] | None = ...,
         pause_at_ttl: _builtins.bool = ...,
+        manual_resume: _builtins.bool = ...,
+        pause_at_ttl_files_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "network", b"network", "node_selector", b"node_selector", "pause_at_ttl", b"pause_at_ttl", "qos", b"qos", "resources", b"resources", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "manual_resume", b"manual_resume", "network", b"network", "node_selector", b"node_selector", "pause_at_ttl", b"pause_at_ttl", "pause_at_ttl_files_only", b"pause_at_ttl_files_only", "qos", b"qos", "resources", b"resources", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -814,6 +827,7 @@ class Sandbox(_message.Message):
     PRINCIPAL_ID_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     FORKED_FROM_FIELD_NUMBER: _builtins.int
+    PAUSED_FILES_ONLY_FIELD_NUMBER: _builtins.int
     QUEUE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"sb-<edge_id>-<random>": the owning edge is encoded"""
@@ -824,6 +838,8 @@ class Sandbox(_message.Message):
     """who created it"""
     forked_from: _builtins.str
     """a fork's child: the sandbox it was copied from ("" otherwise)"""
+    paused_files_only: _builtins.bool
+    """PAUSED with its files only (a files-only pause): the resume boots it afresh."""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     @_builtins.property
@@ -867,11 +883,12 @@ class Sandbox(_message.Message):
         principal_id: _builtins.str = ...,
         memory: Global___SandboxMemory | None = ...,
         forked_from: _builtins.str = ...,
+        paused_files_only: _builtins.bool = ...,
         queue: Global___QueueStatus | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "last_active_at", b"last_active_at", "memory", b"memory", "queue", b"queue", "spec", b"spec", "started_at", b"started_at", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "forked_from", b"forked_from", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "principal_id", b"principal_id", "project_id", b"project_id", "queue", b"queue", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "expires_at", b"expires_at", "forked_from", b"forked_from", "id", b"id", "last_active_at", b"last_active_at", "memory", b"memory", "paused_files_only", b"paused_files_only", "principal_id", b"principal_id", "project_id", b"project_id", "queue", b"queue", "spec", b"spec", "started_at", b"started_at", "state", b"state", "termination", b"termination", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,7 +79,7 @@ from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
 from edge.toolkit import toolkit_argv
 from edge.usage import UsageSamples
-from libdsec.errors import FailedPrecondition, Unavailable
+from libdsec.errors import DSecError, FailedPrecondition, Unavailable
 
 #: Where aether finds the precompiled seccomp program (insandbox/security.py reads the same name).
 SECCOMP_FD_ENV = "DSEC_AETHER_SECCOMP_FD"
@@ -111,6 +111,7 @@ class ContainerBackend:
             Capability.DISK_USAGE,
             Capability.FORK,
             Capability.METRICS,
+            Capability.FILES_ONLY_PAUSE,
         }
     )
     #: A child gets the files and the sessions' cwd and environment, not the processes.
@@ -538,6 +539,12 @@ class ContainerBackend:
         await asyncio.to_thread(self.runtime.stop, rec.sandbox_id, grace_s)
 
     async def destroy(self, rec: SandboxRecord) -> None:
+        await self._remove(rec)
+        # The files a cold pause kept (the sandbox ended, or its cold boot failed).
+        await asyncio.to_thread(shutil.rmtree, self.runtime.parked_upper(rec.sandbox_id), True)
+
+    async def _remove(self, rec: SandboxRecord) -> None:
+        """Everything of the running sandbox (not what a cold pause parked)."""
         await self.settled(rec.sandbox_id)
         await self.channels.drop(rec.sandbox_id)
         self.containment.unwatch(rec.sandbox_id)
@@ -600,6 +607,40 @@ class ContainerBackend:
                 f"the sandbox did not answer after its resume: {exc.message}"
             ) from exc
 
+    async def pause_files_only(self, rec: SandboxRecord) -> PauseOutcome:
+        """A cold pause: pid 1 is stopped (so is everything else: its pid namespace ends),
+        the writable layer is moved aside (edge/runtime/runc.py: park_upper) and the
+        container, its cgroup, network and channel are removed; the memory is all given back.
+        Its resume (`resume_files_only`) starts it again like a fork's child: cold, on its
+        image, with that layer as its own."""
+        sid = rec.sandbox_id
+        t0 = time.perf_counter()
+        before = await self.memory_usage(rec) or MemoryUsage(0, 0)
+        await self.channels.drop(sid, shutdown_grace_s=1.0)
+        await asyncio.to_thread(self.runtime.stop, sid, 1.0)
+        await asyncio.to_thread(self.runtime.park_upper, sid)
+        await self._remove(rec)
+        return PauseOutcome(
+            before=before, after=MemoryUsage(0, 0), seconds=time.perf_counter() - t0
+        )
+
+    async def resume_files_only(self, rec: SandboxRecord) -> None:
+        """Boot it afresh: the image is resolved again by its name (an environment deleted
+        meanwhile cannot come back: ResumeFailed), the parked layer becomes its upper."""
+        sid = rec.sandbox_id
+        parked = self.runtime.parked_upper(sid)
+        if not parked.is_dir():
+            raise ResumeFailed(f"the files of {sid} kept by its pause are gone")
+        try:
+            image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        except DSecError as exc:
+            raise ResumeFailed(f"its image cannot be resolved: {exc.message}") from exc
+        try:
+            await self._start_cold(rec, image, time.perf_counter(), initial_upper=parked)
+        except (SandboxRuntimeError, OSError, Unavailable) as exc:
+            raise ResumeFailed(f"the sandbox did not boot again: {exc}") from exc
+        await asyncio.to_thread(shutil.rmtree, parked, True)
+
     async def memory_usage(self, rec: SandboxRecord) -> MemoryUsage | None:
         d = self._memory_dir(rec.sandbox_id)
         if d is None or not d.is_dir():
@@ -610,6 +651,9 @@ class ContainerBackend:
         """After an edge restart: is the container alive? Then reconnect to its aether. A
         paused one stays frozen, its memory where the pause put it: its channel is opened at
         the resume (a frozen aether cannot say Hello)."""
+        if rec.paused_files_only and rec.state == "PAUSED":
+            # Nothing runs: its files wait, parked, for the resume that boots it.
+            return self.runtime.parked_upper(rec.sandbox_id).is_dir()
         state = await asyncio.to_thread(self.runtime.state, rec.sandbox_id)
         if state.status == SandboxStatus.PAUSED and rec.state == "PAUSED":
             self.channels.hold(rec.sandbox_id)
