@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 
 from apiserver import forking
 from apiserver.creation import Caller
+from apiserver.environments import OWNER_KEY
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
@@ -386,9 +387,13 @@ class SandboxServicer(_Forwarder):
     async def PackDiff(
         self, request: apiserver_pb2.PackDiffRequest, context: Any
     ) -> apiserver_pb2.PackDiffResponse:
-        """On the owning edge: its writable layer is on that node's disk."""
-        resp = await self._call(
-            context,
+        """On the owning edge: its writable layer is on that node's disk. The environment's
+        config records the caller's project (``dsec.project``: its owner, who may delete it)."""
+        who = await self.gw.caller(bearer_token(context))
+        config = {k: v for k, v in request.config.items() if not k.startswith("dsec.")}
+        config[OWNER_KEY] = who.project_id
+        resp = await self._to_edge(
+            who,
             request.sandbox_id,
             "PackDiff",
             edge_pb2.PackDiffRequest(
@@ -396,6 +401,7 @@ class SandboxServicer(_Forwarder):
                 name=request.name,
                 exclude=request.exclude,
                 no_default_excludes=request.no_default_excludes,
+                config=config,
             ),
             timeout=PACK_DIFF_DEADLINE_S,
         )
