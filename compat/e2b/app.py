@@ -139,13 +139,15 @@ class E2bApp:
             interval = DEFAULT_KEEPALIVE_S
         try:
             async with self.pool.lease(access_token(request)) as client:
+                user, workdir = await self.users.of(client, r.sandbox_id)
                 call = EnvdCall(
                     client,
                     r.sandbox_id,
                     envd_user(request),
                     self.config,
                     max(interval, 1.0),
-                    await self.users.of(client, r.sandbox_id),
+                    user,
+                    workdir,
                 )
                 token = CALL.set(call)
                 try:

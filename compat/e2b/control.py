@@ -31,8 +31,17 @@ from compat.e2b import dsec, mapping
 from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
+from compat.e2b.templates import (
+    K_OWNER,
+    K_READY,
+    K_START,
+    K_USER,
+    TemplatesApi,
+    start_command,
+    wait_ready,
+)
 from compat.http import Receive, Scope, Send, without_trailing_slash
-from libdsec import AsyncClient, NetworkPolicy, SandboxInfo, SandboxMetric
+from libdsec import AsyncClient, AsyncSandbox, NetworkPolicy, SandboxInfo, SandboxMetric
 from libdsec.errors import (
     BackendCapabilityMissing,
     BackendNotOffered,
@@ -51,7 +60,7 @@ Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 _UNSUPPORTED = [
     (r"/sandboxes/[^/]+/(snapshots|logs)", "snapshots and logs"),
     (r"/v2/sandboxes/[^/]+/logs", "sandbox logs"),
-    (r"/(v[0-9]/)?templates(/.*)?", "E2B templates (dsec builds environments: dsec env import)"),
+    (r"/(v[0-9]/)?templates(/.*)?", "this E2B template call (dsec builds templates through v3)"),
     (r"/snapshots(/.*)?", "snapshots"),
     (r"/volumes(/.*)?", "volumes"),
     (r"/secrets(/.*)?", "secrets"),
@@ -72,7 +81,26 @@ class ControlApi:
         #: Why this instance must not be given traffic (its virtual IP's route agent failed:
         #: compat/server.py); "" = serving.
         self.not_serving = ""
+        self.templates = TemplatesApi(config, pool)
+        t = self.templates
         routes = [
+            # E2B's template builds (compat.e2b.templates); "aliases" and "tags" before {id}.
+            Route("/v3/templates", self._leased(t.request_build), methods=["POST"]),
+            Route("/templates/aliases/{alias}", self._leased(t.alias), methods=["GET"]),
+            Route("/templates/tags", self._leased(t.assign_tags), methods=["POST"]),
+            Route("/templates/tags", self._leased(t.remove_tags), methods=["DELETE"]),
+            Route("/templates/{id}/tags", self._leased(t.list_tags), methods=["GET"]),
+            Route("/templates/{id}/files/{hash}", self._leased(t.files_link), methods=["GET"]),
+            Route(
+                "/v2/templates/{id}/builds/{build}", self._leased(t.start_build), methods=["POST"]
+            ),
+            Route(
+                "/templates/{id}/builds/{build}/status",
+                self._leased(t.build_status),
+                methods=["GET"],
+            ),
+            Route("/templates/{id}", self._leased(t.delete), methods=["DELETE"]),
+            Route("/_dsec/e2b/template-files/{token}", t.upload, methods=["PUT"]),
             Route("/health", self.health, methods=_ANY),
             Route("/sandboxes", self._leased(self.create), methods=["POST"]),
             Route("/v2/sandboxes", self._leased(self.create), methods=["POST"]),
@@ -179,12 +207,24 @@ class ControlApi:
         if (body.get("iam") or {}).get("tokens"):
             raise HttpError(400, "iam: workload identity tokens are not supported by dsec")
         labels = mapping.labels_for(body.get("metadata"))
+        target = mapping.target_for(template, self.config)
+        user = self.config.user_for(template)
+        built: dict[str, str] = {}  # a template built here: its environment's config
+        if template not in self.config.templates:
+            env = await self.templates.lookup(client, template)
+            if env is not None:
+                if env.config.get(K_OWNER) != await self.templates.project(client, key):
+                    raise HttpError(404, f"template {template!r} not found")
+                built = env.config
+                target = mapping.TemplateTarget(env.name, "")
+                user = built.get(K_USER, user)
+                if built.get("workdir"):
+                    labels[mapping.LABEL_WORKDIR] = built["workdir"]
         labels[mapping.LABEL_TEMPLATE] = template
-        labels[mapping.LABEL_USER] = self.config.user_for(template)
+        labels[mapping.LABEL_USER] = user
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
         memory_mb = self.config.memory_for(template)
         labels[mapping.LABEL_MEMORY] = str(memory_mb)
-        target = mapping.target_for(template, self.config)
         options: dict[str, Any] = {
             "image": target.image,
             "ttl_s": mapping.timeout_for(body, self.config),
@@ -210,7 +250,32 @@ class ControlApi:
             raise HttpError(
                 409, f"template {template!r} runs on dsec's {target.backend} backend: {exc.message}"
             ) from None
+        if built.get(K_START) or built.get(K_READY):
+            await self._start_template(sb, built, template)
         return JSONResponse(mapping.sandbox_json(sb.info, key, self.config), 201)
+
+    async def _start_template(self, sb: AsyncSandbox, built: dict[str, str], template: str) -> None:
+        """A built template's start command in the background, then its ready command until
+        it succeeds (E2B's sandboxes resume from a snapshot taken once it was ready; a dsec
+        container starts afresh). A start command without a ready command is not waited for
+        (E2B's default then only lets it settle before the snapshot)."""
+        user = built.get(K_USER, "root")
+        workdir = built.get("workdir", "")
+        if built.get(K_START):
+            await start_command(sb, built[K_START], user, workdir, {})
+        if built.get(K_READY):
+            ok, out = await wait_ready(
+                sb, built[K_READY], user, workdir, {}, self.config.template_create_ready_timeout_s
+            )
+            if not ok:
+                log.warning(
+                    "sandbox %s of template %s: ready command %r did not succeed in %d s: %s",
+                    sb.id,
+                    template,
+                    built[K_READY],
+                    self.config.template_create_ready_timeout_s,
+                    " | ".join(out),
+                )
 
     async def metrics(self, client: AsyncClient, key: str, request: Request) -> Response:
         """E2B's ``GET /sandboxes/{id}/metrics?start=&end=`` (Unix seconds): the samples the
