@@ -362,6 +362,8 @@ class Builder:
     async def run(self) -> None:
         b = self.build
         b.status = "building"
+        outcome = "error"
+        packed: list[str] = []  # environments made (removed again if the build fails)
         sb: AsyncSandbox | None = None
         try:
             base = await self.resolve_base()
@@ -388,12 +390,16 @@ class Builder:
             b.log(f"Packing the template as dsec environment {name}", step="finalize")
             try:
                 env = await sb.pack_diff(name, config=config)
+                packed.append(env.name)
+                for tag in b.tags[1:]:
+                    tagged = await self.client.compose_environment(
+                        env_name(b.name, tag), base=env.name
+                    )
+                    packed.append(tagged.name)
             except DSecError as exc:
-                raise StepFailed(f"pack_diff failed: {exc.message}", "finalize") from None
-            for tag in b.tags[1:]:
-                await self.client.compose_environment(env_name(b.name, tag), base=env.name)
+                raise StepFailed(f"packing failed: {exc.message}", "finalize") from None
             b.log(f"Template {b.name} is ready (tags: {', '.join(b.tags)})")
-            b.status = "ready"
+            outcome = "ready"
         except StepFailed as exc:
             b.log(exc.message, level="error", step=exc.step)
             b.reason = {
@@ -403,17 +409,21 @@ class Builder:
                     LogEntry(now_iso(), "error", line, exc.step).json() for line in exc.output
                 ],
             }
-            b.status = "error"
         except Exception as exc:  # ours: the build fails with the reason, the server goes on
             log.exception("e2b template build %s failed", b.build_id)
             message = exc.message if isinstance(exc, DSecError) else f"internal error: {exc}"
             b.log(message, level="error")
             b.reason = {"message": message}
-            b.status = "error"
         finally:
+            # the build sandbox is gone before the status says the build is over
             if sb is not None:
                 with contextlib.suppress(DSecError):
                     await sb.stop(grace_s=0)
+            if outcome != "ready":
+                for made in packed:
+                    with contextlib.suppress(DSecError):
+                        await self.client.delete_environment(made)
+            b.status = outcome
 
     # ------------------------------------------------------------------- base
 
