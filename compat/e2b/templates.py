@@ -324,10 +324,18 @@ while [ ! -e "$p" ]; do first="$p"; p=$(dirname "$p"); done
 if [ -n "$first" ]; then mkdir -p "$target"; chown -R "$owner" "$first"; fi
 """
 
+# USER: the account, created when missing; its home its own (dsec imports flat base images
+# such as e2b-base with every file root's, /home/user too, where E2B's user owns it).
 _ENSURE_USER = r"""
-id -u "$1" >/dev/null 2>&1 && exit 0
-command -v useradd >/dev/null 2>&1 || exit 3
-useradd --create-home --shell /bin/bash "$1"
+if ! id -u "$1" >/dev/null 2>&1; then
+  command -v useradd >/dev/null 2>&1 || exit 3
+  useradd --create-home --shell /bin/bash "$1" || exit 1
+fi
+home=$(getent passwd "$1" | cut -d: -f6)
+if [ "$1" != root ] && [ -d "$home" ] && [ "$(stat -c %u "$home")" = 0 ]; then
+  chown "$1:" "$home"
+fi
+exit 0
 """
 
 
@@ -576,8 +584,10 @@ class Builder:
                 _tail(r.stdout) + _tail(r.stderr),
             )
         if r.exit_code != 0:
+            last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or [""])[0]
             raise StepFailed(
-                f"failed to run command {cmd!r}: exit status {r.exit_code}",
+                f"failed to run command {cmd!r}: exit status {r.exit_code}"
+                + (f": {last[:500]}" if last else ""),
                 str(i),
                 _tail(r.stdout) + _tail(r.stderr),
             )
