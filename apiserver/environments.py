@@ -7,9 +7,10 @@ the store or a Docker engine itself. pack_diff is different: it goes to the edge
 sandbox (see SandboxServicer.PackDiff).
 
 Environments are cluster-wide names, not per project: any authenticated caller may list, import
-and compose them; deleting one needs an ADMIN token. Except the ``snapshots/<project_id>/``
-namespace (apiserver/snapshots.py): those are that project's alone, invisible to the others,
-and it deletes its own without ADMIN.
+and compose them; deleting one needs an ADMIN token, or the project that packed it (pack_diff
+records the caller's project in the environment's config as ``dsec.project``). Except the
+``snapshots/<project_id>/`` namespace (apiserver/snapshots.py): those are that project's alone,
+invisible to the others, and it deletes its own without ADMIN.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ T = TypeVar("T")
 #: A Docker import of a multi-GB image takes minutes; building a layer from a big tree too.
 IMPORT_DEADLINE_S = 3600.0
 QUERY_DEADLINE_S = DEFAULT_DEADLINE_S * 4
+#: The environment config key naming the project whose pack_diff made it (its owner).
+OWNER_KEY = "dsec.project"
 
 
 async def any_edge(gw: Gateway, call: Callable[[edge_pb2_grpc.EdgeServiceStub], Awaitable[T]]) -> T:
@@ -159,9 +162,17 @@ class EnvironmentServicer:
         if owner is not None and owner != principal.project_id:
             return apiserver_pb2.DeleteEnvironmentResponse(deleted=False)  # not theirs to see
         if owner is None and principal.role != iam_pb2.ROLE_ADMIN:
-            raise PermissionDenied(
-                "deleting an environment (a cluster-wide name) needs an ADMIN token"
+            env = await any_edge(
+                self.gw,
+                lambda s: s.GetEnvironment(
+                    edge_pb2.GetEnvironmentRequest(name=request.name), timeout=QUERY_DEADLINE_S
+                ),
             )
+            if env.environment.config.get(OWNER_KEY) != principal.project_id:
+                raise PermissionDenied(
+                    "deleting an environment (a cluster-wide name) needs an ADMIN token or "
+                    "the project that packed it"
+                )
         resp = await any_edge(
             self.gw,
             lambda s: s.DeleteEnvironment(

@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 
 from apiserver import forking, snapshots
 from apiserver.creation import Caller
+from apiserver.environments import OWNER_KEY
 from apiserver.functions import FunctionRouter
 from apiserver.gateway import Gateway
 from apiserver.routing import downstream
@@ -389,11 +390,15 @@ class SandboxServicer(_Forwarder):
         self, request: apiserver_pb2.PackDiffRequest, context: Any
     ) -> apiserver_pb2.PackDiffResponse:
         """On the owning edge: its writable layer is on that node's disk. A name in the
-        snapshot namespace must be the caller's project's (apiserver/snapshots.py)."""
+        snapshot namespace must be the caller's project's (apiserver/snapshots.py); the
+        environment's config records the caller's project (``dsec.project``: its owner, who
+        may delete it)."""
         who = await self.gw.caller(bearer_token(context))
         snapshots.check_packable(who.project_id, request.name)
-        resp = await self._call(
-            context,
+        config = {k: v for k, v in request.config.items() if not k.startswith("dsec.")}
+        config[OWNER_KEY] = who.project_id
+        resp = await self._to_edge(
+            who,
             request.sandbox_id,
             "PackDiff",
             edge_pb2.PackDiffRequest(
@@ -401,6 +406,7 @@ class SandboxServicer(_Forwarder):
                 name=request.name,
                 exclude=request.exclude,
                 no_default_excludes=request.no_default_excludes,
+                config=config,
             ),
             timeout=PACK_DIFF_DEADLINE_S,
         )

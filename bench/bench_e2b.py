@@ -7,10 +7,15 @@
    running what the SDK runs (``/bin/bash -l -c true``: a login shell reads the profile).
 3. A 256 MB upload and download (generated data, never on disk): ``files.write`` /
    ``files.read(format="stream")`` vs libdsec ``files.upload`` / ``iter_download``.
+4. A template build of a small Dockerfile (E2B's base, a ``pip install`` of a local wheel, a
+   COPY) through E2B's ``Template.build`` vs ``docker build --no-cache`` of the same
+   Dockerfile on the local engine (its base: the e2b-base image, which dsec's ``e2b-base``
+   environment is imported from; no registry); then create -> first command from that
+   template vs from ``base``.
 
 Target (the issue): within 2x of libdsec on each.
 
-usage: python bench/bench_e2b.py [--rounds 10] [--runs 100] [--mb 256]
+usage: python bench/bench_e2b.py [--rounds 10] [--runs 100] [--mb 256] [--builds 3]
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,6 +56,88 @@ class Generated(io.RawIOBase):
         return n
 
 
+#: The Docker engine's copy of the image dsec's e2b-base environment comes from.
+DOCKER_BASE = "dsec/e2b-base:latest"
+WHEEL = "dsec_bench_pkg-1.0-py3-none-any.whl"
+DOCKERFILE = f"""FROM {{base}}
+COPY {WHEEL} /opt/pkgs/
+RUN pip install --no-index --break-system-packages /opt/pkgs/{WHEEL}
+COPY app /opt/app
+"""
+
+
+def build_context(root: Path) -> None:
+    """A local wheel (a module and its metadata) and an app directory to COPY."""
+    with zipfile.ZipFile(root / WHEEL, "w") as z:
+        z.writestr("dsec_bench_pkg.py", "VALUE = 42\n")
+        info = "dsec_bench_pkg-1.0.dist-info/"
+        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: dsec-bench-pkg\nVersion: 1.0\n")
+        z.writestr(
+            info + "WHEEL",
+            "Wheel-Version: 1.0\nGenerator: bench\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        z.writestr(info + "RECORD", "")
+    (root / "app").mkdir()
+    for i in range(20):
+        (root / "app" / f"mod{i}.py").write_text(f"X = {i}\n" * 100)
+
+
+def template_builds(rounds: int, builds: int) -> dict[str, list[float]]:
+    """E2B Template.build vs docker build of the same Dockerfile; creates from the template
+    vs from base. The E2B_* variables are set."""
+    from e2b import Sandbox, Template
+
+    out: dict[str, list[float]] = {"e2b": [], "docker": [], "tpl": [], "base": []}
+    with tempfile.TemporaryDirectory(prefix="bench-e2b-tpl-") as d:
+        root = Path(d)
+        build_context(root)
+        (root / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
+        e2b_file = DOCKERFILE.format(base="e2bdev/base")
+        for i in range(builds):
+            t = time.perf_counter()
+            Template.build(
+                Template(file_context_path=str(root)).from_dockerfile(e2b_file),
+                "bench-tpl",
+                cpu_count=1,
+                memory_mb=512,
+                skip_cache=True,
+            )
+            out["e2b"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            subprocess.run(
+                [
+                    "docker",
+                    "build",
+                    "--no-cache",
+                    "--network",
+                    "none",
+                    "-q",
+                    "-t",
+                    f"bench-tpl:{i}",
+                    str(root),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            out["docker"].append(time.perf_counter() - t)
+        for i in range(builds):
+            subprocess.run(["docker", "rmi", "-f", f"bench-tpl:{i}"], stdout=subprocess.DEVNULL)
+        probe = Sandbox.create("bench-tpl")
+        assert (
+            probe.commands.run("python3 -c 'import dsec_bench_pkg as m; print(m.VALUE)'").stdout
+            == "42\n"
+        )
+        probe.kill()
+        for _ in range(rounds):
+            for which, template in (("tpl", "bench-tpl"), ("base", "base")):
+                t = time.perf_counter()
+                sb = Sandbox.create(template, timeout=300)
+                sb.commands.run("true")
+                out[which].append(time.perf_counter() - t)
+                sb.kill()
+    return out
+
+
 def ms(values: list[float]) -> tuple[float, float]:
     return pct([v * 1000 for v in values], 50), pct([v * 1000 for v in values], 99)
 
@@ -57,6 +147,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--builds", type=int, default=3)
     args = ap.parse_args()
     edge = EdgeSpec(
         edge_id="bench",
@@ -116,6 +207,7 @@ def main() -> None:
             assert n_e2b == size and n_dsec == size, (n_e2b, n_dsec)
             sb.stop(grace_s=0)
             es.kill()
+            tpl = template_builds(args.rounds, args.builds)
 
     rows = []
     for what, e2b_vals, dsec_vals in (
@@ -149,6 +241,32 @@ def main() -> None:
                 size / down_e2b / 1e6,
                 size / down_dsec / 1e6,
                 f"{down_e2b / down_dsec:.2f}x",
+            ],
+        ],
+    )
+    (b50, b99), (k50, k99) = ms(tpl["e2b"]), ms(tpl["docker"])
+    (t50, t99), (s50, s99) = ms(tpl["tpl"]), ms(tpl["base"])
+    table(
+        f"Template build ({args.builds} builds, no cache) and create from it ({args.rounds})",
+        ["", "p50 ms", "p99 ms", "vs p50 ms", "vs p99 ms", "p50", "p99"],
+        [
+            [
+                "E2B build vs docker build",
+                b50,
+                b99,
+                k50,
+                k99,
+                f"{b50 / k50:.2f}x",
+                f"{b99 / k99:.2f}x",
+            ],
+            [
+                "create+run: template vs base",
+                t50,
+                t99,
+                s50,
+                s99,
+                f"{t50 / s50:.2f}x",
+                f"{t99 / s99:.2f}x",
             ],
         ],
     )

@@ -90,6 +90,25 @@ class CompatConfig(ServiceConfig, VipConfig):
     #: default sandbox fills first anyway (then 507).
     max_upload_bytes: int = 10240 * MIB
 
+    # ---- E2B template builds (compat.e2b.templates)
+    #: Where uploaded COPY archives are kept, one directory per project.
+    template_files_dir: str = "/var/tmp/dsec-e2b-template-files"
+    #: At most this much per project there (the least recently used archives go first).
+    template_files_max_bytes: int = 4096 * MIB
+    #: The largest archive one COPY may upload (413 beyond).
+    template_file_max_bytes: int = 1024 * MIB
+    #: Signs the upload URLs handed out; "" = a random one per process (set one shared by
+    #: front ends behind one virtual IP).
+    template_upload_secret: str = ""
+    #: A build's sandbox ends after this (the whole build's bound).
+    template_build_timeout_s: int = 3600
+    #: One RUN (or COPY) step's bound.
+    template_step_timeout_s: int = 1800
+    #: How long a build waits for the template's ready command to succeed.
+    template_ready_timeout_s: int = 300
+    #: How long a create from a template with a start command waits for its ready command.
+    template_create_ready_timeout_s: int = 60
+
     # ---- SandboxFusion front end (compat.sandboxfusion): its own listener, same process.
     #: host:port of SandboxFusion's code-execution API; "" = not served.
     sandbox_fusion_listen: str = "127.0.0.1:7131"

@@ -159,6 +159,8 @@ async def main() -> None:
             agent_task.cancel()
         for sock in sockets:
             sock.close()
+        # E2B template builds under way end (their sandboxes end at their TTL)
+        await e2b.control.templates.close()
         await pool.close()
 
 

@@ -126,5 +126,6 @@ class LayersAdapter:
             req.name,
             exclude=list(req.exclude),
             default_excludes=not req.no_default_excludes,
+            config=dict(req.config),
         )
         return edge_pb2.PackDiffResponse(environment=await self._env_pb(result.environment))

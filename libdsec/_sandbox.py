@@ -675,13 +675,17 @@ class AsyncSandbox:
         *,
         exclude: Iterable[str] = (),
         default_excludes: bool = True,
+        config: Mapping[str, str] | None = None,
         timeout: float = 1800.0,
     ) -> Environment:
         """Checkpoints this sandbox's writable layer as environment ``name``: its layers plus
         the diff. New sandboxes start from it (``create(image=name)``), and packing one of
         those again chains diffs. Build residue is left out (``/tmp``, ``/var/tmp``, caches,
         shell history, ...; ``exclude`` adds absolute path globs, ``default_excludes=False``
-        keeps everything). A running sandbox is frozen only while its changes are copied::
+        keeps everything). ``config`` adds entries to the environment's config (``env.NAME``
+        variables and ``workdir`` apply to sandboxes made from it); the API server records
+        this project as its owner (``dsec.project``), which may then delete it. A running
+        sandbox is frozen only while its changes are copied::
 
             env = await sb.pack_diff("my-env:v2")
         """
@@ -693,6 +697,7 @@ class AsyncSandbox:
                 name=name,
                 exclude=list(exclude),
                 no_default_excludes=not default_excludes,
+                config=dict(config or {}),
             ),
             timeout=timeout,
         )

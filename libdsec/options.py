@@ -332,6 +332,8 @@ class PackDiffOptions(TypedDict, total=False):
     exclude: Iterable[str]
     #: leave out build residue (``/tmp``, caches, ...); default True
     default_excludes: bool
+    #: entries added to the environment's config (``env.NAME``, ``workdir``, your own keys)
+    config: Mapping[str, str] | None
     #: the call's deadline; default 1800
     timeout: float
 

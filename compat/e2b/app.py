@@ -183,13 +183,15 @@ class E2bApp:
         try:
             async with self.pool.lease(token) as client:
                 self.tokens.seen(r.sandbox_id, token)
+                user, workdir = await self.users.of(client, r.sandbox_id)
                 call = EnvdCall(
                     client,
                     r.sandbox_id,
                     envd_user(request),
                     self.config,
                     max(interval, 1.0),
-                    await self.users.of(client, r.sandbox_id),
+                    user,
+                    workdir,
                 )
                 current = CALL.set(call)
 

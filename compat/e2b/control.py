@@ -33,8 +33,24 @@ from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
 from compat.e2b.routing import api_key
 from compat.e2b.signing import SandboxTokens
+from compat.e2b.templates import (
+    K_OWNER,
+    K_READY,
+    K_START,
+    K_USER,
+    TemplatesApi,
+    start_command,
+    wait_ready,
+)
 from compat.http import Receive, Scope, Send, without_trailing_slash
-from libdsec import AsyncClient, Environment, NetworkPolicy, SandboxInfo, SandboxMetric
+from libdsec import (
+    AsyncClient,
+    AsyncSandbox,
+    Environment,
+    NetworkPolicy,
+    SandboxInfo,
+    SandboxMetric,
+)
 from libdsec.errors import (
     BackendCapabilityMissing,
     BackendNotOffered,
@@ -55,7 +71,7 @@ Handler = Callable[[AsyncClient, str, Request], Awaitable[Response]]
 _UNSUPPORTED = [
     (r"/sandboxes/[^/]+/logs", "sandbox logs"),
     (r"/v2/sandboxes/[^/]+/logs", "sandbox logs"),
-    (r"/(v[0-9]/)?templates(/.*)?", "E2B templates (dsec builds environments: dsec env import)"),
+    (r"/(v[0-9]/)?templates(/.*)?", "this E2B template call (dsec builds templates through v3)"),
     (r"/volumes(/.*)?", "volumes"),
     (r"/secrets(/.*)?", "secrets"),
     (r"/teams(/.*)?", "teams (dsec has projects)"),
@@ -79,9 +95,25 @@ class ControlApi:
         #: Why this instance must not be given traffic (its virtual IP's route agent failed:
         #: compat/server.py); "" = serving.
         self.not_serving = ""
-        #: The caller's project, by key (snapshot names are per project).
-        self._projects: dict[str, str] = {}
+        self.templates = TemplatesApi(config, pool)
+        t = self.templates
         routes = [
+            # E2B's template builds (compat.e2b.templates); "aliases" and "tags" before {id}.
+            Route("/v3/templates", self._leased(t.request_build), methods=["POST"]),
+            Route("/templates/aliases/{alias}", self._leased(t.alias), methods=["GET"]),
+            Route("/templates/tags", self._leased(t.assign_tags), methods=["POST"]),
+            Route("/templates/tags", self._leased(t.remove_tags), methods=["DELETE"]),
+            Route("/templates/{id}/tags", self._leased(t.list_tags), methods=["GET"]),
+            Route("/templates/{id}/files/{hash}", self._leased(t.files_link), methods=["GET"]),
+            Route(
+                "/v2/templates/{id}/builds/{build}", self._leased(t.start_build), methods=["POST"]
+            ),
+            Route(
+                "/templates/{id}/builds/{build}/status",
+                self._leased(t.build_status),
+                methods=["GET"],
+            ),
+            Route("/_dsec/e2b/template-files/{token}", t.upload, methods=["PUT"]),
             Route("/health", self.health, methods=_ANY),
             Route("/sandboxes", self._leased(self.create), methods=["POST"]),
             Route("/v2/sandboxes", self._leased(self.create), methods=["POST"]),
@@ -173,21 +205,14 @@ class ControlApi:
         except BackendCapabilityMissing as exc:
             raise HttpError(501, f"sandbox metrics: {exc.message}") from None
 
-    async def _project(self, client: AsyncClient, key: str) -> str:
-        project = self._projects.get(key)
-        if project is None:
-            project = (await client.whoami()).project_id
-            if len(self._projects) >= self.config.clients_max:
-                self._projects.clear()
-            self._projects[key] = project
-        return project
-
     async def _snapshot(
         self, client: AsyncClient, key: str, ref: snapshots.SnapshotRef
     ) -> Environment | None:
         """The caller's snapshot ``ref``; None if it has none of that name."""
         try:
-            return await client.get_environment(ref.environment(await self._project(client, key)))
+            return await client.get_environment(
+                ref.environment(await self.templates.project(client, key))
+            )
         except NotFound:
             return None
 
@@ -211,11 +236,23 @@ class ControlApi:
         if (body.get("iam") or {}).get("tokens"):
             raise HttpError(400, "iam: workload identity tokens are not supported by dsec")
         labels = mapping.labels_for(body.get("metadata"))
+        target = mapping.target_for(template, self.config)
+        user = self.config.user_for(template)
+        built: dict[str, str] = {}  # a template built here: its environment's config
+        if template not in self.config.templates:
+            env = await self.templates.lookup(client, template)
+            if env is not None:
+                if env.config.get(K_OWNER) != await self.templates.project(client, key):
+                    raise HttpError(404, f"template {template!r} not found")
+                built = env.config
+                target = mapping.TemplateTarget(env.name, "")
+                user = built.get(K_USER, user)
+                if built.get("workdir"):
+                    labels[mapping.LABEL_WORKDIR] = built["workdir"]
         labels[mapping.LABEL_TEMPLATE] = template
-        labels[mapping.LABEL_USER] = self.config.user_for(template)
+        labels[mapping.LABEL_USER] = user
         labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
         memory_mb = self.config.memory_for(template)
-        target = mapping.target_for(template, self.config)
         snapshot = await self._snapshot_of_template(client, key, template)
         if snapshot is not None:
             # Its source's user and memory; its own name as the template.
@@ -253,7 +290,32 @@ class ControlApi:
             raise HttpError(
                 409, f"template {template!r} runs on dsec's {target.backend} backend: {exc.message}"
             ) from None
+        if built.get(K_START) or built.get(K_READY):
+            await self._start_template(sb, built, template)
         return JSONResponse(self._sandbox_json(sb.info, key, self.config), 201)
+
+    async def _start_template(self, sb: AsyncSandbox, built: dict[str, str], template: str) -> None:
+        """A built template's start command in the background, then its ready command until
+        it succeeds (E2B's sandboxes resume from a snapshot taken once it was ready; a dsec
+        container starts afresh). A start command without a ready command is not waited for
+        (E2B's default then only lets it settle before the snapshot)."""
+        user = built.get(K_USER, "root")
+        workdir = built.get("workdir", "")
+        if built.get(K_START):
+            await start_command(sb, built[K_START], user, workdir, {})
+        if built.get(K_READY):
+            ok, out = await wait_ready(
+                sb, built[K_READY], user, workdir, {}, self.config.template_create_ready_timeout_s
+            )
+            if not ok:
+                log.warning(
+                    "sandbox %s of template %s: ready command %r did not succeed in %d s: %s",
+                    sb.id,
+                    template,
+                    built[K_READY],
+                    self.config.template_create_ready_timeout_s,
+                    " | ".join(out),
+                )
 
     async def metrics(self, client: AsyncClient, key: str, request: Request) -> Response:
         """E2B's ``GET /sandboxes/{id}/metrics?start=&end=`` (Unix seconds): the samples the
@@ -420,7 +482,7 @@ class ControlApi:
         body = await read_json(request, self.config.max_json_bytes)
         ref = snapshots.new_ref(body.get("name"))
         info = await self._live(client, request.path_params["id"])
-        env = ref.environment(await self._project(client, key))
+        env = ref.environment(await self.templates.project(client, key))
         try:
             await dsec.sandbox(client, info.id).pack_diff(env, default_excludes=False)
         except (NotFound, SandboxTerminated):
@@ -434,7 +496,7 @@ class ControlApi:
     async def list_snapshots(self, client: AsyncClient, key: str, request: Request) -> Response:
         """``GET /snapshots?sandboxID=&name=&limit=&nextToken=``: the caller's snapshots, by
         name, paginated (``X-Next-Token``)."""
-        project = await self._project(client, key)
+        project = await self.templates.project(client, key)
         envs = await client.list_environments(prefix=f"{snapshots.PREFIX}{project}/")
         # The prefix also matches subprojects' (snapshots/<project>/<sub>/...): not listed.
         mine = [e for e in envs if e.name.count("/") == project.count("/") + 2]
@@ -453,17 +515,17 @@ class ControlApi:
 
     async def delete_template(self, client: AsyncClient, key: str, request: Request) -> Response:
         """``DELETE /templates/{id}``: a snapshot of the caller's is deleted (204; sandboxes
-        running from it keep running); no such snapshot: 404; E2B templates are not dsec's
-        to delete (501)."""
+        running from it keep running); a template built here, the caller's, too (its
+        environments); the configured templates are not E2B's to delete (501); else 404."""
         template = request.path_params["id"]
         ref = snapshots.parse_ref(template, strict=False)
         if ref is not None:
-            project = await self._project(client, key)
+            project = await self.templates.project(client, key)
             if await client.delete_environment(ref.environment(project)):
                 return Response(status_code=204)
         if template in self.config.templates:
             raise HttpError(501, "deleting E2B templates: not supported by dsec")
-        raise HttpError(404, f"snapshot {template!r} not found")
+        return await self.templates.delete(client, key, request)  # a template built here
 
     async def list_v2(self, client: AsyncClient, key: str, request: Request) -> Response:
         q = mapping.parse_list_query(

@@ -36,6 +36,8 @@ LABEL_CPU = "e2b.cpu"
 #: The user a sandbox's commands and file operations run as when the SDK names none.
 LABEL_USER = "e2b.user"
 LABEL_MEMORY = "e2b.memory_mb"
+#: The working directory of a sandbox's commands when the SDK names none (a built template's).
+LABEL_WORKDIR = "e2b.workdir"
 RESERVED_PREFIX = "e2b."
 
 #: dsec's label limits (the API server checks them too; here to name the metadata key).

@@ -20,7 +20,7 @@ one line in ``edge.backends.registry.REGISTRY`` (its factory receives the node's
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
@@ -170,7 +170,13 @@ class PausesFilesOnly(Protocol):
 @runtime_checkable
 class PacksDiffs(Protocol):
     async def pack_diff(
-        self, rec: SandboxRecord, name: str, *, exclude: Sequence[str], default_excludes: bool
+        self,
+        rec: SandboxRecord,
+        name: str,
+        *,
+        exclude: Sequence[str],
+        default_excludes: bool,
+        config: Mapping[str, str] | None = None,
     ) -> Any: ...
 
 

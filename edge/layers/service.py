@@ -205,7 +205,10 @@ class Environments:
                 f"docker image reference {ref!r} is not valid", reason="INVALID_IMAGE"
             )
         name = name or self.docker_env_name(ref)
-        attrs = self.importer.docker_inspect(ref)
+        try:
+            attrs = self.importer.docker_inspect(ref)
+        except ImageNotFound:
+            attrs = self.importer.docker_pull(ref)  # a machine that reaches the registry
         env = self.store.find_environment(name)
         if env is not None and env.config.get("docker_image_id") == attrs["Id"]:
             return env

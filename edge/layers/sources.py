@@ -166,6 +166,26 @@ class Importer:
         finally:
             client.close()
 
+    def docker_pull(self, ref: str) -> dict[str, Any]:
+        """Pulls ``ref`` into the engine (a machine that reaches its registry) and returns its
+        view of it; ImageNotFound naming the image and the engine's reason otherwise."""
+        import docker
+
+        client = self._docker()
+        try:
+            client.images.pull(ref)
+            attrs: dict[str, Any] = client.images.get(ref).attrs
+            return attrs
+        except docker.errors.DockerException as exc:
+            why = getattr(exc, "explanation", None) or str(exc)
+            raise ImageNotFound(
+                f"docker image {ref!r} is not in the local Docker engine, and pulling it "
+                f"failed: {why}",
+                metadata={"image": f"docker:{ref}"},
+            ) from None
+        finally:
+            client.close()
+
     def from_docker(self, ref: str, pins: set[str] | None = None) -> DockerImage:
         """Import every layer of a Docker image (those not in the store yet)."""
         import docker

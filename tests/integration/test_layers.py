@@ -342,3 +342,32 @@ def test_edge_restart_removes_layer_leftovers(layer_cluster: LocalCluster, store
     assert not mounts.is_mountpoint(stray)
     assert not any((cache / "tmp").iterdir()) and not any((cache / "mnt").iterdir())
     assert not (store / "tmp" / f"{EDGE}-999-build-deadbeef").exists()
+
+
+def test_pack_diff_config_applies_to_new_sandboxes_and_its_project_may_delete_it(
+    layer_cluster: LocalCluster, client: Client, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    """``config``: env.* and workdir reach sandboxes made from the environment, other keys are
+    kept; the API server records the packing project (``dsec.project``, not the caller's
+    claim), whose members may delete it while another project's may not."""
+    from libdsec.errors import PermissionDenied
+
+    other = client.create_project(f"pack-other-{uuid.uuid4().hex[:6]}")
+    member = client.create_token("pack-member", agent=True).secret
+    stranger = client.create_token("pack-stranger", project=other.project_id, agent=True).secret
+    sb = make_sandbox()
+    sb.run("mkdir -p /srv/app && echo made > /srv/app/file")
+    config = {"env.GREETING": "hi there", "workdir": "/srv/app", "mine": "kept"}
+    env = sb.pack_diff("configured:v1", config={**config, "dsec.project": "spoofed"})
+    me = client.whoami().project_id
+    assert {k: env.config.get(k) for k in config} == config
+    assert env.config["dsec.project"] == me
+    made = make_sandbox(image="configured:v1")
+    assert made.run('echo "$GREETING"; pwd; cat file').text == "hi there\n/srv/app\nmade\n"
+    with Client(layer_cluster.apiserver, token=stranger) as c:
+        with pytest.raises(PermissionDenied):
+            c.delete_environment("configured:v1")
+    with Client(layer_cluster.apiserver, token=member) as c:
+        assert c.delete_environment("configured:v1")
+    with pytest.raises(ImageNotFound):
+        client.get_environment("configured:v1")

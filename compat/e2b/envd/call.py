@@ -19,7 +19,7 @@ from connectrpc.errors import ConnectError
 from compat.config import CompatConfig
 from compat.e2b import dsec
 from compat.e2b.errors import connect_error, sandbox_gone
-from compat.e2b.mapping import LABEL_USER
+from compat.e2b.mapping import LABEL_USER, LABEL_WORKDIR
 from libdsec import AsyncClient, AsyncSandbox
 from libdsec.errors import DSecError, Unavailable
 
@@ -40,6 +40,9 @@ class EnvdCall:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     #: the sandbox's default user (its template's, :class:`DefaultUsers`)
     default_user: str = "root"
+    #: the working directory of its commands when the SDK names none: its template's
+    #: (``e2b.workdir``), else "" (the user's home)
+    default_workdir: str = ""
     #: set when the sandbox ended under a stream that was under way: the router then drops
     #: the connection instead of sending the stream's end (:class:`ConnectionDropped`)
     dropped: list[str] = field(default_factory=list)
@@ -75,31 +78,34 @@ class EnvdCall:
 
 
 class DefaultUsers:
-    """Each sandbox's default user, from the label its create through this front end set
-    (``e2b.user``: its template's user); kept per sandbox id, which is never reused. A
-    sandbox made otherwise has none: the configured default."""
+    """Each sandbox's default user and working directory, from the labels its create through
+    this front end set (``e2b.user``: its template's user; ``e2b.workdir``: a built template's
+    workdir); kept per sandbox id, which is never reused. A sandbox made otherwise has none:
+    the configured default user, the user's home."""
 
     #: Sandboxes remembered (the oldest are forgotten first).
     MAX = 10_000
 
     def __init__(self, config: CompatConfig) -> None:
         self.config = config
-        self._known: dict[str, str] = {}
+        self._known: dict[str, tuple[str, str]] = {}
 
-    async def of(self, client: AsyncClient, sandbox_id: str) -> str:
-        user = self._known.get(sandbox_id)
-        if user is not None:
-            return user
+    async def of(self, client: AsyncClient, sandbox_id: str) -> tuple[str, str]:
+        """(user, workdir) of ``sandbox_id``."""
+        known = self._known.get(sandbox_id)
+        if known is not None:
+            return known
         try:
             info = await client.get(sandbox_id)
         except DSecError:
             # Not this caller's sandbox, or gone: the call itself fails with the reason.
-            return self.config.default_user
-        user = info.info.labels.get(LABEL_USER) or self.config.default_user
+            return self.config.default_user, ""
+        labels = info.info.labels
+        known = (labels.get(LABEL_USER) or self.config.default_user, labels.get(LABEL_WORKDIR, ""))
         if len(self._known) >= self.MAX:
             del self._known[next(iter(self._known))]
-        self._known[sandbox_id] = user
-        return user
+        self._known[sandbox_id] = known
+        return known
 
 
 CALL: ContextVar[EnvdCall] = ContextVar("compat_e2b_envd_call")

@@ -171,6 +171,8 @@ class ProcessService(Process):
                 raise invalid("process.cmd is required")
             # envd: the user's home unless asked (dsec already starts a named user there)
             cwd = call.resolve(cfg.cwd) if cfg.has_field("cwd") and cfg.cwd else None
+            if cwd is None and call.default_workdir:
+                cwd = call.default_workdir  # a built template's WORKDIR
             if cwd is None and not call.run_as:
                 cwd = call.home
             labels = {}

@@ -1046,10 +1046,31 @@ Global___ForkSandboxResponse: _TypeAlias = ForkSandboxResponse  # noqa: Y015
 class PackDiffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ConfigEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     EXCLUDE_FIELD_NUMBER: _builtins.int
     NO_DEFAULT_EXCLUDES_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     name: _builtins.str
     """"name:tag" of the new environment"""
@@ -1058,6 +1079,15 @@ class PackDiffRequest(_message.Message):
     def exclude(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """glob paths left out; default: /tmp, caches, shell history"""
 
+    @_builtins.property
+    def config(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Entries added to the new environment's config (over the sandbox's image config):
+        "env.<NAME>" variables and "workdir" apply to sandboxes created from it; other keys are
+        kept for its users (the E2B front end records a template's user and start command).
+        Keys starting with "dsec." are the API server's: it sets "dsec.project" to the caller's
+        project (who may then delete the environment without an ADMIN token).
+        """
+
     def __init__(
         self,
         *,
@@ -1065,10 +1095,11 @@ class PackDiffRequest(_message.Message):
         name: _builtins.str = ...,
         exclude: _abc.Iterable[_builtins.str] | None = ...,
         no_default_excludes: _builtins.bool = ...,
+        config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exclude", b"exclude", "name", b"name", "no_default_excludes", b"no_default_excludes", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "exclude", b"exclude", "name", b"name", "no_default_excludes", b"no_default_excludes", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

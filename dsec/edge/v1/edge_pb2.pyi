@@ -768,15 +768,40 @@ Global___ForkSandboxResponse: _TypeAlias = ForkSandboxResponse  # noqa: Y015
 class PackDiffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ConfigEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     EXCLUDE_FIELD_NUMBER: _builtins.int
     NO_DEFAULT_EXCLUDES_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     name: _builtins.str
     no_default_excludes: _builtins.bool
     @_builtins.property
     def exclude(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def config(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """added to the environment's config (see the API server's)"""
+
     def __init__(
         self,
         *,
@@ -784,10 +809,11 @@ class PackDiffRequest(_message.Message):
         name: _builtins.str = ...,
         exclude: _abc.Iterable[_builtins.str] | None = ...,
         no_default_excludes: _builtins.bool = ...,
+        config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exclude", b"exclude", "name", b"name", "no_default_excludes", b"no_default_excludes", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "exclude", b"exclude", "name", b"name", "no_default_excludes", b"no_default_excludes", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

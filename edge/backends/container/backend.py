@@ -37,7 +37,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -713,6 +713,7 @@ class ContainerBackend:
         *,
         exclude: Sequence[str] = (),
         default_excludes: bool = True,
+        config: Mapping[str, str] | None = None,
     ) -> PackResult:
         """Checkpoint the sandbox's writable layer as environment `name`: the sandbox's layers
         plus the diff. A running sandbox is frozen for the copy of its upper directory only."""
@@ -740,7 +741,7 @@ class ContainerBackend:
                 self.environments.pack_diff,
                 upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
                 layers=layers,
-                config=packing.environment_config(rec),
+                config={**packing.environment_config(rec), **(config or {})},
                 name=name,
                 source=f"pack_diff:{sid}",
                 exclude=list(exclude),

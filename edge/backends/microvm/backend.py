@@ -979,6 +979,7 @@ class MicrovmBackend:
         *,
         exclude: Sequence[str] = (),
         default_excludes: bool = True,
+        config: Mapping[str, str] | None = None,
     ) -> PackResult:
         """Checkpoint the guest's writable layer as environment `name`: the sandbox's layers
         plus the diff, the overlay upper directory on its writable disk (/upper; the disk's
@@ -1002,7 +1003,7 @@ class MicrovmBackend:
                 self._pack_copy,
                 work,
                 layers=layers,
-                config=packing.environment_config(rec),
+                config={**packing.environment_config(rec), **(config or {})},
                 name=name,
                 source=f"pack_diff:{sid}",
                 # the guest's identity files (aether writes them at the claim; a container
