@@ -389,13 +389,13 @@ def test_a_timeout_of_zero_ends_it_now_or_with_auto_pause_pauses_it(
     takes, so the edge's reaper acts within its second)."""
     sb = make(timeout=600)
     sb.set_timeout(0)
-    wait_for(lambda: not sb.is_running(), timeout_s=10)
+    wait_for(lambda: not sb.is_running(), timeout_s=30)
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(sb.sandbox_id)
     kept = make(timeout=600, lifecycle={"on_timeout": "pause"})
     kept.files.write("/root/kept.txt", "yes")
     kept.set_timeout(0)
-    wait_for(lambda: kept.get_info().state.value == "paused", timeout_s=10)
+    wait_for(lambda: kept.get_info().state.value == "paused", timeout_s=60)
     again = Sandbox.connect(kept.sandbox_id)
     assert again.files.read("/root/kept.txt") == "yes"
 
