@@ -36,6 +36,11 @@ def _default_template_backends() -> dict[str, str]:
     return {"desktop": "vm"}
 
 
+def _default_sizes() -> dict[str, str]:
+    # What a create may name beside a metadata-routed image (slime's "sm"/"md"/"lg"/"xl").
+    return {"sm": "1:1024", "md": "2:2048", "lg": "4:4096", "xl": "8:8192"}
+
+
 def _default_template_memory() -> dict[str, str]:
     # A desktop (Xorg, Xfce, a browser when an agent opens one) does not fit in 512 MB.
     return {"desktop": "1536"}
@@ -89,6 +94,15 @@ class CompatConfig(ServiceConfig, VipConfig):
     #: past it: 413. The default is the edge's default sandbox disk (10 GiB), which a
     #: default sandbox fills first anyway (then 507).
     max_upload_bytes: int = 10240 * MIB
+
+    #: A create whose metadata has this key runs that image instead of its template's
+    #: (slime's SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY names the key of "your E2B
+    #: gateway"): a dsec environment of that name, else the cluster's Docker engine's image
+    #: (imported; pulled first when the engine can). "" = metadata never names an image.
+    image_metadata_key: str = "dsec/image"
+    #: Sizes such a create may name under "<the image key's prefix>/size" (dsec/size):
+    #: name -> cpus:memory_mb.
+    sizes: dict[str, str] = field(default_factory=_default_sizes)
 
     # ---- E2B template builds (compat.e2b.templates)
     #: Where uploaded COPY archives are kept, one directory per project.
@@ -195,6 +209,16 @@ class CompatConfig(ServiceConfig, VipConfig):
                 raise ConfigError(
                     f"DSEC_COMPAT_TEMPLATE_USERS: {where}: {user!r} is not a user name"
                 )
+        for size, spec in self.sizes.items():
+            cpus, _, mb = spec.partition(":")
+            try:
+                ok = 0 < float(cpus) <= 1024 and mb.isdigit() and 16 <= int(mb) <= 1 << 22
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    f"DSEC_COMPAT_SIZES: size {size!r}: {spec!r} is not cpus:memory_mb"
+                )
         if self.default_network not in {"none", "open"}:
             raise ConfigError("DSEC_COMPAT_DEFAULT_NETWORK must be none or open")
         if self.default_timeout_s < 1 or self.clients_max < 1 or self.token_check_ttl_s < 0:
@@ -209,6 +233,17 @@ class CompatConfig(ServiceConfig, VipConfig):
     def user_for(self, template: str) -> str:
         """The default user of a sandbox of E2B template `template`."""
         return self.template_users.get(template, self.default_user)
+
+    @property
+    def size_metadata_key(self) -> str:
+        """Where a routed create names its size: beside the image key (slime's rule)."""
+        prefix, slash, _ = self.image_metadata_key.rpartition("/")
+        return f"{prefix}/size" if slash else "size"
+
+    def size_of(self, name: str) -> tuple[float, int]:
+        """(cpus, memory MB) of size ``name``; KeyError if there is none."""
+        cpus, _, mb = self.sizes[name].partition(":")
+        return float(cpus), int(mb)
 
     def memory_for(self, template: str) -> int:
         """The memory (MB) of a sandbox of E2B template `template`."""

@@ -39,6 +39,7 @@ from compat.e2b.templates import (
     K_START,
     K_USER,
     TemplatesApi,
+    image_environment,
     start_command,
     wait_ready,
 )
@@ -249,10 +250,15 @@ class ControlApi:
                 user = built.get(K_USER, user)
                 if built.get("workdir"):
                     labels[mapping.LABEL_WORKDIR] = built["workdir"]
+        cpu, memory_mb = self.config.cpu, self.config.memory_for(template)
+        routed = await self._routed_image(client, body.get("metadata"))
+        if routed is not None:
+            env, (cpu, memory_mb) = routed
+            target = mapping.TemplateTarget(env.name, "")
+            user = env.config.get("user") or self.config.default_user
         labels[mapping.LABEL_TEMPLATE] = template
         labels[mapping.LABEL_USER] = user
-        labels[mapping.LABEL_CPU] = f"{self.config.cpu:g}"
-        memory_mb = self.config.memory_for(template)
+        labels[mapping.LABEL_CPU] = f"{cpu:g}"
         snapshot = await self._snapshot_of_template(client, key, template)
         if snapshot is not None:
             # Its source's user and memory; its own name as the template.
@@ -268,7 +274,7 @@ class ControlApi:
             "ttl_s": mapping.timeout_for(body, self.config),
             "labels": labels,
             "env": mapping.env_for(body.get("envVars")),
-            "cpu": self.config.cpu,
+            "cpu": cpu,
             "memory_mb": memory_mb,
             "pause_at_ttl": auto_pause.pause,
             "pause_at_ttl_files_only": auto_pause.files_only,
@@ -293,6 +299,35 @@ class ControlApi:
         if built.get(K_START) or built.get(K_READY):
             await self._start_template(sb, built, template)
         return JSONResponse(self._sandbox_json(sb.info, key, self.config), 201)
+
+    async def _routed_image(
+        self, client: AsyncClient, metadata: Any
+    ) -> tuple[Environment, tuple[float, int]] | None:
+        """A create that names its image in its metadata (``DSEC_COMPAT_IMAGE_METADATA_KEY``,
+        as slime routes task images through an E2B gateway): the image's environment and the
+        size named beside it (``<prefix>/size``; the configured resources when none)."""
+        key = self.config.image_metadata_key
+        if not key or not isinstance(metadata, dict) or key not in metadata:
+            return None
+        image = metadata[key]
+        if not isinstance(image, str) or not image:
+            raise HttpError(400, f"metadata {key!r} must name an image")
+        size = metadata.get(self.config.size_metadata_key)
+        resources = (self.config.cpu, self.config.memory_mb)
+        if size is not None:
+            try:
+                resources = self.config.size_of(size)
+            except (KeyError, TypeError):
+                sizes = ", ".join(sorted(self.config.sizes))
+                raise HttpError(
+                    400,
+                    f"metadata {self.config.size_metadata_key!r}: no size {size!r} "
+                    f"(DSEC_COMPAT_SIZES has {sizes})",
+                ) from None
+        try:
+            return await image_environment(client, image), resources
+        except NotFound as exc:
+            raise HttpError(404, exc.message) from None
 
     async def _start_template(self, sb: AsyncSandbox, built: dict[str, str], template: str) -> None:
         """A built template's start command in the background, then its ready command until

@@ -273,6 +273,22 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text) or "_"
 
 
+async def image_environment(client: AsyncClient, image: str) -> Environment:
+    """The dsec environment of image ``image``: an environment of that name, else the
+    Docker image of the cluster's engine, imported (the engine pulls it first when it can).
+    NotFound naming both when neither has it."""
+    with contextlib.suppress(ImageNotFound, NotFound):
+        return await client.get_environment(image)
+    try:
+        return await client.import_image(f"docker:{image}")
+    except DSecError as exc:
+        raise NotFound(
+            f"image {image!r} is neither a dsec environment nor an image the cluster's "
+            f"Docker engine has or can pull: {exc.message}",
+            reason="IMAGE_NOT_FOUND",
+        ) from None
+
+
 # --------------------------------------------------------------------------- builder
 
 
@@ -456,18 +472,11 @@ class Builder:
             raise StepFailed("fromImage must be a string", "base")
         if image in E2B_BASE_IMAGES:
             return Base(self.config.templates.get("base", "e2b-base"), self.config.user_for("base"))
-        with contextlib.suppress(ImageNotFound, NotFound):
-            env = await self.client.get_environment(image)
-            return Base(env.name, env.config.get(K_USER, env.config.get("user", "")))
         try:
-            env = await self.client.import_image(f"docker:{image}")
+            env = await image_environment(self.client, image)
         except DSecError as exc:
-            raise StepFailed(
-                f"image {image!r} is neither a dsec environment nor an image the cluster's "
-                f"Docker engine has or can pull: {exc.message}",
-                "base",
-            ) from None
-        return Base(env.name, env.config.get("user", ""))
+            raise StepFailed(exc.message, "base") from None
+        return Base(env.name, env.config.get(K_USER, env.config.get("user", "")))
 
     async def initial_state(self, sb: AsyncSandbox, base: Base) -> BuildState:
         if base.config:  # a template of ours: its user, workdir and env

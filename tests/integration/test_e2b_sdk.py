@@ -527,3 +527,38 @@ def test_fork_gives_each_child_the_files_and_the_source_runs_on(
         for c in children:
             if isinstance(c, Sandbox):
                 c.kill()
+
+
+# --------------------------------------------------------------- metadata-routed images
+
+MEMORY_LIMIT = (
+    "cat /sys/fs/cgroup/memory.max 2>/dev/null"
+    " || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+)
+
+
+def test_an_image_named_in_metadata_runs_instead_of_the_template_as_slime_routes_it(
+    make: Callable[..., Sandbox],
+) -> None:
+    """slime's E2B sandboxes name their task's image and size in the metadata (the key is
+    the gateway's: dsec's is DSEC_COMPAT_IMAGE_METADATA_KEY, default dsec/image, and the
+    size beside it): a dsec environment, or an image of the cluster's Docker engine."""
+    sb = make(metadata={"dsec/image": "python", "dsec/size": "sm"})
+    assert sb.commands.run("python3 -c 'import numpy; print(1)'", user="root").stdout == "1\n"
+    limit = sb.commands.run(MEMORY_LIMIT, user="root").stdout.strip()
+    assert int(limit) == 1024 * 1024 * 1024  # "sm" = 1 cpu, 1024 MB
+    info = Sandbox.get_info(sb.sandbox_id)
+    assert info.cpu_count == 1 and info.memory_mb == 1024
+    assert info.metadata["dsec/image"] == "python"
+    # setup imports dsec's images into the local Docker engine as dsec/<name>
+    docker = make(metadata={"dsec/image": "dsec/bookworm:latest"})
+    assert docker.commands.run("cat /etc/debian_version", user="root").stdout.startswith("12")
+
+
+def test_a_routed_image_or_size_that_is_not_there_is_refused_naming_it(target: E2bTarget) -> None:
+    with pytest.raises(SandboxException) as missing:
+        Sandbox.create(metadata={"dsec/image": "no-such-image:v9"})
+    assert missing.value.status_code == 404 and "no-such-image:v9" in str(missing.value)
+    with pytest.raises(SandboxException) as size:
+        Sandbox.create(metadata={"dsec/image": "python", "dsec/size": "huge"})
+    assert size.value.status_code == 400 and "'huge'" in str(size.value)
