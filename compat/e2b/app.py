@@ -42,7 +42,7 @@ from compat.e2b.envd.process import ProcessService
 from compat.e2b.errors import gone_message, http_status
 from compat.e2b.http import INTERNAL, Request, error, internal_error
 from compat.e2b.ports import PortProxy
-from compat.e2b.routing import Target, access_token, envd_user, route
+from compat.e2b.routing import Target, access_token, envd_user, key_of, route
 from compat.e2b.signing import (
     SandboxTokens,
     SignatureAmbiguous,
@@ -58,7 +58,7 @@ from compat.http import (
     reset,
     without_trailing_slash,
 )
-from libdsec.errors import DSecError, NotFound
+from libdsec.errors import DSecError, NotFound, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,10 @@ class E2bApp:
                 return
             r = Target("envd", sandbox_id, r.port)
         try:
-            async with self.pool.lease(token) as client:
+            key = key_of(token, r.sandbox_id)
+            if key is None:
+                raise Unauthenticated("it is another sandbox's envd access token")
+            async with self.pool.lease(key) as client:
                 self.tokens.seen(r.sandbox_id, token)
                 user, workdir = await self.users.of(client, r.sandbox_id)
                 call = EnvdCall(

@@ -31,7 +31,7 @@ from compat.config import CompatConfig
 from compat.e2b import dsec, mapping, snapshots
 from compat.e2b.errors import http_status
 from compat.e2b.http import HttpError, Request, error, internal_error, read_json
-from compat.e2b.routing import api_key
+from compat.e2b.routing import api_key, envd_token
 from compat.e2b.signing import SandboxTokens
 from compat.e2b.templates import (
     K_OWNER,
@@ -385,8 +385,8 @@ class ControlApi:
         return JSONResponse({"sandboxes": latest})
 
     def _issued(self, sandbox_id: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` (it returns ``key`` as the sandbox's envd access token), noted."""
-        self.tokens.seen(sandbox_id, key)
+        """``body`` (it returns the sandbox's envd access token, made of ``key``), noted."""
+        self.tokens.seen(sandbox_id, envd_token(key, sandbox_id))
         return body
 
     def _sandbox_json(self, info: SandboxInfo, key: str, config: CompatConfig) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl
 
 from compat.config import CompatConfig
 from compat.e2b.http import HttpError
+from compat.e2b.routing import envd_token
 from libdsec import NetworkPolicy, SandboxInfo, SandboxMetric
 
 #: The envd version dsec reports: the SDK turns features on by version
@@ -165,8 +166,8 @@ def sandbox_json(info: SandboxInfo, key: str, config: CompatConfig) -> dict[str,
         "sandboxID": info.id,
         "clientID": info.edge_id or "dsec",
         "envdVersion": ENVD_VERSION,
-        # The caller's own key: envd and port traffic authenticate with it (see routing).
-        "envdAccessToken": key,
+        # The caller's own key (for envd bound to this sandbox): see routing.
+        "envdAccessToken": envd_token(key, info.id),
         "trafficAccessToken": key,
         "domain": config.domain or None,
     }
@@ -196,7 +197,7 @@ def detail_json(info: SandboxInfo, key: str, config: CompatConfig) -> dict[str, 
     """E2B's ``SandboxDetail`` (GET /sandboxes/{id})."""
     return {
         **listed_json(info),
-        "envdAccessToken": key,
+        "envdAccessToken": envd_token(key, info.id),
         "domain": config.domain or None,
     }
 

@@ -9,8 +9,11 @@ inside the sandbox. Everything else is the control API.
 
 Keys: the control API takes ``X-API-Key`` (or ``Authorization: Bearer``); envd takes
 ``X-Access-Token``; port traffic ``e2b-traffic-access-token`` (or ``X-Access-Token``). In
-dsec each of them is the caller's dsec token (create returns it as ``envdAccessToken`` and
-``trafficAccessToken``). envd's ``Authorization: Basic <user>:`` names the user to act as.
+dsec each of them is the caller's dsec token: create returns it as ``trafficAccessToken``, and
+as ``envdAccessToken`` bound to the sandbox (``<token>.<sandboxID>``, :func:`envd_token`), so
+that, as on E2B, each sandbox's envd token differs (signed file URLs are signed with it) and
+works for that sandbox only. envd also takes the bare dsec token. envd's
+``Authorization: Basic <user>:`` names the user to act as.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ def api_key(request: Request) -> str:
 
 def access_token(request: Request) -> str:
     return request.headers.get("x-access-token", "").strip()
+
+
+def envd_token(key: str, sandbox_id: str) -> str:
+    """Sandbox ``sandbox_id``'s envd access token for the caller whose dsec token is ``key``."""
+    return f"{key}.{sandbox_id}"
+
+
+def key_of(token: str, sandbox_id: str) -> str | None:
+    """The dsec token in envd access token ``token`` for sandbox ``sandbox_id`` ("" = any):
+    a bare dsec token as it is; one bound to another sandbox: None."""
+    key, dot, bound = token.rpartition(".")
+    if not dot or not bound.startswith("sb-"):
+        return token
+    return key if not sandbox_id or bound == sandbox_id else None
 
 
 def traffic_token(request: Request) -> str:

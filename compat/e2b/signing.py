@@ -8,8 +8,9 @@ token. envd compares the signature in constant time (401 "invalid signature"), t
 expiration (401 "signature is already expired"); a request with no signature and no token is
 401 "missing signature query parameter".
 
-In dsec the envd access token is the caller's own dsec token (see ``routing``), which the
-signed request does not carry, so this front end keeps, per sandbox, the tokens it has seen
+In dsec the envd access token is the caller's own dsec token bound to the sandbox (see
+``routing``), which the signed request does not carry, so this front end keeps, per sandbox,
+the tokens it has seen
 for it: the ones it returned as ``envdAccessToken`` (create, connect, get, fork) and the ones
 that authenticated an envd call. A signature made with one of them is honoured, and the call
 acts with that token. Known limit: they are held in memory, so a front end that restarted (or
@@ -18,8 +19,9 @@ sandbox again (any SDK call to the sandbox, or a connect).
 
 A URL names its sandbox in its host (``49983-<id>.<domain>``, E2B's form). With a shared
 ``E2B_SANDBOX_URL`` the SDK's URL cannot name one; such a request is matched against every
-remembered sandbox: one match is served, several (one token signed the same path, user and
-expiration for more than one live sandbox) are 409, none 401. A sandbox killed through this
+remembered sandbox: one match is served (a sandbox's own envd token signs for it alone),
+several (a bare dsec token, used for more than one sandbox, signed the same path, user and
+expiration for several) are 409, none 401. A sandbox killed through this
 front end is forgotten.
 """
 

@@ -532,8 +532,7 @@ def test_fork_gives_each_child_the_files_and_the_source_runs_on(
 # --------------------------------------------------------------- metadata-routed images
 
 MEMORY_LIMIT = (
-    "cat /sys/fs/cgroup/memory.max 2>/dev/null"
-    " || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+    "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
 )
 
 

@@ -59,7 +59,9 @@ def sandbox_id(target: E2bTarget, http: httpx.Client) -> Iterator[str]:
     )
     assert r.status_code == 201, r.text
     body = r.json()
-    assert body["envdAccessToken"] == target.key == body["trafficAccessToken"]
+    # the caller's key, for envd bound to this sandbox (as E2B's, each sandbox's differs)
+    assert body["trafficAccessToken"] == target.key
+    assert body["envdAccessToken"] == f"{target.key}.{body['sandboxID']}"
     assert body["envdVersion"] == "0.6.4"
     yield body["sandboxID"]
     http.delete(f"/sandboxes/{body['sandboxID']}", headers={"X-API-Key": target.key})
@@ -224,6 +226,29 @@ def test_envd_needs_the_access_token(
         "/files", params={"path": "/etc/hostname"}, headers=envd_headers(target, sandbox_id)
     )
     assert r.status_code == 200 and r.content.strip()
+
+
+def test_a_sandboxs_envd_token_is_its_own(
+    target: E2bTarget, http: httpx.Client, sandbox_id: str
+) -> None:
+    """envdAccessToken is bound to its sandbox (so signed URLs of two sandboxes differ):
+    another sandbox refuses it; the bare key still works everywhere."""
+    key = {"X-API-Key": target.key}
+    other = http.post("/sandboxes", json={"templateID": "base"}, headers=key).json()
+    try:
+        mine = f"{target.key}.{sandbox_id}"
+        for token, sandbox, status in (
+            (mine, sandbox_id, 200),
+            (mine, other["sandboxID"], 401),
+            (other["envdAccessToken"], other["sandboxID"], 200),
+            (target.key, other["sandboxID"], 200),
+        ):
+            headers = {**envd_headers(target, sandbox), "X-Access-Token": token}
+            r = http.get("/files", params={"path": "/etc/hostname"}, headers=headers)
+            assert r.status_code == status, (token, sandbox, r.text)
+            assert ("another sandbox's" in r.text) == (status == 401)
+    finally:
+        http.delete(f"/sandboxes/{other['sandboxID']}", headers=key)
 
 
 def test_another_projects_sandbox_looks_exactly_like_a_missing_one(
