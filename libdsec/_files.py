@@ -35,6 +35,8 @@ from libdsec.types import FileEvent, FileInfo
 
 #: Bytes per message of an upload or download.
 CHUNK = 1024 * 1024
+#: The largest write sent in one call; a larger one is an upload (or, appending, several).
+INLINE_WRITE_BYTES = 4 * 1024 * 1024
 
 
 class AsyncFiles:
@@ -77,7 +79,8 @@ class AsyncFiles:
         user: str = "",
         metadata: dict[str, str] | None = None,
     ) -> FileInfo:
-        """Writes ``data`` to ``path`` (over 4 MiB: an upload). ``operation_id`` names the
+        """Writes ``data`` to ``path`` (over 4 MiB: an upload; an append over 4 MiB: appends of
+        4 MiB, each an operation of its own, so a failure leaves those done). ``operation_id`` names the
         write in the sandbox's operation log: a repeat of a logged id writes nothing again
         (see :meth:`AsyncSandbox.run`); the SDK makes one when none is given. ``user``: the
         file, and the parent directories the write creates, are this user's (a user of the
@@ -95,7 +98,24 @@ class AsyncFiles:
             info.metadata  # {"author": "ann"}
         """
         raw = data.encode() if isinstance(data, str) else data
-        if len(raw) > 4 * 1024 * 1024:
+        if len(raw) > INLINE_WRITE_BYTES and append:
+            # An upload replaces the file: a long append goes as appends of at most 4 MiB,
+            # each one operation (``<operation_id>.<n>``), so a retry of the whole call
+            # repeats none of those already done.
+            op = operation_id or new_operation_id()
+            for n, at in enumerate(range(0, len(raw), INLINE_WRITE_BYTES)):
+                info = await self.write(
+                    path,
+                    raw[at : at + INLINE_WRITE_BYTES],
+                    mode=mode,
+                    append=True,
+                    make_parents=make_parents,
+                    operation_id=f"{op}.{n}",
+                    user=user,
+                    metadata=metadata,
+                )
+            return info
+        if len(raw) > INLINE_WRITE_BYTES:
             return await self.upload(
                 raw,
                 path,

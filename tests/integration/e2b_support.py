@@ -4,12 +4,16 @@ at it (the way a user's unchanged code would be pointed)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import pytest
+from e2b import Sandbox
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client
@@ -60,3 +64,26 @@ def e2b_environment(target: E2bTarget) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def sandbox_maker(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
+    """``Sandbox.create`` for a test: its sandboxes are labelled with the test (metadata
+    "test", merged into what the test passes) and always killed afterwards."""
+    made: list[Sandbox] = []
+    tag = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
+
+    def create(*args: object, **kw: object) -> Sandbox:
+        metadata = {"test": tag, **kw.pop("metadata", {})}  # type: ignore[dict-item]
+        sb = Sandbox.create(*args, metadata=metadata, **kw)  # type: ignore[arg-type]
+        made.append(sb)
+        return sb
+
+    try:
+        yield create
+    finally:
+        for sb in made:
+            try:
+                sb.kill()
+            except Exception:
+                pass

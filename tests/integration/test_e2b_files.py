@@ -5,7 +5,6 @@ them on, and signed file URLs."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import urllib.error
 import urllib.parse
@@ -22,7 +21,7 @@ from packaging.version import Version
 from libdsec import Client
 from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith
-from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment, sandbox_maker
 
 pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
@@ -50,20 +49,8 @@ def shared(target: E2bTarget, container_cluster: object) -> Iterator[Sandbox]:
 
 @pytest.fixture
 def make(target: E2bTarget, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
-    made: list[Sandbox] = []
-    tag = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
-
-    def create(**kw: object) -> Sandbox:
-        sb = Sandbox.create(metadata={"test": tag}, **kw)  # type: ignore[arg-type]
-        made.append(sb)
-        return sb
-
-    yield create
-    for sb in made:
-        try:
-            sb.kill()
-        except Exception:
-            pass
+    with sandbox_maker(request) as make:
+        yield make
 
 
 def test_the_envd_version_turns_on_every_file_feature(shared: Sandbox) -> None:

@@ -31,7 +31,7 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith
-from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment, sandbox_maker
 
 pytestmark = pytest.mark.images("busybox", "bookworm", "e2b-base")
 
@@ -54,22 +54,8 @@ def container_cluster(target: E2bTarget):  # type: ignore[no-untyped-def]
 def make(
     target: E2bTarget, container_cluster: object, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
-    """E2B sandboxes labelled with the test (metadata), always killed afterwards."""
-    made: list[Sandbox] = []
-    tag = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
-
-    def create(**kw: object) -> Sandbox:
-        metadata = {"test": tag, **kw.pop("metadata", {})}  # type: ignore[dict-item]
-        sb = Sandbox.create(metadata=metadata, **kw)  # type: ignore[arg-type]
-        made.append(sb)
-        return sb
-
-    yield create
-    for sb in made:
-        try:
-            sb.kill()
-        except Exception:
-            pass
+    with sandbox_maker(request) as make:
+        yield make
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -15,7 +14,7 @@ from e2b.exceptions import SandboxException
 from libdsec import Client
 from tests.helpers import wait_for
 from tests.integration.conftest import ClusterWith
-from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment
+from tests.integration.e2b_support import E2bTarget, e2b_cluster, e2b_environment, sandbox_maker
 
 pytestmark = pytest.mark.images("e2b-base")
 
@@ -41,20 +40,8 @@ def admin(target: E2bTarget) -> Iterator[Client]:
 def make(
     target: E2bTarget, container_cluster: object, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Sandbox]]:
-    made: list[Sandbox] = []
-    tag = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
-
-    def create(*args: object, **kw: object) -> Sandbox:
-        sb = Sandbox.create(*args, metadata={"test": tag}, **kw)  # type: ignore[arg-type]
-        made.append(sb)
-        return sb
-
-    yield create
-    for sb in made:
-        try:
-            sb.kill()
-        except Exception:
-            pass
+    with sandbox_maker(request) as make:
+        yield make
 
 
 def test_snapshot_create_list_filter_delete_and_create_from(
