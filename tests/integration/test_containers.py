@@ -200,10 +200,10 @@ def test_file_operations(make_sandbox: Callable[..., Sandbox]) -> None:
     assert sb.run("cat /work/dir/a.txt").stdout == b"hello\nmore\n"
     # an append larger than one call (4 MiB) goes as several appends, never an overwrite
     big = bytes(range(256)) * (9 * 4096 + 7)  # 9 MiB and a bit: three appends
-    assert f.write("/work/dir/big.bin", b"head", append=True).size == 4
-    assert f.write("/work/dir/big.bin", big, append=True).size == 4 + len(big)
-    assert f.read("/work/dir/big.bin", offset=0, length=4) == b"head"
-    assert f.read("/work/dir/big.bin", offset=4 + len(big) - 300, length=300) == big[-300:]
+    assert f.write("/work/big.bin", b"head", append=True).size == 4
+    assert f.write("/work/big.bin", big, append=True).size == 4 + len(big)
+    assert f.read("/work/big.bin", offset=0, length=4) == b"head"
+    assert f.read("/work/big.bin", offset=4 + len(big) - 300, length=300) == big[-300:]
     assert f.read("/work/dir/a.txt", offset=6, length=4) == b"more"
     f.mkdir("/work/dir/sub/deep")
     names = sorted(e.path.rsplit("/", 1)[-1] for e in f.list("/work/dir"))
