@@ -223,6 +223,17 @@ def parse_metadata_query(text: str | None) -> dict[str, str]:
     return dict(parse_qsl(text, keep_blank_values=True))
 
 
+def page_limit(limit: str | None) -> int:
+    """A list's ``limit`` query parameter: 1..100, default 100; else 400."""
+    try:
+        n = int(limit) if limit else 100
+    except ValueError:
+        raise HttpError(400, f"limit {limit!r} is not an integer") from None
+    if not 1 <= n <= 100:
+        raise HttpError(400, "limit must be in 1..100")
+    return n
+
+
 def parse_list_query(
     *,
     metadata: str | None,
@@ -251,12 +262,7 @@ def parse_list_query(
             after = after.replace(tzinfo=UTC)
     if order not in (None, "", "asc", "desc"):
         raise HttpError(400, f"order {order!r}: expected asc or desc")
-    try:
-        n = int(limit) if limit else 100
-    except ValueError:
-        raise HttpError(400, f"limit {limit!r} is not an integer") from None
-    if not 1 <= n <= 100:
-        raise HttpError(400, "limit must be in 1..100")
+    n = page_limit(limit)
     cursor = None
     if next_token:
         try:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from compat.e2b import mapping
 from compat.e2b.http import HttpError
 from libdsec import Environment
 
@@ -107,12 +108,7 @@ def page(
     next_token: str | None,
 ) -> tuple[list[Environment], str]:
     """One page of snapshots by environment name, and the token of the next ("" if none)."""
-    try:
-        n = int(limit) if limit else 100
-    except ValueError:
-        raise HttpError(400, f"limit {limit!r} is not an integer") from None
-    if not 1 <= n <= 100:
-        raise HttpError(400, "limit must be in 1..100")
+    n = mapping.page_limit(limit)
     after = ""
     if next_token:
         try:
