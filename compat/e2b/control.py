@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -83,6 +84,18 @@ E2B_MAX_FORKS = 20
 
 #: Every method: ``/health`` answers whatever it is asked with.
 _ANY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What a create starts from (``ControlApi._source``)."""
+
+    target: mapping.TemplateTarget
+    user: str
+    cpu: float
+    memory_mb: int
+    #: a template built here: its environment's config (start/ready commands, workdir)
+    built: dict[str, str] = field(default_factory=dict)
 
 
 class ControlApi:
@@ -237,37 +250,14 @@ class ControlApi:
         if (body.get("iam") or {}).get("tokens"):
             raise HttpError(400, "iam: workload identity tokens are not supported by dsec")
         labels = mapping.labels_for(body.get("metadata"))
-        target = mapping.target_for(template, self.config)
-        user = self.config.user_for(template)
-        built: dict[str, str] = {}  # a template built here: its environment's config
-        if template not in self.config.templates:
-            env = await self.templates.lookup(client, template)
-            if env is not None:
-                if env.config.get(K_OWNER) != await self.templates.project(client, key):
-                    raise HttpError(404, f"template {template!r} not found")
-                built = env.config
-                target = mapping.TemplateTarget(env.name, "")
-                user = built.get(K_USER, user)
-                if built.get("workdir"):
-                    labels[mapping.LABEL_WORKDIR] = built["workdir"]
-        cpu, memory_mb = self.config.cpu, self.config.memory_for(template)
-        routed = await self._routed_image(client, body.get("metadata"))
-        if routed is not None:
-            env, (cpu, memory_mb) = routed
-            target = mapping.TemplateTarget(env.name, "")
-            user = env.config.get("user") or self.config.default_user
+        src = await self._source(client, key, template, body.get("metadata"))
+        target, built, memory_mb = src.target, src.built, src.memory_mb
+        cpu = src.cpu
+        if built.get("workdir"):
+            labels[mapping.LABEL_WORKDIR] = built["workdir"]
         labels[mapping.LABEL_TEMPLATE] = template
-        labels[mapping.LABEL_USER] = user
+        labels[mapping.LABEL_USER] = src.user
         labels[mapping.LABEL_CPU] = f"{cpu:g}"
-        snapshot = await self._snapshot_of_template(client, key, template)
-        if snapshot is not None:
-            # Its source's user and memory; its own name as the template.
-            source = snapshots.source_labels(snapshot)
-            labels[mapping.LABEL_USER] = source.get(mapping.LABEL_USER) or self.config.user_for(
-                source.get(mapping.LABEL_TEMPLATE, "")
-            )
-            memory_mb = int(source.get(mapping.LABEL_MEMORY) or memory_mb)
-            target = mapping.TemplateTarget(snapshot.name, "")
         labels[mapping.LABEL_MEMORY] = str(memory_mb)
         options: dict[str, Any] = {
             "image": target.image,
@@ -299,6 +289,38 @@ class ControlApi:
         if built.get(K_START) or built.get(K_READY):
             await self._start_template(sb, built, template)
         return JSONResponse(self._sandbox_json(sb.info, key, self.config), 201)
+
+    async def _source(self, client: AsyncClient, key: str, template: str, metadata: Any) -> _Source:
+        """What a create starts from, the first that applies: an image its metadata names
+        (:meth:`_routed_image`), a template the caller built here, a snapshot of the caller's,
+        else the template as configured (or tried as an image name). One lookup at most of
+        each kind, none for a configured template."""
+        cpu, memory_mb = self.config.cpu, self.config.memory_for(template)
+        routed = await self._routed_image(client, metadata)
+        if routed is not None:
+            env, (cpu, memory_mb) = routed
+            user = env.config.get("user") or self.config.default_user
+            return _Source(mapping.TemplateTarget(env.name, ""), user, cpu, memory_mb)
+        if template not in self.config.templates:
+            built = await self.templates.lookup(client, template)
+            if built is not None:
+                if built.config.get(K_OWNER) != await self.templates.project(client, key):
+                    raise HttpError(404, f"template {template!r} not found")
+                user = built.config.get(K_USER, self.config.user_for(template))
+                target = mapping.TemplateTarget(built.name, "")
+                return _Source(target, user, cpu, memory_mb, built.config)
+            snapshot = await self._snapshot_of_template(client, key, template)
+            if snapshot is not None:
+                # Its source's user and memory; its own name as the template.
+                source = snapshots.source_labels(snapshot)
+                user = source.get(mapping.LABEL_USER) or self.config.user_for(
+                    source.get(mapping.LABEL_TEMPLATE, "")
+                )
+                memory_mb = int(source.get(mapping.LABEL_MEMORY) or memory_mb)
+                target = mapping.TemplateTarget(snapshot.name, "")
+                return _Source(target, user, cpu, memory_mb)
+        target = mapping.target_for(template, self.config)
+        return _Source(target, self.config.user_for(template), cpu, memory_mb)
 
     async def _routed_image(
         self, client: AsyncClient, metadata: Any
@@ -505,9 +527,7 @@ class ControlApi:
     async def _snapshot_of_template(
         self, client: AsyncClient, key: str, template: str
     ) -> Environment | None:
-        """The caller's snapshot a create's templateID names (not a configured template)."""
-        if template in self.config.templates:
-            return None
+        """The caller's snapshot a create's templateID names."""
         ref = snapshots.parse_ref(template, strict=False)
         return None if ref is None else await self._snapshot(client, key, ref)
 

@@ -340,8 +340,8 @@ while [ ! -e "$p" ]; do first="$p"; p=$(dirname "$p"); done
 if [ -n "$first" ]; then mkdir -p "$target"; chown -R "$owner" "$first"; fi
 """
 
-# USER: the account, created when missing; its home its own (dsec imports flat base images
-# such as e2b-base with every file root's, /home/user too, where E2B's user owns it).
+# USER: the account, created when missing; its home its own (an image made with every file
+# root's, as `mkfs.erofs --all-root` makes them, has the user's home root's).
 _ENSURE_USER = r"""
 if ! id -u "$1" >/dev/null 2>&1; then
   command -v useradd >/dev/null 2>&1 || exit 3
