@@ -241,8 +241,11 @@ def _sandbox_tour(steps: Steps, agent: Client, sb: Sandbox) -> None:
         say(f"packed the sandbox's writes as environment {env.name} ({len(env.layers)} layers)")
     if packed.ok:
         with steps.step("start a sandbox from the packed environment"):
-            with agent.create(image=env.name, cpu=0.5, memory_mb=256, ttl_s=300) as child:
-                seen = child.run("cat /work/answer.txt").text.strip()
+            try:
+                with agent.create(image=env.name, cpu=0.5, memory_mb=256, ttl_s=300) as child:
+                    seen = child.run("cat /work/answer.txt").text.strip()
+            finally:  # the demo leaves no environment behind (its packer may delete it)
+                agent.delete_environment(env.name)
             expect(seen == "42", f"the new sandbox sees {seen!r}")
             say(f"a new sandbox from it sees /work/answer.txt = {seen!r}")
     else:

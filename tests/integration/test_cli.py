@@ -65,10 +65,14 @@ def dsec(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.Co
 def test_the_demo_passes_every_step_on_a_working_cluster(
     cli_cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    r = dsec("demo", env=cli_env(cli_cluster.apiserver, cli_cluster.token, tmp_path))
+    with Client(cli_cluster.apiserver, token=cli_cluster.token) as admin:
+        before = {e.name for e in admin.list_environments("demo-env")}
+        r = dsec("demo", env=cli_env(cli_cluster.apiserver, cli_cluster.token, tmp_path))
+        after = {e.name for e in admin.list_environments("demo-env")}
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAILED" not in r.stdout
     assert "==> demo done: all" in r.stdout
+    assert after == before  # the environment it packed is deleted again
     shown_all = ("run -> exit 0", "timed_out=True", "verdict OK", "stopped: TERMINATED (STOPPED)")
     for shown in (*shown_all, "guest kernel 6.", "a read resumed it"):
         assert shown in r.stdout, r.stdout
