@@ -50,6 +50,9 @@ class ChronusConfig:
         self.landlock = landlock  # "auto" (when available), "on" (required), "off"
         self.env = dict(env or {})  # sandbox env of every command
         self.max_output_bytes = max_output_bytes  # per stream, when a request says 0
+        #: Accounts that may run commands as anyone through `sudo` (chronus.sudo); none: no
+        #: sudo service.
+        self.sudo_users: list[str] = []
 
     def __repr__(self) -> str:
         return f"ChronusConfig(workdir={self.workdir!r}, runtime_dir={self.runtime_dir!r})"
@@ -81,6 +84,7 @@ class ChronusConfig:
             runtime_fd=runtime_fd,
             landlock=landlock,
         )
+        cfg.sudo_users = [u for u in environ.get("DSEC_CHRONUS_SUDO_USERS", "").split(",") if u]
         grace = environ.get("DSEC_CHRONUS_ORPHAN_GRACE_S")
         if grace:
             cfg.orphan_grace_s = float(grace)

@@ -184,6 +184,13 @@ class Engine:
         """Serve frames on `sock` until the peer closes it."""
         self._sock = sock
         self.rt.reactor.start()
+        if self.config.sudo_users:
+            from chronus.sudo import SudoService  # only in sandboxes with sudo users
+
+            try:
+                SudoService(self.config.sudo_users, self.rt.sandboxing).start()
+            except OSError as exc:  # a read-only /dev: commands' sudo says it is not enabled
+                log.warning("no sudo service: %s", exc)
         while True:
             payload = wire.read_frame(sock)
             if payload is None:

@@ -19,14 +19,17 @@ _KERNEL_TREES = ("/proc/", "/sys/", "/dev/")
 
 
 class User:
-    __slots__ = ("gid", "groups", "home", "name", "uid")
+    __slots__ = ("gid", "groups", "home", "name", "shell", "uid")
 
-    def __init__(self, name: str, uid: int, gid: int, home: str, groups: list[int]) -> None:
+    def __init__(
+        self, name: str, uid: int, gid: int, home: str, groups: list[int], shell: str = ""
+    ) -> None:
         self.name = name
         self.uid = uid
         self.gid = gid
         self.home = home
         self.groups = groups
+        self.shell = shell
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.home or "/", "USER": self.name, "LOGNAME": self.name}
@@ -72,7 +75,7 @@ def resolve_user(spec: str, etc: str = "/etc") -> User:
                 if len(g) >= 4 and g[2].isdigit() and name in g[3].split(","):
                     if int(g[2]) not in groups and len(groups) < MAX_GROUPS:
                         groups.append(int(g[2]))
-            return User(name, int(fields[2]), gid, fields[5], groups)
+            return User(name, int(fields[2]), gid, fields[5], groups, fields[6])
     raise invalid(f"no user {spec!r} in the sandbox's {etc}/passwd", "USER_NOT_FOUND")
 
 

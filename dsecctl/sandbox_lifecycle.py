@@ -119,6 +119,13 @@ def add_create_parser(ssub: Any) -> None:
         help="a toolkit environment mounted read-only beside the image (repeatable)",
     )
     sc.add_argument(
+        "--sudo-user",
+        action="append",
+        default=[],
+        metavar="ACCOUNT",
+        help="an account of the sandbox that may sudo without a password (repeatable; containers)",
+    )
+    sc.add_argument(
         "--idempotency-key",
         default="",
         help="a retried create with the same key returns the first one's sandbox (with "
@@ -165,6 +172,7 @@ def _create_options(args: argparse.Namespace) -> dict[str, Any]:
         "best_effort": args.best_effort,
         "node_selector": dict(args.node_selector),
         "toolkits": list(args.toolkit),
+        "sudo_users": list(args.sudo_user),
     }
     if args.allow or args.deny or args.open_network or args.max_blocked_connects:
         options["network"] = NetworkPolicy(

@@ -15,6 +15,7 @@ decides when (create, pause, resume, the one ending), this module what fits and 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,12 +24,29 @@ from edge.backends.contract import (
     AttachesGpus,
     Pausable,
     PausesFilesOnly,
+    RunsSudo,
     SandboxBackend,
     require,
 )
 from edge.disk_guard import DiskGuard
 from edge.model import SANDBOX_ID, SandboxRecord, SandboxSpec
 from libdsec.errors import EdgeCapacity, InvalidArgument, NodeDiskLow, NodeMemoryFull
+
+#: An account name as useradd takes it (or a uid as digits), as SandboxSpec.sudo_users lists it.
+SUDO_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}|[0-9]{1,10}")
+MAX_SUDO_USERS = 16
+
+
+def check_sudo_users(users: list[str]) -> None:
+    """InvalidArgument INVALID_SUDO_USER unless every entry is an account name or a uid."""
+    bad = [u for u in users if not SUDO_USER.fullmatch(u)]
+    if bad or len(users) > MAX_SUDO_USERS:
+        what = f"{bad[0]!r} is no account name or uid" if bad else f"more than {MAX_SUDO_USERS}"
+        raise InvalidArgument(
+            f"sudo_users: {what}",
+            reason="INVALID_SUDO_USER",
+            metadata={"field": "sudo_users"},
+        )
 
 
 class AccountingError(RuntimeError):
@@ -129,6 +147,9 @@ class Admission:
             require(self.backends[spec.backend], Pausable)
             if spec.pause_at_ttl_files_only:
                 require(self.backends[spec.backend], PausesFilesOnly)
+        if spec.sudo_users:
+            check_sudo_users(spec.sudo_users)
+            require(self.backends[spec.backend], RunsSudo)
         reserved = sorted(k for k in spec.env if k.startswith("DSEC_"))
         if reserved:
             # aether and chronus take their settings (Landlock on, the channel's fd, ...) from

@@ -85,6 +85,7 @@ def spec_from_pb(spec: types_pb2.SandboxSpec) -> SandboxSpec:
         pause_at_ttl=spec.pause_at_ttl,
         manual_resume=spec.manual_resume,
         pause_at_ttl_files_only=spec.pause_at_ttl_files_only,
+        sudo_users=list(spec.sudo_users),
     )
 
 
@@ -111,6 +112,7 @@ def spec_pb(spec: SandboxSpec) -> types_pb2.SandboxSpec:
         pause_at_ttl=spec.pause_at_ttl,
         manual_resume=spec.manual_resume,
         pause_at_ttl_files_only=spec.pause_at_ttl_files_only,
+        sudo_users=spec.sudo_users,
     )
     if spec.network:
         network_to_pb(spec.network, out.network)

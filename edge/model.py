@@ -52,6 +52,8 @@ class SandboxSpec:
     manual_resume: bool = False
     #: The pause at the TTL keeps the files only (a cold pause).
     pause_at_ttl_files_only: bool = False
+    #: Accounts that may `sudo` (chronus.sudo); none: no sudo service in the sandbox.
+    sudo_users: list[str] = field(default_factory=list)
 
 
 @dataclass

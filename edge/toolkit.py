@@ -281,12 +281,15 @@ def _populate(tmp: Path, inputs: list[_Input], python: Path, digest: str) -> Non
             MOUNT_POINT,
         ]
     )
-    _build_confine(tmp)
+    _build_programs(tmp)
     for p in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
         os.chmod(p, 0o755)
 
 
-CONFINE_SOURCE = "chronus/confine.c"
+#: The toolkit's C programs: bin/<name> from its source under lib/python3.11/.
+PROGRAMS = {"dsec-confine": "chronus/confine.c", "dsec-sudo": "chronus/sudo.c"}
+#: Where dsec-sudo is, relative to the toolkit (/.dsec in a sandbox).
+SUDO_SHIM = "bin/dsec-sudo"
 # Static (no loader: no LD_* or /etc/ld.so.preload is honoured before the command is confined),
 # position-independent, hardened: it parses arguments while still unconfined.
 CONFINE_CFLAGS = (
@@ -322,22 +325,26 @@ def _compiler_id() -> str:
     return "|".join([*version, libc_id, *CONFINE_CFLAGS])
 
 
-def _build_confine(tmp: Path) -> None:
-    """bin/dsec-confine, the static trampoline chronus starts commands through (vfork-cheap and
-    confined in a domain of their own: chronus/confine.c, chronus/proc.py). Without a C compiler
-    the toolkit has none and chronus forks each command instead (slower, as safe)."""
-    src = tmp / "lib" / f"python{PY_VERSION}" / CONFINE_SOURCE
+def _build_programs(tmp: Path) -> None:
+    """The static programs of PROGRAMS. bin/dsec-confine is the trampoline chronus starts
+    commands through (vfork-cheap and confined in a domain of their own: chronus/confine.c,
+    chronus/proc.py); bin/dsec-sudo is sudo in a sandbox (chronus/sudo.c, chronus/sudo.py).
+    Without a C compiler the toolkit has neither: chronus forks each command instead (slower,
+    as safe), and the backend does not offer sudo (SandboxSpec.sudo_users is refused)."""
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler: the toolkit has no dsec-confine (chronus will fork commands)")
+        log.warning("no C compiler: the toolkit has no dsec-confine (chronus will fork commands)"
+                    " and no dsec-sudo (no sudo in sandboxes)")  # fmt: skip
         return
-    out = tmp / "bin" / "dsec-confine"
-    r = subprocess.run([cc, *CONFINE_CFLAGS, "-o", os.fspath(out), os.fspath(src)], **_QUIET)
-    if r.returncode != 0:
-        log.warning("dsec-confine not built (chronus will fork commands): %s", r.stderr.strip())
-        out.unlink(missing_ok=True)
-        return
-    os.chmod(out, 0o755)
+    for name, source in PROGRAMS.items():
+        src = tmp / "lib" / f"python{PY_VERSION}" / source
+        out = tmp / "bin" / name
+        r = subprocess.run([cc, *CONFINE_CFLAGS, "-o", os.fspath(out), os.fspath(src)], **_QUIET)
+        if r.returncode != 0:
+            log.warning("%s not built: %s", name, r.stderr.strip())
+            out.unlink(missing_ok=True)
+            continue
+        os.chmod(out, 0o755)
 
 
 def build_toolkit(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Required, TypedDict, Unpack, cast
 
 from dsec.types.v1 import types_pb2
@@ -72,6 +72,10 @@ class SandboxOptions(TypedDict, total=False):
     #: a paused sandbox comes back only on ``resume()``: a call into it raises
     #: ``FailedPrecondition`` (reason ``SANDBOX_PAUSED``) instead of resuming it
     manual_resume: bool
+    #: accounts of the sandbox that may ``sudo`` any command as anyone, without a password
+    #: (``sudo_users=["user"]``); root always may. Containers only (else
+    #: ``BackendCapabilityMissing``, capability ``sudo``); see the README's "sudo" section
+    sudo_users: Sequence[str] | None
     #: ended (reason IDLE) after this many seconds without a call; default: never
     idle_timeout_s: int | None
     #: free-form labels, to list, watch or stop by (``labels={"stage": "train"}``)
@@ -173,6 +177,7 @@ def make_spec(**options: Unpack[SandboxOptions]) -> types_pb2.SandboxSpec:
         pause_at_ttl=bool(options.get("pause_at_ttl")),
         pause_at_ttl_files_only=bool(options.get("pause_at_ttl_files_only")),
         manual_resume=bool(options.get("manual_resume")),
+        sudo_users=list(options.get("sudo_users") or ()),
     )
     network = options.get("network")
     if network is not None:

@@ -255,6 +255,8 @@ class SandboxSpecInfo:
     best_effort: bool
     node_selector: dict[str, str]
     toolkits: list[str]
+    #: accounts that may ``sudo`` (default none; older servers: none)
+    sudo_users: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, s: types_pb2.SandboxSpec) -> SandboxSpecInfo:
@@ -273,6 +275,7 @@ class SandboxSpecInfo:
             best_effort=s.qos == types_pb2.QOS_CLASS_BEST_EFFORT,
             node_selector=_dict(s.node_selector),
             toolkits=_list(s.toolkits),
+            sudo_users=_list(s.sudo_users),
         )
 
 

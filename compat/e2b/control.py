@@ -272,6 +272,9 @@ class ControlApi:
         }
         if target.backend:
             options["backend"] = target.backend
+        if target.backend in ("", "container"):
+            # E2B's user model: `user` (and a template's own user) may sudo without a password.
+            options["sudo_users"] = sorted({mapping.E2B_USER, src.user} - {"root", ""})
         network = mapping.network_for(body, self.config)
         if network is not None:
             options["network"] = network

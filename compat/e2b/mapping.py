@@ -34,6 +34,8 @@ ENVD_VERSION = "0.6.4"
 
 LABEL_TEMPLATE = "e2b.template"
 LABEL_CPU = "e2b.cpu"
+#: The account E2B gives sudo without a password (and runs commands as, in its base template).
+E2B_USER = "user"
 #: The user a sandbox's commands and file operations run as when the SDK names none.
 LABEL_USER = "e2b.user"
 LABEL_MEMORY = "e2b.memory_mb"

@@ -96,6 +96,8 @@ class Capability(enum.Enum):
     FORK = "fork"
     #: Samples of a sandbox's CPU, memory and disk use (GetSandboxMetrics).
     METRICS = "metrics"
+    #: `sudo` for the accounts of SandboxSpec.sudo_users (chronus.sudo; dsec-sudo).
+    SUDO = "sudo"
     #: A pause that keeps the files only and boots the sandbox afresh on resume
     #: (PauseSandboxRequest.files_only).
     FILES_ONLY_PAUSE = "files_only_pause"
@@ -165,6 +167,12 @@ class PausesFilesOnly(Protocol):
     async def resume_files_only(self, rec: SandboxRecord) -> None:
         """Boot the sandbox afresh on its image with the kept writable layer (a new init,
         new agents); its channel answers afterwards. ResumeFailed as for Pausable.resume."""
+
+
+@runtime_checkable
+class RunsSudo(Protocol):
+    #: Where dsec-sudo is in the sandbox (also at /usr/bin/sudo when the image has a sudo).
+    sudo_program: str
 
 
 @runtime_checkable
@@ -291,6 +299,7 @@ PROTOCOLS: dict[Capability, type] = {
     Capability.FORK: Forks,
     Capability.METRICS: UsageMetrics,
     Capability.FILES_ONLY_PAUSE: PausesFilesOnly,
+    Capability.SUDO: RunsSudo,
 }
 _CAPABILITY_OF = {proto: cap for cap, proto in PROTOCOLS.items()}
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.runtime.spec import LaunchSpec
+from edge.toolkit import SUDO_SHIM
 
 
 @lru_cache(maxsize=1)
@@ -57,6 +58,8 @@ OCI_VERSION = "1.0.2-dev"
 CPU_PERIOD_US = 100_000
 NOFILE = 65_536
 OOM_SCORE_ADJ = 500
+#: The image's sudo, which dsec-sudo replaces when the toolkit has it (sudo_over).
+SUDO_PATH = "/usr/bin/sudo"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOOLKIT_MOUNT = "/.dsec"
 
@@ -176,6 +179,7 @@ def make_config(
     seccomp: dict[str, Any] | None = None,
     use_seccomp: bool = True,
     nofile: int = NOFILE,
+    sudo_over: bool = False,
 ) -> dict[str, Any]:
     """The config.json of one sandbox.
 
@@ -183,7 +187,9 @@ def make_config(
     toolkit_source: the host directory to show read-only at /.dsec (defaults to
     spec.toolkit_dir, which the runtime replaces by the mountpoint when it is an EROFS image);
     nofile: RLIMIT_NOFILE (soft = hard); the runtime lowers it to its own hard limit where it
-    lacks CAP_SYS_RESOURCE to raise it (this machine: hard limit 20000, no CAP_SYS_RESOURCE).
+    lacks CAP_SYS_RESOURCE to raise it (this machine: hard limit 20000, no CAP_SYS_RESOURCE);
+    sudo_over: show the toolkit's dsec-sudo at /usr/bin/sudo (the image has a sudo there, which
+    cannot work under no_new_privs: chronus/sudo.py).
     """
     env = dict(spec.env)
     env.setdefault("PATH", DEFAULT_PATH)
@@ -214,6 +220,15 @@ def make_config(
                 TOOLKIT_MOUNT,
                 "bind",
                 os.fspath(toolkit),
+                ["rbind", "ro", "nosuid", "nodev", "rprivate"],
+            )
+        )
+    if toolkit is not None and sudo_over:
+        mounts.append(
+            _mount(
+                SUDO_PATH,
+                "bind",
+                os.fspath(toolkit / SUDO_SHIM),
                 ["rbind", "ro", "nosuid", "nodev", "rprivate"],
             )
         )

@@ -47,6 +47,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -58,6 +59,7 @@ from edge.layers.tree import CopyStats, copy_tree, precopy, resync
 from edge.runtime import cgroups, disk, seccomp_bpf
 from edge.runtime.bundle import (
     NOFILE,
+    SUDO_PATH,
     cpu_quota_us,
     cpu_shares,
     hardened_seccomp,
@@ -97,6 +99,7 @@ from edge.runtime.spec import (
     SandboxProcess,
     SandboxStatus,
 )
+from edge.toolkit import SUDO_SHIM
 
 log = logging.getLogger(__name__)
 
@@ -454,6 +457,7 @@ class RuncRuntime:
                 toolkit_source=toolkit_source,
                 use_seccomp=self.use_seccomp and not by_init,
                 nofile=self.nofile,
+                sudo_over=_sudo_over(rootfs, toolkit_source or spec.toolkit_dir),
             )
             write_config(sdir, config)
 
@@ -948,6 +952,23 @@ def _fill_upper(tree: Path, upper: Path, disk_mb: int) -> None:
                 f"the source's files do not fit the sandbox's disk limit ({disk_mb} MiB)"
             ) from exc
         raise
+
+
+def _sudo_over(rootfs: Path, toolkit: Path | None) -> bool:
+    """Whether dsec-sudo goes over the image's /usr/bin/sudo: the image has one (a regular file:
+    a file bind cannot go over a directory) and the toolkit has dsec-sudo. An image without sudo
+    gets none (runc would create the mountpoint in its writable layer); /.dsec/bin/dsec-sudo is
+    there in every sandbox."""
+    if toolkit is None or not (toolkit / SUDO_SHIM).is_file():
+        return False
+    path, *parents = rootfs / SUDO_PATH.lstrip("/"), rootfs / "usr", rootfs / "usr" / "bin"
+    try:
+        # Each component without following a link: an image's link resolves on the host here.
+        return all(stat.S_ISDIR(os.lstat(p).st_mode) for p in parents) and stat.S_ISREG(
+            os.lstat(path).st_mode
+        )
+    except OSError:
+        return False
 
 
 def _holder(sandbox_id: str, use: int | str) -> str:

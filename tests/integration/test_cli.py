@@ -388,7 +388,8 @@ def test_create_with_options_show_list_filters_pause_resume_stop(
         options = (
             "--image busybox --cpu 0.5 --memory-mb 96 --pids-max 77 --ttl-s 900"
             " --idle-timeout-s 600 --label stage=eval --label who=cli --workdir /tmp"
-            " --allow 10.1.2.3:443/tcp --deny 10.9.9.9 --best-effort --json"
+            " --allow 10.1.2.3:443/tcp --deny 10.9.9.9 --best-effort --sudo-user user"
+            " --sudo-user 1000 --json"
         ).split()
         greeting = ["--env", "GREETING=hello there", "--task", task]
         r = _ok(dsec("sandbox", "create", *options, *greeting, env=env))
@@ -411,7 +412,7 @@ def test_create_with_options_show_list_filters_pause_resume_stop(
         assert spec["cpu"] == 0.5 and spec["memory_mb"] == 96 and spec["pids_max"] == 77
         assert (spec["ttl_s"], spec["idle_timeout_s"]) == (900, 600)
         assert spec["env"] == {"GREETING": "hello there"} and spec["workdir"] == "/tmp"
-        assert spec["best_effort"] is True
+        assert spec["best_effort"] is True and spec["sudo_users"] == ["user", "1000"]
         assert spec["network"] == {
             "allow": ["10.1.2.3:443/tcp"],
             "deny": ["10.9.9.9"],

@@ -113,16 +113,16 @@ def test_a_command_past_its_timeout_raises_and_is_killed(shared: Sandbox) -> Non
 def test_the_base_template_follows_e2bs_user_model(shared: Sandbox) -> None:
     """E2B's `base`: commands as `user` in /home/user, root on request; what the SDK's file
     calls create is the user's, so the user's commands may change it; the tools E2B's base
-    image has are there. sudo is, but cannot raise privileges under dsec's confinement of
-    commands (no_new_privs): it says so, and root is asked for with user="root"."""
+    image has are there, and `user` may sudo without a password (dsec's sudo: chronus/sudo.py)."""
     assert shared.commands.run("id -un; echo $HOME; pwd").stdout == "user\n/home/user\n/home/user\n"
     # the home is the user's (the image keeps its owners): the user's own commands write there
     assert shared.commands.run("stat -c %U:%G .; touch own.txt && stat -c %U own.txt").stdout == (
         "user:user\nuser\n"
     )
-    with pytest.raises(CommandExitException) as refused:
-        shared.commands.run("sudo -n id -un")
-    assert "no new privileges" in refused.value.stderr
+    assert shared.commands.run("sudo -n id -un; sudo -u nobody id -un").stdout == "root\nnobody\n"
+    # sudo resets the environment: a command-scoped variable does not reach the root command
+    r = shared.commands.run("sudo sh -c 'echo [$FOO] $SUDO_USER $HOME'", envs={"FOO": "bar"})
+    assert r.stdout == "[] user /root\n"
     assert shared.commands.run("id -un; pwd", user="root").stdout == "root\n/root\n"
     shared.files.write("/home/user/made/here/mine.txt", "x")
     r = shared.commands.run(

@@ -155,3 +155,34 @@ def test_confine_trampoline_is_static_and_reports_failures(
     assert malformed.returncode == 127
     assert os.read(r, 4096).split(b"\0") == [b"user", b"22", b"65534"]
     os.close(r)
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "says"),
+    [
+        (["-g", "staff", "id"], 1, "option '-g' is not supported in a dsec sandbox"),
+        (["--askpass", "id"], 1, "option '--askpass' is not supported"),
+        (["-i", "-s", "id"], 1, "you may not specify both the -i and -s options"),
+        (["-u"], 1, "option requires an argument -- 'u'"),
+        ([], 1, "usage: sudo"),
+        (["-V"], 0, "dsec-sudo"),
+        (["-l"], 0, "NOPASSWD: ALL"),
+        (["-k"], 0, ""),  # no cached credentials to forget
+        (["-n"], 1, "usage: sudo"),
+        (["-v"], 0, ""),
+        # no service outside a sandbox with sudo users: it says so
+        (["-n", "id"], 1, "sudo is not enabled in this sandbox"),
+    ],
+)
+def test_dsec_sudo_is_static_and_answers_as_sudo(
+    toolkit_dir: Path, argv: list[str], status: int, says: str
+) -> None:
+    """bin/dsec-sudo (chronus/sudo.c): sudo's options, refusing the ones it does not honour by
+    name; what runs the command is chronus (tests/integration/test_sudo.py)."""
+    sudo = toolkit_dir / "bin" / "dsec-sudo"
+    assert (
+        b"interpreter" not in subprocess.run(["file", "-b", str(sudo)], capture_output=True).stdout
+    )
+    r = subprocess.run([str(sudo), *argv], capture_output=True, text=True, timeout=10)
+    assert r.returncode == status, (r.stdout, r.stderr)
+    assert says in r.stdout + r.stderr

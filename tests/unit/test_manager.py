@@ -608,3 +608,31 @@ async def test_a_stop_cancelled_by_its_caller_still_ends_the_sandbox_once(tmp_pa
     await m.end(rec, "TTL", "late")  # waits for the teardown under way
     assert rec.state == "TERMINATED" and rec.termination_reason == "STOPPED"
     assert backend.destroyed == ["sb-e1-aaaaaa01"] and m.load().sandboxes == 0
+
+
+async def test_sudo_users_need_a_backend_with_sudo_and_account_names(tmp_path: Path) -> None:
+    """SandboxSpec.sudo_users on a backend without sudo (every one but containers) is
+    UNIMPLEMENTED BACKEND_CAPABILITY naming sudo, and an entry that is no account name or uid
+    INVALID_ARGUMENT INVALID_SUDO_USER, both before anything is admitted."""
+    m = SandboxManager("e1", tmp_path, Capacity(2000, 1024, 10), [NullBackend()])
+    with pytest.raises(BackendCapabilityMissing) as info:
+        await m.create(
+            "sb-e1-aaaaaa01", SandboxSpec(sudo_users=["user"]), "root", "p", wait_ready=True
+        )
+    assert info.value.metadata == {"backend": "null", "capability": "sudo"}
+    for bad in (["us er"], ["a,b"], [""], ["x" * 33], [str(i) for i in range(17)]):
+        with pytest.raises(InvalidArgument) as invalid:
+            await m.create(
+                "sb-e1-aaaaaa02", SandboxSpec(sudo_users=bad), "root", "p", wait_ready=True
+            )
+        assert invalid.value.reason == "INVALID_SUDO_USER", bad
+    assert m.records == {} and m.load().sandboxes == 0
+
+    class WithSudo(NullBackend):
+        capabilities = frozenset({Capability.SUDO})
+        sudo_program = "/.dsec/bin/dsec-sudo"
+
+    s = SandboxManager("e1", tmp_path / "s", Capacity(2000, 1024, 10), [WithSudo()])
+    spec = SandboxSpec(sudo_users=["user", "1000"])
+    await s.create("sb-e1-aaaaaa03", spec, "root", "p", wait_ready=True)
+    assert s.records["sb-e1-aaaaaa03"].spec.sudo_users == ["user", "1000"]

@@ -636,6 +636,7 @@ class SandboxSpec(_message.Message):
     PAUSE_AT_TTL_FIELD_NUMBER: _builtins.int
     MANUAL_RESUME_FIELD_NUMBER: _builtins.int
     PAUSE_AT_TTL_FILES_ONLY_FIELD_NUMBER: _builtins.int
+    SUDO_USERS_FIELD_NUMBER: _builtins.int
     backend: Global___Backend.ValueType
     image: _builtins.str
     """environment "name[:tag]" or "docker:repo:tag" """
@@ -683,6 +684,16 @@ class SandboxSpec(_message.Message):
     def toolkits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """extra toolkit layers "name[:tag]" """
 
+    @_builtins.property
+    def sudo_users(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Accounts of the sandbox (names, or uids as digits) that may run any command as any user
+        with `sudo`, without a password (sudoers' NOPASSWD: ALL); root always may. Commands run
+        with no_new_privs, so the image's own sudo cannot raise privileges: with sudo users the
+        sandbox's chronus serves dsec's sudo, shown at /usr/bin/sudo when the image has one (and
+        always at /.dsec/bin/dsec-sudo). The image's /etc/sudoers is not consulted. At most 16;
+        backends without it (UNIMPLEMENTED BACKEND_CAPABILITY, capability sudo): see the README.
+        """
+
     def __init__(
         self,
         *,
@@ -702,10 +713,11 @@ class SandboxSpec(_message.Message):
         pause_at_ttl: _builtins.bool = ...,
         manual_resume: _builtins.bool = ...,
         pause_at_ttl_files_only: _builtins.bool = ...,
+        sudo_users: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "manual_resume", b"manual_resume", "network", b"network", "node_selector", b"node_selector", "pause_at_ttl", b"pause_at_ttl", "pause_at_ttl_files_only", b"pause_at_ttl_files_only", "qos", b"qos", "resources", b"resources", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "env", b"env", "idle_timeout_s", b"idle_timeout_s", "image", b"image", "labels", b"labels", "manual_resume", b"manual_resume", "network", b"network", "node_selector", b"node_selector", "pause_at_ttl", b"pause_at_ttl", "pause_at_ttl_files_only", b"pause_at_ttl_files_only", "qos", b"qos", "resources", b"resources", "sudo_users", b"sudo_users", "task_id", b"task_id", "toolkits", b"toolkits", "ttl_s", b"ttl_s", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,7 +77,7 @@ from edge.runtime import cgroups, mounts
 from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.runc import RuncRuntime, become_subreaper
 from edge.runtime.spec import BindMount, LaunchSpec, SandboxProcess, SandboxStatus
-from edge.toolkit import toolkit_argv
+from edge.toolkit import SUDO_SHIM, toolkit_argv
 from edge.usage import UsageSamples
 from libdsec.errors import DSecError, FailedPrecondition, Unavailable
 
@@ -116,6 +116,8 @@ class ContainerBackend:
     )
     #: A child gets the files and the sessions' cwd and environment, not the processes.
     fork_kind = ForkKind.FILES
+    #: dsec-sudo in the sandbox (RunsSudo); the runtime also shows it at /usr/bin/sudo.
+    sudo_program = "/.dsec/" + SUDO_SHIM
 
     def __init__(
         self,
@@ -140,6 +142,8 @@ class ContainerBackend:
         self.environments = node.environments
         self.images = node.images
         self.toolkit_dir = node.toolkit.mount
+        if (self.toolkit_dir / SUDO_SHIM).is_file():  # a toolkit built with a C compiler
+            self.capabilities = self.capabilities | {Capability.SUDO}
         #: Where a pause pushes a sandbox's memory (edge/backends/pausing.py).
         self.reclaim = node.pause_reclaim
         self.sockets = state_dir / "sockets"
@@ -252,6 +256,8 @@ class ContainerBackend:
         }
         env["DSEC_CHRONUS_WORKDIR"] = rec.spec.workdir or image.workdir or "/"
         env["DSEC_CHRONUS_LANDLOCK"] = "on" if self.landlock else "off"
+        if rec.spec.sudo_users:
+            env["DSEC_CHRONUS_SUDO_USERS"] = ",".join(rec.spec.sudo_users)
         # pid 1 is the toolkit's ld.so, which obeys LD_PRELOAD, LD_AUDIT, ...: aether must load
         # no library of the image's or the caller's. chronus gives them back to every command.
         for name in [k for k in env if k.startswith("LD_")]:
