@@ -503,7 +503,12 @@ class RuncRuntime:
         it, and the kernel features it needs are checked once at runtime start."""
         source = sdir / "boot_id"
         source.write_text(f"{uuid.uuid4()}\n")
-        bind_readonly_into(pid, source, BOOT_ID_PATH)
+        try:
+            bind_readonly_into(pid, source, BOOT_ID_PATH)
+        except FileNotFoundError:
+            # /proc/<pid>/ns/mnt is gone: pid 1 exited at once (a bad init). No namespace is
+            # left to give an id to; the caller finds the dead init as without this step.
+            log.info("pid 1 (%d) of %s exited before its boot id was mounted", pid, sdir.name)
 
     def lowers_of(self, sandbox_id: str) -> list[Path | LayerImage]:
         """The read-only layers a created sandbox runs on, top-most first (as LaunchSpec.lowers

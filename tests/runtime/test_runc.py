@@ -310,6 +310,22 @@ def test_every_start_has_its_own_read_only_boot_id(
         assert leftovers(runtime, sb.sandbox_id) == []
 
 
+def test_an_init_that_exits_at_once_is_still_created_then_found_dead(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    leftovers: Leftovers,
+    wait_stopped: Callable[..., None],
+) -> None:
+    """pid 1 may be gone before its boot id is mounted (a race: about a third of such starts
+    here); the create still succeeds, as it did before boot ids, and the exit is collected."""
+    for _ in range(10):
+        sb = runtime.create(spec_for(init_argv=["/bin/busybox", "sh", "-c", "exit 3"]))
+        wait_stopped(runtime, sb.sandbox_id)
+        assert runtime.reap(sb.sandbox_id) == 3
+        runtime.destroy(sb.sandbox_id)
+        assert leftovers(runtime, sb.sandbox_id) == []
+
+
 def test_stop_graceful_then_destroy_leaves_nothing(
     runtime: RuncRuntime,
     spec_for: SpecFactory,
