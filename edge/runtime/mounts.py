@@ -194,6 +194,87 @@ def attach_detached(tree_fd: int, target: str | os.PathLike[str]) -> None:
     )
 
 
+_SYS_MOUNT_SETATTR = 442
+_AT_FDCWD = -100
+_MOUNT_ATTR_RDONLY = 0x1
+_MOUNT_ATTR_NOSUID = 0x2
+_MOUNT_ATTR_NODEV = 0x4
+_MOUNT_ATTR_NOEXEC = 0x8
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _readonly_clone(source: str | os.PathLike[str]) -> int:
+    """A detached, read-only (nosuid, nodev, noexec) bind of `source`: open_tree
+    OPEN_TREE_CLONE, then mount_setattr on the detached tree, so it is never writable anywhere.
+    Returns its descriptor (close-on-exec); closing it unmounts it if it was not attached."""
+    fd = _check(
+        _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, _b(source), OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC),
+        "open_tree",
+        os.fspath(source),
+    )
+    attr = _MountAttr(
+        attr_set=_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC
+    )
+    rc = _libc.syscall(
+        _SYS_MOUNT_SETATTR,
+        fd,
+        b"",
+        _AT_EMPTY_PATH,
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    if rc < 0:
+        err = ctypes.get_errno()
+        os.close(fd)
+        raise MountError(err, "mount_setattr", os.fspath(source))
+    return int(fd)
+
+
+def check_mount_api(probe: str | os.PathLike[str]) -> None:
+    """Fail now, with the reason, on a kernel without the new mount API (open_tree and
+    move_mount: Linux 5.2; mount_setattr: 5.12), which `bind_readonly_into` needs at every
+    sandbox start; probes it on the directory `probe` (a detached clone, dropped at once)."""
+    try:
+        os.close(_readonly_clone(probe))
+    except MountError as exc:
+        if exc.errno == errno.ENOSYS:
+            raise MountError(
+                exc.errno, f"{exc.op} (the new mount API, Linux >= 5.12)", exc.target
+            ) from exc
+        raise
+
+
+def bind_readonly_into(pid: int, source: str | os.PathLike[str], target: str) -> None:
+    """Bind the host file `source`, read-only, over `target` as process `pid`'s mount namespace
+    resolves it (a started sandbox's; `target` may be inside its /proc, where runc refuses
+    config mounts). No process is started: the detached mount is made here and attached by a
+    thread that entered the namespace (`in_namespace_of`). Root in the sandbox, without
+    CAP_SYS_ADMIN, can neither unmount nor write it."""
+    fd = _readonly_clone(source)
+    try:
+        in_namespace_of(
+            pid,
+            "mnt",
+            lambda: _check(
+                _libc.syscall(
+                    _SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, _b(target), _MOVE_MOUNT_F_EMPTY_PATH
+                ),
+                "move_mount",
+                target,
+            ),
+        )
+    finally:
+        os.close(fd)
+
+
 def umount_quiet(target: str | os.PathLike[str]) -> bool:
     """Unmount if mounted; a busy mount is detached lazily. Returns whether a mount went away.
 

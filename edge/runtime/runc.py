@@ -17,6 +17,7 @@ Layout under `state_dir` (one per edge; nothing outside it is ours except cgroup
                           start (on the writable layers' filesystem; a crash's leftover goes
                           at the next orphan cleanup)
         etc/              hosts, hostname, resolv.conf bind-mounted into the sandbox
+        boot_id           this start's boot id, shown read-only at BOOT_ID_PATH (see create)
         runc.log          runc's own log (JSON); its error is what RuntimeStartError carries
         init.pid          pid 1 of the sandbox, host pid namespace
         exit.json         pid 1's wait status once reaped
@@ -51,6 +52,7 @@ import stat
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,8 @@ from edge.runtime.mounts import (
     LayerImage,
     LayerMounts,
     as_layer,
+    bind_readonly_into,
+    check_mount_api,
     detach,
     layer_from_identity,
     layer_identity,
@@ -160,6 +164,10 @@ def _wait_pidfd(pidfd: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0, int(timeout_s * 1000))))
 
 
+#: The kernel's per-boot id, which every container would otherwise share with the host.
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
 #: Size cap of each volatile state tmpfs (bundles, records, runc's state: ~20 KiB per sandbox).
 VOLATILE_SIZE = "256m"
 
@@ -204,6 +212,7 @@ class RuncRuntime:
             for d in (self.sandboxes_dir, self.runc_root):
                 mount_volatile(d, VOLATILE_SIZE)
         self.nofile = _nofile_limit()
+        check_mount_api(self.sandboxes_dir)  # every start mounts its boot id with it
         self.layers = LayerMounts(Path(layer_root) if layer_root else self.state_dir / "layers")
         self.layers.root.mkdir(parents=True, exist_ok=True)
         self.layers.recover(self._claims())
@@ -464,6 +473,7 @@ class RuncRuntime:
             undo.push(lambda: cgroups.remove(cg))
             undo.push(lambda: self._remove_container(sid, cg))
             pid = self._spawn_run(spec, sdir)
+            self._mount_boot_id(sdir, pid)
             if not spec.keep_host_rootfs:
                 # pid 1 has pivoted into its own copy of the overlay; the host's copy is not
                 # needed and would make every later start slower: runc reads the whole mount
@@ -480,6 +490,29 @@ class RuncRuntime:
             cgroup_path=cg,
             log_path=spec.log_path,
         )
+
+    @staticmethod
+    def _mount_boot_id(sdir: Path, pid: int) -> None:
+        """Give this start of the container a boot id of its own: a fresh random UUID (as the
+        kernel prints it) bound read-only over BOOT_ID_PATH in its mount namespace, before
+        create() returns, so before aether or chronus answer anything. A memory pause keeps the
+        container, so the id; every new start (create, a restart, the cold boot after a
+        files-only pause, a warm or FnCall-pool container) gets a new one: what a program that
+        compares boot ids across a pause expects of a machine.
+
+        After the start, because runc refuses config mounts inside /proc; in-process (new mount
+        API, ~0.1 ms) rather than `nsenter mount`, whose fork/exec every create would pay. A
+        failure fails the create (MountError, with the errno): the id is no control, but a
+        sandbox that silently shows the host's id would lie to exactly the programs that read
+        it, and the kernel features it needs are checked once at runtime start."""
+        source = sdir / "boot_id"
+        source.write_text(f"{uuid.uuid4()}\n")
+        try:
+            bind_readonly_into(pid, source, BOOT_ID_PATH)
+        except FileNotFoundError:
+            # /proc/<pid>/ns/mnt is gone: pid 1 exited at once (a bad init). No namespace is
+            # left to give an id to; the caller finds the dead init as without this step.
+            log.info("pid 1 (%d) of %s exited before its boot id was mounted", pid, sdir.name)
 
     def lowers_of(self, sandbox_id: str) -> list[Path | LayerImage]:
         """The read-only layers a created sandbox runs on, top-most first (as LaunchSpec.lowers

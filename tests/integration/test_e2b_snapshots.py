@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox, SandboxState
+from e2b import CommandExitException, Sandbox, SandboxState
 from e2b.exceptions import SandboxException
 
 from libdsec import Client
@@ -168,3 +170,31 @@ def test_auto_pause_files_only_and_without_auto_resume(
         sb.connect()
         assert sb.get_info().state == SandboxState.RUNNING and sb.is_running()
     assert cold.files.read("/home/user/m.txt") == "cold"
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def test_boot_id_is_per_boot_kept_by_a_memory_pause_renewed_by_a_files_only_one(
+    make: Callable[..., Sandbox],
+) -> None:
+    """A sandbox's kernel boot id is its own (not the host's, not another sandbox's), the same
+    after a memory pause and resume, new after a files-only pause (a cold boot); root in the
+    sandbox cannot change it."""
+    sb, other = make(), make()
+    first = sb.files.read(BOOT_ID)
+    assert re.fullmatch(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}\n", first
+    )
+    assert other.files.read(BOOT_ID) not in (first, Path(BOOT_ID).read_text())
+    with pytest.raises(CommandExitException):
+        sb.commands.run(f"echo 00000000-0000-4000-8000-000000000000 > {BOOT_ID}", user="root")
+    with pytest.raises(CommandExitException):
+        sb.commands.run(f"umount {BOOT_ID}", user="root")
+    assert sb.pause()
+    sb.connect()
+    assert sb.files.read(BOOT_ID) == first
+    assert sb.pause(keep_memory=False)
+    sb.connect()
+    rebooted = sb.files.read(BOOT_ID)
+    assert rebooted != first and re.fullmatch(r"[0-9a-f-]{36}\n", rebooted)

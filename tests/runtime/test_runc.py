@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import statistics
 import time
@@ -25,6 +26,7 @@ from edge.runtime import (
     cgroups,
 )
 from edge.runtime.mounts import LayerImage, is_mountpoint, mount_overlay, mounts_under
+from edge.runtime.runc import BOOT_ID_PATH
 from edge.toolkit import toolkit_argv
 
 SpecFactory = Callable[..., LaunchSpec]
@@ -269,6 +271,59 @@ def test_pause_resume_uses_freezer(
     assert leftovers(runtime, sb.sandbox_id) == []
     with pytest.raises(SandboxNotFoundError):
         runtime.pause(sb.sandbox_id)
+
+
+BOOT_ID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}\n")
+
+
+def test_every_start_has_its_own_read_only_boot_id(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    """/proc/sys/kernel/random/boot_id is per container start, not the host's: a fresh UUID at
+    each create, the same across a freeze, a new one when the same id starts again; root inside
+    can neither write nor unmount it, and the host's mount table does not see it."""
+    host_id = Path(BOOT_ID_PATH).read_text()
+    a, b = runtime.create(spec_for()), runtime.create(spec_for())
+
+    def boot_id(sid: str) -> str:
+        rc, out, err = sh(runtime, sid, f"cat {BOOT_ID_PATH}")
+        assert rc == 0, err
+        return out
+
+    ids = [boot_id(a.sandbox_id), boot_id(b.sandbox_id)]
+    assert all(BOOT_ID_RE.fullmatch(x) for x in ids), ids
+    assert ids[0] != ids[1] and host_id not in ids
+    assert "boot_id" not in Path("/proc/self/mountinfo").read_text()
+    runtime.pause(a.sandbox_id)
+    runtime.resume(a.sandbox_id)
+    assert boot_id(a.sandbox_id) == ids[0]
+    rc, _, err = sh(runtime, a.sandbox_id, f"echo {ids[1].strip()} > {BOOT_ID_PATH}")
+    assert rc != 0 and "Read-only file system" in err
+    rc, _, err = sh(runtime, a.sandbox_id, f"umount {BOOT_ID_PATH} || umount -l {BOOT_ID_PATH}")
+    assert rc != 0 and "Operation not permitted" in err
+    assert boot_id(a.sandbox_id) == ids[0]
+    runtime.destroy(a.sandbox_id)  # the same sandbox id started again: another boot
+    again = runtime.create(spec_for(sandbox_id=a.sandbox_id))
+    assert boot_id(a.sandbox_id) not in (*ids, host_id)
+    for sb in (again, b):
+        runtime.destroy(sb.sandbox_id)
+        assert leftovers(runtime, sb.sandbox_id) == []
+
+
+def test_an_init_that_exits_at_once_is_still_created_then_found_dead(
+    runtime: RuncRuntime,
+    spec_for: SpecFactory,
+    leftovers: Leftovers,
+    wait_stopped: Callable[..., None],
+) -> None:
+    """pid 1 may be gone before its boot id is mounted (a race: about a third of such starts
+    here); the create still succeeds, as it did before boot ids, and the exit is collected."""
+    for _ in range(10):
+        sb = runtime.create(spec_for(init_argv=["/bin/busybox", "sh", "-c", "exit 3"]))
+        wait_stopped(runtime, sb.sandbox_id)
+        assert runtime.reap(sb.sandbox_id) == 3
+        runtime.destroy(sb.sandbox_id)
+        assert leftovers(runtime, sb.sandbox_id) == []
 
 
 def test_stop_graceful_then_destroy_leaves_nothing(
