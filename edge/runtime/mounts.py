@@ -238,18 +238,17 @@ def _readonly_clone(source: str | os.PathLike[str]) -> int:
     return int(fd)
 
 
-def check_mount_api(probe: str | os.PathLike[str]) -> None:
-    """Fail now, with the reason, on a kernel without the new mount API (open_tree and
-    move_mount: Linux 5.2; mount_setattr: 5.12), which `bind_readonly_into` needs at every
-    sandbox start; probes it on the directory `probe` (a detached clone, dropped at once)."""
+def has_mount_api(probe: str | os.PathLike[str]) -> bool:
+    """Whether the kernel has the new mount API `bind_readonly_into` needs (open_tree and
+    move_mount: Linux 5.2; mount_setattr: 5.12): False on ENOSYS; any other failure raises.
+    Probes it on the directory `probe` (a detached clone, dropped at once)."""
     try:
         os.close(_readonly_clone(probe))
     except MountError as exc:
         if exc.errno == errno.ENOSYS:
-            raise MountError(
-                exc.errno, f"{exc.op} (the new mount API, Linux >= 5.12)", exc.target
-            ) from exc
+            return False
         raise
+    return True
 
 
 def bind_readonly_into(pid: int, source: str | os.PathLike[str], target: str) -> None:

@@ -84,8 +84,8 @@ from edge.runtime.mounts import (
     LayerMounts,
     as_layer,
     bind_readonly_into,
-    check_mount_api,
     detach,
+    has_mount_api,
     layer_from_identity,
     layer_identity,
     mount_overlay,
@@ -212,7 +212,12 @@ class RuncRuntime:
             for d in (self.sandboxes_dir, self.runc_root):
                 mount_volatile(d, VOLATILE_SIZE)
         self.nofile = _nofile_limit()
-        check_mount_api(self.sandboxes_dir)  # every start mounts its boot id with it
+        #: Every start mounts a boot id of its own (create), with the new mount API. A kernel
+        #: before 5.12 lacks it: sandboxes then show the host's boot id, as runc leaves it (the
+        #: id is no control: nothing is refused for it), and the edge says so once here.
+        self.boot_ids = has_mount_api(self.sandboxes_dir)
+        if not self.boot_ids:
+            log.warning("no mount_setattr (Linux < 5.12): sandboxes show the host's boot id")
         self.layers = LayerMounts(Path(layer_root) if layer_root else self.state_dir / "layers")
         self.layers.root.mkdir(parents=True, exist_ok=True)
         self.layers.recover(self._claims())
@@ -473,7 +478,8 @@ class RuncRuntime:
             undo.push(lambda: cgroups.remove(cg))
             undo.push(lambda: self._remove_container(sid, cg))
             pid = self._spawn_run(spec, sdir)
-            self._mount_boot_id(sdir, pid)
+            if self.boot_ids:
+                self._mount_boot_id(sdir, pid)
             if not spec.keep_host_rootfs:
                 # pid 1 has pivoted into its own copy of the overlay; the host's copy is not
                 # needed and would make every later start slower: runc reads the whole mount
@@ -504,7 +510,7 @@ class RuncRuntime:
         API, ~0.1 ms) rather than `nsenter mount`, whose fork/exec every create would pay. A
         failure fails the create (MountError, with the errno): the id is no control, but a
         sandbox that silently shows the host's id would lie to exactly the programs that read
-        it, and the kernel features it needs are checked once at runtime start."""
+        it; the kernel features it needs are checked once at runtime start (boot_ids)."""
         source = sdir / "boot_id"
         source.write_text(f"{uuid.uuid4()}\n")
         try:
