@@ -487,7 +487,7 @@ def test_toolkit_is_read_only_inside(
 ) -> None:
     sb = runtime.create(spec_for(toolkit_dir=toolkit_dir))  # the plain directory form
     rc, out, err = sh(runtime, sb.sandbox_id, "ls /.dsec/bin; touch /.dsec/x")
-    assert out.split() == ["dsec-confine", "python3.11"]
+    assert out.split() == ["dsec-confine", "dsec-sudo", "python3.11"]
     assert rc != 0 and "Read-only file system" in err
 
 
