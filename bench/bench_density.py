@@ -7,6 +7,8 @@ The node fills in steps (0, N/4, N/2, 3N/4, N running); at each step, with every
    baseline; the issue's target: within 1.5x at 1,000 running);
 2. the edge's CPU while idle (its process's CPU time over --idle-s), and that of every sandbox
    together (their cpuacct cgroups);
+   with the number of mounts in the edge's mount table (runc's, which each start reads and
+   copies: issue 43 keeps it from growing with the sandbox count);
 3. memory per sandbox: PSS (the sum of /proc/<pid>/smaps_rollup Pss over each sandbox's
    processes, from its cgroup; target <= 8 MB), its memory cgroup's charge (page cache and kernel
    memory included), and the host's MemAvailable drop since the start over the sandboxes added;
@@ -175,6 +177,12 @@ def teardown(c: LocalCluster, timeout_s: float = 600.0) -> None:
     print(f"teardown: every sandbox stopped in {time.perf_counter() - t:.1f} s", flush=True)
 
 
+def mount_count(pid: int) -> int:
+    """Mounts in process `pid`'s mount table: what runc reads and copies at every start."""
+    with open(f"/proc/{pid}/mountinfo") as fh:
+        return sum(1 for _ in fh)
+
+
 def leftovers(c: LocalCluster) -> None:
     home = str(c.home.resolve()) + "/"
     with open("/proc/self/mountinfo") as fh:
@@ -225,7 +233,15 @@ def main() -> int:
             lat = probe(dsec, args.probes)
             p50, _, _ = summary_ms(lat)
             base50 = p50 if target == 0 else base50
-            rows_latency.append([len(ids), p50, pct([v * 1000 for v in lat], 95), p50 / base50])
+            rows_latency.append(
+                [
+                    len(ids),
+                    p50,
+                    pct([v * 1000 for v in lat], 95),
+                    p50 / base50,
+                    mount_count(edge_pid),
+                ]
+            )
             # idle: nothing is asked of any sandbox during the window
             usage0 = int(cgroup_file("cpuacct", parent, "cpuacct.usage").read_text())
             ticks0, t0 = cpu_ticks(edge_pid), time.monotonic()
@@ -252,7 +268,7 @@ def main() -> int:
 
     table(
         "create -> first command as the node fills (ms; --probes sequential creates per point)",
-        ["running", "p50", "p95", "p50 vs empty node"],
+        ["running", "p50", "p95", "p50 vs empty node", "mounts (edge's table)"],
         rows_latency,
     )
     table(

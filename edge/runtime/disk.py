@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge.runtime.errors import SandboxRuntimeError
-from edge.runtime.mounts import MS_NODEV, mount
+from edge.runtime.mounts import MNT_DETACH, MS_NODEV, mount, umount
 
 MS_NOATIME = 1 << 10
 
@@ -214,18 +214,64 @@ def repair(image: Path, timeout_s: float = 300.0) -> str:
     return (r.stdout + r.stderr).strip() if r.returncode else ""
 
 
-def usage(sandbox_dir: Path) -> DiskUsage | None:
-    """Usage of the quota filesystem, or None when the sandbox has none."""
-    mnt = sandbox_dir / "disk"
-    if not (sandbox_dir / "disk.img").exists():
-        return None
+def usage(root: int | Path) -> DiskUsage | None:
+    """Usage of the quota filesystem whose root is `root` (a descriptor, or a mounted path), or
+    None when it cannot be read."""
     try:
-        st = os.statvfs(mnt)
+        st = os.statvfs(root)
     except OSError:
         return None
     total = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     return DiskUsage(total - st.f_bfree * st.f_frsize, total, free, st.f_favail)
+
+
+def hold(sandbox_dir: Path) -> int:
+    """Take the mounted quota filesystem at `sandbox_dir`/disk off the mount table, keeping it
+    reachable: returns an O_PATH descriptor of its root, through which the edge reads it
+    (`/proc/<edge>/fd/N/upper`; statvfs). The sandbox's overlay holds its own reference, so
+    the sandbox runs on; the filesystem (and its loop device, autoclear) goes when both the
+    overlay and the descriptor are gone.
+
+    Why: a mount per sandbox in the edge's namespace is a mount in every mount table runc
+    reads and copies at each start (it reads mountinfo several times, and the new sandbox's
+    namespace begins as a copy of the whole table): creates slowed with the sandbox count
+    (issue 43). With this, the table holds no per-sandbox mount once a sandbox runs."""
+    fd = os.open(sandbox_dir / "disk", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        umount(sandbox_dir / "disk", MNT_DETACH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def reattach(sandbox_dir: Path, loops: dict[str, str] | None = None) -> int:
+    """`hold` again for a sandbox whose descriptor is gone (the edge restarted): mounts the
+    loop device that still backs `sandbox_dir`/disk.img (the kernel gives the filesystem
+    already mounted by the sandbox's overlay: the same superblock), or, when none does (the
+    sandbox's processes are gone, and with them the filesystem), the image through a new one;
+    then takes it off the table. `loops`: `loop_devices()`, to scan /sys once for many."""
+    image = sandbox_dir / "disk.img"
+    mnt = sandbox_dir / "disk"
+    device = (loop_devices() if loops is None else loops).get(os.fspath(image))
+    if device is None:
+        mount_image(image, mnt, MS_NODEV | MS_NOATIME)
+    else:
+        mount(device, mnt, "ext4", MS_NODEV | MS_NOATIME)
+    return hold(sandbox_dir)
+
+
+def loop_devices() -> dict[str, str]:
+    """Backing file -> loop device, of every loop device in use (/sys/block/loop*/loop)."""
+    found: dict[str, str] = {}
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            path = backing.read_text().rstrip("\n")
+        except OSError:
+            continue
+        found[path.removesuffix(" (deleted)")] = "/dev/" + backing.parent.parent.name
+    return found
 
 
 def _run(argv: list[str], what: str) -> None:

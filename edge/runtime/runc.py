@@ -10,9 +10,12 @@ Layout under `state_dir` (one per edge; nothing outside it is ours except cgroup
         config.json       the OCI bundle (the sandbox dir IS the bundle)
         rootfs/           overlay mount target; taken off the host's mount table once pid 1
                           runs (its namespace holds the overlay: reach it as /proc/<pid>/root)
-        upper             symlink to the writable layer, rw/<id>/upper (pack_diff reads it)
+        upper             symlink to the writable layer, rw/<id>/upper, or with a disk quota
+                          /proc/<edge pid>/fd/N/upper (upper_dir: how the edge reads it)
     rw/<id>/              upper/ work/: the overlay's writable layer; with a disk quota (disk.py)
-                          disk.img mounted at disk/ holding them
+                          disk.img holding them, mounted at disk/ only while the overlay is
+                          made, then taken off the mount table (disk.hold): the edge keeps a
+                          descriptor of it, the overlay its own reference
     rw/.fork-<id>-<n>/    a fork's capture of sandbox <id>'s writable layer, while its children
                           start (on the writable layers' filesystem; a crash's leftover goes
                           at the next orphan cleanup)
@@ -221,6 +224,10 @@ class RuncRuntime:
         self.layers = LayerMounts(Path(layer_root) if layer_root else self.state_dir / "layers")
         self.layers.root.mkdir(parents=True, exist_ok=True)
         self.layers.recover(self._claims())
+        #: sandbox id -> the descriptor of its quota filesystem, which is on no mount table
+        #: (disk.hold); after a restart, taken again on first use (`_disk_fd`).
+        self._disks: dict[str, int] = {}
+        self._disks_lock = threading.Lock()
 
     # ------------------------------------------------------------------ paths and records
 
@@ -242,6 +249,57 @@ class RuncRuntime:
     def writable_dir(self, sandbox_id: str) -> Path:
         """Where the sandbox's writable layer lives (on disk); `sandbox_dir/upper` points in."""
         return self.rw_dir / self.sandbox_dir(sandbox_id).name
+
+    def upper_dir(self, sandbox_id: str) -> Path:
+        """The sandbox's writable layer, to read (pack_diff, modified files, a fork's capture).
+        With a disk quota it is on a filesystem that is on no mount table: the path goes
+        through the edge's descriptor of it, `/proc/<edge>/fd/N/upper`, which this process
+        and its (root) children open directly; do not `resolve()` it. SandboxNotFoundError if
+        the sandbox has no writable layer."""
+        rw = self.writable_dir(sandbox_id)
+        if (rw / "disk.img").exists():
+            return Path(f"/proc/{os.getpid()}/fd/{self._disk_fd(sandbox_id)}/upper")
+        if not (rw / "upper").is_dir():
+            raise SandboxNotFoundError(sandbox_id)
+        return rw / "upper"
+
+    def disk_usage(self, sandbox_id: str) -> disk.DiskUsage | None:
+        """Usage of the sandbox's quota filesystem; None without one (or once it is gone)."""
+        if not (self.writable_dir(sandbox_id) / "disk.img").exists():
+            return None
+        try:
+            return disk.usage(self._disk_fd(sandbox_id))
+        except (OSError, SandboxRuntimeError):
+            return None
+
+    def _disk_fd(self, sandbox_id: str) -> int:
+        with self._disks_lock:
+            fd = self._disks.get(sandbox_id)
+            if fd is None:
+                rw = self.writable_dir(sandbox_id)
+                try:
+                    fd = disk.reattach(rw)
+                except OSError as exc:
+                    raise SandboxNotFoundError(sandbox_id) from exc
+                self._disks[sandbox_id] = fd
+                self._link_upper(sandbox_id, fd)
+            return fd
+
+    def _link_upper(self, sandbox_id: str, fd: int) -> None:
+        """`sandbox_dir/upper` -> the upper through the edge's descriptor (for operators and
+        tests that look at a sandbox's files from outside; it follows the edge's pid)."""
+        link = self.sandbox_dir(sandbox_id) / "upper"
+        tmp = link.with_name(".upper.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        tmp.symlink_to(f"/proc/{os.getpid()}/fd/{fd}/upper")
+        os.replace(tmp, link)
+
+    def _drop_disk(self, sandbox_id: str) -> None:
+        with self._disks_lock:
+            fd = self._disks.pop(sandbox_id, None)
+        if fd is not None:
+            os.close(fd)
 
     def cgroup_path(self, sandbox_id: str) -> str:
         return f"/{self.cgroup_parent}/{sandbox_id}"
@@ -457,9 +515,19 @@ class RuncRuntime:
                 work.mkdir()
             if spec.initial_upper is not None:
                 _fill_upper(spec.initial_upper, upper, spec.disk_mb)
-            (sdir / "upper").symlink_to(upper)
             mount_overlay(lower_dirs, upper, work, rootfs)
             undo.push(lambda: umount_quiet(rootfs))
+            if spec.disk_mb:
+                # Off the mount table before runc copies it (disk.hold); the overlay has its own
+                # reference to the upper's filesystem.
+                fd = disk.hold(rw)
+                with self._disks_lock:
+                    self._disks[sid] = fd
+                undo.push(functools.partial(self._drop_disk, sid))
+                self._link_upper(sid, fd)
+                upper = self.upper_dir(sid)
+            else:
+                (sdir / "upper").symlink_to(upper)
 
             host = spec.effective_hostname
             write_etc_files(sdir / "etc", host, nameservers=spec.dns_servers)
@@ -539,9 +607,7 @@ class RuncRuntime:
 
         overlayfs bookkeeping xattrs (origin, impure) are dropped: they name file handles of
         this sandbox's mount; the opaque mark is kept. The caller removes the directory."""
-        upper = (self.sandbox_dir(sandbox_id) / "upper").resolve()
-        if not upper.is_dir():
-            raise SandboxNotFoundError(sandbox_id)
+        upper = self.upper_dir(sandbox_id)
         dest = self.rw_dir / f"{FORK_CAPTURE_PREFIX}{sandbox_id}-{os.urandom(4).hex()}"
         stall = 0.0
         try:
@@ -603,6 +669,9 @@ class RuncRuntime:
         ocg, ncg = self.cgroup_path(old), self.cgroup_path(new)
         unified_left = cgroups.rename(ocg, ncg)
         os.rename(self.writable_dir(old), self.writable_dir(new))
+        with self._disks_lock:
+            if old in self._disks:
+                self._disks[new] = self._disks.pop(old)
         os.rename(osd, nsd)
         if unified_left:
             # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
@@ -794,6 +863,7 @@ class RuncRuntime:
             attempt("cgroups", lambda: cgroups.remove(cg))
             removed += [f"cgroup:{d}" for d in leftover]
         rw = self.writable_dir(sandbox_id)
+        self._drop_disk(sandbox_id)
         infos = read_mountinfo()  # once: a started sandbox keeps no mount here (see create)
         mine = [*mounts_under(sdir, infos), *mounts_under(rw, infos)]
         for m in mine:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.runtime import LaunchSpec, RuncRuntime, SandboxStatus, become_subreaper, cgroups
+from edge.runtime import LaunchSpec, RuncRuntime, SandboxStatus, become_subreaper, cgroups, disk
 from edge.runtime.mounts import mounts_under
 
 IMAGE_DIR = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
@@ -117,7 +117,8 @@ def leftovers_of(rt: RuncRuntime, sandbox_id: str | None = None) -> list[str]:
         left += [f"cgroup:{c}" for c in sorted(cgroups.children(rt.cgroup_parent))]
         left += [f"runc:{p}" for p in rt.runc_root.iterdir()]
         left += [f"state:{p}" for p in rt.sandboxes_dir.iterdir()]
-        left += [f"rw:{p}" for p in rt.rw_dir.iterdir()]
+        # the quota's formatted templates are the node's, for its later sandboxes
+        left += [f"rw:{p}" for p in rt.rw_dir.iterdir() if p.name != disk.TEMPLATES]
         left += [f"layer-dir:{p}" for p in rt.layers.root.iterdir()]
         return left
     left = [x for x in left if f"/{sandbox_id}/" in x + "/"]

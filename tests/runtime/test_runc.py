@@ -24,8 +24,15 @@ from edge.runtime import (
     SandboxNotFoundError,
     SandboxStatus,
     cgroups,
+    disk,
 )
-from edge.runtime.mounts import LayerImage, is_mountpoint, mount_overlay, mounts_under
+from edge.runtime.mounts import (
+    LayerImage,
+    is_mountpoint,
+    mount_overlay,
+    mounts_under,
+    read_mountinfo,
+)
 from edge.runtime.runc import BOOT_ID_PATH
 from edge.toolkit import toolkit_argv
 
@@ -607,3 +614,47 @@ def test_seccomp_installed_by_init_matches_runcs_own(
     assert results["runc"]["keyctl"] == "EPERM" and results["runc"]["getpid"] == "ok"
     assert results["runc"]["io_uring_setup"] == "ENOSYS"
     assert results["runc"]["after-the-profile"] == "ENOSYS"  # runc's rule, kept
+
+
+def test_quota_filesystems_stay_off_the_mount_table(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    """Issue 43: a sandbox's disk-quota filesystem is on no mount table once its overlay is
+    made (runc reads and copies the whole table at every start, so each sandbox's mount made
+    every later start slower). It stays the sandbox's upper, under its quota, and readable by
+    the edge through a descriptor; a restarted edge reaches it again; destroy frees the loop
+    device."""
+    first_one = runtime.create(spec_for(disk_mb=16))  # and with it, the image's layer mount
+    table = len(read_mountinfo())
+    sbs = [runtime.create(spec_for(disk_mb=16)) for _ in range(4)]
+    assert len(read_mountinfo()) == table, "a sandbox left a mount in the table"
+    for sb in sbs:
+        rc, _, err = sh(runtime, sb.sandbox_id, f"echo {sb.sandbox_id} > /root/mine")
+        assert rc == 0, err
+        for upper in (runtime.upper_dir(sb.sandbox_id), sb.upper):
+            assert (upper / "root" / "mine").read_text() == f"{sb.sandbox_id}\n"
+        link = runtime.sandbox_dir(sb.sandbox_id) / "upper"  # for operators, from outside
+        assert (link / "root" / "mine").read_text() == f"{sb.sandbox_id}\n"
+    first = sbs[0].sandbox_id
+    rc, _, err = sh(runtime, first, "dd if=/dev/zero of=/root/big bs=1M count=32")
+    assert rc != 0 and "No space left" in err  # the quota holds
+    usage = runtime.disk_usage(first)
+    assert usage is not None and usage.full and usage.total_bytes <= 16 << 20
+    image = os.fspath(runtime.writable_dir(first) / "disk.img")
+    assert image in disk.loop_devices()
+    # an edge restart: a new runtime on the same state reaches every upper again
+    again = RuncRuntime(runtime.state_dir, cgroup_parent=runtime.cgroup_parent)
+    for sb in sbs:
+        mine = again.upper_dir(sb.sandbox_id) / "root" / "mine"
+        assert mine.read_text() == f"{sb.sandbox_id}\n"
+    assert again.disk_usage(first) == runtime.disk_usage(first)
+    assert len(read_mountinfo()) == table
+    for rt, sb in zip([runtime, again, runtime, again], sbs, strict=True):
+        rt.destroy(sb.sandbox_id)  # whichever holds a descriptor of it
+    for rt in (runtime, again):
+        for sb in sbs:
+            rt._drop_disk(sb.sandbox_id)  # the other runtime object's descriptor, if any
+    assert image not in disk.loop_devices()
+    runtime.destroy(first_one.sandbox_id)
+    for sb in [first_one, *sbs]:
+        assert leftovers(runtime, sb.sandbox_id) == []

@@ -61,7 +61,7 @@ def _watched(tmp_path: Path) -> tuple[Containment, _Watch, Path]:
     (cg / "pids.current").write_text("3\n")
     (cg / "cgroup.procs").write_text("")
     (cg / "cpuacct.usage").write_text("1000\n")
-    runtime = SimpleNamespace(writable_dir=lambda sid: tmp_path / "rw", cgroup_path=lambda sid: "x")
+    runtime = SimpleNamespace(disk_usage=lambda sid: None, cgroup_path=lambda sid: "x")
 
     async def settled(sid: str) -> None:
         return None

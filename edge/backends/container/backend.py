@@ -745,7 +745,7 @@ class ContainerBackend:
         try:
             result = await asyncio.to_thread(
                 self.environments.pack_diff,
-                upper=(sdir / "upper").resolve(),  # a symlink when the upper has a disk quota
+                upper=self.runtime.upper_dir(sid),
                 layers=layers,
                 config={**packing.environment_config(rec), **(config or {})},
                 name=name,

@@ -45,7 +45,7 @@ from edge.model import SandboxRecord, SandboxSpec
 from edge.network.denials import DenialCounter
 from edge.network.manager import NetworkManager
 from edge.network.policy import Policy
-from edge.runtime import apparmor, cgroups, disk, integrity
+from edge.runtime import apparmor, cgroups, integrity
 from edge.runtime.bundle import rewrite_in_place
 from edge.runtime.detached import detached_tmpfs
 from edge.runtime.runc import RuncRuntime
@@ -302,7 +302,6 @@ class Containment:
     # ------------------------------------------------------------------ integrity
 
     async def modified_files(self, rec: SandboxRecord) -> list[integrity.ModifiedFile]:
-        sdir = self.runtime.sandbox_dir(rec.sandbox_id)
         pid = init_pid(rec)
 
         def scan() -> list[integrity.ModifiedFile]:
@@ -311,7 +310,7 @@ class Containment:
                 raise FailedPrecondition(
                     f"sandbox {rec.sandbox_id} has no mounted filesystem", reason="NOT_MOUNTED"
                 )
-            return integrity.modified_files((sdir / "upper").resolve(), lowers)
+            return integrity.modified_files(self.runtime.upper_dir(rec.sandbox_id), lowers)
 
         return await asyncio.to_thread(scan)
 
@@ -443,7 +442,7 @@ class Containment:
         mem_used, mem_cache = memory_v1(
             _read_small(files.memory_usage), _read_small(files.memory_stat, 8192)
         )
-        used = disk.usage(self.runtime.writable_dir(sid))
+        used = self.runtime.disk_usage(sid)
         disk_used, disk_total = (used.used_bytes, used.total_bytes) if used else (0, 0)
         ring.add(now, cpu_s, mem_used, mem_cache, disk_used, disk_total)
 
@@ -493,7 +492,7 @@ class Containment:
                 f"{v['blocked_connects']} connections blocked by the network policy "
                 f"(max_blocked_connects {max_blocked})",
             )
-        usage = disk.usage(rt.writable_dir(sid))
+        usage = rt.disk_usage(sid)
         if usage is not None and usage.full:
             return (
                 "DISK_QUOTA",
