@@ -263,7 +263,8 @@ class SudoService:
 
 
 def _receive(conn: _socket.socket) -> tuple[list[int], bytes]:
-    """The length prefix with its three descriptors, then the body."""
+    """The length prefix with its three descriptors, then the body; a malformed request is a
+    ValueError, with every descriptor it brought closed."""
     size = _socket.CMSG_SPACE(3 * 4)
     head, ancillary, _flags, _addr = conn.recvmsg(4, size)
     fds: list[int] = []
@@ -271,25 +272,24 @@ def _receive(conn: _socket.socket) -> tuple[list[int], bytes]:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             n = len(data) // 4
             fds += list(struct.unpack(f"{n}i", data[: n * 4]))
-    for fd in fds:
-        os.set_inheritable(fd, False)
-    if len(fds) != 3 or len(head) != 4:
+    try:
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        if len(fds) != 3 or len(head) != 4:
+            raise ValueError("a request needs its length and three descriptors")
+        (length,) = struct.unpack("<I", head)
+        if length > MAX_BODY:
+            raise ValueError("request too large")
+        body = bytearray()
+        while len(body) < length:
+            chunk = conn.recv(min(length - len(body), 1 << 20))
+            if not chunk:
+                raise ValueError("request cut short")
+            body += chunk
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError("a request needs its length and three descriptors")
-    (length,) = struct.unpack("<I", head)
-    if length > MAX_BODY:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("request too large")
-    body = bytearray()
-    while len(body) < length:
-        chunk = conn.recv(min(length - len(body), 1 << 20))
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("request cut short")
-        body += chunk
+        raise
     return fds, bytes(body)
 
 

@@ -246,15 +246,15 @@ def hold(sandbox_dir: Path) -> int:
     return fd
 
 
-def reattach(sandbox_dir: Path, loops: dict[str, str] | None = None) -> int:
+def reattach(sandbox_dir: Path) -> int:
     """`hold` again for a sandbox whose descriptor is gone (the edge restarted): mounts the
     loop device that still backs `sandbox_dir`/disk.img (the kernel gives the filesystem
     already mounted by the sandbox's overlay: the same superblock), or, when none does (the
     sandbox's processes are gone, and with them the filesystem), the image through a new one;
-    then takes it off the table. `loops`: `loop_devices()`, to scan /sys once for many."""
+    then takes it off the table."""
     image = sandbox_dir / "disk.img"
     mnt = sandbox_dir / "disk"
-    device = (loop_devices() if loops is None else loops).get(os.fspath(image))
+    device = loop_devices().get(os.fspath(image))
     if device is None:
         mount_image(image, mnt, MS_NODEV | MS_NOATIME)
     else:

@@ -258,7 +258,7 @@ class RuncRuntime:
         the sandbox has no writable layer."""
         rw = self.writable_dir(sandbox_id)
         if (rw / "disk.img").exists():
-            return Path(f"/proc/{os.getpid()}/fd/{self._disk_fd(sandbox_id)}/upper")
+            return _upper_through(self._disk_fd(sandbox_id))
         if not (rw / "upper").is_dir():
             raise SandboxNotFoundError(sandbox_id)
         return rw / "upper"
@@ -292,7 +292,7 @@ class RuncRuntime:
         tmp = link.with_name(".upper.tmp")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        tmp.symlink_to(f"/proc/{os.getpid()}/fd/{fd}/upper")
+        tmp.symlink_to(_upper_through(fd))
         os.replace(tmp, link)
 
     def _drop_disk(self, sandbox_id: str) -> None:
@@ -525,7 +525,7 @@ class RuncRuntime:
                     self._disks[sid] = fd
                 undo.push(functools.partial(self._drop_disk, sid))
                 self._link_upper(sid, fd)
-                upper = self.upper_dir(sid)
+                upper = _upper_through(fd)
             else:
                 (sdir / "upper").symlink_to(upper)
 
@@ -1061,6 +1061,12 @@ def _fill_upper(tree: Path, upper: Path, disk_mb: int) -> None:
                 f"the source's files do not fit the sandbox's disk limit ({disk_mb} MiB)"
             ) from exc
         raise
+
+
+def _upper_through(disk_fd: int) -> Path:
+    """The upper on a quota filesystem that is on no mount table, through the edge's
+    descriptor of its root (disk.hold): opened directly by the edge and its root children."""
+    return Path(f"/proc/{os.getpid()}/fd/{disk_fd}/upper")
 
 
 def _sudo_over(rootfs: Path, toolkit: Path | None) -> bool:
