@@ -112,7 +112,6 @@ def _note(key: str, value: Any) -> None:
 
 @settings(
     max_examples=200,
-    derandomize=True,
     deadline=None,
     database=None,
     suppress_health_check=list(HealthCheck),
@@ -145,7 +144,10 @@ def _collect(msg: Any) -> None:
 
 def test_strategy_covers_every_field_kind() -> None:
     SEEN.clear()
-    _collect()
+    # 200 examples per call left a value kind unseen on some runs (derandomized or not): three
+    # calls with fresh draws make a miss unlikely, and only add to what is seen.
+    for _ in range(3):
+        _collect()
     every = {f.name for f in ALL.fields}
     assert every <= SEEN["fields"], every - SEEN["fields"]
     # the extremes of each width, not only values near zero
