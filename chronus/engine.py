@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = get_logger("chronus")
 
 MAX_QUEUED_INPUT_BYTES = 8 * 1024 * 1024  # client-streamed bytes waiting for a handler
+#: A last response up to this size is written in one piece with its call's end.
+_COALESCE_BYTES = 64 * 1024
 
 if TYPE_CHECKING:
     Input = dict[str, Any] | None  # a further Request, or None for HalfClose
@@ -82,6 +84,8 @@ class Stream:
         self._cancel_callbacks: list[Callable[[], None]] = []
         #: (trace id, the edge's span id) when the Request carried a sampled traceparent.
         self.trace: tuple[bytes, bytes] | None = None
+        #: The last response, packed (`reply`): sent with the end.
+        self.last: bytes | None = None
 
     # ---------------------------------------------------------- reader thread
     def push(self, req: Input, size: int) -> None:
@@ -113,6 +117,17 @@ class Stream:
             raise Cancelled()
         response = {arm: value} if span is None else {arm: value, "span": span}
         self.engine.send({"stream_id": self.stream_id, "response": response})
+
+    def reply(self, arm: str, value: dict[str, Any], span: dict[str, Any] | None = None) -> None:
+        """The call's last response: written together with its end (one write, so aether and
+        the edge each wake once for both, not twice: a unary call's round trip, issue 43).
+        The handler returns after it."""
+        if self.cancelled:
+            raise Cancelled()
+        response = {arm: value} if span is None else {arm: value, "span": span}
+        # Packed here: a frame too large fails in the handler, as a sent one would.
+        frame = {"stream_id": self.stream_id, "response": response}
+        self.last = wire.pack_frame(wire.encode(wire.FRAME, frame))
 
     def span_of(self, ex: Exec) -> dict[str, Any] | None:
         """The CommandSpan of ``ex`` (exited) if this call is traced."""
@@ -205,6 +220,20 @@ class Engine:
         with self._send_lock:
             wire.write_frame(self._sock, payload)
 
+    def send_end(self, stream: Stream, end: dict[str, Any]) -> None:
+        """A call's end, after its last response if it held one (`Stream.reply`)."""
+        payload = wire.pack_frame(
+            wire.encode(wire.FRAME, {"stream_id": stream.stream_id, "end": end})
+        )
+        last, stream.last = stream.last, None
+        if last is not None and len(last) <= _COALESCE_BYTES:
+            payload, last = last + payload, None
+        assert self._sock is not None
+        with self._send_lock:
+            if last is not None:  # a large body (a file read) is not copied to join its end
+                self._sock.sendall(last)
+            self._sock.sendall(payload)
+
     def dispatch(self, frame: dict[str, Any], size: int = 0) -> None:
         stream_id = frame.get("stream_id", 0)
         if "request" in frame:
@@ -271,7 +300,7 @@ class Engine:
             with self._streams_lock:
                 self._streams.pop(stream.stream_id, None)
         try:
-            self.send({"stream_id": stream.stream_id, "end": end})
+            self.send_end(stream, end)
         except OSError:
             pass  # the channel is gone; the reader thread notices
 
@@ -307,14 +336,14 @@ class Engine:
     def _call_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         ex = self.execs.start(req, mode="sync")
         if ex.background:
-            stream.send("exec_result", {"exec_id": ex.exec_id})
+            stream.reply("exec_result", {"exec_id": ex.exec_id})
             return
         try:
             stream.wait(ex.done)
         except Cancelled:
             ex.kill()
             raise
-        stream.send("exec_result", ex.result(), stream.span_of(ex))
+        stream.reply("exec_result", ex.result(), stream.span_of(ex))
         self.execs.forget(ex)
 
     def _run_streaming(self, stream: Stream, ex: Exec, keepalive_ms: int) -> None:
@@ -409,59 +438,59 @@ class Engine:
         stream.wait(ex.done, timeout)
         with self.rt.lock:
             info = ex.info()
-        stream.send("wait_exec", {"info": info})
+        stream.reply("wait_exec", {"info": info})
 
     def _call_signal_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         delivered = self.execs.signal(req.get("exec_id", ""), int(req.get("signal", 0)))
-        stream.send("signal_exec", {"delivered": delivered})
+        stream.reply("signal_exec", {"delivered": delivered})
 
     def _call_list_execs(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("list_execs", {"execs": self.execs.list_infos()})
+        stream.reply("list_execs", {"execs": self.execs.list_infos()})
 
     def _call_control_exec(self, stream: Stream, req: dict[str, Any]) -> None:
         self.execs.get(req.get("exec_id", "")).control(req)
-        stream.send("control_exec", {})
+        stream.reply("control_exec", {})
 
     # ------------------------------------------------------------ sessions
     def _call_create_session(self, stream: Stream, req: dict[str, Any]) -> None:
         session = self.sessions.create(req)
-        stream.send("create_session", {"session": session.info()})
+        stream.reply("create_session", {"session": session.info()})
 
     def _call_restore_session(self, stream: Stream, req: dict[str, Any]) -> None:
         session = self.sessions.create(req.get("session", {}), req.get("session_id", ""))
-        stream.send("create_session", {"session": session.info()})
+        stream.reply("create_session", {"session": session.info()})
 
     def _call_close_session(self, stream: Stream, req: dict[str, Any]) -> None:
         self.sessions.close(req.get("session_id", ""))
-        stream.send("close_session", {})
+        stream.reply("close_session", {})
 
     def _call_list_sessions(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("list_sessions", {"sessions": self.sessions.list_infos()})
+        stream.reply("list_sessions", {"sessions": self.sessions.list_infos()})
 
     # --------------------------------------------------------------- files
     def _call_read_file(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("read_file", self.files.read_file(req))
+        stream.reply("read_file", self.files.read_file(req))
 
     def _call_write_file(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("write_file", self.files.write_file(req))
+        stream.reply("write_file", self.files.write_file(req))
 
     def _call_list_dir(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("list_dir", self.files.list_dir(req))
+        stream.reply("list_dir", self.files.list_dir(req))
 
     def _call_stat_path(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("stat_path", self.files.stat_path(req))
+        stream.reply("stat_path", self.files.stat_path(req))
 
     def _call_make_dir(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("make_dir", self.files.make_dir(req))
+        stream.reply("make_dir", self.files.make_dir(req))
 
     def _call_remove_path(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("remove_path", self.files.remove_path(req))
+        stream.reply("remove_path", self.files.remove_path(req))
 
     def _call_move_path(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("move_path", self.files.move_path(req))
+        stream.reply("move_path", self.files.move_path(req))
 
     def _call_chmod_path(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send("chmod_path", self.files.chmod_path(req))
+        stream.reply("chmod_path", self.files.chmod_path(req))
 
     def _call_upload_file(self, stream: Stream, req: dict[str, Any]) -> None:
         header = req.get("header")
@@ -478,7 +507,7 @@ class Engine:
                     raise invalid("after the header, an upload carries only chunks")
                 yield part.get("chunk", b"")
 
-        stream.send("upload_file", self.files.upload(header, chunks()))
+        stream.reply("upload_file", self.files.upload(header, chunks()))
 
     def _call_download_file(self, stream: Stream, req: dict[str, Any]) -> None:
         for part in self.files.download(req):
@@ -487,12 +516,12 @@ class Engine:
     # ------------------------------------------------------------ watchers
     def _call_create_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
         w = self.watchers.create(req)
-        stream.send("create_watcher", {"watcher_id": w.watcher_id})
+        stream.reply("create_watcher", {"watcher_id": w.watcher_id})
 
     def _call_watcher_events(self, stream: Stream, req: dict[str, Any]) -> None:
         w = self.watchers.get(req.get("watcher_id", ""))
         events, overflowed = w.drain()
-        stream.send(
+        stream.reply(
             "watcher_events",
             {
                 "events": event_dicts(w, events),
@@ -502,7 +531,7 @@ class Engine:
 
     def _call_remove_watcher(self, stream: Stream, req: dict[str, Any]) -> None:
         self.watchers.remove(req.get("watcher_id", ""))
-        stream.send("remove_watcher", {})
+        stream.reply("remove_watcher", {})
 
     def _call_watch_dir(self, stream: Stream, req: dict[str, Any]) -> None:
         """`started`, then each event as it comes, keepalives when idle; ends (with an
@@ -553,12 +582,12 @@ class Engine:
     def _call_http(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import http_request
 
-        stream.send("http", http_request(req, self.rt.reactor))
+        stream.reply("http", http_request(req, self.rt.reactor))
 
     def _call_wait_for_port(self, stream: Stream, req: dict[str, Any]) -> None:
         from chronus.httpcall import wait_for_port
 
-        stream.send("wait_for_port", wait_for_port(req, self.rt.reactor, lambda: stream.cancelled))
+        stream.reply("wait_for_port", wait_for_port(req, self.rt.reactor, lambda: stream.cancelled))
 
     def _call_modified_files(self, stream: Stream, req: dict[str, Any]) -> None:
         """Served by the edge: a walk of the sandbox's writable upper layer, outside it."""
@@ -567,7 +596,7 @@ class Engine:
         )
 
     def _call_status(self, stream: Stream, req: dict[str, Any]) -> None:
-        stream.send(
+        stream.reply(
             "status",
             {
                 "running_execs": self.execs.running(),

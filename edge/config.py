@@ -113,6 +113,10 @@ class EdgeConfig(ServiceConfig):
     default_disk_mb: int = 10240
     #: The most a create may ask for (resources.disk_mb); more is INVALID_ARGUMENT.
     max_disk_mb: int = 204800
+    #: Disk-limit filesystems of the default size kept made ahead of creates (a loop device and
+    #: a mount each, on the host's mount table until a create takes one; edge/runtime/disk.py
+    #: Pool); 0 = each create makes its own.
+    disk_pool: int = 4
     #: Free space kept on every filesystem the edge writes (state, writable layers, logs):
     #: below it creates are refused (NODE_DISK_LOW) and the fastest writer is ended (DISK_QUOTA).
     disk_reserve_mb: int = 1024
@@ -296,6 +300,8 @@ class EdgeConfig(ServiceConfig):
             )
         if self.pause_swap_mb < 0:
             raise ConfigError("pause_swap_mb must be >= 0 (0 = no swap area: pause freezes only)")
+        if not 0 <= self.disk_pool <= 256:
+            raise ValueError(f"DSEC_EDGE_DISK_POOL={self.disk_pool}: expected 0..256")
         if self.disk_reserve_mb < 0 or self.disk_check_interval_s <= 0:
             raise ConfigError("DSEC_EDGE_DISK_RESERVE_MB must be >= 0, the check interval > 0")
         if self.sandbox_log_max_kb < 64:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from common.steps import step
 from edge.admission import AccountingError, Admission, Capacity, Load
 from edge.backends.contract import (
     ForkKind,
@@ -298,7 +299,8 @@ class SandboxManager:
         admission = self.admission
         # Per distinct spec: the backend's refusal, then admission's rules of the spec.
         distinct = {id(spec): spec for _, spec in items}
-        validated = await self._blocking_checks(distinct.values())
+        with step("edge.admission.checks"):
+            validated = await self._blocking_checks(distinct.values())
         spec_refusal = {key: _refusal(admission.check_spec, spec) for key, spec in distinct.items()}
         # Nothing below yields: the disk is checked once for the batch, and each item gets
         # its first refusal in the order backend, id, spec, disk, capacity.

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
+from common.steps import step
 from dsec.types.v1 import types_pb2
 from edge.oplog import (
     FAILED,
@@ -252,7 +253,8 @@ class Operations:
         if not self.enabled:
             self._unlogged(request)
             return await call()
-        got = self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
+        with step("edge.oplog.reserve"):
+            got = self.log.reserve(sandbox_id, kind, request, principal_id=principal_id)
         if not isinstance(got, Reserved):
             if repeat is not None:
                 await repeat(got)
@@ -287,10 +289,11 @@ class Operations:
                 _record_error(run.entry, cancelled)
                 self._end(sandbox_id, run, FAILED, cancelled)
                 raise
-            self._record_response(run.entry, result)
-            if recorded is not None:
-                recorded(run.entry)
-            self._end(sandbox_id, run, SUCCEEDED, result)
+            with step("edge.oplog.finish"):
+                self._record_response(run.entry, result)
+                if recorded is not None:
+                    recorded(run.entry)
+                self._end(sandbox_id, run, SUCCEEDED, result)
             return result
 
         if not detach:

@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from common import forwarding
 from common.convert import enum_name, grace_s, metrics_window, ts
 from common.forwarding import Route
+from common.steps import step
 from dsec.edge.v1 import edge_pb2
 from dsec.types.v1 import types_pb2
 from edge.backends.contract import Executes, TrustedExecution, WarmClaims, offers, require
@@ -726,8 +727,10 @@ class EdgeServicer:
 
         async def call() -> types_pb2.ExecResult:
             async with self._ending_says_why(request.sandbox_id):
-                channel, sent = await self._exec_channel(request)
-                result: types_pb2.ExecResult = await channel.unary("exec", sent)
+                with step("edge.exec.channel"):
+                    channel, sent = await self._exec_channel(request)
+                with step("edge.aether.exec"):
+                    result: types_pb2.ExecResult = await channel.unary("exec", sent)
             self._count_truncation(request.sandbox_id, result.exit)
             return result
 

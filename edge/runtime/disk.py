@@ -23,9 +23,12 @@ the usual place.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import logging
 import os
+import shutil
 import struct
 import subprocess
 import threading
@@ -33,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge.runtime.errors import SandboxRuntimeError
-from edge.runtime.mounts import MNT_DETACH, MS_NODEV, mount, umount
+from edge.runtime.mounts import MNT_DETACH, MS_NODEV, mount, umount, umount_quiet
 
 MS_NOATIME = 1 << 10
+log = logging.getLogger(__name__)
 
 _ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 #: One inode per 8 KiB: package trees are many small files.
@@ -56,7 +60,7 @@ class DiskUsage:
         return self.free_bytes < FULL_SLACK_BYTES or self.free_inodes == 0
 
 
-def create(sandbox_dir: Path, size_mb: int) -> tuple[Path, Path]:
+def create(sandbox_dir: Path, size_mb: int, templates: Path | None = None) -> tuple[Path, Path]:
     """Make and mount the quota filesystem; returns (upper, work) on it. Blocking.
 
     The image is a sparse copy of a template formatted once per size (`_template`: mkfs.ext4
@@ -67,7 +71,7 @@ def create(sandbox_dir: Path, size_mb: int) -> tuple[Path, Path]:
     image = sandbox_dir / "disk.img"
     mnt = sandbox_dir / "disk"
     mnt.mkdir()
-    sparse_copy(_template(sandbox_dir.parent / TEMPLATES, size_mb), image)
+    sparse_copy(_template(templates or sandbox_dir.parent / TEMPLATES, size_mb), image)
     try:
         loop_fd, device = _attach_loop(image)
     except OSError as exc:
@@ -86,6 +90,102 @@ def create(sandbox_dir: Path, size_mb: int) -> tuple[Path, Path]:
 #: Formatted template images, one per size, beside the sandboxes' writable layers (the name
 #: never matches a sandbox id, so orphan cleanup leaves them alone).
 TEMPLATES = ".templates"
+#: Quota filesystems made ahead of the creates that take them (`Pool`), beside the templates.
+POOL = ".pool"
+
+
+class Pool:
+    """Quota filesystems of one size made ahead of the creates that take them: a create takes a
+    ready writable-layer directory (`disk.img`, and `disk/` mounted with `upper` and `work` in
+    it) and renames it to its own, instead of copying, attaching and mounting on its path
+    (issue 43: off the create path). A thread keeps `count` ready; a create that finds none, or
+    asks for another size, makes its own as before (`create`).
+
+    The ready ones are on the host's mount table (`count` entries, whatever the sandbox count);
+    a taken one leaves it with its sandbox's `hold`. Leftovers of an earlier edge (under
+    `<rw>/.pool`) are unmounted and deleted when a pool starts, and by `close`."""
+
+    def __init__(self, rw_dir: Path, size_mb: int, count: int) -> None:
+        self.dir = rw_dir / POOL
+        self.templates = rw_dir / TEMPLATES
+        self.size_mb = size_mb
+        self.count = count
+        self._ready: list[Path] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self.made = 0
+        self.taken = 0
+        self.failures = 0
+        _clear(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._fill, name="disk-pool", daemon=True)
+        self._thread.start()
+
+    def take(self, size_mb: int) -> Path | None:
+        """A ready writable-layer directory of `size_mb`, now the caller's (rename it into
+        place), or None."""
+        if size_mb != self.size_mb:
+            return None
+        with self._lock:
+            entry = self._ready.pop() if self._ready else None
+        self._wake.set()
+        if entry is not None:
+            self.taken += 1
+        return entry
+
+    def ready(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    def _fill(self) -> None:
+        backoff = 0.0
+        while not self._closed:
+            if self.ready() >= self.count:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            entry = self.dir / os.urandom(8).hex()
+            try:
+                entry.mkdir()
+                create(entry, self.size_mb, self.templates)
+            except (OSError, SandboxRuntimeError) as exc:
+                self.failures += 1
+                _clear_entry(entry)
+                backoff = min(max(backoff * 2, 0.1), 30.0)
+                log.warning("disk pool: could not make a %d MiB filesystem: %s", self.size_mb, exc)
+                self._wake.wait(timeout=backoff)
+                continue
+            backoff = 0.0
+            with self._lock:
+                if self._closed:
+                    _clear_entry(entry)
+                    return
+                self._ready.append(entry)
+                self.made += 1
+
+    def close(self) -> None:
+        """Stops the thread, unmounts and deletes every ready filesystem. Blocking."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        _clear(self.dir)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+
+def _clear_entry(entry: Path) -> None:
+    umount_quiet(entry / "disk")
+    shutil.rmtree(entry, ignore_errors=True)
+
+
+def _clear(pool_dir: Path) -> None:
+    if pool_dir.is_dir():
+        for entry in pool_dir.iterdir():
+            _clear_entry(entry)
+
+
 _template_lock = threading.Lock()
 
 

@@ -60,6 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.steps import Phases
 from edge.layers.tree import CopyStats, copy_tree, precopy, resync
 from edge.runtime import cgroups, disk, seccomp_bpf
 from edge.runtime.bundle import (
@@ -209,6 +210,9 @@ class RuncRuntime:
         self.use_seccomp = use_seccomp
         self._seccomp_memfd: int | None = None  # the compiled profile, shared by every start
         self._seccomp_lock = threading.Lock()  # creates run in worker threads
+        #: Quota filesystems made ahead of creates (`start_disk_pool`); None: each create
+        #: makes its own.
+        self.disk_pool: disk.Pool | None = None
         for d in (self.sandboxes_dir, self.runc_root, self.rw_dir):
             d.mkdir(parents=True, exist_ok=True)
         if volatile_state:
@@ -236,6 +240,17 @@ class RuncRuntime:
             # Also what keeps "../" out of every path we build from an id.
             raise InvalidLaunchSpecError(f"sandbox id {sandbox_id!r} must match [a-z0-9-]{{1,64}}")
         return self.sandboxes_dir / sandbox_id
+
+    def start_disk_pool(self, size_mb: int, count: int) -> None:
+        """Keep `count` quota filesystems of `size_mb` ready for creates (disk.Pool)."""
+        if self.disk_pool is None and count > 0:
+            self.disk_pool = disk.Pool(self.rw_dir, size_mb, count)
+
+    def stop_disk_pool(self) -> None:
+        """Unmount and delete the ready filesystems (the edge is stopping). Blocking."""
+        pool, self.disk_pool = self.disk_pool, None
+        if pool is not None:
+            pool.close()
 
     def release(self) -> bool:
         """Unmount the volatile state tmpfs mounts once no sandbox of ours is left (an edge
@@ -476,86 +491,12 @@ class RuncRuntime:
         undo.push(
             lambda: shutil.rmtree(sdir, ignore_errors=True) if not mounts_under(sdir) else None
         )
-        try:
-            layers = [as_layer(layer) for layer in spec.lowers]
-            toolkit = as_layer(spec.toolkit_dir) if spec.toolkit_dir is not None else None
-            record = {
-                "sandbox_id": sid,
-                "layers": [layer_identity(x) for x in layers],
-                "toolkit": layer_identity(toolkit) if toolkit is not None else None,
-                "cgroup_path": cg,
-                "log_path": os.fspath(spec.log_path) if spec.log_path else None,
-                "created_at": time.time(),
-            }
-            # The record goes first: recovery derives layer holders from it (see LayerMounts).
-            (sdir / "record.json").write_text(json.dumps(record))
-
-            lower_dirs = []
-            for i, layer in enumerate(layers):
-                lower_dirs.append(self.layers.acquire(layer, _holder(sid, i)))
-                undo.push(functools.partial(self.layers.release, layer, _holder(sid, i)))
-            toolkit_source = None
-            if toolkit is not None:
-                toolkit_source = self.layers.acquire(toolkit, _holder(sid, "toolkit"))
-                undo.push(functools.partial(self.layers.release, toolkit, _holder(sid, "toolkit")))
-
-            rootfs = sdir / "rootfs"
-            rootfs.mkdir()
-            rw = self.writable_dir(sid)
-            rw.mkdir()
-            undo.push(
-                lambda: shutil.rmtree(rw, ignore_errors=True) if not mounts_under(rw) else None
-            )
-            if spec.disk_mb:
-                undo.push(lambda: umount_quiet(rw / "disk"))
-                upper, work = disk.create(rw, spec.disk_mb)
-            else:
-                upper, work = rw / "upper", rw / "work"
-                upper.mkdir()
-                work.mkdir()
-            if spec.initial_upper is not None:
-                _fill_upper(spec.initial_upper, upper, spec.disk_mb)
-            mount_overlay(lower_dirs, upper, work, rootfs)
-            undo.push(lambda: umount_quiet(rootfs))
-            if spec.disk_mb:
-                # Off the mount table before runc copies it (disk.hold); the overlay has its own
-                # reference to the upper's filesystem.
-                fd = disk.hold(rw)
-                with self._disks_lock:
-                    self._disks[sid] = fd
-                undo.push(functools.partial(self._drop_disk, sid))
-                self._link_upper(sid, fd)
-                upper = _upper_through(fd)
-            else:
-                (sdir / "upper").symlink_to(upper)
-
-            host = spec.effective_hostname
-            write_etc_files(sdir / "etc", host, nameservers=spec.dns_servers)
-            config = make_config(
-                spec,
-                rootfs=rootfs,
-                etc_dir=sdir / "etc",
-                cgroups_path=cg,
-                toolkit_source=toolkit_source,
-                use_seccomp=self.use_seccomp and not by_init,
-                nofile=self.nofile,
-                sudo_over=_sudo_over(rootfs, toolkit_source or spec.toolkit_dir),
-            )
-            write_config(sdir, config)
-
-            undo.push(lambda: cgroups.remove(cg))
-            undo.push(lambda: self._remove_container(sid, cg))
-            pid = self._spawn_run(spec, sdir)
-            if self.boot_ids:
-                self._mount_boot_id(sdir, pid)
-            if not spec.keep_host_rootfs:
-                # pid 1 has pivoted into its own copy of the overlay; the host's copy is not
-                # needed and would make every later start slower: runc reads the whole mount
-                # table several times and copies it into each new mount namespace.
-                detach(rootfs)
-        except BaseException:
-            undo.run()
-            raise
+        with Phases() as ph:
+            try:
+                pid, rootfs, upper = self._create(spec, sdir, cg, by_init, undo, ph)
+            except BaseException:
+                undo.run()
+                raise
         return SandboxProcess(
             sandbox_id=sid,
             pid=pid,
@@ -564,6 +505,104 @@ class RuncRuntime:
             cgroup_path=cg,
             log_path=spec.log_path,
         )
+
+    def _create(
+        self, spec: LaunchSpec, sdir: Path, cg: str, by_init: bool, undo: _Undo, ph: Phases
+    ) -> tuple[int, Path, Path]:
+        """`create`'s steps, each a span of a traced create (`ph`); `undo` collects how to
+        take each back."""
+        sid = spec.sandbox_id
+        ph.next("edge.runc.layers")
+        layers = [as_layer(layer) for layer in spec.lowers]
+        toolkit = as_layer(spec.toolkit_dir) if spec.toolkit_dir is not None else None
+        record = {
+            "sandbox_id": sid,
+            "layers": [layer_identity(x) for x in layers],
+            "toolkit": layer_identity(toolkit) if toolkit is not None else None,
+            "cgroup_path": cg,
+            "log_path": os.fspath(spec.log_path) if spec.log_path else None,
+            "created_at": time.time(),
+        }
+        # The record goes first: recovery derives layer holders from it (see LayerMounts).
+        (sdir / "record.json").write_text(json.dumps(record))
+
+        lower_dirs = []
+        for i, layer in enumerate(layers):
+            lower_dirs.append(self.layers.acquire(layer, _holder(sid, i)))
+            undo.push(functools.partial(self.layers.release, layer, _holder(sid, i)))
+        toolkit_source = None
+        if toolkit is not None:
+            toolkit_source = self.layers.acquire(toolkit, _holder(sid, "toolkit"))
+            undo.push(functools.partial(self.layers.release, toolkit, _holder(sid, "toolkit")))
+
+        rootfs = sdir / "rootfs"
+        rootfs.mkdir()
+        rw = self.writable_dir(sid)
+        ph.next("edge.runc.writable_layer")
+        ready = None
+        if spec.disk_mb and self.disk_pool is not None:
+            ready = self.disk_pool.take(spec.disk_mb)
+        if ready is not None:
+            os.rename(ready, rw)  # its mount goes with it
+        else:
+            rw.mkdir()
+        undo.push(lambda: shutil.rmtree(rw, ignore_errors=True) if not mounts_under(rw) else None)
+        if spec.disk_mb:
+            undo.push(lambda: umount_quiet(rw / "disk"))
+            if ready is not None:
+                upper, work = rw / "disk" / "upper", rw / "disk" / "work"
+            else:
+                upper, work = disk.create(rw, spec.disk_mb)
+        else:
+            upper, work = rw / "upper", rw / "work"
+            upper.mkdir()
+            work.mkdir()
+        if spec.initial_upper is not None:
+            _fill_upper(spec.initial_upper, upper, spec.disk_mb)
+        ph.next("edge.runc.overlay")
+        mount_overlay(lower_dirs, upper, work, rootfs)
+        undo.push(lambda: umount_quiet(rootfs))
+        if spec.disk_mb:
+            # Off the mount table before runc copies it (disk.hold); the overlay has its own
+            # reference to the upper's filesystem.
+            fd = disk.hold(rw)
+            with self._disks_lock:
+                self._disks[sid] = fd
+            undo.push(functools.partial(self._drop_disk, sid))
+            self._link_upper(sid, fd)
+            upper = _upper_through(fd)
+        else:
+            (sdir / "upper").symlink_to(upper)
+
+        ph.next("edge.runc.bundle")
+        host = spec.effective_hostname
+        write_etc_files(sdir / "etc", host, nameservers=spec.dns_servers)
+        config = make_config(
+            spec,
+            rootfs=rootfs,
+            etc_dir=sdir / "etc",
+            cgroups_path=cg,
+            toolkit_source=toolkit_source,
+            use_seccomp=self.use_seccomp and not by_init,
+            nofile=self.nofile,
+            sudo_over=_sudo_over(rootfs, toolkit_source or spec.toolkit_dir),
+        )
+        write_config(sdir, config)
+
+        undo.push(lambda: cgroups.remove(cg))
+        undo.push(lambda: self._remove_container(sid, cg))
+        ph.next("edge.runc.run")
+        pid = self._spawn_run(spec, sdir)
+        if self.boot_ids:
+            ph.next("edge.runc.boot_id")
+            self._mount_boot_id(sdir, pid)
+        if not spec.keep_host_rootfs:
+            ph.next("edge.runc.detach_rootfs")
+            # pid 1 has pivoted into its own copy of the overlay; the host's copy is not
+            # needed and would make every later start slower: runc reads the whole mount
+            # table several times and copies it into each new mount namespace.
+            detach(rootfs)
+        return pid, rootfs, upper
 
     @staticmethod
     def _mount_boot_id(sdir: Path, pid: int) -> None:

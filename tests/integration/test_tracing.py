@@ -53,6 +53,8 @@ class Span:
     kind: int
     status_code: int  # 0 unset, 1 ok, 2 error
     attributes: dict[str, Any] = field(default_factory=dict)
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 def _value(v: Any) -> Any:
@@ -83,6 +85,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                                 kind=s.kind,
                                 status_code=s.status.code,
                                 attributes={a.key: _value(a.value) for a in s.attributes},
+                                start_ns=s.start_time_unix_nano,
+                                end_ns=s.end_time_unix_nano,
                             )
                         )
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -183,9 +187,13 @@ def test_an_sdk_run_is_one_trace_down_to_the_command_in_the_sandbox(traced: Trac
         path = wait_for(lambda chronus=chronus: chain(chronus, in_trace()), timeout_s=20)
         services = [s.service for s in path]
         assert path[-1].name == "rollout.step" and path[-1].service == "rollout", services
-        # The command's parent is the edge's server span of the call; above it the API
+        # The command's parent is the edge's server span of the call (a run's: through the
+        # edge's step of the call into the sandbox, common/steps.py); above it the API
         # server's client and server spans, and the SDK's client span under the program's.
         edge = path[1]
+        if edge.name == "edge.aether.exec":  # a run (unary Exec)
+            assert edge.kind == 1, services  # INTERNAL
+            edge = path[2]
         assert (edge.service, edge.kind) == ("dsec-edge", 2), services  # SERVER
         edge_calls.add(edge.name)
         assert services.index("dsec-edge") < services.index("dsec-apiserver"), services
@@ -221,6 +229,49 @@ def test_one_create_shares_a_trace_across_the_control_plane(traced: Traced) -> N
         return None
 
     wait_for(create_trace, timeout_s=20)
+
+
+def test_a_create_trace_shows_where_the_edge_spends_its_time(traced: Traced) -> None:
+    """Issue 43: the edge's steps of a create are spans (common/steps.py) under its server
+    span, in the order they run, each inside its parent; the runtime's steps under the launch
+    (bench/bench_create_profile.py reads them into a table)."""
+    c = traced.cluster
+    with Client(c.apiserver, token=c.token) as dsec:
+        dsec.create(image="busybox", cpu=0.1, memory_mb=32).stop()
+
+    def create_steps() -> dict[str, Span] | None:
+        spans = traced.sink.snapshot()
+        for t in {s.trace_id for s in spans if s.name == "edge.runc.run"}:
+            mine = {s.name: s for s in spans if s.trace_id == t and s.service == "dsec-edge"}
+            if "edge.aether.hello" in mine:
+                return mine
+        return None
+
+    steps = wait_for(create_steps, timeout_s=20)
+    server = steps["/dsec.edge.v1.EdgeService/CreateSandboxes"]
+    top = [
+        "edge.admission.checks",
+        "edge.container.resolve_image",
+        "edge.container.prepare",
+        "edge.container.launch",
+        "edge.container.qos",
+        "edge.container.started",
+        "edge.aether.hello",
+    ]
+    runtime = [
+        "edge.runc.layers",
+        "edge.runc.writable_layer",
+        "edge.runc.overlay",
+        "edge.runc.bundle",
+        "edge.runc.run",
+    ]
+    for names, parent in ((top, server), (runtime, steps["edge.container.launch"])):
+        for name in names:
+            span = steps[name]
+            assert span.parent_span_id == parent.span_id, name
+            assert parent.start_ns <= span.start_ns <= span.end_ns <= parent.end_ns, name
+        starts = [steps[n].start_ns for n in names]
+        assert starts == sorted(starts), names
 
 
 def test_a_failed_call_span_carries_its_status_code_and_reason(traced: Traced) -> None:

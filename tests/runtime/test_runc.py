@@ -658,3 +658,68 @@ def test_quota_filesystems_stay_off_the_mount_table(
     runtime.destroy(first_one.sandbox_id)
     for sb in [first_one, *sbs]:
         assert leftovers(runtime, sb.sandbox_id) == []
+
+
+def test_a_disk_pool_serves_creates_and_leaves_nothing(
+    runtime: RuncRuntime, spec_for: SpecFactory, leftovers: Leftovers
+) -> None:
+    """Issue 43: quota filesystems made ahead of creates. A create of the pool's size takes a
+    ready one (nothing copied, attached or mounted on its path) and gets the same sandbox: its
+    writable layer under its own quota, off the mount table, readable through the runtime; the
+    pool makes another; a create of another size makes its own. Stopping the pool, and a new
+    pool on the leftovers of one that was never stopped (an edge killed), unmount and delete
+    every ready filesystem and free its loop device."""
+    pool_dir = runtime.rw_dir / disk.POOL
+
+    def ready_images() -> set[str]:
+        return {p for p in disk.loop_devices() if p.startswith(os.fspath(pool_dir) + "/")}
+
+    def wait_ready(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while (runtime.disk_pool is None or runtime.disk_pool.ready() < n) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert runtime.disk_pool is not None and runtime.disk_pool.ready() == n
+
+    runtime.start_disk_pool(16, 2)
+    try:
+        wait_ready(2)
+        assert len(ready_images()) == 2
+        sb = runtime.create(spec_for(disk_mb=16))
+        assert runtime.disk_pool is not None and runtime.disk_pool.taken == 1
+        assert not mounts_under(runtime.writable_dir(sb.sandbox_id)), "still on the table"
+        image = os.fspath(runtime.writable_dir(sb.sandbox_id) / "disk.img")
+        assert image in disk.loop_devices()  # the pool's image, renamed with its directory
+        rc, _, err = sh(runtime, sb.sandbox_id, "echo pooled > /root/mine")
+        assert rc == 0, err
+        assert (runtime.upper_dir(sb.sandbox_id) / "root" / "mine").read_text() == "pooled\n"
+        rc, _, err = sh(runtime, sb.sandbox_id, "dd if=/dev/zero of=/root/big bs=1M count=32")
+        assert rc != 0 and "No space left" in err  # its quota holds
+        usage = runtime.disk_usage(sb.sandbox_id)
+        assert usage is not None and usage.total_bytes <= 16 << 20
+        wait_ready(2)  # refilled
+        other = runtime.create(spec_for(disk_mb=32))  # another size: made on its path
+        assert runtime.disk_pool.taken == 1
+        runtime.destroy(sb.sandbox_id)
+        runtime.destroy(other.sandbox_id)
+        assert image not in disk.loop_devices()
+        # An edge killed with its pool full: the next pool clears what it left.
+        abandoned = runtime.disk_pool
+        abandoned._closed = True  # its thread stops; nothing is cleared (a kill)
+        abandoned._wake.set()
+        abandoned._thread.join(timeout=30)
+        left = ready_images()
+        assert len(left) == 2
+        runtime.disk_pool = None
+        runtime.start_disk_pool(16, 1)
+        wait_ready(1)
+        assert not left & disk.loop_devices().keys()
+        assert len(ready_images()) == 1
+    finally:
+        runtime.stop_disk_pool()
+    assert ready_images() == set()
+    assert not mounts_under(pool_dir)
+    assert not pool_dir.exists()
+    for sid in (sb.sandbox_id, other.sandbox_id):
+        assert leftovers(runtime, sid) == []

@@ -11,6 +11,7 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -997,3 +998,51 @@ def test_commands_cannot_reach_chronus_descriptors(
         f"readlink /proc/{pid}/fd/0; echo rc=$?; readlink /proc/$$/fd/0 >/dev/null && echo own-ok"
     )
     assert r["stdout"] == b"rc=1\nown-ok\n"
+
+
+def test_a_unary_result_and_its_end_arrive_in_one_write(tmp_path: Path) -> None:
+    """A unary call's last response is written with its end (Stream.reply): the peer (aether,
+    then the edge) wakes once for both. A reader blocked in recv() gets both frames from one
+    recv(); written separately, the first recv() returns the result alone."""
+    ours, theirs = socket.socketpair()  # no ChronusClient: this test reads raw bytes
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DSEC_CHRONUS_WORKDIR=str(tmp_path))
+    env["DSEC_CHRONUS_RUNTIME_DIR"] = str(tmp_path / "run2")
+    proc = subprocess.Popen(
+        [sys.executable, "-S", "-m", "chronus", "--fd", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    theirs.close()
+    try:
+        big = tmp_path / "big"
+        big.write_bytes(os.urandom(200 * 1024))
+        for n, request in enumerate(
+            ({"exec": {"argv": ["true"]}}, {"stat_path": {"path": str(tmp_path)}})
+        ):
+            sid = 2 * n + 1
+            wire.write_message(ours, {"stream_id": sid, "request": request})
+            ours.settimeout(20)
+            got = ours.recv(1 << 20)
+            frames = []
+            while got:
+                (size,) = struct.unpack(">I", got[:4])
+                frames.append(wire.decode(wire.FRAME, got[4 : 4 + size]))
+                got = got[4 + size :]
+            assert [("response" in f, "end" in f) for f in frames] == [
+                (True, False),
+                (False, True),
+            ], frames
+            assert all(f["stream_id"] == sid for f in frames)
+        # A body above the coalescing size still arrives whole, then its end.
+        wire.write_message(ours, {"stream_id": 9, "request": {"read_file": {"path": str(big)}}})
+        first = wire.read_message(ours)
+        second = wire.read_message(ours)
+        assert first is not None and second is not None
+        assert len(first["response"]["read_file"]["data"]) == 200 * 1024
+        assert second["end"].get("code", 0) == 0
+    finally:
+        ours.close()
+        proc.kill()
+        proc.wait()

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.steps import step
 from edge.aether_client import AetherConnection
 from edge.backends import packing, pausing, qos
 from edge.backends.channels import ChannelKeeper
@@ -92,6 +93,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: A fork's children started at once: each start copies the capture into its own writable layer
 #: (disk-bound) and runs runc (CPU-bound); more at once only makes each slower.
 FORK_START_CONCURRENCY = 4
+#: How long a create's start uses the layers its admission resolved (validate -> start).
+ADMITTED_FOR_S = 2.0
 
 
 class ContainerBackend:
@@ -135,12 +138,17 @@ class ContainerBackend:
         cgroup_parent: str = "dsec",
         warm_pool: dict[str, int] | None = None,
         landlock: bool = True,
+        disk_pool: int = 0,
     ) -> None:
         self.state_dir = state_dir
         #: The node's layer store, image resolver, network, toolkit and swap area (edge/node.py).
         self.node = node
         self.environments = node.environments
         self.images = node.images
+        #: What admission resolved (validate), for the start that follows at once: (image,
+        #: toolkits) -> (when, the layers). A start finds its image here instead of resolving it
+        #: a second time in another thread (issue 43: the create path).
+        self._admitted: dict[tuple[str, tuple[str, ...]], tuple[float, ResolvedImage]] = {}
         self.toolkit_dir = node.toolkit.mount
         if (self.toolkit_dir / SUDO_SHIM).is_file():  # a toolkit built with a C compiler
             self.capabilities = self.capabilities | {Capability.SUDO}
@@ -200,6 +208,8 @@ class ContainerBackend:
             state_dir / "trusted",
             ready_timeout_s,
         )
+        # Disk-limit filesystems of the default size, made ahead of creates (issue 43).
+        self.runtime.start_disk_pool(default_disk_mb, disk_pool)
         # Started sandboxes waiting for their owner (edge/backends/warm.py); None when none are kept.
         self.warm: WarmPool | None = None
         if warm_pool and any(n > 0 for n in warm_pool.values()):
@@ -221,6 +231,7 @@ class ContainerBackend:
             usage_keep_s=cfg.usage_keep_s,
             cgroup_parent=cfg.cgroup_parent,
             warm_pool={k: int(v) for k, v in cfg.warm_pool.items()},
+            disk_pool=cfg.disk_pool,
         )
         return Built(backend)
 
@@ -241,8 +252,22 @@ class ContainerBackend:
     def validate(self, spec: SandboxSpec) -> None:
         """Fails fast, before admission, on an unknown image or a missing or corrupt layer, and
         verifies layers new to this node (blocking: use a thread)."""
-        self.images.check(spec.image, spec.toolkits)
+        image = self.images.resolve(spec.image, spec.toolkits)
         self.containment.validate(spec)  # network policy (names resolve), disk quota
+        now = time.monotonic()
+        if len(self._admitted) > 64:
+            for key, (at, _) in list(self._admitted.items()):
+                if now - at > ADMITTED_FOR_S:
+                    self._admitted.pop(key, None)
+        self._admitted[(spec.image, tuple(spec.toolkits))] = (now, image)
+
+    async def _resolve(self, spec: SandboxSpec) -> ResolvedImage:
+        """The layers of a create's image: as admission resolved them a moment ago, else
+        resolved now (in a thread: it reads the layer store)."""
+        admitted = self._admitted.get((spec.image, tuple(spec.toolkits)))
+        if admitted is not None and time.monotonic() - admitted[0] <= ADMITTED_FOR_S:
+            return admitted[1]
+        return await asyncio.to_thread(self.images.resolve, spec.image, spec.toolkits)
 
     def sandbox_env(self, rec: SandboxRecord, image: ResolvedImage) -> dict[str, str]:
         """pid 1's environment (aether passes it on to chronus and every command)."""
@@ -321,7 +346,8 @@ class ContainerBackend:
 
     async def start(self, rec: SandboxRecord) -> None:
         t0 = time.perf_counter()
-        image = await asyncio.to_thread(self.images.resolve, rec.spec.image, rec.spec.toolkits)
+        with step("edge.container.resolve_image"):
+            image = await self._resolve(rec.spec)
         w = self.warm.take(rec) if self.warm is not None else None
         if w is not None:
             if w.image.lowers == image.lowers and await self._claim(rec, w, t0):
@@ -337,19 +363,24 @@ class ContainerBackend:
         t0: float,
         initial_upper: Path | None = None,
     ) -> None:
-        prep = await self.containment.prepare(rec)
+        with step("edge.container.prepare"):
+            prep = await self.containment.prepare(rec)
         t1 = time.perf_counter()
-        proc = await self.launch(
-            rec.sandbox_id, rec, image, prep, backlog=16, initial_upper=initial_upper
-        )
+        with step("edge.container.launch"):
+            proc = await self.launch(
+                rec.sandbox_id, rec, image, prep, backlog=16, initial_upper=initial_upper
+            )
         t2 = time.perf_counter()
         rec.runtime = self._runtime_record(proc, image, self._socket_path(rec.sandbox_id))
         try:
-            # Before aether forks chronus (after its Hello): everything inherits the policy.
-            _apply_qos(rec, proc.pid, proc.cgroup_path)
-            # Network and eBPF policy before aether is even connected: no agent code yet.
-            await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
-            await self.channels.connect(rec.sandbox_id)
+            with step("edge.container.qos"):
+                # Before aether forks chronus (after its Hello): everything inherits the policy.
+                _apply_qos(rec, proc.pid, proc.cgroup_path)
+            with step("edge.container.started"):
+                # Network and eBPF policy before aether is even connected: no agent code yet.
+                await self.containment.started(rec, proc.pid, proc.cgroup_path, prep)
+            with step("edge.aether.hello"):
+                await self.channels.connect(rec.sandbox_id)
         except BaseException:
             await self.destroy(rec)
             raise
@@ -421,15 +452,16 @@ class ContainerBackend:
         spec = rec.spec
         t0r = time.perf_counter()
         try:
-            proc = await asyncio.to_thread(
-                self.runtime.rename,
-                w.cid,
-                sid,
-                hostname=sid[:63],
-                cpu_millis=spec.cpu_millis,
-                memory_mb=spec.memory_mb,
-                pids_max=spec.pids_max,
-            )
+            with step("edge.warm.rename"):
+                proc = await asyncio.to_thread(
+                    self.runtime.rename,
+                    w.cid,
+                    sid,
+                    hostname=sid[:63],
+                    cpu_millis=spec.cpu_millis,
+                    memory_mb=spec.memory_mb,
+                    pids_max=spec.pids_max,
+                )
         except Exception as exc:
             log.warning("claim of warm sandbox %s for %s failed: %s", w.cid, sid, exc)
             if not self.runtime.sandbox_dir(w.cid).exists():
@@ -453,8 +485,10 @@ class ContainerBackend:
             )  # before the claim: chronus is forked after it
             env = self.sandbox_env(rec, w.image)
             env.update(w.prep.env)
-            await conn.claim(env)
-            await self.containment.started(rec, proc.pid, proc.cgroup_path, w.prep)
+            with step("edge.warm.claim"):
+                await conn.claim(env)
+            with step("edge.container.started"):
+                await self.containment.started(rec, proc.pid, proc.cgroup_path, w.prep)
         except BaseException:
             await self.destroy(rec)
             raise
@@ -852,6 +886,7 @@ class ContainerBackend:
         # The edge is going away, not necessarily the sandboxes: drop connections;
         # containers (if any are left) keep running and are re-adopted later.
         await self.channels.close_all()
+        await asyncio.to_thread(self.runtime.stop_disk_pool)
         if self.runtime.release():
             # Nothing runs: leave no mount behind (the node's toolkit mount and swap area go
             # with it: edge/node.py).
