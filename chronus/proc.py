@@ -66,7 +66,10 @@ def spawn(
     With `creds` (uid, gid, supplementary gids), the child sets its groups, gid and uid after
     entering the domain and before chdir and exec (a failure is step "user").
 
-    In a toolkit (where `dsec-confine` sits next to the interpreter) the command
+    In a toolkit with the `chronus._spawn` extension (chronus/spawn.c) the command starts from
+    a vfork-style clone whose child does the chdir/Landlock/seccomp part itself and execs the
+    command: one exec. Else, in a toolkit (where `dsec-confine` sits next to the interpreter)
+    the command
     is started with posix_spawn, i.e. vfork, through that static trampoline, which
     does the chdir/Landlock/seccomp part itself before exec'ing the command
     (chronus/confine.c): no copy of chronus's page tables and no copy-on-write
@@ -76,6 +79,12 @@ def spawn(
     while it lives (tried, found in review; tests/adversarial guards it).
     Elsewhere (chronus run from a source tree) it forks, and the child does it.
     """
+    direct = _direct_spawner()
+    if direct is not None:
+        return _spawn_direct(
+            direct, argv, env, cwd, stdin, stdout, stderr, ctty, extra_fds, ruleset_fd,
+            syscall_filter, creds,
+        )  # fmt: skip
     confine = _confine_path()
     if confine is not None:
         return _spawn_confined(
@@ -140,6 +149,62 @@ def grow_fd_table() -> None:
         os.close(fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, _COPIES_FROM + 476))
     except OSError:
         pass  # a low RLIMIT_NOFILE: spawn() then forks commands instead
+
+
+_DIRECT: list[Any] = []  # the chronus._spawn module, or None: looked up once
+
+
+def _direct_spawner() -> Any:
+    if not _DIRECT:
+        import resource
+
+        try:
+            from chronus import _spawn  # type: ignore[attr-defined]
+        except ImportError:  # a source tree, or a toolkit built without Python headers
+            _spawn = None
+        # Its child copies descriptors above 1023 before handing them over: room needed.
+        if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= _COPIES_FROM + 64:
+            _spawn = None
+        _DIRECT.append(_spawn)
+    return _DIRECT[0]
+
+
+def _spawn_direct(
+    spawner: Any,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    ctty: int,
+    extra_fds: dict[int, int] | None,
+    ruleset_fd: int,
+    syscall_filter: Filter | None,
+    creds: Credentials | None,
+) -> int:
+    """chronus._spawn: the confined start in one exec (chronus/spawn.c)."""
+    fds: list[tuple[int, int]] = []
+    tty = None
+    if ctty >= 0:
+        tty = os.fsencode(os.ttyname(ctty))
+    else:
+        fds += [(stdin, 0), (stdout, 1), (stderr, 2)]
+    fds += [(source, target) for target, source in (extra_fds or {}).items()]
+    pid, step, err, detail = spawner.spawn(
+        os.fsencode(argv[0]),
+        [os.fsencode(a) for a in argv],
+        [os.fsencode(f"{k}={v}") for k, v in env.items()],
+        os.fsencode(cwd),
+        fds,
+        ruleset_fd,
+        syscall_filter.code if syscall_filter is not None else None,
+        (creds[0], creds[1], list(creds[2])) if creds is not None else None,
+        tty,
+    )
+    if step:
+        raise SpawnError(step, err, detail)
+    return int(pid)
 
 
 def _confine_path() -> str | None:

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -310,6 +311,30 @@ def _compiler() -> str | None:
     return shutil.which("gcc") or shutil.which("cc")
 
 
+#: The toolkit's C extension modules: lib/python3.11/<module path><EXT_SUFFIX> from its source.
+#: chronus._spawn starts commands confined in one exec (chronus/spawn.c); without it (no
+#: compiler, no Python headers) chronus starts them through bin/dsec-confine.
+EXTENSIONS = {"chronus/_spawn": "chronus/spawn.c"}
+EXTENSION_CFLAGS = (
+    "-O2",
+    "-shared",
+    "-fPIC",
+    "-fstack-protector-strong",
+    "-fstack-clash-protection",
+    "-D_FORTIFY_SOURCE=2",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-s",
+)
+
+
+def _python_headers() -> Path | None:
+    """The directory of Python.h for the interpreter the toolkit ships (this one)."""
+    include = Path(sysconfig.get_paths()["include"])
+    return include if (include / "Python.h").is_file() else None
+
+
 def _compiler_id() -> str:
     """What the trampoline is built with, for the toolkit's hash: a toolkit built without a
     compiler (no dsec-confine) or with another one is another toolkit."""
@@ -322,7 +347,12 @@ def _compiler_id() -> str:
     if os.path.isfile(libc):
         st = os.stat(libc)
         libc_id = f"{libc}:{st.st_size}:{st.st_mtime_ns}"
-    return "|".join([*version, libc_id, *CONFINE_CFLAGS])
+    headers = _python_headers()
+    headers_id = ""
+    if headers is not None:
+        st = (headers / "Python.h").stat()
+        headers_id = f"{headers}:{st.st_size}:{st.st_mtime_ns}"
+    return "|".join([*version, libc_id, *CONFINE_CFLAGS, headers_id, *EXTENSION_CFLAGS])
 
 
 def _build_programs(tmp: Path) -> None:
@@ -342,6 +372,22 @@ def _build_programs(tmp: Path) -> None:
         r = subprocess.run([cc, *CONFINE_CFLAGS, "-o", os.fspath(out), os.fspath(src)], **_QUIET)
         if r.returncode != 0:
             log.warning("%s not built: %s", name, r.stderr.strip())
+            out.unlink(missing_ok=True)
+            continue
+        os.chmod(out, 0o755)
+    headers = _python_headers()
+    if headers is None:
+        log.warning("no Python headers (python3-dev): chronus starts commands through "
+                    "dsec-confine (one exec more per command)")  # fmt: skip
+        return
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for module, source in EXTENSIONS.items():
+        src = tmp / "lib" / f"python{PY_VERSION}" / source
+        out = tmp / "lib" / f"python{PY_VERSION}" / f"{module}{suffix}"
+        argv = [cc, *EXTENSION_CFLAGS, f"-I{headers}", "-o", os.fspath(out), os.fspath(src)]
+        r = subprocess.run(argv, **_QUIET)
+        if r.returncode != 0:
+            log.warning("%s not built: %s", module, r.stderr.strip())
             out.unlink(missing_ok=True)
             continue
         os.chmod(out, 0o755)

@@ -77,7 +77,7 @@ def install_seccomp_from_env(environ: dict[str, str] | None = None) -> str | Non
 class Filter:
     """A seccomp program (struct sock_filter[]) in memory, ready for `install` in a forked child
     or at the start of aether (the sandbox's whole profile, above); chronus hands it to
-    `dsec-confine` as a memfd."""
+    chronus._spawn as bytes, or to `dsec-confine` as a memfd."""
 
     def __init__(self, code: bytes) -> None:
         self._code = ctypes.create_string_buffer(code, len(code))
@@ -88,6 +88,11 @@ class Filter:
         self._code_bytes = code
         self._memfd = -1
         self._memfd_lock = _thread.allocate_lock()  # request threads spawn concurrently
+
+    @property
+    def code(self) -> bytes:
+        """The program (struct sock_filter[]), for chronus._spawn."""
+        return self._code_bytes
 
     def memfd(self) -> int:
         """The program in a sealed, close-on-exec memfd (for dsec-confine), made once."""

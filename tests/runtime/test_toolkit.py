@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.toolkit import APP_PACKAGES, build_toolkit, toolkit_argv, toolkit_image
+from edge.toolkit import APP_PACKAGES, build_toolkit, toolkit_argv, toolkit_image, toolkit_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,6 +155,81 @@ def test_confine_trampoline_is_static_and_reports_failures(
     assert malformed.returncode == 127
     assert os.read(r, 4096).split(b"\0") == [b"user", b"22", b"65534"]
     os.close(r)
+
+
+SPAWN_PROBE = r"""
+import json, os, sys
+from chronus import _spawn
+from chronus.seccomp import program
+
+tmp = sys.argv[1]
+out = {}
+
+def run(argv, cwd="/", fds=None, ruleset=-1, code=None, creds=None, env=None):
+    r, w = os.pipe()
+    env = env if env is not None else ["PATH=/usr/bin:/bin"]
+    got = _spawn.spawn(argv[0].encode(), [a.encode() for a in argv], [e.encode() for e in env],
+                       cwd.encode(), [(w, 1)] + (fds or []), ruleset, code, creds, None)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    if got[0] == 0:
+        return list(got[1:])
+    _, status = os.waitpid(got[0], 0)
+    return [os.waitstatus_to_exitcode(status), data.decode()]
+
+out["ok"] = run(["sh", "-c", "pwd; echo $A; exit 3"], cwd=tmp, env=["PATH=/usr/bin:/bin", "A=1"])
+out["chdir"] = run(["true"], cwd="/nonexistent-dir")
+out["missing"] = run(["no-such-program"])
+out["user"] = run(["sh", "-c", "id -u; id -g; id -G"], creds=(65534, 65533, [65533, 65532]))
+# the descriptor handed over as 5 is the one numbered 1 here (stdout): sources are copied
+# away before any target is replaced
+r, w = os.pipe()
+os.dup2(w, 7, inheritable=False)  # close-on-exec, as all of chronus's are
+out["fds"] = run(["sh", "-c", "echo via5 >&5; echo via7 >&7 2>/dev/null || echo 7closed"],
+                 fds=[(7, 5)])
+os.close(7); os.close(w)
+out["fd5"] = os.read(r, 100).decode()
+os.close(r)
+# signals Python ignores are default again, and none is blocked
+out["signals"] = run(["sh", "-c", "grep -E '^Sig(Ign|Blk)' /proc/self/status"])
+out["session"] = run(["sh", "-c", "echo $$; cut -d' ' -f6 /proc/self/stat"])
+# seccomp: the command filter refuses TIOCSTI
+ioctl = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+         "fd = os.open('/dev/null', os.O_RDWR); "
+         "print(libc.ioctl(fd, ctypes.c_ulong(0x5412), ctypes.c_char_p(bytes(8))), ctypes.get_errno())")
+out["seccomp"] = run(["/usr/bin/python3", "-S", "-c", ioctl], code=program())
+print(json.dumps(out))
+"""
+
+
+def test_spawn_extension_starts_commands_confined_in_one_exec(
+    toolkit_dir: Path, tmp_path: Path
+) -> None:
+    """chronus._spawn (chronus/spawn.c) is built into the toolkit when the Python headers are
+    there (the setup installs python3-dev), and starts a command as dsec-confine would, with
+    no trampoline: cwd and environment, failures as (step, errno, detail) with the child
+    reaped, credentials, descriptors handed over without one clobbering another, default
+    signal dispositions and an empty mask, a new session, the seccomp filter."""
+    py = toolkit_dir / "lib" / "python3.11" / "chronus"
+    assert list(py.glob("_spawn.*.so")), "chronus._spawn not built"
+    argv = [*toolkit_python(str(toolkit_dir)), "-c", SPAWN_PROBE, str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, env={}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] == [3, f"{tmp_path}\n1\n"]
+    assert out["chdir"] == ["chdir", 2, "/nonexistent-dir"]
+    assert out["missing"] == ["exec", 2, "no-such-program"]
+    assert out["user"] == [0, "65534\n65533\n65533 65532\n"]
+    assert out["fds"] == [0, "7closed\n"] and out["fd5"] == "via5\n"
+    ign, blk = out["signals"][1].splitlines()
+    assert out["signals"][0] == 0
+    assert int(ign.split()[1], 16) == 0 and int(blk.split()[1], 16) == 0, out["signals"]
+    assert out["seccomp"][0] == 0 and out["seccomp"][1].split() == ["-1", "1"]  # EPERM
+    leader, sid = out["session"][1].split()  # the shell leads a session of its own
+    assert out["session"][0] == 0 and leader == sid
 
 
 @pytest.mark.parametrize(
