@@ -932,7 +932,8 @@ class SandboxManager:
         # STARTING is not written: recovery treats it as PENDING (no runtime state yet either
         # way), and each write is a new inode (tmp + rename) in the event loop's thread.
         if self.backend_of(rec).persistent and rec.state != "STARTING":
-            self.store.write(rec)
+            with step("edge.store.write"):
+                self.store.write(rec)
         subscribers = self._subscribers
         if rec.state == TERMINAL and self._end_subscribers:
             subscribers = subscribers | self._end_subscribers

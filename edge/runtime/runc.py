@@ -704,49 +704,58 @@ class RuncRuntime:
             raise SandboxNotFoundError(old)
         if self._container_exists(new) or nsd.exists() or self.writable_dir(new).exists():
             raise SandboxExistsError(new)
-        pid = self._init_pid(old)
-        ocg, ncg = self.cgroup_path(old), self.cgroup_path(new)
-        unified_left = cgroups.rename(ocg, ncg)
-        os.rename(self.writable_dir(old), self.writable_dir(new))
-        with self._disks_lock:
-            if old in self._disks:
-                self._disks[new] = self._disks.pop(old)
-        os.rename(osd, nsd)
-        if unified_left:
-            # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
-            # runs right after the claim; after a crash in between, `cleanup_orphans` finishes
-            # the move for the sandboxes it keeps before it collects orphans.
-            (nsd / "unified.pending").write_text(old)
-        link = nsd / "upper"
-        target = os.readlink(link).replace(
-            os.fspath(self.writable_dir(old)), os.fspath(self.writable_dir(new)), 1
-        )
-        link.unlink()
-        link.symlink_to(target)
-        os.rename(self.runc_root / old, self.runc_root / new)
-        # runc's state and our bundle name the container by its id in every path (cgroups,
-        # rootfs, bind sources); the id is a random token, so a plain replace is exact.
-        for f in (self.runc_root / new / "state.json", nsd / "config.json"):
-            f.write_text(f.read_text().replace(old, new))
-        holders = self._record_layers(rec)
-        rec["sandbox_id"] = new
-        rec["cgroup_path"] = ncg
-        if rec.get("log_path"):
-            rec["log_path"] = rec["log_path"].replace(old, new)
-        (nsd / "record.json").write_text(json.dumps(rec))
-        for (holder, layer), (new_holder, _) in zip(holders, self._record_layers(rec), strict=True):
-            self.layers.acquire(layer, new_holder)
-            self.layers.release(layer, holder)
-        set_hostname_of(pid, hostname)
-        rewrite_in_place(nsd / "etc" / "hostname", hostname + "\n")
-        rewrite_in_place(nsd / "etc" / "hosts", hosts_file(hostname))
-        cgroups.set_limits(
-            ncg,
-            cpu_quota_us=cpu_quota_us(cpu_millis),
-            cpu_shares=cpu_shares(cpu_millis),
-            memory_bytes=memory_mb * 1024 * 1024,
-            pids_max=pids_max,
-        )
+        with Phases() as ph:
+            ph.next("edge.rename.cgroups")
+            pid = self._init_pid(old)
+            ocg, ncg = self.cgroup_path(old), self.cgroup_path(new)
+            unified_left = cgroups.rename(ocg, ncg)
+            ph.next("edge.rename.dirs")
+            os.rename(self.writable_dir(old), self.writable_dir(new))
+            with self._disks_lock:
+                if old in self._disks:
+                    self._disks[new] = self._disks.pop(old)
+            os.rename(osd, nsd)
+            if unified_left:
+                # Its cgroup2 directory keeps the old name until `finish_rename`, which the edge
+                # runs right after the claim; after a crash in between, `cleanup_orphans` finishes
+                # the move for the sandboxes it keeps before it collects orphans.
+                (nsd / "unified.pending").write_text(old)
+            link = nsd / "upper"
+            target = os.readlink(link).replace(
+                os.fspath(self.writable_dir(old)), os.fspath(self.writable_dir(new)), 1
+            )
+            link.unlink()
+            link.symlink_to(target)
+            ph.next("edge.rename.runc_state")
+            os.rename(self.runc_root / old, self.runc_root / new)
+            # runc's state and our bundle name the container by its id in every path (cgroups,
+            # rootfs, bind sources); the id is a random token, so a plain replace is exact.
+            for f in (self.runc_root / new / "state.json", nsd / "config.json"):
+                f.write_text(f.read_text().replace(old, new))
+            ph.next("edge.rename.record_layers")
+            holders = self._record_layers(rec)
+            rec["sandbox_id"] = new
+            rec["cgroup_path"] = ncg
+            if rec.get("log_path"):
+                rec["log_path"] = rec["log_path"].replace(old, new)
+            (nsd / "record.json").write_text(json.dumps(rec))
+            for (holder, layer), (new_holder, _) in zip(
+                holders, self._record_layers(rec), strict=True
+            ):
+                self.layers.acquire(layer, new_holder)
+                self.layers.release(layer, holder)
+            ph.next("edge.rename.hostname")
+            set_hostname_of(pid, hostname)
+            rewrite_in_place(nsd / "etc" / "hostname", hostname + "\n")
+            rewrite_in_place(nsd / "etc" / "hosts", hosts_file(hostname))
+            ph.next("edge.rename.limits")
+            cgroups.set_limits(
+                ncg,
+                cpu_quota_us=cpu_quota_us(cpu_millis),
+                cpu_shares=cpu_shares(cpu_millis),
+                memory_bytes=memory_mb * 1024 * 1024,
+                pids_max=pids_max,
+            )
         return SandboxProcess(
             sandbox_id=new,
             pid=pid,
