@@ -19,10 +19,20 @@ container sandbox of the same image (busybox) and memory (256 MB).
 4. idle host memory per microVM: M idle 256 MB guests cloned from one template (250 millis
    each, created IDLE_BATCH at a time); PSS of each QEMU, what sharing the template's RAM file
    saves, the TCG code cache, idle CPU; against cold-booted guests and containers of the run.
+   Then guest memory with free-page reporting on vs off (issue 43, item 5), in the same run:
+   a guest that fills and frees FPR_FILL_MB (QEMU RSS before, peak, after; RSS integrated over
+   the cycle), and the host memory of M idle guests each way: the sum of their PSS plus the
+   page cache of the files behind them (read-only layers and toolkit, the template's RAM file,
+   each guest's writable disk), every file counted once. Reporting needs guests whose RAM is
+   their own (QEMU 7.2 would punch holes in a clone's template file: edge/config.py), so its
+   pair is two cold-booting edges (pool=cold, pool=fpr); the clones of the template, which
+   cannot report, are the third row. virtio-pmem cannot be attached on the microvm machine
+   (DSEC_EDGE_MICROVM_PMEM says why): printed, not measured.
 
-Two container edges of this machine offer microVMs (DSEC_EDGE_MICROVM=on), one creating them
+Four container edges of this machine offer microVMs (DSEC_EDGE_MICROVM=on): one creating them
 from templates (labels pool=tmpl; it also runs the container baseline), one cold-booting every
-guest (pool=cold); creates are steered with node_selector. Everything runs in a private
+guest (pool=cold), one keeping a warm pool (pool=warm) and one cold-booting guests that report
+free pages (pool=fpr); creates are steered with node_selector. Everything runs in a private
 cluster whose node-wide microVM cache (guest kit, accelerator verdict, templates) is private
 too; sandboxes, the cluster and any QEMU left behind are removed at the end, also on failure
 (the logs are kept then, and with --keep-logs). Each section ends with how busy the machine
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -66,10 +77,15 @@ IMAGE = "busybox"
 TMPL = {"pool": "tmpl"}
 COLD = {"pool": "cold"}
 WARM = {"pool": "warm"}  # an edge keeping restored guests of the bench's shape ready to claim
+FPR = {"pool": "fpr"}  # cold boots with free-page reporting (DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 QEMU = "qemu-system-x86_64"
 #: Section 4 creates its idle guests this many at a time.
 IDLE_BATCH = 4
+#: Section 4's free-page-reporting cycle: what the guest fills in its /dev/shm and frees.
+FPR_FILL_MB = 96
+#: A guest reports the pages it freed within ~2 s (the kernel's page_reporting delay).
+FPR_SETTLE_S = 10.0
 
 # Targets of the issue (printed, never enforced).
 TARGET_CREATE_P50_MS = 300.0
@@ -77,6 +93,10 @@ TARGET_COLD_OVER_SNAPSHOT = 10.0
 TARGET_FREED_PCT = 95.0
 TARGET_RESUME_FIRST_MS = 600.0  # 256 MB guest
 TARGET_IDLE_PSS_MB = 64.0
+#: The DSec report: free-page reporting cut time-integrated memory 21.2%, pmem peak host memory
+#: 40.2% (issue 43, item 5).
+TARGET_FPR_INTEGRATED = 1 - 0.212
+TARGET_PMEM_PEAK = 1 - 0.402
 
 
 @dataclass
@@ -187,7 +207,7 @@ def microvm_cluster(max_sandboxes: int, keep_logs: Path | None = None) -> Iterat
         home = Path(tmp)
         cache = home / "microvm-cache"
         prewarm_cache(cache)
-        parents = {e: f"dsec-bench-{os.getpid()}-{e}" for e in ("tmpl", "cold", "warm")}
+        parents = {e: f"dsec-bench-{os.getpid()}-{e}" for e in ("tmpl", "cold", "warm", "fpr")}
 
         def env(edge: str) -> dict[str, str]:
             return {
@@ -222,6 +242,16 @@ def microvm_cluster(max_sandboxes: int, keep_logs: Path | None = None) -> Iterat
                     **env("warm"),
                     "DSEC_EDGE_MICROVM_WARM_POOL": f"{IMAGE}=2",
                     "DSEC_EDGE_MICROVM_WARM_MEMORY_MB": "256",
+                },
+            ),
+            EdgeSpec(
+                edge_id="fpr",
+                labels=FPR,
+                max_sandboxes=max_sandboxes,
+                extra_env={
+                    **env("fpr"),
+                    "DSEC_EDGE_MICROVM_TEMPLATES": "false",
+                    "DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING": "true",
                 },
             ),
         ]
@@ -1078,6 +1108,261 @@ def section_idle(b: Bench, count: int, baselines: int, targets: Targets) -> None
             b.stop(sb)
 
 
+# ------------------------------------------------------- 4b. free-page reporting, pmem
+
+
+def start_idle(b: Bench, sel: dict[str, str], count: int, cpu: float) -> list[Sandbox]:
+    """`count` busybox microVMs (256 MB) on the edge of `sel`, IDLE_BATCH at a time; each
+    answered a command. A failed create is printed and left out."""
+    out: list[Sandbox] = []
+    failed: list[str] = []
+    for i in range(0, count, IDLE_BATCH):
+        made = b.dsec.create_many(
+            min(IDLE_BATCH, count - i),
+            backend="microvm",
+            image=IMAGE,
+            cpu=cpu,
+            memory_mb=256,
+            node_selector=sel,
+            task_id=b.run_id,
+        )
+        for r in made:
+            if isinstance(r, Sandbox) and r.info.state == "RUNNING":
+                out.append(r)
+            elif isinstance(r, Sandbox):
+                failed.append(f"{r.id}: {r.info.termination_reason} {r.info.termination_message}")
+                b.stop(r)
+            else:
+                failed.append(repr(r))
+    for sb in out:
+        assert sb.run("true").exit_code == 0
+    if failed:
+        print(f"  {len(failed)} creates on {sel} failed: {failed[:3]}", flush=True)
+    return out
+
+
+def _files_of(pid: int) -> tuple[set[str], set[str], set[str]]:
+    """The files behind a QEMU's guest, from its command line: its RAM file if any
+    (memory-backend-file mem-path=), its read-only and its writable drives (-drive file=)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    ram: set[str] = set()
+    readonly: set[str] = set()
+    writable: set[str] = set()
+    for arg in argv:
+        opts = dict(o.split("=", 1) for o in arg.split(",") if "=" in o)
+        if arg.startswith("memory-backend-file") and "mem-path" in opts:
+            ram.add(opts["mem-path"])
+        elif "file" in opts and "if" in opts:  # a -drive
+            (readonly if opts.get("readonly") == "on" else writable).add(opts["file"])
+    return ram, readonly, writable
+
+
+def _in(paths: set[str]) -> Callable[[str, str], bool]:
+    return lambda perms, path: path in paths
+
+
+def page_cache_kb(paths: set[str]) -> int:
+    """Resident page cache of `paths` (each once), kB (fincore)."""
+    if not paths:
+        return 0
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *sorted(paths)],
+        capture_output=True,
+        text=True,
+    )
+    return sum(int(x) for x in out.stdout.split()) // 1024
+
+
+def host_memory(pids: list[int]) -> dict[str, float]:
+    """MB: the QEMUs' PSS less what of it is their guest-RAM file's page cache, plus the page
+    cache of every file behind them counted once (the RAM file, read-only layers and toolkit,
+    writable disks: a guest's disk I/O goes through the host's page cache, which no PSS
+    shows)."""
+    pss = file_part = 0
+    rams: set[str] = set()
+    readonly: set[str] = set()
+    writable: set[str] = set()
+    for pid in pids:
+        pss += rollup(pid)["Pss"]
+        ram, ro, rw = _files_of(pid)
+        rams |= ram
+        readonly |= ro
+        writable |= rw
+        if ram:
+            m = mapping_of(pid, _in(ram))
+            file_part += m["Pss"] - m["Anonymous"]  # counted below, once, as page cache
+    cache = {
+        "ram_file": page_cache_kb(rams) / 1024,
+        "readonly": page_cache_kb(readonly) / 1024,
+        "writable": page_cache_kb(writable) / 1024,
+    }
+    own = (pss - file_part) / 1024
+    return {
+        "n": len(pids),
+        "pss": pss / 1024 / max(1, len(pids)),
+        "sum_pss": pss / 1024,
+        **cache,
+        "total": own + sum(cache.values()),
+    }
+
+
+@dataclass
+class FreeCycle:
+    before: float  # MB, QEMU RSS
+    peak: float
+    after: float
+    integral: float  # MB*s of RSS over the cycle
+    seconds: float
+
+
+def free_cycle(b: Bench, sb: Sandbox, fill_mb: int) -> FreeCycle:
+    """The guest fills `fill_mb` of its /dev/shm with random data and removes it; its QEMU's
+    RSS is sampled every 0.1 s from before the fill until FPR_SETTLE_S after the removal."""
+    import threading
+
+    pid = b.qemu_pid(sb)
+    sb.run(f"mount -o remount,size={fill_mb + 24}m /dev/shm; sync")
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append((time.monotonic(), rollup(pid)["Rss"] / 1024))
+            done.wait(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    time.sleep(1.0)
+    before = rollup(pid)["Rss"] / 1024
+    t.start()
+    try:
+        r = sb.run(f"dd if=/dev/urandom of=/dev/shm/fill bs=1M count={fill_mb}", timeout_s=300)
+        if r.exit_code != 0:
+            raise RuntimeError(f"the fill failed: {r.exit_code} {r.stderr!r}")
+        assert sb.run("rm /dev/shm/fill").exit_code == 0
+        time.sleep(FPR_SETTLE_S)
+    finally:
+        done.set()
+        t.join()
+    integral = sum((t1 - t0) * m0 for (t0, m0), (t1, _) in itertools.pairwise(samples))
+    tail = [m for ts, m in samples if ts >= samples[-1][0] - 1.0]
+    return FreeCycle(
+        before,
+        max(m for _, m in samples),
+        sorted(tail)[len(tail) // 2],
+        integral,
+        samples[-1][0] - samples[0][0],
+    )
+
+
+def section_guest_memory(b: Bench, count: int, targets: Targets) -> None:
+    """Free-page reporting on vs off (and pmem: why not) in this run: one fill-and-free cycle
+    per configuration, then `count` idle guests per configuration, one configuration at a
+    time (the previous one stopped)."""
+    from edge.config import PMEM_UNAVAILABLE
+
+    cycles: dict[str, FreeCycle] = {}
+    for name, sel in (("off", COLD), ("on", FPR)):
+        sb = b.create("microvm", sel)
+        try:
+            cycles[name] = free_cycle(b, sb, FPR_FILL_MB)
+        finally:
+            b.stop(sb)
+    off, on = cycles["off"], cycles["on"]
+    table(
+        f"a 256 MB guest fills {FPR_FILL_MB} MB of its /dev/shm and frees it (cold boots; "
+        "QEMU RSS, MB)",
+        [
+            "free-page reporting",
+            "before",
+            "peak",
+            f"{FPR_SETTLE_S:.0f} s after the free",
+            "given back",
+            "RSS integrated (MB*s)",
+            "over (s)",
+        ],
+        [
+            [k, c.before, c.peak, c.after, c.peak - c.after, c.integral, c.seconds]
+            for k, c in cycles.items()
+        ],
+    )
+    ratio = on.integral / off.integral if off.integral else float("nan")
+    targets.add(
+        f"time-integrated QEMU RSS of a guest freeing {FPR_FILL_MB} MB, reporting on/off",
+        f"<= {TARGET_FPR_INTEGRATED:.3f}x (report: -21.2%)",
+        f"{ratio:.3f}x ({on.peak - on.after:.0f} MB given back in {FPR_SETTLE_S:.0f} s, "
+        f"off: {off.peak - off.after:.0f} MB)",
+        ratio <= TARGET_FPR_INTEGRATED,
+    )
+
+    groups = [
+        ("clones of one template (cannot report)", TMPL, 0.25),
+        ("cold boots, reporting off", COLD, 1.0),
+        ("cold boots, reporting on", FPR, 1.0),
+    ]
+    rows: list[list[object]] = []
+    totals: dict[str, dict[str, float]] = {}
+    for label, sel, cpu in groups:
+        started = time.perf_counter()
+        sbs = start_idle(b, sel, count, cpu)
+        try:
+            print(
+                f"  {len(sbs)} idle guests: {label} (started in "
+                f"{time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+            time.sleep(FPR_SETTLE_S)  # idle; what the boots freed is reported meanwhile
+            m = host_memory([b.qemu_pid(sb) for sb in sbs])
+        finally:
+            for sb in sbs:
+                b.stop(sb)
+        totals[label] = m
+        rows.append(
+            [
+                label,
+                m["n"],
+                m["pss"],
+                m["sum_pss"],
+                m["ram_file"],
+                m["readonly"],
+                m["writable"],
+                m["total"],
+                m["total"] / max(1, m["n"]),
+            ]
+        )
+    table(
+        f"host memory of {count} idle 256 MB guests (MB; page cache of each file counted once)",
+        [
+            "guests",
+            "n",
+            "PSS each",
+            "sum of PSS",
+            "RAM file cache",
+            "layers+toolkit cache",
+            "writable disks cache",
+            "host total",
+            "per guest",
+        ],
+        rows,
+    )
+    cold_off = totals["cold boots, reporting off"]
+    cold_on = totals["cold boots, reporting on"]
+    ratio = cold_on["total"] / cold_off["total"] if cold_off["total"] else float("nan")
+    print(
+        f"  free-page reporting: {count} idle cold-booted guests hold {cold_on['total']:.0f} MB "
+        f"with it, {cold_off['total']:.0f} MB without ({ratio:.2f}x); template clones "
+        f"(reporting impossible: their RAM is the template's file) "
+        f"{totals[groups[0][0]]['total']:.0f} MB",
+        flush=True,
+    )
+    print(f"  virtio-pmem not measured: {PMEM_UNAVAILABLE}", flush=True)
+    targets.add(
+        f"host memory, {count} idle guests, pmem + reporting on vs off",
+        f"<= {TARGET_PMEM_PEAK:.3f}x (report: pmem -40.2% peak)",
+        f"reporting only (pmem impossible on microvm): {ratio:.3f}x of cold boots without",
+        False,
+    )
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -1116,6 +1401,7 @@ def main() -> int:
             (2, "round trip", lambda: section_rtt(b, rtt)),
             (3, "pause/resume", lambda: section_pause(b, cycles, [256, 1024], targets)),
             (4, "idle memory", lambda: section_idle(b, idle, baselines, targets)),
+            (4, "guest memory", lambda: section_guest_memory(b, idle, targets)),
         ]
         for number, name, run in runs:
             if number in sections:

@@ -14,6 +14,16 @@ from edge.model import EDGE_ID
 
 #: The smallest writable-layer limit (an ext4 image smaller than this has no room to work).
 MIN_DISK_MB = 16
+#: Why DSEC_EDGE_MICROVM_PMEM cannot be on (measured on QEMU 7.2 with the microvm machine,
+#: pcie=on, virtio-pmem-pci; docs/ARCHITECTURE.md "Guest memory" has the command lines).
+PMEM_UNAVAILABLE = (
+    "DSEC_EDGE_MICROVM_PMEM=true cannot work: QEMU's microvm machine hands only CPUs to its "
+    "hotplug handler, so a virtio-pmem-pci device (accepted with pcie=on) is never given "
+    "device memory: QEMU starts, and the guest's nd_pmem says 'could not reserve region "
+    "[mem 0x00000000-...]'; with memaddr= set by hand /dev/pmem0 appears but its memory is "
+    "never mapped (info mtree shows no region) and EROFS finds no superblock on it. The "
+    "layers stay on virtio-blk"
+)
 
 
 def _total_memory_mb() -> int:
@@ -202,6 +212,15 @@ class EdgeConfig(ServiceConfig):
     microvm_cache_dir: Path = Path("/var/lib/dsec/microvm")
     #: Create microVMs by restoring a per-image template snapshot (off: every create boots).
     microvm_templates: bool = True
+    #: Free-page reporting (virtio-balloon): memory a guest frees goes back to the host ~2 s
+    #: later. Only with templates off (and no forks of such guests): QEMU 7.2 gives back a
+    #: page of a file-backed guest by punching a hole in the file, and a clone's file is its
+    #: template's RAM, every clone's memory (docs/ARCHITECTURE.md, "Guest memory").
+    microvm_free_page_reporting: bool = False
+    #: The read-only layers and toolkit on virtio-pmem with DAX (one host page-cache copy for
+    #: every guest): cannot work on QEMU's microvm machine, which never maps a virtio-pmem
+    #: device's memory; true refuses to start, saying so.
+    microvm_pmem: bool = False
     #: Warm microVMs kept restored per image, image=count (e.g. "busybox=4"): a create of the
     #: default shape claims one instead of restoring (~0.1 s instead of ~0.5 s under TCG).
     microvm_warm_pool: dict[str, str] = field(default_factory=dict)
@@ -328,6 +347,8 @@ class EdgeConfig(ServiceConfig):
             raise ConfigError(
                 f"DSEC_EDGE_MICROVM_ACCEL={self.microvm_accel!r}: expected auto, kvm or tcg"
             )
+        if self.microvm != "off":
+            self._check_microvm_memory()
         if self.vm not in ("auto", "on", "off"):
             raise ConfigError(f"DSEC_EDGE_VM={self.vm!r}: expected auto, on or off")
         if self.vm_accel not in ("auto", "kvm", "tcg"):
@@ -340,6 +361,18 @@ class EdgeConfig(ServiceConfig):
             self.fncall_settings()
         except ValueError as exc:
             raise ConfigError(f"DSEC_EDGE_FNCALL_*: {exc}") from None
+
+    def _check_microvm_memory(self) -> None:
+        if self.microvm_pmem:
+            raise ConfigError(PMEM_UNAVAILABLE)
+        if self.microvm_free_page_reporting and self.microvm_templates:
+            raise ConfigError(
+                "DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING=true needs DSEC_EDGE_MICROVM_TEMPLATES="
+                "false: a template clone maps its template's RAM file copy-on-write, and QEMU "
+                "7.2 returns a page the guest reports free by punching a hole in that file "
+                "(ram_block_discard_range fallocates any file-backed RAM, MAP_PRIVATE or not), "
+                "zeroing it under every other clone of the template"
+            )
 
     def fncall_settings(self) -> FnCallSettings:
         """The FnCall pools' settings (raises ValueError on a bad value)."""

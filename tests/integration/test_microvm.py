@@ -11,10 +11,11 @@ image whose layer is a directory (the public path cannot make one: flat `<name>.
 are imported into the layer store as EROFS layers, and only the FnCall pools, containers, read
 flat directories as they are); aether exiting.
 
-One module-scoped cluster (guests boot under TCG here): two container edges with
-DSEC_EDGE_MICROVM=on, "mvt" (templates, where every test's sandboxes go unless it asks for the
-other) and "mvc" (DSEC_EDGE_MICROVM_TEMPLATES=false), told apart by a `pool` label and the
-creates' node_selector. Each test's sandboxes are labelled with its id and always stopped; a
+One module-scoped cluster (guests boot under TCG here): three container edges with
+DSEC_EDGE_MICROVM=on, "mvt" (templates, where every test's sandboxes go unless it asks for
+another), "mvc" (DSEC_EDGE_MICROVM_TEMPLATES=false) and "mvr" (templates off and
+DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING=true), told apart by a `pool` label and the creates'
+node_selector. Each test's sandboxes are labelled with its id and always stopped; a
 failed test prints the services' log tails and its guests' serial consoles.
 
 Host-side knowledge (where a guest's QEMU, disk and saved state live) is confined to the
@@ -41,14 +42,14 @@ import pytest
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec, LocalCluster
 from libdsec import Client, ForkResult, NetworkPolicy, Output, Sandbox
-from libdsec.errors import DSecError, InvalidArgument
+from libdsec.errors import DSecError, InvalidArgument, Unimplemented
 from tests.conftest import print_log_tails
 from tests.helpers import dsec_status, sandbox_factory, wait_for
 from tests.integration.conftest import ClusterWith, container_edge
 
 pytestmark = pytest.mark.images("busybox")
 
-TEMPLATED, COLD = "mvt", "mvc"
+TEMPLATED, COLD, REPORTING = "mvt", "mvc", "mvr"
 MAX_MEMORY_MB, MAX_VCPUS = 2048, 2
 
 Make = Callable[..., Sandbox]
@@ -85,6 +86,12 @@ def lab(cluster_with: ClusterWith) -> Iterator[Lab]:
     edges = [
         _edge(TEMPLATED, "templates"),
         _edge(COLD, "cold", DSEC_EDGE_MICROVM_TEMPLATES="false"),
+        _edge(
+            REPORTING,
+            "reporting",
+            DSEC_EDGE_MICROVM_TEMPLATES="false",
+            DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING="true",
+        ),
     ]
     with (
         cluster_with("microvm", edges=edges) as cluster,
@@ -113,7 +120,7 @@ def make(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Make]:
     if rep is not None and rep.failed:
         print_log_tails(lab.cluster, request.node.nodeid)
         for sb in made:
-            for edge_id in (TEMPLATED, COLD):
+            for edge_id in (TEMPLATED, COLD, REPORTING):
                 console = lab.state_dir(edge_id) / "logs" / f"{sb.id}.console"
                 if console.exists():
                     print(f"----- console of {sb.id} ({console})")
@@ -362,6 +369,58 @@ def test_cold_boot_without_templates(make: Make, lab: Lab) -> None:
 # ------------------------------------------------------------------ how a guest ends
 
 
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _fill_and_free(sb: Sandbox, fill_mb: int, wait_s: float) -> tuple[float, float, float]:
+    """The guest's QEMU RSS (MB): before, after the guest filled `fill_mb` of its tmpfs, and
+    once it removed the file again and the RSS was given back and stood still (or `wait_s`
+    passed: a guest reports free pages ~2 s after it frees them)."""
+    (pid,) = _qemus_of(sb.id)
+    sb.run("sync; echo 3 > /proc/sys/vm/drop_caches")
+    before = _rss_mb(pid)
+    r = sb.run(f"dd if=/dev/urandom of=/dev/shm/fill bs=1M count={fill_mb} 2>&1")
+    assert r.exit_code == 0, r.text
+    peak = _rss_mb(pid)
+    assert sb.run("rm /dev/shm/fill").exit_code == 0
+    deadline, last, after = time.monotonic() + wait_s, peak, peak
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        after = _rss_mb(pid)
+        if after < before + fill_mb / 2 and abs(after - last) < 1:
+            break  # given back and settled
+        last = after
+    return before, peak, after
+
+
+def test_a_guest_that_reports_free_pages_gives_freed_memory_back_and_cannot_fork(
+    make: Make, lab: Lab
+) -> None:
+    fill = 80
+    sb = make(node_selector={"pool": "reporting"}, cpu=1)
+    assert sb.info.edge_id == REPORTING
+    (pid,) = _qemus_of(sb.id)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    assert "virtio-balloon-device,free-page-reporting=on" in argv
+    before, peak, after = _fill_and_free(sb, fill, wait_s=20)
+    assert peak - before >= fill * 0.8, (before, peak, after)
+    assert peak - after >= fill * 0.7, f"QEMU RSS {before:.0f} -> {peak:.0f} -> {after:.0f} MB"
+    # The same on an edge without reporting: the freed memory stays with QEMU.
+    plain = make(node_selector={"pool": "cold"}, cpu=1)
+    b0, p0, a0 = _fill_and_free(plain, fill, wait_s=6)
+    assert p0 - a0 < fill * 0.2, f"QEMU RSS {b0:.0f} -> {p0:.0f} -> {a0:.0f} MB"
+    # Its children would share one RAM file that its reports punch holes in.
+    result = sb.fork(1)
+    (err,) = result.children
+    assert isinstance(err, Unimplemented) and err.reason == "FREE_PAGE_REPORTING", err
+    assert "punching a hole" in err.message
+    assert sb.run("echo alive").text == "alive\n"
+
+
 def test_a_guest_kernel_panic_ends_the_sandbox_with_kernel_fault(make: Make) -> None:
     sb = make()
     neighbour = make()
@@ -419,14 +478,17 @@ def test_node_status_and_dsec_status_show_the_microvm_accelerator(lab: Lab) -> N
     assert microvm.detail.startswith(("tcg", "kvm")), microvm
     printed = dsec_status(lab.cluster.home)
     enforced = [line for line in printed.splitlines() if "controls enforced:" in line]
-    assert len(enforced) == 2 and all("microvm" in line for line in enforced), printed
-    assert (
-        sum(
-            line.strip().startswith("microvm: tcg") or "microvm: kvm" in line
-            for line in printed.splitlines()
-        )
-        == 2
-    ), printed
+    assert len(enforced) == 3 and all("microvm" in line for line in enforced), printed
+    lines = [
+        line
+        for line in printed.splitlines()
+        if line.strip().startswith("microvm: tcg") or "microvm: kvm" in line
+    ]
+    assert len(lines) == 3, printed
+    # The guest-memory settings end each microvm line (one edge reports free pages).
+    assert printed.count("free-page reporting on") == 1, printed
+    assert printed.count("free-page reporting off") == 2, printed
+    assert printed.count("virtio-pmem unavailable on microvm") == 3, printed
 
 
 # ------------------------------------------------------------------ fork

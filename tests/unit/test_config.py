@@ -94,3 +94,14 @@ def test_service_specific_validation() -> None:
         EdgeConfig, "EDGE", {"DSEC_EDGE_CPU_MILLIS": "2000", "DSEC_EDGE_CPU_OVERCOMMIT": "2"}
     )
     assert edge.effective_cpu_millis() == 4000
+
+
+def test_microvm_memory_settings_that_cannot_work_refuse_the_start_saying_why() -> None:
+    with pytest.raises(ConfigError, match="never given device memory"):
+        load(EdgeConfig, "EDGE", {"DSEC_EDGE_MICROVM_PMEM": "true"})
+    with pytest.raises(ConfigError, match="punching a hole"):
+        load(EdgeConfig, "EDGE", {"DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING": "true"})
+    cold = {"DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING": "true", "DSEC_EDGE_MICROVM_TEMPLATES": "0"}
+    assert load(EdgeConfig, "EDGE", cold).microvm_free_page_reporting
+    # Without microVMs neither matters.
+    assert load(EdgeConfig, "EDGE", {"DSEC_EDGE_MICROVM": "off", "DSEC_EDGE_MICROVM_PMEM": "1"})

@@ -13,8 +13,8 @@ import pytest
 
 from edge.backends import guest_channel, packing
 from edge.backends.guest_console import Console
-from edge.backends.microvm import backend, guest, qemu
-from edge.backends.microvm.vm import disks_with_writable
+from edge.backends.microvm import backend, guest, qemu, templates
+from edge.backends.microvm.vm import Shape, disks_with_writable
 from edge.images import ResolvedImage
 from edge.model import SandboxRecord, SandboxSpec
 
@@ -80,7 +80,9 @@ def test_modules_load_after_their_dependencies() -> None:
     assert order.index("failover") < order.index("net_failover") < order.index("virtio_net")
 
 
-def _machine(memory: qemu.Memory, *, incoming: bool, tap: int | None) -> list[str]:
+def _machine(
+    memory: qemu.Memory, *, incoming: bool, tap: int | None, balloon: bool = False
+) -> list[str]:
     return qemu.Machine(
         vcpus=1,
         memory_mb=256,
@@ -95,20 +97,47 @@ def _machine(memory: qemu.Memory, *, incoming: bool, tap: int | None) -> list[st
         mac="02:00:00:00:00:01",
         tap_fd=tap,
         incoming=incoming,
+        balloon=balloon,
     ).argv()
+
+
+def _devices(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
 
 
 def test_a_clone_has_its_template_s_devices_in_the_same_order() -> None:
     template = _machine(qemu.Memory("file", Path("/t/ram"), share=True), incoming=False, tap=None)
     clone = _machine(qemu.Memory("file", Path("/t/ram"), share=False), incoming=True, tap=7)
 
-    def devices(argv: list[str]) -> list[str]:
-        return [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
-
-    assert devices(template) == devices(clone)
+    assert _devices(template) == _devices(clone)
     assert "share=on" in " ".join(template) and "share=off" in " ".join(clone)
     assert clone[-2:] == ["-incoming", "defer"]
     assert "tap,id=net0,fd=7" in clone and "hubport,id=net0,hubid=0" in template
+
+
+def test_a_guest_that_reports_free_pages_has_the_balloon_in_every_restore_of_it() -> None:
+    ram = qemu.Memory("ram")
+    boot = _machine(ram, incoming=False, tap=7, balloon=True)
+    restore = _machine(ram, incoming=True, tap=8, balloon=True)
+    assert _devices(boot) == _devices(restore)
+    assert _devices(boot)[-1] == "virtio-balloon-device,free-page-reporting=on"
+    assert not any("balloon" in d for d in _devices(_machine(ram, incoming=False, tap=7)))
+
+
+def test_a_template_made_without_the_balloon_is_not_one_made_with_it(tmp_path: Path) -> None:
+    (tmp_path / "l0").write_bytes(b"layer")
+    disks = [qemu.Disk("l0", tmp_path / "l0", True)]
+    shape = Shape(1, 256, 1024)
+    plain = templates.template_key("kit", "tcg", shape, disks)
+    assert plain == templates.template_key("kit", "tcg", shape, disks, balloon=False)
+    assert plain != templates.template_key("kit", "tcg", shape, disks, balloon=True)
+
+
+def test_the_initramfs_has_the_balloon_driver_and_not_pmem() -> None:
+    _, release = guest.find_kernel()
+    order = [p.name.split(".ko")[0] for p in guest.module_order(release)]
+    assert order.index("virtio") < order.index("virtio_balloon")
+    assert "virtio_pmem" not in order and "nd_pmem" not in order
 
 
 def _child(sandbox_id: str, net: dict[str, object] | None) -> SandboxRecord:

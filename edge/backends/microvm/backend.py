@@ -100,6 +100,7 @@ from edge.runtime.mounts import (
     umount_quiet,
 )
 from libdsec.errors import (
+    BackendCapabilityMissing,
     DSecError,
     FailedPrecondition,
     InvalidArgument,
@@ -171,6 +172,7 @@ class MicrovmBackend:
         qemu_binary: str = "qemu-system-x86_64",
         warm_pool: dict[str, int] | None = None,
         warm_memory_mb: int = 512,
+        free_page_reporting: bool = False,
     ) -> None:
         self.state_dir = state_dir
         self.disks = state_dir / "rw"
@@ -208,6 +210,9 @@ class MicrovmBackend:
         self.kit = kit
         self.accel = accel
         self.use_templates = templates
+        #: New guests get the free-page-reporting balloon (recorded per sandbox: a restore
+        #: has the devices its guest booted with). Never with templates (edge/config.py).
+        self.free_page_reporting = free_page_reporting
         self.templates = Templates(cache_dir / "templates", max_templates)
         self.default_disk_mb = default_disk_mb
         self.max_disk_mb = max_disk_mb
@@ -275,9 +280,12 @@ class MicrovmBackend:
             warm_pool={k: int(v) for k, v in cfg.microvm_warm_pool.items()},
             warm_memory_mb=cfg.microvm_warm_memory_mb,
             qemu_binary=cfg.microvm_qemu,
+            free_page_reporting=cfg.microvm_free_page_reporting,
         )
-        log.info("microVMs offered: %s (%s)", verdict.accel, verdict.why)
-        return Built(backend, (_control(ENFORCED, f"{verdict.accel}: {verdict.why}"),))
+        memory = "free-page reporting " + ("on" if cfg.microvm_free_page_reporting else "off")
+        log.info("microVMs offered: %s (%s; %s)", verdict.accel, verdict.why, memory)
+        detail = f"{verdict.accel}: {verdict.why}; {memory}, virtio-pmem unavailable on microvm"
+        return Built(backend, (_control(ENFORCED, detail),))
 
     # ------------------------------------------------------------- contract
 
@@ -328,10 +336,11 @@ class MicrovmBackend:
             disks.append(qemu.Disk(f"l{i}", layer.image, True))
             if layer.blob is not None:
                 disks.append(qemu.Disk(f"b{i}", layer.blob, True))
-        if len(disks) + FIXED_DEVICES > MMIO_SLOTS:
+        fixed = FIXED_DEVICES + self.free_page_reporting  # the balloon takes a transport too
+        if len(disks) + fixed > MMIO_SLOTS:
             raise InvalidArgument(
                 f"image {image.name!r} needs {len(disks)} disks; a microVM has room for "
-                f"{MMIO_SLOTS - FIXED_DEVICES} (collapse its layers)",
+                f"{MMIO_SLOTS - fixed} (collapse its layers)",
                 reason="IMAGE_NOT_BOOTABLE",
                 metadata={"field": "image"},
             )
@@ -397,6 +406,8 @@ class MicrovmBackend:
             "disks": [[d.serial, str(d.path), d.readonly] for d in disks],
             "mac": mac_of(sid),
             "accel": self.accel,
+            # The guest's devices for its whole life (its restores must have the same).
+            "balloon": self.free_page_reporting,
             # The disk keeps the name it was made under (a claimed warm guest's): QEMU reopens
             # a drive by its file name when a save inactivates it.
             "disk_id": sid,
@@ -407,7 +418,13 @@ class MicrovmBackend:
             if self.use_templates:
                 readonly = disks[1:]  # the toolkit and the layers
                 tmpl = await self.templates.get(
-                    template_key(self.kit.digest, self.accel, shape, readonly),
+                    template_key(
+                        self.kit.digest,
+                        self.accel,
+                        shape,
+                        readonly,
+                        balloon=self.free_page_reporting,
+                    ),
                     lambda d: build_template(
                         d,
                         shape,
@@ -416,6 +433,7 @@ class MicrovmBackend:
                         channels=self.channels,
                         blank_dir=self.disks / ".templates",
                         ready_timeout_s=self.ready_timeout_s,
+                        balloon=self.free_page_reporting,
                     ),
                 )
                 rec.runtime["from"] = "template " + tmpl.key
@@ -564,6 +582,7 @@ class MicrovmBackend:
             incoming=restore_from is not None,
             tap_fd=tap,
             best_effort=rec.spec.qos == "BEST_EFFORT",
+            balloon=bool(rec.runtime.get("balloon")),
         )
         rec.runtime["pid"] = proc.pid
         rec.runtime["qemu_name"] = sid
@@ -771,6 +790,15 @@ class MicrovmBackend:
            GuestSync makes it itself (hostname, /etc files, address, clock, entropy); its
            aether drops the source's streams at the new channel's first Ping."""
         sid = source.sandbox_id
+        if source.runtime.get("balloon"):
+            raise BackendCapabilityMissing(
+                f"sandbox {sid} reports free pages (it started with "
+                "DSEC_EDGE_MICROVM_FREE_PAGE_REPORTING on): its children would map one RAM file "
+                "copy-on-write, and QEMU returns a page a guest reports free by punching a hole "
+                "in that file, under every sibling",
+                reason="FREE_PAGE_REPORTING",
+                metadata={"backend": self.name, "capability": Capability.FORK.value},
+            )
         work = self.forks / f"{sid}.{secrets.token_hex(4)}"
         t0 = time.perf_counter()
         conn: AetherConnection | None = None
@@ -898,6 +926,7 @@ class MicrovmBackend:
                 incoming=True,
                 tap_fd=tap,
                 paused=True,  # -S: whatever run state was saved, the guest never runs here
+                balloon=bool(source.runtime.get("balloon")),
             )
         except BaseException:
             await self._remove_helper_netns(hid)
@@ -940,6 +969,7 @@ class MicrovmBackend:
             "mac": mac_of(cid),
             "accel": self.accel,
             "disk_id": cid,
+            "balloon": bool(source.runtime.get("balloon")),
             "from": f"fork {source.sandbox_id}",
             # the same image: what the child's own pack_diff stacks its diff on
             **{k: source.runtime[k] for k in IMAGE_RECORD_KEYS if k in source.runtime},

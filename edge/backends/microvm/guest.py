@@ -32,10 +32,20 @@ BUILD_FORMAT = "dsec-microvm-initrd/1"
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 KERNEL_GLOB = "vmlinuz-*-cloud-amd64"
-#: What init loads: the virtio-mmio transport, disks, the agent's port, the root's filesystems
-#: and the network card (each with its dependencies). vsock is left out: this host kind has no
-#: vhost-vsock, so the channel is virtio-serial.
-MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "erofs", "overlay", "virtio_net")
+#: What init loads: the virtio-mmio transport, disks, the agent's port, the root's filesystems,
+#: the network card and the balloon (free-page reporting, when the guest has the device), each
+#: with its dependencies. vsock is left out: this host kind has no vhost-vsock, so the channel
+#: is virtio-serial. virtio-pmem is left out: the microvm machine cannot map it (see
+#: docs/ARCHITECTURE.md, "Guest memory").
+MODULES = (
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "erofs",
+    "overlay",
+    "virtio_net",
+    "virtio_balloon",
+)
 
 
 @dataclass(frozen=True)

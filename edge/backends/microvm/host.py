@@ -66,12 +66,14 @@ class QemuHost:
         tap_fd: int | None = None,
         best_effort: bool = False,
         paused: bool = False,
+        balloon: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start QEMU with the edge's listening sockets for its agent port, QMP and console
         (and the guest's tap: the edge's copies are closed once QEMU has them). A best-effort
         guest's QEMU is SCHED_IDLE from before its exec: every thread it starts inherits it.
         `paused` (-S): the guest never runs unless told to, also after loading a state saved
-        while it ran (a fork's helper)."""
+        while it ran (a fork's helper). `balloon`: the free-page-reporting device (as the
+        guest first booted: see qemu.py)."""
         listeners = [self.listen(vm_id, kind) for kind in ("agent", "qmp", "console")]
         try:
             machine = qemu.Machine(
@@ -89,6 +91,7 @@ class QemuHost:
                 accel=self.accel,
                 incoming=incoming,
                 tap_fd=tap_fd,
+                balloon=balloon,
                 extra=["-name", f"dsec:{self.tag}:{vm_id}", *(["-S"] if paused else [])],
             )
             with open(self.logs / f"{vm_id}.qemu", "ab") as err:

@@ -7,7 +7,10 @@ is bound and listened on by the edge and handed to QEMU as an inherited descript
 
 The device list is the same, in the same order, for a template, its clones and a restore: a
 snapshot loads only into the machine it was taken from. What differs between them is behind
-the devices (which files the drives are, which tap the NIC uses, how RAM is backed).
+the devices (which files the drives are, which tap the NIC uses, how RAM is backed). So the
+one optional device, the free-page-reporting balloon (`Machine.balloon`), is chosen when a
+guest first boots and recorded with the sandbox: its restores and clones have it or not as the
+guest did, whatever the edge's setting is by then.
 
 Snapshots go through QEMU 7.2's migration to `exec:cat` (7.2 has no `file:` URI; see
 ../shared/notes/microvm-probe.md). A template's RAM is a `memory-backend-file` with share=on:
@@ -36,6 +39,8 @@ logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 #: The default migration bandwidth (128 MiB/s) would throttle a save; this is "unlimited".
 MAX_BANDWIDTH = 100 << 30
+#: The MMIO balloon: no inflation target is ever set; the guest only reports free pages.
+BALLOON_DEVICE = "virtio-balloon-device,free-page-reporting=on"
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,12 @@ class Machine:
     accel: str = "tcg"
     incoming: bool = False
     pidfile: Path | None = None
+    #: virtio-balloon with free-page reporting: the guest hands pages it frees back (QEMU
+    #: discards them, ~2 s after the guest frees them). Only for RAM that is the guest's own
+    #: ("ram", or a template's share=on file): QEMU 7.2 discards a page of a file-backed
+    #: guest by punching a hole in the *file*, even when mapped share=off, which for a clone
+    #: is its template's RAM file -- every other clone's memory (see docs/ARCHITECTURE.md).
+    balloon: bool = False
     extra: list[str] = field(default_factory=list)
 
     def argv(self, binary: str = "qemu-system-x86_64") -> list[str]:
@@ -136,6 +147,8 @@ class Machine:
         else:
             netdev = "hubport,id=net0,hubid=0"  # a NIC to nowhere (templates)
         args += ["-netdev", netdev, "-device", f"virtio-net-device,netdev=net0,mac={self.mac}"]
+        if self.balloon:
+            args += ["-device", BALLOON_DEVICE]
         if self.pidfile is not None:
             args += ["-pidfile", str(self.pidfile)]
         if self.incoming:

@@ -1,7 +1,8 @@
 """Template snapshots: one booted guest per shape, saved once, restored by every create.
 
 A template is a directory of the node-wide cache, named by its key (a hash of the guest kit,
-the accelerator, the shape -- vCPUs, RAM, disk size -- and the toolkit and layer files):
+the accelerator, the optional devices, the shape -- vCPUs, RAM, disk size -- and the toolkit
+and layer files):
 
     ram      the guest's memory: a memory-backend-file (share=on while the template ran);
              clones map it with share=off, copy-on-write: the file never changes again
@@ -71,10 +72,14 @@ class Templates(TemplateCache[Template]):
         )
 
 
-def template_key(kit_digest: str, accel: str, shape: Shape, disks: list[qemu.Disk]) -> str:
+def template_key(
+    kit_digest: str, accel: str, shape: Shape, disks: list[qemu.Disk], *, balloon: bool = False
+) -> str:
     """The key of the template of `shape` over `disks` (the toolkit first, then the image's
-    layers): a changed file, kernel or accelerator is a new key."""
-    h = hashlib.sha256(json.dumps([Templates.FORMAT, kit_digest, accel]).encode())
+    layers): a changed file, kernel, accelerator or device list is a new key (a clone's
+    devices must be its template's)."""
+    devices = ["balloon"] if balloon else []
+    h = hashlib.sha256(json.dumps([Templates.FORMAT, kit_digest, accel, *devices]).encode())
     h.update(json.dumps(shape.__dict__).encode())
     for d in disks:
         st = d.path.stat()
@@ -91,6 +96,7 @@ async def build_template(
     channels: ChannelKeeper,
     blank_dir: Path,
     ready_timeout_s: float,
+    balloon: bool = False,
 ) -> None:
     """Boot a guest to "aether ready" in `d` and save it with x-ignore-shared: `d/ram` is
     its memory, `d/vmstate` its devices, `d/rw.img` its writable disk at that moment. `disks`
@@ -104,6 +110,7 @@ async def build_template(
         [qemu.Disk("rw", rw, False), *disks],
         qemu.Memory("file", d / "ram", share=True),
         mac_of(tid),
+        balloon=balloon,
     )
     q = qemu.Qmp(host.address(tid, "qmp"))
     try:
