@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import sys
 import tempfile
 import time
@@ -211,10 +212,11 @@ def main() -> int:
         ]
         with cluster(edges=edges, extra_env=env) as c:
             run(c, endpoint, args.n, args.rtt)
+        spans = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     finally:
         rx.kill()
         rx.join()
-    spans = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        shutil.rmtree(work, ignore_errors=True)
     roots = {s["trace"]: s for s in spans if s["name"] == ROOT}
     for kind in ("cold", "warm"):
         traces = set(roots) & KINDS[kind]

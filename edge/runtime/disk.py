@@ -32,6 +32,7 @@ import shutil
 import struct
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,14 +93,17 @@ def create(sandbox_dir: Path, size_mb: int, templates: Path | None = None) -> tu
 TEMPLATES = ".templates"
 #: Quota filesystems made ahead of the creates that take them (`Pool`), beside the templates.
 POOL = ".pool"
+#: The pool makes a filesystem only after this long without a create taking one.
+POOL_QUIET_S = 0.1
 
 
 class Pool:
     """Quota filesystems of one size made ahead of the creates that take them: a create takes a
     ready writable-layer directory (`disk.img`, and `disk/` mounted with `upper` and `work` in
     it) and renames it to its own, instead of copying, attaching and mounting on its path
-    (issue 43: off the create path). A thread keeps `count` ready; a create that finds none, or
-    asks for another size, makes its own as before (`create`).
+    (issue 43: off the create path). A thread keeps `count` ready, making them only when no
+    create has taken one for POOL_QUIET_S; a create that finds none, or asks for another size,
+    makes its own as before (`create`).
 
     The ready ones are on the host's mount table (`count` entries, whatever the sandbox count);
     a taken one leaves it with its sandbox's `hold`. Leftovers of an earlier edge (under
@@ -114,6 +118,7 @@ class Pool:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._last_take = 0.0
         self.made = 0
         self.taken = 0
         self.failures = 0
@@ -129,6 +134,7 @@ class Pool:
             return None
         with self._lock:
             entry = self._ready.pop() if self._ready else None
+        self._last_take = time.monotonic()
         self._wake.set()
         if entry is not None:
             self.taken += 1
@@ -143,6 +149,14 @@ class Pool:
         while not self._closed:
             if self.ready() >= self.count:
                 self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            # Only in a quiet moment: made while creates run, a filesystem competes with them
+            # for the edge's interpreter and the kernel's loop and mount locks, and the creates
+            # it was meant to speed up got no faster (bench/bench_containers.py, same run).
+            quiet_for = time.monotonic() - self._last_take
+            if quiet_for < POOL_QUIET_S:
+                self._wake.wait(timeout=POOL_QUIET_S - quiet_for)
                 self._wake.clear()
                 continue
             entry = self.dir / os.urandom(8).hex()
