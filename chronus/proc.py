@@ -18,6 +18,11 @@ import struct
 
 from chronus.landlock import enforce
 
+try:  # the toolkit's extension (chronus/spawn.c), loaded with chronus (aether preloads it)
+    from chronus import _spawn as _SPAWN  # type: ignore[attr-defined]
+except ImportError:  # a source tree, or a toolkit built without the Python headers
+    _SPAWN = None
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -158,14 +163,9 @@ def _direct_spawner() -> Any:
     if not _DIRECT:
         import resource
 
-        try:
-            from chronus import _spawn  # type: ignore[attr-defined]
-        except ImportError:  # a source tree, or a toolkit built without Python headers
-            _spawn = None
         # Its child copies descriptors above 1023 before handing them over: room needed.
-        if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= _COPIES_FROM + 64:
-            _spawn = None
-        _DIRECT.append(_spawn)
+        roomy = resource.getrlimit(resource.RLIMIT_NOFILE)[0] > _COPIES_FROM + 64
+        _DIRECT.append(_SPAWN if roomy else None)
     return _DIRECT[0]
 
 
