@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cluster, pct, summary_ms, table
+from bench.common import cluster, pct, serve_otlp, summary_ms, table
 from dsecctl.cluster import EdgeSpec
 from libdsec import Client
 
@@ -50,51 +50,27 @@ RTT_ROOTS = {"run": 'bench: run("true")', "get": "bench: get()"}
 
 def _receiver(port: Any, out: str) -> None:
     """A real OTLP/gRPC trace receiver (its own process): every span as one JSON line."""
-    from concurrent import futures
-
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import (
-        trace_service_pb2,
-        trace_service_pb2_grpc,
-    )
-
     sink = open(out, "a", buffering=1)  # open for the process's life
 
-    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:
-            for rs in request.resource_spans:
-                service = next(
-                    (
-                        a.value.string_value
-                        for a in rs.resource.attributes
-                        if a.key == "service.name"
-                    ),
-                    "",
-                )
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        sink.write(
-                            json.dumps(
-                                {
-                                    "trace": s.trace_id.hex(),
-                                    "id": s.span_id.hex(),
-                                    "parent": s.parent_span_id.hex(),
-                                    "name": s.name,
-                                    "service": service,
-                                    "kind": s.kind,
-                                    "start": s.start_time_unix_nano,
-                                    "end": s.end_time_unix_nano,
-                                }
-                            )
-                            + "\n"
-                        )
-            return trace_service_pb2.ExportTraceServiceResponse()
+    def write(request: Any) -> None:
+        for rs in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in rs.resource.attributes}
+            service = attributes.get("service.name", "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    span = {
+                        "trace": s.trace_id.hex(),
+                        "id": s.span_id.hex(),
+                        "parent": s.parent_span_id.hex(),
+                        "name": s.name,
+                        "service": service,
+                        "kind": s.kind,
+                        "start": s.start_time_unix_nano,
+                        "end": s.end_time_unix_nano,
+                    }
+                    sink.write(json.dumps(span) + "\n")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
-    port.value = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    server.wait_for_termination()
+    serve_otlp(port, write)
 
 
 def _label(span: dict[str, Any]) -> str:

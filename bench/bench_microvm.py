@@ -949,38 +949,17 @@ def section_idle(b: Bench, count: int, baselines: int, targets: Targets) -> None
     cts: list[Sandbox] = []
     try:
         started = time.perf_counter()
-        failed: list[str] = []
         # In batches: a burst of all of them at once on this 2-core TCG machine fails most
         # creates (the guests' claim times out at 10 s; see the bench's report), and this
         # section is about the memory of idle guests, not about bursts.
-        for i in range(0, count, IDLE_BATCH):
-            made = b.dsec.create_many(
-                min(IDLE_BATCH, count - i),
-                backend="microvm",
-                image=IMAGE,
-                cpu=0.25,
-                memory_mb=256,
-                node_selector=TMPL,
-                task_id=b.run_id,
-            )
-            for r in made:
-                if isinstance(r, Sandbox) and r.info.state == "RUNNING":
-                    vms.append(r)
-                elif isinstance(r, Sandbox):  # create_many answers a failed start as a sandbox
-                    failed.append(
-                        f"{r.id}: {r.info.termination_reason} {r.info.termination_message}"
-                    )
-                    b.stop(r)
-                else:
-                    failed.append(repr(r))
+        vms = start_idle(b, TMPL, count, 0.25)
         print(
             f"  {len(vms)} microVMs from one template (250 millis each, {IDLE_BATCH} at a time) in "
-            f"{time.perf_counter() - started:.1f} s"
-            + (f"; {len(failed)} failed: {failed[:3]}" if failed else ""),
+            f"{time.perf_counter() - started:.1f} s",
             flush=True,
         )
         if not vms:
-            raise RuntimeError(f"no idle microVM started: {failed[:3]}")
+            raise RuntimeError("no idle microVM started")
         # Baselines of the same shape (1 vCPU, 256 MB); the cold boots at a full core's quota
         # (at 250 millis a TCG boot takes four times as long; the memory is the same).
         cold = [b.create("microvm", COLD) for _ in range(baselines)]

@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cluster, pct, table
+from bench.common import cluster, pct, serve_otlp, table
 from dsecctl.cluster import EdgeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,26 +66,13 @@ BASELINE = "off"
 
 def _receiver(port: Any, spans: Any) -> None:
     """A real OTLP/gRPC trace receiver (its own process): counts what it is sent."""
-    from concurrent import futures
 
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import (
-        trace_service_pb2,
-        trace_service_pb2_grpc,
-    )
+    def count(request: Any) -> None:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with spans.get_lock():
+            spans.value += n
 
-    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:
-            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            with spans.get_lock():
-                spans.value += n
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
-    port.value = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    server.wait_for_termination()
+    serve_otlp(port, count)
 
 
 # ------------------------------------------------------------------ the load generator

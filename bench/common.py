@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dsecctl.cluster import EdgeSpec, LocalCluster
 
@@ -143,3 +144,27 @@ def cpu_split(
         out[children] = out.get(children, 0.0) + (kids - kids0) / _HZ
     out["other"] = out.get("other", 0.0) + (after[0] - before[0]) / _HZ - sum(out.values())
     return out
+
+
+def serve_otlp(port: Any, export: Callable[[Any], None]) -> None:
+    """A real OTLP/gRPC trace receiver on loopback, for a process of its own: `export` gets
+    every ExportTraceServiceRequest; the port it listens on goes to `port.value` (an
+    `mp.Value`). Runs until the process is killed."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
+    )
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            export(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port.value = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    server.wait_for_termination()

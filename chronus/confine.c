@@ -35,6 +35,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "exec_search.h"
+
 #ifndef SYS_landlock_restrict_self
 #define SYS_landlock_restrict_self 446
 #endif
@@ -107,39 +109,9 @@ int main(int argc, char **argv) {
     }
     if (errfd >= 0 && fcntl(errfd, F_SETFD, FD_CLOEXEC) != 0) fail("setup", errno, "errfd");
 
-    if (prog_copy[0] == '\0') fail("exec", ENOENT, prog_copy);
-    if (strchr(prog_copy, '/')) {
-        execve(prog_copy, args, envp);
-        fail("exec", errno, prog_copy);
-    }
     const char *path = NULL;
     for (long i = 0; i < nenv; i++)
         if (strncmp(envp[i], "PATH=", 5) == 0) path = envp[i] + 5;
-    if (path == NULL) path = "/bin:/usr/bin"; /* Python's os.defpath */
-    int saved = 0, last = ENOENT;
-    size_t plen = strlen(prog_copy);
-    for (const char *p = path;; p++) {
-        const char *end = strchrnul(p, ':');
-        size_t dlen = (size_t)(end - p);
-        char candidate[4096];
-        if (dlen + plen + 2 > sizeof candidate) {
-            last = ENAMETOOLONG;
-        } else {
-            if (dlen == 0) {
-                candidate[0] = '.';
-                dlen = 1;
-            } else {
-                memcpy(candidate, p, dlen);
-            }
-            candidate[dlen] = '/';
-            memcpy(candidate + dlen + 1, prog_copy, plen + 1);
-            execve(candidate, args, envp);
-            last = errno;
-        }
-        if (last != ENOENT && last != ENOTDIR && saved == 0) saved = last;
-        if (*end == '\0') break;
-        p = end;
-    }
-    fail("exec", saved ? saved : last, prog_copy);
+    fail("exec", exec_search(prog_copy, args, envp, path), prog_copy);
     return 127;
 }

@@ -42,6 +42,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "exec_search.h"
+
 #ifndef SYS_landlock_restrict_self
 #define SYS_landlock_restrict_self 446
 #endif
@@ -62,7 +64,7 @@ struct job {
     const char *program;
     char *const *argv;
     char *const *envp;
-    const char *path; /* PATH of envp, for the search */
+    const char *path; /* PATH of envp, for the search (NULL: none) */
     const char *cwd;
     const char *ctty; /* a tty to make the controlling terminal and stdio, or NULL */
     int nfds;
@@ -135,38 +137,7 @@ static int child(void *arg) {
     unsigned long none = 0;
     syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, 8);
 
-    const char *prog = j->program;
-    if (prog[0] == '\0') return fail(j, "exec", ENOENT, prog);
-    if (strchr(prog, '/')) {
-        execve(prog, j->argv, j->envp);
-        return fail(j, "exec", errno, prog);
-    }
-    const char *path = j->path ? j->path : "/bin:/usr/bin"; /* Python's os.defpath */
-    int saved = 0, last = ENOENT;
-    size_t plen = strlen(prog);
-    for (const char *p = path;; p++) {
-        const char *end = strchrnul(p, ':');
-        size_t dlen = (size_t)(end - p);
-        char candidate[4096];
-        if (dlen + plen + 2 > sizeof candidate) {
-            last = ENAMETOOLONG;
-        } else {
-            if (dlen == 0) {
-                candidate[0] = '.';
-                dlen = 1;
-            } else {
-                memcpy(candidate, p, dlen);
-            }
-            candidate[dlen] = '/';
-            memcpy(candidate + dlen + 1, prog, plen + 1);
-            execve(candidate, j->argv, j->envp);
-            last = errno;
-        }
-        if (last != ENOENT && last != ENOTDIR && saved == 0) saved = last;
-        if (*end == '\0') break;
-        p = end;
-    }
-    return fail(j, "exec", saved ? saved : last, prog);
+    return fail(j, "exec", exec_search(j->program, j->argv, j->envp, j->path), j->program);
 }
 
 /* A list of bytes as a NULL-terminated char* array (borrowed pointers into the objects). */

@@ -293,9 +293,7 @@ PROGRAMS = {"dsec-confine": "chronus/confine.c", "dsec-sudo": "chronus/sudo.c"}
 SUDO_SHIM = "bin/dsec-sudo"
 # Static (no loader: no LD_* or /etc/ld.so.preload is honoured before the command is confined),
 # position-independent, hardened: it parses arguments while still unconfined.
-CONFINE_CFLAGS = (
-    "-O2",
-    "-static-pie",
+_HARDENED = (
     "-fstack-protector-strong",
     "-fstack-clash-protection",
     "-D_FORTIFY_SOURCE=2",
@@ -304,6 +302,7 @@ CONFINE_CFLAGS = (
     "-Werror",
     "-s",
 )
+CONFINE_CFLAGS = ("-O2", "-static-pie", *_HARDENED)
 _QUIET: dict[str, Any] = {"capture_output": True, "text": True}
 
 
@@ -315,18 +314,7 @@ def _compiler() -> str | None:
 #: chronus._spawn starts commands confined in one exec (chronus/spawn.c); without it (no
 #: compiler, no Python headers) chronus starts them through bin/dsec-confine.
 EXTENSIONS = {"chronus/_spawn": "chronus/spawn.c"}
-EXTENSION_CFLAGS = (
-    "-O2",
-    "-shared",
-    "-fPIC",
-    "-fstack-protector-strong",
-    "-fstack-clash-protection",
-    "-D_FORTIFY_SOURCE=2",
-    "-Wall",
-    "-Wextra",
-    "-Werror",
-    "-s",
-)
+EXTENSION_CFLAGS = ("-O2", "-shared", "-fPIC", *_HARDENED)
 
 
 def _python_headers() -> Path | None:
