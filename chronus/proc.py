@@ -161,12 +161,16 @@ _DIRECT: list[Any] = []  # the chronus._spawn module, or None: looked up once
 
 def _direct_spawner() -> Any:
     if not _DIRECT:
-        import resource
-
         # Its child copies descriptors above 1023 before handing them over: room needed.
-        roomy = resource.getrlimit(resource.RLIMIT_NOFILE)[0] > _COPIES_FROM + 64
-        _DIRECT.append(_SPAWN if roomy else None)
+        _DIRECT.append(_SPAWN if _room_above_copies() else None)
     return _DIRECT[0]
+
+
+def _room_above_copies() -> bool:
+    """Whether RLIMIT_NOFILE leaves room for descriptors copied above _COPIES_FROM."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0] > _COPIES_FROM + 64
 
 
 def _spawn_direct(
@@ -209,13 +213,11 @@ def _spawn_direct(
 
 def _confine_path() -> str | None:
     if not _CONFINE:
-        import resource
         import sys
 
         path = os.path.join(os.path.dirname(sys.executable), "dsec-confine")
-        usable = os.access(path, os.X_OK)
         # Its descriptors sit at 1021-1023 and the copies above 1024: room needed.
-        usable = usable and resource.getrlimit(resource.RLIMIT_NOFILE)[0] > _COPIES_FROM + 64
+        usable = os.access(path, os.X_OK) and _room_above_copies()
         _CONFINE.append(path if usable else None)
     return _CONFINE[0]
 
