@@ -124,15 +124,25 @@ class CreationPipeline:
         self.max_attempts = max_attempts
         self.downstream = downstream
 
-    async def run(self, items: list[CreateItem], *, edges_per_group: int = 0) -> None:
+    async def run(
+        self,
+        items: list[CreateItem],
+        *,
+        edges_per_group: int = 0,
+        idempotent_wait_s: float = IDEMPOTENT_WAIT_S,
+    ) -> None:
         """Creates every item (or sets its error); never raises for one item's failure.
+
+        An item whose idempotency key is bound to a sandbox still being created elsewhere
+        waits ``idempotent_wait_s`` for it, then fails with ``CREATE_IN_PROGRESS`` (the
+        create queue's dispatcher asks once and tries again next round).
 
         ``edges_per_group`` > 0 asks placement to put each group of identical
         items on about that many edges (clumps), so a small batch costs a few
         edge calls, not one per sandbox; 0 = one decision per sandbox.
         """
         try:
-            await self._run(items, edges_per_group)
+            await self._run(items, edges_per_group, idempotent_wait_s)
         except DSecError as err:  # a whole stage failed (e.g. placement unreachable)
             for it in items:
                 if not it.done:
@@ -143,8 +153,10 @@ class CreationPipeline:
                 if not it.done:
                     it.error = Internal(f"creation failed: {type(exc).__name__}")
 
-    async def _run(self, items: list[CreateItem], edges_per_group: int) -> None:
-        deadline = time.monotonic() + IDEMPOTENT_WAIT_S
+    async def _run(
+        self, items: list[CreateItem], edges_per_group: int, idempotent_wait_s: float
+    ) -> None:
+        deadline = time.monotonic() + idempotent_wait_s
         for it in items:
             it.deadline = deadline
         pending = [it for it in items if not it.done]

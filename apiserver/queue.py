@@ -114,6 +114,13 @@ def queueable(err: DSecError | None) -> bool:
     return isinstance(err, NoEligibleEdge | EdgeCapacity | QuotaExceeded)
 
 
+def in_progress(err: DSecError | None) -> bool:
+    """Whether an entry's key is bound to a sandbox still being created elsewhere: a client's
+    retry through another API server, or a dispatcher that died after reserving it (its
+    reservation is released by reconciliation). The entry keeps waiting and asks again."""
+    return err is not None and err.reason == "CREATE_IN_PROGRESS"
+
+
 # ------------------------------------------------------------------ fair share
 
 
@@ -548,7 +555,9 @@ class CreateQueue:
             who = Caller(e.principal_id, e.project_id, "")
             # Its own spec object: one placement group per entry, served in this order.
             items.append(CreateItem(who, req.spec, req.idempotency_key, wait_ready=False))
-        await self.pipeline.run(items)
+        # An entry whose key is being created elsewhere is asked about once per round, not
+        # waited for: the round would hold every entry behind it.
+        await self.pipeline.run(items, idempotent_wait_s=0.0)
         placed = []
         for (e, req), it in zip(run, items, strict=True):
             if queueable(it.error):
@@ -560,7 +569,7 @@ class CreateQueue:
                         queue_id=e.queue_id, state=PLACED, placed_sandbox_id=it.result.id
                     )
                 )
-            elif queueable(it.error):
+            elif queueable(it.error) or in_progress(it.error):
                 if it.error is not None and it.error.message != e.reason:
                     updates.append(
                         iam_pb2.QueueUpdate(queue_id=e.queue_id, reason=it.error.message)

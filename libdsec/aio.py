@@ -21,7 +21,10 @@ this module (the client: sandboxes, environments, projects, tokens, fncall),
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import random
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Unpack
@@ -38,6 +41,8 @@ from libdsec._tagged import TaggedStream
 from libdsec._transport import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
+    RETRY_FIRST_BACKOFF_S,
+    RETRY_MAX_BACKOFF_S,
     STREAM_IDLE_TIMEOUT_S,
     STREAM_KEEPALIVE_INTERVAL_S,
     Transport,
@@ -365,16 +370,35 @@ class AsyncClient:
                     wait_s=wait_s,
                     priority=priority,
                 )
-        resp = await self._rpc.unary(
-            self._rpc.sandboxes.CreateSandboxes, req, timeout=_queue_timeout(timeout, wait_s)
-        )
-        out: list[AsyncSandbox | DSecError] = []
-        for r in resp.results:
-            if r.error.code:
-                out.append(item_error(r.error))
-            else:
-                out.append(AsyncSandbox(self, r.sandbox))
-        return out
+        results = await self._create_items(req, _queue_timeout(timeout, wait_s))
+        return [
+            item_error(r.error) if r.error.code else AsyncSandbox(self, r.sandbox) for r in results
+        ]
+
+    async def _create_items(
+        self, req: apiserver_pb2.CreateSandboxesRequest, timeout: float | None
+    ) -> list[apiserver_pb2.CreateSandboxResult]:
+        """``CreateSandboxes``, with its items that came back ``CREATE_IN_PROGRESS`` (their key
+        is being created through another API server, e.g. after the first attempt's server
+        died) sent again, with their keys, until ``timeout``: as :meth:`create` retries."""
+        budget = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        results = list((await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req,
+                                              timeout=timeout)).results)  # fmt: skip
+        backoff = RETRY_FIRST_BACKOFF_S
+        while True:
+            again = [i for i, r in enumerate(results) if r.error.reason == "CREATE_IN_PROGRESS"]
+            pause = backoff * random.uniform(0.5, 1.0)
+            if not again or time.monotonic() + pause >= deadline:
+                return results
+            await asyncio.sleep(pause)
+            backoff = min(backoff * 2, RETRY_MAX_BACKOFF_S)
+            retry = apiserver_pb2.CreateSandboxesRequest(items=[req.items[i] for i in again])
+            resp = await self._rpc.unary(
+                self._rpc.sandboxes.CreateSandboxes, retry, timeout=deadline - time.monotonic()
+            )
+            for r in resp.results:
+                results[again[r.index]] = r
 
     async def replay(
         self,

@@ -23,6 +23,8 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 import grpc
 import pytest
 
+from dsec.iam.v1 import iam_pb2, iam_pb2_grpc
+from dsec.types.v1 import types_pb2
 from dsecctl.cluster import LocalCluster
 from libdsec import Client, Quota, Sandbox
 from libdsec.errors import (
@@ -44,7 +46,10 @@ BIG = 512  # two fit
 @pytest.fixture(scope="module")
 def qc(cluster_with: ClusterWith) -> Iterator[LocalCluster]:
     edge = container_edge("q0", {"DSEC_EDGE_MEMORY_OVERCOMMIT": "1"}, memory_mb=NODE_MEMORY_MB)
-    with cluster_with("q0", edges=[edge], apiservers=2) as c:
+    # A reservation no edge holds is released 20 s after it was made (default 30 s): longer
+    # than an API server waits for a key's create in progress elsewhere (IDEMPOTENT_WAIT_S).
+    grace = {"DSEC_WATCHER_RECONCILE_GRACE_S": "20"}
+    with cluster_with("q0", edges=[edge], apiservers=2, extra_env=grace) as c:
         yield c
 
 
@@ -274,6 +279,57 @@ def test_bad_input_and_a_create_no_edge_could_hold_are_refused_at_once(
         with pytest.raises(DSecError) as other:  # a backend no edge offers: at once, too
             c.create(backend="vm", wait_s=600)
         assert other.value.reason == "BACKEND_NOT_OFFERED"
+
+
+def test_a_queued_create_whose_key_a_dead_dispatcher_reserved_waits_and_is_placed_once(
+    qc: LocalCluster, pool: ThreadPoolExecutor
+) -> None:
+    """The queue's dispatcher reserved an entry's sandbox (the entry's idempotency key now
+    names it) and died before its edge got it. The next dispatcher finds the key's create in
+    progress: the entry keeps waiting and says why (it neither fails nor holds up the round)
+    until reconciliation releases the dead reservation, then takes the key over. A create of
+    the burst that came back CREATE_IN_PROGRESS is sent again by the SDK: the burst gets its
+    sandbox, and the project holds exactly that one."""
+    token = project(qc, "qorphan")
+    key = "qorphan-" + secrets.token_hex(4)
+    with Client(qc.apiserver, token=token) as c:
+        holders = fill(c)
+        burst = pool.submit(
+            c.create_many,
+            specs=[{"image": "busybox", "cpu": 0.1, "memory_mb": BIG, "idempotency_key": key}],
+            wait_s=120,
+            wait=False,
+        )
+        wait_for(lambda: c.queue().waiting == 1, 15)
+        (entry,) = c.queue(include_entries=True).entries
+        orphan = "sb-q0-" + secrets.token_hex(8)
+        with grpc.insecure_channel(qc.process("iam").address) as ch:
+            iam_pb2_grpc.IamServiceStub(ch).ReserveQuota(
+                iam_pb2.ReserveQuotaRequest(
+                    project_id=entry.project_id,
+                    sandbox_id=orphan,
+                    backend=types_pb2.BACKEND_CONTAINER,
+                    cpu_millis=100,
+                    memory_mb=64,
+                    edge_id="q0",
+                    idempotency_key=key,
+                ),
+                timeout=5,
+            )
+        holders[0].stop(grace_s=0)  # room for it: the dispatcher tries it every round
+        why = wait_for(
+            lambda: next((e.queue.reason for e in c.queue(include_entries=True).entries
+                          if e.queue and "in progress" in e.queue.reason), None),
+            15,
+        )  # fmt: skip
+        assert orphan in why
+        (sb,) = burst.result(90)
+        assert isinstance(sb, Sandbox), sb
+        assert sb.id != orphan and sb.info.state in ("STARTING", "RUNNING")
+        assert c.queue().waiting == 0
+        ids = {s.id for s in placed(c)} - {h.id for h in holders}
+        assert ids == {sb.id}  # nothing placed twice
+        sb.stop(grace_s=0)
 
 
 def test_an_api_server_killed_while_a_burst_waits_places_each_create_once(
