@@ -177,7 +177,9 @@ Restart=always
 [Install]
 WantedBy=graphical.target
 EOF
-    # "The desktop is up" on the serial console: the edge saves a desktop template only then.
+    # "The desktop is up" on the serial console once the panel and the desktop are mapped
+    # (a running process is not yet a window: under TCG they map tens of seconds later). The
+    # edge then waits for the screen to be drawn and still, and only then saves a template.
     cat >"$root/etc/systemd/system/dsec-desktop-ready.service" <<'EOF'
 [Unit]
 Description=Tell the host (serial console) when the Xfce desktop is up
@@ -186,7 +188,7 @@ Requires=dsec-desktop.service
 
 [Service]
 Type=oneshot
-ExecStart=/bin/sh -c 'until pgrep -x xfwm4 && pgrep -x xfdesktop && pgrep -x xfce4-panel; do sleep 0.5; done >/dev/null; sleep 3; echo DSEC-DESKTOP-READY >/dev/ttyS0'
+ExecStart=/bin/sh -c 'export DISPLAY=:0; until xdotool search --onlyvisible --class xfce4-panel && xdotool search --onlyvisible --class xfdesktop; do sleep 0.5; done >/dev/null 2>&1; echo DSEC-DESKTOP-READY >/dev/ttyS0'
 
 [Install]
 WantedBy=graphical.target

@@ -111,7 +111,7 @@ class VmTemplate(CachedTemplate):
 
 
 class VmTemplates(TemplateCache[VmTemplate]):
-    FORMAT = "dsec-vm-template/1"
+    FORMAT = "dsec-vm-template/2"  # 2: a desktop is saved drawn
 
     def __init__(self, root: Path, max_templates: int) -> None:
         super().__init__(root, VmTemplate, max_templates=max_templates, label="VM")
@@ -476,7 +476,11 @@ class VmBackend:
             conn = self.channels.new_connection(tid)
             await conn.connect(timeout_s=self.ready_timeout_s)
             if image.display:
+                t0 = time.monotonic()
                 await host.wait_for(console, DESKTOP_READY, self.ready_timeout_s)
+                left = self.ready_timeout_s - (time.monotonic() - t0)
+                waited = await screen.wait_painted(self.libvirt, spec.name, left)
+                log.info("template %s: the desktop was drawn %.1f s after it was up", tid, waited)
 
             def save(c: libvirt.virConnect) -> None:
                 c.lookupByName(spec.name).save(str(d / "state.save"))

@@ -47,6 +47,45 @@ async def screenshot(conn: Libvirt, domain: str) -> tuple[bytes, int, int]:
     return data, w, h
 
 
+#: A screen with at most this many colours is not a drawn desktop (a console, a blank screen).
+PAINTED_MIN_COLOURS = 64
+
+
+async def wait_painted(
+    conn: Libvirt, domain: str, timeout_s: float, *, poll_s: float = 2.0, still: int = 3
+) -> float:
+    """Until the screen of `domain` shows a drawn desktop: more than PAINTED_MIN_COLOURS
+    colours, and the same picture in `still` screenshots `poll_s` apart (nothing painting).
+    Under TCG a session's windows exist tens of seconds before they are painted, and a template
+    saved before that hands every clone a black screen that paints itself again. Returns the
+    seconds waited; Unavailable (DESKTOP_NOT_DRAWN) after `timeout_s`."""
+    t0 = time.monotonic()
+    last, same = b"", 0
+    while True:
+        png, _, _ = await screenshot(conn, domain)
+        colours = await asyncio.to_thread(count_colours, png)
+        same = same + 1 if colours > PAINTED_MIN_COLOURS and png == last else 1
+        if colours > PAINTED_MIN_COLOURS and same >= still:
+            return time.monotonic() - t0
+        last = png
+        if time.monotonic() - t0 + poll_s > timeout_s:
+            raise Unavailable(
+                f"the desktop of {domain} was not drawn within {timeout_s:.0f} s "
+                f"(the screen shows {colours} colours)",
+                reason="DESKTOP_NOT_DRAWN",
+            )
+        await asyncio.sleep(poll_s)
+
+
+def count_colours(png: bytes) -> int:
+    """The number of distinct colours on a screenshot (capped at 65,537)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as img:
+        colours = img.convert("RGB").getcolors(maxcolors=1 << 16)
+    return (1 << 16) + 1 if colours is None else len(colours)
+
+
 async def send_input(
     conn: Libvirt, domain: str, actions: Sequence[Any], size: tuple[int, int]
 ) -> int:
