@@ -513,9 +513,11 @@ def _pool_lines(address: str) -> list[str]:
         return [f"node status failed: {code}: {details}"]
     by_state: dict[str, list[str]] = {}
     for c in resp.controls:
-        by_state.setdefault(c.state, []).append(c.name)
+        if c.state != "info":  # a fact about the host (kernel, cgroups): its own line below
+            by_state.setdefault(c.state, []).append(c.name)
     controls = [f"controls {state}: {', '.join(names)}" for state, names in by_state.items()]
-    # A line of their own for the controls that declare one (the microVM backend's says which
+    # A line of their own for the controls that declare one (the host's kernel, cgroup layout
+    # and Landlock ABI; the microVM backend's says which
     # accelerator runs guests, or why there are none; core scheduling's, whether
     # latency-sensitive sandboxes get cookies).
     detailed = [f"{c.name}: {c.detail}" for c in resp.controls if c.status_line]

@@ -59,6 +59,17 @@ die() { log "error: $*"; exit 1; }
 
 [[ $EUID -eq 0 ]] || die "must run as root"
 
+# --------------------------------------------------------------------------- the host
+# First, what this host will and will not enforce: the edge's own checks (edge/hostfacts.py,
+# standard library only), run with the host's python3 before anything is installed. A
+# control the host lacks is reported, not fixed: the edge refuses to start without it.
+if command -v python3 >/dev/null; then
+    (cd "$REPO" && python3 -S -m edge.hostfacts) | sed 's/^/setup: /' >&2 ||
+        log "the host check failed (above); going on"
+else
+    log "no python3 yet: the host check runs after it is installed (python3 -m edge.hostfacts)"
+fi
+
 # --------------------------------------------------------------------------- apt
 apt_state=ok
 declare -A installed=()

@@ -17,7 +17,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from edge.runtime.mounts import read_mountinfo
+from edge import hostfacts
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +29,7 @@ def hierarchies() -> dict[str, Path]:
     Keys are the v1 super options' controllers ("memory", "cpu", "name=systemd", ...) and
     "unified" for cgroup2. A hierarchy with several controllers appears once per controller.
     """
-    result: dict[str, Path] = {}
-    for m in read_mountinfo():
-        if m.fstype == "cgroup2":
-            result.setdefault("unified", Path(m.mountpoint))
-        elif m.fstype == "cgroup":
-            for opt in m.super_options.split(","):
-                if opt in ("rw", "ro") or opt.startswith(("release_agent=", "clone_children")):
-                    continue
-                result.setdefault(opt, Path(m.mountpoint))
-    return result
+    return {name: Path(at) for name, at in hostfacts.host_cgroup_mounts().items()}
 
 
 def controller_dir(controller: str, cgroup_path: str) -> Path | None:

@@ -8,6 +8,7 @@ that is not bpffs, so the network control cannot work on that edge.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grpc
@@ -43,9 +44,15 @@ def test_this_host_enforces_every_required_control() -> None:
         "landlock",
         "seccomp",
         "disk_limit",
+        "erofs",
         "network",
     }
     assert {n for n, c in found.items() if c.state == controls.ENFORCED} == required
+    # The host they rest on, as `dsec status` shows it: this machine kind's hybrid layout.
+    host = found["host"]
+    assert host.state == controls.INFO and host.status_line
+    assert "cgroups hybrid: v1 cpu, memory, pids, freezer; cgroup2 at" in host.detail
+    assert f"kernel {os.uname().release}" in host.detail
     assert found["landlock"].detail.startswith("ABI ")
     assert found["apparmor"].state == controls.ABSENT
     # Optional too, and not built into this kernel: reported with the reason, the edge runs.
@@ -101,3 +108,5 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(
         assert "landlock" in enforced and "cgroup_pids" in enforced and "disk_limit" in enforced
         assert "controls absent: apparmor, core_scheduling" in status
         assert "core_scheduling: this kernel has no core scheduling" in status
+        assert "host: kernel " in status and "cgroups hybrid" in status
+        assert "controls info" not in status
