@@ -127,6 +127,10 @@ class EdgeConfig(ServiceConfig):
     #: a mount each, on the host's mount table until a create takes one; edge/runtime/disk.py
     #: Pool); 0 = each create makes its own.
     disk_pool: int = 4
+    #: How EROFS images (layers, the toolkit) are mounted: "file" (the image file itself, the
+    #: kernel's file-backed mode, 6.12), "loop" (read-only loop devices, older kernels), "auto"
+    #: (file where the kernel has it). edge/runtime/mounts.py.
+    erofs_mount: str = "auto"
     #: Free space kept on every filesystem the edge writes (state, writable layers, logs):
     #: below it creates are refused (NODE_DISK_LOW) and the fastest writer is ended (DISK_QUOTA).
     disk_reserve_mb: int = 1024
@@ -319,6 +323,10 @@ class EdgeConfig(ServiceConfig):
             )
         if self.pause_swap_mb < 0:
             raise ConfigError("pause_swap_mb must be >= 0 (0 = no swap area: pause freezes only)")
+        if self.erofs_mount not in ("auto", "file", "loop"):
+            raise ConfigError(
+                f"DSEC_EDGE_EROFS_MOUNT={self.erofs_mount!r}: expected auto, file or loop"
+            )
         if not 0 <= self.disk_pool <= 256:
             raise ValueError(f"DSEC_EDGE_DISK_POOL={self.disk_pool}: expected 0..256")
         if self.disk_reserve_mb < 0 or self.disk_check_interval_s <= 0:

@@ -15,7 +15,9 @@ Optional by design (used where the host has it, shown as "absent" otherwise, wit
 ``apparmor``; ``core_scheduling`` (a PR_SCHED_CORE cookie per latency-sensitive sandbox,
 edge/backends/qos.py; not built into this machine kind's kernel).
 The cgroup v1 controllers (cpu, memory, pids, freezer), seccomp, the writable-layer limit
-(ext4 images on loop devices) and file-backed EROFS mounts (the layers) cannot be turned off. A host with cgroup v2 only (no v1
+(ext4 images on loop devices) and EROFS mounts (the layers: image files mounted directly from
+kernel 6.12, through read-only loop devices before; `DSEC_EDGE_EROFS_MOUNT`) cannot be turned
+off. A host with cgroup v2 only (no v1
 hierarchies) is refused: this edge enforces its limits through cgroup v1.
 """
 
@@ -61,7 +63,9 @@ def host_line() -> Control:
     return Control("host", INFO, detail, status_line=True)
 
 
-def check(*, disabled: Iterable[str], bpf_pin_dir: Path, apparmor: bool) -> list[Control]:
+def check(
+    *, disabled: Iterable[str], bpf_pin_dir: Path, apparmor: bool, erofs_mount: str = "auto"
+) -> list[Control]:
     """Every control's state; raises ControlMissing naming each required one the host lacks."""
     off = set(disabled)
     unknown = off - set(DISABLEABLE)
@@ -70,7 +74,7 @@ def check(*, disabled: Iterable[str], bpf_pin_dir: Path, apparmor: bool) -> list
             f"DSEC_EDGE_DISABLED_CONTROLS names {', '.join(sorted(unknown))}: only "
             f"{', '.join(sorted(DISABLEABLE))} can be turned off"
         )
-    probed = hostfacts.probe(bpf_pin_dir)
+    probed = hostfacts.probe(bpf_pin_dir, erofs_mount)
     controls: list[Control] = [host_line()]
     missing: list[str] = []
     for name, (ok, detail) in probed.items():

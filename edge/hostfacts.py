@@ -16,7 +16,7 @@ The facts: the kernel; the cgroup layout (``hybrid``: v1 controllers plus a cgro
 layout this edge enforces its limits through; ``unified``: cgroup v2 only, what Debian 12,
 Ubuntu 22.04/24.04 and Fedora boot with; ``legacy``: v1 only); swap accounting; the Landlock
 ABI; seccomp; EROFS and whether it mounts image files directly (file-backed, kernel 6.12) or
-would need loop devices; loop devices (disk limits); bpffs and a cgroup2 mount (network
+through loop devices (older kernels); loop devices (disk limits); bpffs and a cgroup2 mount (network
 policy); AppArmor; ``process_madvise`` (pause gives memory back); ``/dev/kvm``.
 """
 
@@ -231,9 +231,11 @@ def kvm() -> tuple[bool, str]:
 # ------------------------------------------------------------------ the edge's controls
 
 
-def probe(bpf_pin_dir: Path) -> dict[str, tuple[bool, str]]:
+def probe(bpf_pin_dir: Path, erofs_mount: str = "auto") -> dict[str, tuple[bool, str]]:
     """name -> (available, detail) for every control the edge needs (edge/controls.py decides
-    what a missing one means: refuse, or run with it turned off by the operator)."""
+    what a missing one means: refuse, or run with it turned off by the operator).
+    ``erofs_mount``: how the edge mounts EROFS images (DSEC_EDGE_EROFS_MOUNT: auto, file,
+    loop; edge/runtime/mounts.py)."""
     h = host_cgroup_mounts()
     out: dict[str, tuple[bool, str]] = {}
     unified_only = not any(c in h for c in V1_CONTROLLERS) and "unified" in h
@@ -264,13 +266,7 @@ def probe(bpf_pin_dir: Path) -> dict[str, tuple[bool, str]]:
         not missing_disk,
         "needs " + ", ".join(missing_disk) if missing_disk else "ext4 images on loop devices",
     )
-    have, direct, how = erofs()
-    out["erofs"] = (
-        have and direct,
-        f"EROFS image files mounted directly ({how})"
-        if have and direct
-        else f"layers need file-backed EROFS mounts (kernel 6.12): {how}",
-    )
+    out["erofs"] = _erofs_control(erofs_mount)
     missing_net = [b for b in ("nft", "ip") if shutil.which(b) is None]
     if "unified" not in h:
         missing_net.append("a cgroup2 mount (for the eBPF policy programs)")
@@ -284,6 +280,24 @@ def probe(bpf_pin_dir: Path) -> dict[str, tuple[bool, str]]:
         "veth + nftables + cgroup eBPF" if not missing_net else "needs " + ", ".join(missing_net),
     )
     return out
+
+
+def _erofs_control(mode: str) -> tuple[bool, str]:
+    have, direct, how = erofs()
+    loop = Path("/dev/loop-control").exists()
+    if not have:
+        return False, how
+    if mode == "file" or (mode == "auto" and direct):
+        if direct:
+            return True, f"EROFS image files mounted directly ({how})"
+        return (
+            False,
+            f"file-backed EROFS mounts need kernel 6.12 ({how}; DSEC_EDGE_EROFS_MOUNT=file)",
+        )
+    if loop:
+        why = "DSEC_EDGE_EROFS_MOUNT=loop" if mode == "loop" else f"no file-backed mounts: {how}"
+        return True, f"EROFS images on read-only loop devices ({why})"
+    return False, f"no file-backed EROFS mounts ({how}) and no /dev/loop-control"
 
 
 #: What setup installs or does itself, so a control it lacks before setup is not a refusal:

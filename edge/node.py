@@ -155,7 +155,7 @@ def _mount_toolkit(build_dir: Path, mount_root: Path) -> Toolkit:
     target = mount_root / built.name
     target.mkdir(parents=True, exist_ok=True)
     if not mounts.is_mountpoint(target):
-        mounts.mount(toolkit_image(built), target, "erofs", mounts.MS_RDONLY)
+        mounts.mount_erofs(toolkit_image(built), target, 0)
     return Toolkit(image=toolkit_image(built), mount=target)
 
 

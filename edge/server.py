@@ -53,13 +53,16 @@ def check_controls(cfg: EdgeConfig) -> list[Control]:
     The null runtime starts nothing, so it relies on none."""
     if cfg.runtime == "null":
         return []
-    from edge.runtime import apparmor
+    from edge.runtime import apparmor, mounts
 
-    return controls.check(
+    found = controls.check(
         disabled=cfg.disabled_controls,
         bpf_pin_dir=cfg.bpf_pin_dir,
         apparmor=apparmor.available(),
+        erofs_mount=cfg.erofs_mount,
     )
+    mounts.set_erofs_mode(cfg.erofs_mount)
+    return found
 
 
 def make_backends(

@@ -331,8 +331,9 @@ class NodeLayers:
         prefix = os.fspath(self.meta_dir) + "/"
         out = set()
         for m in mounts.read_mountinfo():
-            if m.fstype == "erofs" and m.source.startswith(prefix):
-                name = m.source[len(prefix) :].removesuffix(".erofs")
+            source = mounts.erofs_backing(m.source) if m.fstype == "erofs" else ""
+            if source.startswith(prefix):
+                name = source[len(prefix) :].removesuffix(".erofs")
                 if len(name) == 64:
                     out.add("sha256:" + name)
         return out
@@ -349,8 +350,7 @@ class NodeLayers:
         target = self.mnt_dir / secrets.token_hex(6)
         target.mkdir()
         try:
-            data = f"device={os.fspath(image.blob)}" if image.blob else None
-            mounts.mount(image.image, target, "erofs", mounts.MS_RDONLY | mounts.MS_NODEV, data)
+            mounts.mount_erofs(image.image, target, mounts.MS_NODEV, image.blob)
             try:
                 yield target
             finally:

@@ -24,12 +24,9 @@ the usual place.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import shutil
-import struct
 import subprocess
 import threading
 import time
@@ -37,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge.runtime.errors import SandboxRuntimeError
-from edge.runtime.mounts import MNT_DETACH, MS_NODEV, mount, umount, umount_quiet
+from edge.runtime.mounts import MNT_DETACH, MS_NODEV, attach_loop, mount, umount, umount_quiet
 
 MS_NOATIME = 1 << 10
 log = logging.getLogger(__name__)
@@ -74,7 +71,7 @@ def create(sandbox_dir: Path, size_mb: int, templates: Path | None = None) -> tu
     mnt.mkdir()
     sparse_copy(_template(templates or sandbox_dir.parent / TEMPLATES, size_mb), image)
     try:
-        loop_fd, device = _attach_loop(image)
+        loop_fd, device = attach_loop(image)
     except OSError as exc:
         raise SandboxRuntimeError(f"loop device for {image}: {exc.strerror or exc}") from exc
     try:
@@ -264,42 +261,10 @@ def sparse_copy(src: Path, dst: Path) -> None:
             offset = hole
 
 
-_LOOP_CTL_GET_FREE = 0x4C82
-_LOOP_CONFIGURE = 0x4C0A
-_LO_FLAGS_AUTOCLEAR = 4
-_LO_FLAGS_OFFSET = 52  # of lo_flags in struct loop_info64
-
-
-def _attach_loop(image: Path) -> tuple[int, str]:
-    """A free loop device bound to `image` with autoclear: (its open fd, its path)."""
-    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        for _ in range(64):  # another thread may take the free device first (EBUSY)
-            n = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
-            device = f"/dev/loop{n}"
-            loop_fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
-            file_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
-            info = bytearray(232)  # struct loop_info64
-            struct.pack_into("=I", info, _LO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
-            config = struct.pack("=II", file_fd, 0) + bytes(info) + bytes(64)  # loop_config
-            try:
-                fcntl.ioctl(loop_fd, _LOOP_CONFIGURE, config)
-                return loop_fd, device
-            except OSError as exc:
-                os.close(loop_fd)
-                if exc.errno != errno.EBUSY:
-                    raise
-            finally:
-                os.close(file_fd)
-        raise OSError(errno.EBUSY, "no free loop device after 64 tries")
-    finally:
-        os.close(ctl)
-
-
 def mount_image(image: Path, target: Path, flags: int) -> None:
     """Mount the ext4 filesystem in `image` at `target` through a loop device of its own
     (autoclear: the unmount frees it). Blocking."""
-    loop_fd, device = _attach_loop(image)
+    loop_fd, device = attach_loop(image)
     try:
         mount(device, target, "ext4", flags)
     finally:

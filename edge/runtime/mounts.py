@@ -15,9 +15,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import hashlib
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -87,6 +89,100 @@ def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
     rc = _libc.umount2(_b(target), flags | UMOUNT_NOFOLLOW)
     if rc != 0:
         raise MountError(ctypes.get_errno(), "umount", os.fspath(target))
+
+
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A
+_LO_FLAGS_READ_ONLY = 1
+_LO_FLAGS_AUTOCLEAR = 4
+_LO_FLAGS_OFFSET = 52  # of lo_flags in struct loop_info64
+
+
+def attach_loop(image: Path, *, read_only: bool = False) -> tuple[int, str]:
+    """A free loop device bound to `image` with autoclear (the last close or unmount frees
+    it): (its open fd, its path). LOOP_CONFIGURE (5.8): one ioctl, no losetup process."""
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    mode = os.O_RDONLY if read_only else os.O_RDWR
+    flags = _LO_FLAGS_AUTOCLEAR | (_LO_FLAGS_READ_ONLY if read_only else 0)
+    try:
+        for _ in range(64):  # another thread may take the free device first (EBUSY)
+            n = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
+            device = f"/dev/loop{n}"
+            loop_fd = os.open(device, mode | os.O_CLOEXEC)
+            file_fd = os.open(image, mode | os.O_CLOEXEC)
+            info = bytearray(232)  # struct loop_info64
+            struct.pack_into("=I", info, _LO_FLAGS_OFFSET, flags)
+            config = struct.pack("=II", file_fd, 0) + bytes(info) + bytes(64)  # loop_config
+            try:
+                fcntl.ioctl(loop_fd, _LOOP_CONFIGURE, config)
+                return loop_fd, device
+            except OSError as exc:
+                os.close(loop_fd)
+                if exc.errno != errno.EBUSY:
+                    raise
+            finally:
+                os.close(file_fd)
+        raise OSError(errno.EBUSY, "no free loop device after 64 tries")
+    finally:
+        os.close(ctl)
+
+
+#: How EROFS images are mounted (`DSEC_EDGE_EROFS_MOUNT`): "file", mount(2) with the image
+#: file as the source (the kernel's file-backed mode, CONFIG_EROFS_FS_BACKED_BY_FILE, 6.12);
+#: "loop", a read-only loop device per image and per chunk blob (autoclear: the unmount frees
+#: them), for older kernels; "auto", file where the kernel has it (edge/hostfacts.py).
+EROFS_MODES = ("auto", "file", "loop")
+_erofs_mode = "auto"
+
+
+def set_erofs_mode(mode: str) -> str:
+    """Sets how EROFS images are mounted; returns the mode in force ("file" or "loop")."""
+    global _erofs_mode
+    if mode not in EROFS_MODES:
+        raise ValueError(f"EROFS mount mode {mode!r}: expected one of {', '.join(EROFS_MODES)}")
+    if mode == "auto":
+        from edge import hostfacts
+
+        mode = "file" if hostfacts.erofs()[1] else "loop"
+    _erofs_mode = mode
+    return mode
+
+
+def erofs_mode() -> str:
+    return _erofs_mode if _erofs_mode != "auto" else set_erofs_mode("auto")
+
+
+def mount_erofs(image: Path, target: Path, flags: int, blob: Path | None = None) -> None:
+    """Mounts the EROFS `image` (and its chunk `blob`) read-only at `target`, as the mode says."""
+    if erofs_mode() == "file":
+        data = f"device={os.fspath(blob)}" if blob is not None else None
+        mount(image, target, "erofs", flags | MS_RDONLY, data)
+        return
+    fds: list[int] = []
+    try:
+        fd, device = attach_loop(image, read_only=True)
+        fds.append(fd)
+        data = None
+        if blob is not None:
+            fd, blob_device = attach_loop(blob, read_only=True)
+            fds.append(fd)
+            data = f"device={blob_device}"
+        mount(device, target, "erofs", flags | MS_RDONLY, data)
+    finally:
+        for fd in fds:  # the mount holds the devices now (or, failed, nothing does: freed)
+            os.close(fd)
+
+
+def erofs_backing(source: str) -> str:
+    """The image file behind an EROFS mount's source: the source itself (file-backed), or the
+    file a loop device is bound to ("" when that device is no longer bound)."""
+    if not source.startswith("/dev/loop"):
+        return source
+    try:
+        backing = Path(f"/sys/block/{source[5:]}/loop/backing_file").read_text().strip()
+    except OSError:
+        return ""
+    return backing
 
 
 def mount_volatile(d: Path, size: str) -> None:
@@ -498,9 +594,9 @@ class LayerMounts:
                     raise LayerError(f"layer blob {os.fspath(lay.blob)!r} does not exist")
                 target.mkdir(parents=True, exist_ok=True)
                 if not is_mountpoint(target):
-                    data = f"device={os.fspath(lay.blob.resolve())}" if lay.blob else None
+                    blob = lay.blob.resolve() if lay.blob else None
                     try:
-                        mount(lay.image.resolve(), target, "erofs", MS_RDONLY | MS_NODEV, data)
+                        mount_erofs(lay.image.resolve(), target, MS_NODEV, blob)
                     except MountError:
                         _rmdir_quiet(target)
                         raise

@@ -17,6 +17,7 @@ import pytest
 from dsec.edge.v1 import edge_pb2, edge_pb2_grpc
 from dsecctl.cluster import EdgeSpec
 from edge import controls
+from edge.runtime import mounts
 from libdsec import Client, NetworkPolicy
 from libdsec.errors import FailedPrecondition
 from tests.helpers import dsec_status
@@ -110,3 +111,36 @@ def test_a_control_turned_off_is_shown_and_its_feature_refused(
         assert "core_scheduling: this kernel has no core scheduling" in status
         assert "host: kernel " in status and "cgroups hybrid" in status
         assert "controls info" not in status
+
+
+def test_an_edge_on_loop_devices_runs_sandboxes_from_layers_mounted_on_them(
+    cluster_with: ClusterWith,
+) -> None:
+    """DSEC_EDGE_EROFS_MOUNT=loop: how a kernel older than 6.12 (no file-backed EROFS) gets
+    its layers and the toolkit, on read-only loop devices; shown in the erofs control. Every
+    device is freed once the edge and its sandboxes are gone."""
+    edge = container_edge("ctl1", {"DSEC_EDGE_EROFS_MOUNT": "loop"})
+    with cluster_with("ctl1", edges=[edge]) as c:
+        home = str(c.home)
+        proc = next(p for p in c.processes if p.name.startswith("edge"))
+        with grpc.insecure_channel(proc.address) as ch:
+            status = edge_pb2_grpc.EdgeServiceStub(ch).GetNodeStatus(
+                edge_pb2.GetNodeStatusRequest(), timeout=10
+            )
+        erofs = next(h for h in status.controls if h.name == "erofs")
+        assert erofs.state == "enforced" and "read-only loop devices" in erofs.detail, erofs
+        with Client(c.apiserver, token=c.token) as client:
+            with client.create(image="busybox", cpu=0.25, memory_mb=64) as sb:
+                assert sb.run("cat /etc/hostname && ls /bin/sh").exit_code == 0
+                used = [
+                    m
+                    for m in mounts.read_mountinfo()
+                    if m.fstype == "erofs" and m.mountpoint.startswith(home)
+                ]
+                assert len(used) >= 2  # the toolkit and the image's layer(s)
+                assert all(m.source.startswith("/dev/loop") for m in used), used
+                bound = {m.source: mounts.erofs_backing(m.source) for m in used}
+                assert all(bound.values()), bound
+    assert not [m for m in mounts.read_mountinfo() if m.mountpoint.startswith(home)]
+    # autoclear: every device was freed (another process may have taken its number since)
+    assert not [d for d, f in bound.items() if mounts.erofs_backing(d) == f]

@@ -16,6 +16,7 @@ from edge.runtime import (
     MountError,
     OverlayOptionsTooLongError,
     disk,
+    mounts,
 )
 from edge.runtime.errors import SandboxRuntimeError
 from edge.runtime.mounts import (
@@ -114,6 +115,65 @@ def test_chunked_image_with_blob(
     mp = layers.acquire(LayerImage(meta, blob), "a:0")
     assert (mp / "data.bin").read_bytes() == payload
     assert layers.mountpoint(LayerImage(meta, blob)) != layers.mountpoint(LayerImage(meta))
+
+
+@pytest.fixture
+def loop_mode() -> Iterator[None]:
+    """EROFS mounted as on a kernel older than 6.12: through read-only loop devices."""
+    assert mounts.set_erofs_mode("loop") == "loop"
+    try:
+        yield
+    finally:
+        mounts.set_erofs_mode("auto")
+
+
+def _loop_bound(device: str) -> bool:
+    return Path(f"/sys/block/{device.removeprefix('/dev/')}/loop/backing_file").exists()
+
+
+def test_loop_mode_mounts_layers_on_read_only_loop_devices_the_unmount_frees(
+    layers: LayerMounts,
+    image: Path,
+    tmp_path: Path,
+    erofs_image: Callable[..., Path],
+    loop_mode: None,
+) -> None:
+    """Before 6.12 (no file-backed EROFS) each image, and each chunk blob, goes on a loop device
+    of its own: read-only, autoclear (freed by the unmount, or by a failed mount), and the
+    mount table still names the image file behind it (the node's layer leases read it)."""
+    mp = layers.acquire(image, "a:0")
+    (info,) = [m for m in read_mountinfo() if m.mountpoint == str(mp)]
+    assert info.fstype == "erofs" and info.source.startswith("/dev/loop")
+    device = info.source
+    assert mounts.erofs_backing(device) == str(image.resolve())
+    assert Path(f"/sys/block/{device[5:]}/ro").read_text().strip() == "1"
+    assert (mp / "etc" / "motd").read_text() == "hello layer\n"
+    with pytest.raises(OSError, match="Read-only"):
+        (mp / "new").write_text("x")
+    src = tmp_path / "chunked-src"
+    src.mkdir()
+    payload = bytes(range(256)) * 64
+    (src / "data.bin").write_bytes(payload)
+    blob = tmp_path / "data.blob"
+    meta = erofs_image(src, tmp_path / "meta.erofs", "--chunksize=4096", f"--blobdev={blob}")
+    chunked = layers.acquire(LayerImage(meta, blob), "a:0")
+    assert (chunked / "data.bin").read_bytes() == payload
+    (cinfo,) = [m for m in read_mountinfo() if m.mountpoint == str(chunked)]
+    blob_device = next(
+        f"/dev/{d.name}"
+        for d in Path("/sys/block").glob("loop*")
+        if mounts.erofs_backing(f"/dev/{d.name}") == str(blob.resolve())
+    )
+    assert layers.release(image, "a:0") and layers.release(LayerImage(meta, blob), "a:0")
+    assert not _loop_bound(device) and not _loop_bound(cinfo.source)
+    assert not _loop_bound(blob_device)
+    junk = tmp_path / "junk.erofs"
+    junk.write_bytes(b"\0" * 8192)
+    before = {d.name for d in Path("/sys/block").glob("loop*") if _loop_bound(d.name)}
+    with pytest.raises(MountError):
+        layers.acquire(junk, "a:0")
+    after = {d.name for d in Path("/sys/block").glob("loop*") if _loop_bound(d.name)}
+    assert after <= before  # the failed mount's device was freed too
 
 
 def test_missing_image_and_bad_mount_errors(layers: LayerMounts, tmp_path: Path) -> None:

@@ -86,6 +86,8 @@ def test_service_specific_validation() -> None:
         load(EdgeConfig, "EDGE", {"DSEC_EDGE_EDGE_ID": "Bad_Id"})
     with pytest.raises(ConfigError, match="RUNTIME"):
         load(EdgeConfig, "EDGE", {"DSEC_EDGE_RUNTIME": "docker"})
+    with pytest.raises(ConfigError, match="DSEC_EDGE_EROFS_MOUNT='fuse': expected auto, file or"):
+        load(EdgeConfig, "EDGE", {"DSEC_EDGE_EROFS_MOUNT": "fuse"})
     with pytest.raises(ConfigError, match="BURST_THRESHOLD"):
         load(PlacementConfig, "PLACEMENT", {"DSEC_PLACEMENT_BURST_THRESHOLD": "1.5"})
     with pytest.raises(ConfigError, match="DATABASE"):

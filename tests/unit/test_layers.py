@@ -419,6 +419,32 @@ def test_gc_removes_unreferenced_layers_after_the_grace_period(
     assert envs.node.gc_local() == [drop.layers[0].digest]
 
 
+@pytest.mark.parametrize("mode", ["file", "loop"])
+def test_a_mounted_layer_is_leased_however_it_is_mounted(
+    envs: Environments, tmp_path: Path, mounted: list[Path], mode: str
+) -> None:
+    """The node's leases (what GC must keep) come from the mount table: a layer mounted from
+    its file (kernel 6.12) or through a loop device (older kernels: the table names the
+    device, whose backing file is the layer's) is in use either way."""
+    env = envs.import_source(f"dir:{tree(tmp_path / 's', {'f': 'x'})}", f"lease-{mode}:1")
+    digest = env.layers[0].digest
+    assert digest not in envs.node.mounted_digests()
+    image = envs.node.prepare(digest)
+    target = tmp_path / "leased"
+    target.mkdir()
+    assert mounts.set_erofs_mode(mode) == mode
+    try:
+        mounts.mount_erofs(image.image, target, mounts.MS_NODEV, image.blob)
+    finally:
+        mounts.set_erofs_mode("auto")
+    mounted.append(target)
+    (info,) = [m for m in mounts.read_mountinfo() if m.mountpoint == str(target)]
+    assert info.source.startswith("/dev/loop") == (mode == "loop")
+    assert (target / "f").read_text() == "x"
+    assert digest in envs.node.mounted_digests()
+    assert digest in envs.node.refresh_leases()
+
+
 def test_recover_removes_crash_leftovers(envs: Environments, tmp_path: Path) -> None:
     env = envs.import_source(f"dir:{tree(tmp_path / 's', {'f': 'x'})}", "r:1")
     (envs.node.scratch("docker") / "half-unpacked").mkdir()
