@@ -195,10 +195,14 @@ def erofs() -> tuple[bool, bool, str]:
     module = any(Path(f"/lib/modules/{release}/kernel/fs/erofs").glob("erofs.ko*"))
     if "erofs" not in filesystems and not module:
         return False, False, "no EROFS in this kernel"
-    option = kernel_config().get("CONFIG_EROFS_FS_BACKED_BY_FILE")
-    if option is not None:
-        direct = option == "y"
-        how = "CONFIG_EROFS_FS_BACKED_BY_FILE=y" if direct else "no CONFIG_EROFS_FS_BACKED_BY_FILE"
+    config = kernel_config()
+    if config:
+        direct = config.get("CONFIG_EROFS_FS_BACKED_BY_FILE") == "y"
+        how = (
+            "CONFIG_EROFS_FS_BACKED_BY_FILE=y"
+            if direct
+            else f"kernel {release} has no CONFIG_EROFS_FS_BACKED_BY_FILE"
+        )
     else:
         direct = kernel_version() >= EROFS_FILE_BACKED_SINCE
         how = f"kernel {'>=' if direct else '<'} 6.12 (no kernel config to read)"

@@ -1,8 +1,9 @@
 """The hosts users have, as real guests: the bookworm VM is a stock Debian 12 system booting
 Debian's own kernel (6.1) with systemd's default layout, cgroup v2 only. The host check that
 scripts/setup.sh runs first (edge/hostfacts.py, with the host's own python3, nothing
-installed) is run there and must tell the truth about that host: what is missing, and that the
-edge refuses to start on it (fail closed) rather than run half-confined."""
+installed) is run there and must tell the truth about that host: what is missing, what the edge
+does instead (EROFS on loop devices), and that the edge refuses to start on it (fail closed)
+rather than run half-confined."""
 
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ def test_the_host_check_on_a_stock_debian_12_says_what_is_missing(debian12: Sand
     landlock = next(ln for ln in lines if ln.split()[0] == "landlock")
     assert states["landlock"] == "MISSING" and "DSEC_EDGE_DISABLED_CONTROLS" in landlock
     assert "ABI 2" in landlock or "not enabled" in landlock, landlock
-    # EROFS is there (a module), but mounts no image file directly before 6.12
+    # EROFS is there (a module) but mounts no image file directly before 6.12: the layers
+    # go on read-only loop devices
     erofs = next(ln for ln in lines if ln.split()[0] == "erofs")
-    assert states["erofs"] == "MISSING" and "file-backed" in erofs, erofs
+    assert states["erofs"] == "enforced" and "read-only loop devices" in erofs, erofs
+    assert "has no CONFIG_EROFS_FS_BACKED_BY_FILE" in erofs, erofs
     assert states["seccomp"] == "enforced"
     assert states["pause_pageout"] == "enforced"  # process_madvise: 5.10 and up
     assert any("systemd.unified_cgroup_hierarchy=0" in ln for ln in lines)
     assert lines[-1].startswith("verdict: the edge will refuse to start on this host (missing: ")
-    assert "cgroup_memory" in lines[-1] and "erofs" in lines[-1]
+    assert "cgroup_memory" in lines[-1] and "landlock" in lines[-1]
+    assert "erofs" not in lines[-1]
     assert status == 1  # --strict: a host the edge refuses is a failed check
