@@ -103,15 +103,21 @@ def test_unmount_unused_after_recovery(layers: LayerMounts, image: Path) -> None
     assert mounts_under(layers.root) == [] and list(layers.root.iterdir()) == []
 
 
-def test_chunked_image_with_blob(
-    layers: LayerMounts, tmp_path: Path, erofs_image: Callable[..., Path]
-) -> None:
+def chunked_image(tmp_path: Path, erofs_image: Callable[..., Path]) -> tuple[Path, Path, bytes]:
+    """A chunked EROFS image (metadata only) and its blob: (image, blob, the file's bytes)."""
     src = tmp_path / "chunked-src"
     src.mkdir()
     payload = bytes(range(256)) * 64
     (src / "data.bin").write_bytes(payload)
     blob = tmp_path / "data.blob"
     meta = erofs_image(src, tmp_path / "meta.erofs", "--chunksize=4096", f"--blobdev={blob}")
+    return meta, blob, payload
+
+
+def test_chunked_image_with_blob(
+    layers: LayerMounts, tmp_path: Path, erofs_image: Callable[..., Path]
+) -> None:
+    meta, blob, payload = chunked_image(tmp_path, erofs_image)
     mp = layers.acquire(LayerImage(meta, blob), "a:0")
     assert (mp / "data.bin").read_bytes() == payload
     assert layers.mountpoint(LayerImage(meta, blob)) != layers.mountpoint(LayerImage(meta))
@@ -150,12 +156,7 @@ def test_loop_mode_mounts_layers_on_read_only_loop_devices_the_unmount_frees(
     assert (mp / "etc" / "motd").read_text() == "hello layer\n"
     with pytest.raises(OSError, match="Read-only"):
         (mp / "new").write_text("x")
-    src = tmp_path / "chunked-src"
-    src.mkdir()
-    payload = bytes(range(256)) * 64
-    (src / "data.bin").write_bytes(payload)
-    blob = tmp_path / "data.blob"
-    meta = erofs_image(src, tmp_path / "meta.erofs", "--chunksize=4096", f"--blobdev={blob}")
+    meta, blob, payload = chunked_image(tmp_path, erofs_image)
     chunked = layers.acquire(LayerImage(meta, blob), "a:0")
     assert (chunked / "data.bin").read_bytes() == payload
     (cinfo,) = [m for m in read_mountinfo() if m.mountpoint == str(chunked)]

@@ -11,6 +11,7 @@ two shapes only: ``VM_SHAPE`` for the bookworm image and ``DESKTOP_SHAPE`` for t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +87,23 @@ def session_client(vm_cluster: LocalCluster) -> Iterator[Client]:
         yield c
 
 
-@pytest.fixture(scope="session")
-def desktop_sandbox(session_client: Client) -> Iterator[Sandbox]:
-    """One desktop VM for the display tests that leave it as they found it."""
-    sb = session_client.create(
-        backend="vm", image="desktop", labels={"test": "desktop"}, ttl_s=3600, **DESKTOP_SHAPE
-    )
+@contextmanager
+def one_vm(client: Client, image: str, label: str, ttl_s: int = 3600) -> Iterator[Sandbox]:
+    """A VM of `image` in its shared shape (one template), shared by the tests of a scope and
+    stopped at its end."""
+    shape = DESKTOP_SHAPE if image == "desktop" else VM_SHAPE
+    sb = client.create(backend="vm", image=image, labels={"test": label}, ttl_s=ttl_s, **shape)
     try:
         yield sb
     finally:
         sb.stop(grace_s=1)
+
+
+@pytest.fixture(scope="session")
+def desktop_sandbox(session_client: Client) -> Iterator[Sandbox]:
+    """One desktop VM for the display tests that leave it as they found it."""
+    with one_vm(session_client, "desktop", "desktop") as sb:
+        yield sb
 
 
 @pytest.fixture(scope="session")

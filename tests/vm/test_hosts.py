@@ -13,20 +13,15 @@ from pathlib import Path
 import pytest
 
 from libdsec import Client, Sandbox
-from tests.vm.conftest import VM_SHAPE
+from tests.vm.conftest import one_vm
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def debian12(session_client: Client) -> Iterator[Sandbox]:
-    sb = session_client.create(
-        backend="vm", image="bookworm", labels={"test": "debian12-host"}, ttl_s=1800, **VM_SHAPE
-    )
-    try:
+    with one_vm(session_client, "bookworm", "debian12-host") as sb:
         yield sb
-    finally:
-        sb.stop(grace_s=1)
 
 
 def host_check(sb: Sandbox) -> tuple[int, list[str], dict[str, str]]:

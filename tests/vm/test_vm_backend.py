@@ -18,7 +18,7 @@ from libdsec import Client, Sandbox
 from libdsec.errors import InvalidArgument
 from libdsec.types import Exited, Output, Started
 from tests.helpers import sandbox_factory, wait_for
-from tests.vm.conftest import VM_SHAPE
+from tests.vm.conftest import VM_SHAPE, one_vm
 
 
 @pytest.fixture
@@ -34,13 +34,8 @@ def make_vm(client: Client, request: pytest.FixtureRequest) -> Iterator[Callable
 @pytest.fixture(scope="module")
 def shared_vm(session_client: Client) -> Iterator[Sandbox]:
     """One bookworm VM for the tests that only read or write their own files."""
-    sb = session_client.create(
-        backend="vm", image="bookworm", labels={"test": "vm-shared"}, ttl_s=3600, **VM_SHAPE
-    )
-    try:
+    with one_vm(session_client, "bookworm", "vm-shared") as sb:
         yield sb
-    finally:
-        sb.stop(grace_s=1)
 
 
 def test_a_vm_runs_debian_with_systemd_as_its_init(shared_vm: Sandbox) -> None:
