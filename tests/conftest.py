@@ -26,6 +26,13 @@ from dsecctl.cluster import EdgeSpec, LocalCluster
 from tests.pgserver import PostgresServer, start_postgres
 
 IMAGES = Path(os.environ.get("DSEC_IMAGE_DIR", "/var/lib/dsec/images"))
+
+# Every VM and microVM template the suite builds stays for the session (every edge a test
+# starts inherits this): the suite uses more shapes than an edge keeps by default (4 VM
+# templates, node-wide), and a template one cluster's edge evicts is built again by the next
+# one, under TCG (a minute for bookworm, two or three for a desktop). ~160 MB each.
+os.environ.setdefault("DSEC_EDGE_VM_MAX_TEMPLATES", "16")
+os.environ.setdefault("DSEC_EDGE_MICROVM_MAX_TEMPLATES", "32")
 #: What scripts/build-base-images.sh builds (its ALL_IMAGES).
 BASE_IMAGES = ("busybox", "bookworm", "python")
 
