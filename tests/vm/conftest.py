@@ -92,7 +92,10 @@ def one_vm(client: Client, image: str, label: str, ttl_s: int = 3600) -> Iterato
     """A VM of `image` in its shared shape (one template), shared by the tests of a scope and
     stopped at its end."""
     shape = DESKTOP_SHAPE if image == "desktop" else VM_SHAPE
-    sb = client.create(backend="vm", image=image, labels={"test": label}, ttl_s=ttl_s, **shape)
+    # The first create of a shape builds its template: a desktop's takes minutes under TCG.
+    sb = client.create(
+        backend="vm", image=image, labels={"test": label}, ttl_s=ttl_s, timeout=900, **shape
+    )
     try:
         yield sb
     finally:
