@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, ServiceConfig
+from edge import hostfacts
 from edge.fncall.environments import FnCallSettings, environments, parse_pools
 from edge.model import EDGE_ID
 
@@ -323,7 +324,7 @@ class EdgeConfig(ServiceConfig):
             )
         if self.pause_swap_mb < 0:
             raise ConfigError("pause_swap_mb must be >= 0 (0 = no swap area: pause freezes only)")
-        if self.erofs_mount not in ("auto", "file", "loop"):
+        if self.erofs_mount not in hostfacts.EROFS_MODES:
             raise ConfigError(
                 f"DSEC_EDGE_EROFS_MOUNT={self.erofs_mount!r}: expected auto, file or loop"
             )

@@ -1,9 +1,9 @@
 """The host controls the edge relies on, checked once at start: enforced, or the edge refuses.
 
 Fail closed: a sandbox limit the host cannot enforce is a reason not to start, never a limit
-skipped later because a cgroup file is absent. Each control is probed by edge/hostfacts.py (which
-scripts/setup.sh also runs, before it installs anything, to say what this host will enforce); a missing one stops
-the edge with a message naming it, unless the operator turned it off explicitly
+skipped later because a cgroup file is absent. Each control is probed by edge/hostfacts.py
+(which scripts/setup.sh also runs, before it installs anything, to say what this host will
+enforce); a missing one stops the edge with a message naming it, unless the operator turned it off explicitly
 (``DSEC_EDGE_DISABLED_CONTROLS``, logged at start and shown per edge by ``dsec status``). Only
 controls whose absence has a defined, documented effect can be turned off:
 
@@ -17,8 +17,8 @@ edge/backends/qos.py; not built into this machine kind's kernel).
 The cgroup v1 controllers (cpu, memory, pids, freezer), seccomp, the writable-layer limit
 (ext4 images on loop devices) and EROFS mounts (the layers: image files mounted directly from
 kernel 6.12, through read-only loop devices before; `DSEC_EDGE_EROFS_MOUNT`) cannot be turned
-off. A host with cgroup v2 only (no v1
-hierarchies) is refused: this edge enforces its limits through cgroup v1.
+off. A host with cgroup v2 only (no v1 hierarchies) is refused: this edge enforces its limits
+through cgroup v1.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ class ControlMissing(RuntimeError):
     """The host lacks controls the edge needs (the message names each, and how to proceed)."""
 
 
-def host_line() -> Control:
+def host_line(layout: hostfacts.CgroupLayout) -> Control:
     """The host the controls rest on, for `dsec status`: kernel, cgroup layout, Landlock ABI."""
-    layout = hostfacts.cgroup_layout()
     detail = (
         f"kernel {platform.release()}; cgroups {layout.describe()}; Landlock ABI {landlock_abi()}"
     )
@@ -74,8 +73,9 @@ def check(
             f"DSEC_EDGE_DISABLED_CONTROLS names {', '.join(sorted(unknown))}: only "
             f"{', '.join(sorted(DISABLEABLE))} can be turned off"
         )
-    probed = hostfacts.probe(bpf_pin_dir, erofs_mount)
-    controls: list[Control] = [host_line()]
+    layout = hostfacts.cgroup_layout()
+    probed = hostfacts.probe(bpf_pin_dir, erofs_mount, layout.mounts)
+    controls: list[Control] = [host_line(layout)]
     missing: list[str] = []
     for name, (ok, detail) in probed.items():
         if name in off:
@@ -106,7 +106,7 @@ def check(
             if turnable and len(turnable) == len(missing)
             else ""
         )
-        if hostfacts.cgroup_layout().kind == "unified":
+        if layout.kind == "unified":
             hint += f" ({hostfacts.UNIFIED_HINT})"
         raise ControlMissing(
             "the edge refuses to run half-confined; this host lacks: " + "; ".join(missing) + hint

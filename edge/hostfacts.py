@@ -23,6 +23,7 @@ policy); AppArmor; ``process_madvise`` (pause gives memory back); ``/dev/kvm``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gzip
 import os
 import platform
@@ -48,6 +49,10 @@ UNIFIED_HINT = (
 )
 #: The kernel that mounts an EROFS image file directly (no loop device).
 EROFS_FILE_BACKED_SINCE = (6, 12)
+#: How the edge mounts EROFS images (DSEC_EDGE_EROFS_MOUNT, edge/runtime/mounts.py): "file"
+#: (the image file itself: the kernel's file-backed mode), "loop" (read-only loop devices),
+#: "auto" (file where the kernel has it: `resolve_erofs_mode`).
+EROFS_MODES = ("auto", "file", "loop")
 
 _BPF_FS_MAGIC = 0xCAFE4A11
 _SYS_LANDLOCK_CREATE_RULESET = 444
@@ -185,8 +190,9 @@ def is_bpffs(path: Path) -> bool:
     return (buf.f_type & 0xFFFFFFFF) == _BPF_FS_MAGIC
 
 
+@functools.lru_cache(maxsize=1)
 def erofs() -> tuple[bool, bool, str]:
-    """(EROFS available, image files mounted directly, detail)."""
+    """(EROFS available, image files mounted directly, detail). Read once per process."""
     try:
         filesystems = Path("/proc/filesystems").read_text().split()
     except OSError:
@@ -235,12 +241,14 @@ def kvm() -> tuple[bool, str]:
 # ------------------------------------------------------------------ the edge's controls
 
 
-def probe(bpf_pin_dir: Path, erofs_mount: str = "auto") -> dict[str, tuple[bool, str]]:
+def probe(
+    bpf_pin_dir: Path, erofs_mount: str = "auto", mounts: dict[str, str] | None = None
+) -> dict[str, tuple[bool, str]]:
     """name -> (available, detail) for every control the edge needs (edge/controls.py decides
     what a missing one means: refuse, or run with it turned off by the operator).
-    ``erofs_mount``: how the edge mounts EROFS images (DSEC_EDGE_EROFS_MOUNT: auto, file,
-    loop; edge/runtime/mounts.py)."""
-    h = host_cgroup_mounts()
+    ``erofs_mount``: how the edge mounts EROFS images (EROFS_MODES); ``mounts``: the cgroup
+    mounts (`cgroup_mounts`), read here when not given."""
+    h = host_cgroup_mounts() if mounts is None else mounts
     out: dict[str, tuple[bool, str]] = {}
     unified_only = not any(c in h for c in V1_CONTROLLERS) and "unified" in h
     for c in V1_CONTROLLERS:
@@ -286,12 +294,21 @@ def probe(bpf_pin_dir: Path, erofs_mount: str = "auto") -> dict[str, tuple[bool,
     return out
 
 
+def resolve_erofs_mode(mode: str) -> str:
+    """The EROFS mount mode in force for `mode` (one of EROFS_MODES): "file" or "loop"."""
+    if mode not in EROFS_MODES:
+        raise ValueError(f"EROFS mount mode {mode!r}: expected one of {', '.join(EROFS_MODES)}")
+    if mode == "auto":
+        return "file" if erofs()[1] else "loop"
+    return mode
+
+
 def _erofs_control(mode: str) -> tuple[bool, str]:
     have, direct, how = erofs()
     loop = Path("/dev/loop-control").exists()
     if not have:
         return False, how
-    if mode == "file" or (mode == "auto" and direct):
+    if resolve_erofs_mode(mode) == "file":
         if direct:
             return True, f"EROFS image files mounted directly ({how})"
         return (
@@ -318,7 +335,7 @@ def report(bpf_pin_dir: Path = Path("/sys/fs/bpf/dsec/x")) -> tuple[list[str], l
         f"cgroups: {layout.describe()}",
     ]
     refused = []
-    for name, (ok, detail) in probe(bpf_pin_dir).items():
+    for name, (ok, detail) in probe(bpf_pin_dir, mounts=layout.mounts).items():
         if ok:
             lines.append(f"  {name:<14} enforced        {detail}")
             continue

@@ -22,7 +22,7 @@ import random
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -156,6 +156,16 @@ RETRIED_REASONS = frozenset(
 #: came back short).
 RETRY_FIRST_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
+
+
+def retry_pauses() -> Iterator[float]:
+    """The pauses between the attempts of a retried call: jittered, doubling from
+    RETRY_FIRST_BACKOFF_S to RETRY_MAX_BACKOFF_S."""
+    backoff = RETRY_FIRST_BACKOFF_S
+    while True:
+        yield backoff * random.uniform(0.5, 1.0)
+        backoff = min(backoff * 2, RETRY_MAX_BACKOFF_S)
+
 
 #: The SDK's channel options (no gRPC retry policy: :meth:`Transport.unary` retries).
 #: The SDK's HTTP/2 keepalive period toward the API servers. Behind a virtual IP, a ping on a
@@ -353,7 +363,7 @@ class Transport:
             )
         budget = DEFAULT_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + budget
-        backoff = RETRY_FIRST_BACKOFF_S
+        pauses = retry_pauses()
         attempts = 0
         while True:
             attempts += 1
@@ -366,14 +376,13 @@ class Transport:
                 if not retried(err):
                     raise
                 last = err
-            pause = backoff * random.uniform(0.5, 1.0)
+            pause = next(pauses)
             if time.monotonic() + pause >= deadline:
                 raise DeadlineExceeded(
                     f"{name.rpartition('/')[2]}: no answer within {budget:g} s"
                     f" ({attempts} attempts); the last failed with {last}"
                 ) from last
             await asyncio.sleep(pause)
-            backoff = min(backoff * 2, RETRY_MAX_BACKOFF_S)
 
     def stream(
         self,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import random
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
@@ -41,11 +40,10 @@ from libdsec._tagged import TaggedStream
 from libdsec._transport import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
-    RETRY_FIRST_BACKOFF_S,
-    RETRY_MAX_BACKOFF_S,
     STREAM_IDLE_TIMEOUT_S,
     STREAM_KEEPALIVE_INTERVAL_S,
     Transport,
+    retry_pauses,
 )
 from libdsec._watch import AsyncWatch
 from libdsec.errors import (
@@ -381,18 +379,16 @@ class AsyncClient:
         """``CreateSandboxes``, with its items that came back ``CREATE_IN_PROGRESS`` (their key
         is being created through another API server, e.g. after the first attempt's server
         died) sent again, with their keys, until ``timeout``: as :meth:`create` retries."""
-        budget = DEFAULT_TIMEOUT_S if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        results = list((await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req,
-                                              timeout=timeout)).results)  # fmt: skip
-        backoff = RETRY_FIRST_BACKOFF_S
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        first = await self._rpc.unary(self._rpc.sandboxes.CreateSandboxes, req, timeout=timeout)
+        results = list(first.results)
+        pauses = retry_pauses()
         while True:
             again = [i for i, r in enumerate(results) if r.error.reason == "CREATE_IN_PROGRESS"]
-            pause = backoff * random.uniform(0.5, 1.0)
+            pause = next(pauses)
             if not again or time.monotonic() + pause >= deadline:
                 return results
             await asyncio.sleep(pause)
-            backoff = min(backoff * 2, RETRY_MAX_BACKOFF_S)
             retry = apiserver_pb2.CreateSandboxesRequest(items=[req.items[i] for i in again])
             resp = await self._rpc.unary(
                 self._rpc.sandboxes.CreateSandboxes, retry, timeout=deadline - time.monotonic()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from edge import hostfacts
 from edge.runtime.errors import LayerError, MountError, OverlayOptionsTooLongError
 
 log = logging.getLogger(__name__)
@@ -127,25 +128,19 @@ def attach_loop(image: Path, *, read_only: bool = False) -> tuple[int, str]:
         os.close(ctl)
 
 
-#: How EROFS images are mounted (`DSEC_EDGE_EROFS_MOUNT`): "file", mount(2) with the image
-#: file as the source (the kernel's file-backed mode, CONFIG_EROFS_FS_BACKED_BY_FILE, 6.12);
-#: "loop", a read-only loop device per image and per chunk blob (autoclear: the unmount frees
-#: them), for older kernels; "auto", file where the kernel has it (edge/hostfacts.py).
-EROFS_MODES = ("auto", "file", "loop")
+#: How EROFS images are mounted (`DSEC_EDGE_EROFS_MOUNT`, hostfacts.EROFS_MODES): "file",
+#: mount(2) with the image file as the source (the kernel's file-backed mode,
+#: CONFIG_EROFS_FS_BACKED_BY_FILE, 6.12); "loop", a read-only loop device per image and per
+#: chunk blob (autoclear: the unmount frees them), for older kernels; "auto", file where the
+#: kernel has it.
 _erofs_mode = "auto"
 
 
 def set_erofs_mode(mode: str) -> str:
     """Sets how EROFS images are mounted; returns the mode in force ("file" or "loop")."""
     global _erofs_mode
-    if mode not in EROFS_MODES:
-        raise ValueError(f"EROFS mount mode {mode!r}: expected one of {', '.join(EROFS_MODES)}")
-    if mode == "auto":
-        from edge import hostfacts
-
-        mode = "file" if hostfacts.erofs()[1] else "loop"
-    _erofs_mode = mode
-    return mode
+    _erofs_mode = hostfacts.resolve_erofs_mode(mode)
+    return _erofs_mode
 
 
 def erofs_mode() -> str:
